@@ -1,0 +1,45 @@
+# Every target builds its own virtual environment from nothing and reuses it.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: test unit demo bench system-deps clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+# Debian packages the broker and multi-host tests use. Installed only when
+# running as root with apt-get; elsewhere those tests skip and say why.
+system-deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  missing=""; \
+	  command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || missing="$$missing mosquitto"; \
+	  command -v ip >/dev/null || missing="$$missing iproute2"; \
+	  command -v iptables >/dev/null || missing="$$missing iptables"; \
+	  if [ -n "$$missing" ]; then \
+	    echo "installing Debian packages:$$missing"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+	      || echo "WARNING: apt-get install$$missing failed; those tests will skip"; \
+	  fi; \
+	fi
+
+test: $(STAMP) system-deps
+	$(PY) -m pytest tests
+
+unit: $(STAMP)
+	$(PY) -m pytest tests/unit
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+bench: $(STAMP)
+	$(PY) -m pytest bench -p no:cacheprovider --timeout=600
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""mam.orchestrator: the hub side (mam-orch)."""

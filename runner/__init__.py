@@ -1,0 +1,1 @@
+"""mam.runner: the worker side (mam-runner)."""

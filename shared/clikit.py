@@ -1,0 +1,82 @@
+"""What both typer CLIs share: the error-to-exit-code mapping of PROTOCOL §9,
+in one place, and the `--version` option.
+
+Usage errors exit 64 (typer's default 2 means "timeout" in §9); an
+`EnvFileError` prints `ERROR: <path>: cannot read (<ExceptionType>)` and
+exits 1; every other `MamError` prints `ERROR: <message>` on stderr and
+exits with `errors.exit_code_for`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import NoReturn
+
+import typer
+
+from mam.shared import __version__
+from mam.shared.errors import EnvFileError, MamError, exit_code_for
+
+USAGE_EXIT = 64
+
+
+def new_app(name: str, help_text: str) -> typer.Typer:
+    """A typer app with our conventions: no rich tracebacks, `-h` as `--help`."""
+    return typer.Typer(
+        name=name,
+        help=help_text,
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+
+
+def version_option(prog: str):
+    """An eager `--version` option that prints `<prog> <version>` and exits 0."""
+
+    def _callback(value: bool) -> None:
+        if value:
+            typer.echo(f"{prog} {__version__}")
+            raise typer.Exit(0)
+
+    return typer.Option(False, "--version", callback=_callback, is_eager=True,
+                        help="Print the version and exit.")
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print `ERROR: <message>` on stderr and exit with `code`."""
+    print(f"ERROR: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def run(app: typer.Typer, prog: str, argv: list[str] | None = None) -> NoReturn:
+    """Run `app` and exit with the code of PROTOCOL §9.
+
+    Args:
+        app: the typer application.
+        prog: program name shown in usage lines.
+        argv: arguments (default: sys.argv[1:]).
+    """
+    try:  # typer >= 0.2x vendors click; older versions depend on it
+        from typer._click.exceptions import ClickException
+    except ImportError:  # pragma: no cover
+        from click.exceptions import ClickException
+
+    command = typer.main.get_command(app)
+    try:
+        result = command.main(args=argv, prog_name=prog, standalone_mode=False)
+    except ClickException as exc:  # usage errors: bad option, missing argument
+        exc.show()
+        raise SystemExit(USAGE_EXIT) from None
+    except typer.Abort:
+        print("Aborted.", file=sys.stderr)
+        raise SystemExit(130) from None
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except EnvFileError as exc:
+        fail(str(exc), 1)
+    except MamError as exc:
+        fail(str(exc), exit_code_for(exc))
+    raise SystemExit(result if isinstance(result, int) else 0)

@@ -1,0 +1,236 @@
+"""Names and topics of PROTOCOL §1-§2, and the registry's file names (§8, §12).
+
+This is the only module that formats a topic string or a registry path.
+Validators raise `UsageError` with one line naming the rule (CLI exit 64).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import uuid
+from pathlib import Path
+
+from mam.shared.errors import UsageError
+
+DEFAULT_TOPIC_ROOT = "python/mqtt"
+
+JOB_ID_RE = re.compile(r"^[0-9a-f]{8}$")
+SESSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+TOKEN_RE = re.compile(r"^[0-9a-f]{32}$")
+RUNNER_ID_RE = TOKEN_RE
+REMOTE_PREFIX = "remote:"
+SESSION_MAX_LEN = 63
+
+# Characters singled out by §1 because NATS maps them (`/` -> `.`) or treats
+# them as wildcards (`*`, `>`); MQTT treats `+` and `#` as wildcards.
+_SESSION_FORBIDDEN = {".": "'.'", "/": "'/'", "+": "'+'", "#": "'#'", "*": "'*'", ">": "'>'", " ": "a space"}
+
+
+def new_job_id() -> str:
+    """A fresh job id, 8 hex characters (§1)."""
+    return secrets.token_hex(4)
+
+
+def new_dispatch_token() -> str:
+    """A fresh dispatch token, uuid4 hex (§1)."""
+    return uuid.uuid4().hex
+
+
+def new_runner_id() -> str:
+    """A fresh runner id, uuid4 hex (§1)."""
+    return uuid.uuid4().hex
+
+
+def new_auth_token() -> str:
+    """A fresh per-job HMAC key, `secrets.token_urlsafe(32)` (§3.1)."""
+    return secrets.token_urlsafe(32)
+
+
+def validate_job_id(value: object) -> str:
+    """Return `value` if it is a job id (§1), else raise `UsageError`."""
+    if not isinstance(value, str) or not JOB_ID_RE.match(value):
+        raise UsageError(f"job id {value!r} is invalid: expected 8 lowercase hex characters, e.g. 918b0612")
+    return value
+
+
+def session_problem(value: object) -> str | None:
+    """Why `value` is not a valid session name (§1), or None if it is."""
+    if not isinstance(value, str):
+        return "it must be a string"
+    if value == "":
+        return "it is empty"
+    if len(value) > SESSION_MAX_LEN:
+        return f"it has {len(value)} characters, at most {SESSION_MAX_LEN} are allowed"
+    for ch, label in _SESSION_FORBIDDEN.items():
+        if ch in value:
+            return f"{label} is not allowed"
+    if not SESSION_RE.match(value):
+        bad = next((c for c in value if not (c.isascii() and (c.isalnum() or c in "_-"))), None)
+        if bad is not None:
+            return f"{bad!r} is not allowed"
+        return "it must start with a letter or digit"
+    return None
+
+
+def validate_session(value: object) -> str:
+    """Return `value` if it is a session (runner) name (§1), else raise `UsageError`.
+
+    The message names the rule, e.g. ``session name 'gpu.box' is invalid: '.'
+    is not allowed (letters, digits, '-' and '_' only, 1-63 characters,
+    starting with a letter or digit)``.
+    """
+    problem = session_problem(value)
+    if problem is not None:
+        raise UsageError(
+            f"session name {value!r} is invalid: {problem} "
+            "(letters, digits, '-' and '_' only, 1-63 characters, starting with a letter or digit)"
+        )
+    return value  # type: ignore[return-value]
+
+
+def validate_token(value: object, what: str = "dispatch token") -> str:
+    """Return `value` if it is 32 lowercase hex characters (uuid4().hex), else raise `UsageError`."""
+    if not isinstance(value, str) or not TOKEN_RE.match(value):
+        raise UsageError(f"{what} {value!r} is invalid: expected 32 lowercase hex characters")
+    return value
+
+
+def validate_attempt(value: object) -> int:
+    """Return `value` if it is an attempt id (integer >= 1, §1), else raise `UsageError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"attempt id {value!r} is invalid: expected an integer >= 1")
+    return value
+
+
+def agent_session_label(session: str) -> str:
+    """The hub record's `agent_session` for a remote session: `remote:<session>` (§1)."""
+    return REMOTE_PREFIX + validate_session(session)
+
+
+def session_from_label(label: str) -> str:
+    """Inverse of `agent_session_label`; raises `UsageError` on anything else."""
+    if not isinstance(label, str) or not label.startswith(REMOTE_PREFIX):
+        raise UsageError(f"agent session {label!r} is invalid: expected remote:<session>")
+    return validate_session(label[len(REMOTE_PREFIX):])
+
+
+# ---------------------------------------------------------------- topics (§2)
+
+def topic_root(root: str | None = None) -> str:
+    """The topic root: `root`, else MAM_TOPIC_ROOT, else `python/mqtt` (§2).
+
+    Raises `UsageError` if it is empty, has wildcards, or leading/trailing '/'.
+    """
+    value = root if root is not None else os.environ.get("MAM_TOPIC_ROOT") or DEFAULT_TOPIC_ROOT
+    if (not value or any(c in value for c in "+#*> \x00") or value.startswith("/")
+            or value.endswith("/") or "//" in value):
+        raise UsageError(f"topic root {value!r} is invalid: no wildcards, spaces, or empty levels")
+    return value
+
+
+def job_topic(job_id: str, leaf: str, root: str | None = None) -> str:
+    """`ROOT/jobs/<job_id>/<leaf>` for leaf in dispatch, events, state, control (§2)."""
+    if leaf not in ("dispatch", "events", "state", "control"):
+        raise ValueError(f"unknown job topic leaf {leaf!r}")
+    return f"{topic_root(root)}/jobs/{validate_job_id(job_id)}/{leaf}"
+
+
+def dispatch_topic(job_id: str, root: str | None = None) -> str:
+    """Retained signed dispatch (§2, §5)."""
+    return job_topic(job_id, "dispatch", root)
+
+
+def events_topic(job_id: str, root: str | None = None) -> str:
+    """Events; terminal ones retained (§2, §3)."""
+    return job_topic(job_id, "events", root)
+
+
+def state_topic(job_id: str, root: str | None = None) -> str:
+    """Retained state snapshot (§2, §4)."""
+    return job_topic(job_id, "state", root)
+
+
+def control_topic(job_id: str, root: str | None = None) -> str:
+    """Retained signed cancel (§2, §6)."""
+    return job_topic(job_id, "control", root)
+
+
+def all_dispatches_filter(root: str | None = None) -> str:
+    """Subscription filter for every job's dispatch: `ROOT/jobs/+/dispatch` (§11)."""
+    return f"{topic_root(root)}/jobs/+/dispatch"
+
+
+def all_controls_filter(root: str | None = None) -> str:
+    """Subscription filter for every job's control: `ROOT/jobs/+/control` (§6)."""
+    return f"{topic_root(root)}/jobs/+/control"
+
+
+def all_jobs_filter(root: str | None = None) -> str:
+    """Subscription filter for everything about every job: `ROOT/jobs/#`."""
+    return f"{topic_root(root)}/jobs/#"
+
+
+def presence_topic(session: str, root: str | None = None) -> str:
+    """Retained presence and Last Will of one runner session (§2, §7)."""
+    return f"{topic_root(root)}/runners/{validate_session(session)}"
+
+
+def all_presence_filter(root: str | None = None) -> str:
+    """Subscription filter for every runner's presence: `ROOT/runners/+` (§7)."""
+    return f"{topic_root(root)}/runners/+"
+
+
+def parse_job_topic(topic: str, root: str | None = None) -> tuple[str, str] | None:
+    """Split `ROOT/jobs/<job_id>/<leaf>` into (job_id, leaf), or None if it is not one."""
+    prefix = f"{topic_root(root)}/jobs/"
+    if not topic.startswith(prefix):
+        return None
+    parts = topic[len(prefix):].split("/")
+    if len(parts) != 2 or not JOB_ID_RE.match(parts[0]):
+        return None
+    return parts[0], parts[1]
+
+
+def parse_presence_topic(topic: str, root: str | None = None) -> str | None:
+    """The session of a `ROOT/runners/<session>` topic, or None."""
+    prefix = f"{topic_root(root)}/runners/"
+    if not topic.startswith(prefix):
+        return None
+    session = topic[len(prefix):]
+    return session if session_problem(session) is None else None
+
+
+# ------------------------------------------------------- registry paths (§8, §12)
+
+def mam_dir(root: Path) -> Path:
+    """`<root>/.mam`."""
+    return Path(root) / ".mam"
+
+
+def jobs_dir(root: Path) -> Path:
+    """`<root>/.mam/jobs`."""
+    return mam_dir(root) / "jobs"
+
+
+def record_path(root: Path, job_id: str) -> Path:
+    """`<root>/.mam/jobs/<job_id>.json` (§8)."""
+    return jobs_dir(root) / f"{validate_job_id(job_id)}.json"
+
+
+def lock_path(root: Path) -> Path:
+    """`<root>/.mam/jobs/.lock`, the registry lock (§8)."""
+    return jobs_dir(root) / ".lock"
+
+
+def job_logs_dir(root: Path, job_id: str) -> Path:
+    """`<root>/.mam/logs/<job_id>` holding meta.json, status.json, events.ndjson (§8)."""
+    return mam_dir(root) / "logs" / validate_job_id(job_id)
+
+
+def heartbeat_path(root: Path, job_id: str, kind: str) -> Path:
+    """`<root>/.mam/jobs/<job_id>.heartbeat.<kind>` for kind in barrier, pid, lock (§12)."""
+    if kind not in ("barrier", "pid", "lock"):
+        raise ValueError(f"unknown heartbeat file kind {kind!r}")
+    return jobs_dir(root) / f"{validate_job_id(job_id)}.heartbeat.{kind}"
