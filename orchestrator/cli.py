@@ -20,6 +20,34 @@ def _root(version: bool = clikit.version_option("mam-orch")) -> None:
     """The hub of mam-fleet: dispatch jobs to runners over MQTT and watch them."""
 
 
+@app.command("config")
+def config_cmd(
+    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: see PROTOCOL §8)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (default on a pipe)."),
+) -> None:
+    """Show the resolved broker settings and where they came from (PROTOCOL §13).
+
+    Passwords and MAM_DISPATCH_SECRET are shown only as set or unset.
+    """
+    import json
+    import sys
+
+    from mam.shared.config import describe
+
+    info = describe(workspace)
+    if as_json or not sys.stdout.isatty():
+        typer.echo(json.dumps(info))
+    else:
+        broker = info["broker"]
+        typer.echo(f"env file:        {info['env_file'] or '(none found)'}")
+        typer.echo(f"registry root:   {info['registry_root']}")
+        typer.echo(f"broker:          {','.join(broker['hosts'])}:{broker['port']} tls={broker['tls']}")
+        typer.echo(f"username:        {broker['username'] or '(none)'}  password: "
+                   f"{'set' if broker['password_set'] else 'unset'}")
+        typer.echo(f"topic root:      {broker['topic_root']}")
+        typer.echo(f"dispatch secret: {'set' if info['dispatch_secret_set'] else 'unset'}")
+
+
 def main() -> None:
     """Console-script entry point."""
     clikit.run(app, "mam-orch")

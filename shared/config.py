@@ -176,3 +176,280 @@ def write_env_file(path: str | os.PathLike[str], values: Mapping[str, str], *,
         tmp.unlink(missing_ok=True)
         raise ConfigError(f"{target}: cannot write ({type(exc).__name__}: {exc.strerror})") from exc
     return target
+
+
+# ------------------------------------------------------------- resolution (§13)
+
+_TRUE = {"true": True, "1": True, "false": False, "0": False}
+MAX_ENV_FILE_BYTES = 64 * 1024
+
+
+def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
+    """Parse one `.mam.env` file with python-dotenv (comments, `export `, quotes, CRLF).
+
+    Interpolation is off: a `$` in a password stays a `$`.
+
+    Returns:
+        the variables it sets (names without a value are dropped).
+    Raises:
+        EnvFileError: the file exists but cannot be read (a directory, no
+        permission, larger than 64 KiB) or is not UTF-8.
+    """
+    import io
+
+    from dotenv import dotenv_values
+
+    target = Path(path)
+    try:
+        with open(target, "rb") as handle:
+            raw = handle.read(MAX_ENV_FILE_BYTES + 1)
+        if len(raw) > MAX_ENV_FILE_BYTES:
+            raise OverflowError(f"larger than {MAX_ENV_FILE_BYTES} bytes")
+        text = raw.decode("utf-8")
+    except (OSError, UnicodeDecodeError, OverflowError) as exc:
+        raise EnvFileError(str(target), exc) from exc
+    parsed = dotenv_values(stream=io.StringIO(text), interpolate=False)
+    return {name: value for name, value in parsed.items() if value is not None}
+
+
+def find_env_file(environ: Mapping[str, str] | None = None, cwd: Path | None = None,
+                  workspace: str | os.PathLike[str] | None = None) -> Path | None:
+    """The `.mam.env` file that §13 says to read, or None.
+
+    With MAM_ENV_FILE set, that file alone (None when it does not exist: no
+    other file is searched). Otherwise the first `.mam.env` in `workspace`
+    (a CLI's `--workspace`, searched first when given), MAM_REAL_ROOT,
+    WORKSPACE_ROOT, the nearest parent holding `.agents`/`.git`, then the
+    current directory.
+    """
+    env = os.environ if environ is None else environ
+    explicit = env.get("MAM_ENV_FILE")
+    if explicit:
+        path = Path(explicit).expanduser()
+        return path if path.exists() else None
+    for root in root_candidates(workspace, env, cwd):
+        candidate = root / ENV_FILE_NAME
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def load_env(environ: Mapping[str, str] | None = None, cwd: Path | None = None,
+             workspace: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """The effective settings of §13: the env file's values under the process
+    environment (the environment always wins).
+
+    Args:
+        environ: the process environment (default os.environ).
+        cwd: where the `.agents`/`.git` walk starts (default the current directory).
+        workspace: a `--workspace` directory searched first for `.mam.env`.
+    Returns:
+        a new dict; os.environ is not modified.
+    Raises:
+        EnvFileError: the chosen file exists but cannot be read or decoded.
+    """
+    env = dict(os.environ if environ is None else environ)
+    path = find_env_file(env, cwd, workspace)
+    merged = read_env_file(path) if path is not None else {}
+    merged.update(env)
+    return merged
+
+
+def _parse_bool(name: str, value: str) -> bool:
+    try:
+        return _TRUE[value.strip().lower()]
+    except KeyError:
+        raise ConfigError(f"{name}={value!r} is invalid: expected true, false, 1 or 0") from None
+
+
+def _parse_int(name: str, value: str, low: int, high: int) -> int:
+    try:
+        number = int(value.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is invalid: expected an integer") from None
+    if not low <= number <= high:
+        raise ConfigError(f"{name}={number} is out of range {low}..{high}")
+    return number
+
+
+def _parse_hosts(value: str) -> tuple[str, ...]:
+    hosts = tuple(part.strip() for part in value.split(",") if part.strip())
+    if not hosts:
+        raise ConfigError(f"MQTT_BROKER={value!r} is invalid: no host given")
+    for host in hosts:
+        if any(c.isspace() for c in host) or "/" in host or len(host) > 253:
+            raise ConfigError(f"MQTT_BROKER host {host!r} is invalid: expected a host name or address")
+    return hosts
+
+
+def _check_file(name: str, value: str) -> str:
+    if value and not Path(value).expanduser().is_file():
+        raise ConfigError(f"{name}={value!r}: no such file")
+    return str(Path(value).expanduser()) if value else ""
+
+
+# Record `broker` block keys (§13 per-job overrides) -> BrokerConfig fields.
+_JOB_OVERRIDES = {"host": "hosts", "hosts": "hosts", "port": "port", "tls": "tls",
+                  "username": "username", "ca_certs": "ca_certs", "certfile": "certfile",
+                  "keyfile": "keyfile", "client_id_prefix": "client_id_prefix",
+                  "keepalive": "keepalive_s", "topic_root": "topic_root"}
+
+
+def broker_config(job_broker: Mapping[str, Any] | None = None, *,
+                  environ: Mapping[str, str] | None = None, cwd: Path | None = None,
+                  workspace: str | os.PathLike[str] | None = None,
+                  warn: bool = True) -> BrokerConfig:
+    """Resolve the broker settings of §13.
+
+    Args:
+        job_broker: a record's `broker` block (per-job overrides; never a password).
+        environ: the process environment (default os.environ).
+        cwd: start of the `.agents`/`.git` walk (default the current directory).
+        workspace: a `--workspace` directory searched first for `.mam.env`.
+        warn: print the public-broker warning on stderr when it applies.
+    Returns:
+        the BrokerConfig.
+    Raises:
+        EnvFileError: the env file exists but cannot be read.
+        ConfigError: a variable or override has a bad value.
+    """
+    from mam.shared.errors import UsageError
+    from mam.shared.names import topic_root
+
+    env = load_env(environ, cwd, workspace)
+    try:
+        root = topic_root(env.get("MAM_TOPIC_ROOT") or None)
+    except UsageError as exc:
+        raise ConfigError(f"MAM_TOPIC_ROOT: {exc}") from None
+    cfg = BrokerConfig(
+        hosts=_parse_hosts(env.get("MQTT_BROKER") or PUBLIC_BROKER),
+        port=_parse_int("MQTT_PORT", env.get("MQTT_PORT") or "1883", 1, 65535),
+        tls=_parse_bool("MQTT_TLS", env.get("MQTT_TLS") or "false"),
+        username=env.get("MQTT_USERNAME", ""),
+        password=env.get("MQTT_PASSWORD", ""),
+        ca_certs=_check_file("MQTT_CA_CERTS", env.get("MQTT_CA_CERTS", "")),
+        certfile=_check_file("MQTT_CERTFILE", env.get("MQTT_CERTFILE", "")),
+        keyfile=_check_file("MQTT_KEYFILE", env.get("MQTT_KEYFILE", "")),
+        client_id_prefix=env.get("MQTT_CLIENT_ID_PREFIX") or "hermes",
+        keepalive_s=_parse_int("MQTT_KEEPALIVE", env.get("MQTT_KEEPALIVE") or "60", 5, 65535),
+        topic_root=root,
+    )
+    if job_broker:
+        cfg = apply_job_overrides(cfg, job_broker)
+    if warn:
+        warn_if_public(cfg)
+    return cfg
+
+
+def apply_job_overrides(cfg: BrokerConfig, job_broker: Mapping[str, Any]) -> BrokerConfig:
+    """Overlay a record's `broker` block on `cfg` (§13). A password is refused:
+    passwords never enter a job record.
+
+    Raises:
+        ConfigError: unknown key, a password, or a bad value.
+    """
+    changes: dict[str, Any] = {}
+    for key, value in job_broker.items():
+        if key == "password" or "pass" in key.lower():
+            raise ConfigError("job broker overrides must not hold a password (§13)")
+        field_name = _JOB_OVERRIDES.get(key)
+        if field_name is None:
+            raise ConfigError(f"job broker override {key!r} is unknown; allowed: {', '.join(sorted(_JOB_OVERRIDES))}")
+        if field_name == "hosts":
+            value = _parse_hosts(",".join(value) if isinstance(value, (list, tuple)) else str(value))
+        elif field_name in ("port", "keepalive_s"):
+            value = _parse_int(key, str(value), 1, 65535)
+        elif field_name == "tls":
+            value = value if isinstance(value, bool) else _parse_bool(key, str(value))
+        else:
+            value = str(value)
+        changes[field_name] = value
+    return cfg.with_overrides(**changes)
+
+
+def warn_if_public(cfg: BrokerConfig, stream: Any = None) -> bool:
+    """Print the loud public-broker warning of §13 on stderr when it applies.
+
+    Returns:
+        True when the warning was printed.
+    """
+    if not cfg.is_public:
+        return False
+    out = stream if stream is not None else sys.stderr
+    print(
+        f"WARNING: using the PUBLIC broker {PUBLIC_BROKER}: anyone on the internet can read "
+        "topics, job ids and event details and publish to them. Set MQTT_BROKER to a private "
+        "broker (see `mam-orch broker up` or deploy/).",
+        file=out,
+    )
+    return True
+
+
+def dispatch_secret(environ: Mapping[str, str] | None = None, cwd: Path | None = None,
+                    workspace: str | os.PathLike[str] | None = None) -> str:
+    """MAM_DISPATCH_SECRET (§5, §13), required by dispatch, run and cancel.
+
+    Raises:
+        ConfigError: unset, or shorter than 32 characters (the value is never shown).
+    """
+    value = load_env(environ, cwd, workspace).get("MAM_DISPATCH_SECRET", "")
+    if not value:
+        raise ConfigError("MAM_DISPATCH_SECRET is not set: put it in .mam.env or the environment "
+                          "(the same value on the hub and every runner; `mam-orch init` makes one)")
+    if len(value) < MIN_SECRET_LEN:
+        raise ConfigError(f"MAM_DISPATCH_SECRET is too short ({len(value)} characters): "
+                          f"at least {MIN_SECRET_LEN} are required")
+    return value
+
+
+def env_int(name: str, default: int, *, environ: Mapping[str, str] | None = None,
+            low: int = 1, high: int = 10**7) -> int:
+    """An integer setting such as MAM_HEARTBEAT_SEC from the resolved settings.
+
+    Raises:
+        ConfigError: not an integer or out of range.
+    """
+    value = load_env(environ).get(name)
+    return default if value in (None, "") else _parse_int(name, value, low, high)
+
+
+def env_float(name: str, default: float, *, environ: Mapping[str, str] | None = None,
+              low: float = 0.0, high: float = 86400.0) -> float:
+    """A float setting in seconds such as MAM_CANCEL_GRACE_S.
+
+    Raises:
+        ConfigError: not a number or out of range.
+    """
+    value = load_env(environ).get(name)
+    if value in (None, ""):
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is invalid: expected a number of seconds") from None
+    if not low <= number <= high:
+        raise ConfigError(f"{name}={number} is out of range {low}..{high}")
+    return number
+
+
+def describe(workspace: str | os.PathLike[str] | None = None,
+             environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The resolved settings for `mam-orch config`, secrets shown only as set/unset.
+
+    Raises:
+        EnvFileError, ConfigError: as `broker_config`.
+    """
+    env = dict(os.environ if environ is None else environ)
+    cfg = broker_config(environ=env, workspace=workspace, warn=False)
+    path = find_env_file(env, None, workspace)
+    settings = load_env(env, None, workspace)
+    shown = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "password"}
+    shown["hosts"] = list(cfg.hosts)
+    shown["password_set"] = bool(cfg.password)
+    return {
+        "env_file": str(path) if path else None,
+        "registry_root": str(resolve_root(workspace, env)),
+        "broker": shown,
+        "dispatch_secret_set": bool(settings.get("MAM_DISPATCH_SECRET")),
+        "public_broker": cfg.is_public,
+    }
