@@ -48,6 +48,32 @@ def config_cmd(
         typer.echo(f"dispatch secret: {'set' if info['dispatch_secret_set'] else 'unset'}")
 
 
+@app.command("init")
+def init_cmd(
+    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: PROTOCOL §8 search)."),
+    broker_config: str = typer.Option(None, "--broker-config", metavar="PATH",
+                                      help="Also write a filled nats.conf here, plus nats.env "
+                                           "(broker passwords, mode 0600) next to it."),
+    broker: str = typer.Option("localhost", "--broker", metavar="HOST",
+                               help="MQTT_BROKER for hub and runners (comma-separated fail-over list)."),
+    port: int = typer.Option(None, "--port", metavar="P", help="MQTT port (default 1883, 8883 with --tls)."),
+    tls: bool = typer.Option(False, "--tls", help="Clients use TLS; render the TLS variant of nats.conf."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing files."),
+) -> int:
+    """Write .mam.env with fresh credentials and MAM_DISPATCH_SECRET (mode 0600).
+
+    Refuses to overwrite an existing file without --force (exit 64). Secrets
+    are never printed: only the paths written and the next steps.
+    """
+    from mam.orchestrator.init import init_workspace
+
+    result = init_workspace(workspace, broker_config=broker_config, force=force,
+                            broker_host=broker, port=port, tls=tls)
+    for note in result.notes:
+        typer.echo(note)
+    return 0
+
+
 def main() -> None:
     """Console-script entry point."""
     clikit.run(app, "mam-orch")
