@@ -1,0 +1,523 @@
+"""Run one agent process for one job (PROTOCOL §6, §11): argv, environment,
+stdin brief, log file, process group, cancel of the whole process tree, and
+the mapping of its exit to the terminal event.
+
+No MQTT here: the daemon publishes `started`, heartbeats and the terminal
+event; this module only owns the agent's processes.
+
+Lifecycle::
+
+    agent = AgentProcess()
+    agent.start(split_exec("claude -p"), env=agent_env(os.environ, ...),
+                cwd=workdir, stdin_text=brief, log_path=logs / "agent.log")
+    status = agent.wait()                 # or agent.cancel(grace_s=10.0)
+    event, detail, exit_code = status.terminal()
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shlex
+import shutil
+import signal as _signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from mam.shared.errors import MamError, UsageError
+
+log = logging.getLogger(__name__)
+
+EXEC_MAX_CHARS = 4096
+"""Longest accepted `--exec` string; a longer one is refused as a usage error."""
+
+# Linux caps ONE "NAME=value" environment string at MAX_ARG_STRLEN = 32 pages
+# (131,072 bytes, NUL included); execve fails with E2BIG above it.
+MAX_ENV_STRING_BYTES = 32 * 4096
+
+BRIEF_ENV = "MAM_JOB_BRIEF"
+AGENT_TAG_ENV = "MAM_AGENT_TAG"
+"""Set by `start()` to a fresh random value: every descendant inherits it, so
+`cancel()` can find one that escaped the tree (double fork + `setsid`)."""
+BRIEF_OMITTED_ENV = "MAM_JOB_BRIEF_OMITTED"
+
+# The fleet's own secrets. An agent is untrusted code with respect to them:
+# LLM agents echo their environment into transcripts, logs and model prompts,
+# and MAM_DISPATCH_SECRET would let it forge dispatches and cancels for the
+# whole fleet. This is defence in depth, not a sandbox: an agent running
+# under the runner's uid can still read the runner's 0600 files.
+SECRET_ENV_NAMES: frozenset[str] = frozenset({
+    "MAM_DISPATCH_SECRET",
+    "MQTT_PASSWORD",
+    "MAM_AUTH_TOKEN",
+    "NATS_PASSWORD",
+    "NATS_TOKEN",
+    "NATS_CREDS",
+    "NATS_NKEY",
+})
+
+# Per-job variables of §11: inherited values (a runner started inside another
+# job) are dropped so a stale one can never leak into this job.
+JOB_ENV_NAMES: frozenset[str] = frozenset({
+    "JOB_ID", "MAM_JOB_ID", "MAM_ATTEMPT_ID", "MAM_DISPATCH_TOKEN", "MAM_SESSION",
+    "MAM_HEARTBEAT_SEC", "MAM_PUBLISH_CMD", BRIEF_ENV, BRIEF_OMITTED_ENV, AGENT_TAG_ENV,
+})
+
+_POLL_S = 0.02
+_KILL_WAIT_S = 5.0
+
+
+class AgentStartError(UsageError):
+    """The agent command cannot be started: not found, not executable, bad format.
+
+    A usage error (exit 64): the operator's `--exec` is wrong, not the job.
+    """
+
+
+# ------------------------------------------------------------------ argv
+
+
+def split_exec(cmd: str) -> list[str]:
+    """Split an `--exec` string into argv like a POSIX shell would, without a shell (§11).
+
+    Quotes and backslashes follow `shlex.split` (POSIX mode); there is no
+    expansion of variables, globs, pipes or `#` comments.
+
+    Args:
+        cmd: the command line, e.g. ``"claude -p --dangerously-skip-permissions"``.
+    Returns:
+        the argv list, at least one element.
+    Raises:
+        UsageError: empty or blank, unbalanced quotes, a trailing escape, a NUL
+            character, or longer than `EXEC_MAX_CHARS`; one line naming the
+            problem.
+    """
+    if not isinstance(cmd, str):
+        raise UsageError(f"--exec must be a string, got {type(cmd).__name__}")
+    if len(cmd) > EXEC_MAX_CHARS:
+        raise UsageError(f"--exec is too long: {len(cmd)} characters, at most {EXEC_MAX_CHARS} are allowed")
+    if "\x00" in cmd:
+        raise UsageError("--exec contains a NUL character")
+    shown = _shorten(cmd)
+    try:
+        argv = shlex.split(cmd, posix=True)
+    except ValueError as exc:
+        # shlex says "No closing quotation" / "No escaped character".
+        raise UsageError(f"--exec {shown} cannot be split: {str(exc).lower()}") from None
+    if not argv or argv[0] == "":
+        raise UsageError(f"--exec {shown} is empty: give the agent command, e.g. --exec \"claude -p\"")
+    return argv
+
+
+def _shorten(text: str, limit: int = 80) -> str:
+    """`repr(text)`, cut to about `limit` characters for one-line errors."""
+    return repr(text if len(text) <= limit else text[:limit] + "…")
+
+
+def resolve_executable(argv0: str, path_env: str | None) -> str:
+    """Absolute path of the program `argv0` names, checked before any fork.
+
+    A bare name is looked up in `path_env` (the agent's PATH); a name with a
+    `/` is taken relative to the runner's current directory.
+
+    Raises:
+        AgentStartError: not found, a directory, or not executable.
+    """
+    if "/" in argv0:
+        candidate = os.path.abspath(argv0)
+        if not os.path.exists(candidate):
+            raise AgentStartError(f"agent command {argv0!r} not found")
+    else:
+        found = shutil.which(argv0, path=path_env if path_env is not None else os.defpath)
+        if found is None:
+            raise AgentStartError(f"agent command {argv0!r} not found on PATH")
+        candidate = os.path.abspath(found)
+    if os.path.isdir(candidate):
+        raise AgentStartError(f"agent command {argv0!r} is a directory")
+    if not os.access(candidate, os.X_OK):
+        raise AgentStartError(f"agent command {argv0!r} is not executable ({candidate})")
+    return candidate
+
+
+# ------------------------------------------------------------ environment
+
+
+def agent_env(
+    base: Mapping[str, str],
+    *,
+    job_id: str,
+    attempt_id: int,
+    dispatch_token: str,
+    session: str,
+    heartbeat_s: int | float,
+    publish_cmd: str,
+    brief: str,
+) -> dict[str, str]:
+    """The agent's environment of §11, built from the runner's.
+
+    Starts from `base`, removes `SECRET_ENV_NAMES` (the agent must not see
+    the fleet's secrets, see the module comment) and any inherited per-job
+    variable, then sets `JOB_ID`, `MAM_JOB_ID`, `MAM_ATTEMPT_ID`,
+    `MAM_DISPATCH_TOKEN`, `MAM_SESSION`, `MAM_HEARTBEAT_SEC`,
+    `MAM_PUBLISH_CMD` and `MAM_JOB_BRIEF`.
+
+    The brief may be up to 512 KiB (§5) but Linux refuses a single
+    environment string over 128 KiB (MAX_ARG_STRLEN) and any NUL byte. In
+    those cases `MAM_JOB_BRIEF` is left out (never cut: a truncated brief
+    would be a different instruction) and `MAM_JOB_BRIEF_OMITTED` says why
+    (`too_large` or `nul_byte`); the brief is always complete on stdin.
+
+    Args:
+        base: the runner's environment (e.g. `os.environ`); not modified.
+        job_id, attempt_id, dispatch_token, session: the job's identity (§1).
+        heartbeat_s: heartbeat period in seconds (the contract's `heartbeat_sec`).
+        publish_cmd: a shell-quoted command line (`shlex.join`) the agent
+            runs with `--event … --detail …` appended.
+        brief: the job's brief, UTF-8 text.
+    Returns:
+        a new dict for `AgentProcess.start(env=...)`.
+    """
+    env = {k: v for k, v in base.items() if k not in SECRET_ENV_NAMES and k not in JOB_ENV_NAMES}
+    heartbeat = str(int(heartbeat_s)) if float(heartbeat_s).is_integer() else str(heartbeat_s)
+    env.update({
+        "JOB_ID": job_id,
+        "MAM_JOB_ID": job_id,
+        "MAM_ATTEMPT_ID": str(attempt_id),
+        "MAM_DISPATCH_TOKEN": dispatch_token,
+        "MAM_SESSION": session,
+        "MAM_HEARTBEAT_SEC": heartbeat,
+        "MAM_PUBLISH_CMD": publish_cmd,
+    })
+    if "\x00" in brief:
+        env[BRIEF_OMITTED_ENV] = "nul_byte"
+    elif len(BRIEF_ENV) + 1 + len(brief.encode("utf-8")) + 1 > MAX_ENV_STRING_BYTES:
+        env[BRIEF_OMITTED_ENV] = "too_large"
+    else:
+        env[BRIEF_ENV] = brief
+    return env
+
+
+# ------------------------------------------------------------ exit status
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    """How an agent ended: exactly one of `exit_code` and `signal` is set.
+
+    Attributes:
+        exit_code: the process's exit code (0-255), or None if a signal killed it.
+        signal: the number of the signal that killed it, or None.
+    """
+
+    exit_code: int | None
+    signal: int | None
+
+    @classmethod
+    def from_returncode(cls, returncode: int) -> ExitStatus:
+        """From `Popen.returncode` (negative = killed by that signal)."""
+        if returncode < 0:
+            return cls(exit_code=None, signal=-returncode)
+        return cls(exit_code=returncode, signal=None)
+
+    def terminal(self) -> tuple[str, str, int]:
+        """The terminal event of §11 step 5 as `(event, detail, data.exit_code)`.
+
+        - exit 0 → ``("completed", "", 0)``;
+        - exit N → ``("error", "agent exited with code N", N)``;
+        - signal S → ``("error", "agent killed by signal S", 128 + S)``:
+          `data.exit_code` follows the shell convention (`$?` after a
+          signal death) so it is always an integer and never 0.
+        """
+        if self.signal is not None:
+            return ("error", f"agent killed by signal {self.signal}", 128 + self.signal)
+        code = self.exit_code if self.exit_code is not None else 1
+        if code == 0:
+            return ("completed", "", 0)
+        return ("error", f"agent exited with code {code}", code)
+
+
+# ---------------------------------------------------------------- process
+
+
+class AgentProcess:
+    """One agent process in its own session and process group (§6, §11).
+
+    The constructor has no side effects; `start()` runs the agent once.
+    While the agent runs, a tracker thread samples its process tree every
+    `track_interval_s` so that a descendant that later escapes the tree
+    (double fork, `setsid`, reparenting to init) is still remembered, and
+    killed, by `cancel()`; `cancel()` also finds escaped descendants by the
+    random `MAM_AGENT_TAG` they inherit in their environment (an agent that
+    scrubs its environment *and* escapes before a sample is not found).
+    """
+
+    def __init__(self, *, track_interval_s: float = 0.5) -> None:
+        self.track_interval_s = track_interval_s
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._proc: psutil.Process | None = None
+        self._seen: dict[tuple[int, float], psutil.Process] = {}
+        self._seen_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._status: ExitStatus | None = None
+        self._tag = ""
+        self._start_time = 0.0
+
+    # -- start
+
+    def start(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: Path,
+        stdin_text: str,
+        log_path: Path,
+    ) -> None:
+        """Start the agent (§11 step 4).
+
+        Args:
+            argv: the command (`split_exec` output), run without a shell.
+            env: its full environment (`agent_env` output).
+            cwd: its working directory, created (0700) if missing.
+            stdin_text: the brief, written to stdin by a thread and then closed;
+                an agent that never reads stdin is fine.
+            log_path: stdout and stderr are appended here (created 0600,
+                parent folders 0700).
+        Raises:
+            AgentStartError: the program is not found, not executable, or
+                exec fails (one line naming the command).
+            MamError: `start()` was already called.
+        """
+        if self._popen is not None:
+            raise MamError("agent already started: an AgentProcess runs one agent once")
+        argv = list(argv)
+        if not argv:
+            raise UsageError("agent command is empty")
+        executable = resolve_executable(argv[0], env.get("PATH"))
+        self._tag = os.urandom(16).hex()
+        child_env = dict(env)
+        child_env[AGENT_TAG_ENV] = self._tag
+        cwd = Path(cwd)
+        cwd.mkdir(mode=0o700, parents=True, exist_ok=True)
+        log_path = Path(log_path)
+        log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(log_fd, 0o600)  # an existing file keeps no wider mode
+            try:
+                self._popen = subprocess.Popen(
+                    argv,
+                    executable=executable,
+                    stdin=subprocess.PIPE,
+                    stdout=log_fd,
+                    stderr=log_fd,
+                    cwd=cwd,
+                    env=child_env,
+                    start_new_session=True,  # own session + process group: cancel hits the group
+                    close_fds=True,
+                )
+            except OSError as exc:
+                reason = os.strerror(exc.errno) if exc.errno else type(exc).__name__
+                if exc.errno == errno.ENOEXEC:
+                    reason = "exec format error (a script needs a #! line)"
+                raise AgentStartError(f"agent command {argv[0]!r} cannot be started: {reason}") from None
+        finally:
+            os.close(log_fd)
+        try:
+            self._proc = psutil.Process(self._popen.pid)
+            self._start_time = self._proc.create_time()
+            self._remember([self._proc])
+        except psutil.NoSuchProcess:
+            self._proc = None  # exited already; wait() reports it
+        data = stdin_text.encode("utf-8", errors="surrogateescape")
+        self._spawn_thread(self._write_stdin, data, name=f"agent-stdin-{self.pid}")
+        self._spawn_thread(self._track, name=f"agent-track-{self.pid}")
+
+    def _spawn_thread(self, target, *args, name: str) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _write_stdin(self, data: bytes) -> None:
+        """Write the brief and close stdin; runs on its own thread so a full pipe never blocks the runner."""
+        assert self._popen is not None and self._popen.stdin is not None
+        stdin = self._popen.stdin
+        try:
+            stdin.write(data)
+            stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            pass  # the agent exited or closed stdin without reading all of it
+        finally:
+            try:
+                stdin.close()
+            except OSError:
+                pass  # close flushes; the reader may be gone
+
+    @property
+    def pid(self) -> int:
+        """The agent's pid, which is also its process group and session id."""
+        if self._popen is None:
+            raise MamError("agent not started")
+        return self._popen.pid
+
+    # -- wait
+
+    def poll(self) -> ExitStatus | None:
+        """The exit status if the agent has exited, else None (never blocks)."""
+        if self._popen is None:
+            raise MamError("agent not started")
+        rc = self._popen.poll()
+        return None if rc is None else self._finish(rc)
+
+    def wait(self, timeout_s: float | None = None) -> ExitStatus | None:
+        """Wait for the agent itself to exit.
+
+        Args:
+            timeout_s: seconds to wait; None waits forever.
+        Returns:
+            its `ExitStatus`, or None if it still runs after `timeout_s`.
+        """
+        if self._popen is None:
+            raise MamError("agent not started")
+        try:
+            rc = self._popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+        return self._finish(rc)
+
+    def _finish(self, returncode: int) -> ExitStatus:
+        if self._status is None:
+            self._status = ExitStatus.from_returncode(returncode)
+            self._stop.set()
+        return self._status
+
+    # -- process tree
+
+    def _remember(self, procs) -> None:
+        with self._seen_lock:
+            for proc in procs:
+                try:
+                    self._seen.setdefault((proc.pid, proc.create_time()), proc)
+                except psutil.Error:
+                    pass  # gone between listing and reading
+
+    def _collect(self, *, deep: bool = False) -> list[psutil.Process]:
+        """Every process of the agent's tree seen now or earlier, still alive.
+
+        Union of: the agent and its descendants (`children(recursive=True)`),
+        descendants of every process seen before (catches reparented ones
+        that fork again), every process whose process group or session is
+        the agent's, and everything the tracker saw. With `deep`, also every
+        process started after the agent whose environment carries this
+        agent's `MAM_AGENT_TAG` (an escaped, never-seen descendant).
+        """
+        assert self._popen is not None
+        found: list[psutil.Process] = []
+        with self._seen_lock:
+            roots = list(self._seen.values())
+        for proc in roots:
+            try:
+                if _alive(proc):
+                    found.append(proc)
+                    found.extend(proc.children(recursive=True))
+            except psutil.Error:
+                pass
+        pgid = self._popen.pid
+        for proc in psutil.process_iter():
+            try:
+                if os.getpgid(proc.pid) == pgid or os.getsid(proc.pid) == pgid:
+                    found.append(proc)
+                elif (deep and proc.create_time() >= self._start_time
+                      and proc.environ().get(AGENT_TAG_ENV) == self._tag):
+                    found.append(proc)
+            except (OSError, psutil.Error):
+                pass  # gone, or not ours to read
+        self._remember(found)
+        with self._seen_lock:
+            return [p for p in self._seen.values() if _alive(p)]
+
+    def _track(self) -> None:
+        """Sample the tree until the agent ends, so escaped descendants stay known."""
+        while not self._stop.wait(self.track_interval_s):
+            if self._popen is None or self._popen.poll() is not None:
+                break
+            try:
+                self._collect()
+            except Exception:  # noqa: BLE001 - tracking is best effort, never fatal
+                log.debug("process-tree sample failed", exc_info=True)
+
+    def cancel(self, grace_s: float) -> ExitStatus:
+        """Stop the agent and its whole process tree (§6).
+
+        SIGTERM to the agent's process group (and to every known process of
+        its tree outside the group), wait up to `grace_s` for all of them to
+        exit, collect the tree again, then SIGKILL every survivor and the
+        group, repeating until nothing of the tree is left (a process stuck
+        in uninterruptible sleep is logged after 5 s and left).
+
+        Args:
+            grace_s: seconds between SIGTERM and SIGKILL (`MAM_CANCEL_GRACE_S`).
+        Returns:
+            the agent's `ExitStatus` (a signal, unless it exited by itself).
+        """
+        if self._popen is None:
+            raise MamError("agent not started")
+        procs = self._collect(deep=True)
+        self._signal_all(procs, _signal.SIGTERM)
+        deadline = time.monotonic() + max(0.0, grace_s)
+        while time.monotonic() < deadline:
+            self._popen.poll()  # reap the agent so it does not linger as a zombie
+            if not self._collect():
+                break
+            time.sleep(_POLL_S)
+        kill_deadline = time.monotonic() + _KILL_WAIT_S
+        deep = True  # one full re-scan before the first SIGKILL, then the cheap one
+        while True:
+            self._popen.poll()
+            procs = self._collect(deep=deep)
+            deep = False
+            if not procs:
+                break
+            if time.monotonic() > kill_deadline:
+                log.warning("agent %d: %d process(es) survive SIGKILL: %s", self.pid, len(procs),
+                            [p.pid for p in procs])
+                break
+            self._signal_all(procs, _signal.SIGKILL)
+            time.sleep(_POLL_S)
+        self._stop.set()
+        return self._finish(self._popen.wait())
+
+    def _signal_all(self, procs: list[psutil.Process], sig: int) -> None:
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # group already empty
+        for proc in procs:
+            try:
+                proc.send_signal(sig)  # psutil refuses a reused pid (create-time check)
+            except psutil.Error:
+                pass
+
+    def close(self) -> None:
+        """Stop the tracker and join helper threads; safe to call twice.
+
+        Call after the agent ended (`wait()` or `cancel()`)."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=1.0)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    """True if `proc` still runs: zombies count as gone (they can no longer act)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
