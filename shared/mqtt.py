@@ -1,0 +1,516 @@
+"""The MQTT client of mam-fleet: the ONLY module that imports paho-mqtt.
+
+Everything above this module speaks in our own terms (`Message`,
+`BrokerUnavailable`, `PublishTimeout`); paho's return codes are turned into
+our exceptions here, once (STYLE.md "Errors").
+
+Threading rules (paho issues #354, #226, #177): paho runs callbacks on its
+network thread while holding its own locks. So our callbacks only record
+state (events, sets, a `queue.Queue`) and never publish, and no lock of ours
+is held while calling into paho. The one paho call made from a callback is
+the re-subscribe in `on_connect` after a reconnect, which paho documents as
+the way to keep subscriptions (it only queues a packet; its callback lock is
+re-entrant).
+
+PROTOCOL §13 timing: CONNACK within 10 s, PUBACK within 5 s, up to 3
+attempts with a delay of `min(0.5 × 2^(attempt-1), 8.0)` s; §10 "Broker
+loss": reconnect with backoff and re-subscribe.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import ssl
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import paho.mqtt.client as paho
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+
+from mam.shared.config import BrokerConfig
+from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
+
+log = logging.getLogger("mam.mqtt")
+
+QOS_AT_MOST_ONCE = 0
+QOS_AT_LEAST_ONCE = 1
+QOS_EXACTLY_ONCE = 2
+
+CONNACK_TIMEOUT_S = 10.0  # §13
+PUBACK_TIMEOUT_S = 5.0  # §13
+SUBACK_TIMEOUT_S = 5.0
+DEFAULT_ATTEMPTS = 3  # §13
+RECONNECT_MIN_DELAY_S = 1
+RECONNECT_MAX_DELAY_S = 8
+CLOSE_TIMEOUT_S = 5.0
+
+Will = tuple[str, bytes, int, bool]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One received MQTT message.
+
+    Attributes:
+        topic: the MQTT topic (str; NATS subjects appear with '/' again).
+        payload: the raw payload bytes; zero-length means a cleared retained topic (§2).
+        retain: True when the broker delivered it as a retained message.
+    """
+
+    topic: str
+    payload: bytes
+    retain: bool
+
+    def __repr__(self) -> str:  # payloads may carry tokens: show only the size
+        return f"Message(topic={self.topic!r}, payload=<{len(self.payload)} bytes>, retain={self.retain})"
+
+
+def new_client_id(prefix: str, role: str) -> str:
+    """A fresh MQTT client id `<prefix>-<role>-<random>` (§13).
+
+    Args:
+        prefix: MQTT_CLIENT_ID_PREFIX (e.g. "hermes").
+        role: what the process is ("hub", "runner", "publish", "observer").
+    Returns:
+        the id; the random part is 8 hex characters so two processes never collide.
+    """
+    return f"{prefix}-{role}-{secrets.token_hex(4)}"
+
+
+def retry_delay_s(attempt: int) -> float:
+    """Delay before the attempt after `attempt` (1-based): `min(0.5 × 2^(attempt-1), 8.0)` s (§13)."""
+    return min(0.5 * 2 ** (attempt - 1), 8.0)
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _tls_context(config: BrokerConfig) -> ssl.SSLContext:
+    """A client TLS context: system or given CA, optional client cert (mTLS), TLS 1.2 minimum."""
+    context = ssl.create_default_context(cafile=config.ca_certs or None)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if config.certfile:
+        context.load_cert_chain(config.certfile, config.keyfile or None)
+    return context
+
+
+def _reason_of(exc: BaseException) -> str:
+    """A short reason for a failed connect, never including credentials."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, (TimeoutError, ssl.SSLError, OSError)) and getattr(exc, "strerror", None):
+        return str(exc.strerror).lower()
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return type(exc).__name__
+
+
+class MqttClient:
+    """A connected MQTT client for one role (hub, runner, publisher, observer).
+
+    Args:
+        config: where and how to connect (§13); `hosts` is tried in order.
+        role: a word put into the client id (`<prefix>-<role>-<random>`).
+        will: the Last Will as (topic, payload bytes, qos, retain), or None (§7).
+        clean_session: MQTT clean session flag.
+        client_id: an explicit client id (default `new_client_id`).
+
+    Attributes:
+        messages: a `queue.Queue[Message]` of incoming messages, filled by paho's thread.
+        connected: a `threading.Event`, set while a connection is up.
+        reconnected: a `threading.Event` set after every reconnect (never after the
+            first connect); clear it once you re-read retained state (§10).
+        client_id: the MQTT client id in use.
+
+    Nothing touches the network before `connect()`; use as a context manager
+    or call `close()` (idempotent).
+    """
+
+    def __init__(self, config: BrokerConfig, role: str, *, will: Will | None = None,
+                 clean_session: bool = True, client_id: str | None = None) -> None:
+        self.config = config
+        self.role = role
+        self.will = will
+        self.clean_session = clean_session
+        self.client_id = client_id or new_client_id(config.client_id_prefix, role)
+        self.messages: queue.Queue[Message] = queue.Queue()
+        self.connected = threading.Event()
+        self.reconnected = threading.Event()
+        self._state_lock = threading.Lock()  # guards the fields below; never held across paho calls
+        self._cond = threading.Condition(self._state_lock)
+        self._filters: dict[str, int] = {}
+        self._acked: set[int] = set()
+        self._subacked: dict[int, list[int]] = {}
+        self._connack: str | None = None  # None = waiting, "" = accepted, else the refusal reason
+        self._connect_count = 0
+        self._reconnect_count = 0
+        self._disconnects = 0
+        self._client: paho.Client | None = None
+        self._host = ""
+        self._closed = False
+
+    # ------------------------------------------------------------ state
+
+    @property
+    def host(self) -> str:
+        """The broker host of the current (or last) connection."""
+        return self._host
+
+    @property
+    def reconnect_count(self) -> int:
+        """How many times the client reconnected after its first connection."""
+        return self._reconnect_count
+
+    @property
+    def disconnect_count(self) -> int:
+        """How many times an established connection was lost or closed."""
+        return self._disconnects
+
+    def __repr__(self) -> str:
+        return (f"MqttClient(client_id={self.client_id!r}, host={self._host!r}, "
+                f"port={self.config.port}, connected={self.connected.is_set()})")
+
+    # ------------------------------------------------------------ paho callbacks (record only)
+
+    def _on_connect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any,
+                    properties: Any = None) -> None:
+        try:
+            if reason.is_failure:
+                with self._cond:
+                    self._connack = str(reason).lower()
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._connack = ""
+                first = self._connect_count == 0
+                self._connect_count += 1
+                if not first:
+                    self._reconnect_count += 1
+                filters = list(self._filters.items())
+                self._cond.notify_all()
+            if not first:
+                log.info("reconnected to %s as %s", _endpoint(self._host, self.config.port),
+                         self.client_id)
+                if filters:  # §10: re-subscribe; a queued SUBSCRIBE packet, no waiting here
+                    client.subscribe(filters)
+            self.connected.set()
+            if not first:
+                self.reconnected.set()
+        except Exception:  # a callback must never kill paho's network thread
+            log.exception("on_connect failed")
+
+    def _on_disconnect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any,
+                       properties: Any = None) -> None:
+        try:
+            was_connected = self.connected.is_set()
+            self.connected.clear()
+            with self._cond:
+                if was_connected:
+                    self._disconnects += 1
+                self._cond.notify_all()
+            if was_connected and not self._closed:
+                log.warning("connection to %s lost (%s); reconnecting",
+                            _endpoint(self._host, self.config.port), reason)
+                self._rotate_host(client)
+        except Exception:
+            log.exception("on_disconnect failed")
+
+    def _rotate_host(self, client: paho.Client) -> None:
+        """Fail-over on reconnect: paho reconnects to `client.host`, so point it at the next host."""
+        hosts = self.config.hosts
+        if len(hosts) < 2:
+            return
+        index = hosts.index(self._host) if self._host in hosts else -1
+        nxt = hosts[(index + 1) % len(hosts)]
+        try:
+            client.host = nxt
+            self._host = nxt
+        except RuntimeError:  # the socket is not closed yet: stay on this host
+            pass
+
+    def _on_connect_fail(self, client: paho.Client, userdata: Any) -> None:
+        try:
+            if self.connected.is_set() is False and self._connect_count > 0 and not self._closed:
+                self._rotate_host(client)
+        except Exception:
+            log.exception("on_connect_fail failed")
+
+    def _on_message(self, client: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
+        try:
+            topic = msg.topic  # decodes UTF-8; a hostile topic raises here
+            self.messages.put(Message(topic=topic, payload=bytes(msg.payload), retain=bool(msg.retain)))
+        except Exception as exc:
+            log.warning("dropped a message with an undecodable topic (%s)", type(exc).__name__)
+
+    def _on_publish(self, client: paho.Client, userdata: Any, mid: int, reason: Any = None,
+                    properties: Any = None) -> None:
+        with self._cond:
+            self._acked.add(mid)
+            self._cond.notify_all()
+
+    def _on_subscribe(self, client: paho.Client, userdata: Any, mid: int, reasons: Any,
+                      properties: Any = None) -> None:
+        codes = [int(getattr(r, "value", r)) for r in reasons]
+        with self._cond:
+            self._subacked[mid] = codes
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def _new_paho(self) -> paho.Client:
+        cfg = self.config
+        client = paho.Client(CallbackAPIVersion.VERSION2, client_id=self.client_id,
+                             clean_session=self.clean_session,
+                             transport="websockets" if cfg.transport == "websockets" else "tcp",
+                             reconnect_on_failure=True)
+        if cfg.transport == "websockets":
+            client.ws_set_options(path=cfg.ws_path)
+        if cfg.username:
+            client.username_pw_set(cfg.username, cfg.password or None)
+        if cfg.tls:
+            client.tls_set_context(_tls_context(cfg))
+        if self.will is not None:
+            topic, payload, qos, retain = self.will
+            client.will_set(topic, payload, qos=qos, retain=retain)
+        client.reconnect_delay_set(RECONNECT_MIN_DELAY_S, RECONNECT_MAX_DELAY_S)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_connect_fail = self._on_connect_fail
+        client.on_message = self._on_message
+        client.on_publish = self._on_publish
+        client.on_subscribe = self._on_subscribe
+        return client
+
+    def connect(self, timeout_s: float = CONNACK_TIMEOUT_S) -> "MqttClient":
+        """Connect to the first broker of `config.hosts` that accepts us (§13 fail-over).
+
+        Args:
+            timeout_s: the CONNACK deadline per host, in seconds (§13: 10).
+        Returns:
+            self, connected; paho then reconnects by itself with backoff (1-8 s).
+        Raises:
+            BrokerUnavailable: no host accepted; the one-line message names every
+                host:port tried and why (never the password).
+            BrokerError: the client was closed.
+        """
+        if self._closed:
+            raise BrokerError("MQTT client is closed")
+        if self.connected.is_set():
+            return self
+        failures: list[str] = []
+        for host in self.config.hosts:
+            reason = self._try_host(host, timeout_s)
+            if reason is None:
+                return self
+            failures.append(f"{_endpoint(host, self.config.port)} ({reason})")
+        raise BrokerUnavailable("cannot connect to the MQTT broker: " + "; ".join(failures))
+
+    def _try_host(self, host: str, timeout_s: float) -> str | None:
+        """One connection attempt; None on success, else a short reason."""
+        deadline = time.monotonic() + timeout_s
+        client = self._new_paho()
+        client.connect_timeout = max(0.1, timeout_s)
+        with self._cond:
+            self._connack = None
+        self._host = host
+        try:
+            client.connect(host, self.config.port, keepalive=self.config.keepalive_s)
+        except Exception as exc:  # OSError, ssl.SSLError, WebsocketConnectionError, gaierror
+            _close_socket(client)
+            return _reason_of(exc)
+        self._client = client
+        client.loop_start()
+        with self._cond:
+            while self._connack is None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            outcome = self._connack
+        if outcome == "":
+            self.connected.wait(max(0.0, deadline - time.monotonic()))
+            return None
+        self._stop_paho(client)
+        self._client = None
+        return "no CONNACK within %.0f s" % timeout_s if outcome is None else f"refused: {outcome}"
+
+    def _stop_paho(self, client: paho.Client) -> None:
+        """Stop paho's thread and drop its socket and queued messages (never reconnected)."""
+        client.disconnect()
+        # loop_stop joins the network thread; after disconnect() it exits within one loop tick
+        stopper = threading.Thread(target=client.loop_stop, daemon=True)
+        stopper.start()
+        stopper.join(CLOSE_TIMEOUT_S)
+        _close_socket(client)
+
+    def close(self) -> None:
+        """Disconnect and stop the network thread. Idempotent; queued unsent
+        messages are discarded (a new client never resends them)."""
+        if self._closed:
+            return
+        self._closed = True
+        client, self._client = self._client, None
+        if client is not None:
+            self._stop_paho(client)
+        self.connected.clear()
+
+    def __enter__(self) -> "MqttClient":
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ operations
+
+    def _paho(self) -> paho.Client:
+        if self._client is None or self._closed:
+            raise BrokerError("MQTT client is not connected; call connect() first")
+        return self._client
+
+    def subscribe(self, filters: Sequence[tuple[str, int]], *,
+                  timeout_s: float = SUBACK_TIMEOUT_S) -> None:
+        """Subscribe to topic filters and wait for the SUBACK; remembered and
+        re-subscribed after every reconnect (§10).
+
+        Args:
+            filters: (topic filter, QoS) pairs.
+            timeout_s: SUBACK deadline in seconds.
+        Raises:
+            BrokerError: the broker refused a filter (e.g. no permission).
+            BrokerUnavailable: no SUBACK within the deadline (the filters stay
+                remembered and are subscribed on the next reconnect).
+        """
+        items = [(str(topic), int(qos)) for topic, qos in filters]
+        if not items:
+            return
+        client = self._paho()
+        with self._cond:
+            self._filters.update(items)
+        rc, mid = client.subscribe(items)
+        if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
+            raise BrokerUnavailable(f"cannot subscribe on {_endpoint(self._host, self.config.port)}: "
+                                    f"{paho.error_string(rc)}")
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while mid not in self._subacked:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise BrokerUnavailable(
+                        f"no SUBACK from {_endpoint(self._host, self.config.port)} within {timeout_s:g} s")
+                self._cond.wait(remaining)
+            codes = self._subacked.pop(mid)
+        refused = [topic for (topic, _), code in zip(items, codes) if code >= 0x80]
+        if refused:
+            with self._cond:
+                for topic in refused:
+                    self._filters.pop(topic, None)
+            raise BrokerError(f"broker refused the subscription to {', '.join(refused)}")
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = QOS_AT_LEAST_ONCE,
+                retain: bool = False, timeout_s: float = PUBACK_TIMEOUT_S) -> None:
+        """Publish one message and wait until the broker acknowledged it (PUBACK for QoS 1).
+
+        While the connection is down, paho keeps the message and sends it after
+        the reconnect; this call waits for that up to `timeout_s`.
+
+        Args:
+            topic: the MQTT topic (build it with `mam.shared.names`).
+            payload: bytes; b"" with retain=True clears a retained topic (§2).
+            qos: 0, 1 or 2.
+            retain: ask the broker to keep it as the topic's retained message.
+            timeout_s: PUBACK deadline in seconds (§13: 5).
+        Raises:
+            PublishTimeout: no acknowledgement within `timeout_s`.
+            BrokerError: paho refused to queue the message.
+        """
+        self._publish(topic, payload, qos, retain, timeout_s, fail_on_disconnect=False)
+
+    def _publish(self, topic: str, payload: bytes, qos: int, retain: bool, timeout_s: float, *,
+                 fail_on_disconnect: bool) -> None:
+        client = self._paho()
+        start_disconnects = self._disconnects
+        info = client.publish(topic, bytes(payload), qos=qos, retain=retain)
+        if info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
+            raise BrokerError(f"cannot publish to {topic}: {paho.error_string(info.rc)}")
+        if info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN and fail_on_disconnect:
+            raise BrokerUnavailable(f"connection to {_endpoint(self._host, self.config.port)} lost "
+                                    f"before publishing to {topic}")
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while info.mid not in self._acked:
+                if fail_on_disconnect and self._disconnects != start_disconnects:
+                    raise BrokerUnavailable(f"connection to {_endpoint(self._host, self.config.port)} "
+                                            f"lost while publishing to {topic}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise PublishTimeout(f"no PUBACK for {topic} from "
+                                         f"{_endpoint(self._host, self.config.port)} within {timeout_s:g} s")
+                self._cond.wait(remaining)
+            self._acked.discard(info.mid)
+
+
+def _close_socket(client: paho.Client) -> None:
+    """Release a paho client's socket and self-pipe so no ResourceWarning is left behind."""
+    for name in ("_sock", "_sockpairR", "_sockpairW"):
+        sock = getattr(client, name, None)
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+            setattr(client, name, None)
+
+
+def publish_with_retry(config: BrokerConfig, role: str,
+                       messages: Iterable[tuple[str, bytes, bool]], *,
+                       attempts: int = DEFAULT_ATTEMPTS, qos: int = QOS_AT_LEAST_ONCE,
+                       connect_timeout_s: float = CONNACK_TIMEOUT_S,
+                       puback_timeout_s: float = PUBACK_TIMEOUT_S,
+                       sleep=time.sleep) -> None:
+    """Publish `messages` in order over one connection, retrying the unacknowledged rest (§13).
+
+    Each attempt uses a fresh client and connection; the previous client is
+    closed without ever reconnecting, so paho's queue of the failed attempt is
+    discarded and a retry puts each message on the wire once more at most (a
+    message whose PUBACK was lost may arrive twice: QoS 1 is at-least-once).
+
+    Args:
+        config: broker configuration (§13).
+        role: client-id role word (e.g. "publish").
+        messages: (topic, payload bytes, retain) in publish order.
+        attempts: tries (≥ 1); delay between them `min(0.5 × 2^(attempt-1), 8.0)` s.
+        qos: QoS for every message (default 1).
+        connect_timeout_s: CONNACK deadline per host (§13: 10 s).
+        puback_timeout_s: PUBACK deadline per message (§13: 5 s).
+        sleep: the delay function (tests may pass a recorder).
+    Raises:
+        BrokerUnavailable: the last attempt could not connect or lost the connection.
+        PublishTimeout: the last attempt connected but a PUBACK did not come.
+        BrokerError: the broker refused an operation.
+    """
+    pending = list(messages)
+    attempts = max(1, int(attempts))
+    last: BrokerError | None = None
+    for attempt in range(1, attempts + 1):
+        client = MqttClient(config, role)
+        try:
+            client.connect(connect_timeout_s)
+            while pending:
+                topic, payload, retain = pending[0]
+                client._publish(topic, payload, qos, retain, puback_timeout_s, fail_on_disconnect=True)
+                pending.pop(0)
+            return
+        except (BrokerUnavailable, PublishTimeout) as exc:
+            last = exc
+            log.warning("publish attempt %d/%d failed: %s", attempt, attempts, exc)
+        finally:
+            client.close()
+        if attempt < attempts:
+            sleep(retry_delay_s(attempt))
+    assert last is not None
+    raise last
