@@ -99,6 +99,63 @@ def show_cmd(
     return cli_show(workspace=workspace, job_id=job_id, as_json=as_json)
 
 
+broker_app = clikit.new_app("broker", "Run the hub's embedded nats-server (MQTT, JetStream, websocket).")
+app.add_typer(broker_app, name="broker")
+
+
+def _print_json(info: dict) -> None:
+    import json
+
+    typer.echo(json.dumps(info, sort_keys=True))
+
+
+@broker_app.command("up")
+def broker_up_cmd(
+    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: PROTOCOL §8 search)."),
+    mqtt_port: int = typer.Option(None, "--mqtt-port", metavar="P",
+                                  help="MQTT port (default: MQTT_PORT of .mam.env, else 1883)."),
+    port: int = typer.Option(None, "--port", metavar="P", help="Native NATS port (default 4222)."),
+    ws_port: int = typer.Option(None, "--ws-port", metavar="P",
+                                help="MQTT-over-WebSocket port, path /mqtt (default 8080; 0 = off)."),
+    monitor_port: int = typer.Option(None, "--monitor-port", metavar="P", help="HTTP monitoring port (default off)."),
+    listen: str = typer.Option("127.0.0.1", "--listen", metavar="HOST",
+                               help="Listen address of every listener (0.0.0.0 for runners on other hosts)."),
+) -> int:
+    """Start nats-server detached and wait until it accepts MQTT; write .mam.env if missing.
+
+    Prints one JSON line (no secrets). Already running: says so, exit 0.
+    """
+    from mam.shared import broker
+
+    info = broker.up(workspace, mqtt_port=mqtt_port, port=port, ws_port=ws_port,
+                     monitor_port=monitor_port, host=listen)
+    _print_json(info)
+    return 0
+
+
+@broker_app.command("down")
+def broker_down_cmd(
+    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: PROTOCOL §8 search)."),
+) -> int:
+    """Stop the broker: SIGTERM, then SIGKILL after 10 s. Not running: exit 0."""
+    from mam.shared import broker
+
+    _print_json(broker.down(workspace))
+    return 0
+
+
+@broker_app.command("status")
+def broker_status_cmd(
+    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: PROTOCOL §8 search)."),
+) -> int:
+    """Check the broker natively (version, JetStream, MQTT streams); exit 3 when down, 1 when unhealthy."""
+    from mam.shared import broker
+
+    info = broker.status(workspace)
+    _print_json(info)
+    return 0 if info["healthy"] else 1
+
+
 def main() -> None:
     """Console-script entry point."""
     clikit.run(app, "mam-orch")
