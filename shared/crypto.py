@@ -1,0 +1,285 @@
+"""Signatures, keys and the sealed brief of PROTOCOL §3.1 and §5-§7.
+
+- Events and states carry `data.hmac_sig`, an HMAC-SHA256 keyed by the job's
+  `auth_token` (`event_hmac`, `sign_event`, `verify_event`; §3.1, §4).
+- Dispatch, control and presence carry `sig`, an HMAC-SHA256 keyed by the sign
+  key derived from `MAM_DISPATCH_SECRET` (`derive_keys`, `sign`, `verify`; §5-§7).
+- The dispatch's `sealed` part is AES-256-GCM over the job's `auth_token` and
+  brief, bound to `job_id:attempt_id:dispatch_token` (`seal`, `open_sealed`; §5).
+
+Every comparison uses `hmac.compare_digest`. No error message, repr or log line
+of this module contains a key, a secret, an auth_token or a brief.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from mam.shared import names
+from mam.shared.config import MIN_SECRET_LEN
+from mam.shared.errors import ConfigError, SignatureError
+from mam.shared.wire import (
+    SEAL_ALG,
+    SEAL_NONCE_BYTES,
+    b64url_decode,
+    b64url_encode,
+    canonical,
+)
+
+MIN_SECRET_CHARS = MIN_SECRET_LEN  # 32 (§5)
+KEY_BYTES = 32
+SEAL_INFO = b"mam-fleet/v1/seal"
+SIGN_INFO = b"mam-fleet/v1/sign"
+# §5: the brief is UTF-8 text of at most 512 KiB; dispatch refuses larger ones.
+MAX_BRIEF_BYTES = 512 * 1024
+HMAC_FAILED = "HMAC verify failed"
+SEAL_FAILED = "seal does not open"
+
+
+def _plain(payload: Any) -> dict[str, Any]:
+    """A mutable top-level copy of a payload given as a mapping or a wire message."""
+    if hasattr(payload, "to_dict") and not isinstance(payload, Mapping):
+        return payload.to_dict()  # type: ignore[no-any-return]
+    if not isinstance(payload, Mapping):
+        raise TypeError(f"payload must be a mapping or a wire message, not {type(payload).__name__}")
+    return dict(payload)
+
+
+def _hex_hmac(key: bytes, message: bytes) -> str:
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def _same(expected: str, got: object) -> bool:
+    """Constant-time equality of a hex signature and an untrusted value."""
+    if not isinstance(got, str):
+        return False
+    return hmac.compare_digest(expected.encode("ascii"), got.encode("utf-8", "replace"))
+
+
+# --------------------------------------------------------- events, states
+
+def _unsigned_event(payload: Any) -> dict[str, Any]:
+    body = _plain(payload)
+    data = body.get("data")
+    if isinstance(data, Mapping):
+        body["data"] = {k: v for k, v in data.items() if k != "hmac_sig"}
+    return body
+
+
+def event_hmac(payload: Any, auth_token: str) -> str:
+    """`data.hmac_sig` of an event or state (§3.1, §4).
+
+    Args:
+        payload: the message (mapping or Event/State); any `data.hmac_sig` is ignored.
+        auth_token: the job's `auth_token` (`secrets.token_urlsafe(32)`).
+    Returns:
+        64 lowercase hex: HMAC-SHA256(auth_token UTF-8, canonical(payload without data.hmac_sig)).
+    Raises:
+        ConfigError: `auth_token` is empty or not a string.
+    """
+    if not isinstance(auth_token, str) or not auth_token:
+        raise ConfigError("auth_token is empty: the job record holds no HMAC key")
+    return _hex_hmac(auth_token.encode("utf-8"), canonical(_unsigned_event(payload)))
+
+
+def sign_event(payload: Any, auth_token: str) -> dict[str, Any]:
+    """A copy of an event or state with `data.hmac_sig` set (§3.1).
+
+    Args:
+        payload: mapping or Event/State with a `data` object.
+        auth_token: the job's `auth_token`.
+    Returns:
+        the signed wire dict (publish it with `wire.encode`).
+    Raises:
+        ConfigError: empty `auth_token`; ValueError: the payload has no `data` object.
+    """
+    body = _unsigned_event(payload)
+    if not isinstance(body.get("data"), dict):
+        raise ValueError("an event or state needs a data object to carry hmac_sig")
+    body["data"]["hmac_sig"] = event_hmac(body, auth_token)
+    return body
+
+
+def verify_event(payload: Any, auth_token: str) -> None:
+    """Check `data.hmac_sig` of an event or state (§3.1, §3.2 step 4).
+
+    Args:
+        payload: mapping or Event/State as decoded.
+        auth_token: the job's `auth_token` from the registry.
+    Raises:
+        SignatureError: "HMAC verify failed" when the signature is missing or wrong
+            (or the job has no auth_token).
+    """
+    body = _plain(payload)
+    data = body.get("data")
+    got = data.get("hmac_sig") if isinstance(data, Mapping) else None
+    if got is None or not isinstance(auth_token, str) or not auth_token:
+        raise SignatureError(HMAC_FAILED)
+    if not _same(event_hmac(body, auth_token), got):
+        raise SignatureError(HMAC_FAILED)
+
+
+# ------------------------------------------------------------------ keys
+
+@dataclass(frozen=True)
+class DispatchKeys:
+    """The two 32-byte keys derived from `MAM_DISPATCH_SECRET` (§5). The repr hides them."""
+
+    seal_key: bytes = field(repr=False)
+    sign_key: bytes = field(repr=False)
+
+    def __repr__(self) -> str:
+        return "DispatchKeys(seal_key=<hidden>, sign_key=<hidden>)"
+
+
+def _hkdf(secret: bytes, info: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(secret)
+
+
+def derive_keys(secret: str) -> DispatchKeys:
+    """Derive the seal and sign keys from `MAM_DISPATCH_SECRET` (§5).
+
+    HKDF-SHA256, no salt, info `b"mam-fleet/v1/seal"` and `b"mam-fleet/v1/sign"`,
+    32 bytes each, over the secret's UTF-8 bytes.
+
+    Args:
+        secret: the shared secret, at least 32 characters.
+    Returns:
+        DispatchKeys.
+    Raises:
+        ConfigError: not a string or shorter than 32 characters (message never holds it).
+    """
+    if not isinstance(secret, str):
+        raise ConfigError("MAM_DISPATCH_SECRET is not set: run `mam-orch init` or set it in .mam.env")
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ConfigError(f"MAM_DISPATCH_SECRET is too short: at least {MIN_SECRET_CHARS} characters "
+                          "are required (run `mam-orch init` to make one)")
+    raw = secret.encode("utf-8", "surrogatepass")
+    return DispatchKeys(seal_key=_hkdf(raw, SEAL_INFO), sign_key=_hkdf(raw, SIGN_INFO))
+
+
+def _check_key(key: object, what: str) -> bytes:
+    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+        raise TypeError(f"{what} must be {KEY_BYTES} bytes (from derive_keys)")
+    return bytes(key)
+
+
+# ----------------------------------------------- dispatch, control, presence
+
+def _unsigned(payload: Any) -> dict[str, Any]:
+    body = _plain(payload)
+    body.pop("sig", None)
+    return body
+
+
+def sign(payload: Any, sign_key: bytes) -> dict[str, Any]:
+    """A copy of a dispatch, control or presence with `sig` set (§5-§7).
+
+    Args:
+        payload: mapping or Dispatch/Control/Presence; any existing `sig` is replaced.
+        sign_key: `DispatchKeys.sign_key`.
+    Returns:
+        the signed wire dict: `sig` = hex HMAC-SHA256(sign_key, canonical(payload without sig)).
+    """
+    key = _check_key(sign_key, "sign_key")
+    body = _unsigned(payload)
+    body["sig"] = _hex_hmac(key, canonical(body))
+    return body
+
+
+def verify(payload: Any, sign_key: bytes) -> None:
+    """Check `sig` of a dispatch, control or presence (§5-§7).
+
+    Args:
+        payload: mapping or Dispatch/Control/Presence as decoded.
+        sign_key: `DispatchKeys.sign_key`.
+    Raises:
+        SignatureError: `<kind> sig verify failed` when missing or wrong.
+    """
+    key = _check_key(sign_key, "sign_key")
+    body = _plain(payload)
+    got = body.get("sig")
+    kind = body.get("kind") if body.get("kind") in ("dispatch", "control", "presence") else "message"
+    if got is None or not _same(_hex_hmac(key, canonical(_unsigned(body))), got):
+        raise SignatureError(f"{kind} sig verify failed")
+
+
+# ------------------------------------------------------------------ seal
+
+def _associated_data(job_id: str, attempt_id: int, dispatch_token: str) -> bytes:
+    return f"{job_id}:{attempt_id}:{dispatch_token}".encode()
+
+
+def seal(seal_key: bytes, *, job_id: str, attempt_id: int, dispatch_token: str, auth_token: str,
+         brief: str, nonce: bytes | None = None) -> dict[str, str]:
+    """Seal a job's auth_token and brief for its dispatch (§5).
+
+    AES-256-GCM over `canonical({"auth_token": ..., "brief": ...})` with associated
+    data `f"{job_id}:{attempt_id}:{dispatch_token}"`.
+
+    Args:
+        seal_key: `DispatchKeys.seal_key`.
+        job_id, attempt_id, dispatch_token: the attempt the seal is bound to (§1 formats).
+        auth_token: the job's HMAC key; brief: UTF-8 text (callers enforce MAX_BRIEF_BYTES).
+        nonce: 12 bytes; None means a fresh random one (only tests pass one).
+    Returns:
+        {"alg": "A256GCM", "nonce": base64url, "ciphertext": base64url (ciphertext + 16-byte tag)}.
+    Raises:
+        UsageError: a bad job id, attempt or token; ValueError: a nonce that is not 12 bytes.
+    """
+    key = _check_key(seal_key, "seal_key")
+    names.validate_job_id(job_id)
+    names.validate_attempt(attempt_id)
+    names.validate_token(dispatch_token)
+    if nonce is None:
+        nonce = os.urandom(SEAL_NONCE_BYTES)
+    if len(nonce) != SEAL_NONCE_BYTES:
+        raise ValueError(f"nonce must be {SEAL_NONCE_BYTES} bytes")
+    plaintext = canonical({"auth_token": auth_token, "brief": brief})
+    ciphertext = AESGCM(key).encrypt(nonce, plaintext, _associated_data(job_id, attempt_id, dispatch_token))
+    return {"alg": SEAL_ALG, "nonce": b64url_encode(nonce), "ciphertext": b64url_encode(ciphertext)}
+
+
+def open_sealed(seal_key: bytes, sealed: Any, *, job_id: str, attempt_id: int,
+                dispatch_token: str) -> tuple[str, str]:
+    """Open a dispatch's sealed part (§5).
+
+    Args:
+        seal_key: `DispatchKeys.seal_key`.
+        sealed: {"alg", "nonce", "ciphertext"} mapping or `wire.Sealed`; base64 with or without padding.
+        job_id, attempt_id, dispatch_token: from the dispatch; they must be the ones sealed.
+    Returns:
+        (auth_token, brief).
+    Raises:
+        SignatureError: "seal does not open": wrong key, job id, attempt or token,
+            tampering, bad base64, or a plaintext that is not {"auth_token", "brief"}.
+    """
+    key = _check_key(seal_key, "seal_key")
+    try:
+        parts = sealed.to_dict() if hasattr(sealed, "to_dict") else dict(sealed)
+        if parts.get("alg") != SEAL_ALG:
+            raise ValueError("alg")
+        nonce = b64url_decode(parts["nonce"])
+        ciphertext = b64url_decode(parts["ciphertext"])
+        if len(nonce) != SEAL_NONCE_BYTES:
+            raise ValueError("nonce")
+        plaintext = AESGCM(key).decrypt(nonce, ciphertext,
+                                        _associated_data(job_id, attempt_id, dispatch_token))
+        inner = json.loads(plaintext.decode("utf-8"))
+        if (not isinstance(inner, dict) or set(inner) != {"auth_token", "brief"}
+                or not isinstance(inner["auth_token"], str) or not inner["auth_token"]
+                or not isinstance(inner["brief"], str)):
+            raise ValueError("inner")
+    except (InvalidTag, ValueError, TypeError, KeyError, UnicodeError, RecursionError):
+        raise SignatureError(SEAL_FAILED) from None
+    return inner["auth_token"], inner["brief"]
