@@ -1,0 +1,268 @@
+"""`mam.shared.mqtt` against real brokers (nats-server and mosquitto): QoS 1,
+retained state (§2, §4), reconnect and re-subscribe (§10), fail-over and
+retries (§13), the observer's read-only rights, and secrets kept out of text."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+
+import pytest
+
+from helpers import free_port, wait_until
+from mam.shared import mqtt, names
+from mam.shared.config import BrokerConfig
+from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
+
+pytestmark = [pytest.mark.broker, pytest.mark.e2e]
+
+JOB = "0123abcd"
+
+
+def _next(client: mqtt.MqttClient, timeout_s: float = 10.0) -> mqtt.Message:
+    return client.messages.get(timeout=timeout_s)
+
+
+def _drain_until(client: mqtt.MqttClient, payload: bytes, timeout_s: float = 10.0) -> list[bytes]:
+    """Every payload received up to and including `payload` (a sentinel), in order."""
+    seen: list[bytes] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"sentinel {payload!r} not received; got {seen!r}")
+        try:
+            msg = client.messages.get(timeout=remaining)
+        except queue.Empty:
+            continue
+        seen.append(msg.payload)
+        if msg.payload == payload:
+            return seen
+
+
+def test_qos1_publish_gets_puback_and_reaches_subscriber(broker):
+    """§2: QoS 1 publish returns only after the PUBACK; the subscriber receives it."""
+    topic = names.events_topic(JOB, broker.topic_root)
+    with mqtt.MqttClient(broker.config(), "hub") as sub, mqtt.MqttClient(broker.config(), "runner") as pub:
+        sub.subscribe([(topic, mqtt.QOS_AT_LEAST_ONCE)])
+        pub.publish(topic, b'{"seq": 1}', qos=mqtt.QOS_AT_LEAST_ONCE)
+        msg = _next(sub)
+    assert msg == mqtt.Message(topic=topic, payload=b'{"seq": 1}', retain=False)
+    assert sub.client_id.startswith("test-hub-") and pub.client_id.startswith("test-runner-")
+
+
+def test_retained_state_reaches_late_subscriber_and_clears(broker):
+    """§2/§4: a retained message is delivered to a subscriber that comes later;
+    a zero-length retained publish clears it."""
+    topic = names.state_topic(JOB, broker.topic_root)
+    mqtt.publish_with_retry(broker.config(), "runner", [(topic, b'{"state": 1}', True)])
+    with mqtt.MqttClient(broker.config(user="observer"), "observer") as late:
+        late.subscribe([(names.all_jobs_filter(broker.topic_root), 1)])
+        msg = _next(late)
+    assert (msg.topic, msg.payload, msg.retain) == (topic, b'{"state": 1}', True)
+
+    mqtt.publish_with_retry(broker.config(), "hub", [(topic, b"", True)])
+    sentinel = names.events_topic(JOB, broker.topic_root)
+    mqtt.publish_with_retry(broker.config(), "hub", [(sentinel, b"end", True)])
+    with mqtt.MqttClient(broker.config(), "hub") as later:
+        later.subscribe([(names.all_jobs_filter(broker.topic_root), 1)])
+        got = [_next(later)]
+        # the cleared state topic must not come back: only the sentinel is retained
+        assert [(m.topic, m.payload) for m in got] == [(sentinel, b"end")]
+        with pytest.raises(queue.Empty):
+            later.messages.get_nowait()
+
+
+def test_reconnect_after_broker_crash_resubscribes_and_logs(broker, caplog):
+    """§10 broker loss: after SIGKILL and restart the client reconnects by itself,
+    logs `reconnected`, sets `reconnected`, and its subscription works again."""
+    caplog.set_level(logging.INFO, logger="mam.mqtt")
+    topic = names.presence_topic("gpu-box", broker.topic_root)
+    sub = mqtt.MqttClient(broker.config(), "hub").connect()
+    try:
+        sub.subscribe([(topic, 1)])
+        broker.kill()
+        wait_until(lambda: not sub.connected.is_set(), 10, "the client to notice the crash")
+        broker.restart()
+        wait_until(sub.reconnected.is_set, 20, "the client to reconnect")
+        assert sub.connected.is_set() and sub.reconnect_count == 1
+        assert any("reconnected" in r.getMessage() for r in caplog.records)
+
+        def delivered() -> bool:  # the re-SUBSCRIBE may still be in flight: publish until it lands
+            mqtt.publish_with_retry(broker.config(), "runner", [(topic, b"online", False)])
+            try:
+                return sub.messages.get(timeout=0.5).payload == b"online"
+            except queue.Empty:
+                return False
+
+        wait_until(delivered, 15, "a message through the re-subscribed filter")
+    finally:
+        sub.close()
+    sub.close()  # idempotent
+
+
+def test_broker_unavailable_when_nothing_listens():
+    """§13: nothing on the port → BrokerUnavailable at once, naming host:port and the reason."""
+    port = free_port()
+    config = BrokerConfig(hosts=("127.0.0.1",), port=port, username="u", password="s3cret-never-shown")
+    started = time.monotonic()
+    with pytest.raises(BrokerUnavailable) as info:
+        mqtt.MqttClient(config, "hub").connect()
+    text = str(info.value)
+    assert f"127.0.0.1:{port}" in text and "refused" in text
+    assert "s3cret-never-shown" not in text and "\n" not in text
+    assert time.monotonic() - started < 5  # refused, not the 10 s CONNACK deadline
+
+
+def test_wrong_password_is_refused_without_showing_it(broker, caplog):
+    """§13: bad credentials → BrokerUnavailable naming the refusal; the password is
+    nowhere: exception text, repr of config and client, log records."""
+    caplog.set_level(logging.DEBUG)
+    config = broker.config(password="wrong-password-xyz")
+    client = mqtt.MqttClient(config, "hub")
+    with pytest.raises(BrokerUnavailable) as info:
+        client.connect(timeout_s=5)
+    text = str(info.value)
+    assert "refused" in text and f":{broker.mqtt_port}" in text
+    for shown in (text, repr(config), str(config), repr(client), caplog.text):
+        assert "wrong-password-xyz" not in shown
+        assert broker.agent_password not in shown
+    client.close()
+
+
+def test_failover_to_second_host_when_first_is_down(broker):
+    """§13: MQTT_BROKER is a fail-over list tried in order; the first host is down."""
+    config = broker.config(hosts=("127.0.0.2", "127.0.0.1"))  # nothing listens on 127.0.0.2
+    with mqtt.MqttClient(config, "hub") as client:
+        assert client.host == "127.0.0.1" and client.connected.is_set()
+        topic = names.events_topic(JOB, broker.topic_root)
+        client.subscribe([(topic, 1)])
+        client.publish(topic, b"via-second")
+        assert _next(client).payload == b"via-second"
+
+
+def test_publish_with_retry_reports_broker_unavailable_and_backs_off(broker):
+    """§13/§9: with the broker down every attempt fails; the caller gets
+    BrokerUnavailable (publish exits 2/3) after delays 0.5, 1.0 s."""
+    broker.stop()
+    delays: list[float] = []
+    with pytest.raises(BrokerUnavailable):
+        mqtt.publish_with_retry(broker.config(), "publish",
+                                [(names.events_topic(JOB, broker.topic_root), b"x", False)],
+                                attempts=3, sleep=delays.append)
+    assert delays == [0.5, 1.0]
+    assert [mqtt.retry_delay_s(a) for a in (1, 2, 3, 4, 5, 6)] == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0]
+
+
+def test_publish_with_retry_succeeds_when_broker_returns_exactly_once(broker):
+    """§13: attempt 1 finds no broker, the broker returns during the back-off,
+    attempt 2 delivers every message once, in order."""
+    topic = names.events_topic(JOB, broker.topic_root)
+    broker.stop()
+    delays: list[float] = []
+
+    def back_off(delay_s: float) -> None:
+        delays.append(delay_s)
+        broker.restart()
+
+    mqtt.publish_with_retry(broker.config(), "publish",
+                            [(topic, b"one", True), (topic, b"two", True)], attempts=3, sleep=back_off)
+    assert delays == [0.5]
+    with mqtt.MqttClient(broker.config(), "hub") as sub:
+        sub.subscribe([(topic, 1)])
+        assert _next(sub).payload == b"two"  # the retained copy is the last one
+
+
+def test_message_queued_while_disconnected_is_never_resent_after_close(broker):
+    """§13: paho queues a publish made while disconnected; closing the client
+    drops that queue, so the retry with a new client is the only copy on the wire."""
+    topic = names.events_topic(JOB, broker.topic_root)
+    old = mqtt.MqttClient(broker.config(), "publish").connect()
+    broker.kill()
+    wait_until(lambda: not old.connected.is_set(), 10, "the publisher to notice the crash")
+    with pytest.raises(BrokerUnavailable):
+        old._publish(topic, b"payload", 1, False, 2.0, fail_on_disconnect=True)
+    old_paho = old._client
+    assert old_paho is not None and len(old_paho._out_messages) == 1  # the hazard is real
+    old.close()
+    assert old_paho._thread is None  # no network thread left that could reconnect and resend
+
+    broker.restart()
+    with mqtt.MqttClient(broker.config(), "hub") as sub:
+        sub.subscribe([(topic, 1)])
+        mqtt.publish_with_retry(broker.config(), "publish", [(topic, b"payload", False)])
+        mqtt.publish_with_retry(broker.config(), "publish", [(topic, b"sentinel", False)])
+        assert _drain_until(sub, b"sentinel") == [b"payload", b"sentinel"]
+
+
+def test_observer_reads_but_cannot_publish(broker):
+    """MESSAGING §1.2: mam_observer may subscribe under the topic root and
+    nothing it publishes reaches other clients."""
+    topic = names.control_topic(JOB, broker.topic_root)
+    with mqtt.MqttClient(broker.config(), "hub") as agent, \
+            mqtt.MqttClient(broker.config(user="observer"), "observer") as observer:
+        agent.subscribe([(topic, 1)])
+        observer.subscribe([(topic, 1)])
+        try:
+            observer.publish(topic, b"forged-cancel", retain=True, timeout_s=2)
+        except BrokerError:
+            pass  # refusing outright is as good as dropping it
+        mqtt.publish_with_retry(broker.config(), "hub", [(topic, b"sentinel", False)])
+        assert _drain_until(agent, b"sentinel") == [b"sentinel"]
+        assert _drain_until(observer, b"sentinel")[-1] == b"sentinel"
+    with mqtt.MqttClient(broker.config(), "hub") as late:
+        late.subscribe([(topic, 1)])
+        with pytest.raises(queue.Empty):  # nothing retained by the observer
+            late.messages.get(timeout=0.5)
+
+
+def test_nats_observer_subscription_outside_root_is_refused(nats_broker):
+    """The observer's subscribe rights end at the topic root: SUBACK failure → BrokerError."""
+    with mqtt.MqttClient(nats_broker.config(user="observer"), "observer") as observer:
+        with pytest.raises(BrokerError, match="refused the subscription"):
+            observer.subscribe([("other/root/#", 1)])
+
+
+def test_nats_mqtt_over_websocket(nats_broker):
+    """MESSAGING §1.3 (N-7): MQTT over WebSocket on path /mqtt of the websocket listener."""
+    config = nats_broker.config(transport="websockets", port=nats_broker.ws_port, ws_path="/mqtt")
+    topic = names.events_topic(JOB, nats_broker.topic_root)
+    with mqtt.MqttClient(config, "dashboard") as client:
+        client.subscribe([(topic, 1)])
+        client.publish(topic, b"over-ws")
+        assert _next(client).payload == b"over-ws"
+
+
+def test_last_will_is_published_when_the_client_dies(broker):
+    """§7: the retained Last Will is published when a client vanishes without DISCONNECT."""
+    topic = names.presence_topic("gpu-box", broker.topic_root)
+    with mqtt.MqttClient(broker.config(), "hub") as hub:
+        hub.subscribe([(topic, 1)])
+        runner = mqtt.MqttClient(broker.config(keepalive_s=1), "runner",
+                                 will=(topic, b"offline", 1, True)).connect()
+        runner._client._sock.close()  # simulate a crash: the socket goes away, no DISCONNECT
+        assert _next(hub, 15).payload == b"offline"
+        runner.close()
+
+
+def test_publish_timeout_when_broker_hangs(broker):
+    """§13: a broker that accepts but never acknowledges → PublishTimeout after the deadline."""
+    import signal
+
+    topic = names.events_topic(JOB, broker.topic_root)
+    with mqtt.MqttClient(broker.config(), "runner") as client:
+        broker.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(PublishTimeout):
+                client.publish(topic, b"x", timeout_s=0.5)
+        finally:
+            broker.proc.send_signal(signal.SIGCONT)
+
+
+def test_message_repr_hides_payload():
+    """Payloads may carry auth tokens: Message repr shows only the size."""
+    msg = mqtt.Message(topic="t", payload=b"auth_token=secret", retain=False)
+    assert "secret" not in repr(msg) and "17 bytes" in repr(msg)
+    assert mqtt.new_client_id("hermes", "hub").startswith("hermes-hub-")
+    assert mqtt.new_client_id("hermes", "hub") != mqtt.new_client_id("hermes", "hub")
