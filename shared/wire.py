@@ -251,20 +251,21 @@ def _thaw(value: Any) -> Any:
     return value
 
 
-def _depth_problem(obj: Any, limit: int = MAX_DEPTH) -> str | None:
-    """Iteratively check nesting depth (no recursion on hostile input)."""
-    stack: list[tuple[Any, int]] = [(obj, 1)]
+def _depth_problem(obj: Any, limit: int = MAX_DEPTH, path: str = "") -> str | None:
+    """Iteratively check nesting depth (no recursion on hostile input); names the deepest field."""
+    stack: list[tuple[Any, int, str]] = [(obj, 1, path)]
     while stack:
-        value, depth = stack.pop()
+        value, depth, where = stack.pop()
         if isinstance(value, Mapping):
-            children: Iterable[Any] = value.values()
+            children: Iterable[tuple[str, Any]] = (
+                (f"{where}.{key}" if where else str(key), child) for key, child in value.items())
         elif isinstance(value, (list, tuple)):
-            children = value
+            children = ((f"{where}[{index}]", child) for index, child in enumerate(value))
         else:
             continue
         if depth > limit:
-            return f"payload nests deeper than {limit} levels"
-        stack.extend((child, depth + 1) for child in children)
+            return f"{_show(where or 'payload', 60)} nests deeper than {limit} levels"
+        stack.extend((child, depth + 1, child_path) for child_path, child in children)
     return None
 
 
@@ -311,9 +312,9 @@ def _data(value: object, *, require: Iterable[str]) -> Mapping[str, Any]:
     if "heartbeat" in value and not isinstance(value["heartbeat"], bool):
         raise _Invalid(f"data.heartbeat must be a boolean, got {_type_name(value['heartbeat'])} "
                        f"{_show(value['heartbeat'])}")
-    problem = _depth_problem(value, MAX_DEPTH - 1)
+    problem = _depth_problem(value, MAX_DEPTH - 1, "data")
     if problem:
-        raise _Invalid(problem.replace("payload", "data"))
+        raise _Invalid(problem)
     where = _surrogate_path(value, "data")
     if where:
         raise _Invalid(f"{where} holds a lone surrogate, which is not UTF-8")
