@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from mam.shared.errors import MamError, UsageError
+from mam.shared.errors import MamError, RegistryError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -294,6 +294,7 @@ class AgentProcess:
         Raises:
             AgentStartError: the program is not found, not executable, or
                 exec fails (one line naming the command).
+            RegistryError: the log file cannot be opened (e.g. it is a symlink).
             MamError: `start()` was already called.
         """
         if self._popen is not None:
@@ -309,7 +310,12 @@ class AgentProcess:
         cwd.mkdir(mode=0o700, parents=True, exist_ok=True)
         log_path = Path(log_path)
         log_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            # O_NOFOLLOW: an earlier agent could have planted a symlink to a file we must not touch.
+            log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            why = "it is a symlink" if exc.errno == errno.ELOOP else os.strerror(exc.errno or 0)
+            raise RegistryError(f"agent log {log_path} cannot be opened: {why}") from None
         try:
             os.fchmod(log_fd, 0o600)  # an existing file keeps no wider mode
             try:

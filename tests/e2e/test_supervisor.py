@@ -25,7 +25,7 @@ from mam.runner.supervisor import (
     agent_env,
     split_exec,
 )
-from mam.shared.errors import UsageError
+from mam.shared.errors import RegistryError, UsageError
 
 pytestmark = pytest.mark.e2e
 
@@ -210,6 +210,17 @@ def test_existing_log_is_tightened_to_0600(tmp_path, run_agent):
     run_agent([AGENTS / "exit-agent", "0"], log_path=log_path).wait(timeout_s=10)
     assert stat.S_IMODE(log_path.stat().st_mode) == 0o600
     assert log_path.read_text().startswith("old\n")
+
+
+def test_log_path_that_is_a_symlink_is_refused(tmp_path, run_agent):
+    target = tmp_path / "victim.txt"
+    target.write_text("keep\n")
+    target.chmod(0o644)
+    log_path = tmp_path / "agent.log"
+    log_path.symlink_to(target)
+    with pytest.raises(RegistryError, match="is a symlink"):
+        run_agent([AGENTS / "exit-agent", "0"], log_path=log_path)
+    assert target.read_text() == "keep\n" and stat.S_IMODE(target.stat().st_mode) == 0o644
 
 
 def test_cwd_is_created_and_used(tmp_path, run_agent):
