@@ -137,6 +137,11 @@ class Tailnet:
         """Every namespace this tailnet creates (hosts and bridge)."""
         return [self.ns(h) for h in self.hosts] + [self.bridge_ns]
 
+    @property
+    def has_iptables(self) -> bool:
+        """True if `blackhole()` can work (iptables is installed)."""
+        return self._iptables is not None
+
     def _check_host(self, host: str) -> None:
         if host not in self._addresses:
             raise KeyError(f"unknown host {host!r}; this tailnet has {self.hosts}")

@@ -83,7 +83,7 @@ def test_orch_reaches_hub_by_name_until_link_down(tailnet):
 
 
 def test_blackhole_drops_packets_and_unblackhole_restores(tailnet):
-    if tailnet._iptables is None:
+    if not tailnet.has_iptables:
         pytest.skip("iptables is not installed")
     start_server(tailnet, "hub")
     tailnet.blackhole("hub")
