@@ -98,7 +98,7 @@ class NatsSettings:
 
 def topic_to_subject(topic: str) -> str:
     """The NATS subject of an MQTT topic: '.' → '//' then '/' → '.' (nats-server MQTT mapping)."""
-    return topic.replace(".", "//").replace("/", ".")
+    return "".join("//" if c == "." else "." if c == "/" else c for c in topic)
 
 
 def _quote(value: str) -> str:

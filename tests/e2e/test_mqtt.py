@@ -224,6 +224,21 @@ def test_nats_observer_subscription_outside_root_is_refused(nats_broker):
             observer.subscribe([("other/root/#", 1)])
 
 
+def test_nats_observer_reads_a_topic_root_with_a_dot(tmp_path):
+    """nats-server maps MQTT '.' to '//' in subjects; the observer's rights follow that mapping."""
+    from helpers import NatsBroker
+
+    handle = NatsBroker(tmp_path, topic_root="fleet/v1.2").start()
+    try:
+        topic = names.state_topic(JOB, handle.topic_root)
+        with mqtt.MqttClient(handle.config(user="observer"), "observer") as observer:
+            observer.subscribe([(names.all_jobs_filter(handle.topic_root), 1)])
+            mqtt.publish_with_retry(handle.config(), "runner", [(topic, b"dotted", False)])
+            assert _next(observer).payload == b"dotted"
+    finally:
+        handle.stop()
+
+
 def test_nats_mqtt_over_websocket(nats_broker):
     """MESSAGING §1.3 (N-7): MQTT over WebSocket on path /mqtt of the websocket listener."""
     config = nats_broker.config(transport="websockets", port=nats_broker.ws_port, ws_path="/mqtt")

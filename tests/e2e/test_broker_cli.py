@@ -1,0 +1,230 @@
+"""`mam-orch broker up|status|down` through the real CLI in a temporary
+workspace (MESSAGING §1.2-§1.3, PROTOCOL §9, §13): the detached nats-server,
+the written `.mam.env`, native status checks, clean shutdown, refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from dotenv import dotenv_values
+
+from helpers import free_port
+from mam.shared import broker as broker_mod
+from mam.shared import mqtt, names
+from mam.shared.config import BrokerConfig
+from mam.shared.errors import BrokerError
+
+pytestmark = [pytest.mark.broker, pytest.mark.e2e]
+
+
+def orch(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    """Run `mam-orch` as a real process."""
+    return subprocess.run([sys.executable, "-m", "mam.orchestrator.cli", *args],
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def nats_processes_in(workspace: Path) -> list[psutil.Process]:
+    """nats-server processes started for `workspace` (matched by their config path)."""
+    found = []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if "nats-server" in (proc.info["name"] or "") and \
+                    any(str(workspace) in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """A workspace whose broker is always taken down after the test."""
+    yield tmp_path
+    orch("broker", "down", "--workspace", str(tmp_path))
+    for proc in nats_processes_in(tmp_path):  # never leave a server behind, even on failure
+        proc.kill()
+
+
+def ports() -> list[str]:
+    return ["--mqtt-port", str(free_port()), "--port", str(free_port()), "--ws-port", str(free_port())]
+
+
+def test_up_status_down_round_trip(workspace):
+    """up starts a detached server and writes a 0600 .mam.env whose credentials work
+    over MQTT; status reports version, JetStream and the MQTT streams; down stops it
+    and leaves no process; status then exits 3."""
+    up = orch("broker", "up", "--workspace", str(workspace), *ports())
+    assert up.returncode == 0, up.stderr
+    info = json.loads(up.stdout)
+    assert info["status"] == "started"
+
+    env_path = workspace / ".mam.env"
+    conf_path = workspace / ".mam" / "broker" / "nats.conf"
+    for path in (env_path, conf_path):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    env = dotenv_values(env_path)
+    assert env["MQTT_PORT"] == str(info["mqtt_port"]) and env["MQTT_USERNAME"] == "mam_agent"
+    assert len(env["MAM_DISPATCH_SECRET"]) >= 32 and env["MAM_OBSERVER_USERNAME"] == "mam_observer"
+    secrets_ = [env["MQTT_PASSWORD"], env["MAM_OBSERVER_PASSWORD"], env["MAM_DISPATCH_SECRET"]]
+    log_text = (workspace / ".mam" / "broker" / "nats-server.log").read_text()
+    for secret in secrets_:
+        assert secret not in up.stdout + up.stderr + log_text
+
+    # a client configured from the written .mam.env publishes and subscribes
+    agent = BrokerConfig(hosts=(env["MQTT_BROKER"],), port=int(env["MQTT_PORT"]),
+                         username=env["MQTT_USERNAME"], password=env["MQTT_PASSWORD"])
+    observer = agent.with_overrides(username=env["MAM_OBSERVER_USERNAME"],
+                                    password=env["MAM_OBSERVER_PASSWORD"])
+    topic = names.state_topic("0123abcd", env["MAM_TOPIC_ROOT"])
+    with mqtt.MqttClient(agent, "hub") as sub:
+        sub.subscribe([(topic, 1)])
+        mqtt.publish_with_retry(agent, "runner", [(topic, b"state", True)])
+        assert sub.messages.get(timeout=10).payload == b"state"
+    with mqtt.MqttClient(observer, "observer") as obs:
+        obs.subscribe([(names.all_jobs_filter(env["MAM_TOPIC_ROOT"]), 1)])
+        assert obs.messages.get(timeout=10).retain
+
+    status = orch("broker", "status", "--workspace", str(workspace))
+    assert status.returncode == 0, status.stderr
+    report = json.loads(status.stdout)
+    assert report["healthy"] and report["jetstream"] and report["version"]
+    assert {"$MQTT_msgs", "$MQTT_rmsgs", "$MQTT_sess"} <= set(report["mqtt_streams"])
+    assert report["pid"] == info["pid"]
+
+    again = orch("broker", "up", "--workspace", str(workspace))
+    assert again.returncode == 0 and json.loads(again.stdout)["status"] == "already running"
+    assert json.loads(again.stdout)["pid"] == info["pid"]
+
+    down = orch("broker", "down", "--workspace", str(workspace))
+    assert down.returncode == 0 and json.loads(down.stdout)["status"] == "stopped"
+    assert not psutil.pid_exists(info["pid"]) or psutil.Process(info["pid"]).status() == psutil.STATUS_ZOMBIE
+    assert nats_processes_in(workspace) == []
+
+    after = orch("broker", "status", "--workspace", str(workspace))
+    assert after.returncode == 3 and "not running" in after.stderr
+    assert len(after.stderr.strip().splitlines()) == 1
+    assert orch("broker", "down", "--workspace", str(workspace)).returncode == 0  # idempotent
+
+
+def test_up_again_reuses_the_passwords_of_the_existing_env(workspace):
+    """An existing .mam.env is kept and its passwords configure the broker, so clients match."""
+    first = orch("broker", "up", "--workspace", str(workspace), *ports())
+    assert first.returncode == 0, first.stderr
+    before = (workspace / ".mam.env").read_bytes()
+    assert orch("broker", "down", "--workspace", str(workspace)).returncode == 0
+    second = orch("broker", "up", "--workspace", str(workspace), "--port", str(free_port()),
+                  "--ws-port", "0")
+    assert second.returncode == 0, second.stderr
+    assert (workspace / ".mam.env").read_bytes() == before
+    env = dotenv_values(workspace / ".mam.env")
+    assert json.loads(second.stdout)["mqtt_port"] == int(env["MQTT_PORT"])  # port taken from the env
+    config = BrokerConfig(hosts=("127.0.0.1",), port=int(env["MQTT_PORT"]),
+                          username=env["MQTT_USERNAME"], password=env["MQTT_PASSWORD"])
+    with mqtt.MqttClient(config, "hub"):
+        pass
+
+
+def test_port_in_use_is_one_line_error_and_leaves_no_process(workspace):
+    """A taken MQTT port: one-line error naming the port and the option; nothing started."""
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        busy = blocker.getsockname()[1]
+        result = orch("broker", "up", "--workspace", str(workspace), "--mqtt-port", str(busy),
+                      "--port", str(free_port()), "--ws-port", str(free_port()))
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"port {busy}" in lines[0] and "--mqtt-port" in lines[0]
+    assert nats_processes_in(workspace) == []
+    assert not (workspace / ".mam.env").exists()
+
+
+def test_port_taken_after_the_check_is_read_from_the_server_log(tmp_path):
+    """A port lost between check and start: nats-server exits and its log gives the reason."""
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        busy = blocker.getsockname()[1]
+        creds = broker_mod.BrokerCredentials.fresh()
+        settings = broker_mod.NatsSettings(store_dir=tmp_path / "js", port=free_port(),
+                                           mqtt_port=busy, ws_port=None)
+        conf = broker_mod.write_private(tmp_path / "nats.conf", broker_mod.render_nats_config(settings, creds))
+        log = tmp_path / "nats.log"
+        proc = broker_mod.start_nats_server(conf, log, detach=False)
+        try:
+            config = BrokerConfig(hosts=("127.0.0.1",), port=busy, username=creds.agent_user,
+                                  password=creds.agent_password)
+            with pytest.raises(BrokerError, match="already in use") as info:
+                broker_mod.wait_mqtt_ready(config, timeout_s=15, proc=proc, log_path=log)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+    assert "\n" not in str(info.value) and creds.agent_password not in str(info.value)
+
+
+@pytest.mark.parametrize("line, problem", [
+    ('MQTT_PASSWORD="has space"', "printable"),
+    ('MQTT_PASSWORD="quote\\"inside-long"', "printable"),
+    ("MQTT_PASSWORD=short", "8-256"),
+    ("MQTT_PASSWORD=dollar$ign-long-enough", "printable"),
+])
+def test_hostile_existing_env_is_refused_before_anything_starts(workspace, line, problem):
+    """A .mam.env password that could break or inject into nats.conf is refused (exit 64)."""
+    (workspace / ".mam.env").write_text(f"MQTT_USERNAME=mam_agent\n{line}\n")
+    result = orch("broker", "up", "--workspace", str(workspace), *ports())
+    assert result.returncode == 64, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and problem in result.stderr
+    assert nats_processes_in(workspace) == [] and not (workspace / ".mam" / "broker" / "nats.conf").exists()
+
+
+def test_env_without_credentials_is_refused(workspace):
+    (workspace / ".mam.env").write_text("MQTT_BROKER=localhost\n")
+    result = orch("broker", "up", "--workspace", str(workspace), *ports())
+    assert result.returncode == 64 and "MQTT_PASSWORD" in result.stderr
+    assert nats_processes_in(workspace) == []
+
+
+def test_undecodable_env_is_a_read_error(workspace):
+    """§9: a .mam.env that exists but cannot be decoded → `ERROR: <path>: cannot read (…)`, exit 1."""
+    (workspace / ".mam.env").write_bytes(b"MQTT_PASSWORD=\xff\xfe\n")
+    result = orch("broker", "up", "--workspace", str(workspace), *ports())
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"ERROR: {workspace / '.mam.env'}: cannot read (UnicodeDecodeError)"
+
+
+@pytest.mark.parametrize("args", [["--mqtt-port", "abc"], ["--bogus"], ["--port"]])
+def test_bad_arguments_exit_64(workspace, args):
+    result = orch("broker", "up", "--workspace", str(workspace), *args)
+    assert result.returncode == 64
+    assert nats_processes_in(workspace) == []
+
+
+def test_status_with_stale_pid_file_reports_down(workspace):
+    """A state file naming a dead or foreign pid is not a running broker."""
+    bdir = workspace / ".mam" / "broker"
+    bdir.mkdir(parents=True)
+    (bdir / "state.json").write_text(json.dumps({"pid": os.getpid(), "create_time": 0, "port": 1}))
+    result = orch("broker", "status", "--workspace", str(workspace))
+    assert result.returncode == 3 and "not running" in result.stderr
+    assert json.loads(orch("broker", "down", "--workspace", str(workspace)).stdout)["status"] == "not running"
+    assert psutil.pid_exists(os.getpid())  # down never signalled the foreign pid
+
+
+def test_rendered_config_quotes_and_permissions():
+    """Observer rights: subscribe under the root subject (and $MQTT.sub.>), publish nothing."""
+    settings = broker_mod.NatsSettings(store_dir=Path("/x"), topic_root="fleet/v1.2")
+    text = broker_mod.render_nats_config(settings, broker_mod.BrokerCredentials.fresh())
+    assert '"fleet.v1//2.>"' in text and '"$MQTT.sub.>"' in text and 'deny: [">"]' in text
+    assert "websocket {" in text and "jetstream: enabled" in text
+    with pytest.raises(Exception, match="MQTT_USERNAME"):
+        broker_mod.render_nats_config(settings, broker_mod.BrokerCredentials(
+            agent_password="x" * 20, agent_user="bad user"))
