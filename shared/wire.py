@@ -87,6 +87,7 @@ _B64URL_RE = re.compile(r"[A-Za-z0-9_-]*={0,2}")
 _TS_RE = re.compile(
     r"([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2}):([0-9]{2})(?:\.([0-9]{1,9}))?Z")
 _TS_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
 class _Invalid(Exception):
@@ -228,9 +229,10 @@ def _fields(obj: Mapping[str, Any], expected: frozenset[str], prefix: str = "") 
     missing = sorted(expected - obj.keys())
     if missing:
         raise _Invalid(f"missing field {', '.join(repr(prefix + m) for m in missing)}")
-    unknown = sorted(obj.keys() - expected)
+    unknown = sorted(str(u) for u in obj.keys() - expected)
     if unknown:
-        raise _Invalid(f"unknown field {', '.join(_show(prefix + str(u)) for u in unknown)}")
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        raise _Invalid(f"unknown field {', '.join(_show(prefix + u) for u in unknown[:3])}{more}")
 
 
 def _freeze(value: Any) -> Any:
@@ -272,11 +274,11 @@ def _depth_problem(obj: Any, limit: int = MAX_DEPTH, path: str = "") -> str | No
 def _surrogate_path(value: Any, path: str = "") -> str | None:
     """Where a lone surrogate (not encodable as UTF-8) sits, as a field path."""
     if isinstance(value, str):
-        return path or "payload" if any("\ud800" <= c <= "\udfff" for c in value) else None
+        return (path or "payload") if _SURROGATE_RE.search(value) else None
     if isinstance(value, Mapping):
         for key, child in value.items():
             where = f"{path}.{key}" if path else str(key)
-            if isinstance(key, str) and any("\ud800" <= c <= "\udfff" for c in key):
+            if isinstance(key, str) and _SURROGATE_RE.search(key):
                 return f"a key of {path or 'the payload'}"
             found = _surrogate_path(child, where)
             if found:
@@ -445,7 +447,7 @@ class Event:
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> "Event":
         """Apply the §3 rules to a parsed payload; raises `DecodeError` (no raw attached)."""
-        return _run(lambda: _event_from(obj))
+        return from_dict(obj, "event")  # type: ignore[return-value]
 
     def to_dict(self) -> dict[str, Any]:
         """The wire object (fresh, mutable)."""
@@ -511,7 +513,7 @@ class State:
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> "State":
         """Apply the §4 rules to a parsed payload; raises `DecodeError`."""
-        return _run(lambda: _state_from(obj))
+        return from_dict(obj, "state")  # type: ignore[return-value]
 
     def to_dict(self) -> dict[str, Any]:
         """The wire object (fresh, mutable)."""
@@ -656,7 +658,7 @@ class Dispatch:
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> "Dispatch":
         """Apply the §5 rules to a parsed payload (sig required); raises `DecodeError`."""
-        return _run(lambda: _dispatch_from(obj))
+        return from_dict(obj, "dispatch")  # type: ignore[return-value]
 
     def to_dict(self) -> dict[str, Any]:
         """The wire object; without `sig` while unsigned."""
@@ -721,7 +723,7 @@ class Control:
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> "Control":
         """Apply the §6 rules to a parsed payload (sig required); raises `DecodeError`."""
-        return _run(lambda: _control_from(obj))
+        return from_dict(obj, "control")  # type: ignore[return-value]
 
     def to_dict(self) -> dict[str, Any]:
         """The wire object; without `sig` while unsigned."""
@@ -791,7 +793,7 @@ class Presence:
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> "Presence":
         """Apply the §7 rules to a parsed payload (sig required); raises `DecodeError`."""
-        return _run(lambda: _presence_from(obj))
+        return from_dict(obj, "presence")  # type: ignore[return-value]
 
     def to_dict(self) -> dict[str, Any]:
         """The wire object; without `sig` while unsigned."""

@@ -534,3 +534,58 @@ def test_s3_s7_encode_decode_round_trip(kind, strategy):
         assert wire.from_dict(json.loads(raw), kind) == message
 
     round_trip()
+
+
+def test_s3_many_unknown_fields_reason_stays_short():
+    obj = {**EVENT, **{f"extra{i:03d}": i for i in range(500)}}
+    reason = refused(dumps(obj), "event").reason
+    assert reason == "malformed: unknown field 'extra000', 'extra001', 'extra002' and 497 more"
+
+
+@pytest.mark.parametrize("kind", wire.EXPECTS)
+def test_s3_2_class_from_dict_applies_the_same_order(kind):
+    cls = {"event": wire.Event, "state": wire.State, "dispatch": wire.Dispatch, "control": wire.Control,
+           "presence": wire.Presence}[kind]
+    assert cls.from_dict(VALID[kind]).to_dict() == VALID[kind]
+    bad = {**mutated(kind, "schema_version", 2), "unknown": 1}
+    with pytest.raises(DecodeError) as info:
+        cls.from_dict(bad)
+    assert info.value.reason == "schema_mismatch: schema_version is 2, expected 1"
+    assert info.value.raw is None
+
+
+_JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=10)),
+                     lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                             st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+                     max_leaves=8)
+_PATHS = [(kind, path) for kind, obj in VALID.items() for path in obj] + \
+    [("event", f"data.{key}") for key in EVENT["data"]] + \
+    [("dispatch", f"contract.{key}") for key in DISPATCH["contract"]] + \
+    [("dispatch", f"sealed.{key}") for key in DISPATCH["sealed"]]
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=200, deadline=None)
+@given(raw=st.one_of(st.binary(max_size=300), st.text(max_size=300).map(lambda t: t.encode("utf-8", "replace"))),
+       kind=st.sampled_from(wire.EXPECTS))
+def test_s3_2_arbitrary_bytes_only_ever_raise_decode_error(raw, kind):
+    """A daemon never dies on a bad message: whatever arrives, decode refuses it with DecodeError."""
+    try:
+        wire.decode(raw, kind)
+    except DecodeError as error:
+        assert error.reason.split(":", 1)[0] in ("empty", "malformed", "schema_mismatch")
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=200, deadline=None)
+@given(where=st.sampled_from(_PATHS), value=_JSON)
+def test_s3_s7_any_field_replaced_by_any_json_is_accepted_or_decode_error(where, value):
+    kind, path = where
+    raw = json.dumps(mutated(kind, path, value)).encode()
+    try:
+        message = wire.decode(raw, kind)
+    except DecodeError as error:
+        assert error.reason.startswith(("malformed: ", "schema_mismatch: "))
+        assert "\n" not in error.reason
+    else:
+        assert wire.decode(wire.encode(message), kind) == message
