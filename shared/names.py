@@ -50,7 +50,7 @@ def new_auth_token() -> str:
 
 def validate_job_id(value: object) -> str:
     """Return `value` if it is a job id (§1), else raise `UsageError`."""
-    if not isinstance(value, str) or not JOB_ID_RE.match(value):
+    if not isinstance(value, str) or not JOB_ID_RE.fullmatch(value):
         raise UsageError(f"job id {value!r} is invalid: expected 8 lowercase hex characters, e.g. 918b0612")
     return value
 
@@ -66,7 +66,7 @@ def session_problem(value: object) -> str | None:
     for ch, label in _SESSION_FORBIDDEN.items():
         if ch in value:
             return f"{label} is not allowed"
-    if not SESSION_RE.match(value):
+    if not SESSION_RE.fullmatch(value):
         bad = next((c for c in value if not (c.isascii() and (c.isalnum() or c in "_-"))), None)
         if bad is not None:
             return f"{bad!r} is not allowed"
@@ -92,7 +92,7 @@ def validate_session(value: object) -> str:
 
 def validate_token(value: object, what: str = "dispatch token") -> str:
     """Return `value` if it is 32 lowercase hex characters (uuid4().hex), else raise `UsageError`."""
-    if not isinstance(value, str) or not TOKEN_RE.match(value):
+    if not isinstance(value, str) or not TOKEN_RE.fullmatch(value):
         raise UsageError(f"{what} {value!r} is invalid: expected 32 lowercase hex characters")
     return value
 
@@ -188,7 +188,7 @@ def parse_job_topic(topic: str, root: str | None = None) -> tuple[str, str] | No
     if not topic.startswith(prefix):
         return None
     parts = topic[len(prefix):].split("/")
-    if len(parts) != 2 or not JOB_ID_RE.match(parts[0]):
+    if len(parts) != 2 or not JOB_ID_RE.fullmatch(parts[0]):
         return None
     return parts[0], parts[1]
 

@@ -84,3 +84,13 @@ def test_s2_topic_builders_validate_their_parts():
         names.events_topic("../../x")
     with pytest.raises(UsageError):
         names.presence_topic("a/b")
+
+
+@pytest.mark.parametrize("validator,value", [
+    (names.validate_job_id, "918b0612\n"),
+    (names.validate_session, "gpu\n"),
+    (names.validate_token, "0" * 32 + "\n"),
+])
+def test_s1_trailing_newline_refused(validator, value):
+    with pytest.raises(UsageError):
+        validator(value)
