@@ -90,9 +90,35 @@ def _endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _tls_context(config: BrokerConfig) -> ssl.SSLContext:
-    """A client TLS context: system or given CA, optional client cert (mTLS), TLS 1.2 minimum."""
-    context = ssl.create_default_context(cafile=config.ca_certs or None)
+class _TlsContext(ssl.SSLContext):
+    """An SSLContext that remembers the sockets it wraps: paho drops the socket of a
+    failed TLS handshake without closing it, so we close it ourselves."""
+
+    wrapped: list[ssl.SSLSocket]
+
+    def wrap_socket(self, *args: Any, **kwargs: Any) -> ssl.SSLSocket:  # type: ignore[override]
+        sock = super().wrap_socket(*args, **kwargs)
+        self.wrapped.append(sock)
+        return sock
+
+    def close_wrapped(self) -> None:
+        for sock in self.wrapped:
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self.wrapped.clear()
+
+
+def _tls_context(config: BrokerConfig) -> _TlsContext:
+    """A client TLS context: system or given CA, optional client cert (mTLS), TLS 1.2 minimum,
+    host name checked."""
+    context = _TlsContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.wrapped = []
+    if config.ca_certs:
+        context.load_verify_locations(cafile=config.ca_certs)
+    else:
+        context.load_default_certs()
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     if config.certfile:
         context.load_cert_chain(config.certfile, config.keyfile or None)
@@ -153,6 +179,7 @@ class MqttClient:
         self._client: paho.Client | None = None
         self._host = ""
         self._closed = False
+        self._tls: _TlsContext | None = None
 
     # ------------------------------------------------------------ state
 
@@ -212,6 +239,8 @@ class MqttClient:
             with self._cond:
                 if was_connected:
                     self._disconnects += 1
+                elif self._connack is None:  # closed during the handshake (TLS refusal, broker gone)
+                    self._connack = f"connection closed before CONNACK ({str(reason).lower()})"
                 self._cond.notify_all()
             if was_connected and not self._closed:
                 log.warning("connection to %s lost (%s); reconnecting",
@@ -272,8 +301,10 @@ class MqttClient:
             client.ws_set_options(path=cfg.ws_path)
         if cfg.username:
             client.username_pw_set(cfg.username, cfg.password or None)
+        self._tls = None
         if cfg.tls:
-            client.tls_set_context(_tls_context(cfg))
+            self._tls = _tls_context(cfg)
+            client.tls_set_context(self._tls)
         if self.will is not None:
             topic, payload, qos, retain = self.will
             client.will_set(topic, payload, qos=qos, retain=retain)
@@ -322,7 +353,11 @@ class MqttClient:
             client.connect(host, self.config.port, keepalive=self.config.keepalive_s)
         except Exception as exc:  # OSError, ssl.SSLError, WebsocketConnectionError, gaierror
             _close_socket(client)
+            if self._tls is not None:
+                self._tls.close_wrapped()
             return _reason_of(exc)
+        if self._tls is not None:
+            self._tls.wrapped.clear()  # the connected socket now belongs to paho
         self._client = client
         client.loop_start()
         with self._cond:
@@ -337,7 +372,9 @@ class MqttClient:
             return None
         self._stop_paho(client)
         self._client = None
-        return "no CONNACK within %.0f s" % timeout_s if outcome is None else f"refused: {outcome}"
+        if outcome is None:
+            return f"no CONNACK within {timeout_s:g} s"
+        return outcome if outcome.startswith("connection closed") else f"refused: {outcome}"
 
     def _stop_paho(self, client: paho.Client) -> None:
         """Stop paho's thread and drop its socket and queued messages (never reconnected)."""

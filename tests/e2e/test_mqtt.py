@@ -281,3 +281,68 @@ def test_message_repr_hides_payload():
     assert "secret" not in repr(msg) and "17 bytes" in repr(msg)
     assert mqtt.new_client_id("hermes", "hub").startswith("hermes-hub-")
     assert mqtt.new_client_id("hermes", "hub") != mqtt.new_client_id("hermes", "hub")
+
+
+def _write_pki(directory):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate (PEM files)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def cert(subject, key, issuer, issuer_key, *, ca=False, server=False):
+        builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if server:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        elif not ca:
+            builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    paths = {}
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = cert("mam-test-ca", ca_key, "mam-test-ca", ca_key, ca=True)
+    for name, key, crt in [("ca", ca_key, ca)] + [
+            (n, k, cert(n, k, "mam-test-ca", ca_key, server=(n == "server")))
+            for n, k in (("server", ec.generate_private_key(ec.SECP256R1())),
+                         ("client", ec.generate_private_key(ec.SECP256R1())))]:
+        (directory / f"{name}.crt").write_bytes(crt.public_bytes(serialization.Encoding.PEM))
+        (directory / f"{name}.key").write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        paths[name] = (str(directory / f"{name}.crt"), str(directory / f"{name}.key"))
+    return paths
+
+
+def test_mutual_tls_with_mosquitto(mosquitto_broker, tmp_path):
+    """§13: MQTT_TLS with MQTT_CA_CERTS, MQTT_CERTFILE and MQTT_KEYFILE (mTLS); a client
+    without a certificate or trusting another CA is refused."""
+    pki = _write_pki(tmp_path)
+    tls_port = free_port()
+    conf = mosquitto_broker.config_path
+    conf.write_text(conf.read_text() + "\n".join([
+        f"listener {tls_port} 127.0.0.1",
+        f"cafile {pki['ca'][0]}", f"certfile {pki['server'][0]}", f"keyfile {pki['server'][1]}",
+        "require_certificate true", "tls_version tlsv1.2", ""]))
+    mosquitto_broker.restart()
+    base = mosquitto_broker.config(port=tls_port, tls=True, ca_certs=pki["ca"][0])
+    good = base.with_overrides(certfile=pki["client"][0], keyfile=pki["client"][1])
+    topic = names.events_topic(JOB, mosquitto_broker.topic_root)
+    with mqtt.MqttClient(good, "runner") as client:
+        client.subscribe([(topic, 1)])
+        client.publish(topic, b"over-mtls")
+        assert _next(client).payload == b"over-mtls"
+    with pytest.raises(BrokerUnavailable):  # no client certificate
+        mqtt.MqttClient(base, "runner").connect(timeout_s=5)
+    with pytest.raises(BrokerUnavailable):  # server certificate not trusted by the system CAs
+        mqtt.MqttClient(good.with_overrides(ca_certs=""), "runner").connect(timeout_s=5)
