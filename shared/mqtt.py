@@ -245,29 +245,8 @@ class MqttClient:
             if was_connected and not self._closed:
                 log.warning("connection to %s lost (%s); reconnecting",
                             _endpoint(self._host, self.config.port), reason)
-                self._rotate_host(client)
         except Exception:
             log.exception("on_disconnect failed")
-
-    def _rotate_host(self, client: paho.Client) -> None:
-        """Fail-over on reconnect: paho reconnects to `client.host`, so point it at the next host."""
-        hosts = self.config.hosts
-        if len(hosts) < 2:
-            return
-        index = hosts.index(self._host) if self._host in hosts else -1
-        nxt = hosts[(index + 1) % len(hosts)]
-        try:
-            client.host = nxt
-            self._host = nxt
-        except RuntimeError:  # the socket is not closed yet: stay on this host
-            pass
-
-    def _on_connect_fail(self, client: paho.Client, userdata: Any) -> None:
-        try:
-            if self.connected.is_set() is False and self._connect_count > 0 and not self._closed:
-                self._rotate_host(client)
-        except Exception:
-            log.exception("on_connect_fail failed")
 
     def _on_message(self, client: paho.Client, userdata: Any, msg: paho.MQTTMessage) -> None:
         try:
@@ -311,7 +290,6 @@ class MqttClient:
         client.reconnect_delay_set(RECONNECT_MIN_DELAY_S, RECONNECT_MAX_DELAY_S)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
-        client.on_connect_fail = self._on_connect_fail
         client.on_message = self._on_message
         client.on_publish = self._on_publish
         client.on_subscribe = self._on_subscribe
@@ -323,7 +301,9 @@ class MqttClient:
         Args:
             timeout_s: the CONNACK deadline per host, in seconds (§13: 10).
         Returns:
-            self, connected; paho then reconnects by itself with backoff (1-8 s).
+            self, connected; paho then reconnects by itself with backoff (1-8 s) to
+            the same host (fail-over along `hosts` happens here, at connect time;
+            a caller that wants to fail over later closes and connects a new client).
         Raises:
             BrokerUnavailable: no host accepted; the one-line message names every
                 host:port tried and why (never the password).
