@@ -156,6 +156,35 @@ def broker_status_cmd(
     return 0 if info["healthy"] else 1
 
 
+@app.command("watch")
+def watch_cmd(
+    job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
+    remote: bool = typer.Option(False, "--remote",
+                                help="Mirror accepted started/terminal events into the hub registry "
+                                     "(automatic for jobs this hub dispatched)."),
+    idle_timeout: float = typer.Option(None, "--idle-timeout", metavar="S",
+                                       help="Seconds without a newer event before the job is closed "
+                                            "deadline_timeout (default: the record's K x N)."),
+    ack_timeout: float = typer.Option(None, "--ack-timeout", metavar="S",
+                                      help="Seconds to wait for `started` (default: the record's)."),
+    timeout: float = typer.Option(None, "--timeout", metavar="S",
+                                  help="Wall-clock budget from the job's creation (default: the record's)."),
+    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: see PROTOCOL §8)."),
+) -> int:
+    """Watch a job until it ends: accepted events on stdout as JSON lines
+    (a human view on a TTY), refusals and logs on stderr (PROTOCOL §3.2, §10).
+
+    Exit codes: 0 completed, 1 error (incl. agent_blocked), 2 idle or wall
+    timeout, 3 broker unreachable after the disk fallback, 4 cancelled,
+    130 detached with Ctrl-C (the job keeps running), 64 bad arguments.
+    """
+    from mam.orchestrator.watch import watch_cli
+
+    clikit.setup_logging()
+    return watch_cli(job_id, workspace=workspace, remote=remote, idle_timeout_s=idle_timeout,
+                     ack_timeout_s=ack_timeout, timeout_s=timeout)
+
+
 def main() -> None:
     """Console-script entry point."""
     clikit.run(app, "mam-orch")

@@ -45,6 +45,39 @@ def show_cmd(
     return cli_show(workspace=workspace, job_id=job_id, as_json=as_json)
 
 
+@app.command("publish")
+def publish_cmd(
+    job: str = typer.Option(..., "--job", metavar="ID", help="The job id (8 hex characters)."),
+    event: str = typer.Option(..., "--event", metavar="E",
+                              help="started, progress, permission_required, completed or error."),
+    detail: str = typer.Option("", "--detail", metavar="D",
+                               help="Short safe text, at most 1024 characters: no paths, secrets or env values."),
+    data: str = typer.Option(None, "--data", metavar="JSON", help="A JSON object of free metrics (at most 16 KiB)."),
+    heartbeat: float = typer.Option(None, "--heartbeat", metavar="N",
+                                    help="With --event started: start the detached timer beating every N s (§12)."),
+    watch_pid: int = typer.Option(None, "--watch-pid", metavar="P",
+                                  help="Heartbeats stop within one period after this process is gone "
+                                       "(default: the nearest agent-CLI ancestor, else the parent)."),
+    attempts: int = typer.Option(3, "--attempts", metavar="N", help="Connection/publish tries (§13 backoff)."),
+    attempt_id: str = typer.Option(None, "--attempt-id", envvar="MAM_ATTEMPT_ID", show_envvar=True,
+                                   help="The attempt this publisher holds (default: the record's current)."),
+    dispatch_token: str = typer.Option(None, "--dispatch-token", envvar="MAM_DISPATCH_TOKEN", show_envvar=True,
+                                       help="The dispatch token this publisher holds (default: the record's)."),
+    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: see PROTOCOL §8)."),
+) -> int:
+    """Publish one event of a job: the record and audit line first, then the
+    event and the retained state on one connection (PROTOCOL §3, §4).
+
+    Exit codes: 0 published; 1 refused (stale attempt, terminal job, unknown
+    job); 2 transport failure (the event is on disk); 64 bad arguments.
+    """
+    from mam.runner.publish import publish_cli
+
+    return publish_cli(job_id=job, event=event, detail=detail, data=data, attempt_id=attempt_id,
+                       dispatch_token=dispatch_token, heartbeat_s=heartbeat, watch_pid=watch_pid,
+                       attempts=attempts, workspace=workspace)
+
+
 def main() -> None:
     """Console-script entry point."""
     clikit.run(app, "mam-runner")

@@ -45,6 +45,19 @@ def version_option(prog: str):
                         help="Print the version and exit.")
 
 
+def setup_logging() -> None:
+    """Send logs to stderr (stdout carries JSON lines only, PROTOCOL §9).
+
+    MAM_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR) sets the level; default INFO.
+    """
+    import logging
+    import os
+
+    level = os.environ.get("MAM_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO",
+                        stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
 def fail(message: str, code: int = 1) -> NoReturn:
     """Print `ERROR: <message>` on stderr and exit with `code`."""
     print(f"ERROR: {message}", file=sys.stderr)

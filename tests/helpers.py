@@ -226,3 +226,29 @@ class MosquittoBroker(_BrokerProcess):
 
     def command(self) -> list[str]:
         return [MOSQUITTO, "-c", str(self.config_path)]
+
+
+# ------------------------------------------------------------- job workspaces
+
+TEST_SECRET = "test-dispatch-secret-0123456789abcdef"
+
+
+def write_env_for(handle: "_BrokerProcess", workspace: Path, **extra: str) -> Path:
+    """Write `<workspace>/.mam.env` (0600) pointing at a running broker handle as the agent user."""
+    from mam.shared.config import write_env_file
+
+    workspace = Path(workspace)
+    workspace.mkdir(parents=True, exist_ok=True)
+    cfg = handle.config()
+    values = {"MQTT_BROKER": cfg.host, "MQTT_PORT": str(cfg.port), "MQTT_USERNAME": cfg.username,
+              "MQTT_PASSWORD": cfg.password, "MQTT_CLIENT_ID_PREFIX": "test", "MQTT_KEEPALIVE": "5",
+              "MAM_TOPIC_ROOT": cfg.topic_root, "MAM_DISPATCH_SECRET": TEST_SECRET, **extra}
+    return write_env_file(workspace / ".mam.env", values, overwrite=True)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """os.environ without MQTT_/MAM_ settings (so tests never read the developer's), plus `extra`."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MQTT_", "MAM_", "WORKSPACE_ROOT"))}
+    env.update(extra)
+    return env

@@ -1,0 +1,271 @@
+"""`mam-runner publish`: one event of a job, disk first, then the wire
+(PROTOCOL §3, §4, §9, §12).
+
+Order: validate everything (nothing written on bad input); for a terminal
+event raise the heartbeat barrier and stop the timer (§12); then, under the
+registry lock, check the attempt identity, take the seq, apply the status
+transition and append the signed event to `events.ndjson` (§8); only then
+publish the event and, on the same connection, the retained state (§4).
+Terminal events are retained. Exit codes (§9): 0 published, 1 refused
+(stale attempt, terminal job, invalid), 2 transport failure with the local
+record and audit log already written.
+
+Agents call this often: keep module-level imports light (paho is imported
+only when a message is sent).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from mam.shared import names
+from mam.shared.errors import BrokerError, MamError, UsageError
+
+log = logging.getLogger("mam.publish")
+
+EVENTS = ("started", "progress", "permission_required", "completed", "error")
+TERMINAL_EVENTS = frozenset({"completed", "error"})
+RESERVED_DATA_KEYS = frozenset({"hmac_sig", "attempt_id", "dispatch_token", "session", "exit_code", "heartbeat"})
+MAX_DATA_BYTES = 16 * 1024
+EXIT_PUBLISHED, EXIT_REFUSED, EXIT_TRANSPORT = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class PublishRequest:
+    """What to publish for one job (§3).
+
+    `attempt_id`/`dispatch_token` are the identity the publisher holds
+    (MAM_ATTEMPT_ID / MAM_DISPATCH_TOKEN for an agent); None means "the
+    record's current attempt" (an operator on the runner host).
+    """
+
+    job_id: str
+    event: str
+    detail: str = ""
+    data: Mapping[str, Any] = field(default_factory=dict)
+    attempt_id: int | None = None
+    dispatch_token: str | None = None
+
+
+@dataclass(frozen=True)
+class Published:
+    """The signed event and state of one publish, already on disk."""
+
+    seq: int
+    event: dict[str, Any]
+    state: dict[str, Any]
+
+    @property
+    def terminal(self) -> bool:
+        return self.event["event"] in TERMINAL_EVENTS
+
+    def messages(self, topic_root: str) -> list[tuple[str, bytes, bool]]:
+        """(topic, payload, retain) in publish order: event, then the retained state (§4)."""
+        from mam.shared import wire
+
+        job_id = self.event["job_id"]
+        return [(names.events_topic(job_id, topic_root), wire.encode(self.event), self.terminal),
+                (names.state_topic(job_id, topic_root), wire.encode(self.state), True)]
+
+
+def parse_data(text: str | None) -> dict[str, Any]:
+    """Parse `--data JSON`: an object of free metrics, at most 16 KiB,
+    without the reserved keys of §3.
+
+    Raises:
+        UsageError: not JSON, not an object, too large, or a reserved key.
+    """
+    if text is None or text == "":
+        return {}
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_DATA_BYTES:
+        raise UsageError(f"--data is larger than {MAX_DATA_BYTES} bytes")
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"--data is not valid JSON ({exc.msg} at position {exc.pos})") from None
+    if not isinstance(value, dict):
+        raise UsageError("--data must be a JSON object, e.g. '{\"tests\": 12}'")
+    reserved = sorted(RESERVED_DATA_KEYS & value.keys())
+    if reserved:
+        raise UsageError(f"--data must not set the reserved key(s) {', '.join(reserved)} (§3)")
+    return value
+
+
+def make_request(job_id: str, event: str, detail: str = "", data: str | None = None,
+                 attempt_id: str | int | None = None, dispatch_token: str | None = None) -> PublishRequest:
+    """Validate CLI/env input into a `PublishRequest` (§1, §3).
+
+    Raises:
+        UsageError: a bad job id, event, detail, data, attempt or token.
+    """
+    from mam.shared import wire
+
+    names.validate_job_id(job_id)
+    if event not in EVENTS:
+        raise UsageError(f"event {event!r} is invalid: expected one of {', '.join(EVENTS)}")
+    attempt: int | None = None
+    if attempt_id not in (None, ""):
+        try:
+            attempt = int(attempt_id)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise UsageError(f"attempt id {attempt_id!r} is invalid: expected an integer >= 1") from None
+        names.validate_attempt(attempt)
+    token = dispatch_token or None
+    if token is not None:
+        names.validate_token(token)
+    payload = parse_data(data)
+    # Let the wire rules judge detail and data once (length, control characters, depth).
+    wire.Event.build(job_id, 1, event, detail, attempt_id=attempt or 1,
+                     dispatch_token=token or "0" * 32, data=payload)
+    return PublishRequest(job_id, event, detail, payload, attempt, token)
+
+
+def record(registry: Any, request: PublishRequest, *, source: str = "publisher",
+           extra_data: Mapping[str, Any] | None = None, exit_code: int | None = None,
+           status: str | None = None, stop_heartbeat: bool = True) -> Published:
+    """The disk side of a publish (§3, §4, §8, §12): for a terminal event stop
+    the heartbeat first, then take the seq, apply the transition and append
+    the signed event to the audit log, under the registry lock.
+
+    Args:
+        registry: this host's `Registry`.
+        request: what to publish.
+        source: a worker source of §8 (`publisher`, `runner`).
+        extra_data: reserved keys set by the runner/timer (`exit_code`, `heartbeat`).
+        exit_code: stored on a terminal record.
+        status: `"cancelled"` with an `error` event (§6).
+        stop_heartbeat: run the §12 barrier + drain before a terminal event.
+    Returns:
+        the signed event and state.
+    Raises:
+        StaleAttemptError / TransitionRefused: not the current attempt, or the job is terminal.
+        RegistryError: the record cannot be read or written.
+    """
+    from mam.shared import crypto, wire
+
+    current = registry.get(request.job_id)
+    attempt_id = request.attempt_id or current["attempt_id"]
+    token = request.dispatch_token or current["dispatch_token"]
+    if request.event in TERMINAL_EVENTS and stop_heartbeat:
+        from mam.runner import heartbeat
+
+        if attempt_id == current["attempt_id"] and token == current["dispatch_token"]:
+            heartbeat.stop_for_terminal(registry, request.job_id, attempt_id)
+    data = {**request.data, **(extra_data or {})}
+    if exit_code is not None:
+        data["exit_code"] = exit_code
+    signed: dict[str, Any] = {}
+
+    def build(seq: int) -> dict[str, Any]:
+        rec = registry.get(request.job_id)  # under the lock: the auth_token of this attempt
+        event = wire.Event.build(request.job_id, seq, request.event, request.detail,
+                                 attempt_id=attempt_id, dispatch_token=token,
+                                 session=rec.get("session"), data=data)
+        signed["token"] = rec["auth_token"]
+        return crypto.sign_event(event.to_dict(), rec["auth_token"])
+
+    seq, payload = registry.record_event(request.job_id, attempt_id=attempt_id, dispatch_token=token,
+                                         event=request.event, build=build, source=source,
+                                         status=status, exit_code=exit_code)
+    after = registry.get(request.job_id)
+    state = wire.State.build(request.job_id, seq, after["status"], request.event,
+                             attempt_id=attempt_id, dispatch_token=token)
+    return Published(seq, payload, crypto.sign_event(state.to_dict(), signed["token"]))
+
+
+def broker_for(registry: Any, job_id: str, *, warn: bool = True) -> Any:
+    """The BrokerConfig for a job: §13 resolution from the registry's root,
+    then the record's `broker` overrides."""
+    from mam.shared.config import broker_config
+
+    block = registry.get(job_id).get("broker")
+    return broker_config(block or None, workspace=registry.root, warn=warn)
+
+
+def send(published: Published, config: Any, *, attempts: int = 3) -> None:
+    """Publish event then state over one fresh connection with the §13 retries.
+
+    Raises:
+        BrokerUnavailable, PublishTimeout, BrokerError.
+    """
+    from mam.shared import mqtt
+
+    mqtt.publish_with_retry(config, "publish", published.messages(config.topic_root), attempts=attempts)
+
+
+def send_on(client: Any, published: Published) -> None:
+    """Publish event then state on an already connected, persistent client (§4).
+
+    Raises:
+        PublishTimeout, BrokerError.
+    """
+    for topic, payload, retain in published.messages(client.config.topic_root):
+        client.publish(topic, payload, retain=retain)
+
+
+def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attempt_id: str | None,
+                dispatch_token: str | None, heartbeat_s: float | None, watch_pid: int | None,
+                attempts: int, workspace: str | None) -> int:
+    """`mam-runner publish`: returns the exit code of §9.
+
+    Raises:
+        UsageError (exit 64) for bad arguments; other errors are mapped here.
+    """
+    from mam.shared.errors import ProtocolError, RegistryError
+    from mam.shared.registry import Registry
+
+    request = make_request(job_id, event, detail, data, attempt_id, dispatch_token)
+    if heartbeat_s is not None and (event != "started" or heartbeat_s <= 0):
+        raise UsageError("--heartbeat N needs --event started and N > 0 (§12)")
+    if attempts < 1 or attempts > 10:
+        raise UsageError(f"--attempts {attempts} is invalid: expected 1..10")
+    watch = None
+    if heartbeat_s is not None:
+        from mam.runner.heartbeat import WatchedProcess, default_watch_pid
+
+        try:
+            watch = WatchedProcess.of(watch_pid if watch_pid is not None else default_watch_pid())
+        except MamError as exc:
+            raise UsageError(str(exc)) from None
+    from mam.shared.config import resolve_root
+
+    registry = Registry(resolve_root(workspace))
+    try:
+        config = broker_for(registry, request.job_id)  # before any write: bad config loses nothing
+        published = record(registry, request)
+    except (ProtocolError, RegistryError) as exc:
+        print(f"ERROR: refused: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    exit_code = EXIT_PUBLISHED
+    try:
+        send(published, config, attempts=attempts)
+    except BrokerError as exc:
+        print(f"ERROR: job {request.job_id} seq {published.seq} is on disk but not published: {exc}",
+              file=sys.stderr)
+        exit_code = EXIT_TRANSPORT
+    if watch is not None:
+        rec = registry.get(request.job_id)
+        from mam.runner.heartbeat import start_timer
+
+        start_timer(registry, request.job_id, attempt_id=rec["attempt_id"],
+                    dispatch_token=rec["dispatch_token"], interval_s=heartbeat_s,
+                    watch=watch, timeout_s=float(rec.get("timeout_sec") or 7200))
+    print(json.dumps({"job_id": request.job_id, "seq": published.seq, "event": request.event,
+                      "published": exit_code == EXIT_PUBLISHED}))
+    return exit_code
+
+
+def publish_command(workspace: str | os.PathLike[str], job_id: str) -> str:
+    """The MAM_PUBLISH_CMD of §11: a shell-quoted command line an agent runs
+    with `--event E [--detail D] [--data JSON]` to publish for its job."""
+    import shlex
+
+    script = Path(sys.executable).with_name("mam-runner")
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "mam.runner.cli"]
+    return shlex.join([*argv, "publish", "--job", job_id, "--workspace", str(workspace)])
