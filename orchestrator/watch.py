@@ -62,8 +62,8 @@ def _wall_deadline(record: dict[str, Any], timeout_s: float) -> float:
     """The wall-clock deadline of §10 on the monotonic clock, from the record's creation."""
     from mam.shared.wire import parse_ts
 
-    try:
-        created = parse_ts(record["created_at"]).timestamp()
+    try:  # a redispatched attempt gets its own budget (§10: "timeout_sec after the dispatch")
+        created = parse_ts(record.get("attempt_created_at") or record["created_at"]).timestamp()
     except (KeyError, ValueError, TypeError):
         created = time.time()
     return time.monotonic() + max(0.0, created + timeout_s - time.time())
@@ -97,6 +97,8 @@ class Watcher:
         self.accepted_any = False
         self.terminal: str | None = None
         self.refusals: list[str] = []
+        self._owns_client = False
+        self._subscribed = False
 
     # ---------------------------------------------------------------- output
 
@@ -240,6 +242,18 @@ class Watcher:
         log.info("job %s: subscribed to its events and state", self.job_id)
         return True
 
+    def subscribe(self) -> bool:
+        """Connect (when no client was given) and subscribe to the job's events
+        and state. `mam-orch dispatch` calls it BEFORE publishing the dispatch,
+        so no event can slip between the publish and the subscription; `run()`
+        then does not subscribe again.
+
+        Returns:
+            False when the broker is unreachable or refused the subscription.
+        """
+        self._subscribed = self._connect()
+        return self._subscribed
+
     def _finish_from_disk(self, why: str) -> int:
         """Disk fallback (§10): the hub's own record decides; else exit 3."""
         from mam.shared.registry import TERMINAL
@@ -273,7 +287,6 @@ class Watcher:
         """
         from mam.shared.registry import TERMINAL
 
-        self._owns_client = False
         record = self.registry.get(self.job_id)
         if record["status"] in TERMINAL:
             return self._finish_from_disk("already terminal")
@@ -282,7 +295,7 @@ class Watcher:
         idle_s = float(opts.idle_timeout_s if opts.idle_timeout_s is not None else record["idle_timeout_sec"])
         wall_s = float(opts.timeout_s if opts.timeout_s is not None else record["timeout_sec"])
         try:
-            if not self._connect():
+            if not self._subscribed and not self.subscribe():
                 return self._finish_from_disk("broker unreachable")
             start = time.monotonic()
             wall_deadline = _wall_deadline(record, wall_s)

@@ -959,7 +959,7 @@ class Registry:
             new = self._apply(record, "pending")
             new.update(attempt_id=record["attempt_id"] + 1, dispatch_token=names.new_dispatch_token(),
                        auth_token=names.new_auth_token(), last_seq=0, close_reason=None, exit_code=None,
-                       cancel_requested_at=None)
+                       cancel_requested_at=None, attempt_created_at=new["updated_at"])
             if session is not None:
                 new.update(session=session, agent_session=names.agent_session_label(session))
             self._commit(record, new, source=source, reason=reason or "redispatch")
