@@ -39,3 +39,102 @@ def test_s4_late_watcher_resolves_from_retained_state(pair):
     watcher = pair.watch()
     assert watcher.wait() == 0, watcher.log()
     assert pair.record["status"] == "completed"
+
+
+def _inject(broker, topic: str, payload: bytes) -> None:
+    from mam.shared.mqtt import MqttClient
+
+    with MqttClient(broker.config(), "inject") as client:
+        client.connect()
+        client.publish(topic, payload)
+
+
+def test_s3_2_refusals_while_job_completes(broker, pair):
+    """§3.2: forged HMAC, stale attempt, wrong schema, non-JSON, 2 MB: each refused; the job completes."""
+    from mam.shared import crypto, names, wire
+
+    watcher = pair.watch()
+    pair.wait_subscribed(watcher)
+    assert pair.publish("started").returncode == 0
+    record = pair.record
+    topic = names.events_topic(pair.job_id, broker.topic_root)
+
+    def event(seq: int, **changes) -> dict:
+        return wire.Event.build(pair.job_id, seq, "progress", "x", attempt_id=changes.get("attempt_id", 1),
+                                dispatch_token=changes.get("token", record["dispatch_token"])).to_dict()
+
+    forged = crypto.sign_event(event(5), "not-the-auth-token-" + "x" * 30)
+    stale = crypto.sign_event(event(6, attempt_id=2), record["auth_token"])
+    schema = dict(crypto.sign_event(event(7), record["auth_token"]), schema_version=2)
+    _inject(broker, topic, wire.canonical(forged))
+    _inject(broker, topic, wire.canonical(stale))
+    _inject(broker, topic, wire.canonical(schema))
+    _inject(broker, topic, b"{not json")
+    big_refused_by_broker = False
+    try:
+        _inject(broker, topic, b"{" + b" " * (2 * 1024 * 1024) + b"}")
+    except Exception:  # noqa: BLE001 - nats-server caps payloads at 1 MiB and drops the client
+        big_refused_by_broker = broker.name == "nats"
+    assert pair.publish("completed").returncode == 0
+    assert watcher.wait() == 0, watcher.log()
+    log = watcher.log()
+    for reason in ("HMAC verify failed", "stale_attempt", "schema_mismatch", "malformed"):
+        assert f"refused message: {reason}" in log, reason
+    if not big_refused_by_broker:
+        assert "larger than" in log or log.count("refused message: malformed") >= 2
+    assert [e["event"] for e in watcher.events()] == ["started", "completed"]
+    assert pair.record["status"] == "completed"
+
+
+def test_s10_idle_timeout_exits_2_and_closes_record(pair):
+    watcher = pair.watch("--idle-timeout", "1")
+    pair.wait_subscribed(watcher)
+    assert pair.publish("started").returncode == 0
+    assert watcher.wait() == 2, watcher.log()
+    record = pair.record
+    assert record["status"] == "error" and record["close_reason"] == "deadline_timeout"
+    late = pair.publish("completed")
+    assert late.returncode == 0  # the runner does not know yet; the hub refuses it
+    assert pair.record["status"] == "error"
+
+
+def test_s10_ack_timeout_without_started_is_agent_blocked(pair):
+    watcher = pair.watch("--ack-timeout", "1", "--idle-timeout", "1")
+    assert watcher.wait() == 1, watcher.log()
+    record = pair.record
+    assert record["status"] == "error" and record["close_reason"] == "agent_blocked"
+
+
+def test_s10_broker_killed_mid_job_watcher_reconnects(broker, pair):
+    watcher = pair.watch("--idle-timeout", "30")
+    pair.wait_subscribed(watcher)
+    assert pair.publish("started").returncode == 0
+    from helpers import wait_until
+
+    wait_until(lambda: watcher.events("started"), 10, "started to reach the watcher")
+    broker.kill()
+    broker.restart()
+    wait_until(lambda: "reconnected" in watcher.log(), 30, "the watcher to reconnect")
+    assert pair.publish("completed").returncode == 0
+    assert watcher.wait() == 0, watcher.log()
+    assert pair.record["status"] == "completed"
+
+
+def test_s10_broker_down_from_start(broker, pair):
+    broker.stop()
+    first = pair.watch()
+    assert first.wait() == 3, first.log()
+    assert pair.record["status"] == "pending"
+    offline = pair.publish("started", "--attempts", "1")
+    assert offline.returncode == 2, offline.stderr
+    assert any(line.get("event") == "started" for line in pair.runner.audit(pair.job_id))
+    broker.restart()
+    watcher = pair.watch()
+    pair.wait_subscribed(watcher)
+    assert pair.publish("progress").returncode == 0
+    assert pair.publish("completed").returncode == 0
+    assert watcher.wait() == 0, watcher.log()
+    seqs = [e["seq"] for e in watcher.events()]
+    assert seqs == sorted(set(seqs)) == [2, 3]
+    assert "refused message: duplicate" not in watcher.log()
+    assert any(line.get("event") == "seq_gap" for line in pair.hub.audit(pair.job_id))
