@@ -319,7 +319,26 @@ class _Timer:
             except TransitionRefused as exc:
                 log.info("heartbeat for job %s stops: %s", self.job_id, exc)
                 return 0
-            self.client = pub.send(result, cfg, client=self.client, attempts=1)
+            self._send(pub, result, cfg)
+
+    def _send(self, pub: Any, result: Any, cfg: Any) -> None:
+        """Publish a beat on the timer's persistent connection; a broker failure
+        costs only this beat on the wire (it is on disk) and the next one retries."""
+        from mam.shared import mqtt
+        from mam.shared.errors import BrokerError
+
+        try:
+            if self.client is None:
+                client = mqtt.MqttClient(cfg, "heartbeat")
+                try:
+                    client.connect()
+                except BrokerError:
+                    client.close()
+                    raise
+                self.client = client
+            pub.send_on(self.client, result)
+        except BrokerError as exc:
+            log.warning("job %s: beat seq %d not published: %s", self.job_id, result.seq, exc)
 
 
 def main(argv: list[str] | None = None) -> int:
