@@ -78,6 +78,37 @@ def publish_cmd(
                        attempts=attempts, workspace=workspace)
 
 
+@app.command("run")
+def run_cmd(
+    session: str = typer.Option(..., "--session", metavar="NAME",
+                                help="This runner's session name: letters, digits, '-' and '_' (PROTOCOL §1)."),
+    exec_cmd: str = typer.Option(..., "--exec", metavar="CMD",
+                                 help="The agent command, split like a shell and run without one, "
+                                      "e.g. \"claude -p\" (§11)."),
+    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: see PROTOCOL §8)."),
+    workdir: str = typer.Option(None, "--workdir", metavar="DIR",
+                                help="Agents' working directory (default: <workspace>/work/<job_id>/)."),
+    max_jobs: int = typer.Option(1, "--max-jobs", metavar="N", help="Concurrent jobs, 1..64 (§11)."),
+    once: bool = typer.Option(False, "--once", help="Exit after one job."),
+    replace: bool = typer.Option(False, "--replace",
+                                 help="Start even if another runner is online under this session (§7), "
+                                      "e.g. after a kill -9 before the broker noticed."),
+) -> int:
+    """Serve a session: take signed dispatches, run the agent under a heartbeat,
+    publish its events; presence and Last Will on one connection (PROTOCOL §5-§7, §11).
+
+    SIGTERM/SIGINT drains (running jobs finish, nothing new is taken); a second
+    one cancels the running jobs. Exit codes: 0 clean exit; 3 broker unreachable;
+    64 bad arguments, missing MAM_DISPATCH_SECRET, or the session is held by
+    another live runner.
+    """
+    clikit.setup_logging()
+    from mam.runner.daemon import run_cli
+
+    return run_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
+                   max_jobs=max_jobs, once=once, replace=replace)
+
+
 def main() -> None:
     """Console-script entry point."""
     clikit.run(app, "mam-runner")

@@ -1,0 +1,811 @@
+"""The runner daemon of `mam-runner run` (PROTOCOL §5, §6, §7, §11, §12).
+
+One process per worker host and session. It keeps ONE persistent MQTT
+connection (`mam.shared.mqtt.MqttClient`) whose Last Will is a signed,
+retained `offline` presence (pre-signed at connect, §7), and on it:
+
+- reads the retained presence of its own session first and refuses to start
+  (exit 64) when another live runner id is `online`/`draining` there, unless
+  `--replace` (§7). It waits up to `presence_wait_s` (default 1 s) for that
+  retained message. A runner that crashed leaves `offline` through its Last
+  Will at once; a runner killed with `kill -9` (or cut off the network) leaves
+  `online` until the broker notices the dead connection, i.e. after
+  keepalive × 1.5 (MQTT_KEEPALIVE, default 60 s → 90 s). Until then start the
+  new runner with `--replace`;
+- publishes presence `online` (retained) and republishes it whenever its
+  running set changes, `draining` on the first SIGTERM/SIGINT, `offline` on
+  a clean exit (a clean DISCONNECT discards the Last Will, so it is published
+  explicitly first);
+- subscribes to `ROOT/jobs/+/dispatch` and `ROOT/jobs/+/control`; paho's
+  thread only fills `client.messages`, which the main loop consumes.
+
+Dispatch checks (§5), each refusal one line on stderr, never fatal:
+zero-length → ignored silently; undecodable or a topic that names another
+job → `malformed`; bad `sig`; another `session` → ignored silently (debug);
+`expires_at` more than MAM_CLOCK_SKEW_S (default 30 s) in the past →
+`expired`; an attempt this host already took, or a terminal record of that
+attempt → `replayed` (retained dispatches come back on every re-subscribe and
+reconnect: a job never runs twice); a seal that does not open.
+
+A valid dispatch with a free slot is taken (§11): mirrored into this host's
+registry (status `pending`), the retained dispatch cleared, `started` (seq 1)
+published on the daemon's connection, the §12 heartbeat timer started
+watching the daemon's pid (the supervisor lives in the daemon: a `kill -9` of
+the runner stops the beats within one period), and the agent run by
+`runner.supervisor.AgentProcess` on a supervisor thread. When the agent ends
+the thread publishes `completed` or `error` (`data.exit_code`) unless the
+agent already published a terminal event itself. With every slot busy a
+dispatch stays retained (neither mirrored nor cleared) and is re-evaluated,
+expiry included, when a slot frees.
+
+Cancel (§6): a signed control for the attempt a supervisor holds makes that
+thread stop the agent (`AgentProcess.cancel(grace_s=MAM_CANCEL_GRACE_S)`,
+default 10 s) and publish `error` with detail `cancelled`, marking the record
+`cancelled`; the main loop never blocks on it. Controls for unknown or
+finished jobs are ignored (they are retained and come back after reconnects).
+
+How the agent's `$MAM_PUBLISH_CMD` finds the broker: `agent_env` strips
+MQTT_PASSWORD and MAM_DISPATCH_SECRET from the agent's environment, so the
+daemon writes a per-job env file (0600) `<root>/.mam/logs/<job_id>/broker.env`
+holding the resolved MQTT_* settings and MAM_TOPIC_ROOT — never the
+dispatch secret — and sets MAM_ENV_FILE to it for the agent (§13: that file
+alone is read). The file is removed when the job ends. This is defence in
+depth, not a sandbox: an agent running under the runner's uid can read the
+runner's own files.
+
+Known limit: jobs left `pending`/`running` by a runner that died are not
+resumed by the next runner; their hub closes them by liveness (§10), and a
+retained cancel for such a job marks it `cancelled` here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from mam.shared import names
+from mam.shared.errors import (
+    BrokerError,
+    DecodeError,
+    MamError,
+    RegistryError,
+    SignatureError,
+    TransitionRefused,
+    UsageError,
+)
+
+log = logging.getLogger("mam.daemon")
+
+MAX_JOBS_LIMIT = 64
+DEFAULT_CANCEL_GRACE_S = 10.0
+DEFAULT_CLOCK_SKEW_S = 30.0
+DEFAULT_PRESENCE_WAIT_S = 1.0
+LOOP_POLL_S = 0.1
+EXIT_OK = 0
+EXIT_SESSION_BUSY = 64
+# Settings copied into the agent's per-job env file (never MAM_DISPATCH_SECRET).
+_BROKER_ENV_KEYS = ("MQTT_BROKER", "MQTT_PORT", "MQTT_TLS", "MQTT_USERNAME", "MQTT_PASSWORD",
+                    "MQTT_CA_CERTS", "MQTT_CERTFILE", "MQTT_KEYFILE", "MQTT_CLIENT_ID_PREFIX",
+                    "MQTT_KEEPALIVE", "MAM_TOPIC_ROOT")
+
+
+class SessionBusy(UsageError):
+    """Another live runner holds this session (§7); exit 64 unless `--replace`."""
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """What `mam-runner run` was asked to do (validated by `options_from_cli`).
+
+    Attributes:
+        session: the runner's session name (§1).
+        argv: the agent command (`split_exec` output).
+        root: the registry root (§8).
+        workdir: the agents' working directory; None = `<root>/work/<job_id>/`.
+        max_jobs: concurrent jobs, 1..64 (§11).
+        once: exit after one job.
+        replace: start even if another runner is live under the session (§7).
+        cancel_grace_s: seconds between SIGTERM and SIGKILL on cancel (§6).
+        clock_skew_s: tolerance on `expires_at`, seconds (§5).
+        presence_wait_s: how long to wait for the session's retained presence at start.
+    """
+
+    session: str
+    argv: tuple[str, ...]
+    root: Path
+    workdir: Path | None = None
+    max_jobs: int = 1
+    once: bool = False
+    replace: bool = False
+    cancel_grace_s: float = DEFAULT_CANCEL_GRACE_S
+    clock_skew_s: float = DEFAULT_CLOCK_SKEW_S
+    presence_wait_s: float = DEFAULT_PRESENCE_WAIT_S
+
+
+def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None,
+                     max_jobs: int, once: bool, replace: bool,
+                     environ: Mapping[str, str] | None = None) -> RunnerOptions:
+    """Validate `mam-runner run` arguments before any network or registry write.
+
+    Args:
+        session: session name; exec_cmd: the `--exec` string; workspace: `--workspace`;
+        workdir: `--workdir` (created if missing); max_jobs: 1..64.
+        environ: the process environment (default os.environ).
+    Returns:
+        RunnerOptions.
+    Raises:
+        UsageError: one line naming the bad argument (exit 64).
+        ConfigError: MAM_CANCEL_GRACE_S / MAM_CLOCK_SKEW_S out of range.
+    """
+    from mam.runner.supervisor import resolve_executable, split_exec
+    from mam.shared import config
+
+    env = os.environ if environ is None else environ
+    names.validate_session(session)
+    argv = split_exec(exec_cmd)
+    resolve_executable(argv[0], env.get("PATH"))
+    if isinstance(max_jobs, bool) or not isinstance(max_jobs, int) or not 1 <= max_jobs <= MAX_JOBS_LIMIT:
+        raise UsageError(f"--max-jobs {max_jobs!r} is invalid: expected 1..{MAX_JOBS_LIMIT}")
+    root = config.resolve_root(workspace, env)
+    work: Path | None = None
+    if workdir is not None:
+        if not workdir.strip():
+            raise UsageError("--workdir is empty: give a directory")
+        work = Path(workdir).expanduser().absolute()
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--workdir {workdir!r} cannot be created: {exc.strerror or exc}") from None
+        if not work.is_dir():
+            raise UsageError(f"--workdir {workdir!r} is not a directory")
+    grace = config.env_float("MAM_CANCEL_GRACE_S", DEFAULT_CANCEL_GRACE_S, environ=env, high=3600.0)
+    skew = config.env_float("MAM_CLOCK_SKEW_S", DEFAULT_CLOCK_SKEW_S, environ=env, high=86400.0)
+    wait = config.env_float("MAM_PRESENCE_WAIT_S", DEFAULT_PRESENCE_WAIT_S, environ=env, high=60.0)
+    return RunnerOptions(session=session, argv=tuple(argv), root=root, workdir=work, max_jobs=max_jobs,
+                         once=once, replace=replace, cancel_grace_s=grace, clock_skew_s=skew,
+                         presence_wait_s=wait)
+
+
+@dataclass
+class _Job:
+    """One taken job and its supervisor thread."""
+
+    job_id: str
+    attempt_id: int
+    dispatch_token: str
+    brief: str
+    heartbeat_s: int
+    timeout_s: int
+    cancel: threading.Event = field(default_factory=threading.Event)
+    cancel_reason: str = ""
+    thread: threading.Thread | None = None
+
+
+class Runner:
+    """The runner daemon (§7, §11). Lifecycle like Temporal's worker / arq:
+
+        runner = Runner(options, config=broker_config, keys=dispatch_keys)
+        code = runner.serve()      # blocks; refuses to run twice
+        runner.drain()             # = first SIGTERM: take nothing new, finish, exit
+        runner.shutdown()          # stop now: cancel running jobs, exit (idempotent)
+
+    The constructor has no side effects: no connection, no files, no signal
+    handlers. `serve()` installs SIGTERM/SIGINT handlers when it runs on the
+    main thread and restores the previous ones when it returns.
+
+    Args:
+        options: validated `RunnerOptions`.
+        config: the BrokerConfig of this host (§13).
+        keys: `DispatchKeys` from MAM_DISPATCH_SECRET (§5).
+        environ: the environment agents inherit (default os.environ).
+    """
+
+    def __init__(self, options: RunnerOptions, *, config: Any, keys: Any,
+                 environ: Mapping[str, str] | None = None) -> None:
+        self.options = options
+        self.config = config
+        self.keys = keys
+        self.environ = environ
+        self.runner_id = names.new_runner_id()
+        self.client: Any = None
+        self._registry: Any = None
+        self._jobs: dict[str, _Job] = {}
+        self._jobs_lock = threading.Lock()
+        self._pending: dict[str, bytes] = {}  # dispatch topic -> payload waiting for a slot
+        self._ended: queue.Queue[str] = queue.Queue()  # job ids whose supervisor finished
+        self._taken = 0
+        self._draining = threading.Event()
+        self._stop = threading.Event()  # second signal / shutdown(): cancel jobs and exit
+        self._stopped = threading.Event()
+        self._served = False
+        self._serve_lock = threading.Lock()
+        self._signals = 0
+        self._presence_status = ""
+        self._shutdown_done = False
+        self._announced = False  # published `online`: only then may we publish `offline`
+        self._serve_thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ public API
+
+    @property
+    def running(self) -> list[str]:
+        """Job ids of the jobs in progress (sorted)."""
+        with self._jobs_lock:
+            return sorted(self._jobs)
+
+    def drain(self) -> None:
+        """Take nothing new, let running jobs finish (heartbeating), then exit 0
+        (§7 `draining`; the first SIGTERM/SIGINT). Safe from any thread."""
+        self._draining.set()
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Stop now: idempotent and safe from any thread (the second SIGTERM/SIGINT).
+
+        Order: 1. stop taking dispatches; 2. cancel every running job (§6:
+        SIGTERM, grace, SIGKILL of the tree; each publishes `error`/`cancelled`)
+        and join the supervisor threads; 3. publish presence `offline`
+        (retained); 4. close the MQTT connection (a clean DISCONNECT, so the
+        broker drops the Last Will); 5. restore the signal handlers. Steps 2-5
+        run in `serve()`'s thread; this call waits up to `timeout_s` (None =
+        forever) for them when `serve()` is running elsewhere.
+        """
+        self._draining.set()
+        self._stop.set()
+        if self._served and threading.current_thread() is not self._serve_thread:
+            self._stopped.wait(timeout_s)
+
+    def serve(self) -> int:
+        """Connect, check the session, announce presence, take and run jobs
+        until drained, stopped or (`once`) one job ended.
+
+        Returns:
+            0 on a clean exit.
+        Raises:
+            SessionBusy: another live runner holds the session (exit 64; §7).
+            BrokerUnavailable: no broker accepted the connection (exit 3).
+            MamError: `serve()` was already called on this Runner.
+        """
+        with self._serve_lock:
+            if self._served:
+                raise MamError("Runner.serve() was already called: a Runner serves once")
+            self._served = True
+        self._serve_thread = threading.current_thread()
+        previous = self._install_signal_handlers()
+        try:
+            self._start()
+            self._loop()
+            return EXIT_OK
+        finally:
+            try:
+                self._finish()
+            finally:
+                self._restore_signal_handlers(previous)
+                self._stopped.set()
+
+    # ------------------------------------------------------------ signals
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("signal %d: draining (running jobs finish, nothing new is taken; "
+                     "signal again to cancel them)", signum)
+            self._draining.set()
+        else:
+            log.info("signal %d again: cancelling running jobs and exiting", signum)
+            self._stop.set()
+
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, self._on_signal)
+        return previous
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict[int, Any]) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    # ------------------------------------------------------------ presence (§7)
+
+    def _presence(self, status: str) -> bytes:
+        from mam.shared import __version__, crypto, wire
+
+        presence = wire.Presence.build(self.options.session, self.runner_id, status,
+                                       host=(socket.gethostname() or "unknown")[:255], version=__version__,
+                                       max_jobs=self.options.max_jobs, running=self.running)
+        return wire.encode(crypto.sign(presence.to_dict(), self.keys.sign_key))
+
+    def _presence_topic(self) -> str:
+        return names.presence_topic(self.options.session, self.config.topic_root)
+
+    def _publish_presence(self, status: str | None = None) -> None:
+        """Publish the retained presence; status None = what the daemon is now."""
+        if status is None:
+            status = "draining" if self._draining.is_set() or self._closing_once() else "online"
+        try:
+            self.client.publish(self._presence_topic(), self._presence(status), retain=True)
+            self._presence_status = status
+            self._announced = True
+        except BrokerError as exc:
+            log.warning("presence %s not published: %s", status, exc)
+
+    def _closing_once(self) -> bool:
+        return self.options.once and self._taken > 0
+
+    def _check_session_free(self) -> None:
+        """§7: refuse to start when another live runner id holds the session."""
+        from mam.shared import crypto, wire
+
+        topic = self._presence_topic()
+        self.client.subscribe([(topic, 1)])
+        # Brokers send a topic's retained message right after the SUBACK; none within
+        # the wait means nobody ever announced this session (or its presence was cleared).
+        deadline = time.monotonic() + self.options.presence_wait_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                message = self.client.messages.get(timeout=remaining)
+            except queue.Empty:
+                return
+            if message.topic != topic:
+                continue  # nothing else is subscribed yet
+            if not message.payload:
+                return
+            try:
+                presence = wire.decode(message.payload, "presence")
+                crypto.verify(presence, self.keys.sign_key)
+            except (DecodeError, SignatureError) as exc:
+                log.warning("ignoring the retained presence of session %s: %s", self.options.session, exc)
+                return
+            if presence.runner_id == self.runner_id or presence.status == "offline":
+                return
+            if self.options.replace:
+                log.warning("session %s: replacing runner %s on %s (%s; --replace)", self.options.session,
+                            presence.runner_id, presence.host, presence.status)
+                return
+            raise SessionBusy(
+                f"session {self.options.session!r} is held by another live runner ({presence.runner_id} on "
+                f"{presence.host}, {presence.status} since {presence.timestamp}); stop it first, or start "
+                "with --replace if it is gone (a killed runner stays 'online' until the broker notices, "
+                "keepalive x 1.5)")
+
+    # ------------------------------------------------------------ lifecycle internals
+
+    def _start(self) -> None:
+        from mam.shared import mqtt
+        from mam.shared.registry import Registry
+
+        self._registry = Registry(self.options.root)
+        will = (self._presence_topic(), self._presence("offline"), mqtt.QOS_AT_LEAST_ONCE, True)
+        self.client = mqtt.MqttClient(self.config, "runner", will=will)
+        self.client.connect()
+        self._check_session_free()
+        self._publish_presence("online")
+        self.client.subscribe([(names.all_controls_filter(self.config.topic_root), 1),
+                               (names.all_dispatches_filter(self.config.topic_root), 1)])
+        log.info("runner %s serving session %s (max %d job(s)) on %s:%d", self.runner_id,
+                 self.options.session, self.options.max_jobs, self.client.host, self.config.port)
+
+    def _loop(self) -> None:
+        announced_drain = False
+        while True:
+            if self._stop.is_set():
+                self._cancel_all("runner_shutdown")
+                if not self.running:
+                    return
+            if self._draining.is_set() and not announced_drain:
+                announced_drain = True
+                self._pending.clear()
+                self._publish_presence("draining")
+            if (self._draining.is_set() or self._closing_once()) and not self.running:
+                return
+            if self.client.reconnected.is_set():  # the broker may have published our Last Will
+                self.client.reconnected.clear()
+                self._publish_presence()
+            self._reap_ended()
+            try:
+                message = self.client.messages.get(timeout=LOOP_POLL_S)
+            except queue.Empty:
+                continue
+            try:
+                self._handle(message)
+            except Exception:  # a daemon never dies on a bad message
+                log.exception("message on %s could not be handled", message.topic)
+
+    def _finish(self) -> None:
+        if self._shutdown_done:
+            return
+        self._shutdown_done = True
+        self._draining.set()
+        self._cancel_all("runner_shutdown")
+        for job in list(self._jobs.values()):
+            if job.thread is not None:
+                job.thread.join()
+        self._reap_ended()
+        if self.client is not None:
+            if self._announced and self.client.connected.is_set():
+                self._publish_presence("offline")
+            self.client.close()
+        log.info("runner %s stopped", self.runner_id)
+
+    def _cancel_all(self, reason: str) -> None:
+        with self._jobs_lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            if not job.cancel.is_set():
+                job.cancel_reason = reason
+                job.cancel.set()
+
+    def _reap_ended(self) -> None:
+        changed = False
+        while True:
+            try:
+                job_id = self._ended.get_nowait()
+            except queue.Empty:
+                break
+            with self._jobs_lock:
+                job = self._jobs.pop(job_id, None)
+            if job is not None and job.thread is not None:
+                job.thread.join()
+            changed = True
+        if changed and self.client is not None and not self._shutdown_done:
+            self._publish_presence()
+            self._retry_pending()
+
+    # ------------------------------------------------------------ messages
+
+    def _handle(self, message: Any) -> None:
+        parsed = names.parse_job_topic(message.topic, self.config.topic_root)
+        if parsed is not None:
+            job_id, leaf = parsed
+            if leaf == "dispatch":
+                self._on_dispatch(job_id, message.topic, message.payload)
+            elif leaf == "control":
+                self._on_control(job_id, message.payload)
+            return
+        if message.topic == self._presence_topic():
+            self._on_presence(message.payload)
+
+    def _on_presence(self, payload: bytes) -> None:
+        from mam.shared import crypto, wire
+
+        if not payload:
+            return
+        try:
+            presence = wire.decode(payload, "presence")
+            crypto.verify(presence, self.keys.sign_key)
+        except (DecodeError, SignatureError) as exc:
+            log.warning("refused presence on session %s: %s", self.options.session, exc)
+            return
+        if presence.runner_id != self.runner_id and presence.status != "offline":
+            log.warning("session %s: another runner %s on %s is %s under this session", self.options.session,
+                        presence.runner_id, presence.host, presence.status)
+
+    def _refuse(self, what: str, reason: str) -> None:
+        log.warning("refused dispatch %s: %s", what, reason)
+
+    def _on_dispatch(self, topic_job_id: str, topic: str, payload: bytes) -> None:
+        """§5 checks, then take the job or remember it for a free slot (§11)."""
+        from mam.shared import crypto, wire
+
+        if not payload:  # a cleared dispatch (§2)
+            self._pending.pop(topic, None)
+            return
+        try:
+            dispatch = wire.decode(payload, "dispatch")
+        except DecodeError as exc:
+            self._refuse(topic_job_id, exc.reason if exc.reason.startswith("malformed")
+                         else f"malformed: {exc.reason}")
+            return
+        job_id = dispatch.job_id
+        if job_id != topic_job_id:
+            self._refuse(topic_job_id, f"malformed: job_id {job_id} does not match the topic")
+            return
+        try:
+            crypto.verify(dispatch, self.keys.sign_key)
+        except SignatureError as exc:
+            self._refuse(job_id, str(exc))
+            return
+        if dispatch.session != self.options.session:
+            log.debug("dispatch %s is for session %s, not ours", job_id, dispatch.session)
+            return
+        if dispatch.expired(skew_s=self.options.clock_skew_s):
+            self._refuse(job_id, f"expired: expires_at {dispatch.expires_at} is more than "
+                                 f"{self.options.clock_skew_s:g} s in the past")
+            self._pending.pop(topic, None)
+            return
+        held = self._held_attempt(job_id)
+        if held is not None and dispatch.attempt_id <= held[0]:
+            self._refuse(job_id, f"replayed: attempt {dispatch.attempt_id} already taken by this host "
+                                 f"(holds attempt {held[0]}, {held[1]})")
+            self._pending.pop(topic, None)
+            return
+        try:
+            auth_token, brief = crypto.open_sealed(self.keys.seal_key, dispatch.sealed, job_id=job_id,
+                                                   attempt_id=dispatch.attempt_id,
+                                                   dispatch_token=dispatch.dispatch_token)
+        except SignatureError as exc:
+            self._refuse(job_id, str(exc))
+            return
+        if self._draining.is_set() or self._stop.is_set() or self._closing_once():
+            log.info("dispatch %s left retained: this runner is draining", job_id)
+            return
+        with self._jobs_lock:
+            full = len(self._jobs) >= self.options.max_jobs or job_id in self._jobs
+        if full:
+            log.info("dispatch %s waits for a free slot (%d/%d busy)", job_id, len(self._jobs),
+                     self.options.max_jobs)
+            self._pending[topic] = payload
+            return
+        self._pending.pop(topic, None)
+        self._take(dispatch, auth_token, brief)
+
+    def _held_attempt(self, job_id: str) -> tuple[int, str] | None:
+        """(attempt, status) of this host's record of `job_id`, or None."""
+        from mam.shared.registry import JobNotFound
+
+        try:
+            record = self._registry.get(job_id)
+        except JobNotFound:
+            return None
+        return record["attempt_id"], record["status"]
+
+    def _retry_pending(self) -> None:
+        """A slot freed: re-evaluate the remembered dispatches in arrival order (§11)."""
+        for topic, payload in list(self._pending.items()):
+            with self._jobs_lock:
+                if len(self._jobs) >= self.options.max_jobs:
+                    return
+            self._pending.pop(topic, None)
+            parsed = names.parse_job_topic(topic, self.config.topic_root)
+            if parsed is not None:
+                try:
+                    self._on_dispatch(parsed[0], topic, payload)
+                except Exception:
+                    log.exception("pending dispatch on %s could not be handled", topic)
+
+    def _take(self, dispatch: Any, auth_token: str, brief: str) -> None:
+        """§11 step 1 here (the slot is taken synchronously); steps 2-5 on the supervisor thread."""
+        from mam.shared.registry import Contract, Refusal
+
+        contract = Contract.from_dict(dispatch.contract.to_dict())
+        try:
+            self._registry.mirror(job_id=dispatch.job_id, session=dispatch.session,
+                                  attempt_id=dispatch.attempt_id, dispatch_token=dispatch.dispatch_token,
+                                  auth_token=auth_token, contract=contract, origin=dispatch.origin,
+                                  source="runner")
+        except Refusal as exc:
+            self._refuse(dispatch.job_id, f"{exc.reason}: {exc}")
+            return
+        job = _Job(job_id=dispatch.job_id, attempt_id=dispatch.attempt_id,
+                   dispatch_token=dispatch.dispatch_token, brief=brief,
+                   heartbeat_s=contract.heartbeat_sec, timeout_s=contract.timeout_sec)
+        job.thread = threading.Thread(target=self._supervise, args=(job,), name=f"supervisor-{job.job_id}",
+                                      daemon=True)
+        with self._jobs_lock:
+            self._jobs[job.job_id] = job
+        self._taken += 1
+        log.info("took job %s attempt %d from %s", job.job_id, job.attempt_id, dispatch.origin)
+        job.thread.start()
+        self._publish_presence()
+
+    def _on_control(self, job_id: str, payload: bytes) -> None:
+        """§6: a signed cancel for the attempt held here stops its agent."""
+        from mam.shared import crypto, wire
+
+        if not payload:
+            return
+        try:
+            control = wire.decode(payload, "control")
+            if control.job_id != job_id:
+                raise DecodeError(f"malformed: job_id {control.job_id} does not match the topic")
+            crypto.verify(control, self.keys.sign_key)
+        except (DecodeError, SignatureError) as exc:
+            log.warning("refused control %s: %s", job_id, getattr(exc, "reason", None) or exc)
+            return
+        with self._jobs_lock:
+            job = self._jobs.get(job_id)
+        if job is not None:
+            if control.attempt_id != job.attempt_id:
+                log.info("ignored cancel of job %s attempt %d: this runner holds attempt %d", job_id,
+                         control.attempt_id, job.attempt_id)
+            elif not job.cancel.is_set():
+                log.info("cancel of job %s attempt %d (%s)", job_id, control.attempt_id, control.reason)
+                job.cancel_reason = control.reason
+                job.cancel.set()
+            return
+        self._drop_pending_for(job_id, control.attempt_id)
+        self._cancel_unsupervised(job_id, control.attempt_id)
+
+    def _drop_pending_for(self, job_id: str, attempt_id: int) -> None:
+        topic = names.dispatch_topic(job_id, self.config.topic_root)
+        payload = self._pending.get(topic)
+        if payload is None:
+            return
+        from mam.shared import wire
+
+        try:
+            if wire.decode(payload, "dispatch").attempt_id <= attempt_id:
+                self._pending.pop(topic, None)
+                log.info("dropped waiting dispatch %s: cancelled", job_id)
+        except DecodeError:
+            self._pending.pop(topic, None)
+
+    def _cancel_unsupervised(self, job_id: str, attempt_id: int) -> None:
+        """A cancel for a job this process does not supervise: ignore unknown and
+        finished jobs; a non-terminal record of that attempt (left by a runner that
+        died) is marked `cancelled` and the hub told (§6)."""
+        from mam.shared.registry import TERMINAL
+
+        held = self._held_attempt(job_id)
+        if held is None:
+            log.debug("ignored cancel of unknown job %s", job_id)
+            return
+        if held[0] != attempt_id or held[1] in TERMINAL:
+            log.debug("ignored cancel of job %s attempt %d (record: attempt %d, %s)", job_id, attempt_id,
+                      held[0], held[1])
+            return
+        record = self._registry.get(job_id)
+        self._publish_terminal(job_id, record["attempt_id"], record["dispatch_token"], "error", "cancelled",
+                               None, status="cancelled")
+        log.info("job %s attempt %d had no supervisor here: marked cancelled", job_id, attempt_id)
+
+    # ------------------------------------------------------------ the supervisor thread (§11)
+
+    def _agent_env(self, job: _Job, env_file: Path) -> dict[str, str]:
+        from mam.runner.publish import publish_command
+        from mam.runner.supervisor import agent_env
+
+        env = agent_env(os.environ if self.environ is None else self.environ, job_id=job.job_id,
+                        attempt_id=job.attempt_id, dispatch_token=job.dispatch_token,
+                        session=self.options.session, heartbeat_s=job.heartbeat_s,
+                        publish_cmd=publish_command(self.options.root, job.job_id), brief=job.brief)
+        env["MAM_ENV_FILE"] = str(env_file)
+        env["MAM_REAL_ROOT"] = str(self.options.root)
+        return env
+
+    def _write_broker_env(self, job_id: str) -> Path:
+        """The agent's per-job broker settings, 0600, without the dispatch secret (see module doc)."""
+        from mam.shared.config import write_env_file
+
+        cfg = self.config
+        values = {"MQTT_BROKER": ",".join(cfg.hosts), "MQTT_PORT": str(cfg.port),
+                  "MQTT_TLS": "true" if cfg.tls else "false", "MQTT_USERNAME": cfg.username,
+                  "MQTT_PASSWORD": cfg.password, "MQTT_CA_CERTS": cfg.ca_certs,
+                  "MQTT_CERTFILE": cfg.certfile, "MQTT_KEYFILE": cfg.keyfile,
+                  "MQTT_CLIENT_ID_PREFIX": cfg.client_id_prefix, "MQTT_KEEPALIVE": str(cfg.keepalive_s),
+                  "MAM_TOPIC_ROOT": cfg.topic_root}
+        assert tuple(values) == _BROKER_ENV_KEYS
+        path = self._registry.logs_dir(job_id) / "broker.env"
+        return write_env_file(path, values, header=f"broker settings for the agent of job {job_id}",
+                              overwrite=True)
+
+    def _supervise(self, job: _Job) -> None:
+        """Steps 2-5 of §11 for one job; always ends by telling the main loop."""
+        try:
+            self._run_job(job)
+        except Exception:
+            log.exception("supervisor of job %s failed", job.job_id)
+            self._publish_terminal(job.job_id, job.attempt_id, job.dispatch_token, "error",
+                                   "runner failed to supervise the agent", None)
+        finally:
+            self._ended.put(job.job_id)
+
+    def _run_job(self, job: _Job) -> None:
+        from mam.runner import heartbeat, publish
+        from mam.runner.supervisor import AgentProcess, AgentStartError
+
+        try:  # §11 step 2: the dispatch is taken; nobody else may take it
+            self.client.publish(names.dispatch_topic(job.job_id, self.config.topic_root), b"", retain=True)
+        except BrokerError as exc:
+            log.warning("job %s: retained dispatch not cleared (%s); the registry refuses its replay", job.job_id,
+                        exc)
+        started = publish.record(self._registry, publish.PublishRequest(
+            job_id=job.job_id, event="started", attempt_id=job.attempt_id, dispatch_token=job.dispatch_token),
+            source="runner")
+        self._send(job.job_id, started)
+        try:
+            heartbeat.start_timer(self._registry, job.job_id, attempt_id=job.attempt_id,
+                                  dispatch_token=job.dispatch_token, interval_s=float(job.heartbeat_s),
+                                  watch=heartbeat.WatchedProcess.of(os.getpid()), timeout_s=float(job.timeout_s))
+        except (RegistryError, MamError) as exc:
+            log.warning("job %s: heartbeat timer not started: %s", job.job_id, exc)
+        if job.cancel.is_set():  # cancelled before the agent started
+            self._publish_terminal(job.job_id, job.attempt_id, job.dispatch_token, "error", "cancelled", None,
+                                   status="cancelled")
+            return
+        env_file = self._write_broker_env(job.job_id)
+        agent = AgentProcess()
+        workdir = self.options.workdir or (self.options.root / "work" / job.job_id)
+        try:
+            try:
+                agent.start(list(self.options.argv), env=self._agent_env(job, env_file), cwd=workdir,
+                            stdin_text=job.brief, log_path=self._registry.logs_dir(job.job_id) / "agent.log")
+            except (AgentStartError, RegistryError, OSError) as exc:
+                log.error("job %s: agent not started: %s", job.job_id, exc)
+                self._publish_terminal(job.job_id, job.attempt_id, job.dispatch_token, "error",
+                                       "agent could not be started", 127)
+                return
+            log.info("job %s: agent pid %d started", job.job_id, agent.pid)
+            status = None
+            while status is None:
+                if job.cancel.wait(0):
+                    break
+                status = agent.wait(timeout_s=LOOP_POLL_S)
+            if status is None or job.cancel.is_set():
+                status = agent.cancel(grace_s=self.options.cancel_grace_s)
+                log.info("job %s: agent cancelled (%s)", job.job_id, job.cancel_reason or "cancel")
+                _, _, code = status.terminal()
+                self._publish_terminal(job.job_id, job.attempt_id, job.dispatch_token, "error", "cancelled",
+                                       code, status="cancelled")
+                return
+            event, detail, code = status.terminal()
+            log.info("job %s: agent ended (%s)", job.job_id, detail or "exit 0")
+            self._publish_terminal(job.job_id, job.attempt_id, job.dispatch_token, event, detail, code)
+        finally:
+            agent.close()
+            env_file.unlink(missing_ok=True)
+
+    def _publish_terminal(self, job_id: str, attempt_id: int, dispatch_token: str, event: str, detail: str,
+                          exit_code: int | None, *, status: str | None = None) -> None:
+        """§11 step 5: disk first, then the wire; an agent's own terminal event wins."""
+        from mam.runner import publish
+        from mam.shared.registry import Refusal
+
+        try:
+            published = publish.record(self._registry, publish.PublishRequest(
+                job_id=job_id, event=event, detail=detail, attempt_id=attempt_id, dispatch_token=dispatch_token),
+                source="runner", exit_code=exit_code, status=status)
+        except Refusal as exc:
+            if exc.reason == "after_terminal":
+                log.info("job %s already ended (the agent published its terminal event)", job_id)
+            else:
+                log.warning("job %s: terminal event refused: %s", job_id, exc)
+            return
+        except TransitionRefused as exc:
+            log.warning("job %s: terminal event refused: %s", job_id, exc)
+            return
+        self._send(job_id, published)
+
+    def _send(self, job_id: str, published: Any) -> None:
+        from mam.runner import publish
+
+        try:
+            publish.send_on(self.client, published)
+        except BrokerError as exc:  # on disk already; paho still resends it after a reconnect
+            log.warning("job %s seq %d is on disk but not acknowledged by the broker: %s", job_id,
+                        published.seq, exc)
+
+
+def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None, max_jobs: int,
+            once: bool, replace: bool) -> int:
+    """`mam-runner run`: validate, resolve config and keys, serve.
+
+    Returns:
+        the exit code (0 clean exit).
+    Raises:
+        UsageError / ConfigError (exit 64), EnvFileError (1), BrokerUnavailable (3).
+    """
+    from mam.shared import config, crypto
+
+    options = options_from_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
+                               max_jobs=max_jobs, once=once, replace=replace)
+    secret = config.dispatch_secret(workspace=options.root)  # before anything talks to the network
+    cfg = config.broker_config(workspace=options.root)
+    runner = Runner(options, config=cfg, keys=crypto.derive_keys(secret))
+    return runner.serve()
+
+
+__all__ = ["Runner", "RunnerOptions", "SessionBusy", "options_from_cli", "run_cli"]
