@@ -185,6 +185,101 @@ def watch_cmd(
                      ack_timeout_s=ack_timeout, timeout_s=timeout)
 
 
+_WS_HELP = "Workspace root (default: see PROTOCOL §8)."
+
+
+@app.command("dispatch")
+def dispatch_cmd(
+    session: str = typer.Option(..., "--session", metavar="NAME",
+                                help="The runner session to run the job (letters, digits, '-', '_')."),
+    brief: str = typer.Option(None, "--brief", metavar="TEXT", help="The brief (UTF-8, at most 512 KiB)."),
+    brief_file: str = typer.Option(None, "--brief-file", metavar="PATH",
+                                   help="Read the brief from PATH ('-' = stdin)."),
+    heartbeat: int = typer.Option(None, "--heartbeat", metavar="N",
+                                  help="Heartbeat period in seconds (default MAM_HEARTBEAT_SEC, else 30)."),
+    heartbeat_misses: int = typer.Option(None, "--heartbeat-misses", metavar="K",
+                                         help="Missed beats before idle (default MAM_HEARTBEAT_MISSES, else 4)."),
+    ack_timeout: int = typer.Option(None, "--ack-timeout", metavar="T",
+                                    help="Seconds for `started` to arrive (default MAM_ACK_TIMEOUT_S, else 180)."),
+    idle_timeout: int = typer.Option(None, "--idle-timeout", metavar="S",
+                                     help="Seconds without a newer event before closing (default K x N)."),
+    timeout: int = typer.Option(None, "--timeout", metavar="W", help="Wall-clock budget in seconds (default 7200)."),
+    require_online: bool = typer.Option(False, "--require-online",
+                                        help="Exit 5 (nothing dispatched) unless the session has a signed "
+                                             "online presence."),
+    detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
+    as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
+    workspace: str = typer.Option(None, "--workspace", help=_WS_HELP),
+) -> int:
+    """Dispatch a job to a runner session and watch it until it ends (PROTOCOL §5, §10).
+
+    The brief travels sealed (AES-256-GCM) in a signed retained dispatch; the
+    hub keeps a 0600 copy in .mam/logs/<job>/brief.txt for redispatch.
+    Exit codes: 0 completed, 1 error (incl. agent_blocked), 2 idle or wall
+    timeout, 3 broker unreachable, 4 cancelled, 5 no online runner
+    (--require-online), 64 bad arguments, 130 detached with Ctrl-C.
+    """
+    from mam.orchestrator.dispatch import dispatch_cli
+
+    clikit.setup_logging()
+    return dispatch_cli(session=session, brief=brief, brief_file=brief_file, heartbeat_s=heartbeat,
+                        heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout, idle_timeout_s=idle_timeout,
+                        timeout_s=timeout, require_online=require_online, detach=detach, as_json=as_json,
+                        workspace=workspace)
+
+
+@app.command("cancel")
+def cancel_cmd(
+    job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
+    workspace: str = typer.Option(None, "--workspace", help=_WS_HELP),
+) -> int:
+    """Cancel a job: record cancelled, retained dispatch cleared, signed retained cancel published (§6).
+
+    A job already terminal is reported and left alone (exit 0). Exit 1 for
+    an unknown job, 3 when the broker is unreachable (the record is unchanged).
+    """
+    from mam.orchestrator.fleet import cancel
+
+    clikit.setup_logging()
+    return cancel(job_id, workspace=workspace)
+
+
+@app.command("redispatch")
+def redispatch_cmd(
+    job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
+    session: str = typer.Option(None, "--session", metavar="NAME", help="Move the job to another session."),
+    brief: str = typer.Option(None, "--brief", metavar="TEXT", help="A new brief (default: the stored one)."),
+    brief_file: str = typer.Option(None, "--brief-file", metavar="PATH",
+                                   help="Read a new brief from PATH ('-' = stdin)."),
+    detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
+    as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
+    workspace: str = typer.Option(None, "--workspace", help=_WS_HELP),
+) -> int:
+    """Start a new attempt of an ended job and watch it (PROTOCOL §8).
+
+    Allowed from error or cancelled (never completed): attempt + 1, new
+    tokens, a new sealed dispatch. Exit codes as for dispatch; 1 when refused.
+    """
+    from mam.orchestrator.fleet import redispatch_cli
+
+    clikit.setup_logging()
+    return redispatch_cli(job_id, session=session, brief=brief, brief_file=brief_file, detach=detach,
+                          as_json=as_json, workspace=workspace)
+
+
+@app.command("runners")
+def runners_cmd(
+    as_json: bool = typer.Option(False, "--json", help="JSON lines (default on a pipe)."),
+    workspace: str = typer.Option(None, "--workspace", help=_WS_HELP),
+) -> int:
+    """List runners from their signed retained presence: online, draining or offline,
+    running jobs, last seen (PROTOCOL §7). Unsigned or forged presence is refused on stderr."""
+    from mam.orchestrator.fleet import runners_cli
+
+    clikit.setup_logging()
+    return runners_cli(workspace=workspace, as_json=as_json)
+
+
 def main() -> None:
     """Console-script entry point."""
     clikit.run(app, "mam-orch")

@@ -7,9 +7,12 @@ runner's tests and the hub share one way of making a dispatch.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
+import sys
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from mam.shared import names
@@ -38,6 +41,12 @@ def check_brief(brief: str) -> str:
     size = len(brief.encode("utf-8", "surrogatepass"))
     if size > MAX_BRIEF_BYTES:
         raise UsageError(f"the brief is {size} bytes, larger than the {MAX_BRIEF_BYTES}-byte limit (§5)")
+    if "\x00" in brief:  # the runner passes it in MAM_JOB_BRIEF, and no environment value holds a NUL (§11)
+        raise UsageError("the brief contains a NUL character: give UTF-8 text")
+    try:
+        brief.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError("the brief is not valid UTF-8 text (lone surrogate)") from None
     return brief
 
 
@@ -95,3 +104,242 @@ def publish_dispatch(client: Any, signed: dict[str, Any]) -> None:
     """
     client.publish(names.dispatch_topic(signed["job_id"], client.config.topic_root),
                    encode_dispatch(signed), retain=True)
+
+
+# ------------------------------------------------------------------ the command
+
+BRIEF_FILE_NAME = "brief.txt"
+EXIT_NO_RUNNER = 5  # §9: no capacity / session busy, nothing dispatched
+EXIT_DETACHED = 130
+
+
+def read_brief(brief: str | None, brief_file: str | None, stdin: Any = None) -> str:
+    """The brief from exactly one of `--brief TEXT` / `--brief-file PATH|-` (§5).
+
+    The file (or stdin for "-") is read as bytes, at most 512 KiB + 1, and
+    decoded as strict UTF-8.
+
+    Returns:
+        the checked brief (`check_brief`).
+    Raises:
+        UsageError: none or both sources; a file that is missing, unreadable,
+            a directory, larger than 512 KiB, not UTF-8, empty, or holding a NUL.
+    """
+    from mam.shared.crypto import MAX_BRIEF_BYTES
+
+    if (brief is None) == (brief_file is None):
+        raise UsageError("give exactly one of --brief TEXT, --brief-file PATH or --brief-file -")
+    if brief is not None:
+        return check_brief(brief)
+    where = "stdin" if brief_file == "-" else str(brief_file)
+    try:
+        if brief_file == "-":
+            handle = stdin if stdin is not None else sys.stdin.buffer
+            raw = handle.read(MAX_BRIEF_BYTES + 1)
+        else:
+            with open(str(brief_file), "rb") as file:
+                raw = file.read(MAX_BRIEF_BYTES + 1)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UsageError(f"--brief-file {where}: cannot read ({reason})") from None
+    if len(raw) > MAX_BRIEF_BYTES:
+        raise UsageError(f"--brief-file {where}: larger than the {MAX_BRIEF_BYTES}-byte limit of a brief (§5)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"--brief-file {where}: not UTF-8 text (bad byte at offset {exc.start})") from None
+    return check_brief(text)
+
+
+def brief_path(registry: Any, job_id: str) -> Path:
+    """`<root>/.mam/logs/<job_id>/brief.txt`: the hub's copy of the brief.
+
+    The brief crosses the broker only sealed (§5), so the hub keeps the
+    operator's own text on its own disk (0600, next to the audit log) to
+    re-seal it for a redispatch (§8).
+    """
+    return Path(registry.logs_dir(job_id)) / BRIEF_FILE_NAME
+
+
+def save_brief(registry: Any, job_id: str, brief: str) -> Path:
+    """Write the brief to `brief_path` (atomic, 0600).
+
+    Raises:
+        RegistryError: the write failed.
+    """
+    from mam.shared.registry import atomic_write
+
+    path = brief_path(registry, job_id)
+    atomic_write(path, brief.encode("utf-8"), what=f"job {job_id} brief")
+    return path
+
+
+def load_brief(registry: Any, job_id: str) -> str:
+    """The stored brief of a job (for a redispatch).
+
+    Raises:
+        UsageError: no stored brief (give --brief-file), or it is not a valid brief.
+    """
+    path = brief_path(registry, job_id)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise UsageError(f"job {job_id}: no stored brief at {path}; give --brief TEXT or --brief-file PATH") from None
+    except OSError as exc:
+        raise UsageError(f"job {job_id}: cannot read the stored brief {path} "
+                         f"({exc.strerror or type(exc).__name__})") from None
+    try:
+        return check_brief(raw.decode("utf-8"))
+    except (UnicodeDecodeError, UsageError):
+        raise UsageError(f"job {job_id}: the stored brief {path} is unusable; give --brief-file PATH") from None
+
+
+def hub_contract(workspace: Any, *, heartbeat_s: int | None = None, heartbeat_misses: int | None = None,
+                 ack_timeout_s: int | None = None, idle_timeout_s: int | None = None,
+                 timeout_s: int | None = None) -> Any:
+    """The job's contract (§5): defaults, then MAM_HEARTBEAT_SEC, MAM_HEARTBEAT_MISSES,
+    MAM_ACK_TIMEOUT_S (environment, then .mam.env, §13), then the CLI options.
+
+    Raises:
+        UsageError: an option that is not a positive integer (or absurdly large).
+        ConfigError: a bad environment value. EnvFileError: an unreadable env file.
+    """
+    from mam.shared import config
+    from mam.shared.registry import Contract
+
+    for name, value in (("--heartbeat", heartbeat_s), ("--heartbeat-misses", heartbeat_misses),
+                        ("--ack-timeout", ack_timeout_s), ("--idle-timeout", idle_timeout_s),
+                        ("--timeout", timeout_s)):
+        if value is not None and value < 1:
+            raise UsageError(f"{name} {value} is invalid: expected a positive integer")
+    return Contract.from_env(config.load_env(workspace=workspace), heartbeat_sec=heartbeat_s,
+                             heartbeat_misses=heartbeat_misses, ack_timeout_sec=ack_timeout_s,
+                             idle_timeout_sec=idle_timeout_s, timeout_sec=timeout_s)
+
+
+def connect(cfg: Any, role: str = "hub") -> Any:
+    """A connected `MqttClient` (§13 fail-over and deadlines).
+
+    Raises:
+        BrokerUnavailable: no broker accepted the connection (exit 3).
+    """
+    from mam.shared import mqtt
+
+    client = mqtt.MqttClient(cfg, role)
+    try:
+        client.connect()
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def _print_started(record: dict[str, Any], as_json: bool, verb: str) -> None:
+    """The --detach answer on stdout: the job id (JSON unless a human reads a TTY)."""
+    if as_json or not sys.stdout.isatty():
+        print(json.dumps({"job_id": record["job_id"], "session": record["session"],
+                          "attempt_id": record["attempt_id"], "status": record["status"], "action": verb}),
+              flush=True)
+    else:
+        print(record["job_id"], flush=True)
+
+
+def publish_and_watch(registry: Any, record: dict[str, Any], brief: str, keys: Any, client: Any, *,
+                      detach: bool, as_json: bool, verb: str = "dispatched") -> int:
+    """From a registered (or redispatched) pending attempt to its end, on one
+    connection (§5, §10): store the brief, subscribe to the job's events and
+    state, publish the sealed signed retained dispatch, then watch.
+
+    If anything fails before the dispatch is on the broker, the record is
+    closed `agent_blocked` (so no job stays pending) and the error propagates.
+
+    Args:
+        record: the attempt to publish (from `Registry.register` / `redispatch`).
+        brief: the checked brief; client: a connected `MqttClient` (not closed here).
+        detach: return 0 right after the publish; as_json: JSON on stdout even on a TTY.
+        verb: "dispatched" or "redispatched", for the messages.
+    Returns:
+        the exit code of §9 (130 when detached with Ctrl-C).
+    Raises:
+        BrokerError (exit 3), RegistryError, UsageError.
+    """
+    from mam.orchestrator.fleet import close_remote
+    from mam.orchestrator.watch import Detached, Watcher, WatchOptions, detach_hint
+    from mam.shared.errors import BrokerUnavailable
+
+    job_id = record["job_id"]
+    watcher = Watcher(registry, job_id, client=client, keys=keys,
+                      options=WatchOptions(remote=True, ack_only_before_first=True))
+    if as_json:
+        watcher.human = False
+    published = False
+    try:
+        signed = build_dispatch(record, brief, keys)
+        save_brief(registry, job_id, brief)
+        if not watcher.subscribe():
+            raise BrokerUnavailable(f"job {job_id}: cannot subscribe to its events and state")
+        publish_dispatch(client, signed)
+        published = True
+    except BaseException:
+        if not published:
+            closed = close_remote(registry, client if client.connected.is_set() else None, keys,
+                                  job_id, "agent_blocked")
+            print(f"job {job_id} was not {verb}; its record is closed {closed.get('close_reason')}",
+                  file=sys.stderr)
+        raise
+    print(f"{verb} job {job_id} to {record['session']} (attempt {record['attempt_id']})", file=sys.stderr,
+          flush=True)
+    if detach:
+        _print_started(registry.get(job_id), as_json, verb)
+        return 0
+    try:
+        return watcher.run()
+    except Detached:
+        print(detach_hint(job_id), file=sys.stderr)
+        return EXIT_DETACHED
+
+
+def dispatch_cli(*, session: str, brief: str | None, brief_file: str | None, heartbeat_s: int | None,
+                 heartbeat_misses: int | None, ack_timeout_s: int | None, idle_timeout_s: int | None,
+                 timeout_s: int | None, require_online: bool, detach: bool, as_json: bool,
+                 workspace: str | None, stdin: Any = None) -> int:
+    """`mam-orch dispatch` (§5, §9, §10).
+
+    Order: validate everything (session, one brief source, the brief, the
+    contract, MAM_DISPATCH_SECRET, the broker settings) with nothing written;
+    connect (unreachable: exit 3, nothing registered); with `require_online`
+    read the session's retained presence and exit 5 unless it is a signed
+    `online` presence (`draining` takes nothing new, so it does not count);
+    register (transport remote, agent_session remote:<session>); then
+    `publish_and_watch`.
+
+    Returns:
+        the exit code of §9: 0 completed, 1 error/agent_blocked, 2 timeout,
+        3 broker, 4 cancelled, 5 no online runner, 130 detached.
+    Raises:
+        UsageError / ConfigError (exit 64), EnvFileError (exit 1), BrokerError (exit 3).
+    """
+    from mam.orchestrator import fleet
+    from mam.shared import config
+    from mam.shared.registry import Registry
+
+    names.validate_session(session)
+    text = read_brief(brief, brief_file, stdin)
+    registry = Registry(config.resolve_root(workspace))
+    contract = hub_contract(registry.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
+                            ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
+    keys = fleet.signing_keys(registry.root)
+    cfg = config.broker_config(workspace=registry.root)
+    client = connect(cfg)
+    try:
+        if require_online:
+            presence = fleet.read_presence(client, keys, session)
+            if presence is None or presence["status"] != "online":
+                state = "has no signed presence" if presence is None else f"is {presence['status']}"
+                print(f"ERROR: session {session} {state}; nothing dispatched (start `mam-runner run "
+                      f"--session {session}` there, or drop --require-online)", file=sys.stderr)
+                return EXIT_NO_RUNNER
+        record = registry.register(session=session, contract=contract)
+        return publish_and_watch(registry, record, text, keys, client, detach=detach, as_json=as_json)
+    finally:
+        client.close()

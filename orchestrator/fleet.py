@@ -89,43 +89,232 @@ def close_remote(registry: Any, client: Any, keys: Any, job_id: str, close_reaso
 
 
 def cancel(job_id: str, *, workspace: Any = None, reason: str = "operator") -> int:
-    """`mam-orch cancel`: mark the hub record cancelled, then publish the
-    signed retained cancel (§6). Returns the exit code (4 = cancelled).
+    """`mam-orch cancel` (§6, §8, §10).
 
+    Order: the job id and record first (unknown job: one line, exit 1); a
+    job already terminal on the hub is reported and nothing is sent (exit 0);
+    then MAM_DISPATCH_SECRET and the broker settings, then the connection
+    (unreachable: exit 3 and the record is unchanged); then the record goes
+    `cancelled` (CAS, source operator), the retained dispatch is cleared (a
+    runner that has not taken it never will) and the signed retained cancel
+    is published (a runner holding the attempt stops the agent). A dispatch
+    or watch attached to the job sees the record and exits 4.
+
+    Prints one JSON line on stdout: {"job_id", "status", "attempt_id", "changed"}.
+
+    Returns:
+        0.
     Raises:
-        UsageError, ConfigError, RegistryError, BrokerError.
+        UsageError (64), ConfigError (64), JobNotFound / RegistryError (1),
+        BrokerError (3; after the record changed, the message says the runner was not told).
     """
-    from mam.shared import config, mqtt
+    from mam.orchestrator.dispatch import connect
+    from mam.shared import config
+    from mam.shared.errors import BrokerError, TransitionRefused
     from mam.shared.registry import TERMINAL, Registry
 
     names.validate_job_id(job_id)
     registry = Registry(config.resolve_root(workspace))
     record = registry.get(job_id)
-    if record["status"] in TERMINAL:
-        print(f"job {job_id} is already {record['status']}; nothing to cancel", file=sys.stderr)
-        return 0
-    keys = signing_keys(registry.root)
-    cfg = config.broker_config(record.get("broker") or None, workspace=registry.root)
-    record = registry.close(job_id, "cancelled", source="operator", reason=reason)
-    with mqtt.MqttClient(cfg, "cancel") as client:
-        client.connect()
-        publish_cancel(client, record, keys, reason)
-    print(json.dumps({"job_id": job_id, "status": "cancelled", "attempt_id": record["attempt_id"]}))
+    if record["status"] not in TERMINAL:
+        keys = signing_keys(registry.root)
+        cfg = config.broker_config(record.get("broker") or None, workspace=registry.root)
+        client = connect(cfg, "cancel")
+        try:
+            try:
+                record = registry.close(job_id, "cancelled", source="operator", reason=reason)
+            except TransitionRefused:
+                record = registry.get(job_id)  # it ended while we connected
+            else:
+                try:
+                    clear_dispatch(client, job_id)
+                    publish_cancel(client, record, keys, reason)
+                except BrokerError as exc:
+                    raise BrokerError(f"job {job_id} is cancelled on the hub, but its runner was not told: "
+                                      f"{exc}") from None
+                print(json.dumps({"job_id": job_id, "status": "cancelled", "attempt_id": record["attempt_id"],
+                                  "changed": True}), flush=True)
+                print(f"cancelled job {job_id} (attempt {record['attempt_id']})", file=sys.stderr)
+                return 0
+        finally:
+            client.close()
+    print(f"job {job_id} is already {record['status']}; nothing to cancel", file=sys.stderr)
+    print(json.dumps({"job_id": job_id, "status": record["status"], "attempt_id": record["attempt_id"],
+                      "changed": False}), flush=True)
     return 0
 
 
-def runners_view(messages: list[Any], now_s: float | None = None) -> list[dict[str, Any]]:
-    """Turn retained presence messages into rows (session, status, running, last seen)."""
-    from mam.shared import wire
+# ------------------------------------------------------------------ presence (§7)
 
-    rows = []
-    for message in messages:
+PRESENCE_QUIET_S = 0.5
+PRESENCE_MAX_S = 3.0
+
+
+def verify_presence(topic: str, raw: bytes, keys: Any, topic_root: str) -> dict[str, Any]:
+    """Decode and verify one retained presence (§7) into a row.
+
+    Returns:
+        {"session", "status", "host", "running", "max_jobs", "last_seen", "runner_id", "version"}.
+    Raises:
+        DecodeError: not a §7 presence; SignatureError: `sig` missing or wrong;
+        ProtocolError: the presence names another session than its topic.
+    """
+    from mam.shared import crypto, wire
+    from mam.shared.errors import ProtocolError
+
+    presence = wire.decode(raw, "presence")
+    crypto.verify(presence.to_dict(), keys.sign_key)
+    session = names.parse_presence_topic(topic, topic_root)
+    if session != presence.session:
+        raise ProtocolError(f"presence for session {presence.session!r} published on {topic}")
+    return {"session": presence.session, "status": presence.status, "host": presence.host,
+            "running": list(presence.running), "max_jobs": presence.max_jobs,
+            "last_seen": presence.timestamp, "runner_id": presence.runner_id, "version": presence.version}
+
+
+def collect_presence(client: Any, keys: Any, session: str | None = None, *, quiet_s: float = PRESENCE_QUIET_S,
+                     max_s: float = PRESENCE_MAX_S) -> tuple[list[dict[str, Any]], list[str]]:
+    """Subscribe to the retained presence of one session (or all, `ROOT/runners/+`)
+    and collect it until no message came for `quiet_s` seconds, at most `max_s` (§7).
+
+    Unsigned, forged or malformed presence is refused (listed in the second
+    value for the caller to print on stderr), never shown. Zero-length payloads (cleared) are ignored.
+
+    Args:
+        client: a connected `MqttClient` (its queue must hold nothing else).
+        session: one session, or None for every runner.
+    Returns:
+        (rows sorted by session, refusal lines).
+    Raises:
+        BrokerError: the subscription failed.
+    """
+    import queue
+    import time
+
+    from mam.shared.errors import ProtocolError
+
+    root = client.config.topic_root
+    topic_filter = names.presence_topic(session, root) if session else names.all_presence_filter(root)
+    client.subscribe([(topic_filter, 1)])
+    rows: dict[str, dict[str, Any]] = {}
+    refused: list[str] = []
+    end = time.monotonic() + max_s
+    quiet_until = time.monotonic() + quiet_s
+    while True:
+        now = time.monotonic()
+        wait_s = min(end, quiet_until) - now
+        if wait_s <= 0:
+            break
         try:
-            presence = wire.decode(message.payload, "presence")
-        except Exception:  # noqa: BLE001 - a bad retained presence is shown as unreadable
+            message = client.messages.get(timeout=wait_s)
+        except queue.Empty:
+            break
+        quiet_until = time.monotonic() + quiet_s
+        if names.parse_presence_topic(message.topic, root) is None or not message.payload:
             continue
-        rows.append({"session": presence.session, "status": presence.status, "host": presence.host,
-                     "running": list(presence.running), "max_jobs": presence.max_jobs,
-                     "last_seen": presence.timestamp, "runner_id": presence.runner_id})
-    rows.sort(key=lambda row: row["session"])
-    return rows
+        try:
+            row = verify_presence(message.topic, message.payload, keys, root)
+        except ProtocolError as exc:
+            line = f"refused presence on {message.topic}: {exc}"
+            refused.append(line)
+            continue
+        rows[row["session"]] = row
+        if session is not None:
+            break  # the one retained presence of that session
+    return sorted(rows.values(), key=lambda row: row["session"]), refused
+
+
+def read_presence(client: Any, keys: Any, session: str, *, quiet_s: float = 1.0) -> dict[str, Any] | None:
+    """The verified retained presence of `session`, or None when it has none (§7).
+
+    Raises:
+        BrokerError: the subscription failed.
+    """
+    rows, refused = collect_presence(client, keys, session, quiet_s=quiet_s)
+    for line in refused:
+        print(line, file=sys.stderr)
+    return rows[0] if rows else None
+
+
+def runners_cli(*, workspace: Any = None, as_json: bool = False) -> int:
+    """`mam-orch runners`: every runner's verified retained presence (§7):
+    session, online / draining / offline, running jobs, last seen. A table on
+    a TTY, JSON lines otherwise (or with --json); refusals on stderr.
+
+    Returns:
+        0.
+    Raises:
+        ConfigError (64), EnvFileError (1), BrokerError (3).
+    """
+    from mam.orchestrator.dispatch import connect
+    from mam.shared import config, render
+
+    root = config.resolve_root(workspace)
+    keys = signing_keys(root)
+    client = connect(config.broker_config(workspace=root), "runners")
+    try:
+        rows, refused = collect_presence(client, keys)
+    finally:
+        client.close()
+    for line in refused:
+        print(line, file=sys.stderr)
+    if as_json or not sys.stdout.isatty():
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+    elif not rows:
+        print("(no runners)")
+    else:
+        print(render.table(["SESSION", "STATUS", "RUNNING", "MAX", "HOST", "LAST SEEN"],
+                           [[r["session"], r["status"], ",".join(r["running"]) or "-", r["max_jobs"],
+                             r["host"], r["last_seen"]] for r in rows]), end="")
+    return 0
+
+
+# ------------------------------------------------------------------ redispatch (§8)
+
+def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None = None,
+                   brief_file: str | None = None, detach: bool = False, as_json: bool = False,
+                   workspace: Any = None, stdin: Any = None) -> int:
+    """`mam-orch redispatch` (§5, §8, §10): a new attempt of a job.
+
+    Allowed from `error` or `cancelled`, or from `pending`/`running` after a
+    cancel request; never from `completed`. Checked before any network use
+    (and again, under the registry lock, by `Registry.redispatch`). The
+    brief is the one stored at dispatch time (`dispatch.brief_path`) unless
+    `--brief`/`--brief-file` gives a new one. Then: connect (unreachable:
+    exit 3, record unchanged), attempt + 1 with a new dispatch_token and
+    auth_token, status pending, and `publish_and_watch` as a dispatch does.
+
+    Returns:
+        the exit code of §9 (0 with --detach once the dispatch is published).
+    Raises:
+        UsageError/ConfigError (64), Refusal (1: completed, or unfinished
+        without a cancel), JobNotFound (1), BrokerError (3).
+    """
+    from mam.orchestrator.dispatch import connect, load_brief, publish_and_watch, read_brief
+    from mam.shared import config
+    from mam.shared.registry import Refusal, Registry
+
+    names.validate_job_id(job_id)
+    if session is not None:
+        names.validate_session(session)
+    registry = Registry(config.resolve_root(workspace))
+    record = registry.get(job_id)
+    if record["status"] == "completed":
+        raise Refusal(job_id, "not_allowed", "refused redispatch: the job completed")
+    if record["status"] in ("pending", "running") and not record.get("cancel_requested_at"):
+        raise Refusal(job_id, "not_allowed", f"refused redispatch: the job is {record['status']}; "
+                                             f"cancel it first (mam-orch cancel {job_id})")
+    if brief is not None or brief_file is not None:
+        text = read_brief(brief, brief_file, stdin)
+    else:
+        text = load_brief(registry, job_id)
+    keys = signing_keys(registry.root)
+    cfg = config.broker_config(record.get("broker") or None, workspace=registry.root)
+    client = connect(cfg)
+    try:
+        new = registry.redispatch(job_id, source="operator", session=session, reason="operator redispatch")
+        return publish_and_watch(registry, new, text, keys, client, detach=detach, as_json=as_json,
+                                 verb="redispatched")
+    finally:
+        client.close()

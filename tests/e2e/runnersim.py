@@ -1,0 +1,175 @@
+"""The runner side of a dispatch, played by a test over a real broker
+(PROTOCOL §5, §6, §7, §11), plus a wire recorder.
+
+`SimRunner` subscribes to every dispatch and control, decodes and verifies a
+dispatch, opens its seal (proving the brief and auth_token arrive sealed and
+correct), mirrors the job into its own registry, clears the retained
+dispatch and publishes events through `mam.runner.publish` exactly as the
+real runner does. `Wire` subscribes to `ROOT/#` and keeps every message, to
+check what crossed the broker.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from helpers import TEST_SECRET, clean_env, wait_until, write_env_for
+
+from mam.shared import crypto, mqtt, names, wire
+from mam.shared.registry import Contract, Registry
+
+MAM_ORCH = [sys.executable, "-m", "mam.orchestrator.cli"]
+
+
+@dataclass
+class Taken:
+    """A dispatch as the runner saw it: decoded, verified and opened."""
+
+    dispatch: Any
+    auth_token: str
+    brief: str
+    raw: bytes
+
+
+class Wire:
+    """Every message under the topic root, as an eavesdropping client sees it."""
+
+    def __init__(self, broker: Any) -> None:
+        self.client = mqtt.MqttClient(broker.config(), "wire").connect()
+        self.client.subscribe([(f"{broker.topic_root}/#", 1)])
+        self.seen: list[mqtt.Message] = []
+
+    def drain(self) -> list[mqtt.Message]:
+        while True:
+            try:
+                self.seen.append(self.client.messages.get_nowait())
+            except queue.Empty:
+                return self.seen
+
+    def wait_for(self, predicate: Any, timeout_s: float = 15.0, what: str = "a message") -> mqtt.Message:
+        def find() -> Any:
+            return next((m for m in self.drain() if predicate(m)), None)
+        return wait_until(find, timeout_s, what)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def retained(broker: Any, topic: str, quiet_s: float = 1.0) -> bytes | None:
+    """The retained payload of `topic` as a fresh subscriber gets it, or None
+    (no retained message, or a cleared one)."""
+    with mqtt.MqttClient(broker.config(), "probe") as client:
+        client.subscribe([(topic, 1)])
+        try:
+            message = client.messages.get(timeout=quiet_s)
+        except queue.Empty:
+            return None
+        return message.payload or None
+
+
+class SimRunner:
+    """A runner for `session` over `broker`, its registry in `workspace`."""
+
+    def __init__(self, broker: Any, workspace: Path, session: str = "gpu-box") -> None:
+        (workspace / ".git").mkdir(parents=True, exist_ok=True)
+        write_env_for(broker, workspace)
+        self.registry = Registry(workspace)
+        self.session = session
+        self.keys = crypto.derive_keys(TEST_SECRET)
+        self.client = mqtt.MqttClient(broker.config(), "simrunner").connect()
+        root = broker.topic_root
+        self.client.subscribe([(names.all_dispatches_filter(root), 1), (names.all_controls_filter(root), 1)])
+        self.root = root
+        self.controls: list[Any] = []
+
+    def _next(self, leaf: str, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no {leaf} within {timeout_s:g} s")
+            try:
+                message = self.client.messages.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            parsed = names.parse_job_topic(message.topic, self.root)
+            if not message.payload or parsed is None:
+                continue
+            if parsed[1] == "control":
+                control = wire.decode(message.payload, "control")
+                crypto.verify(control.to_dict(), self.keys.sign_key)
+                self.controls.append(control)
+            if parsed[1] == leaf:
+                return message
+
+    def take(self, timeout_s: float = 20.0, *, mirror: bool = True) -> Taken:
+        """Wait for a dispatch, verify its sig, open its seal, mirror it and clear it (§5, §11)."""
+        message = self._next("dispatch", timeout_s)
+        dispatch = wire.decode(message.payload, "dispatch")
+        crypto.verify(dispatch.to_dict(), self.keys.sign_key)
+        assert dispatch.session == self.session
+        auth_token, brief = crypto.open_sealed(self.keys.seal_key, dispatch.sealed, job_id=dispatch.job_id,
+                                               attempt_id=dispatch.attempt_id,
+                                               dispatch_token=dispatch.dispatch_token)
+        if mirror:
+            self.registry.mirror(job_id=dispatch.job_id, session=dispatch.session,
+                                 attempt_id=dispatch.attempt_id, dispatch_token=dispatch.dispatch_token,
+                                 auth_token=auth_token, contract=Contract.from_dict(dispatch.contract.to_dict()),
+                                 origin=dispatch.origin)
+            self.client.publish(names.dispatch_topic(dispatch.job_id, self.root), b"", retain=True)
+        return Taken(dispatch, auth_token, brief, message.payload)
+
+    def wait_control(self, job_id: str, timeout_s: float = 15.0) -> Any:
+        """The first signed cancel seen for `job_id` (§6)."""
+        def seen() -> Any:
+            while True:
+                try:
+                    self._next("control", 0.05)
+                except AssertionError:
+                    break
+            return next((c for c in self.controls if c.job_id == job_id), None)
+        return wait_until(seen, timeout_s, f"a cancel for {job_id}")
+
+    def publish(self, job_id: str, event: str, detail: str = "", **kwargs: Any) -> Any:
+        """Disk first, then event + retained state on this connection (runner.publish)."""
+        from mam.runner.publish import PublishRequest, record, send_on
+
+        published = record(self.registry, PublishRequest(job_id, event, detail), source="runner", **kwargs)
+        send_on(self.client, published)
+        return published
+
+    def presence(self, status: str = "online", *, key: bytes | None = None, session: str | None = None,
+                 running: tuple[str, ...] = ()) -> bytes:
+        """Publish a retained presence (§7), signed with the fleet key unless `key` is given."""
+        body = wire.Presence.build(session or self.session, names.new_runner_id(), status, host="sim-host",
+                                   version="0.1.0", max_jobs=1, running=running)
+        payload = wire.encode(crypto.sign(body.to_dict(), key or self.keys.sign_key))
+        self.client.publish(names.presence_topic(session or self.session, self.root), payload, retain=True)
+        return payload
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def hub_workspace(broker: Any, tmp_path: Path, **extra: str) -> Path:
+    """A hub workspace with a `.mam.env` for `broker` (extra values override)."""
+    workspace = tmp_path / "hub"
+    (workspace / ".git").mkdir(parents=True, exist_ok=True)
+    write_env_for(broker, workspace, **extra)
+    return workspace
+
+
+def hub_env(**extra: str) -> dict[str, str]:
+    """The environment of a hub CLI process: no developer MQTT_/MAM_ settings."""
+    return clean_env(MAM_LOG_LEVEL="INFO", **extra)
+
+
+def job_records(workspace: Path) -> list[Path]:
+    """The job records of a workspace (empty when nothing was registered)."""
+    folder = names.jobs_dir(workspace)
+    return sorted(folder.glob("*.json")) if folder.exists() else []
