@@ -1,0 +1,86 @@
+"""The real pair: `mam-orch dispatch` and `mam-runner run`, both as processes,
+over a real broker (PROTOCOL §5, §6, §7, §10, §11)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import clean_env, wait_until, write_env_for
+from jobkit import WatchProcess
+from runnersim import MAM_ORCH, hub_env, hub_workspace, retained
+
+from mam.shared import names
+from mam.shared.registry import Registry
+
+pytestmark = [pytest.mark.broker, pytest.mark.e2e]
+
+AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
+MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
+
+
+def start_runner(broker, workspace: Path, agent: str, *args: str) -> subprocess.Popen:
+    (workspace / ".git").mkdir(parents=True, exist_ok=True)
+    write_env_for(broker, workspace)
+    proc = subprocess.Popen([*MAM_RUNNER, "run", "--session", "gpu-box", "--exec", str(AGENTS / agent),
+                             "--workspace", str(workspace), *args], env=clean_env(MAM_CANCEL_GRACE_S="1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    topic = names.presence_topic("gpu-box", broker.topic_root)
+    wait_until(lambda: proc.poll() is not None or b'"online"' in (retained(broker, topic, 0.3) or b""),
+               20, "the runner's online presence")
+    assert proc.poll() is None, proc.stderr.read()
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+    proc.stderr.close()
+
+
+@pytest.mark.parametrize("broker_name", ["nats_broker", "mosquitto_broker"])
+def test_s11_dispatch_to_a_real_runner_completes(request, broker_name, tmp_path):
+    broker = request.getfixturevalue(broker_name)
+    hub = hub_workspace(broker, tmp_path)
+    runner_ws = tmp_path / "runner"
+    runner = start_runner(broker, runner_ws, "shell-agent", "--once")
+    try:
+        result = subprocess.run([*MAM_ORCH, "dispatch", "--session", "gpu-box", "--require-online",
+                                 "--brief", "echo made-by-the-agent > out.txt", "--heartbeat", "1",
+                                 "--ack-timeout", "20", "--workspace", str(hub)],
+                                env=hub_env(), capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert runner.wait(30) == 0  # --once: it exits after the job
+    finally:
+        stop(runner)
+    events = [line for line in result.stdout.splitlines() if line.strip()]
+    assert '"started"' in events[0] and '"completed"' in events[-1]
+    (record,) = Registry(hub).list()[0]
+    assert record["status"] == "completed" and record["exit_code"] == 0
+    job_id = record["job_id"]
+    assert Registry(runner_ws).get(job_id)["status"] == "completed"
+    assert (runner_ws / "work" / job_id / "out.txt").read_text() == "made-by-the-agent\n"
+
+
+def test_s6_cancel_reaches_a_real_runner(nats_broker, tmp_path):
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner_ws = tmp_path / "runner"
+    runner = start_runner(nats_broker, runner_ws, "sleep-agent")
+    dispatch = WatchProcess([*MAM_ORCH, "dispatch", "--session", "gpu-box", "--brief", "600", "--heartbeat", "1",
+                             "--ack-timeout", "20", "--workspace", str(hub)], hub_env())
+    try:
+        job_id = wait_until(lambda: (dispatch.events("started") or [None])[0], 30, "started")["job_id"]
+        cancel = subprocess.run([*MAM_ORCH, "cancel", job_id, "--workspace", str(hub)], env=hub_env(),
+                                capture_output=True, text=True, timeout=60)
+        assert cancel.returncode == 0, cancel.stderr
+        assert dispatch.wait(30) == 4, dispatch.log()
+        wait_until(lambda: Registry(runner_ws).get(job_id)["status"] == "cancelled", 30,
+                   "the runner to mark the job cancelled")
+    finally:
+        dispatch.kill()
+        stop(runner)
+    assert Registry(hub).get(job_id)["status"] == "cancelled"
