@@ -221,3 +221,19 @@ def test_s10_env_contract_reaches_the_dispatch(sim, tmp_path):
     assert (contract.heartbeat_sec, contract.heartbeat_misses, contract.ack_timeout_sec,
             contract.idle_timeout_sec) == (7, 3, 40, 21)
     assert os.environ.get("MAM_HEARTBEAT_SEC") is None
+
+
+def test_s10_ctrl_c_detaches_and_the_job_keeps_its_state(sim, tmp_path):
+    import signal
+
+    hub = hub_workspace(sim.broker, tmp_path)
+    proc = dispatch_bg(hub, "--session", "gpu-box", "--brief", "x", "--ack-timeout", "60")
+    try:
+        job_id = sim.take().dispatch.job_id
+        wait_until(lambda: any("dispatched job" in line for line in proc.stderr), 20, "the dispatch line")
+        proc.proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 130, proc.log()
+    finally:
+        proc.kill()
+    assert f"Re-attach: mam-orch watch {job_id}" in proc.log() and f"mam-orch cancel {job_id}" in proc.log()
+    assert Registry(hub).get(job_id)["status"] == "pending"  # detached, not closed (§10)
