@@ -280,6 +280,21 @@ def runners_cmd(
     return runners_cli(workspace=workspace, as_json=as_json)
 
 
+@app.command("gc")
+def gc_cmd(
+    older_than_days: float = typer.Option(7.0, "--older-than-days", metavar="D",
+                                          help="Retention: clear jobs terminal for longer than D days."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only list the jobs that would be cleared."),
+    workspace: str = typer.Option(None, "--workspace", help=_WS_HELP),
+) -> int:
+    """Clear the retained dispatch, events, state and control of jobs terminal
+    for longer than the retention period (PROTOCOL §2). Records stay on disk."""
+    from mam.orchestrator.fleet import gc_cli
+
+    clikit.setup_logging()
+    return gc_cli(older_than_days=older_than_days, workspace=workspace, dry_run=dry_run)
+
+
 def main() -> None:
     """Console-script entry point."""
     clikit.run(app, "mam-orch")

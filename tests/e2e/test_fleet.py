@@ -149,3 +149,38 @@ def test_s7_runners_lists_signed_presence_and_refuses_forged(sim, tmp_path):
         ("gpu-box", "online", ["918b0612"]), ("old-box", "offline", [])]
     assert "refused presence on python/mqtt/runners/evil-box: presence sig verify failed" in result.stderr
     assert "runners/junk-box" in result.stderr and "runners/moved-box" in result.stderr
+
+
+def test_s2_gc_clears_retained_topics_of_old_terminal_jobs_only(sim, tmp_path):
+    hub = hub_workspace(sim.broker, tmp_path)
+    registry = Registry(hub)
+    old = registry.register(session="gpu-box")["job_id"]
+    recent = registry.register(session="gpu-box")["job_id"]
+    unfinished = registry.register(session="gpu-box")["job_id"]
+    for job_id in (old, recent):
+        registry.close(job_id, "cancelled")
+    path = registry.record_path(old)  # age the old job: terminal for ten days
+    aged = json.loads(path.read_text())
+    aged["updated_at"] = "2000-01-01T00:00:00Z"
+    path.write_text(json.dumps(aged))
+    path = registry.record_path(unfinished)
+    aged = json.loads(path.read_text())
+    aged["updated_at"] = "2000-01-01T00:00:00Z"
+    path.write_text(json.dumps(aged))
+    for job_id in (old, recent, unfinished):
+        for leaf in ("dispatch", "state", "control"):
+            sim.client.publish(names.job_topic(job_id, leaf, sim.root), b"{}", retain=True)
+    bad = orch(hub, "gc", "--older-than-days", "-1")
+    assert bad.returncode == 64 and "--older-than-days -1 is invalid" in bad.stderr
+    dry = orch(hub, "gc", "--dry-run")
+    assert dry.returncode == 0 and [json.loads(x)["job_id"] for x in dry.stdout.splitlines()] == [old]
+    assert retained(sim.broker, names.state_topic(old, sim.root)) == b"{}"
+    result = orch(hub, "gc")
+    assert result.returncode == 0, result.stderr
+    assert [json.loads(line)["job_id"] for line in result.stdout.splitlines()] == [old]
+    for leaf in ("dispatch", "state", "control"):
+        assert retained(sim.broker, names.job_topic(old, leaf, sim.root), 0.5) is None
+    assert retained(sim.broker, names.state_topic(recent, sim.root)) == b"{}"
+    assert retained(sim.broker, names.state_topic(unfinished, sim.root)) == b"{}"
+    assert registry.get(old)["status"] == "cancelled"  # the record stays
+    assert orch(hub, "gc").stdout == ""  # done once
