@@ -1,0 +1,570 @@
+"""The runner daemon `mam-runner run` over a real broker, as real processes
+(PROTOCOL §5 dispatch checks, §6 cancel, §7 presence and Last Will, §9 exit
+codes, §11 runner side, §12 heartbeat).
+
+The hub side is played by the test: a hub Registry record, a dispatch built
+by `orchestrator.dispatch.build_dispatch` and published retained by a test
+client; a read-only observer client records everything on the topic root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from helpers import TEST_SECRET, clean_env, wait_until, write_env_for
+
+from mam.orchestrator.dispatch import build_dispatch, publish_dispatch
+from mam.orchestrator.fleet import publish_cancel
+from mam.shared import crypto, names, wire
+from mam.shared.mqtt import MqttClient
+from mam.shared.registry import Contract, Registry
+
+pytestmark = [pytest.mark.broker, pytest.mark.e2e]
+
+AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
+SHELL_AGENT = str(AGENTS / "shell-agent")
+SLEEP_AGENT = str(AGENTS / "sleep-agent")
+EXIT_AGENT = str(AGENTS / "exit-agent")
+MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
+FAST = Contract(heartbeat_sec=1, heartbeat_misses=10, ack_timeout_sec=60, timeout_sec=120)
+SESSION = "gpu-box"
+
+
+# ------------------------------------------------------------------ harness
+
+class Wire:
+    """An observer of everything under the topic root (it only subscribes)."""
+
+    def __init__(self, broker: Any) -> None:
+        self.root = broker.topic_root
+        self.client = MqttClient(broker.config(), "observer")
+        self.client.connect()
+        self.client.subscribe([(f"{self.root}/#", 1)])
+        self.seen: list[Any] = []
+
+    def poll(self) -> list[Any]:
+        while not self.client.messages.empty():
+            self.seen.append(self.client.messages.get_nowait())
+        return self.seen
+
+    def events(self, job_id: str) -> list[dict[str, Any]]:
+        topic = names.events_topic(job_id, self.root)
+        return [json.loads(m.payload) for m in self.poll() if m.topic == topic and m.payload]
+
+    def terminal(self, job_id: str) -> list[dict[str, Any]]:
+        return [e for e in self.events(job_id) if e["event"] in ("completed", "error")]
+
+    def wait_terminal(self, job_id: str, timeout_s: float = 20.0) -> dict[str, Any]:
+        return wait_until(lambda: (self.terminal(job_id) or [None])[0], timeout_s,
+                          f"a terminal event of job {job_id}")
+
+    def presences(self, session: str = SESSION) -> list[dict[str, Any]]:
+        topic = names.presence_topic(session, self.root)
+        return [json.loads(m.payload) for m in self.poll() if m.topic == topic and m.payload]
+
+    def wait_presence(self, status: str, runner_id: str | None = None, timeout_s: float = 15.0) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            for p in reversed(self.presences()):
+                if p["status"] == status and (runner_id is None or p["runner_id"] == runner_id):
+                    return p
+            return None
+        return wait_until(found, timeout_s, f"presence {status}")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class Hub:
+    """The hub side: a registry, the dispatch keys and a publishing client."""
+
+    def __init__(self, broker: Any, tmp_path: Path) -> None:
+        self.ws = tmp_path / "hub"
+        write_env_for(broker, self.ws)
+        self.registry = Registry(self.ws)
+        self.keys = crypto.derive_keys(TEST_SECRET)
+        self.client = MqttClient(broker.config(), "hub")
+        self.client.connect()
+        self.root = broker.topic_root
+
+    def record(self, session: str = SESSION, contract: Contract = FAST) -> dict[str, Any]:
+        return self.registry.register(session=session, contract=contract)
+
+    def dispatch(self, brief: str, session: str = SESSION, *, keys: Any = None,
+                 issued_at: datetime | None = None, contract: Contract = FAST) -> tuple[dict[str, Any], dict]:
+        record = self.record(session, contract)
+        signed = build_dispatch(record, brief, keys or self.keys, issued_at=issued_at)
+        publish_dispatch(self.client, signed)
+        return record, signed
+
+    def publish_raw(self, job_id: str, payload: bytes) -> None:
+        self.client.publish(names.dispatch_topic(job_id, self.root), payload, retain=True)
+
+    def retained_dispatch(self, broker: Any, job_id: str, wait_s: float = 1.0) -> bytes | None:
+        """The retained dispatch of `job_id` as a fresh subscriber sees it (None: none)."""
+        probe = MqttClient(broker.config(), "probe")
+        probe.connect()
+        try:
+            probe.subscribe([(names.dispatch_topic(job_id, self.root), 1)])
+            try:
+                message = probe.messages.get(timeout=wait_s)
+            except Exception:
+                return None
+            return message.payload or None
+        finally:
+            probe.close()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class RunnerProc:
+    """`mam-runner run` as a real process; stderr goes to a file we can read."""
+
+    count = 0
+
+    def __init__(self, broker: Any, ws: Path, *, exec_cmd: str = SHELL_AGENT, session: str = SESSION,
+                 args: tuple[str, ...] = (), **env_extra: str) -> None:
+        RunnerProc.count += 1
+        self.ws = ws
+        if not (ws / ".mam.env").exists():
+            write_env_for(broker, ws)
+        self.err_path = ws.parent / f"runner-{ws.name}-{RunnerProc.count}.stderr"
+        argv = [*MAM_RUNNER, "run", "--session", session, "--exec", exec_cmd, "--workspace", str(ws), *args]
+        env = clean_env(MAM_CANCEL_GRACE_S="1", **env_extra)
+        with open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=err)
+        self.registry = Registry(ws)
+
+    def log(self) -> str:
+        return self.err_path.read_text(errors="replace")
+
+    def wait_log(self, text: str, timeout_s: float = 20.0) -> str:
+        def found() -> bool:
+            if text in self.log():
+                return True
+            if self.proc.poll() is not None:
+                raise AssertionError(f"runner exited {self.proc.returncode} before logging {text!r}:\n{self.log()}")
+            return False
+        wait_until(found, timeout_s, f"runner log line {text!r}")
+        return self.log()
+
+    def wait_serving(self) -> str:
+        """Until it subscribed to dispatches; returns its runner id."""
+        log = self.wait_log("serving session")
+        line = next(line for line in log.splitlines() if "serving session" in line)
+        return line.split("runner ", 1)[1].split()[0]
+
+    def status(self, job_id: str) -> str | None:
+        try:
+            return self.registry.get(job_id)["status"]
+        except Exception:
+            return None
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        code = self.proc.wait(timeout_s)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return code
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.wait()
+
+
+@pytest.fixture
+def wire_obs(nats_broker):
+    observer = Wire(nats_broker)
+    yield observer
+    observer.close()
+
+
+@pytest.fixture
+def hub(nats_broker, tmp_path):
+    handle = Hub(nats_broker, tmp_path)
+    yield handle
+    handle.close()
+
+
+@pytest.fixture
+def runners():
+    started: list[RunnerProc] = []
+    yield started
+    for runner in started:
+        runner.stop()
+
+
+def start_runner(runners: list[RunnerProc], broker: Any, ws: Path, **kwargs: Any) -> RunnerProc:
+    runner = RunnerProc(broker, ws, **kwargs)
+    runners.append(runner)
+    return runner
+
+
+def verify_signed(event: dict[str, Any], record: dict[str, Any]) -> None:
+    crypto.verify_event(event, record["auth_token"])
+    assert event["data"]["attempt_id"] == record["attempt_id"]
+    assert event["data"]["dispatch_token"] == record["dispatch_token"]
+
+
+def pids_gone(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+def kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+# ------------------------------------------------------------------ tests
+
+def test_s11_valid_dispatch_runs_to_completed_and_clears_the_dispatch(broker, tmp_path, runners):
+    """§11 steps 1-5 and §7 on both brokers: mirror, clear, started (seq 1), progress from
+    the agent's $MAM_PUBLISH_CMD (per-job broker.env), completed, presence online → offline."""
+    observer, hub = Wire(broker), Hub(broker, tmp_path)
+    try:
+        marker = tmp_path / "runs.txt"
+        ws = tmp_path / "runner"
+        runner = start_runner(runners, broker, ws, args=("--once",), MARKER=str(marker))
+        runner_id = runner.wait_serving()
+        online = observer.wait_presence("online", runner_id)
+        crypto.verify(online, hub.keys.sign_key)
+        record, _ = hub.dispatch('echo ran >> "$MARKER"\necho "secret=${MAM_DISPATCH_SECRET:-none}"')
+        job_id = record["job_id"]
+        done = observer.wait_terminal(job_id)
+        assert done["event"] == "completed" and done["data"]["exit_code"] == 0
+        assert runner.wait() == 0, runner.log()
+        events = observer.events(job_id)
+        assert events[0]["event"] == "started" and events[0]["seq"] == 1
+        assert any(e["event"] == "progress" and e["detail"] == "step 1/2" for e in events)
+        for event in events:
+            verify_signed(event, record)
+        assert [e["seq"] for e in events] == sorted(e["seq"] for e in events)
+        assert marker.read_text() == "ran\n"
+        assert hub.retained_dispatch(broker, job_id) is None
+        local = runner.registry.get(job_id)
+        assert local["status"] == "completed" and local["exit_code"] == 0
+        assert local["auth_token"] == record["auth_token"]
+        agent_log = (ws / ".mam" / "logs" / job_id / "agent.log")
+        assert "secret=none" in agent_log.read_text()  # §11: the agent never sees the dispatch secret
+        assert not (ws / ".mam" / "logs" / job_id / "broker.env").exists()
+        assert (ws / "work" / job_id).is_dir()
+        assert any(p["running"] == [job_id] for p in observer.presences())
+        offline = observer.wait_presence("offline", runner_id)
+        assert offline["running"] == []
+        assert TEST_SECRET not in runner.log() and record["auth_token"] not in runner.log()
+    finally:
+        observer.close()
+        hub.close()
+
+
+def test_s5_replayed_dispatch_is_refused_after_a_restart(nats_broker, tmp_path, hub, wire_obs, runners):
+    """§5: a (job_id, attempt) taken once is never run again, even when the retained
+    dispatch is re-published (a replay) and the runner restarted."""
+    marker = tmp_path / "runs.txt"
+    ws = tmp_path / "runner"
+    first = start_runner(runners, nats_broker, ws, args=("--once",), MARKER=str(marker))
+    first.wait_serving()
+    record, signed = hub.dispatch('echo ran >> "$MARKER"')
+    job_id = record["job_id"]
+    assert wire_obs.wait_terminal(job_id)["event"] == "completed"
+    assert first.wait() == 0
+    publish_dispatch(hub.client, signed)  # the replay
+    second = start_runner(runners, nats_broker, ws, MARKER=str(marker))
+    second.wait_serving()
+    log = second.wait_log(f"refused dispatch {job_id}: replayed")
+    assert len([line for line in log.splitlines() if "refused dispatch" in line]) == 1
+    # a valid dispatch afterwards runs: the refusal left the daemon serving
+    record2, _ = hub.dispatch('echo ran2 >> "$MARKER"')
+    assert wire_obs.wait_terminal(record2["job_id"])["event"] == "completed"
+    assert marker.read_text() == "ran\nran2\n"
+    assert len([e for e in wire_obs.events(job_id) if e["event"] == "started"]) == 1
+
+
+def test_s5_bad_dispatches_are_refused_and_the_runner_keeps_serving(nats_broker, tmp_path, hub, wire_obs,
+                                                                    runners):
+    """§5 refusals, one line each: malformed, bad sig, expired, a seal that does not open;
+    another session's dispatch is ignored silently and stays retained; hostile controls too."""
+    marker = tmp_path / "runs.txt"
+    ws = tmp_path / "runner"
+    runner = start_runner(runners, nats_broker, ws, MARKER=str(marker))
+    runner.wait_serving()
+    brief = 'echo bad >> "$MARKER"'
+
+    malformed = hub.record()
+    hub.publish_raw(malformed["job_id"], b"\xff not json {")
+    oversized = hub.record()
+    huge = build_dispatch(oversized, brief, hub.keys)
+    huge["origin"] = "x" * 900_000  # under the broker's 1 MiB cap, far over the field's
+    hub.publish_raw(oversized["job_id"], json.dumps(huge).encode())
+    deep = hub.record()
+    hub.publish_raw(deep["job_id"], b"[" * 5000 + b"]" * 5000)
+
+    bad_sig = hub.record()
+    signed = build_dispatch(bad_sig, brief, hub.keys)
+    signed["sig"] = "0" * 64
+    hub.publish_raw(bad_sig["job_id"], wire.encode(signed))
+
+    other = crypto.derive_keys("another-secret-0123456789abcdef-xyz")
+    sealed_wrong = hub.record()
+    forged = build_dispatch(sealed_wrong, brief, crypto.DispatchKeys(seal_key=other.seal_key,
+                                                                      sign_key=hub.keys.sign_key))
+    hub.publish_raw(sealed_wrong["job_id"], wire.encode(forged))
+
+    wrong_secret = hub.record()
+    hub.publish_raw(wrong_secret["job_id"], wire.encode(build_dispatch(wrong_secret, brief, other)))
+
+    expired, _ = hub.dispatch(brief, issued_at=datetime.now(timezone.utc) - timedelta(seconds=FAST.ack_timeout_sec + 120))
+    elsewhere, _ = hub.dispatch(brief, session="cpu-box")
+
+    mismatched = hub.record()
+    moved = build_dispatch(hub.record(), brief, hub.keys)
+    hub.publish_raw(mismatched["job_id"], wire.encode(moved))  # a valid dispatch under another job's topic
+
+    control_topic = names.control_topic(malformed["job_id"], hub.root)
+    hub.client.publish(control_topic, b"[1, 2]", retain=True)
+    forged_cancel = crypto.sign(wire.Control.cancel(expired["job_id"], 1, "operator").to_dict(), other.sign_key)
+    hub.client.publish(names.control_topic(expired["job_id"], hub.root), wire.encode(forged_cancel), retain=True)
+
+    expected = {
+        malformed["job_id"]: "malformed",
+        oversized["job_id"]: "malformed",
+        deep["job_id"]: "malformed",
+        bad_sig["job_id"]: "dispatch sig verify failed",
+        sealed_wrong["job_id"]: "seal does not open",
+        wrong_secret["job_id"]: "dispatch sig verify failed",
+        expired["job_id"]: "expired",
+        mismatched["job_id"]: "malformed: job_id",
+    }
+    for job_id, reason in expected.items():
+        runner.wait_log(f"refused dispatch {job_id}: {reason}")
+    runner.wait_log(f"refused control {malformed['job_id']}: malformed")
+    runner.wait_log(f"refused control {expired['job_id']}: control sig verify failed")
+
+    good, _ = hub.dispatch('echo good >> "$MARKER"')
+    assert wire_obs.wait_terminal(good["job_id"])["event"] == "completed"
+    assert marker.read_text() == "good\n"
+    assert runner.proc.poll() is None
+    log = runner.log()
+    assert elsewhere["job_id"] not in log  # silently ignored
+    assert hub.retained_dispatch(nats_broker, elsewhere["job_id"]) is not None
+    taken = {p.stem for p in (ws / ".mam" / "jobs").glob("*.json")}
+    assert taken == {good["job_id"]}
+    assert "Traceback" not in log
+
+
+def test_s11_max_jobs_1_runs_two_dispatches_one_after_the_other(nats_broker, tmp_path, hub, wire_obs, runners):
+    """§11 capacity: with --max-jobs 1 the second dispatch stays retained until the
+    first job ends, then is taken; both complete."""
+    go = tmp_path / "go"
+    runner = start_runner(runners, nats_broker, tmp_path / "runner", args=("--max-jobs", "1"), GO=str(go))
+    runner.wait_serving()
+    first, _ = hub.dispatch('while [ ! -e "$GO" ]; do sleep 0.05; done')
+    wait_until(lambda: runner.status(first["job_id"]) == "running", 15, "the first job to start")
+    second, _ = hub.dispatch("true")
+    runner.wait_log(f"dispatch {second['job_id']} waits for a free slot")
+    assert runner.status(second["job_id"]) is None
+    assert hub.retained_dispatch(nats_broker, second["job_id"]) is not None
+    go.touch()
+    assert wire_obs.wait_terminal(first["job_id"])["event"] == "completed"
+    assert wire_obs.wait_terminal(second["job_id"])["event"] == "completed"
+    order = [(json.loads(m.payload)["job_id"], json.loads(m.payload)["event"]) for m in wire_obs.poll()
+             if m.payload and m.topic.endswith("/events")]
+    assert order.index((first["job_id"], "completed")) < order.index((second["job_id"], "started"))
+
+
+def test_s6_cancel_kills_the_agent_tree_and_marks_cancelled(nats_broker, tmp_path, hub, wire_obs, runners):
+    """§6: a signed cancel → SIGTERM to the group, SIGKILL of the tree after the grace
+    (MAM_CANCEL_GRACE_S=1); `error`/`cancelled` on the wire; the runner's record cancelled."""
+    pidfile = tmp_path / "pids"
+    runner = start_runner(runners, nats_broker, tmp_path / "runner", exec_cmd=SLEEP_AGENT,
+                          SLEEP_AGENT_PIDFILE=str(pidfile))
+    runner.wait_serving()
+    record, _ = hub.dispatch("3600")
+    job_id = record["job_id"]
+    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), 15,
+                                       "the sleep-agent pids")]
+    try:
+        publish_cancel(hub.client, record, hub.keys, "operator")
+        wait_until(lambda: pids_gone(pids), 1 + 2, "the agent and its grandchild to be gone")
+        event = wire_obs.wait_terminal(job_id)
+        assert event["event"] == "error" and event["detail"] == "cancelled"
+        verify_signed(event, record)
+        wait_until(lambda: runner.status(job_id) == "cancelled", 5, "the runner record to be cancelled")
+        assert runner.proc.poll() is None  # the daemon keeps serving
+        # the retained cancel is seen again after a restart: ignored for a finished job
+        runner.signal(signal.SIGTERM)
+        assert runner.wait() == 0
+        again = start_runner(runners, nats_broker, tmp_path / "runner", exec_cmd=SLEEP_AGENT)
+        again.wait_serving()
+        again.signal(signal.SIGTERM)
+        assert again.wait() == 0
+        assert len(wire_obs.terminal(job_id)) == 1
+    finally:
+        kill_pids(pids)
+
+
+def test_s11_exit_code_and_agent_own_terminal_event(nats_broker, tmp_path, hub, wire_obs, runners):
+    """§11 step 5: exit 3 → `error` with data.exit_code 3; an agent that publishes its own
+    `completed` and exits 0 → exactly one terminal event on the wire."""
+    runner = start_runner(runners, nats_broker, tmp_path / "runner", args=("--max-jobs", "2"))
+    runner.wait_serving()
+    failing, _ = hub.dispatch("exit 3")
+    own, _ = hub.dispatch('eval "$MAM_PUBLISH_CMD --event completed --detail done-by-agent"')
+    event = wire_obs.wait_terminal(failing["job_id"])
+    assert event["event"] == "error" and event["data"]["exit_code"] == 3
+    assert event["detail"] == "agent exited with code 3"
+    assert runner.registry.get(failing["job_id"])["exit_code"] == 3
+    runner.wait_log(f"job {own['job_id']} already ended")
+    terminal = wire_obs.terminal(own["job_id"])
+    assert [(e["event"], e["detail"]) for e in terminal] == [("completed", "done-by-agent")]
+    verify_signed(terminal[0], own)
+    assert runner.status(own["job_id"]) == "completed"
+
+
+def test_s7_sigterm_drains_then_second_signal_cancels(nats_broker, tmp_path, hub, wire_obs, runners):
+    """§7/§11: SIGTERM → presence draining, the running job completes, nothing new is
+    taken, exit 0 with presence offline. A second SIGTERM cancels the running job."""
+    go = tmp_path / "go"
+    ws = tmp_path / "runner"
+    runner = start_runner(runners, nats_broker, ws, args=("--max-jobs", "2"), GO=str(go))
+    runner_id = runner.wait_serving()
+    first, _ = hub.dispatch('while [ ! -e "$GO" ]; do sleep 0.05; done')
+    wait_until(lambda: runner.status(first["job_id"]) == "running", 15, "the job to start")
+    runner.signal(signal.SIGTERM)
+    draining = wire_obs.wait_presence("draining", runner_id)
+    assert draining["running"] == [first["job_id"]]
+    late, _ = hub.dispatch("true")
+    runner.wait_log(f"dispatch {late['job_id']} left retained: this runner is draining")
+    go.touch()
+    assert wire_obs.wait_terminal(first["job_id"])["event"] == "completed"
+    assert runner.wait() == 0
+    wire_obs.wait_presence("offline", runner_id)
+    assert runner.status(late["job_id"]) is None
+    assert hub.retained_dispatch(nats_broker, late["job_id"]) is not None
+
+    # second signal: cancel (clear the waiting dispatch first so it is not taken)
+    hub.client.publish(names.dispatch_topic(late["job_id"], hub.root), b"", retain=True)
+    pidfile = tmp_path / "pids"
+    again = start_runner(runners, nats_broker, ws, exec_cmd=SLEEP_AGENT, SLEEP_AGENT_PIDFILE=str(pidfile))
+    again_id = again.wait_serving()
+    job, _ = hub.dispatch("3600")
+    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), 15,
+                                       "the sleep-agent pids")]
+    try:
+        again.signal(signal.SIGTERM)
+        wire_obs.wait_presence("draining", again_id)
+        again.signal(signal.SIGTERM)
+        assert again.wait(15) == 0
+        event = wire_obs.wait_terminal(job["job_id"])
+        assert (event["event"], event["detail"]) == ("error", "cancelled")
+        assert again.status(job["job_id"]) == "cancelled"
+        assert pids_gone(pids)
+        wire_obs.wait_presence("offline", again_id)
+    finally:
+        kill_pids(pids)
+
+
+def test_s7_kill9_last_will_offline_and_heartbeat_stops(nats_broker, tmp_path, hub, wire_obs, runners):
+    """§7 Last Will and §12: after kill -9 of the runner the broker publishes the signed
+    `offline` presence (keepalive 5 s × 1.5), and the heartbeat timer that watched the
+    runner's pid stops within one period."""
+    pidfile = tmp_path / "pids"
+    ws = tmp_path / "runner"
+    runner = start_runner(runners, nats_broker, ws, exec_cmd=SLEEP_AGENT, SLEEP_AGENT_PIDFILE=str(pidfile))
+    runner_id = runner.wait_serving()
+    record, _ = hub.dispatch("3600")
+    job_id = record["job_id"]
+    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), 15,
+                                       "the sleep-agent pids")]
+    try:
+        wait_until(lambda: any(e["data"].get("heartbeat") for e in wire_obs.events(job_id)), 10,
+                   "a heartbeat beat")
+        timer = json.loads(names.heartbeat_path(ws, job_id, "pid").read_text())["pid"]
+        runner.proc.kill()
+        runner.wait()
+        wait_until(lambda: pids_gone([timer]), FAST.heartbeat_sec + 3, "the heartbeat timer to stop")
+        will = wire_obs.wait_presence("offline", runner_id, timeout_s=20)
+        crypto.verify(will, hub.keys.sign_key)
+        beats = len(wire_obs.events(job_id))
+        assert runner.status(job_id) == "running"  # nobody published a terminal event
+        assert len(wire_obs.events(job_id)) == beats
+    finally:
+        kill_pids(pids)
+
+
+def test_s7_second_runner_same_session_refused_unless_replace(nats_broker, tmp_path, wire_obs, runners):
+    """§7: a runner that finds another live runner online under its session exits 64
+    with one clear line; --replace starts anyway."""
+    first = start_runner(runners, nats_broker, tmp_path / "a")
+    first_id = first.wait_serving()
+    wire_obs.wait_presence("online", first_id)
+    second = start_runner(runners, nats_broker, tmp_path / "b")
+    assert second.wait(20) == 64
+    errors = [line for line in second.log().splitlines() if line.startswith("ERROR:")]
+    assert len(errors) == 1 and "held by another live runner" in errors[0] and first_id in errors[0]
+    assert wire_obs.presences()[-1]["runner_id"] == first_id  # the refused runner published nothing
+    third = start_runner(runners, nats_broker, tmp_path / "c", args=("--replace",))
+    third_id = third.wait_serving()
+    assert third_id != first_id
+    wire_obs.wait_presence("online", third_id)
+    first.wait_log("another runner")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--session", "gpu.box", "--exec", SHELL_AGENT], "session name 'gpu.box' is invalid"),
+    (["--session", "a/b", "--exec", SHELL_AGENT], "session name 'a/b' is invalid"),
+    (["--session", "+", "--exec", SHELL_AGENT], "session name '+' is invalid"),
+    (["--session", "", "--exec", SHELL_AGENT], "session name '' is invalid"),
+    (["--session", "x" * 64, "--exec", SHELL_AGENT], "is invalid"),
+    (["--session", "ok", "--exec", ""], "--exec '' is empty"),
+    (["--session", "ok", "--exec", "   "], "is empty"),
+    (["--session", "ok", "--exec", "'unbalanced"], "cannot be split"),
+    (["--session", "ok", "--exec", "/nonexistent/agent"], "not found"),
+    (["--session", "ok", "--exec", SHELL_AGENT, "--max-jobs", "0"], "--max-jobs 0 is invalid"),
+    (["--session", "ok", "--exec", SHELL_AGENT, "--max-jobs", "65"], "--max-jobs 65 is invalid"),
+    (["--session", "ok", "--exec", SHELL_AGENT, "--workdir", "/proc/forbidden/x"], "--workdir"),
+])
+def test_s9_bad_cli_input_exits_64_with_one_line(tmp_path, args, needle):
+    """§1, §9: bad arguments → exit 64, one line on stderr, nothing written."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    done = subprocess.run([*MAM_RUNNER, "run", *args, "--workspace", str(ws)], env=clean_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 64, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], done.stderr
+    assert not (ws / ".mam").exists()
+
+
+def test_s5_missing_dispatch_secret_exits_64(tmp_path):
+    """§5, §13: `run` needs MAM_DISPATCH_SECRET; without it one line and exit 64."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / ".mam.env").write_text("MQTT_BROKER=127.0.0.1\nMQTT_PORT=1\n")
+    done = subprocess.run([*MAM_RUNNER, "run", "--session", "ok", "--exec", SHELL_AGENT, "--workspace", str(ws)],
+                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 64
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "MAM_DISPATCH_SECRET" in done.stderr
