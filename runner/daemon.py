@@ -231,6 +231,7 @@ class Runner:
         self._presence_status = ""
         self._shutdown_done = False
         self._announced = False  # published `online`: only then may we publish `offline`
+        self._replaced = False  # another runner took the session over (§7 --replace)
         self._serve_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------ public API
@@ -255,8 +256,11 @@ class Runner:
         (retained); 4. close the MQTT connection (a clean DISCONNECT, so the
         broker drops the Last Will); 5. restore the signal handlers. Steps 2-5
         run in `serve()`'s thread; this call waits up to `timeout_s` (None =
-        forever) for them when `serve()` is running elsewhere.
+        forever) for them when `serve()` is running elsewhere. Before `serve()`
+        it does nothing (there is nothing to stop).
         """
+        if not self._served:
+            return
         self._draining.set()
         self._stop.set()
         if self._served and threading.current_thread() is not self._serve_thread:
@@ -330,6 +334,8 @@ class Runner:
 
     def _publish_presence(self, status: str | None = None) -> None:
         """Publish the retained presence; status None = what the daemon is now."""
+        if self._replaced:
+            return
         if status is None:
             status = "draining" if self._draining.is_set() or self._closing_once() else "online"
         try:
@@ -421,8 +427,9 @@ class Runner:
                 continue
             try:
                 self._handle(message)
-            except Exception:  # a daemon never dies on a bad message
-                log.exception("message on %s could not be handled", message.topic)
+            except Exception as exc:  # a daemon never dies on a bad message
+                log.error("message on %s could not be handled: %s: %s", message.topic, type(exc).__name__, exc)
+                log.debug("traceback", exc_info=True)
 
     def _finish(self) -> None:
         if self._shutdown_done:
@@ -476,9 +483,12 @@ class Runner:
                 self._on_control(job_id, message.payload)
             return
         if message.topic == self._presence_topic():
-            self._on_presence(message.payload)
+            self._on_presence(message.payload, message.retain)
 
-    def _on_presence(self, payload: bytes) -> None:
+    def _on_presence(self, payload: bytes, retained: bool) -> None:
+        """Another runner announcing itself live under our session replaced us (its
+        `--replace`, §7): drain, and publish no presence any more (not even `offline`,
+        which would hide the new runner). Retained copies are re-deliveries, not news."""
         from mam.shared import crypto, wire
 
         if not payload:
@@ -489,9 +499,13 @@ class Runner:
         except (DecodeError, SignatureError) as exc:
             log.warning("refused presence on session %s: %s", self.options.session, exc)
             return
-        if presence.runner_id != self.runner_id and presence.status != "offline":
-            log.warning("session %s: another runner %s on %s is %s under this session", self.options.session,
-                        presence.runner_id, presence.host, presence.status)
+        if presence.runner_id == self.runner_id or presence.status == "offline" or retained:
+            return
+        if not self._replaced:
+            log.warning("session %s: another runner %s on %s took over this session (--replace): draining, "
+                        "presence left to it", self.options.session, presence.runner_id, presence.host)
+        self._replaced = True
+        self._draining.set()
 
     def _refuse(self, what: str, reason: str) -> None:
         log.warning("refused dispatch %s: %s", what, reason)
@@ -573,8 +587,8 @@ class Runner:
             if parsed is not None:
                 try:
                     self._on_dispatch(parsed[0], topic, payload)
-                except Exception:
-                    log.exception("pending dispatch on %s could not be handled", topic)
+                except Exception as exc:
+                    log.error("pending dispatch on %s could not be handled: %s: %s", topic, type(exc).__name__, exc)
 
     def _take(self, dispatch: Any, auth_token: str, brief: str) -> None:
         """§11 step 1 here (the slot is taken synchronously); steps 2-5 on the supervisor thread."""
@@ -696,8 +710,9 @@ class Runner:
         """Steps 2-5 of §11 for one job; always ends by telling the main loop."""
         try:
             self._run_job(job)
-        except Exception:
-            log.exception("supervisor of job %s failed", job.job_id)
+        except Exception as exc:
+            log.error("supervisor of job %s failed: %s: %s", job.job_id, type(exc).__name__, exc)
+            log.debug("traceback", exc_info=True)
             self._publish_terminal(job.job_id, job.attempt_id, job.dispatch_token, "error",
                                    "runner failed to supervise the agent", None)
         finally:

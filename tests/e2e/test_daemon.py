@@ -530,7 +530,42 @@ def test_s7_second_runner_same_session_refused_unless_replace(nats_broker, tmp_p
     third_id = third.wait_serving()
     assert third_id != first_id
     wire_obs.wait_presence("online", third_id)
-    first.wait_log("another runner")
+    # the replaced runner drains and leaves the presence to the new one (no `offline` over it)
+    first.wait_log("took over this session")
+    assert first.wait(20) == 0
+    assert third.proc.poll() is None
+    assert [p["runner_id"] for p in wire_obs.presences()][-1] == third_id
+    assert not [p for p in wire_obs.presences() if p["runner_id"] == first_id and p["status"] == "offline"]
+
+
+def test_lifecycle_serve_once_shutdown_idempotent(nats_broker, tmp_path, wire_obs):
+    """STYLE lifecycle: no side effects in __init__, serve() refuses a second start,
+    shutdown() is idempotent and ends serve() with presence offline (§7)."""
+    import threading
+
+    from mam.runner.daemon import Runner, options_from_cli
+    from mam.shared.errors import MamError
+
+    ws = tmp_path / "runner"
+    options = options_from_cli(session=SESSION, exec_cmd=SHELL_AGENT, workspace=str(ws), workdir=None,
+                               max_jobs=2, once=False, replace=False, environ=clean_env())
+    runner = Runner(options, config=nats_broker.config(), keys=crypto.derive_keys(TEST_SECRET))
+    assert runner.client is None and not ws.exists()
+    runner.shutdown()  # before serve: a no-op
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(runner.serve()))
+    thread.start()
+    try:
+        wire_obs.wait_presence("online", runner.runner_id)
+        with pytest.raises(MamError, match="already"):
+            runner.serve()
+        assert thread.is_alive() and runner.client.connected.is_set()
+    finally:
+        runner.shutdown(timeout_s=20)
+        runner.shutdown(timeout_s=1)
+        thread.join(20)
+    assert result == [0]
+    assert wire_obs.wait_presence("offline", runner.runner_id)["max_jobs"] == 2
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -568,3 +603,26 @@ def test_s5_missing_dispatch_secret_exits_64(tmp_path):
                           env=clean_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 64
     assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "MAM_DISPATCH_SECRET" in done.stderr
+
+
+def test_s8_redispatched_attempt_runs_after_the_cancelled_one(nats_broker, tmp_path, hub, wire_obs, runners):
+    """§5/§8: attempt 1 cancelled, the hub redispatches attempt 2 (new token): the runner
+    takes it although it holds attempt 1; re-publishing attempt 1 is refused as replayed."""
+    go = tmp_path / "go"
+    runner = start_runner(runners, nats_broker, tmp_path / "runner", GO=str(go))
+    runner.wait_serving()
+    record, first = hub.dispatch('while [ ! -e "$GO" ]; do sleep 0.05; done')
+    job_id = record["job_id"]
+    wait_until(lambda: runner.status(job_id) == "running", 15, "attempt 1 to start")
+    hub.registry.request_cancel(job_id)
+    publish_cancel(hub.client, record, hub.keys, "operator")
+    wait_until(lambda: runner.status(job_id) == "cancelled", 10, "attempt 1 cancelled")
+    second = hub.registry.redispatch(job_id)
+    go.touch()
+    publish_dispatch(hub.client, build_dispatch(second, 'echo two', hub.keys))
+    wait_until(lambda: any(e["event"] == "completed" and e["data"]["attempt_id"] == 2
+                           for e in wire_obs.events(job_id)), 20, "attempt 2 to complete")
+    local = runner.registry.get(job_id)
+    assert (local["attempt_id"], local["status"]) == (2, "completed")
+    publish_dispatch(hub.client, first)
+    runner.wait_log(f"refused dispatch {job_id}: replayed: attempt 1")
