@@ -231,7 +231,10 @@ def test_s10_s8_runner_kill9_deadline_then_redispatch_elsewhere_and_stragglers_r
     # an attempt-1 straggler: gpu-box's registry still holds attempt 1 running; the hub refuses it
     late = fleet.runner_cli("gpu-box", "publish", "--job", job_id, "--event", "progress", "--detail", "late")
     assert late.returncode == 0, late.stderr
-    wait_until(lambda: "stale_attempt" in again.log(), 15, "the hub's watcher to refuse the attempt-1 event")
+    # §3.2: attempt 2 has a fresh auth_token, so step 4 (HMAC) already refuses what step 5 would
+    wait_until(lambda: "refused message: HMAC verify failed (events seq" in again.log()
+               or "refused message: stale_attempt" in again.log(), 15,
+               "the hub's watcher to refuse the attempt-1 event")
     cpu_hold.touch()
     assert again.wait(60) == 0, again.log()
     record = fleet.hub_record(job_id)
