@@ -11,7 +11,7 @@ $(PY):
 	$(PY) -m pip install -q --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,docker]'
 	touch $(STAMP)
 
 # Debian packages the broker and multi-host tests use. Installed only when

@@ -13,6 +13,7 @@ importable, when no Docker engine answers, or while `mam-orch dispatch` /
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import subprocess
 import time
@@ -39,10 +40,15 @@ def _has_command(binary: Path, command: str) -> bool:
 @pytest.fixture(scope="module")
 def engine():
     docker = pytest.importorskip("docker", reason="the `docker` package (extra `docker`) is not installed")
+    if not os.environ.get("DOCKER_HOST") and not os.path.exists("/var/run/docker.sock"):
+        pytest.skip("no Docker engine reachable: no DOCKER_HOST and no /var/run/docker.sock (docker client only)")
+    client = None
     try:
         client = docker.from_env(timeout=10)
         client.ping()
     except Exception as exc:  # DockerException, ConnectionError, FileNotFoundError of the socket
+        if client is not None:
+            client.close()
         pytest.skip(f"no Docker engine reachable ({type(exc).__name__}): docker client only here")
     if not (_has_command(MAM_ORCH, "dispatch") and _has_command(MAM_RUNNER, "run")):
         pytest.skip("`mam-orch dispatch` / `mam-runner run` do not exist yet in this checkout")
