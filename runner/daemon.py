@@ -7,11 +7,13 @@ retained `offline` presence (pre-signed at connect, §7), and on it:
 - reads the retained presence of its own session first and refuses to start
   (exit 64) when another live runner id is `online`/`draining` there, unless
   `--replace` (§7). It waits up to `presence_wait_s` (default 1 s) for that
-  retained message. A runner that crashed leaves `offline` through its Last
-  Will at once; a runner killed with `kill -9` (or cut off the network) leaves
+  retained message. When a runner dies (crash, `kill -9`) its kernel closes
+  the TCP connection and the broker publishes the Last Will (`offline`) at
+  once; when its host dies or is cut off the network, the presence stays
   `online` until the broker notices the dead connection, i.e. after
   keepalive × 1.5 (MQTT_KEEPALIVE, default 60 s → 90 s). Until then start the
-  new runner with `--replace`;
+  new runner with `--replace`; the replaced runner, if it is still alive,
+  sees the new presence, drains and stops publishing presence;
 - publishes presence `online` (retained) and republishes it whenever its
   running set changes, `draining` on the first SIGTERM/SIGINT, `offline` on
   a clean exit (a clean DISCONNECT discards the Last Will, so it is published
@@ -91,10 +93,6 @@ DEFAULT_PRESENCE_WAIT_S = 1.0
 LOOP_POLL_S = 0.1
 EXIT_OK = 0
 EXIT_SESSION_BUSY = 64
-# Settings copied into the agent's per-job env file (never MAM_DISPATCH_SECRET).
-_BROKER_ENV_KEYS = ("MQTT_BROKER", "MQTT_PORT", "MQTT_TLS", "MQTT_USERNAME", "MQTT_PASSWORD",
-                    "MQTT_CA_CERTS", "MQTT_CERTFILE", "MQTT_KEYFILE", "MQTT_CLIENT_ID_PREFIX",
-                    "MQTT_KEEPALIVE", "MAM_TOPIC_ROOT")
 
 
 class SessionBusy(UsageError):
@@ -701,7 +699,6 @@ class Runner:
                   "MQTT_CERTFILE": cfg.certfile, "MQTT_KEYFILE": cfg.keyfile,
                   "MQTT_CLIENT_ID_PREFIX": cfg.client_id_prefix, "MQTT_KEEPALIVE": str(cfg.keepalive_s),
                   "MAM_TOPIC_ROOT": cfg.topic_root}
-        assert tuple(values) == _BROKER_ENV_KEYS
         path = self._registry.logs_dir(job_id) / "broker.env"
         return write_env_file(path, values, header=f"broker settings for the agent of job {job_id}",
                               overwrite=True)

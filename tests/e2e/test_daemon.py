@@ -489,8 +489,8 @@ def test_s7_sigterm_drains_then_second_signal_cancels(nats_broker, tmp_path, hub
 
 def test_s7_kill9_last_will_offline_and_heartbeat_stops(nats_broker, tmp_path, hub, wire_obs, runners):
     """§7 Last Will and §12: after kill -9 of the runner the broker publishes the signed
-    `offline` presence (keepalive 5 s × 1.5), and the heartbeat timer that watched the
-    runner's pid stops within one period."""
+    `offline` presence (at once when the socket closes, at the latest keepalive 5 s × 1.5),
+    and the heartbeat timer that watched the runner's pid stops within one period."""
     pidfile = tmp_path / "pids"
     ws = tmp_path / "runner"
     runner = start_runner(runners, nats_broker, ws, exec_cmd=SLEEP_AGENT, SLEEP_AGENT_PIDFILE=str(pidfile))
