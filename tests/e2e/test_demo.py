@@ -1,0 +1,57 @@
+"""`make demo` (examples/demo.py): the whole fleet on one machine, without root
+or an installed broker (PROTOCOL §5-§12)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import clean_env
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "examples" / "demo.py"
+
+pytestmark = pytest.mark.e2e
+
+
+def _processes_under(folder: Path) -> list[str]:
+    """Live processes whose command line names `folder` (its broker, runner, timers, agents)."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "name"]):
+        try:
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if str(folder) in cmdline and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(f"{proc.info['pid']} {cmdline[:200]}")
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.timeout(90)
+def test_demo_completes_and_leaves_no_process(tmp_path):
+    done = subprocess.run([sys.executable, str(DEMO), "--dir", str(tmp_path)], env=clean_env(),
+                          capture_output=True, text=True, timeout=80, cwd=str(tmp_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "completed" in out
+    for header in ("=== 1. broker", "=== 2. runner", "=== 4. events", "=== 5. result", "=== 6. stopping"):
+        assert header in out
+    assert "started" in out and "sha256 " in out and "agent log:" in out
+    base = next(tmp_path.glob("mam-demo-*"))
+    job_logs = list((base / "runner" / ".mam" / "logs").glob("*/agent.log"))
+    assert len(job_logs) == 1 and "add hello.txt" in job_logs[0].read_text()
+    assert str(job_logs[0]) in out
+    assert _processes_under(base) == []
+    # the nats-server and mam-runner the demo started are gone (by their recorded pids too)
+    leftovers = [p for p in psutil.process_iter(["name", "cmdline"])
+                 if p.info["name"] in ("nats-server",) and any(str(base) in a for a in p.info["cmdline"] or [])]
+    assert leftovers == []
+    # no secret reached the output
+    env_text = (base / "hub" / ".mam.env").read_text()
+    secret = next(line.split("=", 1)[1].strip().strip("'\"") for line in env_text.splitlines()
+                  if line.startswith("MAM_DISPATCH_SECRET="))
+    assert secret not in out and secret not in done.stderr
