@@ -22,7 +22,7 @@ def _root(version: bool = clikit.version_option("mam-orch")) -> None:
 
 @app.command("config")
 def config_cmd(
-    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: see PROTOCOL §8)."),
+    workspace: str = clikit.workspace_option(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (default on a pipe)."),
 ) -> None:
     """Show the resolved broker settings and where they came from (PROTOCOL §13).
@@ -50,7 +50,7 @@ def config_cmd(
 
 @app.command("init")
 def init_cmd(
-    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: PROTOCOL §8 search)."),
+    workspace: str = clikit.workspace_option(),
     broker_config: str = typer.Option(None, "--broker-config", metavar="PATH",
                                       help="Also write a filled nats.conf here, plus nats.env "
                                            "(broker passwords, mode 0600) next to it."),
@@ -79,7 +79,7 @@ def jobs_cmd(
     status: str = typer.Option(None, "--status", metavar="S",
                                help="Only jobs in this status: pending, running, completed, error, cancelled."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line (default on a pipe)."),
-    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: see PROTOCOL §8)."),
+    workspace: str = clikit.workspace_option(),
 ) -> int:
     """List this host's job records (PROTOCOL §8); tokens are shown only as set."""
     from mam.shared.registry import cli_jobs
@@ -91,7 +91,7 @@ def jobs_cmd(
 def show_cmd(
     job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object (default on a pipe)."),
-    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: see PROTOCOL §8)."),
+    workspace: str = clikit.workspace_option(),
 ) -> int:
     """Show one job record and its audit trail (PROTOCOL §8); tokens are shown only as set."""
     from mam.shared.registry import cli_show
@@ -111,7 +111,7 @@ def _print_json(info: dict) -> None:
 
 @broker_app.command("up")
 def broker_up_cmd(
-    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: PROTOCOL §8 search)."),
+    workspace: str = clikit.workspace_option(),
     mqtt_port: int = typer.Option(None, "--mqtt-port", metavar="P",
                                   help="MQTT port (default: MQTT_PORT of .mam.env, else 1883)."),
     port: int = typer.Option(None, "--port", metavar="P", help="Native NATS port (default 4222)."),
@@ -135,7 +135,7 @@ def broker_up_cmd(
 
 @broker_app.command("down")
 def broker_down_cmd(
-    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: PROTOCOL §8 search)."),
+    workspace: str = clikit.workspace_option(),
 ) -> int:
     """Stop the broker: SIGTERM, then SIGKILL after 10 s. Not running: exit 0."""
     from mam.shared import broker
@@ -146,7 +146,7 @@ def broker_down_cmd(
 
 @broker_app.command("status")
 def broker_status_cmd(
-    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: PROTOCOL §8 search)."),
+    workspace: str = clikit.workspace_option(),
 ) -> int:
     """Check the broker natively (version, JetStream, MQTT streams); exit 3 when down, 1 when unhealthy."""
     from mam.shared import broker
@@ -169,7 +169,7 @@ def watch_cmd(
                                       help="Seconds to wait for `started` (default: the record's)."),
     timeout: float = typer.Option(None, "--timeout", metavar="S",
                                   help="Wall-clock budget from the job's creation (default: the record's)."),
-    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: see PROTOCOL §8)."),
+    workspace: str = clikit.workspace_option(),
 ) -> int:
     """Watch a job until it ends: accepted events on stdout as JSON lines
     (a human view on a TTY), refusals and logs on stderr (PROTOCOL §3.2, §10).
@@ -185,7 +185,6 @@ def watch_cmd(
                      ack_timeout_s=ack_timeout, timeout_s=timeout)
 
 
-_WS_HELP = "Workspace root (default: see PROTOCOL §8)."
 
 
 @app.command("dispatch")
@@ -209,7 +208,7 @@ def dispatch_cmd(
                                              "online presence."),
     detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
-    workspace: str = typer.Option(None, "--workspace", help=_WS_HELP),
+    workspace: str = clikit.workspace_option(),
 ) -> int:
     """Dispatch a job to a runner session and watch it until it ends (PROTOCOL §5, §10).
 
@@ -231,7 +230,7 @@ def dispatch_cmd(
 @app.command("cancel")
 def cancel_cmd(
     job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
-    workspace: str = typer.Option(None, "--workspace", help=_WS_HELP),
+    workspace: str = clikit.workspace_option(),
 ) -> int:
     """Cancel a job: record cancelled, retained dispatch cleared, signed retained cancel published (§6).
 
@@ -253,7 +252,7 @@ def redispatch_cmd(
                                    help="Read a new brief from PATH ('-' = stdin)."),
     detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
-    workspace: str = typer.Option(None, "--workspace", help=_WS_HELP),
+    workspace: str = clikit.workspace_option(),
 ) -> int:
     """Start a new attempt of an ended job and watch it (PROTOCOL §8).
 
@@ -270,7 +269,7 @@ def redispatch_cmd(
 @app.command("runners")
 def runners_cmd(
     as_json: bool = typer.Option(False, "--json", help="JSON lines (default on a pipe)."),
-    workspace: str = typer.Option(None, "--workspace", help=_WS_HELP),
+    workspace: str = clikit.workspace_option(),
 ) -> int:
     """List runners from their signed retained presence: online, draining or offline,
     running jobs, last seen (PROTOCOL §7). Unsigned or forged presence is refused on stderr."""
@@ -285,7 +284,7 @@ def gc_cmd(
     older_than_days: float = typer.Option(7.0, "--older-than-days", metavar="D",
                                           help="Retention: clear jobs terminal for longer than D days."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only list the jobs that would be cleared."),
-    workspace: str = typer.Option(None, "--workspace", help=_WS_HELP),
+    workspace: str = clikit.workspace_option(),
 ) -> int:
     """Clear the retained dispatch, events, state and control of jobs terminal
     for longer than the retention period (PROTOCOL §2). Records stay on disk."""

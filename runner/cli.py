@@ -25,7 +25,7 @@ def jobs_cmd(
     status: str = typer.Option(None, "--status", metavar="S",
                                help="Only jobs in this status: pending, running, completed, error, cancelled."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per line (default on a pipe)."),
-    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: see PROTOCOL §8)."),
+    workspace: str = clikit.workspace_option(),
 ) -> int:
     """List this host's job records (PROTOCOL §8); tokens are shown only as set."""
     from mam.shared.registry import cli_jobs
@@ -37,7 +37,7 @@ def jobs_cmd(
 def show_cmd(
     job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object (default on a pipe)."),
-    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: see PROTOCOL §8)."),
+    workspace: str = clikit.workspace_option(),
 ) -> int:
     """Show one job record and its audit trail (PROTOCOL §8); tokens are shown only as set."""
     from mam.shared.registry import cli_show
@@ -59,11 +59,11 @@ def publish_cmd(
                                   help="Heartbeats stop within one period after this process is gone "
                                        "(default: the nearest agent-CLI ancestor, else the parent)."),
     attempts: int = typer.Option(3, "--attempts", metavar="N", help="Connection/publish tries (§13 backoff)."),
-    attempt_id: str = typer.Option(None, "--attempt-id", envvar="MAM_ATTEMPT_ID", show_envvar=True,
+    attempt_id: str = typer.Option(None, "--attempt-id", metavar="N", envvar="MAM_ATTEMPT_ID", show_envvar=True,
                                    help="The attempt this publisher holds (default: the record's current)."),
-    dispatch_token: str = typer.Option(None, "--dispatch-token", envvar="MAM_DISPATCH_TOKEN", show_envvar=True,
+    dispatch_token: str = typer.Option(None, "--dispatch-token", metavar="TOKEN", envvar="MAM_DISPATCH_TOKEN", show_envvar=True,
                                        help="The dispatch token this publisher holds (default: the record's)."),
-    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: see PROTOCOL §8)."),
+    workspace: str = clikit.workspace_option(),
 ) -> int:
     """Publish one event of a job: the record and audit line first, then the
     event and the retained state on one connection (PROTOCOL §3, §4).
@@ -85,7 +85,7 @@ def run_cmd(
     exec_cmd: str = typer.Option(..., "--exec", metavar="CMD",
                                  help="The agent command, split like a shell and run without one, "
                                       "e.g. \"claude -p\" (§11)."),
-    workspace: str = typer.Option(None, "--workspace", help="Workspace root (default: see PROTOCOL §8)."),
+    workspace: str = clikit.workspace_option(),
     workdir: str = typer.Option(None, "--workdir", metavar="DIR",
                                 help="Agents' working directory (default: <workspace>/work/<job_id>/)."),
     max_jobs: int = typer.Option(1, "--max-jobs", metavar="N", help="Concurrent jobs, 1..64 (§11)."),

@@ -45,6 +45,13 @@ def version_option(prog: str):
                         help="Print the version and exit.")
 
 
+def workspace_option():
+    """The `--workspace DIR` option every command takes (registry root, PROTOCOL §8)."""
+    return typer.Option(None, "--workspace", metavar="DIR",
+                        help="Workspace root (default: MAM_REAL_ROOT, WORKSPACE_ROOT, the nearest "
+                             "parent with .agents or .git, else the current directory; PROTOCOL §8).")
+
+
 def setup_logging() -> None:
     """Send logs to stderr (stdout carries JSON lines only, PROTOCOL §9).
 
