@@ -190,19 +190,50 @@ class Demo:
         for name, proc in (("dispatch", self.dispatch), ("runner", self.runner)):
             if proc is None or proc.poll() is not None:
                 continue
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)  # the runner drains; a second signal would cancel
-                proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(STOP_TIMEOUT_S)
-            except ProcessLookupError:
-                pass
-            print(f"  {name} stopped (exit {proc.returncode})")
+            # the runner drains on the first SIGTERM and cancels its jobs (agent trees) on the second
+            for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGTERM, STOP_TIMEOUT_S), (signal.SIGKILL, 5.0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            print(f"  {name} stopped (exit {proc.poll()})")
         if self.broker_started:
-            done = self.orch("broker", "down")
-            print(f"  broker down (exit {done.returncode})" + (f": {done.stderr.strip()}" if done.returncode else ""))
+            try:
+                done = self.orch("broker", "down")
+                print(f"  broker down (exit {done.returncode})"
+                      + (f": {done.stderr.strip()[-300:]}" if done.returncode else ""))
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                print(f"  mam-orch broker down failed: {exc}")
+            self._kill_broker_leftover()
         print(f"  files kept in {self.base} (rm -rf it when done)")
+
+
+    def _kill_broker_leftover(self) -> None:
+        """If `broker down` could not stop it, stop the nats-server recorded in state.json ourselves."""
+        import psutil
+
+        try:
+            state = json.loads((self.hub_ws / ".mam" / "broker" / "state.json").read_text())
+            proc = psutil.Process(int(state["pid"]))
+            if abs(proc.create_time() - float(state["create_time"])) > 0.01:
+                return  # the pid was reused: not ours
+        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+            return
+        proc.terminate()
+        try:
+            proc.wait(STOP_TIMEOUT_S)
+        except psutil.TimeoutExpired:
+            proc.kill()
+        print(f"  nats-server pid {proc.pid} stopped directly")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", help="parent folder for the demo's files (default: the system temp folder)")
     args = parser.parse_args(argv)
     base = Path(tempfile.mkdtemp(prefix="mam-demo-", dir=args.dir))
-    # SIGTERM behaves like Ctrl-C: the finally block below stops everything
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Ctrl-C (even when started with SIGINT ignored) and SIGTERM: the finally block stops everything
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     demo = Demo(base)
     print(f"mam-fleet demo in {base}")
     code = 1

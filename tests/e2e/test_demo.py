@@ -3,6 +3,7 @@ or an installed broker (PROTOCOL §5-§12)."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,28 @@ def test_demo_completes_and_leaves_no_process(tmp_path):
     secret = next(line.split("=", 1)[1].strip().strip("'\"") for line in env_text.splitlines()
                   if line.startswith("MAM_DISPATCH_SECRET="))
     assert secret not in out and secret not in done.stderr
+
+
+@pytest.mark.timeout(90)
+def test_demo_interrupted_after_the_runner_is_up_stops_everything(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(DEMO), "--dir", str(tmp_path)], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path))
+    lines = []
+    try:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append(line)
+            if "is online" in line:
+                proc.send_signal(signal.SIGINT)  # Ctrl-C
+                break
+        lines.extend(proc.stdout)  # type: ignore[union-attr]
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdout.close()  # type: ignore[union-attr]
+    out = "".join(lines)
+    assert code == 130, out
+    assert "interrupted" in out and "=== 6. stopping" in out and "broker down (exit 0)" in out
+    base = next(tmp_path.glob("mam-demo-*"))
+    assert _processes_under(base) == []
