@@ -72,9 +72,7 @@ def build_dispatch(record: dict[str, Any], brief: str, keys: Any, *, origin: str
     sealed = crypto.seal(keys.seal_key, job_id=record["job_id"], attempt_id=record["attempt_id"],
                          dispatch_token=record["dispatch_token"], auth_token=record["auth_token"],
                          brief=brief)
-    contract = wire.Contract(**{key: record[key] for key in ("heartbeat_sec", "heartbeat_misses",
-                                                                "ack_timeout_sec", "idle_timeout_sec",
-                                                                "timeout_sec")})
+    contract = wire.Contract.of_record(record)
     dispatch = wire.Dispatch.build(record["job_id"], record["session"], record["attempt_id"],
                                    record["dispatch_token"], origin=origin or hub_name(),
                                    contract=contract, sealed=sealed, issued_at=issued_at)
@@ -205,16 +203,15 @@ def hub_contract(workspace: Any, *, heartbeat_s: int | None = None, heartbeat_mi
         ConfigError: a bad environment value. EnvFileError: an unreadable env file.
     """
     from mam.shared import config
-    from mam.shared.registry import Contract
 
     for name, value in (("--heartbeat", heartbeat_s), ("--heartbeat-misses", heartbeat_misses),
                         ("--ack-timeout", ack_timeout_s), ("--idle-timeout", idle_timeout_s),
                         ("--timeout", timeout_s)):
         if value is not None and value < 1:
             raise UsageError(f"{name} {value} is invalid: expected a positive integer")
-    return Contract.from_env(config.load_env(workspace=workspace), heartbeat_sec=heartbeat_s,
-                             heartbeat_misses=heartbeat_misses, ack_timeout_sec=ack_timeout_s,
-                             idle_timeout_sec=idle_timeout_s, timeout_sec=timeout_s)
+    return config.contract_from_env(config.load_env(workspace=workspace), heartbeat_sec=heartbeat_s,
+                                    heartbeat_misses=heartbeat_misses, ack_timeout_sec=ack_timeout_s,
+                                    idle_timeout_sec=idle_timeout_s, timeout_sec=timeout_s)
 
 
 def connect(cfg: Any, role: str = "hub") -> Any:

@@ -590,9 +590,9 @@ class Runner:
 
     def _take(self, dispatch: Any, auth_token: str, brief: str) -> None:
         """§11 step 1 here (the slot is taken synchronously); steps 2-5 on the supervisor thread."""
-        from mam.shared.registry import Contract, Refusal
+        from mam.shared.registry import Refusal
 
-        contract = Contract.from_dict(dispatch.contract.to_dict())
+        contract = dispatch.contract
         try:
             self._registry.mirror(job_id=dispatch.job_id, session=dispatch.session,
                                   attempt_id=dispatch.attempt_id, dispatch_token=dispatch.dispatch_token,

@@ -292,7 +292,8 @@ def _check_file(name: str, value: str) -> str:
 _JOB_OVERRIDES = {"host": "hosts", "hosts": "hosts", "port": "port", "tls": "tls",
                   "username": "username", "ca_certs": "ca_certs", "certfile": "certfile",
                   "keyfile": "keyfile", "client_id_prefix": "client_id_prefix",
-                  "keepalive": "keepalive_s", "topic_root": "topic_root"}
+                  "keepalive": "keepalive_s", "keepalive_s": "keepalive_s", "topic_root": "topic_root",
+                  "transport": "transport", "ws_path": "ws_path"}
 
 
 def broker_config(job_broker: Mapping[str, Any] | None = None, *,
@@ -351,7 +352,7 @@ def apply_job_overrides(cfg: BrokerConfig, job_broker: Mapping[str, Any]) -> Bro
     changes: dict[str, Any] = {}
     for key, value in job_broker.items():
         if key == "password" or "pass" in key.lower():
-            raise ConfigError("job broker overrides must not hold a password (§13)")
+            raise ConfigError("job broker overrides must not hold a password: passwords never enter a job record (§13)")
         field_name = _JOB_OVERRIDES.get(key)
         if field_name is None:
             raise ConfigError(f"job broker override {key!r} is unknown; allowed: {', '.join(sorted(_JOB_OVERRIDES))}")
@@ -361,8 +362,18 @@ def apply_job_overrides(cfg: BrokerConfig, job_broker: Mapping[str, Any]) -> Bro
             value = _parse_int(key, str(value), 1, 65535)
         elif field_name == "tls":
             value = value if isinstance(value, bool) else _parse_bool(key, str(value))
-        else:
-            value = str(value)
+        elif field_name == "transport" and value not in ("tcp", "websockets"):
+            raise ConfigError(f"job broker override transport={value!r} is invalid: expected tcp or websockets")
+        elif not isinstance(value, str) or any(c in value for c in "\r\n\x00"):
+            raise ConfigError(f"job broker override {key!r} must be a one-line string")
+        elif field_name == "topic_root":
+            from mam.shared.errors import UsageError
+            from mam.shared.names import topic_root
+
+            try:
+                value = topic_root(value)
+            except UsageError as exc:
+                raise ConfigError(str(exc)) from None
         changes[field_name] = value
     return cfg.with_overrides(**changes)
 
@@ -400,6 +411,37 @@ def dispatch_secret(environ: Mapping[str, str] | None = None, cwd: Path | None =
         raise ConfigError(f"MAM_DISPATCH_SECRET is too short ({len(value)} characters): "
                           f"at least {MIN_SECRET_LEN} are required")
     return value
+
+
+def contract_from_env(environ: Mapping[str, str] | None = None, **overrides: int | None) -> Any:
+    """The hub's contract for a new job (§5): defaults, then MAM_HEARTBEAT_SEC,
+    MAM_HEARTBEAT_MISSES, MAM_ACK_TIMEOUT_S from `environ` (default: the
+    resolved settings, environment over `.mam.env`), then the non-None
+    `overrides` (wire names: heartbeat_sec, heartbeat_misses, ack_timeout_sec,
+    idle_timeout_sec, timeout_sec).
+
+    Returns:
+        a `wire.Contract`.
+    Raises:
+        ConfigError: a variable that is not a positive integer.
+        UsageError: a bad override.
+    """
+    from mam.shared.wire import Contract
+
+    env = load_env() if environ is None else environ
+    values: dict[str, int] = {}
+    for var, key in (("MAM_HEARTBEAT_SEC", "heartbeat_sec"), ("MAM_HEARTBEAT_MISSES", "heartbeat_misses"),
+                     ("MAM_ACK_TIMEOUT_S", "ack_timeout_sec")):
+        raw = env.get(var)
+        if raw not in (None, ""):
+            try:
+                values[key] = int(raw.strip())
+            except ValueError:
+                values[key] = 0
+            if values[key] < 1:
+                raise ConfigError(f"{var}={raw!r} is invalid: expected a positive integer")
+    values.update({key: value for key, value in overrides.items() if value is not None})
+    return Contract.build(**values)
 
 
 def env_int(name: str, default: int, *, environ: Mapping[str, str] | None = None,

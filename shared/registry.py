@@ -37,12 +37,11 @@ import os
 import re
 import tempfile
 import threading
-from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
-from mam.shared import names
+from mam.shared import names, wire
 from mam.shared.errors import (
     ConfigError,
     RegistryError,
@@ -71,11 +70,6 @@ WORKER_EDGES = frozenset({
 SECRET_FIELDS = ("auth_token", "dispatch_token")
 RECORD_MAX_BYTES = 1 << 20  # a record is a few hundred bytes; anything this big is hostile
 _RECORD_NAME_RE = re.compile(r"^[0-9a-f]{8}\.json$")
-# broker overrides a record may carry (§13: passwords never enter a record)
-BROKER_KEYS = frozenset({"hosts", "port", "tls", "username", "ca_certs", "certfile", "keyfile",
-                         "client_id_prefix", "keepalive_s", "topic_root", "transport", "ws_path"})
-_MAX_DURATION_S = 31 * 24 * 3600
-_MAX_MISSES = 1000
 
 
 def utc_now() -> str:
@@ -109,85 +103,8 @@ class JobNotFound(RegistryError):
 
 # ---------------------------------------------------------------- contract
 
-def _positive_int(name: str, value: object, maximum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UsageError(f"{name} {value!r} is invalid: expected a positive integer")
-    if value > maximum:
-        raise UsageError(f"{name} {value!r} is invalid: at most {maximum} is allowed")
-    return value
-
-
-@dataclass(frozen=True)
-class Contract:
-    """The liveness contract of §5 carried by every record.
-
-    Durations are whole seconds (wire names). `idle_timeout_sec` None means
-    K × N (`heartbeat_misses` × `heartbeat_sec`).
-
-    Raises:
-        UsageError: a value that is not a positive integer, or absurdly large
-        (durations above 31 days, more than 1000 misses).
-    """
-
-    heartbeat_sec: int = 30
-    heartbeat_misses: int = 4
-    ack_timeout_sec: int = 180
-    idle_timeout_sec: int | None = None
-    timeout_sec: int = 7200
-
-    def __post_init__(self) -> None:
-        _positive_int("heartbeat_sec", self.heartbeat_sec, _MAX_DURATION_S)
-        _positive_int("heartbeat_misses", self.heartbeat_misses, _MAX_MISSES)
-        _positive_int("ack_timeout_sec", self.ack_timeout_sec, _MAX_DURATION_S)
-        _positive_int("timeout_sec", self.timeout_sec, _MAX_DURATION_S)
-        if self.idle_timeout_sec is not None:
-            _positive_int("idle_timeout_sec", self.idle_timeout_sec, _MAX_DURATION_S)
-
-    @property
-    def idle_timeout_s(self) -> int:
-        """The idle timeout in seconds: explicit, else K × N (§5)."""
-        if self.idle_timeout_sec is not None:
-            return self.idle_timeout_sec
-        return self.heartbeat_misses * self.heartbeat_sec
-
-    def as_dict(self) -> dict[str, int]:
-        """The wire/record form (§5), with `idle_timeout_sec` resolved."""
-        out = asdict(self)
-        out["idle_timeout_sec"] = self.idle_timeout_s
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Contract":
-        """Build from a §5 `contract` object or a record; unknown keys are ignored.
-
-        Raises:
-            UsageError: a bad value (see the class).
-        """
-        fields = ("heartbeat_sec", "heartbeat_misses", "ack_timeout_sec", "idle_timeout_sec", "timeout_sec")
-        return cls(**{k: data[k] for k in fields if k in data and data[k] is not None})
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: int | None) -> "Contract":
-        """Defaults, then MAM_HEARTBEAT_SEC, MAM_HEARTBEAT_MISSES, MAM_ACK_TIMEOUT_S
-        from `environ` (default os.environ), then explicit non-None `overrides` (§5).
-
-        Raises:
-            ConfigError: a variable that is not a positive integer.
-            UsageError: a bad override.
-        """
-        env = os.environ if environ is None else environ
-        values: dict[str, int] = {}
-        for var, key in (("MAM_HEARTBEAT_SEC", "heartbeat_sec"), ("MAM_HEARTBEAT_MISSES", "heartbeat_misses"),
-                         ("MAM_ACK_TIMEOUT_S", "ack_timeout_sec")):
-            raw = env.get(var)
-            if raw not in (None, ""):
-                try:
-                    values[key] = int(raw.strip())
-                    cls(**{key: values[key]})
-                except (ValueError, UsageError):
-                    raise ConfigError(f"{var}={raw!r} is invalid: expected a positive integer") from None
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+# The §5 contract is one type, the wire's; records store its five fields.
+Contract = wire.Contract
 
 
 class Acceptance(NamedTuple):
@@ -300,23 +217,24 @@ def _check_record(obj: Any, job_id: str) -> str | None:
 
 
 def validate_broker(broker: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    """Check a record's per-job broker overrides (§8, §13).
+    """Check a record's per-job broker overrides (§8, §13) with the same rules
+    `config.apply_job_overrides` applies when they are used.
 
     Raises:
-        UsageError: not an object, an unknown key, or a password/secret key.
+        UsageError: not an object, an unknown key, a password/secret key, or a bad value.
     """
+    from mam.shared.config import BrokerConfig, apply_job_overrides
+
     if broker is None:
         return None
     if not isinstance(broker, Mapping):
         raise UsageError("broker overrides must be a JSON object")
-    for key, value in broker.items():
-        if key not in BROKER_KEYS:
-            hint = " (passwords never enter a job record)" if "pass" in str(key) or "secret" in str(key) else ""
-            raise UsageError(f"broker override {key!r} is not allowed{hint}")
-        if not isinstance(value, (str, int, bool, list, tuple)) or value is None:
-            raise UsageError(f"broker override {key!r} must be a string, number, boolean or list")
+    try:
+        apply_job_overrides(BrokerConfig(), broker)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
     out = dict(broker)
-    if "hosts" in out:
+    if isinstance(out.get("hosts"), tuple):
         out["hosts"] = list(out["hosts"])
     return out
 
@@ -553,7 +471,7 @@ class Registry:
     def _write_meta(self, record: dict[str, Any]) -> None:
         meta = {k: record.get(k) for k in ("job_id", "session", "agent_session", "role", "transport",
                                             "origin", "created_at")}
-        meta["contract"] = Contract.from_dict(record).as_dict()
+        meta["contract"] = Contract.of_record(record).to_dict()
         self._write_side(record["job_id"], "meta.json", meta)
 
     def append_audit(self, job_id: str, obj: Mapping[str, Any]) -> None:
@@ -583,7 +501,7 @@ class Registry:
             "close_reason": None, "exit_code": None, "broker": broker, "origin": origin,
             "cancel_requested_at": None,
         }
-        record.update(contract.as_dict())
+        record.update(contract.to_dict())
         return record
 
     def _create(self, record: dict[str, Any], source: str, event: str) -> None:

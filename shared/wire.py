@@ -553,9 +553,29 @@ class Contract:
         _int(self.timeout_sec, "contract.timeout_sec", 1, MAX_CONTRACT_SEC)
 
     @classmethod
+    def build(cls, **values: Any) -> "Contract":
+        """A contract from local input (CLI options, environment, a record's fields);
+        None values take the defaults. Raises `UsageError` naming the field."""
+        return _build(cls, **{key: value for key, value in values.items() if value is not None})
+
+    @classmethod
+    def of_record(cls, record: Mapping[str, Any]) -> "Contract":
+        """The contract stored in a registry record (its five §8 fields; other keys ignored).
+
+        Raises:
+            UsageError: a field breaks §5.
+        """
+        return cls.build(**{key: record.get(key) for key in CONTRACT_FIELDS})
+
+    @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> "Contract":
         """Apply the §5 contract rules (exactly the five fields); raises `DecodeError`."""
         return _run(lambda: _contract_from(obj))
+
+    @property
+    def idle_timeout_s(self) -> int:
+        """The idle timeout in seconds: explicit, else K × N (§5)."""
+        return self.idle_timeout_sec  # type: ignore[return-value]  # resolved in __post_init__
 
     def to_dict(self) -> dict[str, int]:
         """The wire object."""

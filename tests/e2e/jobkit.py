@@ -85,7 +85,7 @@ class JobPair:
         self.job_id = record["job_id"]
         self.runner.mirror(job_id=self.job_id, session=session, attempt_id=record["attempt_id"],
                            dispatch_token=record["dispatch_token"], auth_token=record["auth_token"],
-                           contract=Contract.from_dict(record))
+                           contract=Contract.of_record(record))
         self.env = clean_env()
         self.watchers: list[WatchProcess] = []
 

@@ -21,7 +21,7 @@ from typing import Any
 from helpers import TEST_SECRET, clean_env, wait_until, write_env_for
 
 from mam.shared import crypto, mqtt, names, wire
-from mam.shared.registry import Contract, Registry
+from mam.shared.registry import Registry
 
 MAM_ORCH = [sys.executable, "-m", "mam.orchestrator.cli"]
 
@@ -119,7 +119,7 @@ class SimRunner:
         if mirror:
             self.registry.mirror(job_id=dispatch.job_id, session=dispatch.session,
                                  attempt_id=dispatch.attempt_id, dispatch_token=dispatch.dispatch_token,
-                                 auth_token=auth_token, contract=Contract.from_dict(dispatch.contract.to_dict()),
+                                 auth_token=auth_token, contract=dispatch.contract,
                                  origin=dispatch.origin)
             self.client.publish(names.dispatch_topic(dispatch.job_id, self.root), b"", retain=True)
         return Taken(dispatch, auth_token, brief, message.payload)
