@@ -20,29 +20,7 @@ def _root(version: bool = clikit.version_option("mam-runner")) -> None:
     """The worker side of mam-fleet."""
 
 
-@app.command("jobs")
-def jobs_cmd(
-    status: str = typer.Option(None, "--status", metavar="S",
-                               help="Only jobs in this status: pending, running, completed, error, cancelled."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object per line (default on a pipe)."),
-    workspace: str = clikit.workspace_option(),
-) -> int:
-    """List this host's job records (PROTOCOL §8); tokens are shown only as set."""
-    from mam.shared.registry import cli_jobs
-
-    return cli_jobs(workspace=workspace, status=status, as_json=as_json)
-
-
-@app.command("show")
-def show_cmd(
-    job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
-    as_json: bool = typer.Option(False, "--json", help="One JSON object (default on a pipe)."),
-    workspace: str = clikit.workspace_option(),
-) -> int:
-    """Show one job record and its audit trail (PROTOCOL §8); tokens are shown only as set."""
-    from mam.shared.registry import cli_show
-
-    return cli_show(workspace=workspace, job_id=job_id, as_json=as_json)
+clikit.add_registry_commands(app)
 
 
 @app.command("publish")
