@@ -385,10 +385,14 @@ class Fleet:
 
     def wait_online(self, session: str, handle: Runner, before: set[str],
                     timeout_s: float = START_TIMEOUT_S) -> None:
-        """Wait for an `online` presence of `session` from a runner id not in `before` (§1: fresh per process)."""
+        """Wait for an `online` presence of `session` from a runner id not in `before` (§1: fresh
+        per process) and for that runner's "serving" log line (subscribed to dispatches)."""
         def online() -> bool:
             doc = self.presence(session)
-            return bool(doc) and doc["status"] == "online" and doc["runner_id"] not in before
+            # the daemon announces `online` before it subscribes to dispatches; its
+            # "serving session" line comes after the SUBACK
+            return bool(doc) and doc["status"] == "online" and doc["runner_id"] not in before \
+                and f"runner {doc['runner_id']} serving session {session}" in handle.log()
 
         _wait_until(lambda: online() or not handle.alive(), timeout_s, f"runner {session} to be online")
         if not handle.alive():

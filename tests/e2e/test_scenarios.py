@@ -54,6 +54,14 @@ def marks(path: Path) -> list[list[str]]:
     return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def wait_log(proc, text: str, what: str, timeout_s: float = 15.0) -> None:
+    """Wait for `text` in a fleet process's stderr; the failure shows that stderr."""
+    try:
+        wait_until(lambda: text in proc.log(), timeout_s, what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- {proc.name} stderr:\n{proc.log()[-4000:]}") from None
+
+
 def terminal_on_wire(fleet: Fleet, job_id: str) -> list[dict]:
     return [e for e in fleet.events_on_wire(job_id) if e["event"] in TERMINAL_EVENTS]
 
@@ -282,13 +290,12 @@ def test_s5_bad_sig_expired_and_replayed_dispatches_refused_runner_keeps_serving
     bad = dispatch_of(forge.register(session="gpu-box", contract=contract))
     bad["sig"] = ("0" if bad["sig"][0] != "0" else "1") + bad["sig"][1:]
     send(bad)
-    wait_until(lambda: f"refused dispatch {bad['job_id']}" in runner.log(), 15, "the bad sig to be refused")
+    wait_log(runner, f"refused dispatch {bad['job_id']}", "the bad sig to be refused")
     # expired: issued an hour ago with a 10 s ack timeout
     expired = dispatch_of(forge.register(session="gpu-box", contract=contract),
                           issued_at=datetime.now(timezone.utc) - timedelta(hours=1))
     send(expired)
-    wait_until(lambda: f"refused dispatch {expired['job_id']}: expired" in runner.log(), 15,
-               "the expired dispatch to be refused")
+    wait_log(runner, f"refused dispatch {expired['job_id']}: expired", "the expired dispatch to be refused")
     # replay: a valid dispatch runs once; the same bytes again are refused
     good = dispatch_of(forge.register(session="gpu-box", contract=contract))
     raw = send(good)
@@ -296,8 +303,7 @@ def test_s5_bad_sig_expired_and_replayed_dispatches_refused_runner_keeps_serving
                fleet.runner_record("gpu-box", good["job_id"])["status"] == "completed", 30,
                "the valid dispatch to complete")
     fleet.tap.publish(names.dispatch_topic(good["job_id"], fleet.topic_root), raw, retain=True)
-    wait_until(lambda: f"refused dispatch {good['job_id']}: replayed" in runner.log(), 15,
-               "the replay to be refused")
+    wait_log(runner, f"refused dispatch {good['job_id']}: replayed", "the replay to be refused")
     assert "sig" in runner.log().split(f"refused dispatch {bad['job_id']}")[1].splitlines()[0]
     for refused in (bad, expired):
         assert not fleet.has_runner_record("gpu-box", refused["job_id"])
