@@ -169,8 +169,11 @@ class Dispatch(Proc):
                 if len(words) >= 3 and words[0] in ("dispatched", "redispatched") and words[1] == "job":
                     return words[2]
             return None
-        return _wait_until(lambda: find() or (not self.alive() and find() is None and "?"), timeout_s,
-                           f"{self.name} to name its job")
+        _wait_until(lambda: find() or not self.alive(), timeout_s, f"{self.name} to name its job")
+        found = find()
+        if found is None:
+            raise AssertionError(f"{self.name} exited {self.proc.returncode} without a job id: {self.log()[-2000:]}")
+        return found
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
         return [line for line in self.lines if "event" in line and (name is None or line["event"] == name)]
