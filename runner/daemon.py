@@ -396,9 +396,11 @@ class Runner:
         self.client = mqtt.MqttClient(self.config, "runner", will=will)
         self.client.connect()
         self._check_session_free()
-        self._publish_presence("online")
+        # Subscribe before announcing `online`: a hub that sees us online may publish at once,
+        # and a dispatch published then must reach us live, not only through the retained copy.
         self.client.subscribe([(names.all_controls_filter(self.config.topic_root), 1),
                                (names.all_dispatches_filter(self.config.topic_root), 1)])
+        self._publish_presence("online")
         log.info("runner %s serving session %s (max %d job(s)) on %s:%d", self.runner_id,
                  self.options.session, self.options.max_jobs, self.client.host, self.config.port)
 
