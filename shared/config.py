@@ -296,6 +296,23 @@ _JOB_OVERRIDES = {"host": "hosts", "hosts": "hosts", "port": "port", "tls": "tls
                   "transport": "transport", "ws_path": "ws_path"}
 
 
+_CLIENT_ID_PREFIX_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def _check_client_id_prefix(value: str) -> str:
+    """Refuse an MQTT_CLIENT_ID_PREFIX that is not 1-32 letters, digits, '-' or '_' (§13):
+    client ids are `<prefix>-<role>-<random>`, and MQTT 3.1.1 §3.1.3.1 only guarantees
+    letters and digits, so a bad prefix would otherwise fail late, at connect time.
+
+    Raises:
+        ConfigError: naming the variable and the rule (the value is shown escaped).
+    """
+    if not (1 <= len(value) <= 32 and set(value) <= _CLIENT_ID_PREFIX_CHARS):
+        raise ConfigError(f"MQTT_CLIENT_ID_PREFIX={value[:40]!r} is invalid: "
+                          "use 1-32 letters, digits, '-' or '_'")
+    return value
+
+
 def broker_config(job_broker: Mapping[str, Any] | None = None, *,
                   environ: Mapping[str, str] | None = None, cwd: Path | None = None,
                   workspace: str | os.PathLike[str] | None = None,
@@ -331,7 +348,7 @@ def broker_config(job_broker: Mapping[str, Any] | None = None, *,
         ca_certs=_check_file("MQTT_CA_CERTS", env.get("MQTT_CA_CERTS", "")),
         certfile=_check_file("MQTT_CERTFILE", env.get("MQTT_CERTFILE", "")),
         keyfile=_check_file("MQTT_KEYFILE", env.get("MQTT_KEYFILE", "")),
-        client_id_prefix=env.get("MQTT_CLIENT_ID_PREFIX") or "hermes",
+        client_id_prefix=_check_client_id_prefix(env.get("MQTT_CLIENT_ID_PREFIX") or "hermes"),
         keepalive_s=_parse_int("MQTT_KEEPALIVE", env.get("MQTT_KEEPALIVE") or "60", 5, 65535),
         topic_root=root,
     )

@@ -259,3 +259,31 @@ def test_s13_cli_config_never_shows_password(empty_cwd):
     assert "topsecretvalue" not in result.stdout + result.stderr
     assert SECRET not in result.stdout + result.stderr
     assert '"hosts": ["hub"]' in result.stdout
+
+
+@pytest.mark.parametrize("value", [
+    "has.dot", "has space", "hash#", "sl/ash", "plus+", "tab\there", "bell\x07", "nul\x00x",
+    "é-accent", "x" * 33, "$SYS",
+])
+def test_s13_client_id_prefix_refused(empty_cwd, value):
+    """§13 MQTT_CLIENT_ID_PREFIX: only 1-32 letters, digits, '-' and '_'; refused when read,
+    not at connect time; the error names the variable."""
+    with pytest.raises(ConfigError, match="MQTT_CLIENT_ID_PREFIX.*1-32 letters, digits") as info:
+        config.broker_config(environ={"MQTT_BROKER": "hub", "MQTT_CLIENT_ID_PREFIX": value},
+                             cwd=empty_cwd, warn=False)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["a", "mam-orch_2", "x" * 32])
+def test_s13_client_id_prefix_accepted(empty_cwd, value):
+    cfg = config.broker_config(environ={"MQTT_BROKER": "hub", "MQTT_CLIENT_ID_PREFIX": value},
+                               cwd=empty_cwd, warn=False)
+    assert cfg.client_id_prefix == value
+
+
+def test_s13_cli_bad_client_id_prefix_exit_64_one_line(empty_cwd):
+    write(empty_cwd / ".mam.env", "MQTT_BROKER=hub\nMQTT_CLIENT_ID_PREFIX=fleet.hub\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MQTT_", "MAM_"))}
+    result = _cli("config", env=env, cwd=empty_cwd)
+    assert result.returncode == 64
+    assert len(result.stderr.strip().splitlines()) == 1 and "MQTT_CLIENT_ID_PREFIX" in result.stderr
