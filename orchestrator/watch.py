@@ -133,7 +133,8 @@ class Watcher:
         try:
             message = wire.decode(raw, "event" if leaf == "events" else "state")
         except DecodeError as exc:
-            self._refuse(exc.reason.split(":", 1)[0], exc.reason)
+            code, _, why = exc.reason.partition(":")
+            self._refuse(code, why.strip())
             return False
         if message.job_id != self.job_id:
             self._refuse("unexpected_job", f"job_id {message.job_id}")

@@ -115,7 +115,13 @@ def run(app: typer.Typer, prog: str, argv: list[str] | None = None) -> NoReturn:
     try:
         result = command.main(args=argv, prog_name=prog, standalone_mode=False)
     except ClickException as exc:  # usage errors: bad option, missing argument
-        exc.show()
+        if type(exc).__name__ == "NoArgsIsHelpError":  # a bare command: show its help
+            exc.show()
+            raise SystemExit(USAGE_EXIT) from None
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        message = " ".join(exc.format_message().split())
+        print(f"ERROR: {message}{hint}", file=sys.stderr)
         raise SystemExit(USAGE_EXIT) from None
     except typer.Abort:
         print("Aborted.", file=sys.stderr)

@@ -356,7 +356,9 @@ class Registry:
             with open(path, "rb") as handle:
                 raw = handle.read(RECORD_MAX_BYTES + 1)
         except FileNotFoundError:
-            raise JobNotFound(f"job {job_id}: no record at {path}") from None
+            aside = sorted(path.parent.glob(f"{path.name}.corrupt-*"))
+            hint = f" (a corrupt record was kept aside as {aside[-1].name})" if aside else ""
+            raise JobNotFound(f"job {job_id}: no record at {path}{hint}") from None
         except OSError as exc:
             raise RegistryError(f"job {job_id}: cannot read {path} "
                                 f"({_errno_name(exc)}: {exc.strerror or exc})") from exc

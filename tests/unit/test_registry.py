@@ -534,6 +534,9 @@ def test_s8_corrupt_record_raises_registry_error_and_is_kept_aside(reg, content,
     assert [r["job_id"] for r in records] == [good["job_id"]]
     assert len(errors) == 1 and isinstance(errors[0], RegistryError)
     assert len(list(path.parent.glob("918b0612.json.corrupt-*"))) == 2
+    # later reads name the copy kept aside instead of a bare "no record"
+    with pytest.raises(JobNotFound, match="kept aside as 918b0612.json.corrupt-"):
+        reg.get("918b0612")
 
 
 def test_s8_transition_on_corrupt_record_raises_registry_error(reg):
