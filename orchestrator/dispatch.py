@@ -80,7 +80,7 @@ def build_dispatch(record: dict[str, Any], brief: str, keys: Any, *, origin: str
 
 
 def encode_dispatch(signed: dict[str, Any]) -> bytes:
-    """Canonical bytes of a signed dispatch; refuses one over the 1 MiB wire cap.
+    """Canonical bytes of a signed dispatch (§3.1, §5); refuses one over the 1 MiB wire cap.
 
     Raises:
         UsageError: the encoded dispatch is too large (a brief full of escapes).

@@ -12,8 +12,12 @@ go to stdout as JSON lines (a human view on a TTY).
 Liveness (§10): before the first accepted event the ack clock runs; after
 it the idle clock (K × N), renewed by every accepted event and by a state
 only when its seq is newer than everything accepted; the wall clock runs
-from the record's creation. Whatever ends the wait (other than Ctrl-C), the
-hub record is left terminal.
+from the record's creation. Whatever ends a wait that has begun (other than
+Ctrl-C), the hub record is left terminal: a liveness deadline that passes
+while the broker is unreachable closes the job `deadline_timeout` and exits 3.
+A watch that cannot reach the broker at all when it starts decides nothing
+about the job: it reports the record's own status (disk fallback) and exits
+3 without closing it, so a later watch or publish can still finish it.
 """
 
 from __future__ import annotations

@@ -342,7 +342,11 @@ class _Timer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the detached timer: `python -m mam.runner.heartbeat ...`."""
+    """Entry point of the detached timer of §12: `python -m mam.runner.heartbeat ...`.
+
+    Returns:
+        the exit code (0 whenever the timer stops for a §12 reason).
+    """
     import argparse
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

@@ -91,7 +91,7 @@ def validate_session(value: object) -> str:
 
 
 def validate_token(value: object, what: str = "dispatch token") -> str:
-    """Return `value` if it is 32 lowercase hex characters (uuid4().hex), else raise `UsageError`."""
+    """Return `value` if it is 32 lowercase hex characters (uuid4().hex, §1), else raise `UsageError`."""
     if not isinstance(value, str) or not TOKEN_RE.fullmatch(value):
         raise UsageError(f"{what} {value!r} is invalid: expected 32 lowercase hex characters")
     return value
@@ -183,7 +183,7 @@ def all_presence_filter(root: str | None = None) -> str:
 
 
 def parse_job_topic(topic: str, root: str | None = None) -> tuple[str, str] | None:
-    """Split `ROOT/jobs/<job_id>/<leaf>` into (job_id, leaf), or None if it is not one."""
+    """Split `ROOT/jobs/<job_id>/<leaf>` (§2) into (job_id, leaf), or None if it is not one."""
     prefix = f"{topic_root(root)}/jobs/"
     if not topic.startswith(prefix):
         return None
@@ -194,7 +194,7 @@ def parse_job_topic(topic: str, root: str | None = None) -> tuple[str, str] | No
 
 
 def parse_presence_topic(topic: str, root: str | None = None) -> str | None:
-    """The session of a `ROOT/runners/<session>` topic, or None."""
+    """The session of a `ROOT/runners/<session>` topic (§2, §7), or None."""
     prefix = f"{topic_root(root)}/runners/"
     if not topic.startswith(prefix):
         return None

@@ -907,7 +907,7 @@ def redact(obj: Any) -> Any:
 
 def cli_jobs(*, workspace: str | os.PathLike[str] | None, status: str | None, as_json: bool,
              stream: Any = None) -> int:
-    """`mam-orch jobs` / `mam-runner jobs`: list this host's records, secrets
+    """`mam-orch jobs` / `mam-runner jobs`: list this host's records (§8), secrets
     redacted; a table on a TTY, JSON lines otherwise or with `as_json`.
 
     Returns:
@@ -932,7 +932,7 @@ def cli_jobs(*, workspace: str | os.PathLike[str] | None, status: str | None, as
 
 
 def cli_show(*, workspace: str | os.PathLike[str] | None, job_id: str, as_json: bool, stream: Any = None) -> int:
-    """`mam-orch show` / `mam-runner show`: one record and its audit trail,
+    """`mam-orch show` / `mam-runner show`: one record and its audit trail (§8),
     secrets redacted; human view on a TTY, one JSON object otherwise.
 
     Raises:
