@@ -91,17 +91,21 @@ def _print_json(info: dict) -> None:
 def broker_up_cmd(
     workspace: str = clikit.workspace_option(),
     mqtt_port: int = typer.Option(None, "--mqtt-port", metavar="P",
-                                  help="MQTT port (default: MQTT_PORT of .mam.env, else 1883)."),
-    port: int = typer.Option(None, "--port", metavar="P", help="Native NATS port (default 4222)."),
+                                  help="MQTT port 1-65535 (default: MQTT_PORT of .mam.env, else 1883)."),
+    port: int = typer.Option(None, "--port", metavar="P", help="Native NATS port 1-65535 (default 4222)."),
     ws_port: int = typer.Option(None, "--ws-port", metavar="P",
                                 help="MQTT-over-WebSocket port, path /mqtt (default 8080; 0 = off)."),
-    monitor_port: int = typer.Option(None, "--monitor-port", metavar="P", help="HTTP monitoring port (default off)."),
+    monitor_port: int = typer.Option(None, "--monitor-port", metavar="P",
+                                     help="HTTP monitoring port 1-65535 (default off)."),
     listen: str = typer.Option("127.0.0.1", "--listen", metavar="HOST",
-                               help="Listen address of every listener (0.0.0.0 for runners on other hosts)."),
+                               help="Listen address of every listener: an IP address or host name of this "
+                                    "machine (0.0.0.0 for runners on other hosts)."),
 ) -> int:
     """Start nats-server detached and wait until it accepts MQTT; write .mam.env if missing.
 
-    Prints one JSON line (no secrets). Already running: says so, exit 0.
+    Prints one JSON line (no secrets). Already running: says so, exit 0. Exit 64: a port
+    out of range, two listeners on one port, or a bad --listen (nothing started or
+    written); exit 1: a port in use or the server did not start (nothing left running).
     """
     from mam.shared import broker
 

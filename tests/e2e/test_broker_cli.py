@@ -133,16 +133,17 @@ def test_up_again_reuses_the_passwords_of_the_existing_env(workspace):
 
 
 def test_port_in_use_is_one_line_error_and_leaves_no_process(workspace):
-    """A taken MQTT port: one-line error naming the port and the option; nothing started."""
+    """A taken MQTT port: one-line error naming the port and the option, exit 1; nothing started."""
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", 0))
         blocker.listen()
         busy = blocker.getsockname()[1]
         result = orch("broker", "up", "--workspace", str(workspace), "--mqtt-port", str(busy),
                       "--port", str(free_port()), "--ws-port", str(free_port()))
-    assert result.returncode != 0
+    assert result.returncode == 1  # §9: 3 means "broker unreachable", not "could not start"
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and f"port {busy}" in lines[0] and "--mqtt-port" in lines[0]
+    assert "Traceback" not in result.stderr
     assert nats_processes_in(workspace) == []
     assert not (workspace / ".mam.env").exists()
 
@@ -228,3 +229,90 @@ def test_rendered_config_quotes_and_permissions():
     with pytest.raises(Exception, match="MQTT_USERNAME"):
         broker_mod.render_nats_config(settings, broker_mod.BrokerCredentials(
             agent_password="x" * 20, agent_user="bad user"))
+
+
+def assert_refused_untouched(result: subprocess.CompletedProcess, workspace: Path, code: int,
+                             *words: str) -> None:
+    """One ERROR line holding `words`, exit `code`, no server, nothing written in `workspace`."""
+    assert result.returncode == code, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ERROR: "), result.stderr
+    for word in words:
+        assert word in lines[0]
+    assert result.stdout == ""
+    assert nats_processes_in(workspace) == []
+    assert not (workspace / ".mam.env").exists() and not (workspace / ".mam").exists()
+
+
+@pytest.mark.parametrize("option, value", [
+    ("--mqtt-port", "70000"), ("--port", "70000"), ("--ws-port", "70000"), ("--monitor-port", "70000"),
+    ("--mqtt-port", "-1"), ("--mqtt-port", "0"), ("--port", "0"), ("--monitor-port", "0"),
+    ("--ws-port", "-1"), ("--mqtt-port", "65536"), ("--port", str(2**64)),
+])
+def test_s9_port_out_of_range_is_usage_error(workspace, option, value):
+    """A listener port outside 1..65535 (0 only turns --ws-port off) is refused at once:
+    one line naming the option and the range, exit 64, nothing started or written."""
+    args = ports() + [option, value]  # the last occurrence of an option wins
+    result = orch("broker", "up", "--workspace", str(workspace), *args)
+    assert_refused_untouched(result, workspace, 64, option, "1..65535")
+
+
+@pytest.mark.parametrize("listen, problem", [
+    ("bad host!", "is invalid"),
+    ("", "is invalid"),
+    ("host.invalid", "is invalid"),  # RFC 6761: never resolves
+    ("a" * 300, "is invalid"),
+    ('x"}\nhttp: 9', "is invalid"),  # hostile: would break out of the nats.conf string
+    ("192.0.2.1", "not an address of this host"),  # RFC 5737 TEST-NET-1: valid, not local
+])
+def test_s9_bad_listen_address_is_usage_error(workspace, listen, problem):
+    """--listen must be an IP address or resolvable host name of this machine (exit 64);
+    a bad one is never reported as a port in use."""
+    result = orch("broker", "up", "--workspace", str(workspace), *ports(), "--listen", listen)
+    assert_refused_untouched(result, workspace, 64, "--listen", problem)
+    assert "in use" not in result.stderr
+
+
+@pytest.mark.parametrize("pair", [
+    ("--mqtt-port", "--port"), ("--mqtt-port", "--ws-port"), ("--port", "--monitor-port"),
+])
+def test_s9_two_listeners_on_one_port_is_usage_error(workspace, pair):
+    """Two options naming the same port: one line naming both options, exit 64."""
+    same = str(free_port())
+    given = dict(zip(["--mqtt-port", "--port", "--ws-port"], ports()[1::2]))
+    given.update({pair[0]: same, pair[1]: same})
+    args = [part for option, value in given.items() for part in (option, value)]
+    result = orch("broker", "up", "--workspace", str(workspace), *args)
+    assert_refused_untouched(result, workspace, 64, pair[0], pair[1], f"both {same}")
+
+
+def test_s9_explicit_port_equal_to_a_default_is_usage_error(workspace):
+    """--port 1883 collides with the default MQTT port: the message says it is the default."""
+    result = orch("broker", "up", "--workspace", str(workspace), "--port", "1883",
+                  "--ws-port", str(free_port()))
+    assert_refused_untouched(result, workspace, 64, "--mqtt-port (default)", "--port", "1883")
+
+
+def test_s13_env_mqtt_port_out_of_range_is_refused(workspace):
+    """MQTT_PORT of an existing .mam.env is range-checked like the option (exit 64)."""
+    (workspace / ".mam.env").write_text("MQTT_USERNAME=mam_agent\nMQTT_PASSWORD=long-enough-pw\n"
+                                        "MQTT_PORT=99999\n")
+    result = orch("broker", "up", "--workspace", str(workspace), "--port", str(free_port()),
+                  "--ws-port", "0")
+    assert result.returncode == 64 and "MQTT_PORT 99999 is out of range" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert nats_processes_in(workspace) == [] and not (workspace / ".mam").exists()
+
+
+def test_s9_server_that_does_not_start_exits_1_and_writes_no_env(workspace):
+    """nats-server exits at start (its JetStream store path is a file): one line with the
+    reason, exit 1 (not 3, which means "broker unreachable"), no process, no .mam.env."""
+    bdir = workspace / ".mam" / "broker"
+    bdir.mkdir(parents=True)
+    (bdir / "jetstream").write_text("not a directory\n")
+    result = orch("broker", "up", "--workspace", str(workspace), *ports())
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nats-server did not start" in lines[0]
+    assert nats_processes_in(workspace) == []
+    assert not (workspace / ".mam.env").exists() and not (bdir / "state.json").exists()
