@@ -7,13 +7,12 @@ for the broker under test. Commands run as real processes.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
+from fleet import Dispatch
 from helpers import clean_env, wait_until, write_env_for
 
 from mam.shared.registry import Contract, Registry
@@ -22,49 +21,16 @@ MAM_ORCH = [sys.executable, "-m", "mam.orchestrator.cli"]
 MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
 
 
-class WatchProcess:
-    """`mam-orch watch` running in the background, its stdout lines collected."""
+class WatchProcess(Dispatch):
+    """`mam-orch watch` running in the background (its own process group), its
+    stdout JSON lines and stderr collected (the fleet harness's process handle)."""
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.lines: list[dict[str, Any]] = []
-        self.stderr: list[str] = []
-        self._threads = [threading.Thread(target=self._read_out, daemon=True),
-                         threading.Thread(target=self._read_err, daemon=True)]
-        for thread in self._threads:
-            thread.start()
-
-    def _read_out(self) -> None:
-        for line in self.proc.stdout:  # type: ignore[union-attr]
-            self.lines.append(json.loads(line))
-
-    def _read_err(self) -> None:
-        for line in self.proc.stderr:  # type: ignore[union-attr]
-            self.stderr.append(line)
-
-    def events(self, name: str | None = None) -> list[dict[str, Any]]:
-        return [line for line in self.lines if name is None or line["event"] == name]
-
-    def wait(self, timeout_s: float = 30.0) -> int:
-        code = self.proc.wait(timeout_s)
-        self._drain()
-        return code
-
-    def _drain(self) -> None:
-        for thread in self._threads:
-            thread.join(5)
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream is not None:
-                stream.close()
-
-    def log(self) -> str:
-        return "".join(self.stderr)
+        super().__init__("watch", subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                   text=True, start_new_session=True))
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._drain()
+        self.stop()
 
 
 class JobPair:
