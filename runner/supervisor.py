@@ -12,6 +12,13 @@ Lifecycle::
                 cwd=workdir, stdin_text=brief, log_path=logs / "agent.log")
     status = agent.wait()                 # or agent.cancel(grace_s=10.0)
     event, detail, exit_code = status.terminal()
+
+A runner killed with `kill -9` leaves its agent running (own session,
+reparented to init). The runner records `agent.identity` (`AgentIdentity`:
+pid, create time, process group, `MAM_AGENT_TAG`) durably; the next runner
+reads it back and calls `stop_orphan(identity, grace_s)`, which stops that
+tree exactly like `cancel()` (`ProcessTree.terminate`), touching only
+processes it can prove are the agent's.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import signal as _signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,8 +269,7 @@ class AgentProcess:
         self.track_interval_s = track_interval_s
         self._popen: subprocess.Popen[bytes] | None = None
         self._proc: psutil.Process | None = None
-        self._seen: dict[tuple[int, float], psutil.Process] = {}
-        self._seen_lock = threading.Lock()
+        self._tree: ProcessTree | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._status: ExitStatus | None = None
@@ -340,9 +346,13 @@ class AgentProcess:
         try:
             self._proc = psutil.Process(self._popen.pid)
             self._start_time = self._proc.create_time()
-            self._remember([self._proc])
         except psutil.NoSuchProcess:
             self._proc = None  # exited already; wait() reports it
+            self._start_time = time.time()
+        # owned: the agent is our unreaped child, so its group id cannot be reused under us
+        self._tree = ProcessTree(self.identity, owned=True)
+        if self._proc is not None:
+            self._tree.remember([self._proc])
         data = stdin_text.encode("utf-8", errors="surrogateescape")
         self._spawn_thread(self._write_stdin, data, name=f"agent-stdin-{self.pid}")
         self._spawn_thread(self._track, name=f"agent-track-{self.pid}")
@@ -373,6 +383,12 @@ class AgentProcess:
         if self._popen is None:
             raise MamError("agent not started")
         return self._popen.pid
+
+    @property
+    def identity(self) -> AgentIdentity:
+        """What identifies this agent after the runner is gone (§6): record it
+        durably (`AgentIdentity.to_dict`) so a restarted runner can stop it."""
+        return AgentIdentity(pid=self.pid, create_time=self._start_time, pgid=self.pid, tag=self._tag)
 
     # -- wait
 
@@ -407,48 +423,10 @@ class AgentProcess:
 
     # -- process tree
 
-    def _remember(self, procs) -> None:
-        with self._seen_lock:
-            for proc in procs:
-                try:
-                    self._seen.setdefault((proc.pid, proc.create_time()), proc)
-                except psutil.Error:
-                    pass  # gone between listing and reading
-
     def _collect(self, *, deep: bool = False) -> list[psutil.Process]:
-        """Every process of the agent's tree seen now or earlier, still alive.
-
-        Union of: the agent and its descendants (`children(recursive=True)`),
-        descendants of every process seen before (catches reparented ones
-        that fork again), every process whose process group or session is
-        the agent's, and everything the tracker saw. With `deep`, also every
-        process started after the agent whose environment carries this
-        agent's `MAM_AGENT_TAG` (an escaped, never-seen descendant).
-        """
-        assert self._popen is not None
-        found: list[psutil.Process] = []
-        with self._seen_lock:
-            roots = list(self._seen.values())
-        for proc in roots:
-            try:
-                if _alive(proc):
-                    found.append(proc)
-                    found.extend(proc.children(recursive=True))
-            except psutil.Error:
-                pass
-        pgid = self._popen.pid
-        for proc in psutil.process_iter():
-            try:
-                if os.getpgid(proc.pid) == pgid or os.getsid(proc.pid) == pgid:
-                    found.append(proc)
-                elif (deep and proc.create_time() >= self._start_time
-                      and proc.environ().get(AGENT_TAG_ENV) == self._tag):
-                    found.append(proc)
-            except (OSError, psutil.Error):
-                pass  # gone, or not ours to read
-        self._remember(found)
-        with self._seen_lock:
-            return [p for p in self._seen.values() if _alive(p)]
+        """Every live process of the agent's tree (`ProcessTree.collect`)."""
+        assert self._tree is not None
+        return self._tree.collect(deep=deep)
 
     def _track(self) -> None:
         """Sample the tree until the agent ends, so escaped descendants stay known."""
@@ -461,56 +439,19 @@ class AgentProcess:
                 log.debug("process-tree sample failed", exc_info=True)
 
     def cancel(self, grace_s: float) -> ExitStatus:
-        """Stop the agent and its whole process tree (§6).
-
-        SIGTERM to the agent's process group (and to every known process of
-        its tree outside the group), wait up to `grace_s` for all of them to
-        exit, collect the tree again, then SIGKILL every survivor and the
-        group, repeating until nothing of the tree is left (a process stuck
-        in uninterruptible sleep is logged after 5 s and left).
+        """Stop the agent and its whole process tree (§6), see `ProcessTree.terminate`.
 
         Args:
             grace_s: seconds between SIGTERM and SIGKILL (`MAM_CANCEL_GRACE_S`).
         Returns:
             the agent's `ExitStatus` (a signal, unless it exited by itself).
         """
-        if self._popen is None:
+        if self._popen is None or self._tree is None:
             raise MamError("agent not started")
-        procs = self._collect(deep=True)
-        self._signal_all(procs, _signal.SIGTERM)
-        deadline = time.monotonic() + max(0.0, grace_s)
-        while time.monotonic() < deadline:
-            self._popen.poll()  # reap the agent so it does not linger as a zombie
-            if not self._collect():
-                break
-            time.sleep(_POLL_S)
-        kill_deadline = time.monotonic() + _KILL_WAIT_S
-        deep = True  # one full re-scan before the first SIGKILL, then the cheap one
-        while True:
-            self._popen.poll()
-            procs = self._collect(deep=deep)
-            deep = False
-            if not procs:
-                break
-            if time.monotonic() > kill_deadline:
-                log.warning("agent %d: %d process(es) survive SIGKILL: %s", self.pid, len(procs),
-                            [p.pid for p in procs])
-                break
-            self._signal_all(procs, _signal.SIGKILL)
-            time.sleep(_POLL_S)
+        popen = self._popen
+        self._tree.terminate(grace_s, reap=popen.poll)  # reap the agent so it does not linger as a zombie
         self._stop.set()
-        return self._finish(self._popen.wait())
-
-    def _signal_all(self, procs: list[psutil.Process], sig: int) -> None:
-        try:
-            os.killpg(self.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass  # group already empty
-        for proc in procs:
-            try:
-                proc.send_signal(sig)  # psutil refuses a reused pid (create-time check)
-            except psutil.Error:
-                pass
+        return self._finish(popen.wait())
 
     def close(self) -> None:
         """Stop the tracker and join helper threads; safe to call twice.
@@ -519,6 +460,232 @@ class AgentProcess:
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=1.0)
+
+
+AGENT_RECORD_MAX_BYTES = 4096
+"""Largest accepted agent identity file; a bigger one is not ours."""
+
+_CREATE_TIME_TOLERANCE_S = 0.001  # psutil derives it from clock ticks (10 ms): equal values round-trip
+
+
+@dataclass(frozen=True)
+class AgentIdentity:
+    """An agent process as a restarted runner can find it again (§6).
+
+    Attributes:
+        pid: the agent's pid.
+        create_time: its psutil create time (seconds since the epoch): with
+            `pid`, tells the agent from a later process that reused the pid.
+        pgid: its process group id (= `pid`: the agent leads its own session).
+        tag: the random `MAM_AGENT_TAG` value every descendant inherits.
+    """
+
+    pid: int
+    create_time: float
+    pgid: int
+    tag: str
+
+    def to_dict(self) -> dict[str, object]:
+        """The JSON object of the identity file."""
+        return {"pid": self.pid, "create_time": self.create_time, "pgid": self.pgid, "tag": self.tag}
+
+    @classmethod
+    def from_dict(cls, obj: object) -> AgentIdentity:
+        """Parse `to_dict()` output, read back from a file an agent could have written.
+
+        Raises:
+            ValueError: not an object, a missing or mistyped field, a pid or
+                pgid outside 2..2**22, a tag that is not 32 lowercase hex.
+        """
+        if not isinstance(obj, Mapping):
+            raise ValueError("agent identity is not a JSON object")
+        pid, pgid, created, tag = obj.get("pid"), obj.get("pgid"), obj.get("create_time"), obj.get("tag")
+        for name, value in (("pid", pid), ("pgid", pgid)):
+            # pid 1 (init) and 0 (our own group for killpg) are never an agent's
+            if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 1 << 22:
+                raise ValueError(f"agent identity: {name} {value!r} is invalid")
+        if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 < created < 1e11:
+            raise ValueError(f"agent identity: create_time {created!r} is invalid")
+        if not isinstance(tag, str) or len(tag) != 32 or tag.strip("0123456789abcdef"):
+            raise ValueError("agent identity: tag is invalid")
+        return cls(pid=pid, create_time=float(created), pgid=pgid, tag=tag)
+
+    def leader(self) -> psutil.Process | None:
+        """The agent process itself if it still runs: same pid, same create time,
+        not a zombie, and `MAM_AGENT_TAG` in its environment equal to `tag`
+        (a forged identity file cannot point at a process outside the agent's tree).
+
+        Returns:
+            the process, or None (gone, reused pid, or not readable as ours).
+        """
+        try:
+            proc = psutil.Process(self.pid)
+            if abs(proc.create_time() - self.create_time) > _CREATE_TIME_TOLERANCE_S:
+                return None
+            if not _alive(proc) or proc.environ().get(AGENT_TAG_ENV) != self.tag:
+                return None
+            return proc
+        except (psutil.Error, OSError):
+            return None
+
+
+class ProcessTree:
+    """The processes of one agent, found again and again while it runs and
+    stopped as a whole (§6).
+
+    Membership: every process seen before that still runs, their descendants
+    (`children(recursive=True)`, which catches reparented ones that fork
+    again), members of the agent's process group or session, and, on a deep
+    scan, every process started after the agent whose environment carries the
+    agent's `MAM_AGENT_TAG` (an escaped, never-seen descendant).
+
+    Args:
+        identity: the agent's `AgentIdentity`.
+        owned: True when the caller holds the agent as its own unreaped child
+            (`AgentProcess`): the group id cannot be reused, so every member
+            of the group or session is the agent's. False for an orphan left
+            by a dead runner (reparented to init, which reaps it): a group or
+            session member counts only if its environment carries the tag, and
+            the group is signalled only while a process proven ours is in it
+            (a group id, unlike a pid, is not reused while a member lives).
+    """
+
+    def __init__(self, identity: AgentIdentity, *, owned: bool) -> None:
+        self.identity = identity
+        self.owned = owned
+        self._seen: dict[tuple[int, float], psutil.Process] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of_orphan(cls, identity: AgentIdentity) -> ProcessTree:
+        """The tree of an agent whose runner died, seeded with the agent if it still runs."""
+        tree = cls(identity, owned=False)
+        leader = identity.leader()
+        if leader is not None:
+            tree.remember([leader])
+        return tree
+
+    def remember(self, procs) -> None:
+        """Add `procs` (psutil.Process) to the processes known to be the agent's."""
+        with self._lock:
+            for proc in procs:
+                try:
+                    self._seen.setdefault((proc.pid, proc.create_time()), proc)
+                except psutil.Error:
+                    pass  # gone between listing and reading
+
+    def _tagged(self, proc: psutil.Process) -> bool:
+        try:
+            return (proc.create_time() >= self.identity.create_time - _CREATE_TIME_TOLERANCE_S
+                    and proc.environ().get(AGENT_TAG_ENV) == self.identity.tag)
+        except (psutil.Error, OSError):
+            return False  # gone, or not ours to read
+
+    def collect(self, *, deep: bool = False) -> list[psutil.Process]:
+        """Every process of the tree seen now or earlier that is still alive (zombies excluded).
+
+        Args:
+            deep: also read the environment of every process started after the
+                agent, looking for the tag (slower: one /proc read per process).
+        """
+        found: list[psutil.Process] = []
+        with self._lock:
+            roots = list(self._seen.values())
+        for proc in roots:
+            try:
+                if _alive(proc):
+                    found.append(proc)
+                    found.extend(proc.children(recursive=True))
+            except psutil.Error:
+                pass
+        pgid = self.identity.pgid
+        for proc in psutil.process_iter():
+            try:
+                in_group = os.getpgid(proc.pid) == pgid or os.getsid(proc.pid) == pgid
+                if in_group and (self.owned or self._tagged(proc)):
+                    found.append(proc)
+                elif deep and not in_group and self._tagged(proc):
+                    found.append(proc)
+            except (OSError, psutil.Error):
+                pass  # gone, or not ours to read
+        self.remember(found)
+        with self._lock:
+            return [p for p in self._seen.values() if _alive(p)]
+
+    def signal_all(self, procs: list[psutil.Process], sig: int) -> None:
+        """Send `sig` to the agent's process group and to every process of `procs`."""
+        if self.owned or any(_in_group(p, self.identity.pgid) for p in procs):
+            try:
+                os.killpg(self.identity.pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass  # group already empty
+        for proc in procs:
+            try:
+                proc.send_signal(sig)  # psutil refuses a reused pid (create-time check)
+            except psutil.Error:
+                pass
+
+    def terminate(self, grace_s: float, *, reap: Callable[[], object] = lambda: None) -> list[int]:
+        """Stop the whole tree (§6): SIGTERM to the process group and to every
+        known process of the tree, wait up to `grace_s` for all of them to
+        exit, collect the tree again, then SIGKILL every survivor and the
+        group, repeating until nothing of the tree is left (a process stuck in
+        uninterruptible sleep is logged after 5 s and left).
+
+        Args:
+            grace_s: seconds between SIGTERM and SIGKILL (`MAM_CANCEL_GRACE_S`).
+            reap: called on every poll (e.g. `Popen.poll`, so our own child does
+                not linger as a zombie).
+        Returns:
+            the pids that survived SIGKILL (normally empty).
+        """
+        procs = self.collect(deep=True)
+        self.signal_all(procs, _signal.SIGTERM)
+        deadline = time.monotonic() + max(0.0, grace_s)
+        while time.monotonic() < deadline:
+            reap()
+            if not self.collect():
+                break
+            time.sleep(_POLL_S)
+        kill_deadline = time.monotonic() + _KILL_WAIT_S
+        deep = True  # one full re-scan before the first SIGKILL, then the cheap one
+        while True:
+            reap()
+            procs = self.collect(deep=deep)
+            deep = False
+            if not procs:
+                return []
+            if time.monotonic() > kill_deadline:
+                log.warning("agent %d: %d process(es) survive SIGKILL: %s", self.identity.pid, len(procs),
+                            [p.pid for p in procs])
+                return [p.pid for p in procs]
+            self.signal_all(procs, _signal.SIGKILL)
+            time.sleep(_POLL_S)
+
+
+def stop_orphan(identity: AgentIdentity, grace_s: float) -> bool:
+    """Stop the process tree of an agent whose runner died (§6), as a cancel does,
+    without a `Popen` (the agent was reparented to init).
+
+    Args:
+        identity: read back from the identity file the runner wrote at start.
+        grace_s: seconds between SIGTERM and SIGKILL (`MAM_CANCEL_GRACE_S`).
+    Returns:
+        True if anything of the tree was found running (and was stopped),
+        False if the agent and every tagged descendant were already gone.
+    """
+    tree = ProcessTree.of_orphan(identity)
+    if not tree.collect(deep=True):
+        return False
+    tree.terminate(grace_s)
+    return True
+
+
+def _in_group(proc: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(proc.pid) == pgid
+    except OSError:
+        return False
 
 
 def _alive(proc: psutil.Process) -> bool:

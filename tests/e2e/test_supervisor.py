@@ -3,9 +3,12 @@ and the example agents of examples/agents/."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import stat
+import subprocess
 import sys
 import textwrap
 import time
@@ -19,11 +22,13 @@ from mam.runner.supervisor import (
     BRIEF_OMITTED_ENV,
     EXEC_MAX_CHARS,
     SECRET_ENV_NAMES,
+    AgentIdentity,
     AgentProcess,
     AgentStartError,
     ExitStatus,
     agent_env,
     split_exec,
+    stop_orphan,
 )
 from mam.shared.errors import RegistryError, UsageError
 
@@ -441,3 +446,104 @@ def test_shell_agent_keeps_going_when_progress_publish_fails(tmp_path, run_agent
     agent = run_agent([AGENTS / "shell-agent"], env=env, cwd=tmp_path / "w", stdin_text="true\ntrue\n")
     assert agent.wait(timeout_s=20) == ExitStatus(0, None)
     assert "progress publish for step 2/2 failed" in (tmp_path / "logs" / "agent.log").read_text()
+
+
+# ------------------------------------------------------------ orphans (§6, a runner killed with -9)
+
+_ORPHAN_PARENT = textwrap.dedent("""
+    import json, os, sys, time
+    from mam.runner.supervisor import AgentProcess
+    agent = AgentProcess()
+    agent.start([sys.argv[1], "1000"], env=dict(os.environ), cwd=sys.argv[2], stdin_text="",
+                log_path=os.path.join(sys.argv[2], "agent.log"))
+    with open(sys.argv[3] + ".tmp", "w") as out:
+        json.dump(agent.identity.to_dict(), out)
+    os.replace(sys.argv[3] + ".tmp", sys.argv[3])
+    time.sleep(1000)
+""")
+
+
+def orphan_agent(tmp_path: Path) -> tuple[dict, list[psutil.Process]]:
+    """A sleep-agent whose supervising process was killed with SIGKILL: (identity dict, [agent, grandchild])."""
+    pidfile, identity_file = tmp_path / "sleep.pids", tmp_path / "agent.pid"
+    env = dict(os.environ, SLEEP_AGENT_PIDFILE=str(pidfile))
+    parent = subprocess.Popen([sys.executable, "-c", _ORPHAN_PARENT, str(AGENTS / "sleep-agent"), str(tmp_path),
+                               str(identity_file)], env=env)
+    try:
+        wait_for(lambda: pidfile.exists() and identity_file.exists(), what="the agent to start")
+    finally:
+        parent.kill()
+        parent.wait()
+    procs = [psutil.Process(int(p)) for p in pidfile.read_text().split()]
+    wait_for(lambda: procs[0].ppid() != parent.pid, what="the agent to be reparented")
+    return json.loads(identity_file.read_text()), procs
+
+
+def test_stop_orphan_kills_the_tree_of_an_agent_whose_supervisor_died(tmp_path):
+    """§6 without a Popen: SIGTERM to the group, SIGKILL of the grandchild that ignores it."""
+    raw, procs = orphan_agent(tmp_path)
+    try:
+        identity = AgentIdentity.from_dict(raw)
+        assert identity.pgid == identity.pid == procs[0].pid
+        assert identity.leader() is not None
+        assert stop_orphan(identity, grace_s=0.3) is True
+        assert all(gone(p.pid, p.create_time()) for p in procs)
+        assert identity.leader() is None
+        assert stop_orphan(identity, grace_s=0.3) is False  # nothing left: nothing to do
+    finally:
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+
+def test_stop_orphan_finds_the_grandchild_by_tag_when_the_agent_is_gone(tmp_path):
+    """The agent died but its grandchild (same group, tagged) still runs: it is stopped."""
+    raw, (agent, grandchild) = orphan_agent(tmp_path)
+    try:
+        agent.kill()
+        wait_for(lambda: gone(agent.pid, agent.create_time()), what="the agent to die")
+        identity = AgentIdentity.from_dict(raw)
+        assert identity.leader() is None
+        assert stop_orphan(identity, grace_s=0.3) is True
+        assert gone(grandchild.pid, grandchild.create_time())
+    finally:
+        with contextlib.suppress(psutil.Error):
+            grandchild.kill()
+
+
+def test_stop_orphan_never_touches_a_process_the_identity_does_not_prove_ours(tmp_path):
+    """A forged identity (right pid and create time, wrong tag) names an unrelated
+    process leading its own group: nothing is signalled."""
+    victim = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    try:
+        proc = psutil.Process(victim.pid)
+        forged = AgentIdentity(pid=victim.pid, create_time=proc.create_time(), pgid=victim.pid, tag="0" * 32)
+        assert forged.leader() is None
+        assert stop_orphan(forged, grace_s=0.1) is False
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@pytest.mark.parametrize("raw", [
+    None, [], "x", {},
+    {"pid": 1, "create_time": 1.0, "pgid": 1, "tag": "a" * 32},
+    {"pid": 0, "create_time": 1.0, "pgid": 5, "tag": "a" * 32},
+    {"pid": True, "create_time": 1.0, "pgid": 5, "tag": "a" * 32},
+    {"pid": 5, "create_time": 1.0, "pgid": -5, "tag": "a" * 32},
+    {"pid": 5, "create_time": "1", "pgid": 5, "tag": "a" * 32},
+    {"pid": 5, "create_time": float("nan"), "pgid": 5, "tag": "a" * 32},
+    {"pid": 5, "create_time": 1.0, "pgid": 5, "tag": "A" * 32},
+    {"pid": 5, "create_time": 1.0, "pgid": 5, "tag": "a" * 31},
+    {"pid": 5, "create_time": 1.0, "pgid": 5, "tag": None},
+    {"pid": 1 << 40, "create_time": 1.0, "pgid": 5, "tag": "a" * 32},
+])
+def test_agent_identity_refuses_malformed_files(raw):
+    with pytest.raises(ValueError, match="agent identity"):
+        AgentIdentity.from_dict(raw)
+
+
+def test_agent_identity_round_trips():
+    identity = AgentIdentity(pid=1234, create_time=1718900000.25, pgid=1234, tag="ab" * 16)
+    assert AgentIdentity.from_dict(json.loads(json.dumps(identity.to_dict()))) == identity
