@@ -286,14 +286,15 @@ def check_distinct_ports(ports: Mapping[str, int | None]) -> None:
 
 
 def _bind_error(host: str, port: int) -> OSError | None:
-    """The error of binding a TCP socket to host:port, or None when the bind works (nothing listens)."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nats-server does: TIME_WAIT is free
-        try:
+    """The error of resolving host and binding a TCP socket to host:port, or None when the
+    bind works (nothing listens there)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nats-server does: TIME_WAIT is free
             sock.bind(address)
-        except OSError as exc:
-            return exc
+    except OSError as exc:
+        return exc
     return None
 
 
@@ -305,8 +306,9 @@ def check_listen(host: str) -> str:
     Returns:
         `host` unchanged.
     Raises:
-        UsageError: not an IP address and not resolvable (getaddrinfo), or resolvable but
-            not an address of a local interface (the bind fails with EADDRNOTAVAIL).
+        UsageError: not an IP address and not resolvable (getaddrinfo), resolvable but
+            not an address of a local interface (the bind fails with EADDRNOTAVAIL), or
+            not bindable for another reason (named in the message).
     """
     invalid = f"--listen {host[:80]!r} is invalid: give an IP address or a resolvable host name"
     if not host or len(host) > 253 or any(c.isspace() or c in '"\\' or not c.isprintable() for c in host):
@@ -320,10 +322,12 @@ def check_listen(host: str) -> str:
             raise UsageError(invalid) from None
     try:
         failure = _bind_error(host, 0)
-    except (OSError, UnicodeError, ValueError):
+    except (UnicodeError, ValueError):
         raise UsageError(invalid) from None
     if failure is not None and failure.errno == errno.EADDRNOTAVAIL:
         raise UsageError(f"--listen {host!r} is not an address of this host")
+    if failure is not None:
+        raise UsageError(f"--listen {host!r}: cannot listen there ({failure.strerror or type(failure).__name__})")
     return host
 
 
@@ -351,7 +355,8 @@ def check_ports_free(host: str, ports: Mapping[str, int | None]) -> None:
             continue
         if failure.errno == errno.EADDRINUSE:
             raise BrokerStartError(f"port {port} on {host} is already in use; choose another with {option}")
-        raise BrokerStartError(f"cannot listen on port {port} of {host} ({failure.strerror}); "
+        raise BrokerStartError(f"cannot listen on port {port} of {host} "
+                               f"({failure.strerror or type(failure).__name__}); "
                                f"choose another with {option}")
 
 
