@@ -391,6 +391,8 @@ def apply_job_overrides(cfg: BrokerConfig, job_broker: Mapping[str, Any]) -> Bro
                 value = topic_root(value)
             except UsageError as exc:
                 raise ConfigError(str(exc)) from None
+        elif field_name == "client_id_prefix":
+            value = _check_client_id_prefix(value)
         changes[field_name] = value
     return cfg.with_overrides(**changes)
 

@@ -186,6 +186,7 @@ def test_s13_per_job_overrides(empty_cwd):
     ({"password": "x"}, "password"),
     ({"bogus": 1}, "unknown"),
     ({"port": "http"}, "integer"),
+    ({"client_id_prefix": "a b"}, "MQTT_CLIENT_ID_PREFIX"),
 ])
 def test_s13_per_job_overrides_refused(empty_cwd, block, why):
     with pytest.raises(ConfigError, match=why):
