@@ -55,9 +55,38 @@ alone is read). The file is removed when the job ends. This is defence in
 depth, not a sandbox: an agent running under the runner's uid can read the
 runner's own files.
 
-Known limit: jobs left `pending`/`running` by a runner that died are not
-resumed by the next runner; their hub closes them by liveness (§10), and a
-retained cancel for such a job marks it `cancelled` here.
+Orphans of a dead runner (§6, §11): a runner killed with `kill -9` leaves
+its agent running (own session, reparented to init). So the supervisor
+thread records, before `started` and again once the agent runs,
+`<root>/.mam/logs/<job_id>/agent.pid` (0600, atomic): the attempt, the
+runner's pid, create time and id, and the agent's `AgentIdentity` (pid,
+create time, process group, `MAM_AGENT_TAG`); it is removed when the job
+ends. At start (after the §7 session check, before subscribing) the daemon
+looks at every `pending`/`running` record of role `runner`: one whose
+runner process is gone (pid + create time) is an orphan. Its agent tree is
+stopped like a cancel (`supervisor.stop_orphan`: SIGTERM to the group,
+SIGKILL of the survivors after MAM_CANCEL_GRACE_S) on a thread that holds a
+slot, and only then is the terminal event published: `error`/`cancelled`
+(record `cancelled`) if a cancel for that attempt arrived meanwhile (the
+hub's retained cancel is delivered right after the subscription), else
+`error` with detail `runner restarted; agent stopped` (or `...; agent
+lost` when nothing of it ran any more, or no identity was recorded; record
+`error`, `data.exit_code` absent). broker.env and agent.pid are removed. A
+record whose runner still lives (another runner sharing the workspace, or
+one draining after `--replace`) is left to it. A record without agent.pid
+is an orphan only for this runner's session (§7: no other live runner holds
+it) or when a cancel names it. Limits: a runner killed in the instant between
+starting the agent and recording its identity leaves an agent nobody finds;
+a descendant that escapes the group AND scrubs `MAM_AGENT_TAG` is not found.
+PR_SET_PDEATHSIG is not used: it needs `preexec_fn`, unsafe in this
+multi-threaded process, it fires when the forking supervisor *thread* exits,
+and reaches only the agent, not its tree.
+
+The hub's registry is not a runner's (§8: each host keeps its own): a runner
+whose root holds records of role `hub` (hub and runner started in the same
+repository without `--workspace`) refuses to start (exit 64, one line);
+a dispatch whose job id is a hub record here is refused with one error line
+(never mirrored over the hub's record).
 """
 
 from __future__ import annotations
@@ -93,10 +122,19 @@ DEFAULT_PRESENCE_WAIT_S = 1.0
 LOOP_POLL_S = 0.1
 EXIT_OK = 0
 EXIT_SESSION_BUSY = 64
+AGENT_FILE = "agent.pid"
+"""Per-job file (in the job's log folder) naming the runner and agent of the attempt."""
+AGENT_FILE_MAX_BYTES = 4096
+DETAIL_AGENT_STOPPED = "runner restarted; agent stopped"
+DETAIL_AGENT_LOST = "runner restarted; agent lost"
 
 
 class SessionBusy(UsageError):
     """Another live runner holds this session (§7); exit 64 unless `--replace`."""
+
+
+class HubRegistry(UsageError):
+    """The runner's registry root is a hub's (§8: each host keeps its own); exit 64."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +223,8 @@ class _Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str = ""
     thread: threading.Thread | None = None
+    orphan: bool = False  # left by a dead runner: stop its agent, publish, never run anything
+    identity: Any = None  # the orphan's AgentIdentity, None when unknown
 
 
 class Runner:
@@ -272,14 +312,24 @@ class Runner:
             0 on a clean exit.
         Raises:
             SessionBusy: another live runner holds the session (exit 64; §7).
+            HubRegistry: the registry root holds hub records (exit 64; §8).
             BrokerUnavailable: no broker accepted the connection (exit 3).
             MamError: `serve()` was already called on this Runner.
         """
+        from mam.shared.registry import Registry
+
         with self._serve_lock:
             if self._served:
                 raise MamError("Runner.serve() was already called: a Runner serves once")
             self._served = True
         self._serve_thread = threading.current_thread()
+        self._registry = Registry(self.options.root)
+        try:
+            self._check_not_hub_registry()  # before any connection, handler or log line
+        except HubRegistry:
+            self._shutdown_done = True
+            self._stopped.set()
+            raise
         previous = self._install_signal_handlers()
         try:
             self._start()
@@ -389,13 +439,12 @@ class Runner:
 
     def _start(self) -> None:
         from mam.shared import mqtt
-        from mam.shared.registry import Registry
-
-        self._registry = Registry(self.options.root)
         will = (self._presence_topic(), self._presence("offline"), mqtt.QOS_AT_LEAST_ONCE, True)
         self.client = mqtt.MqttClient(self.config, "runner", will=will)
         self.client.connect()
         self._check_session_free()
+        # Before subscribing: a retained cancel for an orphan then finds it adopted (in `_jobs`).
+        self._recover_orphans()
         # Subscribe before announcing `online`: a hub that sees us online may publish at once,
         # and a dispatch published then must reach us live, not only through the retained copy.
         self.client.subscribe([(names.all_controls_filter(self.config.topic_root), 1),
@@ -535,6 +584,11 @@ class Runner:
         if dispatch.session != self.options.session:
             log.debug("dispatch %s is for session %s, not ours", job_id, dispatch.session)
             return
+        local = self._record(job_id)
+        if local is not None and local.get("role") != "runner":
+            log.error("refused dispatch %s: %s", job_id, self._hub_registry_message(job_id))
+            self._pending.pop(topic, None)
+            return
         if dispatch.expired(skew_s=self.options.clock_skew_s):
             self._refuse(job_id, f"expired: expires_at {dispatch.expires_at} is more than "
                                  f"{self.options.clock_skew_s:g} s in the past")
@@ -566,15 +620,19 @@ class Runner:
         self._pending.pop(topic, None)
         self._take(dispatch, auth_token, brief)
 
-    def _held_attempt(self, job_id: str) -> tuple[int, str] | None:
-        """(attempt, status) of this host's record of `job_id`, or None."""
+    def _record(self, job_id: str) -> dict[str, Any] | None:
+        """This host's record of `job_id`, or None."""
         from mam.shared.registry import JobNotFound
 
         try:
-            record = self._registry.get(job_id)
+            return self._registry.get(job_id)
         except JobNotFound:
             return None
-        return record["attempt_id"], record["status"]
+
+    def _held_attempt(self, job_id: str) -> tuple[int, str] | None:
+        """(attempt, status) of this host's record of `job_id`, or None."""
+        record = self._record(job_id)
+        return None if record is None else (record["attempt_id"], record["status"])
 
     def _retry_pending(self) -> None:
         """A slot freed: re-evaluate the remembered dispatches in arrival order (§11)."""
@@ -658,23 +716,186 @@ class Runner:
             self._pending.pop(topic, None)
 
     def _cancel_unsupervised(self, job_id: str, attempt_id: int) -> None:
-        """A cancel for a job this process does not supervise: ignore unknown and
-        finished jobs; a non-terminal record of that attempt (left by a runner that
-        died) is marked `cancelled` and the hub told (§6)."""
+        """A cancel for a job this process does not supervise (§6): unknown and
+        finished jobs, other attempts, hub records and jobs of another live runner
+        are ignored; a non-terminal record of that attempt left by a runner that
+        died is adopted as an orphan: its agent tree is stopped, then
+        `error`/`cancelled` is published and the record marked `cancelled`."""
         from mam.shared.registry import TERMINAL
 
-        held = self._held_attempt(job_id)
-        if held is None:
+        record = self._record(job_id)
+        if record is None:
             log.debug("ignored cancel of unknown job %s", job_id)
             return
-        if held[0] != attempt_id or held[1] in TERMINAL:
-            log.debug("ignored cancel of job %s attempt %d (record: attempt %d, %s)", job_id, attempt_id,
-                      held[0], held[1])
+        if record["attempt_id"] != attempt_id or record["status"] in TERMINAL or record.get("role") != "runner":
+            log.debug("ignored cancel of job %s attempt %d (record: attempt %d, %s, role %s)", job_id, attempt_id,
+                      record["attempt_id"], record["status"], record.get("role"))
             return
-        record = self._registry.get(job_id)
-        self._publish_terminal(job_id, record["attempt_id"], record["dispatch_token"], "error", "cancelled",
-                               None, status="cancelled")
-        log.info("job %s attempt %d had no supervisor here: marked cancelled", job_id, attempt_id)
+        orphan = self._orphan_identity(record, any_session=True)
+        if orphan is None:
+            return
+        self._adopt_orphan(record, orphan[0], found_by=orphan[1], cancel_reason="cancel")
+
+    # ------------------------------------------------------------ orphans of a dead runner (§6)
+
+    def _hub_registry_message(self, job_id: str) -> str:
+        return (f"{self.options.root} is the hub's registry (it holds jobs dispatched from here, e.g. {job_id}); "
+                "give the runner its own workspace: mam-runner run --workspace DIR ...")
+
+    def _check_not_hub_registry(self) -> None:
+        """§8: refuse a root holding hub records (exit 64): the runner would find the hub's
+        record of every job it is sent and refuse it, and the hub would wait out its ack timeout."""
+        records, _ = self._registry.list()
+        hub = [r["job_id"] for r in records if r.get("role") == "hub"]
+        if hub:
+            raise HubRegistry(self._hub_registry_message(hub[0]))
+
+    def _agent_file(self, job_id: str) -> Path:
+        return self._registry.logs_dir(job_id) / AGENT_FILE
+
+    def _write_agent_file(self, job: _Job, identity: Any = None) -> None:
+        """Record who runs this attempt (this runner, and its agent once started), 0600, atomically."""
+        import json
+
+        import psutil
+
+        from mam.shared.registry import atomic_write
+
+        me = psutil.Process()
+        obj: dict[str, Any] = {"job_id": job.job_id, "attempt_id": job.attempt_id, "runner_id": self.runner_id,
+                               "runner_pid": me.pid, "runner_create_time": me.create_time(),
+                               "pid": None, "create_time": None, "pgid": None, "tag": None}
+        if identity is not None:
+            obj.update(identity.to_dict())
+        path = self._agent_file(job.job_id)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(obj, sort_keys=True).encode("utf-8") + b"\n", what=f"job {job.job_id}")
+
+    def _read_agent_file(self, job_id: str) -> dict[str, Any] | None:
+        """The job's agent file as an object; None if absent.
+
+        Raises:
+            ValueError: unreadable, too large, not a JSON object (an agent could have written it).
+        """
+        import json
+
+        path = self._agent_file(job_id)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ValueError(f"cannot open ({exc.strerror or type(exc).__name__})") from None
+        with os.fdopen(fd, "rb") as handle:
+            raw = handle.read(AGENT_FILE_MAX_BYTES + 1)
+        if len(raw) > AGENT_FILE_MAX_BYTES:
+            raise ValueError(f"larger than {AGENT_FILE_MAX_BYTES} bytes")
+        try:
+            obj = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise ValueError("not UTF-8 JSON") from None
+        if not isinstance(obj, dict):
+            raise ValueError("not a JSON object")
+        return obj
+
+    def _orphan_identity(self, record: dict[str, Any], *, any_session: bool) -> tuple[Any, str] | None:
+        """Whether a non-terminal runner record has no live supervisor, and how to find its agent.
+
+        Returns:
+            None when its runner still lives (or, without an agent file, when the record
+            is another session's and `any_session` is False); else `(identity, why)`
+            where identity is the agent's `AgentIdentity` or None (unknown).
+        """
+        from mam.runner.heartbeat import WatchedProcess
+        from mam.runner.supervisor import AgentIdentity
+
+        job_id = record["job_id"]
+        try:
+            info = self._read_agent_file(job_id)
+        except ValueError as exc:
+            log.warning("job %s: %s is unreadable (%s): its agent cannot be found", job_id, AGENT_FILE, exc)
+            info = None
+        if info is not None and info.get("attempt_id") != record["attempt_id"]:
+            info = None  # left by an older attempt
+        if info is None:
+            if not any_session and record.get("session") != self.options.session:
+                return None  # another session's runner may be alive: not ours to judge
+            return None, "no agent identity recorded"
+        runner_pid, runner_created = info.get("runner_pid"), info.get("runner_create_time")
+        if info.get("runner_id") == self.runner_id:
+            return None  # ours: a supervisor thread of this process owns it
+        if (isinstance(runner_pid, int) and not isinstance(runner_pid, bool)
+                and isinstance(runner_created, (int, float)) and not isinstance(runner_created, bool)
+                and WatchedProcess(runner_pid, float(runner_created)).alive()):
+            log.info("job %s attempt %d is supervised by another live runner (pid %d): left to it", job_id,
+                     record["attempt_id"], runner_pid)
+            return None
+        if info.get("pid") is None:
+            return None, f"its runner (pid {runner_pid}) died before starting the agent"
+        try:
+            return AgentIdentity.from_dict(info), f"its runner (pid {runner_pid}) died"
+        except ValueError as exc:
+            log.warning("job %s: %s is invalid (%s): its agent cannot be found", job_id, AGENT_FILE, exc)
+            return None, f"its runner (pid {runner_pid}) died"
+
+    def _recover_orphans(self) -> None:
+        """At start: adopt every pending/running runner record whose runner died (see module doc)."""
+        records, _ = self._registry.list()
+        for record in records:
+            if record["status"] not in ("pending", "running") or record.get("role") != "runner":
+                continue
+            try:
+                orphan = self._orphan_identity(record, any_session=False)
+            except Exception as exc:  # one bad record never stops the daemon
+                log.error("job %s: orphan check failed: %s: %s", record["job_id"], type(exc).__name__, exc)
+                continue
+            if orphan is not None:
+                self._adopt_orphan(record, orphan[0], found_by=orphan[1])
+
+    def _adopt_orphan(self, record: dict[str, Any], identity: Any, *, found_by: str,
+                      cancel_reason: str | None = None) -> None:
+        """Hold a slot for the orphan while a thread stops its agent and publishes its end."""
+        job_id = record["job_id"]
+        with self._jobs_lock:
+            if job_id in self._jobs:
+                return
+            job = _Job(job_id=job_id, attempt_id=record["attempt_id"], dispatch_token=record["dispatch_token"],
+                       brief="", heartbeat_s=int(record.get("heartbeat_sec") or 30),
+                       timeout_s=int(record.get("timeout_sec") or 0), orphan=True, identity=identity)
+            if cancel_reason is not None:
+                job.cancel_reason = cancel_reason
+                job.cancel.set()
+            job.thread = threading.Thread(target=self._supervise, args=(job,), name=f"orphan-{job_id}",
+                                          daemon=True)
+            self._jobs[job_id] = job
+        where = f"stopping its agent (pid {identity.pid})" if identity is not None else "its agent is unknown"
+        log.warning("job %s attempt %d has no supervisor (%s): %s", job_id, job.attempt_id, found_by, where)
+        job.thread.start()
+        if self._announced:
+            self._publish_presence()
+
+    def _end_orphan(self, job: _Job) -> None:
+        """§6 for an orphan: stop its agent tree, THEN publish the terminal event."""
+        from mam.runner.supervisor import stop_orphan
+
+        found = job.identity is not None and stop_orphan(job.identity, self.options.cancel_grace_s)
+        if job.cancel.is_set():
+            detail, status = "cancelled", "cancelled"
+        else:
+            detail, status = (DETAIL_AGENT_STOPPED if found else DETAIL_AGENT_LOST), None
+        log.info("job %s: orphaned agent %s; publishing error (%s)", job.job_id,
+                 "stopped" if found else "already gone", detail)
+        self._publish_terminal(job.job_id, job.attempt_id, job.dispatch_token, "error", detail, None,
+                               status=status)
+
+    def _remove_job_files(self, job_id: str) -> None:
+        """broker.env holds MQTT_PASSWORD: it must not outlive the job; agent.pid neither."""
+        logs = self._registry.logs_dir(job_id)
+        for name in ("broker.env", AGENT_FILE):
+            try:
+                (logs / name).unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("job %s: %s not removed: %s", job_id, name, exc.strerror or exc)
 
     # ------------------------------------------------------------ the supervisor thread (§11)
 
@@ -708,19 +929,26 @@ class Runner:
     def _supervise(self, job: _Job) -> None:
         """Steps 2-5 of §11 for one job; always ends by telling the main loop."""
         try:
-            self._run_job(job)
+            if job.orphan:
+                self._end_orphan(job)
+            else:
+                self._run_job(job)
         except Exception as exc:
             log.error("supervisor of job %s failed: %s: %s", job.job_id, type(exc).__name__, exc)
             log.debug("traceback", exc_info=True)
             self._publish_terminal(job.job_id, job.attempt_id, job.dispatch_token, "error",
                                    "runner failed to supervise the agent", None)
         finally:
-            self._ended.put(job.job_id)
+            try:
+                self._remove_job_files(job.job_id)
+            finally:
+                self._ended.put(job.job_id)
 
     def _run_job(self, job: _Job) -> None:
         from mam.runner import heartbeat, publish
         from mam.runner.supervisor import AgentProcess, AgentStartError
 
+        self._write_agent_file(job)  # before `started`: a restarted runner can tell this attempt is orphaned
         try:  # §11 step 2: the dispatch is taken; nobody else may take it
             self.client.publish(names.dispatch_topic(job.job_id, self.config.topic_root), b"", retain=True)
         except BrokerError as exc:
@@ -753,6 +981,11 @@ class Runner:
                                        "agent could not be started", 127)
                 return
             log.info("job %s: agent pid %d started", job.job_id, agent.pid)
+            try:
+                self._write_agent_file(job, agent.identity)
+            except RegistryError as exc:
+                log.warning("job %s: agent identity not recorded (a restarted runner cannot stop it): %s",
+                            job.job_id, exc)
             status = None
             while status is None:
                 if job.cancel.wait(0):
@@ -769,6 +1002,8 @@ class Runner:
             log.info("job %s: agent ended (%s)", job.job_id, detail or "exit 0")
             self._publish_terminal(job.job_id, job.attempt_id, job.dispatch_token, event, detail, code)
         finally:
+            if agent.started and agent.poll() is None:  # an unexpected error: never leave the agent behind
+                agent.cancel(grace_s=self.options.cancel_grace_s)
             agent.close()
             env_file.unlink(missing_ok=True)
 
@@ -822,4 +1057,4 @@ def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str 
     return runner.serve()
 
 
-__all__ = ["Runner", "RunnerOptions", "SessionBusy", "options_from_cli", "run_cli"]
+__all__ = ["HubRegistry", "Runner", "RunnerOptions", "SessionBusy", "options_from_cli", "run_cli"]

@@ -385,6 +385,11 @@ class AgentProcess:
         return self._popen.pid
 
     @property
+    def started(self) -> bool:
+        """True once `start()` has started the agent process."""
+        return self._popen is not None
+
+    @property
     def identity(self) -> AgentIdentity:
         """What identifies this agent after the runner is gone (§6): record it
         durably (`AgentIdentity.to_dict`) so a restarted runner can stop it."""

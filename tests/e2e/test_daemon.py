@@ -626,3 +626,182 @@ def test_s8_redispatched_attempt_runs_after_the_cancelled_one(nats_broker, tmp_p
     assert (local["attempt_id"], local["status"]) == (2, "completed")
     publish_dispatch(hub.client, first)
     runner.wait_log(f"refused dispatch {job_id}: replayed: attempt 1")
+
+
+# ------------------------------------------------------------------ orphans of a killed runner (§6)
+
+class Arrivals:
+    """A subscriber thread that notes, the moment each terminal event arrives, whether
+    that job's agent processes were already gone (§6: stopped BEFORE `error` is published)."""
+
+    def __init__(self, broker: Any, procs: dict[str, list[psutil.Process]]) -> None:
+        import threading
+
+        self.root = broker.topic_root
+        self.procs = procs
+        self.seen: dict[str, tuple[dict[str, Any], bool]] = {}
+        self.client = MqttClient(broker.config(), "observer")
+        self.client.connect()
+        self.client.subscribe([(names.events_topic(job_id, self.root), 1) for job_id in procs])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import queue
+
+        while not self._stop.is_set():
+            try:
+                message = self.client.messages.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if not message.payload:
+                continue
+            event = json.loads(message.payload)
+            if event["event"] in ("completed", "error") and event["job_id"] not in self.seen:
+                gone = pids_gone([p.pid for p in self.procs[event["job_id"]]])
+                self.seen[event["job_id"]] = (event, gone)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.client.close()
+
+
+def alive(procs: list[psutil.Process]) -> bool:
+    return all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)
+
+
+def test_s6_orphans_of_a_killed_runner_are_stopped_before_their_terminal_event(nats_broker, tmp_path, hub,
+                                                                                runners):
+    """§6/§11 after `kill -9` of the runner (agents reparented to init, still running): the
+    restarted runner stops each orphaned agent tree (SIGTERM, SIGKILL of the grandchild that
+    ignores it) BEFORE publishing its terminal event: `error`/`cancelled` (record cancelled)
+    for the job the hub cancelled meanwhile, `runner restarted; agent stopped` for a live one,
+    `...; agent lost` for one whose agent died or whose agent.pid is garbage (hostile
+    file); broker.env (MQTT_PASSWORD) and agent.pid are removed; the slots free up."""
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    ws = tmp_path / "runner"
+    exec_cmd = f"bash -c 'SLEEP_AGENT_PIDFILE=\"$PIDDIR/$MAM_JOB_ID\" exec {SLEEP_AGENT}'"
+    first = start_runner(runners, nats_broker, ws, exec_cmd=exec_cmd, args=("--max-jobs", "4"),
+                         PIDDIR=str(piddir))
+    first.wait_serving()
+    jobs = {name: hub.dispatch("3600")[0] for name in ("cancelled", "alive", "lost", "garbled")}
+    logs = {name: ws / ".mam" / "logs" / record["job_id"] for name, record in jobs.items()}
+    procs: dict[str, list[psutil.Process]] = {}
+    try:
+        for name, record in jobs.items():
+            pidfile = piddir / record["job_id"]
+            pids = wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), 15, f"{name} agent pids")
+            procs[name] = [psutil.Process(int(p)) for p in pids]
+            wait_until(lambda: json.loads((logs[name] / "agent.pid").read_text()).get("pid") == int(pids[0]),
+                       10, f"{name} agent.pid to name the agent")
+            assert (logs[name] / "agent.pid").stat().st_mode & 0o777 == 0o600
+            assert (logs[name] / "broker.env").exists()
+        first.proc.kill()
+        first.wait()
+        wait_until(lambda: all(p.ppid() != first.proc.pid for ps in procs.values() for p in ps), 5,
+                   "the agents to be reparented")
+        assert all(alive(ps) for ps in procs.values())  # kill -9 of the runner left them running
+        for name in ("lost", "garbled"):
+            kill_pids([p.pid for p in procs[name]])
+            wait_until(lambda: pids_gone([p.pid for p in procs[name]]), 5, f"the {name} agent to die")
+        (logs["garbled"] / "agent.pid").write_bytes(b"\xff{not json" * 1000)
+        publish_cancel(hub.client, jobs["cancelled"], hub.keys, "operator")  # retained, as the hub does
+        arrivals = Arrivals(nats_broker, {record["job_id"]: procs[name] for name, record in jobs.items()})
+        try:
+            second = start_runner(runners, nats_broker, ws, exec_cmd=exec_cmd, args=("--replace", "--max-jobs", "4"),
+                                  PIDDIR=str(piddir))
+            second.wait_serving()
+            wait_until(lambda: len(arrivals.seen) == 4, 20, "four terminal events")
+        finally:
+            arrivals.close()
+        expected = {"cancelled": ("cancelled", "cancelled"), "alive": ("runner restarted; agent stopped", "error"),
+                    "lost": ("runner restarted; agent lost", "error"),
+                    "garbled": ("runner restarted; agent lost", "error")}
+        for name, (detail, status) in expected.items():
+            record = jobs[name]
+            event, gone_on_arrival = arrivals.seen[record["job_id"]]
+            assert gone_on_arrival, f"{name}: the agent still ran when its terminal event arrived"
+            assert (event["event"], event["detail"]) == ("error", detail), name
+            assert "exit_code" not in event["data"]
+            verify_signed(event, record)
+            wait_until(lambda: second.status(record["job_id"]) == status, 5, f"the {name} record to be {status}")
+            assert not (logs[name] / "broker.env").exists(), name
+            assert not (logs[name] / "agent.pid").exists(), name
+        log = second.log()
+        assert "agent.pid is unreadable (larger than 4096 bytes)" in log
+        assert "Traceback" not in log and "had no supervisor here" not in log
+        # the orphans' slots are free again: a new job runs to completion
+        fresh, _ = hub.dispatch("0")
+        wire = Wire(nats_broker)
+        try:
+            assert wire.wait_terminal(fresh["job_id"])["event"] == "completed"
+        finally:
+            wire.close()
+        assert second.proc.poll() is None
+    finally:
+        kill_pids([p.pid for ps in procs.values() for p in ps])
+
+
+def test_s6_a_job_of_another_live_runner_in_the_same_workspace_is_left_alone(nats_broker, tmp_path, hub,
+                                                                             wire_obs, runners):
+    """Two runners (two sessions) sharing one workspace: the second one's start-up finds the
+    first one's running job, whose runner is alive, and neither stops nor ends it."""
+    pidfile = tmp_path / "pids"
+    ws = tmp_path / "runner"
+    first = start_runner(runners, nats_broker, ws, exec_cmd=SLEEP_AGENT, SLEEP_AGENT_PIDFILE=str(pidfile))
+    first.wait_serving()
+    record, _ = hub.dispatch("3600")
+    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), 15,
+                                       "the sleep-agent pids")]
+    try:
+        wait_until(lambda: (ws / ".mam" / "logs" / record["job_id"] / "agent.pid").exists(), 10, "agent.pid")
+        other = start_runner(runners, nats_broker, ws, session="cpu-box", exec_cmd=SLEEP_AGENT)
+        other.wait_serving()
+        publish_cancel(hub.client, record, hub.keys, "operator")  # both see it; only the owner acts
+        event = wire_obs.wait_terminal(record["job_id"])
+        assert (event["event"], event["detail"]) == ("error", "cancelled")
+        first.wait_log(f"job {record['job_id']}: agent cancelled")
+        assert "has no supervisor" not in other.log()
+        assert len(wire_obs.terminal(record["job_id"])) == 1
+    finally:
+        kill_pids(pids)
+
+
+# ------------------------------------------------------------------ the hub's registry is not a runner's (§8)
+
+def test_s8_runner_refuses_to_start_in_the_hubs_registry(nats_broker, tmp_path):
+    """§8: hub and runner in one workspace (no --workspace) → the runner would refuse every
+    dispatch as its own hub record; it refuses to start instead: exit 64, one line."""
+    ws = tmp_path / "shared"
+    write_env_for(nats_broker, ws)
+    job_id = Registry(ws).register(session=SESSION, contract=FAST)["job_id"]
+    done = subprocess.run([*MAM_RUNNER, "run", "--session", SESSION, "--exec", SHELL_AGENT, "--workspace", str(ws)],
+                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 64, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("ERROR: ") and "hub's registry" in lines[0] and job_id in lines[0]
+    assert "mam-runner run --workspace DIR" in lines[0]
+    assert Registry(ws).get(job_id)["status"] == "pending"
+
+
+def test_s8_dispatch_of_a_hub_record_here_is_refused_by_name_not_as_replayed(nats_broker, tmp_path, hub,
+                                                                             runners):
+    """§8 defensively: a hub that starts dispatching from the runner's workspace after the
+    runner started gets one error line naming the cause; the hub's record is untouched."""
+    ws = tmp_path / "runner"
+    runner = start_runner(runners, nats_broker, ws)
+    runner.wait_serving()
+    shared = Registry(ws)
+    record = shared.register(session=SESSION, contract=FAST)
+    publish_dispatch(hub.client, build_dispatch(record, "true", hub.keys))
+    log = runner.wait_log(f"refused dispatch {record['job_id']}: ")
+    line = next(line for line in log.splitlines() if f"refused dispatch {record['job_id']}" in line)
+    assert "hub's registry" in line and "--workspace" in line and "replayed" not in line
+    local = shared.get(record["job_id"])
+    assert (local["role"], local["status"], local["attempt_id"]) == ("hub", "pending", 1)
+    assert hub.retained_dispatch(nats_broker, record["job_id"]) is not None  # not taken, not cleared
+    assert runner.proc.poll() is None
