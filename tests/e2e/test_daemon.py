@@ -770,6 +770,26 @@ def test_s6_a_job_of_another_live_runner_in_the_same_workspace_is_left_alone(nat
         kill_pids(pids)
 
 
+def test_s6_retained_cancel_ends_a_record_left_without_identity(nats_broker, tmp_path, hub, wire_obs, runners):
+    """A pending record of another session with no agent.pid (its runner died before
+    recording itself) is not judged at start-up; the hub's signed cancel for that attempt
+    ends it: `error`/`cancelled`, record cancelled."""
+    ws = tmp_path / "runner"
+    record = hub.record(session="cpu-box")
+    Registry(ws).mirror(job_id=record["job_id"], session="cpu-box", attempt_id=1,
+                        dispatch_token=record["dispatch_token"], auth_token=record["auth_token"], contract=FAST)
+    runner = start_runner(runners, nats_broker, ws)
+    runner.wait_serving()
+    assert "has no supervisor" not in runner.log()  # adoption at start-up is logged before serving
+    assert runner.status(record["job_id"]) == "pending"
+    publish_cancel(hub.client, record, hub.keys, "operator")
+    event = wire_obs.wait_terminal(record["job_id"])
+    assert (event["event"], event["detail"]) == ("error", "cancelled")
+    verify_signed(event, record)
+    wait_until(lambda: runner.status(record["job_id"]) == "cancelled", 5, "the record to be cancelled")
+    assert "no agent identity recorded" in runner.log()
+
+
 # ------------------------------------------------------------------ the hub's registry is not a runner's (§8)
 
 def test_s8_runner_refuses_to_start_in_the_hubs_registry(nats_broker, tmp_path):
