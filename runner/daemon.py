@@ -326,7 +326,7 @@ class Runner:
         self._registry = Registry(self.options.root)
         try:
             self._check_not_hub_registry()  # before any connection, handler or log line
-        except HubRegistry:
+        except BaseException:  # HubRegistry, or a registry that cannot be listed
             self._shutdown_done = True
             self._stopped.set()
             raise
