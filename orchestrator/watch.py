@@ -38,6 +38,10 @@ EXIT_COMPLETED, EXIT_ERROR, EXIT_TIMEOUT, EXIT_BROKER, EXIT_CANCELLED = 0, 1, 2,
 EXIT_DETACHED = 130
 STATUS_EXIT = {"completed": EXIT_COMPLETED, "error": EXIT_ERROR, "cancelled": EXIT_CANCELLED}
 REGISTRY_POLL_S = 0.5
+# A terminal state waits this long for its terminal event before it resolves the job:
+# brokers do not order messages across topics (nats-server delivers each subscription
+# on its own), and the event carries what the state lacks (detail, data.exit_code).
+STATE_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,8 @@ class Watcher:
         self.accepted_any = False
         self.terminal: str | None = None
         self.refusals: list[str] = []
+        self._terminal_state: Any = None  # a terminal §4 state waiting for its event
+        self._terminal_state_at = 0.0
         self._owns_client = False
         self._subscribed = False
 
@@ -189,14 +195,20 @@ class Watcher:
         if newer:
             self.highest_any = message.seq
             self.accepted_any = True
-        if message.terminal and self.terminal is None:
-            status = message.status
-            if self.options.remote:
-                self._mirror_terminal_state(message)
-                status = self.registry.get(self.job_id)["status"]
-            self.terminal = status
-            log.info("job %s resolved from the retained state: %s", self.job_id, status)
+        if message.terminal and self.terminal is None and self._terminal_state is None:
+            self._terminal_state = message
+            self._terminal_state_at = time.monotonic()
         return newer
+
+    def _settle_state(self) -> None:
+        """Resolve the job from a terminal state whose event did not come (§4)."""
+        message = self._terminal_state
+        status = message.status
+        if self.options.remote:
+            self._mirror_terminal_state(message)
+            status = self.registry.get(self.job_id)["status"]
+        self.terminal = status
+        log.info("job %s resolved from the retained state: %s", self.job_id, status)
 
     def _mirror_terminal_state(self, message: Any) -> None:
         from mam.shared.errors import TransitionRefused
@@ -316,8 +328,13 @@ class Watcher:
                     self._resolve_from_record()  # e.g. `mam-orch cancel` from another shell
                     if self.terminal is not None:
                         break
+                if self._terminal_state is not None and now >= self._terminal_state_at + STATE_GRACE_S:
+                    self._settle_state()
+                    break
                 deadline = min(wall_deadline, (last_alive + idle_s) if self.accepted_any else first_deadline)
-                if now >= deadline:
+                if self._terminal_state is not None:
+                    deadline = min(deadline, self._terminal_state_at + STATE_GRACE_S)
+                if now >= deadline and self._terminal_state is None:
                     if now >= wall_deadline:
                         return self._close("deadline_timeout")
                     if not self.accepted_any and record["status"] == "pending" and \

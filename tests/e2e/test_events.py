@@ -138,3 +138,33 @@ def test_s10_broker_down_from_start(broker, pair):
     assert seqs == sorted(set(seqs)) == [2, 3]
     assert "refused message: duplicate" not in watcher.log()
     assert any(line.get("event") == "seq_gap" for line in pair.hub.audit(pair.job_id))
+
+
+@pytest.mark.parametrize("send_event", [True, False], ids=["event-after-state", "state-only"])
+def test_s4_terminal_state_before_its_event(broker, pair, send_event):
+    """§4: brokers do not order messages across topics. A terminal state that
+    overtakes its event waits briefly for it (so the event and its exit code are
+    shown and mirrored); a state whose event never comes still resolves the job."""
+    from mam.runner import publish
+    from mam.shared import mqtt
+
+    watcher = pair.watch()
+    pair.wait_subscribed(watcher)
+    assert pair.publish("started").returncode == 0
+    done = publish.record(pair.runner, publish.PublishRequest(pair.job_id, "error", "tests failed"),
+                          source="runner", exit_code=5)
+    (event_topic, event, _), (state_topic, state, _) = done.messages(broker.topic_root)
+    with mqtt.MqttClient(broker.config(), "reorder") as client:
+        client.connect()
+        client.publish(state_topic, state, retain=True)
+        if send_event:
+            client.publish(event_topic, event, retain=True)
+    assert watcher.wait() == 1, watcher.log()
+    record = pair.record
+    assert record["status"] == "error"
+    if send_event:
+        assert [e["event"] for e in watcher.events()] == ["started", "error"]
+        assert record["exit_code"] == 5
+    else:
+        assert [e["event"] for e in watcher.events()] == ["started"]
+        assert "resolved from the retained state" in watcher.log()
