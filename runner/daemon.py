@@ -386,6 +386,10 @@ class Runner:
             return
         if status is None:
             status = "draining" if self._draining.is_set() or self._closing_once() else "online"
+        if not self.client.connected.is_set():
+            # no PUBACK wait while the broker is away: presence is republished on reconnect
+            log.info("presence %s not published: not connected", status)
+            return
         try:
             self.client.publish(self._presence_topic(), self._presence(status), retain=True)
             self._presence_status = status
