@@ -61,6 +61,20 @@ def _wait_until(predicate: Any, timeout_s: float, what: str, interval_s: float =
     return wait_until(predicate, timeout_s, what, interval_s)
 
 
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group led by `proc`, SIGKILL after STOP_GRACE_S; reap."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+
+
 class Proc:
     """A background process of the fleet, stdout/stderr collected by threads.
 
@@ -132,16 +146,7 @@ class Proc:
 
     def stop(self) -> None:
         """SIGTERM its process group, SIGKILL after a grace period; reap."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self.proc.poll() is None:
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                try:
-                    self.proc.wait(STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    pass
+        stop_group(self.proc)
         for thread in self._threads:
             thread.join(2)
         for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
@@ -276,7 +281,8 @@ class Fleet:
     # -------------------------------------------------------------- setup
 
     def _start_broker(self, listen: str, nats_port: int, ws_port: int) -> None:
-        from mam.shared import broker
+        from mam.shared import names
+from mam.shared import broker
 
         folder = self.base / "broker"
         folder.mkdir(parents=True, exist_ok=True)
@@ -471,7 +477,9 @@ class Fleet:
 
     def events_on_wire(self, job_id: str, kind: str = "events") -> list[dict[str, Any]]:
         """Decoded non-empty messages on `ROOT/jobs/<job_id>/<kind>` the tap saw, in order."""
-        topic = f"{self.topic_root}/jobs/{job_id}/{kind}"
+        from mam.shared import names
+
+        topic = names.job_topic(job_id, kind, self.topic_root)
         return [json.loads(m["payload"]) for m in self.tap.messages() if m["topic"] == topic and m["payload"]]
 
     def tagged_pids(self) -> list[int]:
@@ -530,16 +538,7 @@ class _Quiet:
         return self.proc.poll() is None
 
     def stop(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            if self.proc.poll() is None:
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                try:
-                    self.proc.wait(STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    pass
+        stop_group(self.proc)
 
 
 # ------------------------------------------------------------------ the wire tap process
