@@ -281,8 +281,7 @@ class Fleet:
     # -------------------------------------------------------------- setup
 
     def _start_broker(self, listen: str, nats_port: int, ws_port: int) -> None:
-        from mam.shared import names
-from mam.shared import broker
+        from mam.shared import broker
 
         folder = self.base / "broker"
         folder.mkdir(parents=True, exist_ok=True)
