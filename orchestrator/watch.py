@@ -106,6 +106,7 @@ class Watcher:
         self.terminal: str | None = None
         self.refusals: list[str] = []
         self._terminal_state: Any = None  # a terminal §4 state waiting for its event
+        self.runner_ended = False  # a verified terminal event or state of the current attempt
         self._terminal_state_at = 0.0
         self._owns_client = False
         self._subscribed = False
@@ -159,6 +160,8 @@ class Watcher:
         if message.attempt_id != record["attempt_id"] or message.dispatch_token != record["dispatch_token"]:
             self._refuse("stale_attempt", f"attempt {message.attempt_id}, current {record['attempt_id']}")
             return False
+        if message.terminal:
+            self.runner_ended = True  # the runner reported its end of this attempt (§6 confirmation)
         if leaf == "state":
             return self._handle_state(message, record)
         if message.seq <= self.highest_event:
@@ -220,6 +223,32 @@ class Watcher:
                                      last_seq=message.seq)
         except TransitionRefused as exc:
             log.info("job %s: terminal state not mirrored: %s", self.job_id, exc)
+
+    def _confirm_cancel(self) -> None:
+        """§6: the hub clears the retained cancel once the job is over on both
+        sides. Wait up to the runner's cancel grace + 5 s for its terminal event
+        or state, then clear the control; without a confirmation it stays
+        retained for a runner that reconnects (and `mam-orch gc` clears it later)."""
+        from mam.orchestrator.fleet import clear_retained
+        from mam.shared.config import env_float
+        from mam.shared.errors import BrokerError
+
+        if not self.options.remote or self.client is None:
+            return
+        deadline = time.monotonic() + env_float("MAM_CANCEL_GRACE_S", 10.0) + 5.0
+        while not self.runner_ended and time.monotonic() < deadline:
+            try:
+                message = self.client.messages.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            self.handle(message.topic, message.payload)
+        if not self.runner_ended:
+            log.info("job %s: no confirmation from the runner yet; the cancel stays retained", self.job_id)
+            return
+        try:
+            clear_retained(self.client, names.control_topic(self.job_id, self.config.topic_root))
+        except BrokerError as exc:
+            log.warning("job %s: the retained cancel was not cleared: %s", self.job_id, exc)
 
     def _resolve_from_record(self) -> None:
         from mam.shared.registry import TERMINAL
@@ -347,6 +376,8 @@ class Watcher:
                     continue
                 if self.handle(message.topic, message.payload):
                     last_alive = time.monotonic()
+            if self.terminal == "cancelled":
+                self._confirm_cancel()
             return STATUS_EXIT.get(self.terminal, EXIT_ERROR)
         except KeyboardInterrupt:
             raise Detached(self.job_id) from None

@@ -20,6 +20,7 @@ from fleet import AGENTS, MODES, Fleet
 from helpers import wait_until
 
 from mam.shared import crypto, names, wire
+from mam.shared import names
 from mam.shared.registry import Contract, Registry
 
 pytestmark = [pytest.mark.e2e]
@@ -172,6 +173,12 @@ def test_s6_cancel_mid_run_kills_agent_and_grandchild_hub_cancelled_dispatch_exi
     wait_until(lambda: fleet.runner_record("gpu-box", job_id)["status"] == "cancelled", 10,
                "the runner's record to be cancelled")
     assert fleet.runners["gpu-box"].alive()
+    # §6: once the runner confirmed (its error/cancelled), the hub cleared the retained cancel
+    control_topic = names.control_topic(job_id, fleet.topic_root)
+    wait_until(lambda: [m for m in fleet.tap.messages() if m["topic"] == control_topic and not m["payload"]],
+               10, "the retained cancel to be cleared")
+    control = [m["payload"] for m in fleet.tap.messages() if m["topic"] == control_topic]
+    assert control[0] and control[-1] == b"", control
 
 
 # ------------------------------------------------------------------ exit mapping (§11 step 5)
