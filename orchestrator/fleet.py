@@ -88,17 +88,28 @@ def close_remote(registry: Any, client: Any, keys: Any, job_id: str, close_reaso
     return record
 
 
+def _cancel_owed(record: dict[str, Any]) -> bool:
+    """True when the hub decided this job's end but its runner may not know:
+    cancelled, or closed unfinished (deadline_timeout, agent_blocked) — §10."""
+    return record["status"] == "cancelled" or (
+        record["status"] == "error" and record.get("close_reason") in ("deadline_timeout", "agent_blocked"))
+
+
 def cancel(job_id: str, *, workspace: Any = None, reason: str = "operator") -> int:
     """`mam-orch cancel` (§6, §8, §10).
 
-    Order: the job id and record first (unknown job: one line, exit 1); a
-    job already terminal on the hub is reported and nothing is sent (exit 0);
-    then MAM_DISPATCH_SECRET and the broker settings, then the connection
-    (unreachable: exit 3 and the record is unchanged); then the record goes
-    `cancelled` (CAS, source operator), the retained dispatch is cleared (a
-    runner that has not taken it never will) and the signed retained cancel
-    is published (a runner holding the attempt stops the agent). A dispatch
-    or watch attached to the job sees the record and exits 4.
+    Order: the job id and record first (unknown job: one line, exit 1); a job
+    that ended on its own (completed, or an error its runner reported) is
+    reported and nothing is sent (exit 0); then MAM_DISPATCH_SECRET and the
+    broker settings, then the connection (unreachable: exit 3 and the record
+    is unchanged); then an unfinished record goes `cancelled` (CAS, source
+    operator), the retained dispatch is cleared (a runner that has not taken
+    it never will) and the signed retained cancel is published (a runner
+    holding the attempt stops the agent). A job the hub already closed
+    (cancelled, deadline_timeout, agent_blocked) gets its cancel published
+    again: the first one may never have reached the broker (§10: a remote
+    agent never outlives the hub's decision). A dispatch or watch attached to
+    the job sees the record and exits 4.
 
     Prints one JSON line on stdout: {"job_id", "status", "attempt_id", "changed"}.
 
@@ -116,25 +127,29 @@ def cancel(job_id: str, *, workspace: Any = None, reason: str = "operator") -> i
     names.validate_job_id(job_id)
     registry = Registry(config.resolve_root(workspace))
     record = registry.get(job_id)
-    if record["status"] not in TERMINAL:
+    changed = False
+    if record["status"] not in TERMINAL or _cancel_owed(record):
         keys = signing_keys(registry.root)
         cfg = config.broker_config(record.get("broker") or None, workspace=registry.root)
         client = connect(cfg, "cancel")
         try:
-            try:
-                record = registry.close(job_id, "cancelled", source="operator", reason=reason)
-            except TransitionRefused:
-                record = registry.get(job_id)  # it ended while we connected
-            else:
+            if record["status"] not in TERMINAL:
+                try:
+                    record = registry.close(job_id, "cancelled", source="operator", reason=reason)
+                    changed = True
+                except TransitionRefused:
+                    record = registry.get(job_id)  # it ended while we connected
+            if changed or _cancel_owed(record):
                 try:
                     clear_dispatch(client, job_id)
                     publish_cancel(client, record, keys, reason)
                 except BrokerError as exc:
-                    raise BrokerError(f"job {job_id} is cancelled on the hub, but its runner was not told: "
-                                      f"{exc}") from None
-                print(json.dumps({"job_id": job_id, "status": "cancelled", "attempt_id": record["attempt_id"],
-                                  "changed": True}), flush=True)
-                print(f"cancelled job {job_id} (attempt {record['attempt_id']})", file=sys.stderr)
+                    raise BrokerError(f"job {job_id} is {record['status']} on the hub, but its runner was not "
+                                      f"told: {exc}; run `mam-orch cancel {job_id}` again") from None
+                what = "cancelled" if changed else f"already {record['status']}; sent the cancel to its runner again"
+                print(f"job {job_id} (attempt {record['attempt_id']}): {what}", file=sys.stderr)
+                print(json.dumps({"job_id": job_id, "status": record["status"], "attempt_id": record["attempt_id"],
+                                  "changed": changed}), flush=True)
                 return 0
         finally:
             client.close()
@@ -282,7 +297,8 @@ def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None
     (and again, under the registry lock, by `Registry.redispatch`). The
     brief is the one stored at dispatch time (`dispatch.brief_path`) unless
     `--brief`/`--brief-file` gives a new one. Then: connect (unreachable:
-    exit 3, record unchanged), attempt + 1 with a new dispatch_token and
+    exit 3, record unchanged), publish a signed cancel for the old attempt
+    (its runner may have missed the hub's close), attempt + 1 with a new dispatch_token and
     auth_token, status pending, and `publish_and_watch` as a dispatch does.
 
     Returns:
@@ -313,6 +329,9 @@ def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None
     cfg = config.broker_config(record.get("broker") or None, workspace=registry.root)
     client = connect(cfg)
     try:
+        # The old attempt must not outlive the new one: its runner may never have heard the
+        # hub's close (a broker outage), so cancel it again before attempt + 1 goes out (§6, §10).
+        publish_cancel(client, record, keys, "redispatch")
         new = registry.redispatch(job_id, source="operator", session=session, reason="operator redispatch")
         return publish_and_watch(registry, new, text, keys, client, detach=detach, as_json=as_json,
                                  verb="redispatched")

@@ -59,8 +59,9 @@ def test_s6_cancel_running_job_dispatch_exits_4_signed_retained_cancel(sim, tmp_
     assert (control.action, control.attempt_id, control.reason) == ("cancel", 1, "operator")
     raw = retained(sim.broker, names.control_topic(job_id, sim.root))
     crypto.verify(wire.decode(raw, "control").to_dict(), sim.keys.sign_key)  # retained for a reconnecting runner
+    # §10: a closed job's cancel is sent again (the first may never have left the hub)
     again = orch(hub, "cancel", job_id)
-    assert again.returncode == 0 and "already cancelled; nothing to cancel" in again.stderr
+    assert again.returncode == 0 and "already cancelled; sent the cancel to its runner again" in again.stderr
     assert json.loads(again.stdout)["changed"] is False
 
 
@@ -100,6 +101,10 @@ def test_s8_redispatch_from_error_new_attempt_opens_with_new_identity(sim, tmp_p
     assert new["dispatch_token"] != old["dispatch_token"] and new["auth_token"] != old["auth_token"]
     taken = sim.take()
     assert taken.dispatch.attempt_id == 2 and taken.dispatch.dispatch_token == new["dispatch_token"]
+    # the old attempt was cancelled again first: its runner may have missed the hub's close (§6, §10)
+    control = wire.decode(retained(sim.broker, names.control_topic(job_id, sim.root)), "control")
+    crypto.verify(control.to_dict(), sim.keys.sign_key)
+    assert (control.attempt_id, control.reason) == (1, "redispatch")
     assert taken.auth_token == new["auth_token"] and taken.brief == "try twice"
     # the new dispatch does not open as attempt 1 (the seal is bound to the attempt, §5)
     with pytest.raises(Exception, match="seal does not open"):
@@ -184,3 +189,18 @@ def test_s2_gc_clears_retained_topics_of_old_terminal_jobs_only(sim, tmp_path):
     assert retained(sim.broker, names.state_topic(unfinished, sim.root)) == b"{}"
     assert registry.get(old)["status"] == "cancelled"  # the record stays
     assert orch(hub, "gc").stdout == ""  # done once
+
+
+def test_s10_cancel_resends_for_a_job_closed_while_the_broker_was_away(sim, tmp_path):
+    """§10: a watcher that closed a job deadline_timeout with the broker down could not
+    tell the runner; `cancel` afterwards publishes the signed cancel instead of saying
+    there is nothing to do. A job that ended on its own gets nothing."""
+    hub = hub_workspace(sim.broker, tmp_path)
+    job_id = detached(hub, "--brief", "long", "--ack-timeout", "60")
+    Registry(hub).close(job_id, "deadline_timeout", source="delegate_wrapper")  # as the offline watcher did
+    result = orch(hub, "cancel", job_id)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"job_id": job_id, "status": "error", "attempt_id": 1, "changed": False}
+    control = sim.wait_control(job_id)
+    assert (control.action, control.attempt_id) == ("cancel", 1)
+    assert Registry(hub).get(job_id)["close_reason"] == "deadline_timeout"  # the record keeps its reason
