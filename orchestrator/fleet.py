@@ -76,15 +76,17 @@ def close_remote(registry: Any, client: Any, keys: Any, job_id: str, close_reaso
     except TransitionRefused:
         return registry.get(job_id)
     if client is None or keys is None:
-        log.warning("job %s closed %s on the hub only: no %s to tell the runner", job_id, close_reason,
-                    "broker connection" if client is None else "MAM_DISPATCH_SECRET")
+        log.warning("job %s closed %s on the hub only: no %s to tell the runner; once that is fixed, "
+                    "`mam-orch cancel %s` sends the cancel", job_id, close_reason,
+                    "broker connection" if client is None else "MAM_DISPATCH_SECRET", job_id)
         return record
     try:
         if close_reason == "agent_blocked":
             clear_dispatch(client, job_id)
         publish_cancel(client, record, keys, close_reason)
     except BrokerError as exc:
-        log.warning("job %s closed %s on the hub; the cancel was not published: %s", job_id, close_reason, exc)
+        log.warning("job %s closed %s on the hub; the cancel was not published: %s; `mam-orch cancel %s` "
+                    "sends it again", job_id, close_reason, exc, job_id)
     return record
 
 
