@@ -23,7 +23,7 @@ import binascii
 import json
 import re
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from types import MappingProxyType
 from typing import Any, Iterable, Literal, Mapping, Union

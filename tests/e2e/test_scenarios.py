@@ -20,7 +20,6 @@ from fleet import AGENTS, MODES, Fleet
 from helpers import wait_until
 
 from mam.shared import crypto, names, wire
-from mam.shared import names
 from mam.shared.registry import Contract, Registry
 
 pytestmark = [pytest.mark.e2e]
