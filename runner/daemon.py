@@ -35,8 +35,12 @@ published on the daemon's connection, the §12 heartbeat timer started
 watching the daemon's pid (the supervisor lives in the daemon: a `kill -9` of
 the runner stops the beats within one period), and the agent run by
 `runner.supervisor.AgentProcess` on a supervisor thread. When the agent ends
-the thread publishes `completed` or `error` (`data.exit_code`) unless the
-agent already published a terminal event itself. With every slot busy a
+the thread stops whatever remains of its tree (a background child, the
+children of a leader killed by a signal: `AgentProcess.stop_leftovers`,
+SIGTERM then SIGKILL after MAM_CANCEL_GRACE_S, only processes proven the
+agent's, as for an orphan), logs how many, and only then publishes
+`completed` or `error` (`data.exit_code`) unless the agent already published
+a terminal event itself. With every slot busy a
 dispatch stays retained (neither mirrored nor cleared) and is re-evaluated,
 expiry included, when a slot frees.
 
@@ -1004,12 +1008,24 @@ class Runner:
                 return
             event, detail, code = status.terminal()
             log.info("job %s: agent ended (%s)", job.job_id, detail or "exit 0")
+            self._stop_leftovers(job, agent)  # before the terminal event: nothing of the job outlives it
             self._publish_terminal(job.job_id, job.attempt_id, job.dispatch_token, event, detail, code)
         finally:
             if agent.started and agent.poll() is None:  # an unexpected error: never leave the agent behind
                 agent.cancel(grace_s=self.options.cancel_grace_s)
             agent.close()
             env_file.unlink(missing_ok=True)
+
+    def _stop_leftovers(self, job: _Job, agent: Any) -> None:
+        """§11 step 5: the leader exited; stop what remains of its tree (a background
+        child, the children of a killed leader) like a cancel, and log how many."""
+        try:
+            stopped = agent.stop_leftovers(self.options.cancel_grace_s)
+        except Exception as exc:  # never skip the terminal event because of the cleanup
+            log.warning("job %s: leftover processes of the agent not stopped: %s: %s", job.job_id,
+                        type(exc).__name__, exc)
+            return
+        log.info("job %s: %d leftover process(es) of the agent stopped", job.job_id, stopped)
 
     def _publish_terminal(self, job_id: str, attempt_id: int, dispatch_token: str, event: str, detail: str,
                           exit_code: int | None, *, status: str | None = None) -> None:

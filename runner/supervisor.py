@@ -458,6 +458,37 @@ class AgentProcess:
         self._stop.set()
         return self._finish(popen.wait())
 
+    def stop_leftovers(self, grace_s: float) -> int:
+        """Stop what remains of the agent's tree after its leader exited (§11 step 5,
+        like CI runners killing a job's leftover processes): a background child
+        (`sleep 62 &`), or the children of a leader killed by a signal.
+
+        The leader is reaped by then, so its group id is no proof of ownership:
+        only processes seen in the tree earlier (pid + create time) and processes
+        carrying the agent's `MAM_AGENT_TAG` (created after it) count, and the
+        group is signalled only while such a process is in it, as for an orphan
+        (`stop_orphan`). Stops them with SIGTERM, then SIGKILL after `grace_s`.
+
+        Args:
+            grace_s: seconds between SIGTERM and SIGKILL (`MAM_CANCEL_GRACE_S`).
+        Returns:
+            how many processes were found running (and stopped); 0 if none.
+        Raises:
+            MamError: the agent was not started, or its leader still runs (use `cancel()`).
+        """
+        if self._popen is None or self._tree is None:
+            raise MamError("agent not started")
+        if self._popen.poll() is None:
+            raise MamError("agent still runs: stop it with cancel()")
+        self._stop.set()
+        tree = ProcessTree(self.identity, owned=False)
+        tree.remember(self._tree.known())
+        found = tree.collect(deep=True)
+        if not found:
+            return 0
+        tree.terminate(grace_s)
+        return len(found)
+
     def close(self) -> None:
         """Stop the tracker and join helper threads; safe to call twice.
 
@@ -578,6 +609,11 @@ class ProcessTree:
                     self._seen.setdefault((proc.pid, proc.create_time()), proc)
                 except psutil.Error:
                     pass  # gone between listing and reading
+
+    def known(self) -> list[psutil.Process]:
+        """The processes remembered so far that still run (no new scan)."""
+        with self._lock:
+            return [p for p in self._seen.values() if _alive(p)]
 
     def _tagged(self, proc: psutil.Process) -> bool:
         try:

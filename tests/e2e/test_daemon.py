@@ -825,3 +825,48 @@ def test_s8_dispatch_of_a_hub_record_here_is_refused_by_name_not_as_replayed(nat
     assert (local["role"], local["status"], local["attempt_id"]) == ("hub", "pending", 1)
     assert hub.retained_dispatch(nats_broker, record["job_id"]) is not None  # not taken, not cleared
     assert runner.proc.poll() is None
+
+
+# ------------------------------------------------------------------ leftovers of a finished agent (§11)
+
+LEFTOVER_BRIEF = ("(trap '' TERM; exec sleep 62) </dev/null >/dev/null 2>&1 & echo $! > \"$PIDF.tmp\"; "
+                  "mv \"$PIDF.tmp\" \"$PIDF\"\n"
+                  "while [ ! -e \"$GO\" ]; do sleep 0.05; done\n")
+
+
+@pytest.mark.parametrize("how", ["exit-0", "kill-9-of-the-leader"])
+def test_s11_leftover_processes_are_stopped_before_the_terminal_event(nats_broker, tmp_path, hub, runners, how):
+    """§11 step 5 (like CI runners): a background child that ignores SIGTERM outlives its
+    leader (exit 0, or `kill -9` of the leader); the runner stops it (SIGTERM, SIGKILL after
+    MAM_CANCEL_GRACE_S) BEFORE the terminal event is on the wire, and logs how many."""
+    pidf, go = tmp_path / "child.pid", tmp_path / "go"
+    ws = tmp_path / "runner"
+    runner = start_runner(runners, nats_broker, ws, PIDF=str(pidf), GO=str(go))
+    runner.wait_serving()
+    record, _ = hub.dispatch(LEFTOVER_BRIEF)
+    job_id = record["job_id"]
+    agent_file = ws / ".mam" / "logs" / job_id / "agent.pid"
+    leader = wait_until(lambda: agent_file.exists() and json.loads(agent_file.read_text()).get("pid"), 15,
+                        "agent.pid to name the agent")
+    child = psutil.Process(int(wait_until(lambda: pidf.exists() and pidf.read_text().strip(), 15, "the child")))
+    arrivals = Arrivals(nats_broker, {job_id: [child]})
+    try:
+        if how == "exit-0":
+            go.touch()
+        else:
+            os.kill(leader, signal.SIGKILL)
+        wait_until(lambda: job_id in arrivals.seen, 20, "the terminal event")
+    finally:
+        arrivals.close()
+        kill_pids([child.pid])
+    event, gone_on_arrival = arrivals.seen[job_id]
+    assert gone_on_arrival, "the agent's background child still ran when its terminal event arrived"
+    if how == "exit-0":
+        assert (event["event"], event["data"]["exit_code"]) == ("completed", 0)
+    else:
+        assert (event["event"], event["detail"]) == ("error", "agent killed by signal 9")
+    verify_signed(event, record)
+    log = runner.wait_log(f"job {job_id}: ")
+    assert any(f"job {job_id}: " in line and "leftover process(es) of the agent stopped" in line
+               and not line.split(f"job {job_id}: ", 1)[1].startswith("0 ") for line in log.splitlines()), log
+    assert runner.proc.poll() is None

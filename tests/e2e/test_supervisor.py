@@ -309,6 +309,60 @@ def test_cancel_kills_sleep_agent_grandchild_that_ignores_sigterm(tmp_path, run_
     assert gone(child, created)
 
 
+def _leftover_script(tmp_path: Path, pidfile: Path, tail: str) -> Path:
+    """An agent that leaves a background child (one ignoring SIGTERM) and records its pid."""
+    return script(tmp_path, "leftover-agent", f"""\
+        (trap '' TERM; exec sleep 62) </dev/null >/dev/null 2>&1 &
+        echo $! > "{pidfile}.tmp"
+        mv "{pidfile}.tmp" "{pidfile}"
+        {tail}
+        """)
+
+
+@pytest.mark.parametrize("tail, expected", [
+    ("exit 0", ExitStatus(0, None)),
+    ("while :; do sleep 1; done", ExitStatus(None, signal.SIGKILL)),
+], ids=["background-child-after-exit-0", "child-after-sigkill-of-leader"])
+def test_s11_stop_leftovers_stops_what_remains_after_the_leader_exits(tmp_path, run_agent, tail, expected):
+    """§11 step 5: the leader's end does not end its tree; stop_leftovers does (SIGTERM, then SIGKILL)."""
+    pidfile = tmp_path / "child.pid"
+    agent = run_agent([_leftover_script(tmp_path, pidfile, tail)])
+    wait_for(pidfile.exists, what="the agent's pid file")
+    child = int(pidfile.read_text())
+    created = psutil.Process(child).create_time()
+    if expected.signal is not None:
+        os.kill(agent.pid, signal.SIGKILL)
+    status = agent.wait(timeout_s=10)
+    assert status == expected
+    assert not gone(child, created)  # the leader's exit left it running
+    with pytest.raises(Exception, match="agent not started"):
+        AgentProcess().stop_leftovers(grace_s=0.1)
+    assert agent.stop_leftovers(grace_s=0.5) >= 1  # the child (and the killed loop's `sleep 1`)
+    assert gone(child, created)
+    assert agent.stop_leftovers(grace_s=0.5) == 0  # nothing left: harmless
+
+
+def test_stop_leftovers_refuses_while_the_leader_runs(tmp_path, run_agent):
+    agent = run_agent([script(tmp_path, "plain-sleep", "exec sleep 1000\n")])
+    with pytest.raises(Exception, match="still runs"):
+        agent.stop_leftovers(grace_s=0.1)
+    assert agent.poll() is None
+
+
+def test_stop_leftovers_never_touches_an_untagged_process_in_no_group_of_the_agent(tmp_path, run_agent):
+    """Ownership is proven (seen in the tree, or tagged): an unrelated process survives."""
+    bystander = subprocess.Popen(["sleep", "60"], env={k: v for k, v in os.environ.items()
+                                                      if k != AGENT_TAG_ENV})
+    try:
+        agent = run_agent([AGENTS / "exit-agent"])
+        agent.wait(timeout_s=10)
+        agent.stop_leftovers(grace_s=0.1)
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
 # ------------------------------------------------------------ environment (§11)
 
 
