@@ -44,6 +44,13 @@ a terminal event itself. With every slot busy a
 dispatch stays retained (neither mirrored nor cleared) and is re-evaluated,
 expiry included, when a slot frees.
 
+Wall clock (§5 `timeout_sec`): the runner enforces the contract's budget
+itself, so an agent never outlives it while the hub is away: once the agent
+has run `timeout_sec` seconds (measured from its start on this host), its
+tree is stopped like a cancel and `error` with detail `timed out after N s`
+is published (record `error`; `data.exit_code` is the stopped agent's, e.g.
+143 after SIGTERM or 137 after SIGKILL, as for a cancel).
+
 Cancel (§6): a signed control for the attempt a supervisor holds makes that
 thread stop the agent (`AgentProcess.cancel(grace_s=MAM_CANCEL_GRACE_S)`,
 default 10 s) and publish `error` with detail `cancelled`, marking the record
@@ -995,10 +1002,23 @@ class Runner:
                 log.warning("job %s: agent identity not recorded (a restarted runner cannot stop it): %s",
                             job.job_id, exc)
             status = None
+            deadline = time.monotonic() + job.timeout_s  # §5 timeout_sec, from the agent's start
+            timed_out = False
             while status is None:
                 if job.cancel.wait(0):
                     break
+                if time.monotonic() >= deadline:
+                    timed_out = True
+                    break
                 status = agent.wait(timeout_s=LOOP_POLL_S)
+            if timed_out and not job.cancel.is_set():
+                status = agent.cancel(grace_s=self.options.cancel_grace_s)
+                log.info("job %s: agent stopped: timed out after %d s (contract timeout_sec)", job.job_id,
+                         job.timeout_s)
+                _, _, code = status.terminal()
+                self._publish_terminal(job.job_id, job.attempt_id, job.dispatch_token, "error",
+                                       f"timed out after {job.timeout_s} s", code)
+                return
             if status is None or job.cancel.is_set():
                 status = agent.cancel(grace_s=self.options.cancel_grace_s)
                 log.info("job %s: agent cancelled (%s)", job.job_id, job.cancel_reason or "cancel")

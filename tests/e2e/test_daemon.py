@@ -870,3 +870,33 @@ def test_s11_leftover_processes_are_stopped_before_the_terminal_event(nats_broke
     assert any(f"job {job_id}: " in line and "leftover process(es) of the agent stopped" in line
                and not line.split(f"job {job_id}: ", 1)[1].startswith("0 ") for line in log.splitlines()), log
     assert runner.proc.poll() is None
+
+
+def test_s5_contract_timeout_sec_is_enforced_by_the_runner(nats_broker, tmp_path, hub, runners):
+    """§5 `timeout_sec` (wall clock) on the runner, with no hub to cancel: after 2 s the
+    agent tree is stopped like a cancel (the grandchild ignores SIGTERM: SIGKILL after the
+    grace) BEFORE `error`/`timed out after 2 s` is on the wire; record `error`; the
+    runner keeps serving."""
+    pidfile = tmp_path / "pids"
+    runner = start_runner(runners, nats_broker, tmp_path / "runner", exec_cmd=SLEEP_AGENT,
+                          SLEEP_AGENT_PIDFILE=str(pidfile))
+    runner.wait_serving()
+    short = Contract(heartbeat_sec=1, heartbeat_misses=10, ack_timeout_sec=60, timeout_sec=2)
+    record, _ = hub.dispatch("3600", contract=short)
+    job_id = record["job_id"]
+    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), 15,
+                                       "the sleep-agent pids")]
+    arrivals = Arrivals(nats_broker, {job_id: [psutil.Process(pid) for pid in pids]})
+    try:
+        wait_until(lambda: job_id in arrivals.seen, 20, "the terminal event")
+    finally:
+        arrivals.close()
+        kill_pids(pids)
+    event, gone_on_arrival = arrivals.seen[job_id]
+    assert gone_on_arrival, "the agent still ran when `timed out` arrived"
+    assert (event["event"], event["detail"]) == ("error", "timed out after 2 s")
+    assert event["data"]["exit_code"] == 128 + signal.SIGTERM  # the stop's: the agent died of SIGTERM
+    verify_signed(event, record)
+    wait_until(lambda: runner.status(job_id) == "error", 5, "the runner record to be error")
+    runner.wait_log(f"job {job_id}: agent stopped: timed out after 2 s")
+    assert runner.proc.poll() is None
