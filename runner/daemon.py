@@ -27,7 +27,8 @@ job → `malformed`; bad `sig`; another `session` → ignored silently (debug);
 `expires_at` more than MAM_CLOCK_SKEW_S (default 30 s) in the past →
 `expired`; an attempt this host already took, or a terminal record of that
 attempt → `replayed` (retained dispatches come back on every re-subscribe and
-reconnect: a job never runs twice); a seal that does not open.
+reconnect: a job never runs twice); an attempt a verified cancel named
+(a tombstone, see Cancel below) → `cancelled`; a seal that does not open.
 
 A valid dispatch with a free slot is taken (§11): mirrored into this host's
 registry (status `pending`), the retained dispatch cleared, `started` (seq 1)
@@ -55,7 +56,15 @@ Cancel (§6): a signed control for the attempt a supervisor holds makes that
 thread stop the agent (`AgentProcess.cancel(grace_s=MAM_CANCEL_GRACE_S)`,
 default 10 s) and publish `error` with detail `cancelled`, marking the record
 `cancelled`; the main loop never blocks on it. Controls for unknown or
-finished jobs are ignored (they are retained and come back after reconnects).
+finished jobs stop nothing (they are retained and come back after reconnects),
+but every verified cancel is kept as a tombstone (job id → highest cancelled
+attempt, at most MAX_CANCEL_TOMBSTONES = 100,000, oldest dropped): a dispatch
+of that attempt or an earlier one is refused (`refused dispatch <id>:
+cancelled: attempt N was cancelled by the hub`), so a captured dispatch
+re-published after the hub's cancel never runs. The control filter is
+subscribed first (its own SUBACK), then the dispatch filter, so retained
+cancels normally arrive before retained dispatches; a cancel that still
+arrives after its dispatch was taken stops the job as usual.
 
 How the agent's `$MAM_PUBLISH_CMD` finds the broker: `agent_env` strips
 MQTT_PASSWORD and MAM_DISPATCH_SECRET from the agent's environment, so the
@@ -109,6 +118,7 @@ import signal
 import socket
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -136,6 +146,8 @@ EXIT_SESSION_BUSY = 64
 AGENT_FILE = "agent.pid"
 """Per-job file (in the job's log folder) naming the runner and agent of the attempt."""
 AGENT_FILE_MAX_BYTES = 4096
+MAX_CANCEL_TOMBSTONES = 100_000
+"""Verified cancels remembered per job id (highest attempt), oldest dropped first."""
 DETAIL_AGENT_STOPPED = "runner restarted; agent stopped"
 DETAIL_AGENT_LOST = "runner restarted; agent lost"
 
@@ -269,6 +281,8 @@ class Runner:
         self._jobs: dict[str, _Job] = {}
         self._jobs_lock = threading.Lock()
         self._pending: dict[str, bytes] = {}  # dispatch topic -> payload waiting for a slot
+        # job id -> highest attempt a verified cancel named, known job or not (replay defence)
+        self._cancelled: OrderedDict[str, int] = OrderedDict()
         self._ended: queue.Queue[str] = queue.Queue()  # job ids whose supervisor finished
         self._taken = 0
         self._draining = threading.Event()
@@ -462,8 +476,10 @@ class Runner:
         self._recover_orphans()
         # Subscribe before announcing `online`: a hub that sees us online may publish at once,
         # and a dispatch published then must reach us live, not only through the retained copy.
-        self.client.subscribe([(names.all_controls_filter(self.config.topic_root), 1),
-                               (names.all_dispatches_filter(self.config.topic_root), 1)])
+        # Controls first, each filter with its own SUBACK: retained cancels are then normally
+        # queued before retained dispatches, so a replayed dispatch of a cancelled attempt is refused.
+        self.client.subscribe([(names.all_controls_filter(self.config.topic_root), 1)])
+        self.client.subscribe([(names.all_dispatches_filter(self.config.topic_root), 1)])
         self._publish_presence("online")
         log.info("runner %s serving session %s (max %d job(s)) on %s:%d", self.runner_id,
                  self.options.session, self.options.max_jobs, self.client.host, self.config.port)
@@ -615,6 +631,11 @@ class Runner:
                                  f"(holds attempt {held[0]}, {held[1]})")
             self._pending.pop(topic, None)
             return
+        cancelled = self._cancelled.get(job_id)
+        if cancelled is not None and dispatch.attempt_id <= cancelled:
+            self._refuse(job_id, f"cancelled: attempt {cancelled} was cancelled by the hub")
+            self._pending.pop(topic, None)
+            return
         try:
             auth_token, brief = crypto.open_sealed(self.keys.seal_key, dispatch.sealed, job_id=job_id,
                                                    attempt_id=dispatch.attempt_id,
@@ -702,6 +723,7 @@ class Runner:
         except (DecodeError, SignatureError) as exc:
             log.warning("refused control %s: %s", job_id, getattr(exc, "reason", None) or exc)
             return
+        self._remember_cancel(job_id, control.attempt_id)
         with self._jobs_lock:
             job = self._jobs.get(job_id)
         if job is not None:
@@ -715,6 +737,16 @@ class Runner:
             return
         self._drop_pending_for(job_id, control.attempt_id)
         self._cancel_unsupervised(job_id, control.attempt_id)
+
+    def _remember_cancel(self, job_id: str, attempt_id: int) -> None:
+        """Keep a tombstone of a verified cancel, even for a job unknown here: a captured
+        dispatch of that attempt re-published later (a replay) is then refused (§5, §6)."""
+        if self._cancelled.get(job_id, 0) >= attempt_id:
+            return
+        self._cancelled[job_id] = attempt_id
+        self._cancelled.move_to_end(job_id)
+        while len(self._cancelled) > MAX_CANCEL_TOMBSTONES:
+            self._cancelled.popitem(last=False)
 
     def _drop_pending_for(self, job_id: str, attempt_id: int) -> None:
         topic = names.dispatch_topic(job_id, self.config.topic_root)

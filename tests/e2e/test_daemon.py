@@ -900,3 +900,56 @@ def test_s5_contract_timeout_sec_is_enforced_by_the_runner(nats_broker, tmp_path
     wait_until(lambda: runner.status(job_id) == "error", 5, "the runner record to be error")
     runner.wait_log(f"job {job_id}: agent stopped: timed out after 2 s")
     assert runner.proc.poll() is None
+
+
+# ------------------------------------------------------------------ cancel tombstones (§5, §6)
+
+def test_s6_replayed_dispatch_of_a_cancelled_attempt_never_runs(nats_broker, tmp_path, hub, wire_obs, runners):
+    """The replay attack: the hub dispatches to a session with no runner online, an attacker
+    captures the retained dispatch, the hub cancels (retained signed control; dispatch
+    cleared), the attacker re-publishes the captured dispatch retained, then a runner starts.
+    The runner keeps the verified cancel of the unknown job as a tombstone and refuses the
+    dispatch (one line); the agent never runs; a valid dispatch afterwards still runs."""
+    from mam.orchestrator.fleet import clear_dispatch
+
+    marker = tmp_path / "runs.txt"
+    record, captured = hub.dispatch('echo replayed >> "$MARKER"')  # nobody online: stays retained
+    job_id = record["job_id"]
+    hub.registry.request_cancel(job_id)
+    publish_cancel(hub.client, record, hub.keys, "operator")
+    clear_dispatch(hub.client, job_id)
+    attacker = MqttClient(nats_broker.config(), "attacker")
+    attacker.connect()
+    try:
+        publish_dispatch(attacker, captured)  # the replay, retained
+    finally:
+        attacker.close()
+    assert hub.retained_dispatch(nats_broker, job_id) is not None
+    runner = start_runner(runners, nats_broker, tmp_path / "runner", MARKER=str(marker))
+    runner.wait_serving()
+    log = runner.wait_log(f"refused dispatch {job_id}: cancelled: attempt 1 was cancelled by the hub")
+    assert len([line for line in log.splitlines() if "refused dispatch" in line]) == 1
+    valid, _ = hub.dispatch('echo valid >> "$MARKER"')
+    assert wire_obs.wait_terminal(valid["job_id"])["event"] == "completed"
+    assert marker.read_text() == "valid\n"  # the replayed agent never ran
+    assert wire_obs.events(job_id) == []  # no `started` either
+    assert runner.status(job_id) is None  # never mirrored
+    assert runner.proc.poll() is None
+
+
+def test_s6_cancel_tombstones_are_bounded_and_keep_the_highest_attempt(tmp_path):
+    """At most MAX_CANCEL_TOMBSTONES job ids are remembered (oldest dropped); a cancel of an
+    older attempt never lowers the tombstone (a replayed old cancel)."""
+    from mam.runner import daemon
+
+    options = daemon.options_from_cli(session=SESSION, exec_cmd=SHELL_AGENT, workspace=str(tmp_path / "ws"),
+                                      workdir=None, max_jobs=1, once=False, replace=False, environ=clean_env())
+    runner = daemon.Runner(options, config=None, keys=None)
+    limit = daemon.MAX_CANCEL_TOMBSTONES
+    for n in range(limit + 5):
+        runner._remember_cancel(f"{n:08x}", 1)
+    runner._remember_cancel("00000010", 3)
+    runner._remember_cancel("00000010", 2)
+    assert len(runner._cancelled) == limit
+    assert "00000000" not in runner._cancelled and "00000004" not in runner._cancelled
+    assert runner._cancelled["00000005"] == 1 and runner._cancelled["00000010"] == 3
