@@ -164,6 +164,9 @@ def cancel(job_id: str, *, workspace: Any = None, reason: str = "operator") -> i
 # ------------------------------------------------------------------ presence (§7)
 
 PRESENCE_QUIET_S = 0.5
+# A runner republishes its presence every 60 s (runner.daemon.PRESENCE_REFRESH_S); an
+# online/draining presence older than three periods plus the clock skew is "stale".
+PRESENCE_STALE_S = 3 * 60.0 + 30.0
 PRESENCE_MAX_S = 3.0
 
 
@@ -171,7 +174,8 @@ def verify_presence(topic: str, raw: bytes, keys: Any, topic_root: str) -> dict[
     """Decode and verify one retained presence (§7) into a row.
 
     Returns:
-        {"session", "status", "host", "running", "max_jobs", "last_seen", "runner_id", "version"}.
+        {"session", "status", "host", "running", "max_jobs", "last_seen", "runner_id", "version"};
+        status is "stale" for an online/draining presence not refreshed for PRESENCE_STALE_S.
     Raises:
         DecodeError: not a §7 presence; SignatureError: `sig` missing or wrong;
         ProtocolError: the presence names another session than its topic.
@@ -184,9 +188,20 @@ def verify_presence(topic: str, raw: bytes, keys: Any, topic_root: str) -> dict[
     session = names.parse_presence_topic(topic, topic_root)
     if session != presence.session:
         raise ProtocolError(f"presence for session {presence.session!r} published on {topic}")
-    return {"session": presence.session, "status": presence.status, "host": presence.host,
+    status = presence.status
+    if status != "offline" and _presence_age_s(presence.timestamp) > PRESENCE_STALE_S:
+        status = "stale"  # not refreshed: a dead host, or an old presence replayed
+    return {"session": presence.session, "status": status, "host": presence.host,
             "running": list(presence.running), "max_jobs": presence.max_jobs,
             "last_seen": presence.timestamp, "runner_id": presence.runner_id, "version": presence.version}
+
+
+def _presence_age_s(timestamp: str) -> float:
+    import time
+
+    from mam.shared.wire import parse_ts
+
+    return time.time() - parse_ts(timestamp).timestamp()
 
 
 def collect_presence(client: Any, keys: Any, session: str | None = None, *, quiet_s: float = PRESENCE_QUIET_S,

@@ -141,6 +141,9 @@ DEFAULT_CANCEL_GRACE_S = 10.0
 DEFAULT_CLOCK_SKEW_S = 30.0
 DEFAULT_PRESENCE_WAIT_S = 1.0
 LOOP_POLL_S = 0.1
+# Presence is republished at least this often, so the hub can tell a live runner from a
+# replayed or long-dead `online` (§7); the hub calls presence older than 3 periods stale.
+PRESENCE_REFRESH_S = 60.0
 EXIT_OK = 0
 EXIT_SESSION_BUSY = 64
 AGENT_FILE = "agent.pid"
@@ -175,6 +178,7 @@ class RunnerOptions:
         cancel_grace_s: seconds between SIGTERM and SIGKILL on cancel (§6).
         clock_skew_s: tolerance on `expires_at`, seconds (§5).
         presence_wait_s: how long to wait for the session's retained presence at start.
+        presence_refresh_s: republish presence at least this often (§7; hub: stale after 3 periods).
     """
 
     session: str
@@ -187,6 +191,7 @@ class RunnerOptions:
     cancel_grace_s: float = DEFAULT_CANCEL_GRACE_S
     clock_skew_s: float = DEFAULT_CLOCK_SKEW_S
     presence_wait_s: float = DEFAULT_PRESENCE_WAIT_S
+    presence_refresh_s: float = PRESENCE_REFRESH_S
 
 
 def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None,
@@ -228,9 +233,10 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
     grace = config.env_float("MAM_CANCEL_GRACE_S", DEFAULT_CANCEL_GRACE_S, environ=env, high=3600.0)
     skew = config.env_float("MAM_CLOCK_SKEW_S", DEFAULT_CLOCK_SKEW_S, environ=env, high=86400.0)
     wait = config.env_float("MAM_PRESENCE_WAIT_S", DEFAULT_PRESENCE_WAIT_S, environ=env, high=60.0)
+    refresh = config.env_float("MAM_PRESENCE_REFRESH_S", PRESENCE_REFRESH_S, environ=env, low=1.0, high=60.0)
     return RunnerOptions(session=session, argv=tuple(argv), root=root, workdir=work, max_jobs=max_jobs,
                          once=once, replace=replace, cancel_grace_s=grace, clock_skew_s=skew,
-                         presence_wait_s=wait)
+                         presence_wait_s=wait, presence_refresh_s=refresh)
 
 
 @dataclass
@@ -294,6 +300,7 @@ class Runner:
         self._presence_status = ""
         self._shutdown_done = False
         self._announced = False  # published `online`: only then may we publish `offline`
+        self._presence_at = 0.0  # monotonic time of the last presence published
         self._replaced = False  # another runner took the session over (§7 --replace)
         self._serve_thread: threading.Thread | None = None
 
@@ -419,6 +426,7 @@ class Runner:
             self.client.publish(self._presence_topic(), self._presence(status), retain=True)
             self._presence_status = status
             self._announced = True
+            self._presence_at = time.monotonic()
         except BrokerError as exc:
             log.warning("presence %s not published: %s", status, exc)
 
@@ -500,6 +508,8 @@ class Runner:
             if self.client.reconnected.is_set():  # the broker may have published our Last Will
                 self.client.reconnected.clear()
                 self._publish_presence()
+            elif self._announced and time.monotonic() - self._presence_at >= self.options.presence_refresh_s:
+                self._publish_presence()  # refresh: a fresh timestamp says we are alive (§7)
             self._reap_ended()
             try:
                 message = self.client.messages.get(timeout=LOOP_POLL_S)

@@ -144,10 +144,11 @@ class SimRunner:
         return published
 
     def presence(self, status: str = "online", *, key: bytes | None = None, session: str | None = None,
-                 running: tuple[str, ...] = ()) -> bytes:
-        """Publish a retained presence (§7), signed with the fleet key unless `key` is given."""
+                 running: tuple[str, ...] = (), timestamp: Any = None) -> bytes:
+        """Publish a retained presence (§7), signed with the fleet key unless `key` is given;
+        `timestamp` (an aware datetime) backdates it."""
         body = wire.Presence.build(session or self.session, names.new_runner_id(), status, host="sim-host",
-                                   version="0.1.0", max_jobs=1, running=running)
+                                   version="0.1.0", max_jobs=1, running=running, timestamp=timestamp)
         payload = wire.encode(crypto.sign(body.to_dict(), key or self.keys.sign_key))
         self.client.publish(names.presence_topic(session or self.session, self.root), payload, retain=True)
         return payload

@@ -953,3 +953,14 @@ def test_s6_cancel_tombstones_are_bounded_and_keep_the_highest_attempt(tmp_path)
     assert len(runner._cancelled) == limit
     assert "00000000" not in runner._cancelled and "00000004" not in runner._cancelled
     assert runner._cancelled["00000005"] == 1 and runner._cancelled["00000010"] == 3
+
+
+def test_s7_presence_is_refreshed_while_idle(nats_broker, tmp_path, wire_obs, runners):
+    """§7: an idle runner republishes its signed presence every MAM_PRESENCE_REFRESH_S,
+    so the hub can call a presence that stopped being refreshed (a dead host, a replay) stale."""
+    runner = start_runner(runners, nats_broker, tmp_path / "runner", MAM_PRESENCE_REFRESH_S="1")
+    runner_id = runner.wait_serving()
+    wait_until(lambda: len([p for p in wire_obs.presences() if p["runner_id"] == runner_id
+                            and p["status"] == "online"]) >= 3, 15, "three online presences from an idle runner")
+    stamps = [p["timestamp"] for p in wire_obs.presences() if p["runner_id"] == runner_id]
+    assert stamps == sorted(stamps) and stamps[-1] > stamps[0]

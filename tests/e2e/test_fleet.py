@@ -4,6 +4,7 @@ played by the test (PROTOCOL §5, §6, §7, §8, §9, §10)."""
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta, timezone
 import subprocess
 
 import pytest
@@ -142,6 +143,8 @@ def test_s7_runners_lists_signed_presence_and_refuses_forged(sim, tmp_path):
     hub = hub_workspace(sim.broker, tmp_path)
     sim.presence("online", running=("918b0612",))
     sim.presence("offline", session="old-box")
+    # §7: an online presence not refreshed for three periods (a dead host, or a replay) is stale
+    sim.presence("online", session="replayed-box", timestamp=datetime.now(timezone.utc) - timedelta(hours=1))
     sim.presence("online", session="evil-box", key=b"f" * 32)
     sim.client.publish(names.presence_topic("junk-box", sim.root), b'{"kind": "presence"}', retain=True)
     body = wire.Presence.build("elsewhere", names.new_runner_id(), "online", host="h", version="1", max_jobs=1)
@@ -151,7 +154,9 @@ def test_s7_runners_lists_signed_presence_and_refuses_forged(sim, tmp_path):
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
     assert [(r["session"], r["status"], r["running"]) for r in rows] == [
-        ("gpu-box", "online", ["918b0612"]), ("old-box", "offline", [])]
+        ("gpu-box", "online", ["918b0612"]), ("old-box", "offline", []), ("replayed-box", "stale", [])]
+    stale = orch(hub, "dispatch", "--session", "replayed-box", "--brief", "x", "--require-online")
+    assert stale.returncode == 5 and "replayed-box is stale" in stale.stderr
     assert "refused presence on python/mqtt/runners/evil-box: presence sig verify failed" in result.stderr
     assert "runners/junk-box" in result.stderr and "runners/moved-box" in result.stderr
 
