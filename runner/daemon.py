@@ -144,6 +144,10 @@ LOOP_POLL_S = 0.1
 # Presence is republished at least this often, so the hub can tell a live runner from a
 # replayed or long-dead `online` (§7); the hub calls presence older than 3 periods stale.
 PRESENCE_REFRESH_S = 60.0
+# An agent that published its own terminal event (§11 step 5) may take this long to exit
+# before the runner stops it: the job is over, and its slot must come back.
+DEFAULT_AGENT_LINGER_S = 30.0
+RECORD_CHECK_S = 0.5
 EXIT_OK = 0
 EXIT_SESSION_BUSY = 64
 AGENT_FILE = "agent.pid"
@@ -179,6 +183,7 @@ class RunnerOptions:
         clock_skew_s: tolerance on `expires_at`, seconds (§5).
         presence_wait_s: how long to wait for the session's retained presence at start.
         presence_refresh_s: republish presence at least this often (§7; hub: stale after 3 periods).
+        agent_linger_s: how long an agent may run on after publishing its own terminal event.
     """
 
     session: str
@@ -192,6 +197,7 @@ class RunnerOptions:
     clock_skew_s: float = DEFAULT_CLOCK_SKEW_S
     presence_wait_s: float = DEFAULT_PRESENCE_WAIT_S
     presence_refresh_s: float = PRESENCE_REFRESH_S
+    agent_linger_s: float = DEFAULT_AGENT_LINGER_S
 
 
 def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None,
@@ -234,9 +240,10 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
     skew = config.env_float("MAM_CLOCK_SKEW_S", DEFAULT_CLOCK_SKEW_S, environ=env, high=86400.0)
     wait = config.env_float("MAM_PRESENCE_WAIT_S", DEFAULT_PRESENCE_WAIT_S, environ=env, high=60.0)
     refresh = config.env_float("MAM_PRESENCE_REFRESH_S", PRESENCE_REFRESH_S, environ=env, low=1.0, high=60.0)
+    linger = config.env_float("MAM_AGENT_LINGER_S", DEFAULT_AGENT_LINGER_S, environ=env, high=86400.0)
     return RunnerOptions(session=session, argv=tuple(argv), root=root, workdir=work, max_jobs=max_jobs,
                          once=once, replace=replace, cancel_grace_s=grace, clock_skew_s=skew,
-                         presence_wait_s=wait, presence_refresh_s=refresh)
+                         presence_wait_s=wait, presence_refresh_s=refresh, agent_linger_s=linger)
 
 
 @dataclass
@@ -1045,14 +1052,29 @@ class Runner:
                             job.job_id, exc)
             status = None
             deadline = time.monotonic() + job.timeout_s  # §5 timeout_sec, from the agent's start
-            timed_out = False
+            timed_out = lingered = False
+            reported_at: float | None = None  # when the agent's own terminal event was seen
+            next_check = 0.0
             while status is None:
                 if job.cancel.wait(0):
                     break
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     timed_out = True
                     break
+                if reported_at is None and now >= next_check:
+                    next_check = now + RECORD_CHECK_S
+                    if self._record_terminal(job.job_id):
+                        reported_at = now
+                if reported_at is not None and now - reported_at >= self.options.agent_linger_s:
+                    lingered = True
+                    break
                 status = agent.wait(timeout_s=LOOP_POLL_S)
+            if lingered:  # its terminal event is out; only its processes and our slot are left
+                agent.cancel(grace_s=self.options.cancel_grace_s)
+                log.info("job %s: the agent reported its end but ran on for %g s: stopped", job.job_id,
+                         self.options.agent_linger_s)
+                return
             if timed_out and not job.cancel.is_set():
                 status = agent.cancel(grace_s=self.options.cancel_grace_s)
                 log.info("job %s: agent stopped: timed out after %d s (contract timeout_sec)", job.job_id,
@@ -1077,6 +1099,15 @@ class Runner:
                 agent.cancel(grace_s=self.options.cancel_grace_s)
             agent.close()
             env_file.unlink(missing_ok=True)
+
+    def _record_terminal(self, job_id: str) -> bool:
+        """True when this runner's record of the job is terminal (the agent published its end)."""
+        from mam.shared.registry import TERMINAL
+
+        try:
+            return self._registry.get(job_id)["status"] in TERMINAL
+        except RegistryError:
+            return False
 
     def _stop_leftovers(self, job: _Job, agent: Any) -> None:
         """§11 step 5: the leader exited; stop what remains of its tree (a background

@@ -964,3 +964,17 @@ def test_s7_presence_is_refreshed_while_idle(nats_broker, tmp_path, wire_obs, ru
                             and p["status"] == "online"]) >= 3, 15, "three online presences from an idle runner")
     stamps = [p["timestamp"] for p in wire_obs.presences() if p["runner_id"] == runner_id]
     assert stamps == sorted(stamps) and stamps[-1] > stamps[0]
+
+
+def test_s11_agent_that_reported_its_end_but_runs_on_is_stopped(nats_broker, tmp_path, hub, wire_obs, runners):
+    """§11 step 5: an agent that published its own `completed` and kept running is stopped
+    after MAM_AGENT_LINGER_S, so its slot comes back; still exactly one terminal event."""
+    runner = start_runner(runners, nats_broker, tmp_path / "runner", MAM_AGENT_LINGER_S="1")
+    runner.wait_serving()
+    lingering, _ = hub.dispatch('eval "$MAM_PUBLISH_CMD --event completed --detail reported"\nsleep 300')
+    wire_obs.wait_terminal(lingering["job_id"])
+    runner.wait_log(f"job {lingering['job_id']}: the agent reported its end but ran on")
+    following, _ = hub.dispatch("true")  # --max-jobs 1: runs only once the slot is back
+    assert wire_obs.wait_terminal(following["job_id"])["event"] == "completed"
+    assert [e["event"] for e in wire_obs.terminal(lingering["job_id"])] == ["completed"]
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "300"]]
