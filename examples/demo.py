@@ -57,10 +57,16 @@ def section(title: str) -> None:
     print(f"\n=== {title} ===", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports free right now (all held open while chosen, so none repeats)."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def child_env() -> dict[str, str]:
@@ -97,7 +103,8 @@ class Demo:
         section("1. broker: mam-orch broker up (embedded nats-server, free ports)")
         self.hub_ws.mkdir(parents=True)
         self.broker_started = True  # even a failed `up` may leave state for `down` to clean
-        done = self.orch("broker", "up", "--mqtt-port", str(free_port()), "--port", str(free_port()),
+        mqtt_port, nats_port = free_ports(2)
+        done = self.orch("broker", "up", "--mqtt-port", str(mqtt_port), "--port", str(nats_port),
                          "--ws-port", "0")
         if done.returncode != 0:
             raise RuntimeError(f"mam-orch broker up failed ({done.returncode}): {done.stderr.strip()}")

@@ -28,11 +28,21 @@ STOP_TIMEOUT_S = 10.0
 TEST_TOPIC_ROOT = "python/mqtt"
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on `host` (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port that is free right now on `host` (the kernel picks it), never one this
+    process handed out before: the kernel offers a just-released port again, and two
+    listeners of one broker must not get the same one."""
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no fresh free port after 1000 tries")
 
 
 def wait_until(predicate: Callable[[], T], timeout_s: float = 10.0, what: str = "condition",
