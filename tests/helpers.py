@@ -158,6 +158,10 @@ class NatsBroker(_BrokerProcess):
 
     def __init__(self, workdir: Path, topic_root: str = TEST_TOPIC_ROOT) -> None:
         super().__init__(workdir, topic_root)
+        self._configure()
+
+    def _configure(self) -> None:
+        """Pick the native and websocket ports and write the config (0600)."""
         from mam.shared import broker
 
         self.port = free_port()
@@ -165,7 +169,7 @@ class NatsBroker(_BrokerProcess):
         self.settings = broker.NatsSettings(store_dir=self.workdir / "jetstream", host=self.host,
                                             port=self.port, mqtt_port=self.mqtt_port,
                                             ws_port=self.ws_port, server_name="mam-test",
-                                            topic_root=topic_root)
+                                            topic_root=self.topic_root)
         creds = broker.BrokerCredentials(agent_password=self.agent_password,
                                          observer_password=self.observer_password,
                                          agent_user=self.agent_user, observer_user=self.observer_user)
@@ -178,7 +182,17 @@ class NatsBroker(_BrokerProcess):
         return [str(nats_server_binary()), "-c", str(self.config_path)]
 
     def start(self) -> "NatsBroker":
-        super().start()
+        for attempt in range(3):
+            try:
+                super().start()
+                break
+            except RuntimeError as exc:
+                # a free port can be taken (e.g. as a client's source port) before the server binds it
+                if "address already in use" not in str(exc) or attempt == 2 or self.proc is None \
+                        or self.proc.poll() is None:
+                    raise
+                self.mqtt_port = free_port()
+                self._configure()
         # the MQTT listener opens before JetStream's MQTT streams exist: wait for a real CONNACK
         from mam.shared.broker import wait_mqtt_ready
 
