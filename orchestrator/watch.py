@@ -175,7 +175,7 @@ class Watcher:
                 self.registry.accept_event(self.job_id, payload, source="remote_mirror")
             except TransitionRefused as exc:
                 reason = getattr(exc, "reason", "after_terminal")
-                self._refuse(reason if reason != "stale_attempt" else "stale_attempt", str(exc))
+                self._refuse(reason, str(exc))
                 if reason == "after_terminal":
                     self._resolve_from_record()
                 return False
