@@ -393,8 +393,23 @@ def canonical(obj: Any) -> bytes:
 
 # ------------------------------------------------------------------ messages
 
+class _EventShaped:
+    """What Event (§3) and State (§4) share: a deep read-only `data` holding the
+    attempt identity and the HMAC, and the field rules run at construction."""
+
+    data: Mapping[str, Any]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data", _freeze(self.data) if isinstance(self.data, Mapping) else self.data)
+        _run(self._check)  # type: ignore[attr-defined]
+
+    attempt_id = property(lambda self: self.data["attempt_id"], doc="data.attempt_id")
+    dispatch_token = property(lambda self: self.data["dispatch_token"], doc="data.dispatch_token")
+    hmac_sig = property(lambda self: self.data.get("hmac_sig"), doc="data.hmac_sig or None (unsigned)")
+
+
 @dataclass(frozen=True)
-class Event:
+class Event(_EventShaped):
     """An event of §3. Build with `Event.build`, parse with `decode(raw, "event")`.
 
     `data` is a deep read-only mapping; `to_dict()` returns a fresh mutable copy.
@@ -408,10 +423,6 @@ class Event:
     detail: str
     data: Mapping[str, Any]
     schema_version: int = SCHEMA_VERSION
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "data", _freeze(self.data) if isinstance(self.data, Mapping) else self.data)
-        _run(self._check)
 
     def _check(self) -> None:
         _schema(self.schema_version)
@@ -455,17 +466,14 @@ class Event:
                 "event": self.event, "timestamp": self.timestamp, "detail": self.detail,
                 "data": _thaw(self.data)}
 
-    attempt_id = property(lambda self: self.data["attempt_id"], doc="data.attempt_id")
-    dispatch_token = property(lambda self: self.data["dispatch_token"], doc="data.dispatch_token")
     session = property(lambda self: self.data.get("session"), doc="data.session or None")
-    hmac_sig = property(lambda self: self.data.get("hmac_sig"), doc="data.hmac_sig or None (unsigned)")
     exit_code = property(lambda self: self.data.get("exit_code"), doc="data.exit_code or None")
     heartbeat = property(lambda self: self.data.get("heartbeat") is True, doc="True on a timer beat")
     terminal = property(lambda self: self.event in TERMINAL_EVENTS, doc="completed or error (§3)")
 
 
 @dataclass(frozen=True)
-class State:
+class State(_EventShaped):
     """A retained state snapshot of §4: an event-shaped message with `event == "state"`."""
 
     job_id: str
@@ -477,10 +485,6 @@ class State:
     data: Mapping[str, Any]
     event: str = "state"
     schema_version: int = SCHEMA_VERSION
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "data", _freeze(self.data) if isinstance(self.data, Mapping) else self.data)
-        _run(self._check)
 
     def _check(self) -> None:
         _schema(self.schema_version)
@@ -521,9 +525,6 @@ class State:
                 "event": self.event, "status": self.status, "last_event": self.last_event,
                 "timestamp": self.timestamp, "detail": self.detail, "data": _thaw(self.data)}
 
-    attempt_id = property(lambda self: self.data["attempt_id"], doc="data.attempt_id")
-    dispatch_token = property(lambda self: self.data["dispatch_token"], doc="data.dispatch_token")
-    hmac_sig = property(lambda self: self.data.get("hmac_sig"), doc="data.hmac_sig or None (unsigned)")
     terminal = property(lambda self: self.status in TERMINAL_STATUSES, doc="status completed/error/cancelled")
 
 
