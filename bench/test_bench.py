@@ -12,7 +12,6 @@ import subprocess
 import time
 
 import pytest
-
 from helpers import NatsBroker
 from jobkit import MAM_RUNNER, JobPair
 

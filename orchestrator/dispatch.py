@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mam.shared import names
-from mam.shared.errors import UsageError
+from mam.shared.errors import ExitCode, UsageError
 
 log = logging.getLogger("mam.dispatch")
 
@@ -107,8 +107,6 @@ def publish_dispatch(client: Any, signed: dict[str, Any]) -> None:
 # ------------------------------------------------------------------ the command
 
 BRIEF_FILE_NAME = "brief.txt"
-EXIT_NO_RUNNER = 5  # §9: no capacity / session busy, nothing dispatched
-EXIT_DETACHED = 130
 
 
 def read_brief(brief: str | None, brief_file: str | None, stdin: Any = None) -> str:
@@ -165,7 +163,7 @@ def save_brief(registry: Any, job_id: str, brief: str) -> Path:
     Raises:
         RegistryError: the write failed.
     """
-    from mam.shared.registry import atomic_write
+    from mam.shared.fsio import atomic_write
 
     path = brief_path(registry, job_id)
     atomic_write(path, brief.encode("utf-8"), what=f"job {job_id} brief")
@@ -293,7 +291,7 @@ def publish_and_watch(registry: Any, record: dict[str, Any], brief: str, keys: A
         return watcher.run()
     except Detached:
         print(detach_hint(job_id), file=sys.stderr)
-        return EXIT_DETACHED
+        return ExitCode.DETACHED
 
 
 def dispatch_cli(*, session: str, brief: str | None, brief_file: str | None, heartbeat_s: int | None,
@@ -335,7 +333,7 @@ def dispatch_cli(*, session: str, brief: str | None, brief_file: str | None, hea
                 state = "has no signed presence" if presence is None else f"is {presence['status']}"
                 print(f"ERROR: session {session} {state}; nothing dispatched (start `mam-runner run "
                       f"--session {session}` there, or drop --require-online)", file=sys.stderr)
-                return EXIT_NO_RUNNER
+                return ExitCode.NO_RUNNER
         record = registry.register(session=session, contract=contract)
         return publish_and_watch(registry, record, text, keys, client, detach=detach, as_json=as_json)
     finally:

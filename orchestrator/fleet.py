@@ -16,7 +16,6 @@ from mam.shared import names
 
 log = logging.getLogger("mam.fleet")
 
-EXIT_CANCELLED = 4
 
 
 def signing_keys(workspace: Any = None) -> Any:
@@ -123,19 +122,20 @@ def cancel(job_id: str, *, workspace: Any = None, reason: str = "operator") -> i
     """
     from mam.orchestrator.dispatch import connect
     from mam.shared import config
+    from mam.shared.codes import TERMINAL_STATUSES
     from mam.shared.errors import BrokerError, TransitionRefused
-    from mam.shared.registry import TERMINAL, Registry
+    from mam.shared.registry import Registry
 
     names.validate_job_id(job_id)
     registry = Registry(config.resolve_root(workspace))
     record = registry.get(job_id)
     changed = False
-    if record["status"] not in TERMINAL or _cancel_owed(record):
+    if record["status"] not in TERMINAL_STATUSES or _cancel_owed(record):
         keys = signing_keys(registry.root)
         cfg = config.broker_config(record.get("broker") or None, workspace=registry.root)
         client = connect(cfg, "cancel")
         try:
-            if record["status"] not in TERMINAL:
+            if record["status"] not in TERMINAL_STATUSES:
                 try:
                     record = registry.close(job_id, "cancelled", source="operator", reason=reason)
                     changed = True
@@ -383,8 +383,9 @@ def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Any = None, dr
 
     from mam.orchestrator.dispatch import connect
     from mam.shared import config
+    from mam.shared.codes import TERMINAL_STATUSES
     from mam.shared.errors import UsageError
-    from mam.shared.registry import TERMINAL, Registry, utc_now
+    from mam.shared.registry import Registry, utc_now
     from mam.shared.wire import parse_ts
 
     if not 0 <= older_than_days <= 36500:
@@ -394,7 +395,7 @@ def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Any = None, dr
     cutoff_s = time.time() - older_than_days * 86400
     due = []
     for record in records:
-        if record.get("role") != "hub" or record["status"] not in TERMINAL:
+        if record.get("role") != "hub" or record["status"] not in TERMINAL_STATUSES:
             continue
         try:
             ended_s = parse_ts(record["updated_at"]).timestamp()

@@ -17,12 +17,13 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 from mam.shared.config import ENV_FILE_NAME, new_secret, resolve_root, write_env_file
 from mam.shared.errors import ConfigError, UsageError
+from mam.shared.fsio import atomic_write
 
 #: Users of deploy/nats/nats.conf (account MAM) and what they are for.
 AGENT_USER = "mam_agent"
@@ -221,7 +222,7 @@ def init_workspace(workspace: str | os.PathLike[str] | None = None, *,
         }, header="nats-server secrets for nats.conf (keep on the broker host; mode 0600)\n"
                   "docker compose --env-file nats.env up -d   (see deploy/nats/README.md)",
             overwrite=True)
-        _write_text(conf_path, text)
+        atomic_write(conf_path, text.encode("utf-8"), what=conf_path.name, error=ConfigError)
     write_env_file(env_path, {
         "MQTT_BROKER": ",".join(hosts),
         "MQTT_PORT": str(mqtt_port),
@@ -244,21 +245,6 @@ def init_workspace(workspace: str | os.PathLike[str] | None = None, *,
     notes.append("check: mam-orch config")
     return InitResult(env_file=env_path, broker_config=conf_path, broker_env=secrets_path,
                       notes=tuple(notes))
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Write `text` atomically (temp file + fsync + replace), mode 0600."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise ConfigError(f"{path}: cannot write ({type(exc).__name__}: {exc.strerror})") from exc
 
 
 # ----------------------------------------------------------------- templates

@@ -31,12 +31,11 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from mam.shared import names
+from mam.shared.errors import ExitCode
 
 log = logging.getLogger("mam.watch")
 
-EXIT_COMPLETED, EXIT_ERROR, EXIT_TIMEOUT, EXIT_BROKER, EXIT_CANCELLED = 0, 1, 2, 3, 4
-EXIT_DETACHED = 130
-STATUS_EXIT = {"completed": EXIT_COMPLETED, "error": EXIT_ERROR, "cancelled": EXIT_CANCELLED}
+STATUS_EXIT = {"completed": ExitCode.COMPLETED, "error": ExitCode.ERROR, "cancelled": ExitCode.CANCELLED}
 REGISTRY_POLL_S = 0.5
 # A terminal state waits this long for its terminal event before it resolves the job:
 # brokers do not order messages across topics (nats-server delivers each subscription
@@ -251,10 +250,10 @@ class Watcher:
             log.warning("job %s: the retained cancel was not cleared: %s", self.job_id, exc)
 
     def _resolve_from_record(self) -> None:
-        from mam.shared.registry import TERMINAL
+        from mam.shared.codes import TERMINAL_STATUSES
 
         status = self.registry.get(self.job_id)["status"]
-        if status in TERMINAL:
+        if status in TERMINAL_STATUSES:
             self.terminal = status
 
     def _audit_gap(self, expected: int, got: int) -> None:
@@ -302,14 +301,14 @@ class Watcher:
 
     def _finish_from_disk(self, why: str) -> int:
         """Disk fallback (§10): the hub's own record decides; else exit 3."""
-        from mam.shared.registry import TERMINAL
+        from mam.shared.codes import TERMINAL_STATUSES
 
         status = self.registry.get(self.job_id)["status"]
-        if status in TERMINAL:
+        if status in TERMINAL_STATUSES:
             log.info("job %s is %s on disk (%s)", self.job_id, status, why)
             return STATUS_EXIT[status]
         log.error("job %s: %s; the hub record says %s", self.job_id, why, status)
-        return EXIT_BROKER
+        return ExitCode.BROKER
 
     def _close(self, close_reason: str) -> int:
         from mam.orchestrator.fleet import close_remote
@@ -318,11 +317,11 @@ class Watcher:
         record = close_remote(self.registry, self.client if connected else None, self.keys,
                               self.job_id, close_reason)
         if record.get("close_reason") != close_reason:
-            return STATUS_EXIT.get(record["status"], EXIT_ERROR)  # it ended some other way first
+            return STATUS_EXIT.get(record["status"], ExitCode.ERROR)  # it ended some other way first
         log.error("job %s closed: %s", self.job_id, close_reason)
         if not connected:
-            return EXIT_BROKER
-        return EXIT_ERROR if close_reason == "agent_blocked" else EXIT_TIMEOUT
+            return ExitCode.BROKER
+        return ExitCode.ERROR if close_reason == "agent_blocked" else ExitCode.TIMEOUT
 
     def run(self) -> int:
         """Watch until the job ends; returns the exit code of §9.
@@ -331,10 +330,10 @@ class Watcher:
             Detached: on KeyboardInterrupt (the job keeps running).
             RegistryError: the hub record cannot be read.
         """
-        from mam.shared.registry import TERMINAL
+        from mam.shared.codes import TERMINAL_STATUSES
 
         record = self.registry.get(self.job_id)
-        if record["status"] in TERMINAL:
+        if record["status"] in TERMINAL_STATUSES:
             return self._finish_from_disk("already terminal")
         opts = self.options
         ack_s = float(opts.ack_timeout_s if opts.ack_timeout_s is not None else record["ack_timeout_sec"])
@@ -378,7 +377,7 @@ class Watcher:
                     last_alive = time.monotonic()
             if self.terminal == "cancelled":
                 self._confirm_cancel()
-            return STATUS_EXIT.get(self.terminal, EXIT_ERROR)
+            return STATUS_EXIT.get(self.terminal, ExitCode.ERROR)
         except KeyboardInterrupt:
             raise Detached(self.job_id) from None
         finally:
@@ -427,4 +426,4 @@ def watch_cli(job_id: str, *, workspace: str | None, remote: bool, idle_timeout_
         return watcher.run()
     except Detached:
         print(detach_hint(job_id), file=sys.stderr)
-        return EXIT_DETACHED
+        return ExitCode.DETACHED

@@ -39,7 +39,8 @@ def publish_cmd(
     attempts: int = typer.Option(3, "--attempts", metavar="N", help="Connection/publish tries (§13 backoff)."),
     attempt_id: str = typer.Option(None, "--attempt-id", metavar="N", envvar="MAM_ATTEMPT_ID", show_envvar=True,
                                    help="The attempt this publisher holds (default: the record's current)."),
-    dispatch_token: str = typer.Option(None, "--dispatch-token", metavar="TOKEN", envvar="MAM_DISPATCH_TOKEN", show_envvar=True,
+    dispatch_token: str = typer.Option(None, "--dispatch-token", metavar="TOKEN", envvar="MAM_DISPATCH_TOKEN",
+                                       show_envvar=True,
                                        help="The dispatch token this publisher holds (default: the record's)."),
     workspace: str = clikit.workspace_option(),
 ) -> int:

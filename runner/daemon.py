@@ -119,14 +119,16 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from mam.shared import names
 from mam.shared.errors import (
     BrokerError,
     DecodeError,
+    ExitCode,
     MamError,
     RegistryError,
     SignatureError,
@@ -148,8 +150,6 @@ PRESENCE_REFRESH_S = 60.0
 # before the runner stops it: the job is over, and its slot must come back.
 DEFAULT_AGENT_LINGER_S = 30.0
 RECORD_CHECK_S = 0.5
-EXIT_OK = 0
-EXIT_SESSION_BUSY = 64
 AGENT_FILE = "agent.pid"
 """Per-job file (in the job's log folder) naming the runner and agent of the attempt."""
 AGENT_FILE_MAX_BYTES = 4096
@@ -373,7 +373,7 @@ class Runner:
         try:
             self._start()
             self._loop()
-            return EXIT_OK
+            return ExitCode.OK
         finally:
             try:
                 self._finish()
@@ -785,13 +785,14 @@ class Runner:
         are ignored; a non-terminal record of that attempt left by a runner that
         died is adopted as an orphan: its agent tree is stopped, then
         `error`/`cancelled` is published and the record marked `cancelled`."""
-        from mam.shared.registry import TERMINAL
+        from mam.shared.codes import TERMINAL_STATUSES
 
         record = self._record(job_id)
         if record is None:
             log.debug("ignored cancel of unknown job %s", job_id)
             return
-        if record["attempt_id"] != attempt_id or record["status"] in TERMINAL or record.get("role") != "runner":
+        if (record["attempt_id"] != attempt_id or record["status"] in TERMINAL_STATUSES
+                or record.get("role") != "runner"):
             log.debug("ignored cancel of job %s attempt %d (record: attempt %d, %s, role %s)", job_id, attempt_id,
                       record["attempt_id"], record["status"], record.get("role"))
             return
@@ -823,7 +824,7 @@ class Runner:
 
         import psutil
 
-        from mam.shared.registry import atomic_write
+        from mam.shared.fsio import atomic_write
 
         me = psutil.Process()
         obj: dict[str, Any] = {"job_id": job.job_id, "attempt_id": job.attempt_id, "runner_id": self.runner_id,
@@ -1102,10 +1103,10 @@ class Runner:
 
     def _record_terminal(self, job_id: str) -> bool:
         """True when this runner's record of the job is terminal (the agent published its end)."""
-        from mam.shared.registry import TERMINAL
+        from mam.shared.codes import TERMINAL_STATUSES
 
         try:
-            return self._registry.get(job_id)["status"] in TERMINAL
+            return self._registry.get(job_id)["status"] in TERMINAL_STATUSES
         except RegistryError:
             return False
 

@@ -31,9 +31,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from mam.shared import names
 from mam.shared.errors import MamError, RegistryError, TransitionRefused
@@ -53,7 +54,7 @@ class WatchedProcess:
     create_time: float
 
     @classmethod
-    def of(cls, pid: int) -> "WatchedProcess":
+    def of(cls, pid: int) -> WatchedProcess:
         """Capture `pid` now.
 
         Raises:
@@ -104,7 +105,7 @@ def default_watch_pid() -> int:
 # ------------------------------------------------------------------ files
 
 def _write_json_0600(path: Path, obj: dict[str, Any]) -> None:
-    from mam.shared.registry import atomic_write
+    from mam.shared.fsio import atomic_write
 
     atomic_write(path, json.dumps(obj, sort_keys=True).encode(), what=path.name)
 
@@ -221,13 +222,13 @@ def start_timer(registry: Any, job_id: str, *, attempt_id: int, dispatch_token: 
     """
     import psutil
 
-    from mam.shared.registry import TERMINAL
+    from mam.shared.codes import TERMINAL_STATUSES
 
     root = registry.root
     drain = drain_s_setting() if drain_s is None else drain_s
     with lifecycle_lock(root, job_id):
         record = registry.get(job_id)
-        if (record["status"] in TERMINAL or record["attempt_id"] != attempt_id
+        if (record["status"] in TERMINAL_STATUSES or record["attempt_id"] != attempt_id
                 or record["dispatch_token"] != dispatch_token
                 or barrier_attempt(root, job_id) >= attempt_id):
             log.info("job %s attempt %s has ended: no heartbeat timer armed", job_id, attempt_id)
@@ -277,7 +278,7 @@ class _Timer:
         self.client: Any = None
 
     def stop_reason(self) -> str | None:
-        from mam.shared.registry import TERMINAL
+        from mam.shared.codes import TERMINAL_STATUSES
 
         if not self.watch.alive():
             return f"watched process {self.watch.pid} is gone"
@@ -289,7 +290,7 @@ class _Timer:
             return f"record unreadable ({exc})"
         if record["attempt_id"] != self.attempt_id or record["dispatch_token"] != self.dispatch_token:
             return f"attempt {record['attempt_id']} replaced attempt {self.attempt_id}"
-        if record["status"] in TERMINAL:
+        if record["status"] in TERMINAL_STATUSES:
             return f"job is {record['status']}"
         if barrier_attempt(self.registry.root, self.job_id) >= self.attempt_id:
             return "terminal barrier raised"

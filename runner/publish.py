@@ -20,20 +20,19 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from mam.shared import names
-from mam.shared.errors import BrokerError, MamError, UsageError
+from mam.shared.codes import EVENT_NAMES, TERMINAL_EVENTS
+from mam.shared.errors import BrokerError, ExitCode, MamError, UsageError
 
 log = logging.getLogger("mam.publish")
 
-EVENTS = ("started", "progress", "permission_required", "completed", "error")
-TERMINAL_EVENTS = frozenset({"completed", "error"})
 RESERVED_DATA_KEYS = frozenset({"hmac_sig", "attempt_id", "dispatch_token", "session", "exit_code", "heartbeat"})
 MAX_DATA_BYTES = 16 * 1024
-EXIT_PUBLISHED, EXIT_REFUSED, EXIT_TRANSPORT = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -107,8 +106,8 @@ def make_request(job_id: str, event: str, detail: str = "", data: str | None = N
     from mam.shared import wire
 
     names.validate_job_id(job_id)
-    if event not in EVENTS:
-        raise UsageError(f"event {event!r} is invalid: expected one of {', '.join(EVENTS)}")
+    if event not in EVENT_NAMES:
+        raise UsageError(f"event {event!r} is invalid: expected one of {', '.join(EVENT_NAMES)}")
     attempt: int | None = None
     if attempt_id not in (None, ""):
         try:
@@ -241,14 +240,14 @@ def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attem
         published = record(registry, request)
     except (ProtocolError, RegistryError) as exc:
         print(f"ERROR: refused: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
-    exit_code = EXIT_PUBLISHED
+        return ExitCode.REFUSED
+    exit_code = ExitCode.PUBLISHED
     try:
         send(published, config, attempts=attempts)
     except BrokerError as exc:
         print(f"ERROR: job {request.job_id} seq {published.seq} is on disk but not published: {exc}",
               file=sys.stderr)
-        exit_code = EXIT_TRANSPORT
+        exit_code = ExitCode.TRANSPORT
     if watch is not None:
         rec = registry.get(request.job_id)
         from mam.runner.heartbeat import start_timer
@@ -257,7 +256,7 @@ def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attem
                     dispatch_token=rec["dispatch_token"], interval_s=heartbeat_s,
                     watch=watch, timeout_s=float(rec.get("timeout_sec") or 7200))
     print(json.dumps({"job_id": request.job_id, "seq": published.seq, "event": request.event,
-                      "published": exit_code == EXIT_PUBLISHED}))
+                      "published": exit_code == ExitCode.PUBLISHED}))
     return exit_code
 
 

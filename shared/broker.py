@@ -33,14 +33,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from mam.shared import names
 from mam.shared.config import ENV_FILE_NAME, BrokerConfig, new_secret, resolve_root, write_env_file
-from mam.shared.errors import (BrokerError, BrokerUnavailable, ConfigError, EnvFileError, MamError,
-                               UsageError)
+from mam.shared.errors import BrokerError, BrokerUnavailable, ConfigError, EnvFileError, MamError, UsageError
+from mam.shared.fsio import atomic_write
 
 AGENT_USER = "mam_agent"
 OBSERVER_USER = "mam_observer"
@@ -80,7 +81,7 @@ class BrokerCredentials:
     observer_user: str = OBSERVER_USER
 
     @classmethod
-    def fresh(cls) -> "BrokerCredentials":
+    def fresh(cls) -> BrokerCredentials:
         """New random passwords for both users."""
         return cls(agent_password=new_secret(), observer_password=new_secret())
 
@@ -212,13 +213,12 @@ def render_nats_config(settings: NatsSettings, creds: BrokerCredentials) -> str:
 
 
 def write_private(path: Path, text: str) -> Path:
-    """Write `text` atomically with mode 0600."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
+    """Write `text` atomically with mode 0600.
+
+    Raises:
+        ConfigError: the file cannot be written; the previous one is unchanged.
+    """
+    atomic_write(path, text.encode("utf-8"), what=path.name, error=ConfigError)
     return path
 
 

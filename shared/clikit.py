@@ -15,9 +15,7 @@ from typing import NoReturn
 import typer
 
 from mam.shared import __version__
-from mam.shared.errors import EnvFileError, MamError, exit_code_for
-
-USAGE_EXIT = 64
+from mam.shared.errors import EnvFileError, ExitCode, MamError, exit_code_for
 
 
 def new_app(name: str, help_text: str) -> typer.Typer:
@@ -117,12 +115,12 @@ def run(app: typer.Typer, prog: str, argv: list[str] | None = None) -> NoReturn:
     except ClickException as exc:  # usage errors: bad option, missing argument
         if type(exc).__name__ == "NoArgsIsHelpError":  # a bare command: show its help
             exc.show()
-            raise SystemExit(USAGE_EXIT) from None
+            raise SystemExit(ExitCode.USAGE) from None
         ctx = getattr(exc, "ctx", None)
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
         message = " ".join(exc.format_message().split())
         print(f"ERROR: {message}{hint}", file=sys.stderr)
-        raise SystemExit(USAGE_EXIT) from None
+        raise SystemExit(ExitCode.USAGE) from None
     except typer.Abort:
         print("Aborted.", file=sys.stderr)
         raise SystemExit(130) from None

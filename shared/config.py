@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from mam.shared.errors import ConfigError, EnvFileError
+from mam.shared.fsio import atomic_write, read_capped
 
 PUBLIC_BROKER = "broker.hivemq.com"
 ENV_FILE_NAME = ".mam.env"
@@ -121,7 +123,7 @@ class BrokerConfig:
 
     __str__ = __repr__
 
-    def with_overrides(self, **changes: Any) -> "BrokerConfig":
+    def with_overrides(self, **changes: Any) -> BrokerConfig:
         """A copy with `changes` applied (field names as above)."""
         return replace(self, **changes)
 
@@ -163,18 +165,7 @@ def write_env_file(path: str | os.PathLike[str], values: Mapping[str, str], *,
             raise ConfigError(f"{name}: a value must not contain a line break")
         lines.append(f"{name}={_quote_env_value(str(value))}")
     data = ("\n".join(lines) + "\n").encode("utf-8")
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, target)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise ConfigError(f"{target}: cannot write ({type(exc).__name__}: {exc.strerror})") from exc
+    atomic_write(target, data, what=target.name, error=ConfigError)
     return target
 
 
@@ -201,11 +192,7 @@ def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
 
     target = Path(path)
     try:
-        with open(target, "rb") as handle:
-            raw = handle.read(MAX_ENV_FILE_BYTES + 1)
-        if len(raw) > MAX_ENV_FILE_BYTES:
-            raise OverflowError(f"larger than {MAX_ENV_FILE_BYTES} bytes")
-        text = raw.decode("utf-8")
+        text = read_capped(target, MAX_ENV_FILE_BYTES).decode("utf-8")
     except (OSError, UnicodeDecodeError, OverflowError) as exc:
         raise EnvFileError(str(target), exc) from exc
     parsed = dotenv_values(stream=io.StringIO(text), interpolate=False)

@@ -7,6 +7,31 @@ Messages are one line, say what was wrong, with what value, and what to do.
 
 from __future__ import annotations
 
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Every process exit code of mam-fleet (PROTOCOL §9), defined once.
+
+    Codes with the same number are aliases: `PUBLISHED` is `COMPLETED` (0),
+    `REFUSED` is `ERROR` (1) and `TRANSPORT` is `TIMEOUT` (2), because §9 gives
+    `mam-runner publish` its own reading of the same numbers.
+    """
+
+    COMPLETED = 0
+    ERROR = 1
+    TIMEOUT = 2
+    BROKER = 3
+    CANCELLED = 4
+    NO_RUNNER = 5
+    USAGE = 64
+    DETACHED = 130
+    # `mam-runner publish` (§9 second row) and the runner daemon.
+    OK = 0
+    PUBLISHED = 0
+    REFUSED = 1
+    TRANSPORT = 2
+
 
 class MamError(Exception):
     """Root of every mam-fleet error."""
@@ -81,20 +106,20 @@ class PublishTimeout(BrokerError):
 
 
 # PROTOCOL §9. Order matters: most specific class first.
-_EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
-    (UsageError, 64),
-    (EnvFileError, 1),
-    (ConfigError, 64),
-    (StaleAttemptError, 1),
-    (ProtocolError, 1),
-    (TransitionRefused, 1),
-    (RegistryError, 1),
-    (BrokerError, 3),
-    (MamError, 1),
+_EXIT_CODES: tuple[tuple[type[BaseException], ExitCode], ...] = (
+    (UsageError, ExitCode.USAGE),
+    (EnvFileError, ExitCode.ERROR),
+    (ConfigError, ExitCode.USAGE),
+    (StaleAttemptError, ExitCode.ERROR),
+    (ProtocolError, ExitCode.ERROR),
+    (TransitionRefused, ExitCode.ERROR),
+    (RegistryError, ExitCode.ERROR),
+    (BrokerError, ExitCode.BROKER),
+    (MamError, ExitCode.ERROR),
 )
 
 
-def exit_code_for(error: BaseException) -> int:
+def exit_code_for(error: BaseException) -> ExitCode:
     """Map an error to the process exit code of PROTOCOL §9.
 
     Args:
@@ -105,4 +130,4 @@ def exit_code_for(error: BaseException) -> int:
     for cls, code in _EXIT_CODES:
         if isinstance(error, cls):
             return code
-    return 1
+    return ExitCode.ERROR

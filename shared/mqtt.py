@@ -25,8 +25,9 @@ import secrets
 import ssl
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
@@ -295,7 +296,7 @@ class MqttClient:
         client.on_subscribe = self._on_subscribe
         return client
 
-    def connect(self, timeout_s: float = CONNACK_TIMEOUT_S) -> "MqttClient":
+    def connect(self, timeout_s: float = CONNACK_TIMEOUT_S) -> MqttClient:
         """Connect to the first broker of `config.hosts` that accepts us (§13 fail-over).
 
         Args:
@@ -376,7 +377,7 @@ class MqttClient:
             self._stop_paho(client)
         self.connected.clear()
 
-    def __enter__(self) -> "MqttClient":
+    def __enter__(self) -> MqttClient:
         return self.connect()
 
     def __exit__(self, *exc: object) -> None:
@@ -421,7 +422,7 @@ class MqttClient:
                         f"no SUBACK from {_endpoint(self._host, self.config.port)} within {timeout_s:g} s")
                 self._cond.wait(remaining)
             codes = self._subacked.pop(mid)
-        refused = [topic for (topic, _), code in zip(items, codes) if code >= 0x80]
+        refused = [topic for (topic, _), code in zip(items, codes, strict=False) if code >= 0x80]
         if refused:
             with self._cond:
                 for topic in refused:

@@ -29,19 +29,19 @@ is not safe on NFS.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
 import os
 import re
-import tempfile
 import threading
-from datetime import datetime, timezone
+from collections.abc import Callable, Iterator, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 from mam.shared import names, wire
+from mam.shared.codes import CLOSE_STATUS, EVENT_NAMES, EVENT_STATUS, JOB_STATUSES, TERMINAL_STATUSES
 from mam.shared.errors import (
     ConfigError,
     RegistryError,
@@ -49,19 +49,15 @@ from mam.shared.errors import (
     TransitionRefused,
     UsageError,
 )
+from mam.shared.fsio import append_line, atomic_write, errno_name, read_capped
 
 log = logging.getLogger("mam.registry")
 
 RECORD_VERSION = 1
-STATES = ("pending", "running", "completed", "error", "cancelled")
-TERMINAL = frozenset({"completed", "error", "cancelled"})
-EVENTS = ("started", "progress", "permission_required", "completed", "error")
 WORKER_SOURCES = frozenset({"publisher", "runner", "remote_mirror"})
 OPERATOR_SOURCES = frozenset({"operator", "registry_cli", "delegate_wrapper"})
 # close reason -> terminal status (§8, §10)
-CLOSE_REASONS = {"deadline_timeout": "error", "agent_blocked": "error", "cancelled": "cancelled"}
 # the status an event moves a record to; other events leave it alone (§3, §8)
-EVENT_STATUS = {"started": "running", "completed": "completed", "error": "error"}
 # worker edges of the state machine; redispatch is its own operation
 WORKER_EDGES = frozenset({
     ("pending", "running"), ("pending", "completed"), ("pending", "error"), ("pending", "cancelled"),
@@ -74,7 +70,7 @@ _RECORD_NAME_RE = re.compile(r"^[0-9a-f]{8}\.json$")
 
 def utc_now() -> str:
     """UTC time as `YYYY-MM-DDTHH:MM:SSZ` (the §3 form)."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 # ------------------------------------------------------------------ errors
@@ -117,85 +113,8 @@ class Acceptance(NamedTuple):
 
 # ------------------------------------------------------------ file helpers
 
-def _errno_name(exc: OSError) -> str:
-    return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes, *, what: str) -> None:
-    """Write `data` to `path` with mode 0600: temp file in the same folder,
-    flush, fsync, os.replace, fsync of the folder (§8).
-
-    Raises:
-        RegistryError: the write failed; `path` is unchanged and no temp file is left.
-    """
-    tmp: str | None = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), 0o600)
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        tmp = None
-        _fsync_dir(path.parent)
-    except OSError as exc:
-        raise RegistryError(
-            f"{what}: cannot write {path} ({_errno_name(exc)}: {exc.strerror or exc}); "
-            "the previous file is unchanged") from exc
-    finally:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-
-
 def _dumps(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode("utf-8")
-
-
-def _line(obj: Any) -> bytes:
-    return (json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n").encode("utf-8")
-
-
-def append_line(path: Path, obj: Mapping[str, Any], *, what: str) -> None:
-    """Append `obj` as one JSON line to `path` (0600) and fsync it (§8).
-
-    A torn last line left by a crash is closed with a newline first, so the
-    new line stays readable. On failure the file is cut back to its old size.
-
-    Raises:
-        RegistryError: the append failed.
-    """
-    data = _line(obj)
-    fd = -1
-    size = None
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        size = os.fstat(fd).st_size
-        if size and os.pread(fd, 1, size - 1) != b"\n":
-            data = b"\n" + data
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
-    except OSError as exc:
-        if fd >= 0 and size is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, size)
-        raise RegistryError(
-            f"{what}: cannot append to {path} ({_errno_name(exc)}: {exc.strerror or exc})") from exc
-    finally:
-        if fd >= 0:
-            os.close(fd)
 
 
 def _check_record(obj: Any, job_id: str) -> str | None:
@@ -204,7 +123,7 @@ def _check_record(obj: Any, job_id: str) -> str | None:
         return "not a JSON object"
     if obj.get("job_id") != job_id:
         return "job_id does not match the file name"
-    if obj.get("status") not in STATES:
+    if obj.get("status") not in JOB_STATUSES:
         return f"unknown status {obj.get('status')!r}"
     for key in ("attempt_id", "last_seq", "transition_seq"):
         value = obj.get(key)
@@ -255,7 +174,7 @@ class Registry:
         self._local = threading.local()
 
     @classmethod
-    def at(cls, workspace: str | os.PathLike[str] | None = None) -> "Registry":
+    def at(cls, workspace: str | os.PathLike[str] | None = None) -> Registry:
         """The registry of the root that §8 picks (`config.resolve_root`)."""
         from mam.shared.config import resolve_root
 
@@ -287,7 +206,7 @@ class Registry:
                 folder.mkdir(mode=0o700, parents=folder == folders[0], exist_ok=True)
         except OSError as exc:
             raise RegistryError(f"cannot create the registry folders under {names.mam_dir(self.root)} "
-                                f"({_errno_name(exc)}: {exc.strerror or exc})") from exc
+                                f"({errno_name(exc)}: {exc.strerror or exc})") from exc
 
     # --------------------------------------------------------------- lock
 
@@ -315,12 +234,12 @@ class Registry:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise RegistryError(f"cannot open the registry lock {path} "
-                                f"({_errno_name(exc)}: {exc.strerror or exc})") from exc
+                                f"({errno_name(exc)}: {exc.strerror or exc})") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except OSError as exc:
             os.close(fd)
-            raise RegistryError(f"cannot lock {path} ({_errno_name(exc)}: {exc.strerror or exc})") from exc
+            raise RegistryError(f"cannot lock {path} ({errno_name(exc)}: {exc.strerror or exc})") from exc
         local.depth, local.pid = 1, os.getpid()
         try:
             yield
@@ -353,17 +272,16 @@ class Registry:
 
     def _read(self, path: Path, job_id: str) -> dict[str, Any] | str:
         try:
-            with open(path, "rb") as handle:
-                raw = handle.read(RECORD_MAX_BYTES + 1)
+            raw = read_capped(path, RECORD_MAX_BYTES)
+        except OverflowError as exc:
+            return str(exc)
         except FileNotFoundError:
             aside = sorted(path.parent.glob(f"{path.name}.corrupt-*"))
             hint = f" (a corrupt record was kept aside as {aside[-1].name})" if aside else ""
             raise JobNotFound(f"job {job_id}: no record at {path}{hint}") from None
         except OSError as exc:
             raise RegistryError(f"job {job_id}: cannot read {path} "
-                                f"({_errno_name(exc)}: {exc.strerror or exc})") from exc
-        if len(raw) > RECORD_MAX_BYTES:
-            return f"larger than {RECORD_MAX_BYTES} bytes"
+                                f"({errno_name(exc)}: {exc.strerror or exc})") from exc
         try:
             obj = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
@@ -374,7 +292,7 @@ class Registry:
         return why if why is not None else obj
 
     def _quarantine(self, path: Path) -> Path:
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
         aside = path.with_name(f"{path.name}.corrupt-{stamp}")
         n = 1
         while aside.exists():  # never overwrite an earlier corrupt copy
@@ -384,7 +302,7 @@ class Registry:
             os.rename(path, aside)
         except OSError as exc:
             raise RegistryError(f"record {path} is corrupt and cannot be moved aside "
-                                f"({_errno_name(exc)}: {exc.strerror or exc})") from exc
+                                f"({errno_name(exc)}: {exc.strerror or exc})") from exc
         log.error("record %s is corrupt; kept aside as %s", path, aside.name)
         return aside
 
@@ -398,15 +316,15 @@ class Registry:
         Raises:
             UsageError: `status` is not one of §8's states.
         """
-        if status is not None and status not in STATES:
-            raise UsageError(f"status {status!r} is invalid: expected one of {', '.join(STATES)}")
+        if status is not None and status not in JOB_STATUSES:
+            raise UsageError(f"status {status!r} is invalid: expected one of {', '.join(JOB_STATUSES)}")
         folder = names.jobs_dir(self.root)
         try:
             entries = sorted(os.listdir(folder))
         except FileNotFoundError:
             return [], []
         except OSError as exc:
-            raise RegistryError(f"cannot list {folder} ({_errno_name(exc)}: {exc.strerror or exc})") from exc
+            raise RegistryError(f"cannot list {folder} ({errno_name(exc)}: {exc.strerror or exc})") from exc
         records: list[dict[str, Any]] = []
         errors: list[RegistryError] = []
         for entry in entries:
@@ -440,7 +358,7 @@ class Registry:
             return []
         except OSError as exc:
             raise RegistryError(f"job {job_id}: cannot read {path} "
-                                f"({_errno_name(exc)}: {exc.strerror or exc})") from exc
+                                f"({errno_name(exc)}: {exc.strerror or exc})") from exc
         out: list[dict[str, Any]] = []
         for n, line in enumerate(raw.split(b"\n"), start=1):
             if not line.strip():
@@ -610,7 +528,7 @@ class Registry:
             what = (f"attempt {attempt_id!r} is not the current attempt {record['attempt_id']}"
                     if attempt_id != record["attempt_id"] else "the dispatch token is not the current one")
             raise StaleTransition(job_id, f"refused {source} request: {what}")
-        if record["status"] in TERMINAL:
+        if record["status"] in TERMINAL_STATUSES:
             raise Refusal(job_id, "after_terminal",
                           f"refused {source} request: the job is already {record['status']}")
 
@@ -689,8 +607,8 @@ class Registry:
             UsageError: unknown event or bad `status`.
             StaleTransition, Refusal(`after_terminal`), JobNotFound, RegistryError.
         """
-        if event not in EVENTS:
-            raise UsageError(f"event {event!r} is invalid: expected one of {', '.join(EVENTS)}")
+        if event not in EVENT_NAMES:
+            raise UsageError(f"event {event!r} is invalid: expected one of {', '.join(EVENT_NAMES)}")
         if status is not None and not (status == "cancelled" and event == "error"):
             raise UsageError("status override is only 'cancelled' with event 'error'")
         _require_source(source, WORKER_SOURCES, "record an event")
@@ -703,7 +621,7 @@ class Registry:
                 raise TypeError("build(seq) must return a dict")
             target = status or EVENT_STATUS.get(event, record["status"])
             if target != record["status"]:
-                new = self._apply(record, target, exit_code=exit_code if target in TERMINAL else None)
+                new = self._apply(record, target, exit_code=exit_code if target in TERMINAL_STATUSES else None)
             else:
                 new = dict(record, updated_at=utc_now())
             new["last_seq"] = seq
@@ -727,8 +645,8 @@ class Registry:
         _require_source(source, WORKER_SOURCES, "accept an event")
         event, seq = payload.get("event"), payload.get("seq")
         data = payload.get("data") if isinstance(payload.get("data"), Mapping) else {}
-        if event not in EVENTS:
-            raise UsageError(f"event {event!r} is invalid: expected one of {', '.join(EVENTS)}")
+        if event not in EVENT_NAMES:
+            raise UsageError(f"event {event!r} is invalid: expected one of {', '.join(EVENT_NAMES)}")
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
             raise UsageError(f"seq {seq!r} is invalid: expected an integer >= 1")
         with self.lock():
@@ -752,7 +670,7 @@ class Registry:
             if target != record["status"]:
                 code = data.get("exit_code")
                 code = code if isinstance(code, int) and not isinstance(code, bool) else None
-                new = self._apply(record, target, exit_code=code if target in TERMINAL else None)
+                new = self._apply(record, target, exit_code=code if target in TERMINAL_STATUSES else None)
             else:
                 new = dict(record, updated_at=utc_now())
             new["last_seq"] = seq
@@ -781,13 +699,13 @@ class Registry:
             UsageError: unknown status, source or close reason.
             StaleTransition, Refusal(`after_terminal` / `not_allowed`), JobNotFound, RegistryError.
         """
-        if to_status not in STATES:
-            raise UsageError(f"status {to_status!r} is invalid: expected one of {', '.join(STATES)}")
+        if to_status not in JOB_STATUSES:
+            raise UsageError(f"status {to_status!r} is invalid: expected one of {', '.join(JOB_STATUSES)}")
         worker = source in WORKER_SOURCES
         _require_source(source, WORKER_SOURCES | OPERATOR_SOURCES, "transition")
-        if close_reason is not None and close_reason not in CLOSE_REASONS:
+        if close_reason is not None and close_reason not in CLOSE_STATUS:
             raise UsageError(f"close reason {close_reason!r} is invalid: expected one of "
-                             f"{', '.join(CLOSE_REASONS)}")
+                             f"{', '.join(CLOSE_STATUS)}")
         with self.lock():
             record = self.get(job_id)
             current = record["status"]
@@ -798,7 +716,7 @@ class Registry:
                 if (current, to_status) not in WORKER_EDGES:
                     raise Refusal(job_id, "not_allowed", f"refused {source} request: {current} -> {to_status}")
             else:
-                if current in TERMINAL:
+                if current in TERMINAL_STATUSES:
                     raise Refusal(job_id, "after_terminal",
                                   f"refused {source} request: the job is already {current}")
                 allowed = to_status == "cancelled" or (to_status == "error" and close_reason in
@@ -822,11 +740,11 @@ class Registry:
             UsageError: unknown close reason or non-operator source.
             Refusal(`after_terminal`): the job already ended. JobNotFound, RegistryError.
         """
-        if close_reason not in CLOSE_REASONS:
+        if close_reason not in CLOSE_STATUS:
             raise UsageError(f"close reason {close_reason!r} is invalid: expected one of "
-                             f"{', '.join(CLOSE_REASONS)}")
+                             f"{', '.join(CLOSE_STATUS)}")
         _require_source(source, OPERATOR_SOURCES, "close")
-        return self.transition(job_id, CLOSE_REASONS[close_reason], source=source,
+        return self.transition(job_id, CLOSE_STATUS[close_reason], source=source,
                                reason=reason or close_reason, close_reason=close_reason)
 
     def request_cancel(self, job_id: str, *, source: str = "operator", reason: str | None = None) -> dict[str, Any]:
@@ -839,7 +757,7 @@ class Registry:
         _require_source(source, OPERATOR_SOURCES, "request a cancel")
         with self.lock():
             record = self.get(job_id)
-            if record["status"] in TERMINAL:
+            if record["status"] in TERMINAL_STATUSES:
                 raise Refusal(job_id, "after_terminal", f"refused {source} cancel: the job is already "
                                                         f"{record['status']}")
             new = dict(record, cancel_requested_at=utc_now(), updated_at=utc_now())

@@ -4,7 +4,8 @@ functions print what they are given."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 JOB_COLUMNS = (("JOB", "job_id"), ("STATUS", "status"), ("SESSION", "session"), ("ROLE", "role"),
                ("ATTEMPT", "attempt_id"), ("SEQ", "last_seq"), ("CLOSE", "close_reason"),
@@ -24,9 +25,9 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     cells = [[_cell(v) for v in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in cells:
-        widths = [max(w, len(c)) for w, c in zip(widths, row)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=False)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=False)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() for row in cells]
     return "\n".join(lines) + "\n"
 
 

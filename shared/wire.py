@@ -23,22 +23,25 @@ import binascii
 import json
 import re
 import unicodedata
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
-from typing import Any, Iterable, Literal, Mapping, Union
+from typing import Any, Literal, overload
 
 from mam.shared import names
+from mam.shared.codes import (
+    CONTROL_ACTIONS,
+    EVENT_NAMES,
+    JOB_STATUSES,
+    PRESENCE_STATUSES,
+    TERMINAL_EVENTS,
+    TERMINAL_STATUSES,
+)
 from mam.shared.errors import DecodeError, ProtocolError, UsageError
 
 SCHEMA_VERSION = 1
 
-EVENT_NAMES = ("started", "progress", "permission_required", "completed", "error")
-TERMINAL_EVENTS = frozenset({"completed", "error"})
-JOB_STATUSES = ("pending", "running", "completed", "error", "cancelled")
-TERMINAL_STATUSES = frozenset({"completed", "error", "cancelled"})
-PRESENCE_STATUSES = ("online", "draining", "offline")
-CONTROL_ACTIONS = ("cancel",)
 SEAL_ALG = "A256GCM"
 SEAL_NONCE_BYTES = 12
 GCM_TAG_BYTES = 16
@@ -326,7 +329,7 @@ def _data(value: object, *, require: Iterable[str]) -> Mapping[str, Any]:
 def _to_utc(dt: datetime) -> datetime:
     if dt.tzinfo is None or dt.utcoffset() is None:
         raise ValueError("naive datetime: pass an aware one, e.g. datetime.now(timezone.utc)")
-    return dt.astimezone(timezone.utc)
+    return dt.astimezone(UTC)
 
 
 # --------------------------------------------------------------- timestamps
@@ -341,7 +344,7 @@ def format_ts(dt: datetime | None = None) -> str:
     Raises:
         ValueError: `dt` is naive (its zone would be a guess).
     """
-    moment = datetime.now(timezone.utc) if dt is None else _to_utc(dt)
+    moment = datetime.now(UTC) if dt is None else _to_utc(dt)
     return moment.strftime(_TS_FORMAT)
 
 
@@ -361,7 +364,7 @@ def parse_ts(text: str) -> datetime:
     year, month, day, hour, minute, second, fraction = match.groups()
     micro = int((fraction or "0")[:6].ljust(6, "0"))
     return datetime(int(year), int(month), int(day), int(hour), int(minute), int(second), micro,
-                    tzinfo=timezone.utc)
+                    tzinfo=UTC)
 
 
 # ----------------------------------------------------------- canonical form
@@ -436,7 +439,7 @@ class Event(_EventShaped):
     @classmethod
     def build(cls, job_id: str, seq: int, event: str, detail: str = "", *, attempt_id: int,
               dispatch_token: str, session: str | None = None, data: Mapping[str, Any] | None = None,
-              timestamp: datetime | str | None = None) -> "Event":
+              timestamp: datetime | str | None = None) -> Event:
         """An unsigned event (sign with `crypto.sign_event`), §3.
 
         Args:
@@ -456,7 +459,7 @@ class Event(_EventShaped):
                       timestamp=_ts_arg(timestamp))
 
     @classmethod
-    def from_dict(cls, obj: Mapping[str, Any]) -> "Event":
+    def from_dict(cls, obj: Mapping[str, Any]) -> Event:
         """Apply the §3 rules to a parsed payload; raises `DecodeError` (no raw attached)."""
         return from_dict(obj, "event")  # type: ignore[return-value]
 
@@ -500,7 +503,7 @@ class State(_EventShaped):
     @classmethod
     def build(cls, job_id: str, seq: int, status: str, last_event: str, *, attempt_id: int,
               dispatch_token: str, detail: str = "", data: Mapping[str, Any] | None = None,
-              timestamp: datetime | str | None = None) -> "State":
+              timestamp: datetime | str | None = None) -> State:
         """An unsigned state (sign with `crypto.sign_event`), §4.
 
         Args:
@@ -515,7 +518,7 @@ class State(_EventShaped):
                       data=payload, timestamp=_ts_arg(timestamp))
 
     @classmethod
-    def from_dict(cls, obj: Mapping[str, Any]) -> "State":
+    def from_dict(cls, obj: Mapping[str, Any]) -> State:
         """Apply the §4 rules to a parsed payload; raises `DecodeError`."""
         return from_dict(obj, "state")  # type: ignore[return-value]
 
@@ -554,13 +557,13 @@ class Contract:
         _int(self.timeout_sec, "contract.timeout_sec", 1, MAX_CONTRACT_SEC)
 
     @classmethod
-    def build(cls, **values: Any) -> "Contract":
+    def build(cls, **values: Any) -> Contract:
         """A contract from local input (CLI options, environment, a record's fields);
         None values take the defaults. Raises `UsageError` naming the field."""
         return _build(cls, **{key: value for key, value in values.items() if value is not None})
 
     @classmethod
-    def of_record(cls, record: Mapping[str, Any]) -> "Contract":
+    def of_record(cls, record: Mapping[str, Any]) -> Contract:
         """The contract stored in a registry record (its five §8 fields; other keys ignored).
 
         Raises:
@@ -569,7 +572,7 @@ class Contract:
         return cls.build(**{key: record.get(key) for key in CONTRACT_FIELDS})
 
     @classmethod
-    def from_dict(cls, obj: Mapping[str, Any]) -> "Contract":
+    def from_dict(cls, obj: Mapping[str, Any]) -> Contract:
         """Apply the §5 contract rules (exactly the five fields); raises `DecodeError`."""
         return _run(lambda: _contract_from(obj))
 
@@ -602,7 +605,7 @@ class Sealed:
         _b64(self.ciphertext, "sealed.ciphertext", minimum=GCM_TAG_BYTES)
 
     @classmethod
-    def from_dict(cls, obj: Mapping[str, Any]) -> "Sealed":
+    def from_dict(cls, obj: Mapping[str, Any]) -> Sealed:
         """Apply the §5 sealed rules (exactly alg, nonce, ciphertext); raises `DecodeError`."""
         return _run(lambda: _sealed_from(obj))
 
@@ -653,7 +656,7 @@ class Dispatch:
     @classmethod
     def build(cls, job_id: str, session: str, attempt_id: int, dispatch_token: str, *, origin: str,
               contract: Contract, sealed: Sealed | Mapping[str, Any],
-              issued_at: datetime | None = None) -> "Dispatch":
+              issued_at: datetime | None = None) -> Dispatch:
         """An unsigned dispatch (sign with `crypto.sign`), §5.
 
         Args:
@@ -664,7 +667,7 @@ class Dispatch:
         Raises:
             UsageError: a field breaks §5.
         """
-        issued = datetime.now(timezone.utc) if issued_at is None else _to_utc(issued_at)
+        issued = datetime.now(UTC) if issued_at is None else _to_utc(issued_at)
         issued = issued.replace(microsecond=0)
         try:
             expires = issued + timedelta(seconds=contract.ack_timeout_sec) if isinstance(contract, Contract) \
@@ -677,7 +680,7 @@ class Dispatch:
                       expires_at=format_ts(expires), contract=contract, sealed=seal_obj)
 
     @classmethod
-    def from_dict(cls, obj: Mapping[str, Any]) -> "Dispatch":
+    def from_dict(cls, obj: Mapping[str, Any]) -> Dispatch:
         """Apply the §5 rules to a parsed payload (sig required); raises `DecodeError`."""
         return from_dict(obj, "dispatch")  # type: ignore[return-value]
 
@@ -698,7 +701,7 @@ class Dispatch:
         Args:
             now: aware datetime, None means now; skew_s: MAM_CLOCK_SKEW_S, seconds.
         """
-        moment = datetime.now(timezone.utc) if now is None else _to_utc(now)
+        moment = datetime.now(UTC) if now is None else _to_utc(now)
         return parse_ts(self.expires_at) + timedelta(seconds=skew_s) < moment
 
 
@@ -731,7 +734,7 @@ class Control:
 
     @classmethod
     def cancel(cls, job_id: str, attempt_id: int, reason: str, *,
-               issued_at: datetime | str | None = None) -> "Control":
+               issued_at: datetime | str | None = None) -> Control:
         """An unsigned cancel (sign with `crypto.sign`), §6.
 
         Args:
@@ -742,7 +745,7 @@ class Control:
         return _build(cls, job_id=job_id, attempt_id=attempt_id, reason=reason, issued_at=_ts_arg(issued_at))
 
     @classmethod
-    def from_dict(cls, obj: Mapping[str, Any]) -> "Control":
+    def from_dict(cls, obj: Mapping[str, Any]) -> Control:
         """Apply the §6 rules to a parsed payload (sig required); raises `DecodeError`."""
         return from_dict(obj, "control")  # type: ignore[return-value]
 
@@ -800,7 +803,7 @@ class Presence:
 
     @classmethod
     def build(cls, session: str, runner_id: str, status: str, *, host: str, version: str, max_jobs: int,
-              running: Iterable[str] = (), timestamp: datetime | str | None = None) -> "Presence":
+              running: Iterable[str] = (), timestamp: datetime | str | None = None) -> Presence:
         """An unsigned presence (sign with `crypto.sign`), §7.
 
         Args:
@@ -812,7 +815,7 @@ class Presence:
                       max_jobs=max_jobs, running=tuple(running), timestamp=_ts_arg(timestamp))
 
     @classmethod
-    def from_dict(cls, obj: Mapping[str, Any]) -> "Presence":
+    def from_dict(cls, obj: Mapping[str, Any]) -> Presence:
         """Apply the §7 rules to a parsed payload (sig required); raises `DecodeError`."""
         return from_dict(obj, "presence")  # type: ignore[return-value]
 
@@ -827,7 +830,7 @@ class Presence:
         return out
 
 
-Message = Union[Event, State, Dispatch, Control, Presence]
+Message = Event | State | Dispatch | Control | Presence
 _MESSAGE_TYPES = (Event, State, Dispatch, Control, Presence, Contract, Sealed)
 
 
@@ -1021,6 +1024,20 @@ def _check_decoded(obj: dict[str, Any], expect: str) -> Message:
     return _run_inner(lambda: _FROM[expect](obj))
 
 
+@overload
+def from_dict(obj: Mapping[str, Any], expect: Literal["event"]) -> Event: ...
+@overload
+def from_dict(obj: Mapping[str, Any], expect: Literal["state"]) -> State: ...
+@overload
+def from_dict(obj: Mapping[str, Any], expect: Literal["dispatch"]) -> Dispatch: ...
+@overload
+def from_dict(obj: Mapping[str, Any], expect: Literal["control"]) -> Control: ...
+@overload
+def from_dict(obj: Mapping[str, Any], expect: Literal["presence"]) -> Presence: ...
+@overload
+def from_dict(obj: Mapping[str, Any], expect: str) -> Message: ...
+
+
 def from_dict(obj: Mapping[str, Any], expect: str) -> Message:
     """Apply the rules of `expect` (§3-§7) to an already parsed payload.
 
@@ -1036,6 +1053,20 @@ def from_dict(obj: Mapping[str, Any], expect: str) -> Message:
     if not isinstance(obj, Mapping):
         raise DecodeError(f"malformed: payload is {_type_name(obj)}, expected a JSON object", None)
     return _run(lambda: _check_decoded(dict(obj), expect))
+
+
+@overload
+def decode(raw: bytes | str, expect: Literal["event"]) -> Event: ...
+@overload
+def decode(raw: bytes | str, expect: Literal["state"]) -> State: ...
+@overload
+def decode(raw: bytes | str, expect: Literal["dispatch"]) -> Dispatch: ...
+@overload
+def decode(raw: bytes | str, expect: Literal["control"]) -> Control: ...
+@overload
+def decode(raw: bytes | str, expect: Literal["presence"]) -> Presence: ...
+@overload
+def decode(raw: bytes | str, expect: str) -> Message: ...
 
 
 def decode(raw: bytes | str, expect: str) -> Message:

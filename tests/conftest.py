@@ -22,7 +22,6 @@ Helpers: `from helpers import free_port, wait_until`.
 from __future__ import annotations
 
 import pytest
-
 from helpers import MosquittoBroker, NatsBroker
 
 

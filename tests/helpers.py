@@ -14,8 +14,9 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from mam.shared.config import BrokerConfig
 
@@ -109,7 +110,7 @@ class _BrokerProcess:
         values.update(overrides)
         return BrokerConfig(**values)
 
-    def start(self) -> "_BrokerProcess":
+    def start(self) -> _BrokerProcess:
         """Start the process and wait until the MQTT port accepts connections."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
@@ -181,7 +182,7 @@ class NatsBroker(_BrokerProcess):
 
         return [str(nats_server_binary()), "-c", str(self.config_path)]
 
-    def start(self) -> "NatsBroker":
+    def start(self) -> NatsBroker:
         for attempt in range(3):
             try:
                 super().start()
@@ -257,7 +258,7 @@ class MosquittoBroker(_BrokerProcess):
 TEST_SECRET = "test-dispatch-secret-0123456789abcdef"
 
 
-def write_env_for(handle: "_BrokerProcess", workspace: Path, **extra: str) -> Path:
+def write_env_for(handle: _BrokerProcess, workspace: Path, **extra: str) -> Path:
     """Write `<workspace>/.mam.env` (0600) pointing at a running broker handle as the agent user."""
     from mam.shared.config import write_env_file
 

@@ -40,8 +40,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -520,7 +521,7 @@ class Fleet:
         if self.net is not None:
             self.net.close()
 
-    def __enter__(self) -> "Fleet":
+    def __enter__(self) -> Fleet:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 from dotenv import dotenv_values
-
 from helpers import free_port
+
 from mam.shared import broker as broker_mod
 from mam.shared import mqtt, names
 from mam.shared.config import BrokerConfig
@@ -279,7 +279,7 @@ def test_s9_bad_listen_address_is_usage_error(workspace, listen, problem):
 def test_s9_two_listeners_on_one_port_is_usage_error(workspace, pair):
     """Two options naming the same port: one line naming both options, exit 64."""
     same = str(free_port())
-    given = dict(zip(["--mqtt-port", "--port", "--ws-port"], ports()[1::2]))
+    given = dict(zip(["--mqtt-port", "--port", "--ws-port"], ports()[1::2], strict=False))
     given.update({pair[0]: same, pair[1]: same})
     args = [part for option, value in given.items() for part in (option, value)]
     result = orch("broker", "up", "--workspace", str(workspace), *args)

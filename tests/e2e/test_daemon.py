@@ -14,13 +14,12 @@ import os
 import signal
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-
 from helpers import TEST_SECRET, clean_env, wait_until, write_env_for
 
 from mam.orchestrator.dispatch import build_dispatch, publish_dispatch
@@ -336,7 +335,7 @@ def test_s5_bad_dispatches_are_refused_and_the_runner_keeps_serving(nats_broker,
     wrong_secret = hub.record()
     hub.publish_raw(wrong_secret["job_id"], wire.encode(build_dispatch(wrong_secret, brief, other)))
 
-    expired, _ = hub.dispatch(brief, issued_at=datetime.now(timezone.utc) - timedelta(seconds=FAST.ack_timeout_sec + 120))
+    expired, _ = hub.dispatch(brief, issued_at=datetime.now(UTC) - timedelta(seconds=FAST.ack_timeout_sec + 120))
     elsewhere, _ = hub.dispatch(brief, session="cpu-box")
 
     mismatched = hub.record()

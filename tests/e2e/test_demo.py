@@ -10,7 +10,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from helpers import clean_env
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import clean_env, wait_until
 from test_deploy_brokers import Broker, mosquitto_pair, nats_plain, pki  # noqa: F401 - fixtures
 

@@ -10,7 +10,6 @@ import stat
 import subprocess
 
 import pytest
-
 from helpers import wait_until
 from jobkit import WatchProcess
 from runnersim import MAM_ORCH, SimRunner, Wire, hub_env, hub_workspace, job_records, retained

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import clean_env, wait_until, write_env_for
 from jobkit import WatchProcess
 from runnersim import MAM_ORCH, hub_env, hub_workspace, retained

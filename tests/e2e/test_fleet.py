@@ -4,11 +4,10 @@ played by the test (PROTOCOL §5, §6, §7, §8, §9, §10)."""
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
 import subprocess
+from datetime import UTC, datetime, timedelta
 
 import pytest
-
 from helpers import wait_until
 from runnersim import MAM_ORCH, SimRunner, hub_env, hub_workspace, job_records, retained
 
@@ -144,7 +143,7 @@ def test_s7_runners_lists_signed_presence_and_refuses_forged(sim, tmp_path):
     sim.presence("online", running=("918b0612",))
     sim.presence("offline", session="old-box")
     # §7: an online presence not refreshed for three periods (a dead host, or a replay) is stale
-    sim.presence("online", session="replayed-box", timestamp=datetime.now(timezone.utc) - timedelta(hours=1))
+    sim.presence("online", session="replayed-box", timestamp=datetime.now(UTC) - timedelta(hours=1))
     sim.presence("online", session="evil-box", key=b"f" * 32)
     sim.client.publish(names.presence_topic("junk-box", sim.root), b'{"kind": "presence"}', retain=True)
     body = wire.Presence.build("elsewhere", names.new_runner_id(), "online", host="h", version="1", max_jobs=1)

@@ -8,7 +8,6 @@ import time
 
 import psutil
 import pytest
-
 from helpers import wait_until
 from jobkit import JobPair
 

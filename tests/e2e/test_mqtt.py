@@ -9,8 +9,8 @@ import queue
 import time
 
 import pytest
-
 from helpers import free_port, wait_until
+
 from mam.shared import mqtt, names
 from mam.shared.config import BrokerConfig
 from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
@@ -291,7 +291,7 @@ def _write_pki(directory):
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
 
     def cert(subject, key, issuer, issuer_key, *, ca=False, server=False):
         builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))

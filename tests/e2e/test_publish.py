@@ -6,7 +6,6 @@ import signal
 import subprocess
 
 import pytest
-
 from helpers import wait_until
 from jobkit import MAM_RUNNER, JobPair
 

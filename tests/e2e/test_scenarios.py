@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import psutil
 import pytest
-
 from fleet import AGENTS, MODES, Fleet
 from helpers import wait_until
 
@@ -299,7 +298,7 @@ def test_s5_bad_sig_expired_and_replayed_dispatches_refused_runner_keeps_serving
     wait_log(runner, f"refused dispatch {bad['job_id']}", "the bad sig to be refused")
     # expired: issued an hour ago with a 10 s ack timeout
     expired = dispatch_of(forge.register(session="gpu-box", contract=contract),
-                          issued_at=datetime.now(timezone.utc) - timedelta(hours=1))
+                          issued_at=datetime.now(UTC) - timedelta(hours=1))
     send(expired)
     wait_log(runner, f"refused dispatch {expired['job_id']}: expired", "the expired dispatch to be refused")
     # replay: a valid dispatch runs once; the same bytes again are refused

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -113,13 +113,13 @@ def test_s3_timestamp_fraction_accepted_on_input():
     obj = mutated("event", "timestamp", "2026-06-20T14:48:58.123456789Z")
     event = wire.decode(dumps(obj), "event")
     assert event.timestamp == "2026-06-20T14:48:58.123456789Z"
-    assert wire.parse_ts(event.timestamp) == datetime(2026, 6, 20, 14, 48, 58, 123456, tzinfo=timezone.utc)
+    assert wire.parse_ts(event.timestamp) == datetime(2026, 6, 20, 14, 48, 58, 123456, tzinfo=UTC)
 
 
 def test_s3_format_ts_is_utc_seconds():
     moment = datetime(2026, 6, 20, 16, 48, 58, 999999, tzinfo=timezone(timedelta(hours=2)))
     assert wire.format_ts(moment) == "2026-06-20T14:48:58Z"
-    assert wire.parse_ts(wire.format_ts()) <= datetime.now(timezone.utc)
+    assert wire.parse_ts(wire.format_ts()) <= datetime.now(UTC)
     with pytest.raises(ValueError, match="naive"):
         wire.format_ts(datetime(2026, 6, 20))
 
@@ -151,7 +151,7 @@ def test_s5_contract_defaults():
 
 
 def test_s5_dispatch_build_sets_expiry_and_is_unsigned():
-    issued = datetime(2026, 6, 20, 14, 48, 0, 500, tzinfo=timezone.utc)
+    issued = datetime(2026, 6, 20, 14, 48, 0, 500, tzinfo=UTC)
     dispatch = wire.Dispatch.build("918b0612", "gpu-box", 1, TOKEN, origin="hub-1",
                                    contract=wire.Contract(), sealed=DISPATCH["sealed"], issued_at=issued)
     assert dispatch.issued_at == "2026-06-20T14:48:00Z"
@@ -457,7 +457,7 @@ _JOB_ID = st.from_regex(r"[0-9a-f]{8}", fullmatch=True)
 _SESSION = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}", fullmatch=True)
 _SAFE_TEXT = st.text(st.characters(exclude_categories=("Cc", "Cs", "Zl", "Zp")), max_size=40)
 _TIMES = st.datetimes(min_value=datetime(1970, 1, 1), max_value=datetime(9999, 12, 30),
-                      timezones=st.just(timezone.utc))
+                      timezones=st.just(UTC))
 _TIMESTAMP = st.one_of(_TIMES.map(wire.format_ts),
                        _TIMES.map(lambda t: t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")))
 _SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63),
@@ -505,7 +505,7 @@ DISPATCHES = st.builds(
         wire.Dispatch.build(job_id, session, attempt, token, origin=origin, contract=contract, sealed=sealed,
                             issued_at=when), sig=sig),
     _JOB_ID, _SESSION, st.integers(1, 10**6), _HEX32, _SAFE_TEXT.filter(bool), CONTRACTS, SEALS,
-    st.datetimes(min_value=datetime(1970, 1, 1), max_value=datetime(9000, 1, 1), timezones=st.just(timezone.utc)),
+    st.datetimes(min_value=datetime(1970, 1, 1), max_value=datetime(9000, 1, 1), timezones=st.just(UTC)),
     _SIG)
 CONTROLS = st.builds(
     lambda job_id, attempt, reason, ts, sig: dataclasses.replace(

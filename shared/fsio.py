@@ -1,0 +1,135 @@
+"""Crash-safe file primitives, one of each (PROTOCOL §8): atomic write,
+fsynced line append, size-capped read.
+
+Every file written here is mode 0600: records, audit logs, `.mam.env` and
+broker configs may hold secrets. Callers choose the error class a failure
+raises, so a registry write fails with `RegistryError` and a config write
+with `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mam.shared.errors import MamError, RegistryError
+
+
+def errno_name(exc: OSError) -> str:
+    """The symbolic errno of `exc` (`ENOSPC`), or its type name when it has none."""
+    return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, *, what: str, error: type[MamError] = RegistryError) -> None:
+    """Write `data` to `path` with mode 0600: temp file in the same folder,
+    flush, fsync, `os.replace`, fsync of the folder (§8).
+
+    Args:
+        path: the target file; its folder must exist.
+        data: the whole new content.
+        what: names the file in the error message ("job 0a1b2c3d").
+        error: the `MamError` subclass raised on failure.
+    Raises:
+        error: the write failed; `path` is unchanged and no temp file is left.
+    """
+    tmp: str | None = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), 0o600)
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        _fsync_dir(path.parent)
+    except OSError as exc:
+        raise error(
+            f"{what}: cannot write {path} ({errno_name(exc)}: {exc.strerror or exc}); "
+            "the previous file is unchanged") from exc
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def json_line(obj: Any) -> bytes:
+    """`obj` as one compact, key-sorted JSON line (UTF-8, ending in a newline)."""
+    return (json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def append_line(path: Path, obj: Mapping[str, Any], *, what: str) -> None:
+    """Append `obj` as one JSON line to `path` (0600) and fsync it (§8).
+
+    A torn last line left by a crash is closed with a newline first, so the
+    new line stays readable. On failure the file is cut back to its old size.
+
+    Raises:
+        RegistryError: the append failed.
+    """
+    data = json_line(obj)
+    fd = -1
+    size = None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    except OSError as exc:
+        if fd >= 0 and size is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+        raise RegistryError(
+            f"{what}: cannot append to {path} ({errno_name(exc)}: {exc.strerror or exc})") from exc
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """Read a whole file that must not exceed `max_bytes`, without reading more.
+
+    Raises:
+        OSError: the file cannot be opened or read.
+        OverflowError: it is larger than `max_bytes`.
+    """
+    with open(path, "rb") as handle:
+        raw = handle.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise OverflowError(f"larger than {max_bytes} bytes")
+    return raw
+
+
+def read_json_object(path: str | os.PathLike[str], max_bytes: int) -> dict[str, Any]:
+    """Read a small JSON object file (pid files, barriers, agent files).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: larger than `max_bytes`, not UTF-8, not JSON, or not an object.
+    """
+    try:
+        obj = json.loads(read_capped(path, max_bytes).decode("utf-8"))
+    except OverflowError as exc:
+        raise ValueError(str(exc)) from None
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    return obj
