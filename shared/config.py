@@ -12,20 +12,42 @@ python-dotenv (comments, `export `, quotes, CRLF).
 
 from __future__ import annotations
 
+import io
 import os
+import secrets
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-from mam.shared.errors import ConfigError, EnvFileError
+from dotenv import dotenv_values
+
+from mam.shared.errors import ConfigError, EnvFileError, UsageError
 from mam.shared.fsio import atomic_write, read_capped
+from mam.shared.names import DEFAULT_TOPIC_ROOT, topic_root
+from mam.shared.wire import Contract
 
 PUBLIC_BROKER = "broker.hivemq.com"
 ENV_FILE_NAME = ".mam.env"
 MIN_SECRET_LEN = 32
+# new_secret(): 32 random bytes, 43 URL-safe characters.
+SECRET_BYTES = 32
 ROOT_MARKERS = (".agents", ".git")
+MIN_PORT, MAX_PORT = 1, 65535
+DEFAULT_MQTT_PORT = 1883
+DEFAULT_CLIENT_ID_PREFIX = "hermes"
+MAX_CLIENT_ID_PREFIX_CHARS = 32
+DEFAULT_KEEPALIVE_S = 60
+MIN_KEEPALIVE_S = 5
+MAX_KEEPALIVE_S = 65535  # MQTT's 16-bit keep-alive field
+DEFAULT_TRANSPORT = "tcp"
+TRANSPORTS = ("tcp", "websockets")
+DEFAULT_WS_PATH = "/mqtt"
+# Bounds of env_int / env_float settings such as MAM_HEARTBEAT_SEC and MAM_CANCEL_GRACE_S.
+MAX_ENV_INT = 10**7
+MAX_ENV_SECONDS = 86400.0
+MAX_HOST_CHARS = 253  # a DNS name
 
 
 def _marker_parent(start: Path) -> Path | None:
@@ -92,18 +114,18 @@ class BrokerConfig:
     """
 
     hosts: tuple[str, ...] = (PUBLIC_BROKER,)
-    port: int = 1883
+    port: int = DEFAULT_MQTT_PORT
     tls: bool = False
     username: str = ""
     password: str = field(default="", repr=False)
     ca_certs: str = ""
     certfile: str = ""
     keyfile: str = ""
-    client_id_prefix: str = "hermes"
-    keepalive_s: int = 60
-    topic_root: str = "python/mqtt"
-    transport: str = "tcp"  # "tcp" or "websockets"
-    ws_path: str = "/mqtt"
+    client_id_prefix: str = DEFAULT_CLIENT_ID_PREFIX
+    keepalive_s: int = DEFAULT_KEEPALIVE_S
+    topic_root: str = DEFAULT_TOPIC_ROOT
+    transport: str = DEFAULT_TRANSPORT  # one of TRANSPORTS
+    ws_path: str = DEFAULT_WS_PATH
 
     @property
     def host(self) -> str:
@@ -130,13 +152,11 @@ class BrokerConfig:
 
 def new_secret() -> str:
     """A fresh random secret for passwords and MAM_DISPATCH_SECRET (43 URL-safe chars)."""
-    import secrets
-
-    return secrets.token_urlsafe(32)
+    return secrets.token_urlsafe(SECRET_BYTES)
 
 
 def _quote_env_value(value: str) -> str:
-    if value == "" or any(c in value for c in " #'\"\\$`\t") :
+    if value == "" or any(c in value for c in " #'\"\\$`\t"):
         escaped = value.replace("\\", "\\\\").replace('"', '\\"')
         return f'"{escaped}"'
     return value
@@ -186,10 +206,6 @@ def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
         EnvFileError: the file exists but cannot be read (a directory, no
         permission, larger than 64 KiB) or is not UTF-8.
     """
-    import io
-
-    from dotenv import dotenv_values
-
     target = Path(path)
     try:
         text = read_capped(target, MAX_ENV_FILE_BYTES).decode("utf-8")
@@ -264,7 +280,7 @@ def _parse_hosts(value: str) -> tuple[str, ...]:
     if not hosts:
         raise ConfigError(f"MQTT_BROKER={value!r} is invalid: no host given")
     for host in hosts:
-        if any(c.isspace() for c in host) or "/" in host or len(host) > 253:
+        if any(c.isspace() for c in host) or "/" in host or len(host) > MAX_HOST_CHARS:
             raise ConfigError(f"MQTT_BROKER host {host!r} is invalid: expected a host name or address")
     return hosts
 
@@ -294,7 +310,7 @@ def _check_client_id_prefix(value: str) -> str:
     Raises:
         ConfigError: naming the variable and the rule (the value is shown escaped).
     """
-    if not (1 <= len(value) <= 32 and set(value) <= _CLIENT_ID_PREFIX_CHARS):
+    if not (1 <= len(value) <= MAX_CLIENT_ID_PREFIX_CHARS and set(value) <= _CLIENT_ID_PREFIX_CHARS):
         raise ConfigError(f"MQTT_CLIENT_ID_PREFIX={value[:40]!r} is invalid: "
                           "use 1-32 letters, digits, '-' or '_'")
     return value
@@ -318,9 +334,6 @@ def broker_config(job_broker: Mapping[str, Any] | None = None, *,
         EnvFileError: the env file exists but cannot be read.
         ConfigError: a variable or override has a bad value.
     """
-    from mam.shared.errors import UsageError
-    from mam.shared.names import topic_root
-
     env = load_env(environ, cwd, workspace)
     try:
         root = topic_root(env.get("MAM_TOPIC_ROOT") or None)
@@ -328,15 +341,16 @@ def broker_config(job_broker: Mapping[str, Any] | None = None, *,
         raise ConfigError(f"MAM_TOPIC_ROOT: {exc}") from None
     cfg = BrokerConfig(
         hosts=_parse_hosts(env.get("MQTT_BROKER") or PUBLIC_BROKER),
-        port=_parse_int("MQTT_PORT", env.get("MQTT_PORT") or "1883", 1, 65535),
+        port=_parse_int("MQTT_PORT", env.get("MQTT_PORT") or str(DEFAULT_MQTT_PORT), MIN_PORT, MAX_PORT),
         tls=_parse_bool("MQTT_TLS", env.get("MQTT_TLS") or "false"),
         username=env.get("MQTT_USERNAME", ""),
         password=env.get("MQTT_PASSWORD", ""),
         ca_certs=_check_file("MQTT_CA_CERTS", env.get("MQTT_CA_CERTS", "")),
         certfile=_check_file("MQTT_CERTFILE", env.get("MQTT_CERTFILE", "")),
         keyfile=_check_file("MQTT_KEYFILE", env.get("MQTT_KEYFILE", "")),
-        client_id_prefix=_check_client_id_prefix(env.get("MQTT_CLIENT_ID_PREFIX") or "hermes"),
-        keepalive_s=_parse_int("MQTT_KEEPALIVE", env.get("MQTT_KEEPALIVE") or "60", 5, 65535),
+        client_id_prefix=_check_client_id_prefix(env.get("MQTT_CLIENT_ID_PREFIX") or DEFAULT_CLIENT_ID_PREFIX),
+        keepalive_s=_parse_int("MQTT_KEEPALIVE", env.get("MQTT_KEEPALIVE") or str(DEFAULT_KEEPALIVE_S),
+                               MIN_KEEPALIVE_S, MAX_KEEPALIVE_S),
         topic_root=root,
     )
     if job_broker:
@@ -362,18 +376,17 @@ def apply_job_overrides(cfg: BrokerConfig, job_broker: Mapping[str, Any]) -> Bro
             raise ConfigError(f"job broker override {key!r} is unknown; allowed: {', '.join(sorted(_JOB_OVERRIDES))}")
         if field_name == "hosts":
             value = _parse_hosts(",".join(value) if isinstance(value, (list, tuple)) else str(value))
-        elif field_name in ("port", "keepalive_s"):
-            value = _parse_int(key, str(value), 1, 65535)
+        elif field_name == "port":
+            value = _parse_int(key, str(value), MIN_PORT, MAX_PORT)
+        elif field_name == "keepalive_s":
+            value = _parse_int(key, str(value), 1, MAX_KEEPALIVE_S)
         elif field_name == "tls":
             value = value if isinstance(value, bool) else _parse_bool(key, str(value))
-        elif field_name == "transport" and value not in ("tcp", "websockets"):
+        elif field_name == "transport" and value not in TRANSPORTS:
             raise ConfigError(f"job broker override transport={value!r} is invalid: expected tcp or websockets")
         elif not isinstance(value, str) or any(c in value for c in "\r\n\x00"):
             raise ConfigError(f"job broker override {key!r} must be a one-line string")
         elif field_name == "topic_root":
-            from mam.shared.errors import UsageError
-            from mam.shared.names import topic_root
-
             try:
                 value = topic_root(value)
             except UsageError as exc:
@@ -384,7 +397,7 @@ def apply_job_overrides(cfg: BrokerConfig, job_broker: Mapping[str, Any]) -> Bro
     return cfg.with_overrides(**changes)
 
 
-def warn_if_public(cfg: BrokerConfig, stream: Any = None) -> bool:
+def warn_if_public(cfg: BrokerConfig, stream: TextIO | None = None) -> bool:
     """Print the loud public-broker warning of §13 on stderr when it applies.
 
     Returns:
@@ -419,7 +432,7 @@ def dispatch_secret(environ: Mapping[str, str] | None = None, cwd: Path | None =
     return value
 
 
-def contract_from_env(environ: Mapping[str, str] | None = None, **overrides: int | None) -> Any:
+def contract_from_env(environ: Mapping[str, str] | None = None, **overrides: int | None) -> Contract:
     """The hub's contract for a new job (§5): defaults, then MAM_HEARTBEAT_SEC,
     MAM_HEARTBEAT_MISSES, MAM_ACK_TIMEOUT_S from `environ` (default: the
     resolved settings, environment over `.mam.env`), then the non-None
@@ -432,8 +445,6 @@ def contract_from_env(environ: Mapping[str, str] | None = None, **overrides: int
         ConfigError: a variable that is not a positive integer.
         UsageError: a bad override.
     """
-    from mam.shared.wire import Contract
-
     env = load_env() if environ is None else environ
     values: dict[str, int] = {}
     for var, key in (("MAM_HEARTBEAT_SEC", "heartbeat_sec"), ("MAM_HEARTBEAT_MISSES", "heartbeat_misses"),
@@ -451,7 +462,7 @@ def contract_from_env(environ: Mapping[str, str] | None = None, **overrides: int
 
 
 def env_int(name: str, default: int, *, environ: Mapping[str, str] | None = None,
-            low: int = 1, high: int = 10**7) -> int:
+            low: int = 1, high: int = MAX_ENV_INT) -> int:
     """An integer setting such as MAM_HEARTBEAT_SEC from the resolved settings.
 
     Raises:
@@ -462,7 +473,7 @@ def env_int(name: str, default: int, *, environ: Mapping[str, str] | None = None
 
 
 def env_float(name: str, default: float, *, environ: Mapping[str, str] | None = None,
-              low: float = 0.0, high: float = 86400.0) -> float:
+              low: float = 0.0, high: float = MAX_ENV_SECONDS) -> float:
     """A float setting in seconds such as MAM_CANCEL_GRACE_S.
 
     Raises:

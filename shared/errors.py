@@ -15,7 +15,8 @@ class ExitCode(IntEnum):
 
     Codes with the same number are aliases: `PUBLISHED` is `COMPLETED` (0),
     `REFUSED` is `ERROR` (1) and `TRANSPORT` is `TIMEOUT` (2), because §9 gives
-    `mam-runner publish` its own reading of the same numbers.
+    `mam-runner publish` its own reading of the same numbers; `INTERRUPTED` is
+    `DETACHED` (130, Ctrl-C).
     """
 
     COMPLETED = 0
@@ -26,6 +27,7 @@ class ExitCode(IntEnum):
     NO_RUNNER = 5
     USAGE = 64
     DETACHED = 130
+    INTERRUPTED = 130  # Ctrl-C (128 + SIGINT) or an aborted prompt
     # `mam-runner publish` (§9 second row) and the runner daemon.
     OK = 0
     PUBLISHED = 0

@@ -25,7 +25,7 @@ import secrets
 import ssl
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,9 +45,15 @@ CONNACK_TIMEOUT_S = 10.0  # §13
 PUBACK_TIMEOUT_S = 5.0  # §13
 SUBACK_TIMEOUT_S = 5.0
 DEFAULT_ATTEMPTS = 3  # §13
+RETRY_BASE_DELAY_S = 0.5  # §13: min(0.5 × 2^(attempt-1), 8.0)
+RETRY_MAX_DELAY_S = 8.0
 RECONNECT_MIN_DELAY_S = 1
 RECONNECT_MAX_DELAY_S = 8
 CLOSE_TIMEOUT_S = 5.0
+# paho's socket connect timeout never goes below this, whatever is left of a deadline.
+MIN_CONNECT_TIMEOUT_S = 0.1
+# A SUBACK return code of 0x80 or more refuses that filter (MQTT 3.1.1 §3.9.3).
+SUBACK_FAILURE = 0x80
 
 Will = tuple[str, bytes, int, bool]
 
@@ -84,7 +90,7 @@ def new_client_id(prefix: str, role: str) -> str:
 
 def retry_delay_s(attempt: int) -> float:
     """Delay before the attempt after `attempt` (1-based): `min(0.5 × 2^(attempt-1), 8.0)` s (§13)."""
-    return min(0.5 * 2 ** (attempt - 1), 8.0)
+    return min(RETRY_BASE_DELAY_S * 2.0 ** (attempt - 1), RETRY_MAX_DELAY_S)
 
 
 def _endpoint(host: str, port: int) -> str:
@@ -97,7 +103,7 @@ class _TlsContext(ssl.SSLContext):
 
     wrapped: list[ssl.SSLSocket]
 
-    def wrap_socket(self, *args: Any, **kwargs: Any) -> ssl.SSLSocket:  # type: ignore[override]
+    def wrap_socket(self, *args: Any, **kwargs: Any) -> ssl.SSLSocket:
         sock = super().wrap_socket(*args, **kwargs)
         self.wrapped.append(sock)
         return sock
@@ -326,7 +332,7 @@ class MqttClient:
         """One connection attempt; None on success, else a short reason."""
         deadline = time.monotonic() + timeout_s
         client = self._new_paho()
-        client.connect_timeout = max(0.1, timeout_s)
+        client.connect_timeout = max(MIN_CONNECT_TIMEOUT_S, timeout_s)
         with self._cond:
             self._connack = None
         self._host = host
@@ -422,7 +428,7 @@ class MqttClient:
                         f"no SUBACK from {_endpoint(self._host, self.config.port)} within {timeout_s:g} s")
                 self._cond.wait(remaining)
             codes = self._subacked.pop(mid)
-        refused = [topic for (topic, _), code in zip(items, codes, strict=False) if code >= 0x80]
+        refused = [topic for (topic, _), code in zip(items, codes, strict=False) if code >= SUBACK_FAILURE]
         if refused:
             with self._cond:
                 for topic in refused:
@@ -489,7 +495,7 @@ def publish_with_retry(config: BrokerConfig, role: str,
                        attempts: int = DEFAULT_ATTEMPTS, qos: int = QOS_AT_LEAST_ONCE,
                        connect_timeout_s: float = CONNACK_TIMEOUT_S,
                        puback_timeout_s: float = PUBACK_TIMEOUT_S,
-                       sleep=time.sleep) -> None:
+                       sleep: Callable[[float], None] = time.sleep) -> None:
     """Publish `messages` in order over one connection, retrying the unacknowledged rest (§13).
 
     Each attempt uses a fresh client and connection; the previous client is
