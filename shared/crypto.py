@@ -21,17 +21,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-
 from mam.shared import names
 from mam.shared.config import MIN_SECRET_LEN
 from mam.shared.errors import ConfigError, SignatureError
 from mam.shared.wire import (
     SEAL_ALG,
     SEAL_NONCE_BYTES,
+    Message,
+    Sealed,
     b64url_decode,
     b64url_encode,
     canonical,
@@ -44,16 +41,18 @@ SIGN_INFO = b"mam-fleet/v1/sign"
 # §5: the brief is UTF-8 text of at most 512 KiB; dispatch refuses larger ones.
 MAX_BRIEF_BYTES = 512 * 1024
 HMAC_FAILED = "HMAC verify failed"
+# What sign/verify take: a wire message, or its dict (as decoded or as signed).
+Payload = Mapping[str, Any] | Message
 SEAL_FAILED = "seal does not open"
 
 
-def _plain(payload: Any) -> dict[str, Any]:
+def _plain(payload: Payload) -> dict[str, Any]:
     """A mutable top-level copy of a payload given as a mapping or a wire message."""
-    if hasattr(payload, "to_dict") and not isinstance(payload, Mapping):
-        return payload.to_dict()  # type: ignore[no-any-return]
-    if not isinstance(payload, Mapping):
-        raise TypeError(f"payload must be a mapping or a wire message, not {type(payload).__name__}")
-    return dict(payload)
+    if isinstance(payload, Mapping):
+        return dict(payload)
+    if hasattr(payload, "to_dict"):
+        return payload.to_dict()
+    raise TypeError(f"payload must be a mapping or a wire message, not {type(payload).__name__}")
 
 
 def _hex_hmac(key: bytes, message: bytes) -> str:
@@ -69,7 +68,7 @@ def _same(expected: str, got: object) -> bool:
 
 # --------------------------------------------------------- events, states
 
-def _unsigned_event(payload: Any) -> dict[str, Any]:
+def _unsigned_event(payload: Payload) -> dict[str, Any]:
     body = _plain(payload)
     data = body.get("data")
     if isinstance(data, Mapping):
@@ -77,7 +76,7 @@ def _unsigned_event(payload: Any) -> dict[str, Any]:
     return body
 
 
-def event_hmac(payload: Any, auth_token: str) -> str:
+def event_hmac(payload: Payload, auth_token: str) -> str:
     """`data.hmac_sig` of an event or state (§3.1, §4).
 
     Args:
@@ -93,7 +92,7 @@ def event_hmac(payload: Any, auth_token: str) -> str:
     return _hex_hmac(auth_token.encode("utf-8"), canonical(_unsigned_event(payload)))
 
 
-def sign_event(payload: Any, auth_token: str) -> dict[str, Any]:
+def sign_event(payload: Payload, auth_token: str) -> dict[str, Any]:
     """A copy of an event or state with `data.hmac_sig` set (§3.1).
 
     Args:
@@ -111,7 +110,7 @@ def sign_event(payload: Any, auth_token: str) -> dict[str, Any]:
     return body
 
 
-def verify_event(payload: Any, auth_token: str) -> None:
+def verify_event(payload: Payload, auth_token: str) -> None:
     """Check `data.hmac_sig` of an event or state (§3.1, §3.2 step 4).
 
     Args:
@@ -144,6 +143,10 @@ class DispatchKeys:
 
 
 def _hkdf(secret: bytes, info: bytes) -> bytes:
+    # Lazy: `mam-runner publish` needs only HMAC; cryptography adds ~6 ms to it (python -X importtime).
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
     return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(secret)
 
 
@@ -177,13 +180,13 @@ def _check_key(key: object, what: str) -> bytes:
 
 # ----------------------------------------------- dispatch, control, presence
 
-def _unsigned(payload: Any) -> dict[str, Any]:
+def _unsigned(payload: Payload) -> dict[str, Any]:
     body = _plain(payload)
     body.pop("sig", None)
     return body
 
 
-def sign(payload: Any, sign_key: bytes) -> dict[str, Any]:
+def sign(payload: Payload, sign_key: bytes) -> dict[str, Any]:
     """A copy of a dispatch, control or presence with `sig` set (§5-§7).
 
     Args:
@@ -198,7 +201,7 @@ def sign(payload: Any, sign_key: bytes) -> dict[str, Any]:
     return body
 
 
-def verify(payload: Any, sign_key: bytes) -> None:
+def verify(payload: Payload, sign_key: bytes) -> None:
     """Check `sig` of a dispatch, control or presence (§5-§7).
 
     Args:
@@ -219,6 +222,26 @@ def verify(payload: Any, sign_key: bytes) -> None:
 
 def _associated_data(job_id: str, attempt_id: int, dispatch_token: str) -> bytes:
     return f"{job_id}:{attempt_id}:{dispatch_token}".encode()
+
+
+def _encrypt(key: bytes, nonce: bytes, plaintext: bytes, associated: bytes) -> bytes:
+    """AES-256-GCM: ciphertext followed by the 16-byte tag."""
+    # Lazy: `mam-runner publish` needs only HMAC; cryptography adds ~6 ms to it (python -X importtime).
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    return AESGCM(key).encrypt(nonce, plaintext, associated)
+
+
+def _decrypt(key: bytes, nonce: bytes, ciphertext: bytes, associated: bytes) -> bytes:
+    """AES-256-GCM open. Raises ValueError when the tag does not verify."""
+    # Lazy: `mam-runner publish` needs only HMAC; cryptography adds ~6 ms to it (python -X importtime).
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    try:
+        return AESGCM(key).decrypt(nonce, ciphertext, associated)
+    except InvalidTag:
+        raise ValueError("tag") from None
 
 
 def seal(seal_key: bytes, *, job_id: str, attempt_id: int, dispatch_token: str, auth_token: str,
@@ -247,11 +270,11 @@ def seal(seal_key: bytes, *, job_id: str, attempt_id: int, dispatch_token: str, 
     if len(nonce) != SEAL_NONCE_BYTES:
         raise ValueError(f"nonce must be {SEAL_NONCE_BYTES} bytes")
     plaintext = canonical({"auth_token": auth_token, "brief": brief})
-    ciphertext = AESGCM(key).encrypt(nonce, plaintext, _associated_data(job_id, attempt_id, dispatch_token))
+    ciphertext = _encrypt(key, nonce, plaintext, _associated_data(job_id, attempt_id, dispatch_token))
     return {"alg": SEAL_ALG, "nonce": b64url_encode(nonce), "ciphertext": b64url_encode(ciphertext)}
 
 
-def open_sealed(seal_key: bytes, sealed: Any, *, job_id: str, attempt_id: int,
+def open_sealed(seal_key: bytes, sealed: Sealed | Mapping[str, Any], *, job_id: str, attempt_id: int,
                 dispatch_token: str) -> tuple[str, str]:
     """Open a dispatch's sealed part (§5).
 
@@ -274,13 +297,12 @@ def open_sealed(seal_key: bytes, sealed: Any, *, job_id: str, attempt_id: int,
         ciphertext = b64url_decode(parts["ciphertext"])
         if len(nonce) != SEAL_NONCE_BYTES:
             raise ValueError("nonce")
-        plaintext = AESGCM(key).decrypt(nonce, ciphertext,
-                                        _associated_data(job_id, attempt_id, dispatch_token))
+        plaintext = _decrypt(key, nonce, ciphertext, _associated_data(job_id, attempt_id, dispatch_token))
         inner = json.loads(plaintext.decode("utf-8"))
         if (not isinstance(inner, dict) or set(inner) != {"auth_token", "brief"}
                 or not isinstance(inner["auth_token"], str) or not inner["auth_token"]
                 or not isinstance(inner["brief"], str)):
             raise ValueError("inner")
-    except (InvalidTag, ValueError, TypeError, KeyError, UnicodeError, RecursionError):
+    except (ValueError, TypeError, KeyError, UnicodeError, RecursionError):
         raise SignatureError(SEAL_FAILED) from None
     return inner["auth_token"], inner["brief"]

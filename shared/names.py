@@ -81,13 +81,13 @@ def validate_session(value: object) -> str:
     is not allowed (letters, digits, '-' and '_' only, 1-63 characters,
     starting with a letter or digit)``.
     """
-    problem = session_problem(value)
-    if problem is not None:
+    problem = session_problem(value)  # None only for a str
+    if problem is not None or not isinstance(value, str):
         raise UsageError(
             f"session name {value!r} is invalid: {problem} "
             "(letters, digits, '-' and '_' only, 1-63 characters, starting with a letter or digit)"
         )
-    return value  # type: ignore[return-value]
+    return value
 
 
 def validate_token(value: object, what: str = "dispatch token") -> str:
