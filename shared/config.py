@@ -312,7 +312,7 @@ def _check_client_id_prefix(value: str) -> str:
     """
     if not (1 <= len(value) <= MAX_CLIENT_ID_PREFIX_CHARS and set(value) <= _CLIENT_ID_PREFIX_CHARS):
         raise ConfigError(f"MQTT_CLIENT_ID_PREFIX={value[:40]!r} is invalid: "
-                          "use 1-32 letters, digits, '-' or '_'")
+                          f"use 1-{MAX_CLIENT_ID_PREFIX_CHARS} letters, digits, '-' or '_'")
     return value
 
 
