@@ -208,7 +208,7 @@ class Dispatch:
             raise UsageError(f"dispatch not built: {strip_word(exc.reason)}") from None
         return build(cls, job_id=job_id, session=session, attempt_id=attempt_id,
                      dispatch_token=dispatch_token, origin=origin, issued_at=format_ts(issued),
-                      expires_at=format_ts(expires), contract=contract, sealed=seal_obj)
+                     expires_at=format_ts(expires), contract=contract, sealed=seal_obj)
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> Dispatch:
