@@ -37,8 +37,10 @@ DEFAULT_SERVER_NAME = "mam-hub"
 
 
 # Passwords go into a quoted nats.conf string: printable ASCII without quote, backslash or '$'.
-_SAFE_SECRET = re.compile(r"^[!#%-\[\]-~]{8,256}$")
-_USER_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MIN_PASSWORD_CHARS, MAX_PASSWORD_CHARS = 8, 256
+MAX_USER_CHARS = 64
+_SAFE_SECRET = re.compile(rf"^[!#%-\[\]-~]{{{MIN_PASSWORD_CHARS},{MAX_PASSWORD_CHARS}}}$")
+_USER_NAME = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_USER_CHARS}}}")
 
 
 class BrokerStartError(MamError):
@@ -109,7 +111,8 @@ def check_secret(name: str, value: str) -> str:
         ConfigError: shorter than 8, longer than 256, or with spaces, quotes, '\\' or '$'.
     """
     if not _SAFE_SECRET.match(value or ""):
-        raise ConfigError(f"{name} must be 8-256 printable characters without spaces, quotes, "
+        raise ConfigError(f"{name} must be {MIN_PASSWORD_CHARS}-{MAX_PASSWORD_CHARS} printable characters "
+                          "without spaces, quotes, "
                           "'\\' or '$' (generate one with `python -c 'import secrets; "
                           "print(secrets.token_urlsafe(32))'`)")
     return value
@@ -122,7 +125,7 @@ def check_user(name: str, value: str) -> str:
         ConfigError: naming the variable and the rule.
     """
     if not _USER_NAME.fullmatch(value or ""):
-        raise ConfigError(f"{name} {value!r} is invalid: use 1-64 letters, digits, '_' or '-'")
+        raise ConfigError(f"{name} {value!r} is invalid: use 1-{MAX_USER_CHARS} letters, digits, '_' or '-'")
     return value
 
 
