@@ -54,7 +54,7 @@ def add_registry_commands(app: typer.Typer) -> None:
         workspace: str = workspace_option(),
     ) -> int:
         """List this host's job records (PROTOCOL §8); tokens are shown only as set."""
-        from mam.shared.registry import cli_jobs
+        from mam.shared.render import cli_jobs
 
         return cli_jobs(workspace=workspace, status=status, as_json=as_json)
 
@@ -65,7 +65,7 @@ def add_registry_commands(app: typer.Typer) -> None:
         workspace: str = workspace_option(),
     ) -> int:
         """Show one job record and its audit trail (PROTOCOL §8); tokens are shown only as set."""
-        from mam.shared.registry import cli_show
+        from mam.shared.render import cli_show
 
         return cli_show(workspace=workspace, job_id=job_id, as_json=as_json)
 
