@@ -22,8 +22,8 @@ import psutil
 import pytest
 from helpers import TEST_SECRET, clean_env, wait_until, write_env_for
 
-from mam.orchestrator.dispatch import build_dispatch, publish_dispatch
 from mam.orchestrator.control import publish_cancel
+from mam.orchestrator.dispatch import build_dispatch, publish_dispatch
 from mam.shared import crypto, names, wire
 from mam.shared.mqtt import MqttClient
 from mam.shared.registry import Contract, Registry

@@ -18,8 +18,8 @@ import pytest
 from fleet import AGENTS, MODES, Fleet
 from helpers import wait_until
 
-from mam.shared import crypto, names, wire
 from mam.orchestrator.acceptance import mirror_event
+from mam.shared import crypto, names, wire
 from mam.shared.registry import Contract, Registry
 
 pytestmark = [pytest.mark.e2e]

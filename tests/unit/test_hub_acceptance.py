@@ -62,7 +62,10 @@ def payload_for(job_id, record, event, **extra):
     return build
 
 
-def judge(raw, record, seen=Seen(), kind="event"):
+NOTHING_SEEN = Seen()
+
+
+def judge(raw, record, seen=NOTHING_SEEN, kind="event"):
     return accept(raw, kind=kind, job_id=record["job_id"], record=record, seen=seen)
 
 

@@ -10,6 +10,7 @@ import stat
 
 import pytest
 
+from mam.orchestrator.acceptance import mirror_event
 from mam.shared import clikit, names
 from mam.shared.errors import (
     ConfigError,
@@ -19,7 +20,6 @@ from mam.shared.errors import (
     UsageError,
     exit_code_for,
 )
-from mam.orchestrator.acceptance import mirror_event
 from mam.shared.registry import (
     Contract,
     JobNotFound,
