@@ -634,3 +634,35 @@ def test_redact_masks_tokens_at_any_depth():
     obj = {"auth_token": "s", "a": [{"dispatch_token": ""}], "b": {"c": {"dispatch_token": "x"}}}
     assert redact(obj) == {"auth_token": "<set>", "a": [{"dispatch_token": "<unset>"}],
                            "b": {"c": {"dispatch_token": "<set>"}}}
+
+
+# ------------------------------------------------------------- transaction
+
+def test_s8_transaction_commits_at_the_end_and_writes_nothing_on_an_exception(reg):
+    rec = reg.register(session="gpu-box")
+    jid = rec["job_id"]
+    before = snapshot(reg, jid)
+    with pytest.raises(RuntimeError), reg.transaction(jid) as txn:
+        seq = txn.take_seq("started", **ident(rec))
+        txn.log(payload_for(jid, rec, "started")(seq))
+        raise RuntimeError("signing failed")
+    assert snapshot(reg, jid) == before
+    with reg.transaction(jid) as txn:
+        seq = txn.take_seq("started", **ident(rec))
+        txn.log(payload_for(jid, rec, "started")(seq))
+        assert reg.get(jid)["status"] == "pending"  # nothing is written before the block ends
+    after = reg.get(jid)
+    assert seq == 1 and after["status"] == "running" and after["last_seq"] == 1
+    events = [line["event"] for line in reg.audit(jid)]
+    assert events[-2:] == ["started", "status_changed"]
+
+
+def test_s8_transaction_refuses_a_stale_worker_before_anything_is_queued(reg):
+    rec = reg.register(session="gpu-box")
+    jid = rec["job_id"]
+    before = snapshot(reg, jid)
+    with pytest.raises(StaleTransition), reg.transaction(jid) as txn:
+        txn.take_seq("started", attempt_id=2, dispatch_token=rec["dispatch_token"])
+    with pytest.raises(UsageError, match="event"), reg.transaction(jid) as txn:
+        txn.take_seq("state", **ident(rec))
+    assert snapshot(reg, jid) == before
