@@ -2,6 +2,12 @@
 sources that may change a record, the refusals, and the pure helpers that
 build, check, transition and redact records. `mam.shared.registry` stores
 them; docs/registry.md lists the fields and guarantees.
+
+Sources (§8): worker sources (`publisher`, `runner`, `remote_mirror`) hold an
+attempt and name its `attempt_id` and `dispatch_token`; operator sources
+(`operator`, `registry_cli`, `delegate_wrapper`) may cancel, close and
+redispatch. Every refusal is a `Refusal` with a §3.2-style `reason`; messages
+name the job and never carry a token.
 """
 
 from __future__ import annotations
@@ -195,6 +201,20 @@ def moved(record: JobRecord, to_status: str, *, close_reason: str | None = None,
     return new
 
 
+def check_event_request(event: str, status: str | None, source: str) -> None:
+    """Refuse a publish-path request that no record could take (§3, §6, §8).
+
+    Raises:
+        UsageError: an unknown event, a status other than `cancelled` with `error`,
+            or a source that is not a worker source.
+    """
+    if event not in EVENT_NAMES:
+        raise UsageError(f"event {event!r} is invalid: expected one of {', '.join(EVENT_NAMES)}")
+    if status is not None and not (status == "cancelled" and event == "error"):
+        raise UsageError("status override is only 'cancelled' with event 'error'")
+    require_source(source, WORKER_SOURCES, "record an event")
+
+
 def check_worker(record: JobRecord, source: str, attempt_id: object, dispatch_token: object) -> None:
     """The §8 compare-and-swap guard of a worker request: the current attempt and
     dispatch token, and a record that is not terminal.
@@ -260,11 +280,7 @@ class Transaction:
             UsageError: unknown event or bad `status`.
             StaleTransition, Refusal(`after_terminal`).
         """
-        if event not in EVENT_NAMES:
-            raise UsageError(f"event {event!r} is invalid: expected one of {', '.join(EVENT_NAMES)}")
-        if status is not None and not (status == "cancelled" and event == "error"):
-            raise UsageError("status override is only 'cancelled' with event 'error'")
-        require_source(source, WORKER_SOURCES, "record an event")
+        check_event_request(event, status, source)
         record = self.record
         check_worker(record, source, attempt_id, dispatch_token)
         seq = record["last_seq"] + 1

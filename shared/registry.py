@@ -3,13 +3,8 @@ atomic 0600 writes, one `fcntl.flock` around every read-modify-write
 (`Registry.transaction`), per-attempt seq allocation (§3), compare-and-swap
 transitions and the audit log. The record model and refusals are in
 `mam.shared.records`; docs/registry.md gives the layout, guarantees and limits
-(one host only; `fcntl.flock` is not safe on NFS).
-
-Sources (§8): worker sources (`publisher`, `runner`, `remote_mirror`) hold an
-attempt and name its `attempt_id` and `dispatch_token`; operator sources
-(`operator`, `registry_cli`, `delegate_wrapper`) may cancel, close and
-redispatch. Every refusal is a `Refusal` with a §3.2-style `reason`; messages
-name the job and never carry a token.
+(one host only; `fcntl.flock` is not safe on NFS). Every change names its
+source (`records.WORKER_SOURCES`, `records.OPERATOR_SOURCES`).
 """
 
 from __future__ import annotations
@@ -45,6 +40,7 @@ from mam.shared.records import (
     StaleTransition,
     Transaction,
     as_record,
+    check_event_request,
     check_worker,
     dumps,
     moved,
@@ -459,6 +455,7 @@ class Registry:
             UsageError, StaleTransition, Refusal(`after_terminal`), JobNotFound, RegistryError;
             TypeError: `build` did not return a dict.
         """
+        check_event_request(event, status, source)  # before the lock, as every argument check
         with self.transaction(job_id) as txn:
             seq = txn.take_seq(event, attempt_id=attempt_id, dispatch_token=dispatch_token, source=source,
                                status=status, exit_code=exit_code)
