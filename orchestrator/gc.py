@@ -7,7 +7,7 @@ import sys
 import time
 
 from mam.orchestrator.control import clear_retained
-from mam.orchestrator.hub import Workspace, open_hub
+from mam.orchestrator.hub import DAY_S, Workspace, open_hub
 from mam.shared import names
 from mam.shared.codes import TERMINAL_STATUSES
 from mam.shared.errors import UsageError
@@ -17,7 +17,6 @@ from mam.shared.wire import parse_ts
 RETAINED_LEAVES = ("dispatch", "events", "state", "control")
 RETENTION_DAYS = 7
 MAX_RETENTION_DAYS = 36500
-DAY_S = 86400
 GC_AUDIT_EVENT = "retained_cleared"
 
 

@@ -18,6 +18,7 @@ from mam.shared.records import JobRecord
 from mam.shared.registry import Registry
 
 Workspace = str | os.PathLike[str] | None
+DAY_S = 86400  # seconds in a day, for the commands' day-valued options
 
 
 def signing_keys(workspace: Workspace = None) -> DispatchKeys:

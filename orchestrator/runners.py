@@ -17,9 +17,12 @@ from mam.shared.errors import ProtocolError
 from mam.shared.mqtt import MqttClient
 
 PRESENCE_QUIET_S = 0.5
-# A runner republishes its presence every 60 s (runner.daemon.PRESENCE_REFRESH_S); an
-# online/draining presence older than three periods plus the clock skew is "stale".
-PRESENCE_STALE_S = 3 * 60.0 + 30.0
+# A runner republishes its presence every PRESENCE_REFRESH_S (the runner's own constant);
+# an online/draining presence older than three periods plus the clock skew is "stale".
+PRESENCE_REFRESH_S = 60.0
+STALE_PERIODS = 3
+CLOCK_SKEW_S = 30.0
+PRESENCE_STALE_S = STALE_PERIODS * PRESENCE_REFRESH_S + CLOCK_SKEW_S
 PRESENCE_MAX_S = 3.0
 READ_PRESENCE_QUIET_S = 1.0  # one session: its retained presence comes at once, or not at all
 STALE = "stale"

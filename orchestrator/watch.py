@@ -35,7 +35,7 @@ from mam.orchestrator.acceptance import (
     accept,
 )
 from mam.orchestrator.control import clear_retained, close_remote
-from mam.orchestrator.hub import Workspace, open_hub
+from mam.orchestrator.hub import DAY_S, Workspace, open_hub
 from mam.shared import names, wire
 from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.config import BrokerConfig, env_float
@@ -59,7 +59,8 @@ STATE_GRACE_S = 1.0
 CANCEL_GRACE_S = 10.0
 CONFIRM_MARGIN_S = 5.0
 MIN_WAIT_S = 0.01
-MAX_OPTION_S = 366 * 86400  # a watch option beyond a year is a mistake
+MAX_OPTION_S = 366 * DAY_S  # a watch option beyond a year is a mistake
+CLOCK_CHARS = slice(11, 19)  # HH:MM:SS of a §3 timestamp, for the human view
 TOPIC_KINDS: dict[str, Kind] = {"events": "event", "state": "state"}
 
 
@@ -140,7 +141,7 @@ class Watcher:
     def _emit(self, payload: dict[str, Any]) -> None:
         if self.human:
             data = payload.get("data", {})
-            stamp = str(payload.get("timestamp", ""))[11:19]
+            stamp = str(payload.get("timestamp", ""))[CLOCK_CHARS]
             extra = f" (exit {data['exit_code']})" if "exit_code" in data else ""
             self.out.write(f"{stamp} {payload['job_id']} #{payload['seq']:<4} {payload['event']:<20} "
                            f"{payload.get('detail', '')}{extra}\n")
