@@ -1,12 +1,23 @@
 """`mam-orch`: the hub's command line. Each command parses, calls one
-function, and lets `clikit.run` map errors to the exit codes of PROTOCOL §9.
-Imports of the modules doing the work stay inside the commands (lazy)."""
+function, and lets `clikit.run` map errors to the exit codes of PROTOCOL §9."""
 
 from __future__ import annotations
 
+import json
+import sys
+from typing import Any
+
 import typer
 
-from mam.shared import clikit
+from mam.orchestrator.cancel import cancel
+from mam.orchestrator.dispatch import dispatch_cli
+from mam.orchestrator.gc import RETENTION_DAYS, gc_cli
+from mam.orchestrator.init import init_workspace
+from mam.orchestrator.redispatch import redispatch_cli
+from mam.orchestrator.runners import runners_cli
+from mam.orchestrator.watch import watch_cli
+from mam.shared import broker, clikit
+from mam.shared.config import describe
 
 app = clikit.new_app(
     "mam-orch",
@@ -29,22 +40,17 @@ def config_cmd(
 
     Passwords and MAM_DISPATCH_SECRET are shown only as set or unset.
     """
-    import json
-    import sys
-
-    from mam.shared.config import describe
-
     info = describe(workspace)
     if as_json or not sys.stdout.isatty():
         typer.echo(json.dumps(info))
     else:
-        broker = info["broker"]
+        settings = info["broker"]
         typer.echo(f"env file:        {info['env_file'] or '(none found)'}")
         typer.echo(f"registry root:   {info['registry_root']}")
-        typer.echo(f"broker:          {','.join(broker['hosts'])}:{broker['port']} tls={broker['tls']}")
-        typer.echo(f"username:        {broker['username'] or '(none)'}  password: "
-                   f"{'set' if broker['password_set'] else 'unset'}")
-        typer.echo(f"topic root:      {broker['topic_root']}")
+        typer.echo(f"broker:          {','.join(settings['hosts'])}:{settings['port']} tls={settings['tls']}")
+        typer.echo(f"username:        {settings['username'] or '(none)'}  password: "
+                   f"{'set' if settings['password_set'] else 'unset'}")
+        typer.echo(f"topic root:      {settings['topic_root']}")
         typer.echo(f"dispatch secret: {'set' if info['dispatch_secret_set'] else 'unset'}")
 
 
@@ -65,8 +71,6 @@ def init_cmd(
     Refuses to overwrite an existing file without --force (exit 64). Secrets
     are never printed: only the paths written and the next steps.
     """
-    from mam.orchestrator.init import init_workspace
-
     result = init_workspace(workspace, broker_config=broker_config, force=force,
                             broker_host=broker, port=port, tls=tls)
     for note in result.notes:
@@ -81,8 +85,7 @@ broker_app = clikit.new_app("broker", "Run the hub's embedded nats-server (MQTT,
 app.add_typer(broker_app, name="broker")
 
 
-def _print_json(info: dict) -> None:
-    import json
+def _print_json(info: dict[str, Any]) -> None:
 
     typer.echo(json.dumps(info, sort_keys=True))
 
@@ -107,8 +110,6 @@ def broker_up_cmd(
     out of range, two listeners on one port, or a bad --listen (nothing started or
     written); exit 1: a port in use or the server did not start (nothing left running).
     """
-    from mam.shared import broker
-
     info = broker.up(workspace, mqtt_port=mqtt_port, port=port, ws_port=ws_port,
                      monitor_port=monitor_port, host=listen)
     _print_json(info)
@@ -120,8 +121,6 @@ def broker_down_cmd(
     workspace: str = clikit.workspace_option(),
 ) -> int:
     """Stop the broker: SIGTERM, then SIGKILL after 10 s. Not running: exit 0."""
-    from mam.shared import broker
-
     _print_json(broker.down(workspace))
     return 0
 
@@ -131,8 +130,6 @@ def broker_status_cmd(
     workspace: str = clikit.workspace_option(),
 ) -> int:
     """Check the broker natively (version, JetStream, MQTT streams); exit 3 when down, 1 when unhealthy."""
-    from mam.shared import broker
-
     info = broker.status(workspace)
     _print_json(info)
     return 0 if info["healthy"] else 1
@@ -160,13 +157,9 @@ def watch_cmd(
     timeout, 3 broker unreachable after the disk fallback, 4 cancelled,
     130 detached with Ctrl-C (the job keeps running), 64 bad arguments.
     """
-    from mam.orchestrator.watch import watch_cli
-
     clikit.setup_logging()
     return watch_cli(job_id, workspace=workspace, remote=remote, idle_timeout_s=idle_timeout,
                      ack_timeout_s=ack_timeout, timeout_s=timeout)
-
-
 
 
 @app.command("dispatch")
@@ -200,8 +193,6 @@ def dispatch_cmd(
     timeout, 3 broker unreachable, 4 cancelled, 5 no online runner
     (--require-online), 64 bad arguments, 130 detached with Ctrl-C.
     """
-    from mam.orchestrator.dispatch import dispatch_cli
-
     clikit.setup_logging()
     return dispatch_cli(session=session, brief=brief, brief_file=brief_file, heartbeat_s=heartbeat,
                         heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout, idle_timeout_s=idle_timeout,
@@ -219,8 +210,6 @@ def cancel_cmd(
     A job already terminal is reported and left alone (exit 0). Exit 1 for
     an unknown job, 3 when the broker is unreachable (the record is unchanged).
     """
-    from mam.orchestrator.fleet import cancel
-
     clikit.setup_logging()
     return cancel(job_id, workspace=workspace)
 
@@ -241,8 +230,6 @@ def redispatch_cmd(
     Allowed from error or cancelled (never completed): attempt + 1, new
     tokens, a new sealed dispatch. Exit codes as for dispatch; 1 when refused.
     """
-    from mam.orchestrator.fleet import redispatch_cli
-
     clikit.setup_logging()
     return redispatch_cli(job_id, session=session, brief=brief, brief_file=brief_file, detach=detach,
                           as_json=as_json, workspace=workspace)
@@ -255,23 +242,19 @@ def runners_cmd(
 ) -> int:
     """List runners from their signed retained presence: online, draining or offline,
     running jobs, last seen (PROTOCOL §7). Unsigned or forged presence is refused on stderr."""
-    from mam.orchestrator.fleet import runners_cli
-
     clikit.setup_logging()
     return runners_cli(workspace=workspace, as_json=as_json)
 
 
 @app.command("gc")
 def gc_cmd(
-    older_than_days: float = typer.Option(7.0, "--older-than-days", metavar="D",
+    older_than_days: float = typer.Option(float(RETENTION_DAYS), "--older-than-days", metavar="D",
                                           help="Retention: clear jobs terminal for longer than D days."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only list the jobs that would be cleared."),
     workspace: str = clikit.workspace_option(),
 ) -> int:
     """Clear the retained dispatch, events, state and control of jobs terminal
     for longer than the retention period (PROTOCOL §2). Records stay on disk."""
-    from mam.orchestrator.fleet import gc_cli
-
     clikit.setup_logging()
     return gc_cli(older_than_days=older_than_days, workspace=workspace, dry_run=dry_run)
 

@@ -1,5 +1,5 @@
 """The hub's dispatch: seal the brief and the job's auth_token, sign, publish
-retained (PROTOCOL §5).
+retained (PROTOCOL §5), then watch (§10); `mam-orch dispatch`.
 
 `build_dispatch` is pure (record + brief + keys -> signed wire dict) so the
 runner's tests and the hub share one way of making a dispatch.
@@ -9,23 +9,35 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import sys
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from mam.shared import names
-from mam.shared.errors import ExitCode, UsageError
+from mam.orchestrator.control import close_remote
+from mam.orchestrator.hub import Workspace, open_hub
+from mam.orchestrator.runners import read_presence
+from mam.orchestrator.watch import Detached, Watcher, WatchOptions, detach_hint
+from mam.shared import config, crypto, names, wire
+from mam.shared.codes import PresenceStatus
+from mam.shared.crypto import MAX_BRIEF_BYTES, DispatchKeys
+from mam.shared.errors import BrokerUnavailable, ExitCode, ProtocolError, UsageError
+from mam.shared.fsio import atomic_write
+from mam.shared.mqtt import MqttClient
+from mam.shared.records import JobRecord
+from mam.shared.registry import Registry
+
+HUB_NAME_MAX_CHARS = 255
 
 log = logging.getLogger("mam.dispatch")
 
 
 def hub_name() -> str:
     """The `origin` of a dispatch (§5): MAM_HUB_NAME, else the host name."""
-    import os
-
-    return (os.environ.get("MAM_HUB_NAME") or socket.gethostname() or "hub")[:255]
+    return (os.environ.get("MAM_HUB_NAME") or socket.gethostname() or "hub")[:HUB_NAME_MAX_CHARS]
 
 
 def check_brief(brief: str) -> str:
@@ -34,8 +46,6 @@ def check_brief(brief: str) -> str:
     Raises:
         UsageError: with the size found and the limit.
     """
-    from mam.shared.crypto import MAX_BRIEF_BYTES
-
     if not isinstance(brief, str) or not brief.strip():
         raise UsageError("the brief is empty: give --brief TEXT, --brief-file PATH or --brief-file -")
     size = len(brief.encode("utf-8", "surrogatepass"))
@@ -50,7 +60,7 @@ def check_brief(brief: str) -> str:
     return brief
 
 
-def build_dispatch(record: dict[str, Any], brief: str, keys: Any, *, origin: str | None = None,
+def build_dispatch(record: Mapping[str, Any], brief: str, keys: DispatchKeys, *, origin: str | None = None,
                    issued_at: datetime | None = None) -> dict[str, Any]:
     """The signed dispatch of §5 for the record's current attempt.
 
@@ -66,8 +76,6 @@ def build_dispatch(record: dict[str, Any], brief: str, keys: Any, *, origin: str
     Raises:
         UsageError: a bad brief or record field.
     """
-    from mam.shared import crypto, wire
-
     check_brief(brief)
     sealed = crypto.seal(keys.seal_key, job_id=record["job_id"], attempt_id=record["attempt_id"],
                          dispatch_token=record["dispatch_token"], auth_token=record["auth_token"],
@@ -85,16 +93,13 @@ def encode_dispatch(signed: dict[str, Any]) -> bytes:
     Raises:
         UsageError: the encoded dispatch is too large (a brief full of escapes).
     """
-    from mam.shared import wire
-    from mam.shared.errors import ProtocolError
-
     try:
         return wire.encode(signed)
     except ProtocolError as exc:
         raise UsageError(f"the dispatch is too large to publish: {exc}") from None
 
 
-def publish_dispatch(client: Any, signed: dict[str, Any]) -> None:
+def publish_dispatch(client: MqttClient, signed: dict[str, Any]) -> None:
     """Publish the signed dispatch retained, QoS 1, and wait for the PUBACK (§2, §5).
 
     Raises:
@@ -109,7 +114,7 @@ def publish_dispatch(client: Any, signed: dict[str, Any]) -> None:
 BRIEF_FILE_NAME = "brief.txt"
 
 
-def read_brief(brief: str | None, brief_file: str | None, stdin: Any = None) -> str:
+def read_brief(brief: str | None, brief_file: str | None, stdin: BinaryIO | None = None) -> str:
     """The brief from exactly one of `--brief TEXT` / `--brief-file PATH|-` (§5).
 
     The file (or stdin for "-") is read as bytes, at most 512 KiB + 1, and
@@ -121,8 +126,6 @@ def read_brief(brief: str | None, brief_file: str | None, stdin: Any = None) -> 
         UsageError: none or both sources; a file that is missing, unreadable,
             a directory, larger than 512 KiB, not UTF-8, empty, or holding a NUL.
     """
-    from mam.shared.crypto import MAX_BRIEF_BYTES
-
     if (brief is None) == (brief_file is None):
         raise UsageError("give exactly one of --brief TEXT, --brief-file PATH or --brief-file -")
     if brief is not None:
@@ -147,7 +150,7 @@ def read_brief(brief: str | None, brief_file: str | None, stdin: Any = None) -> 
     return check_brief(text)
 
 
-def brief_path(registry: Any, job_id: str) -> Path:
+def brief_path(registry: Registry, job_id: str) -> Path:
     """`<root>/.mam/logs/<job_id>/brief.txt`: the hub's copy of the brief.
 
     The brief crosses the broker only sealed (§5), so the hub keeps the
@@ -157,20 +160,18 @@ def brief_path(registry: Any, job_id: str) -> Path:
     return Path(registry.logs_dir(job_id)) / BRIEF_FILE_NAME
 
 
-def save_brief(registry: Any, job_id: str, brief: str) -> Path:
+def save_brief(registry: Registry, job_id: str, brief: str) -> Path:
     """Write the brief to `brief_path` (atomic, 0600).
 
     Raises:
         RegistryError: the write failed.
     """
-    from mam.shared.fsio import atomic_write
-
     path = brief_path(registry, job_id)
     atomic_write(path, brief.encode("utf-8"), what=f"job {job_id} brief")
     return path
 
 
-def load_brief(registry: Any, job_id: str) -> str:
+def load_brief(registry: Registry, job_id: str) -> str:
     """The stored brief of a job (for a redispatch).
 
     Raises:
@@ -190,9 +191,9 @@ def load_brief(registry: Any, job_id: str) -> str:
         raise UsageError(f"job {job_id}: the stored brief {path} is unusable; give --brief-file PATH") from None
 
 
-def hub_contract(workspace: Any, *, heartbeat_s: int | None = None, heartbeat_misses: int | None = None,
+def hub_contract(workspace: Workspace, *, heartbeat_s: int | None = None, heartbeat_misses: int | None = None,
                  ack_timeout_s: int | None = None, idle_timeout_s: int | None = None,
-                 timeout_s: int | None = None) -> Any:
+                 timeout_s: int | None = None) -> wire.Contract:
     """The job's contract (§5): defaults, then MAM_HEARTBEAT_SEC, MAM_HEARTBEAT_MISSES,
     MAM_ACK_TIMEOUT_S (environment, then .mam.env, §13), then the CLI options.
 
@@ -200,36 +201,18 @@ def hub_contract(workspace: Any, *, heartbeat_s: int | None = None, heartbeat_mi
         UsageError: an option that is not a positive integer (or absurdly large).
         ConfigError: a bad environment value. EnvFileError: an unreadable env file.
     """
-    from mam.shared import config
-
     for name, value in (("--heartbeat", heartbeat_s), ("--heartbeat-misses", heartbeat_misses),
                         ("--ack-timeout", ack_timeout_s), ("--idle-timeout", idle_timeout_s),
                         ("--timeout", timeout_s)):
         if value is not None and value < 1:
             raise UsageError(f"{name} {value} is invalid: expected a positive integer")
-    return config.contract_from_env(config.load_env(workspace=workspace), heartbeat_sec=heartbeat_s,
-                                    heartbeat_misses=heartbeat_misses, ack_timeout_sec=ack_timeout_s,
-                                    idle_timeout_sec=idle_timeout_s, timeout_sec=timeout_s)
+    contract: wire.Contract = config.contract_from_env(
+        config.load_env(workspace=workspace), heartbeat_sec=heartbeat_s, heartbeat_misses=heartbeat_misses,
+        ack_timeout_sec=ack_timeout_s, idle_timeout_sec=idle_timeout_s, timeout_sec=timeout_s)
+    return contract
 
 
-def connect(cfg: Any, role: str = "hub") -> Any:
-    """A connected `MqttClient` (§13 fail-over and deadlines).
-
-    Raises:
-        BrokerUnavailable: no broker accepted the connection (exit 3).
-    """
-    from mam.shared import mqtt
-
-    client = mqtt.MqttClient(cfg, role)
-    try:
-        client.connect()
-    except BaseException:
-        client.close()
-        raise
-    return client
-
-
-def _print_started(record: dict[str, Any], as_json: bool, verb: str) -> None:
+def _print_started(record: JobRecord, as_json: bool, verb: str) -> None:
     """The --detach answer on stdout: the job id (JSON unless a human reads a TTY)."""
     if as_json or not sys.stdout.isatty():
         print(json.dumps({"job_id": record["job_id"], "session": record["session"],
@@ -239,7 +222,7 @@ def _print_started(record: dict[str, Any], as_json: bool, verb: str) -> None:
         print(record["job_id"], flush=True)
 
 
-def publish_and_watch(registry: Any, record: dict[str, Any], brief: str, keys: Any, client: Any, *,
+def publish_and_watch(registry: Registry, record: JobRecord, brief: str, keys: DispatchKeys, client: MqttClient, *,
                       detach: bool, as_json: bool, verb: str = "dispatched") -> int:
     """From a registered (or redispatched) pending attempt to its end, on one
     connection (§5, §10): store the brief, subscribe to the job's events and
@@ -258,10 +241,6 @@ def publish_and_watch(registry: Any, record: dict[str, Any], brief: str, keys: A
     Raises:
         BrokerError (exit 3), RegistryError, UsageError.
     """
-    from mam.orchestrator.fleet import close_remote
-    from mam.orchestrator.watch import Detached, Watcher, WatchOptions, detach_hint
-    from mam.shared.errors import BrokerUnavailable
-
     job_id = record["job_id"]
     watcher = Watcher(registry, job_id, client=client, keys=keys,
                       options=WatchOptions(remote=True, ack_only_before_first=True))
@@ -297,7 +276,7 @@ def publish_and_watch(registry: Any, record: dict[str, Any], brief: str, keys: A
 def dispatch_cli(*, session: str, brief: str | None, brief_file: str | None, heartbeat_s: int | None,
                  heartbeat_misses: int | None, ack_timeout_s: int | None, idle_timeout_s: int | None,
                  timeout_s: int | None, require_online: bool, detach: bool, as_json: bool,
-                 workspace: str | None, stdin: Any = None) -> int:
+                 workspace: Workspace, stdin: BinaryIO | None = None) -> int:
     """`mam-orch dispatch` (§5, §9, §10).
 
     Order: validate everything (session, one brief source, the brief, the
@@ -314,22 +293,18 @@ def dispatch_cli(*, session: str, brief: str | None, brief_file: str | None, hea
     Raises:
         UsageError / ConfigError (exit 64), EnvFileError (exit 1), BrokerError (exit 3).
     """
-    from mam.orchestrator import fleet
-    from mam.shared import config
-    from mam.shared.registry import Registry
-
     names.validate_session(session)
     text = read_brief(brief, brief_file, stdin)
-    registry = Registry(config.resolve_root(workspace))
+    hub = open_hub(workspace)
+    registry = hub.registry
     contract = hub_contract(registry.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
                             ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
-    keys = fleet.signing_keys(registry.root)
-    cfg = config.broker_config(workspace=registry.root)
-    client = connect(cfg)
+    keys = hub.keys()
+    client = hub.connect()
     try:
         if require_online:
-            presence = fleet.read_presence(client, keys, session)
-            if presence is None or presence["status"] != "online":
+            presence = read_presence(client, keys, session)
+            if presence is None or presence["status"] != PresenceStatus.ONLINE:
                 state = "has no signed presence" if presence is None else f"is {presence['status']}"
                 print(f"ERROR: session {session} {state}; nothing dispatched (start `mam-runner run "
                       f"--session {session}` there, or drop --require-online)", file=sys.stderr)

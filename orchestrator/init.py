@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mam.shared import names
 from mam.shared.config import ENV_FILE_NAME, new_secret, resolve_root, write_env_file
 from mam.shared.errors import ConfigError, UsageError
 from mam.shared.fsio import atomic_write
@@ -84,17 +85,15 @@ def topic_subjects(topic_root: str) -> list[str]:
 
     MQTT '#' also matches the parent level itself, hence the bare root.
     """
-    from mam.shared.names import topic_root as check_root
-
     if "." in topic_root:
         raise UsageError(f"topic root {topic_root!r} is invalid on NATS: '.' separates subject levels")
-    subject = check_root(topic_root).replace("/", ".")
+    subject = names.topic_root(topic_root).replace("/", ".")
     return [subject, f"{subject}.>"]
 
 
 def render_nats_conf(*, tls: bool = False, mqtt_port: int | None = None,
                      ws_port: int | None = None, store_dir: str | None = None,
-                     topic_root: str = "python/mqtt", cert_dir: str | None = None,
+                     topic_root: str = names.DEFAULT_TOPIC_ROOT, cert_dir: str | None = None,
                      verify_clients: bool | None = None, nats_port: int | None = None) -> str:
     """The shipped nats config with deployment settings filled in.
 

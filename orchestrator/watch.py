@@ -1,23 +1,17 @@
-"""The hub's watcher: acceptance order (§3.2), liveness (§10), mirroring,
-exit codes (§9).
+"""The hub's watcher: liveness clocks (PROTOCOL §10), mirroring accepted events
+into the hub registry, and the exit codes of §9. Whether a message is accepted
+is `mam.orchestrator.acceptance` (§3.2): refusals are logged on stderr as
+`refused message: <reason>`; accepted events go to stdout as JSON lines (a
+human view on a TTY).
 
-Paho's thread only fills the client's queue; this loop takes each message
-and applies, in order: zero-length → ignored; not a UTF-8 JSON object →
-`malformed`; schema → `schema_mismatch`; job → `unexpected_job`; HMAC →
-`HMAC verify failed`; attempt/token → `stale_attempt`; seq →
-`duplicate` (with a `seq_gap` audit line on a jump); a job terminal on
-the hub → `after_terminal`. Refusals are logged on stderr; accepted events
-go to stdout as JSON lines (a human view on a TTY).
-
-Liveness (§10): before the first accepted event the ack clock runs; after
-it the idle clock (K × N), renewed by every accepted event and by a state
-only when its seq is newer than everything accepted; the wall clock runs
-from the record's creation. Whatever ends a wait that has begun (other than
-Ctrl-C), the hub record is left terminal: a liveness deadline that passes
-while the broker is unreachable closes the job `deadline_timeout` and exits 3.
-A watch that cannot reach the broker at all when it starts decides nothing
-about the job: it reports the record's own status (disk fallback) and exits
-3 without closing it, so a later watch or publish can still finish it.
+Clocks (§10): before the first accepted event the ack clock runs, after it the
+idle clock (K × N), renewed by every accepted event and by a state only when
+its seq is newer than everything accepted (§4); the wall clock runs from the
+attempt's creation. Whatever ends a wait that has begun (other than Ctrl-C)
+leaves the hub record terminal: a deadline that passes while the broker is
+unreachable closes the job `deadline_timeout` and exits 3. A watch that cannot
+reach the broker when it starts decides nothing: it reports the record's own
+status (disk fallback) and exits 3 without closing it.
 """
 
 from __future__ import annotations
@@ -30,17 +24,44 @@ import time
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from mam.shared import names
-from mam.shared.errors import ExitCode
+from mam.orchestrator.acceptance import (
+    AFTER_TERMINAL,
+    OF_CURRENT_ATTEMPT,
+    Accepted,
+    Kind,
+    Refused,
+    Seen,
+    Verdict,
+    accept,
+)
+from mam.orchestrator.control import clear_retained, close_remote
+from mam.orchestrator.hub import DAY_S, Workspace, open_hub
+from mam.shared import names, wire
+from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
+from mam.shared.config import BrokerConfig, env_float
+from mam.shared.crypto import DispatchKeys
+from mam.shared.errors import BrokerError, BrokerUnavailable, ConfigError, ExitCode, TransitionRefused, UsageError
+from mam.shared.mqtt import MqttClient
+from mam.shared.records import JobRecord, utc_now
+from mam.shared.registry import Registry
 
 log = logging.getLogger("mam.watch")
 
-STATUS_EXIT = {"completed": ExitCode.COMPLETED, "error": ExitCode.ERROR, "cancelled": ExitCode.CANCELLED}
+STATUS_EXIT: dict[str, ExitCode] = {JobStatus.COMPLETED: ExitCode.COMPLETED, JobStatus.ERROR: ExitCode.ERROR,
+               JobStatus.CANCELLED: ExitCode.CANCELLED}
 REGISTRY_POLL_S = 0.5
 # A terminal state waits this long for its terminal event before it resolves the job:
 # brokers do not order messages across topics (nats-server delivers each subscription
 # on its own), and the event carries what the state lacks (detail, data.exit_code).
 STATE_GRACE_S = 1.0
+# §6 confirmation: the runner's SIGTERM→SIGKILL grace (MAM_CANCEL_GRACE_S; the runner's
+# default, runner.daemon.DEFAULT_CANCEL_GRACE_S) plus a margin for its terminal publish.
+CANCEL_GRACE_S = 10.0
+CONFIRM_MARGIN_S = 5.0
+MIN_WAIT_S = 0.01
+MAX_OPTION_S = 366 * DAY_S  # a watch option beyond a year is a mistake
+CLOCK_CHARS = slice(11, 19)  # HH:MM:SS of a §3 timestamp, for the human view
+TOPIC_KINDS: dict[str, Kind] = {"events": "event", "state": "state"}
 
 
 @dataclass(frozen=True)
@@ -65,12 +86,10 @@ class Detached(Exception):
     """Ctrl-C: the job keeps running."""
 
 
-def _wall_deadline(record: dict[str, Any], timeout_s: float) -> float:
+def _wall_deadline(record: JobRecord, timeout_s: float) -> float:
     """The wall-clock deadline of §10 on the monotonic clock, from the record's creation."""
-    from mam.shared.wire import parse_ts
-
     try:  # a redispatched attempt gets its own budget (§10: "timeout_sec after the dispatch")
-        created = parse_ts(record.get("attempt_created_at") or record["created_at"]).timestamp()
+        created = wire.parse_ts(record.get("attempt_created_at") or record["created_at"]).timestamp()
     except (KeyError, ValueError, TypeError):
         created = time.time()
     return time.monotonic() + max(0.0, created + timeout_s - time.time())
@@ -83,18 +102,25 @@ class Watcher:
         registry: the hub `Registry` holding the job (for its auth_token).
         job_id: the job.
         client: a connected `MqttClient`, or None to connect here.
-        config: the BrokerConfig used when `client` is None.
+        config: the BrokerConfig used when `client` is None (default: the client's).
         options: `WatchOptions`.
         keys: `DispatchKeys` to publish a cancel on close (None: hub-only close).
         out: where accepted events go (stdout).
+    Raises:
+        UsageError: a bad job id. TypeError: neither `client` nor `config`.
     """
 
-    def __init__(self, registry: Any, job_id: str, *, client: Any = None, config: Any = None,
-                 options: WatchOptions = WatchOptions(), keys: Any = None, out: TextIO | None = None) -> None:
+    def __init__(self, registry: Registry, job_id: str, *, client: MqttClient | None = None,
+                 config: BrokerConfig | None = None, options: WatchOptions = WatchOptions(),
+                 keys: DispatchKeys | None = None, out: TextIO | None = None) -> None:
         self.registry = registry
         self.job_id = names.validate_job_id(job_id)
         self.client = client
-        self.config = config if config is not None else getattr(client, "config", None)
+        if config is None:
+            if client is None:
+                raise TypeError("Watcher needs a connected client or a broker config")
+            config = client.config
+        self.config = config
         self.options = options
         self.keys = keys
         self.out = out if out is not None else sys.stdout
@@ -104,7 +130,7 @@ class Watcher:
         self.accepted_any = False
         self.terminal: str | None = None
         self.refusals: list[str] = []
-        self._terminal_state: Any = None  # a terminal §4 state waiting for its event
+        self._terminal_state: wire.State | None = None  # a terminal §4 state waiting for its event
         self.runner_ended = False  # a verified terminal event or state of the current attempt
         self._terminal_state_at = 0.0
         self._owns_client = False
@@ -115,7 +141,7 @@ class Watcher:
     def _emit(self, payload: dict[str, Any]) -> None:
         if self.human:
             data = payload.get("data", {})
-            stamp = str(payload.get("timestamp", ""))[11:19]
+            stamp = str(payload.get("timestamp", ""))[CLOCK_CHARS]
             extra = f" (exit {data['exit_code']})" if "exit_code" in data else ""
             self.out.write(f"{stamp} {payload['job_id']} #{payload['seq']:<4} {payload['event']:<20} "
                            f"{payload.get('detail', '')}{extra}\n")
@@ -130,67 +156,60 @@ class Watcher:
     # ------------------------------------------------------------ acceptance
 
     def handle(self, topic: str, raw: bytes) -> bool:
-        """Apply §3.2 to one message. Returns True when it renewed liveness."""
-        from mam.shared import crypto, wire
-        from mam.shared.errors import DecodeError, SignatureError, TransitionRefused
+        """Judge one message by §3.2 (`acceptance.accept`) and act on the verdict.
 
+        Returns:
+            True when it renewed liveness (§10).
+        Raises:
+            RegistryError: the hub record cannot be read or written.
+        """
         if len(raw) == 0:
-            return False
+            return False  # §3.2 rule 1, before anything is read
         parsed = names.parse_job_topic(topic, self.config.topic_root)
-        leaf = parsed[1] if parsed else ""
-        if leaf not in ("events", "state"):
+        kind = TOPIC_KINDS.get(parsed[1] if parsed else "")
+        if kind is None:
             return False
-        try:
-            message = wire.decode(raw, "event" if leaf == "events" else "state")
-        except DecodeError as exc:
-            code, _, why = exc.reason.partition(":")
-            self._refuse(code, why.strip())
-            return False
-        if message.job_id != self.job_id:
-            self._refuse("unexpected_job", f"job_id {message.job_id}")
-            return False
-        record = self.registry.get(self.job_id)
-        payload = message.to_dict()
-        try:
-            crypto.verify_event(payload, record["auth_token"])
-        except SignatureError:
-            self._refuse("HMAC verify failed", f"{leaf} seq {message.seq}")
-            return False
-        if message.attempt_id != record["attempt_id"] or message.dispatch_token != record["dispatch_token"]:
-            self._refuse("stale_attempt", f"attempt {message.attempt_id}, current {record['attempt_id']}")
-            return False
-        if message.terminal:
-            self.runner_ended = True  # the runner reported its end of this attempt (§6 confirmation)
-        if leaf == "state":
-            return self._handle_state(message, record)
-        if message.seq <= self.highest_event:
-            self._refuse("duplicate", f"seq {message.seq} <= {self.highest_event}")
-            return False
-        if self.terminal is not None:
-            self._refuse("after_terminal", f"{message.event} seq {message.seq} after {self.terminal}")
-            return False
-        if self.options.remote:
-            try:
-                self.registry.accept_event(self.job_id, payload, source="remote_mirror")
-            except TransitionRefused as exc:
-                reason = getattr(exc, "reason", "after_terminal")
-                self._refuse(reason, str(exc))
-                if reason == "after_terminal":
-                    self._resolve_from_record()
+        if kind == "event" and self.options.remote:
+            verdict = self._accept_and_mirror(raw)
+        else:
+            verdict = accept(raw, kind=kind, job_id=self.job_id, record=self.registry.get(self.job_id),
+                             seen=Seen(self.highest_event, self.terminal))
+        if isinstance(verdict, Refused):
+            if verdict.silent:
                 return False
-        elif message.seq > self.highest_event + 1:
-            self._audit_gap(self.highest_event + 1, message.seq)
+            if verdict.reason in OF_CURRENT_ATTEMPT and verdict.message is not None and verdict.message.terminal:
+                self.runner_ended = True  # the runner reported its end of this attempt (§6 confirmation)
+            self._refuse(verdict.reason, verdict.detail)
+            if self.options.remote and verdict.reason == AFTER_TERMINAL:
+                self._resolve_from_record()
+            return False
+        message = verdict.message
+        if message.terminal:
+            self.runner_ended = True
+        if isinstance(message, wire.State):
+            return self._handle_state(message)
+        if verdict.gap is not None and not self.options.remote:
+            self._audit_gap(*verdict.gap)  # the registry logged it with the event when mirroring
         self.highest_event = message.seq
         self.highest_any = max(self.highest_any, message.seq)
         self.accepted_any = True
-        self._emit(payload)
-        if message.event in wire.TERMINAL_EVENTS:
-            self.terminal = "completed" if message.event == "completed" else "error"
+        self._emit(message.to_dict())
+        if message.terminal:
+            self.terminal = JobStatus.COMPLETED if message.event == "completed" else JobStatus.ERROR
             if self.options.remote:
                 self._resolve_from_record()
         return True
 
-    def _handle_state(self, message: Any, record: dict[str, Any]) -> bool:
+    def _accept_and_mirror(self, raw: bytes) -> Verdict:
+        """§3.2 against the hub record under the registry lock, and store an accepted event (§10)."""
+        with self.registry.transaction(self.job_id) as txn:
+            seen = Seen(self.highest_event, self.terminal).merged(Seen.of_record(txn.record))
+            verdict = accept(raw, kind="event", job_id=self.job_id, record=txn.record, seen=seen)
+            if isinstance(verdict, Accepted):
+                txn.store_event(verdict.message.to_dict(), source="remote_mirror", gap=verdict.gap)
+        return verdict
+
+    def _handle_state(self, message: wire.State) -> bool:
         newer = message.seq > self.highest_any
         if newer and message.seq > self.highest_any + 1 and message.seq > self.highest_event + 1:
             self._audit_gap(self.highest_any + 1, message.seq)
@@ -202,9 +221,8 @@ class Watcher:
             self._terminal_state_at = time.monotonic()
         return newer
 
-    def _settle_state(self) -> None:
+    def _settle_state(self, message: wire.State) -> None:
         """Resolve the job from a terminal state whose event did not come (§4)."""
-        message = self._terminal_state
         status = message.status
         if self.options.remote:
             self._mirror_terminal_state(message)
@@ -212,9 +230,7 @@ class Watcher:
         self.terminal = status
         log.info("job %s resolved from the retained state: %s", self.job_id, status)
 
-    def _mirror_terminal_state(self, message: Any) -> None:
-        from mam.shared.errors import TransitionRefused
-
+    def _mirror_terminal_state(self, message: wire.State) -> None:
         try:
             self.registry.transition(self.job_id, message.status if message.status != "cancelled" else "error",
                                      source="remote_mirror", reason="retained terminal state",
@@ -228,16 +244,13 @@ class Watcher:
         sides. Wait up to the runner's cancel grace + 5 s for its terminal event
         or state, then clear the control; without a confirmation it stays
         retained for a runner that reconnects (and `mam-orch gc` clears it later)."""
-        from mam.orchestrator.fleet import clear_retained
-        from mam.shared.config import env_float
-        from mam.shared.errors import BrokerError
-
-        if not self.options.remote or self.client is None:
+        client = self.client
+        if not self.options.remote or client is None:
             return
-        deadline = time.monotonic() + env_float("MAM_CANCEL_GRACE_S", 10.0) + 5.0
+        deadline = time.monotonic() + env_float("MAM_CANCEL_GRACE_S", CANCEL_GRACE_S) + CONFIRM_MARGIN_S
         while not self.runner_ended and time.monotonic() < deadline:
             try:
-                message = self.client.messages.get(timeout=max(0.01, deadline - time.monotonic()))
+                message = client.messages.get(timeout=max(MIN_WAIT_S, deadline - time.monotonic()))
             except queue.Empty:
                 break
             self.handle(message.topic, message.payload)
@@ -245,31 +258,24 @@ class Watcher:
             log.info("job %s: no confirmation from the runner yet; the cancel stays retained", self.job_id)
             return
         try:
-            clear_retained(self.client, names.control_topic(self.job_id, self.config.topic_root))
+            clear_retained(client, names.control_topic(self.job_id, self.config.topic_root))
         except BrokerError as exc:
             log.warning("job %s: the retained cancel was not cleared: %s", self.job_id, exc)
 
     def _resolve_from_record(self) -> None:
-        from mam.shared.codes import TERMINAL_STATUSES
-
         status = self.registry.get(self.job_id)["status"]
         if status in TERMINAL_STATUSES:
             self.terminal = status
 
     def _audit_gap(self, expected: int, got: int) -> None:
-        from mam.shared.registry import utc_now
-
         self.registry.append_audit(self.job_id, {"event": "seq_gap", "timestamp": utc_now(),
                                                  "expected": expected, "got": got, "source": "watch"})
 
     # ---------------------------------------------------------------- loop
 
     def _connect(self) -> bool:
-        from mam.shared import mqtt
-        from mam.shared.errors import BrokerUnavailable
-
         if self.client is None:
-            client = mqtt.MqttClient(self.config, "watch")
+            client = MqttClient(self.config, "watch")
             try:
                 client.connect()
             except BrokerUnavailable as exc:
@@ -301,27 +307,23 @@ class Watcher:
 
     def _finish_from_disk(self, why: str) -> int:
         """Disk fallback (§10): the hub's own record decides; else exit 3."""
-        from mam.shared.codes import TERMINAL_STATUSES
-
         status = self.registry.get(self.job_id)["status"]
         if status in TERMINAL_STATUSES:
             log.info("job %s is %s on disk (%s)", self.job_id, status, why)
-            return STATUS_EXIT[status]
+            return _exit_of(status)
         log.error("job %s: %s; the hub record says %s", self.job_id, why, status)
         return ExitCode.BROKER
 
     def _close(self, close_reason: str) -> int:
-        from mam.orchestrator.fleet import close_remote
-
         connected = self.client is not None and self.client.connected.is_set()
         record = close_remote(self.registry, self.client if connected else None, self.keys,
                               self.job_id, close_reason)
         if record.get("close_reason") != close_reason:
-            return STATUS_EXIT.get(record["status"], ExitCode.ERROR)  # it ended some other way first
+            return _exit_of(record["status"])  # it ended some other way first
         log.error("job %s closed: %s", self.job_id, close_reason)
         if not connected:
             return ExitCode.BROKER
-        return ExitCode.ERROR if close_reason == "agent_blocked" else ExitCode.TIMEOUT
+        return ExitCode.ERROR if close_reason == CloseReason.AGENT_BLOCKED else ExitCode.TIMEOUT
 
     def run(self) -> int:
         """Watch until the job ends; returns the exit code of §9.
@@ -330,8 +332,6 @@ class Watcher:
             Detached: on KeyboardInterrupt (the job keeps running).
             RegistryError: the hub record cannot be read.
         """
-        from mam.shared.codes import TERMINAL_STATUSES
-
         record = self.registry.get(self.job_id)
         if record["status"] in TERMINAL_STATUSES:
             return self._finish_from_disk("already terminal")
@@ -342,10 +342,13 @@ class Watcher:
         try:
             if not self._subscribed and not self.subscribe():
                 return self._finish_from_disk("broker unreachable")
+            client = self.client
+            if client is None:  # subscribe() connected one
+                return self._finish_from_disk("broker unreachable")
             start = time.monotonic()
             wall_deadline = _wall_deadline(record, wall_s)
             first_deadline = start + (ack_s if opts.ack_only_before_first else ack_s + idle_s)
-            if record["status"] == "running":
+            if record["status"] == JobStatus.RUNNING:
                 first_deadline = start + idle_s  # re-attached to a running job: no ack phase
             last_alive = start
             next_poll = start
@@ -356,33 +359,39 @@ class Watcher:
                     self._resolve_from_record()  # e.g. `mam-orch cancel` from another shell
                     if self.terminal is not None:
                         break
-                if self._terminal_state is not None and now >= self._terminal_state_at + STATE_GRACE_S:
-                    self._settle_state()
+                pending_state = self._terminal_state
+                if pending_state is not None and now >= self._terminal_state_at + STATE_GRACE_S:
+                    self._settle_state(pending_state)
                     break
                 deadline = min(wall_deadline, (last_alive + idle_s) if self.accepted_any else first_deadline)
-                if self._terminal_state is not None:
+                if pending_state is not None:
                     deadline = min(deadline, self._terminal_state_at + STATE_GRACE_S)
-                if now >= deadline and self._terminal_state is None:
+                if now >= deadline and pending_state is None:
                     if now >= wall_deadline:
-                        return self._close("deadline_timeout")
-                    if not self.accepted_any and record["status"] == "pending" and \
-                            self.registry.get(self.job_id)["status"] == "pending":
-                        return self._close("agent_blocked")
-                    return self._close("deadline_timeout")
+                        return self._close(CloseReason.DEADLINE_TIMEOUT)
+                    if not self.accepted_any and record["status"] == JobStatus.PENDING and \
+                            self.registry.get(self.job_id)["status"] == JobStatus.PENDING:
+                        return self._close(CloseReason.AGENT_BLOCKED)
+                    return self._close(CloseReason.DEADLINE_TIMEOUT)
                 try:
-                    message = self.client.messages.get(timeout=max(0.01, min(deadline, next_poll) - now))
+                    message = client.messages.get(timeout=max(MIN_WAIT_S, min(deadline, next_poll) - now))
                 except queue.Empty:
                     continue
                 if self.handle(message.topic, message.payload):
                     last_alive = time.monotonic()
-            if self.terminal == "cancelled":
+            if self.terminal == JobStatus.CANCELLED:
                 self._confirm_cancel()
-            return STATUS_EXIT.get(self.terminal, ExitCode.ERROR)
+            return _exit_of(self.terminal)
         except KeyboardInterrupt:
             raise Detached(self.job_id) from None
         finally:
             if self._owns_client and self.client is not None:
                 self.client.close()
+
+
+def _exit_of(status: str | None) -> int:
+    """The §9 exit code of a terminal status (1 for anything else)."""
+    return STATUS_EXIT.get(status or "", ExitCode.ERROR)
 
 
 def detach_hint(job_id: str) -> str:
@@ -391,35 +400,29 @@ def detach_hint(job_id: str) -> str:
             f"Cancel: mam-orch cancel {job_id}")
 
 
-def watch_cli(job_id: str, *, workspace: str | None, remote: bool, idle_timeout_s: float | None,
+def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s: float | None,
               ack_timeout_s: float | None, timeout_s: float | None) -> int:
     """`mam-orch watch`: returns the exit code of §9 (130 when detached with Ctrl-C).
 
     Raises:
         UsageError, EnvFileError, ConfigError, RegistryError.
     """
-    from mam.shared import config
-    from mam.shared.errors import ConfigError, UsageError
-    from mam.shared.registry import Registry
-
     names.validate_job_id(job_id)
     for name, value in (("--idle-timeout", idle_timeout_s), ("--ack-timeout", ack_timeout_s),
                         ("--timeout", timeout_s)):
-        if value is not None and not 0 < value <= 366 * 86400:
+        if value is not None and not 0 < value <= MAX_OPTION_S:
             raise UsageError(f"{name} {value:g} is invalid: expected seconds > 0")
-    registry = Registry(config.resolve_root(workspace))
-    record = registry.get(job_id)
+    hub = open_hub(workspace)
+    record = hub.registry.get(job_id)
     remote = remote or record.get("transport") == "remote" and record.get("role") == "hub"
-    cfg = config.broker_config(record.get("broker") or None, workspace=registry.root)
+    cfg = hub.broker_config(record)
     keys = None
     if remote:
         try:
-            from mam.orchestrator.fleet import signing_keys
-
-            keys = signing_keys(registry.root)
+            keys = hub.keys()
         except ConfigError as exc:
             log.warning("%s; a close will not publish a cancel", exc)
-    watcher = Watcher(registry, job_id, config=cfg, keys=keys,
+    watcher = Watcher(hub.registry, job_id, config=cfg, keys=keys,
                       options=WatchOptions(remote=remote, ack_timeout_s=ack_timeout_s,
                                            idle_timeout_s=idle_timeout_s, timeout_s=timeout_s))
     try:

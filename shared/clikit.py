@@ -18,7 +18,7 @@ import typer
 
 from mam.shared import __version__
 from mam.shared.errors import EnvFileError, ExitCode, MamError, exit_code_for
-from mam.shared.registry import cli_jobs, cli_show
+from mam.shared.render import cli_jobs, cli_show
 
 try:  # typer >= 0.2x vendors click; older versions depend on it
     from typer._click.exceptions import ClickException

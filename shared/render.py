@@ -1,11 +1,19 @@
-"""Human views for a TTY: plain-text tables of registry records and an
-audit trail. Callers redact secrets first (`registry.redact`); these
-functions print what they are given."""
+"""The `jobs` and `show` commands of both CLIs (PROTOCOL §8) and their human
+views for a TTY: plain-text tables of registry records and an audit trail.
+The views print what they are given; the commands redact secrets first
+(`records.redact`)."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TextIO
+
+from mam.shared import names
+from mam.shared.records import redact
+from mam.shared.registry import Registry
 
 JOB_COLUMNS = (("JOB", "job_id"), ("STATUS", "status"), ("SESSION", "session"), ("ROLE", "role"),
                ("ATTEMPT", "attempt_id"), ("SEQ", "last_seq"), ("CLOSE", "close_reason"),
@@ -57,3 +65,49 @@ def show_text(record: Mapping[str, Any], trail: Sequence[Mapping[str, Any]]) -> 
             detail = " ".join(f"{k}={_cell(v)}" for k, v in sorted(rest.items()))
         lines.append(f"  {stamp}  {event:<16} {detail}")
     return "\n".join(lines) + "\n"
+
+
+def cli_jobs(*, workspace: str | os.PathLike[str] | None, status: str | None, as_json: bool,
+             stream: TextIO | None = None) -> int:
+    """`mam-orch jobs` / `mam-runner jobs`: list this host's records (§8), secrets
+    redacted; a table on a TTY, JSON lines otherwise or with `as_json`.
+
+    Returns:
+        0, or 1 when some record was corrupt (reported on stderr, listing goes on).
+    Raises:
+        UsageError: a bad status. RegistryError: the jobs folder cannot be listed.
+    """
+    out = stream or sys.stdout
+    registry = Registry.at(workspace)
+    records, errors = registry.list(status)
+    safe = [redact(r) for r in records]
+    if as_json or not out.isatty():
+        for record in safe:
+            out.write(json.dumps(record, sort_keys=True) + "\n")
+    else:
+        out.write(jobs_table(safe))
+    for exc in errors:
+        print(f"ERROR: {exc}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def cli_show(*, workspace: str | os.PathLike[str] | None, job_id: str, as_json: bool,
+             stream: TextIO | None = None) -> int:
+    """`mam-orch show` / `mam-runner show`: one record and its audit trail (§8),
+    secrets redacted; human view on a TTY, one JSON object otherwise.
+
+    Returns:
+        0.
+    Raises:
+        UsageError: bad job id. JobNotFound / RegistryError: no or corrupt record.
+    """
+    names.validate_job_id(job_id)
+    out = stream or sys.stdout
+    registry = Registry.at(workspace)
+    record = redact(registry.get(job_id))
+    trail = redact(registry.audit(job_id))
+    if as_json or not out.isatty():
+        out.write(json.dumps({"record": record, "audit": trail}, sort_keys=True) + "\n")
+    else:
+        out.write(show_text(record, trail))
+    return 0

@@ -22,8 +22,8 @@ import psutil
 import pytest
 from helpers import TEST_SECRET, clean_env, wait_until, write_env_for
 
+from mam.orchestrator.control import publish_cancel
 from mam.orchestrator.dispatch import build_dispatch, publish_dispatch
-from mam.orchestrator.fleet import publish_cancel
 from mam.shared import crypto, names, wire
 from mam.shared.mqtt import MqttClient
 from mam.shared.registry import Contract, Registry
@@ -909,7 +909,7 @@ def test_s6_replayed_dispatch_of_a_cancelled_attempt_never_runs(nats_broker, tmp
     cleared), the attacker re-publishes the captured dispatch retained, then a runner starts.
     The runner keeps the verified cancel of the unknown job as a tombstone and refuses the
     dispatch (one line); the agent never runs; a valid dispatch afterwards still runs."""
-    from mam.orchestrator.fleet import clear_dispatch
+    from mam.orchestrator.control import clear_dispatch
 
     marker = tmp_path / "runs.txt"
     record, captured = hub.dispatch('echo replayed >> "$MARKER"')  # nobody online: stays retained

@@ -18,6 +18,7 @@ import pytest
 from fleet import AGENTS, MODES, Fleet
 from helpers import wait_until
 
+from mam.orchestrator.acceptance import mirror_event
 from mam.shared import crypto, names, wire
 from mam.shared.registry import Contract, Registry
 
@@ -258,7 +259,7 @@ def test_s10_s8_runner_kill9_deadline_then_redispatch_elsewhere_and_stragglers_r
     stale = [e for e in fleet.events_on_wire(job_id) if e["data"]["attempt_id"] == 1]
     assert stale
     with pytest.raises(Exception) as refused:
-        Registry(fleet.hub_ws).accept_event(job_id, stale[-1])
+        mirror_event(Registry(fleet.hub_ws), job_id, stale[-1])
     assert getattr(refused.value, "reason", "") == "stale_attempt"
 
     # gpu-box's runner comes back: it does not run anything again

@@ -10,6 +10,7 @@ import stat
 
 import pytest
 
+from mam.orchestrator.acceptance import mirror_event
 from mam.shared import clikit, names
 from mam.shared.errors import (
     ConfigError,
@@ -25,10 +26,9 @@ from mam.shared.registry import (
     Refusal,
     Registry,
     StaleTransition,
-    cli_jobs,
-    cli_show,
     redact,
 )
+from mam.shared.render import cli_jobs, cli_show
 
 
 @pytest.fixture
@@ -254,7 +254,7 @@ def test_s8_late_completed_after_deadline_timeout_close_is_refused(reg):
         reg.record_event(jid, event="completed", build=payload_for(jid, rec, "completed"), **ident(rec))
     assert info.value.reason == "after_terminal"
     with pytest.raises(Refusal):
-        reg.accept_event(jid, payload_for(jid, rec, "completed")(3))
+        mirror_event(reg, jid, payload_for(jid, rec, "completed")(3))
     assert reg.get(jid)["status"] == "error"
 
 
@@ -415,51 +415,6 @@ def test_s8_unknown_job_is_a_registry_error(reg):
         reg.get("12345678")
     with pytest.raises(JobNotFound):
         reg.close("12345678", "cancelled")
-
-
-# ---------------------------------------------------------- hub acceptance
-
-def test_s3_2_accept_event_mirrors_started_and_terminal_logs_gaps_and_refuses(reg):
-    rec = reg.register(session="gpu-box")
-    jid = rec["job_id"]
-    first = reg.accept_event(jid, payload_for(jid, rec, "started")(1))
-    assert first.gap is None and first.record["status"] == "running"
-    with pytest.raises(Refusal) as info:
-        reg.accept_event(jid, payload_for(jid, rec, "progress")(1))
-    assert info.value.reason == "duplicate"
-    gap = reg.accept_event(jid, payload_for(jid, rec, "progress")(4))
-    assert gap.gap == (2, 4) and gap.record["last_seq"] == 4
-    seq_gap = [line for line in reg.audit(jid) if line["event"] == "seq_gap"]
-    assert seq_gap and (seq_gap[0]["expected"], seq_gap[0]["got"]) == (2, 4)
-    terminal = payload_for(jid, rec, "error")(5)
-    terminal["data"]["exit_code"] = 7
-    end = reg.accept_event(jid, terminal)
-    assert end.record["status"] == "error" and end.record["exit_code"] == 7
-    # a re-delivered retained terminal is a duplicate (step 6 comes before step 7)
-    with pytest.raises(Refusal) as info:
-        reg.accept_event(jid, terminal)
-    assert info.value.reason == "duplicate"
-    with pytest.raises(Refusal) as info:
-        reg.accept_event(jid, payload_for(jid, rec, "progress")(6))
-    assert info.value.reason == "after_terminal"
-
-
-def test_s3_2_accept_event_refuses_stale_and_malformed(reg):
-    rec = reg.register(session="gpu-box")
-    jid = rec["job_id"]
-    bad = payload_for(jid, rec, "started")(1)
-    bad["data"]["dispatch_token"] = "f" * 32
-    with pytest.raises(StaleTransition):
-        reg.accept_event(jid, bad)
-    bad["data"] = "nope"
-    with pytest.raises(StaleTransition):
-        reg.accept_event(jid, bad)
-    for seq in (0, -1, "1", True, None):
-        with pytest.raises(UsageError, match="seq"):
-            reg.accept_event(jid, dict(payload_for(jid, rec, "started")(1), seq=seq))
-    with pytest.raises(UsageError, match="event"):
-        reg.accept_event(jid, dict(payload_for(jid, rec, "started")(1), event="state"))
-    assert reg.get(jid)["status"] == "pending"
 
 
 # ------------------------------------------------------------ runner mirror
@@ -679,3 +634,35 @@ def test_redact_masks_tokens_at_any_depth():
     obj = {"auth_token": "s", "a": [{"dispatch_token": ""}], "b": {"c": {"dispatch_token": "x"}}}
     assert redact(obj) == {"auth_token": "<set>", "a": [{"dispatch_token": "<unset>"}],
                            "b": {"c": {"dispatch_token": "<set>"}}}
+
+
+# ------------------------------------------------------------- transaction
+
+def test_s8_transaction_commits_at_the_end_and_writes_nothing_on_an_exception(reg):
+    rec = reg.register(session="gpu-box")
+    jid = rec["job_id"]
+    before = snapshot(reg, jid)
+    with pytest.raises(RuntimeError), reg.transaction(jid) as txn:
+        seq = txn.take_seq("started", **ident(rec))
+        txn.log(payload_for(jid, rec, "started")(seq))
+        raise RuntimeError("signing failed")
+    assert snapshot(reg, jid) == before
+    with reg.transaction(jid) as txn:
+        seq = txn.take_seq("started", **ident(rec))
+        txn.log(payload_for(jid, rec, "started")(seq))
+        assert reg.get(jid)["status"] == "pending"  # nothing is written before the block ends
+    after = reg.get(jid)
+    assert seq == 1 and after["status"] == "running" and after["last_seq"] == 1
+    events = [line["event"] for line in reg.audit(jid)]
+    assert events[-2:] == ["started", "status_changed"]
+
+
+def test_s8_transaction_refuses_a_stale_worker_before_anything_is_queued(reg):
+    rec = reg.register(session="gpu-box")
+    jid = rec["job_id"]
+    before = snapshot(reg, jid)
+    with pytest.raises(StaleTransition), reg.transaction(jid) as txn:
+        txn.take_seq("started", attempt_id=2, dispatch_token=rec["dispatch_token"])
+    with pytest.raises(UsageError, match="event"), reg.transaction(jid) as txn:
+        txn.take_seq("state", **ident(rec))
+    assert snapshot(reg, jid) == before

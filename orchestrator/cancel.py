@@ -1,0 +1,76 @@
+"""`mam-orch cancel` (PROTOCOL §6, §8, §10): the hub's record goes `cancelled`,
+the retained dispatch is cleared and a signed retained cancel is published."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from mam.orchestrator.control import cancel_owed, clear_dispatch, publish_cancel
+from mam.orchestrator.hub import Workspace, open_hub
+from mam.shared import names
+from mam.shared.codes import TERMINAL_STATUSES
+from mam.shared.errors import BrokerError, TransitionRefused
+from mam.shared.records import JobRecord
+
+
+def _print_result(record: JobRecord, changed: bool) -> None:
+    print(json.dumps({"job_id": record["job_id"], "status": record["status"], "attempt_id": record["attempt_id"],
+                      "changed": changed}), flush=True)
+
+
+def cancel(job_id: str, *, workspace: Workspace = None, reason: str = "operator") -> int:
+    """`mam-orch cancel` (§6, §8, §10).
+
+    Order: the job id and record first (unknown job: one line, exit 1); a job
+    that ended on its own (completed, or an error its runner reported) is
+    reported and nothing is sent (exit 0); then MAM_DISPATCH_SECRET and the
+    broker settings, then the connection (unreachable: exit 3 and the record
+    is unchanged); then an unfinished record goes `cancelled` (CAS, source
+    operator), the retained dispatch is cleared (a runner that has not taken
+    it never will) and the signed retained cancel is published (a runner
+    holding the attempt stops the agent). A job the hub already closed
+    (cancelled, deadline_timeout, agent_blocked) gets its cancel published
+    again: the first one may never have reached the broker (§10: a remote
+    agent never outlives the hub's decision). A dispatch or watch attached to
+    the job sees the record and exits 4.
+
+    Prints one JSON line on stdout: {"job_id", "status", "attempt_id", "changed"}.
+
+    Returns:
+        0.
+    Raises:
+        UsageError (64), ConfigError (64), JobNotFound / RegistryError (1),
+        BrokerError (3; after the record changed, the message says the runner was not told).
+    """
+    names.validate_job_id(job_id)
+    hub = open_hub(workspace)
+    registry = hub.registry
+    record = registry.get(job_id)
+    changed = False
+    if record["status"] not in TERMINAL_STATUSES or cancel_owed(record):
+        keys = hub.keys()
+        client = hub.connect("cancel", record)
+        try:
+            if record["status"] not in TERMINAL_STATUSES:
+                try:
+                    record = registry.close(job_id, "cancelled", source="operator", reason=reason)
+                    changed = True
+                except TransitionRefused:
+                    record = registry.get(job_id)  # it ended while we connected
+            if changed or cancel_owed(record):
+                try:
+                    clear_dispatch(client, job_id)
+                    publish_cancel(client, record, keys, reason)
+                except BrokerError as exc:
+                    raise BrokerError(f"job {job_id} is {record['status']} on the hub, but its runner was not "
+                                      f"told: {exc}; run `mam-orch cancel {job_id}` again") from None
+                what = "cancelled" if changed else f"already {record['status']}; sent the cancel to its runner again"
+                print(f"job {job_id} (attempt {record['attempt_id']}): {what}", file=sys.stderr)
+                _print_result(record, changed)
+                return 0
+        finally:
+            client.close()
+    print(f"job {job_id} is already {record['status']}; nothing to cancel", file=sys.stderr)
+    _print_result(record, False)
+    return 0

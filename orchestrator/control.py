@@ -1,0 +1,98 @@
+"""What the hub publishes to a job's retained topics besides the dispatch:
+the signed cancel of PROTOCOL §6, clearing retained topics (§2), and the
+hub's close of an unfinished job (§10). Every function takes an already
+connected client, so a command uses one connection.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mam.shared import crypto, names, wire
+from mam.shared.codes import CloseReason, JobStatus
+from mam.shared.crypto import DispatchKeys
+from mam.shared.errors import BrokerError, TransitionRefused
+from mam.shared.mqtt import MqttClient
+from mam.shared.records import JobRecord
+from mam.shared.registry import Registry
+
+log = logging.getLogger("mam.fleet")
+
+# The hub's own closes: the runner may not know the job ended (§10).
+HUB_CLOSES = frozenset({CloseReason.DEADLINE_TIMEOUT, CloseReason.AGENT_BLOCKED})
+
+
+def publish_cancel(client: MqttClient, record: JobRecord, keys: DispatchKeys, reason: str) -> None:
+    """Publish the signed, retained cancel of §6 for the record's current attempt.
+
+    Args:
+        client: a connected `MqttClient`.
+        record: the hub record (job_id, attempt_id).
+        keys: `DispatchKeys`.
+        reason: short text, e.g. "operator", "deadline_timeout".
+    Raises:
+        BrokerError: no PUBACK.
+    """
+    control = wire.Control.cancel(record["job_id"], record["attempt_id"], reason)
+    payload = wire.encode(crypto.sign(control.to_dict(), keys.sign_key))
+    client.publish(names.control_topic(record["job_id"], client.config.topic_root), payload, retain=True)
+
+
+def clear_retained(client: MqttClient, topic: str) -> None:
+    """Clear a retained topic: a zero-length retained publish (§2).
+
+    Raises:
+        BrokerError: no PUBACK.
+    """
+    client.publish(topic, b"", retain=True)
+
+
+def clear_dispatch(client: MqttClient, job_id: str) -> None:
+    """Clear the job's retained dispatch (§2, §10 agent_blocked).
+
+    Raises:
+        BrokerError: no PUBACK.
+    """
+    clear_retained(client, names.dispatch_topic(job_id, client.config.topic_root))
+
+
+def cancel_owed(record: JobRecord) -> bool:
+    """True when the hub decided this job's end but its runner may not know:
+    cancelled, or closed unfinished (deadline_timeout, agent_blocked) — §10."""
+    return record["status"] == JobStatus.CANCELLED or (
+        record["status"] == JobStatus.ERROR and record.get("close_reason") in HUB_CLOSES)
+
+
+def close_remote(registry: Registry, client: MqttClient | None, keys: DispatchKeys | None, job_id: str,
+                 close_reason: str) -> JobRecord:
+    """Close an unfinished job on the hub and tell its runner (§10): the
+    record goes terminal first (so no job stays pending/running whatever
+    happens next), then the retained dispatch is cleared for `agent_blocked`
+    and a cancel is published so the agent never outlives the decision.
+
+    Args:
+        client: a connected client, or None (hub-only close, logged).
+        keys: the dispatch keys, or None (hub-only close, logged).
+        close_reason: deadline_timeout, agent_blocked or cancelled.
+    Returns:
+        the record after the close (unchanged if it was already terminal).
+    Raises:
+        RegistryError: the record cannot be read or written.
+    """
+    try:
+        record = registry.close(job_id, close_reason, source="delegate_wrapper")
+    except TransitionRefused:
+        return registry.get(job_id)
+    if client is None or keys is None:
+        log.warning("job %s closed %s on the hub only: no %s to tell the runner; once that is fixed, "
+                    "`mam-orch cancel %s` sends the cancel", job_id, close_reason,
+                    "broker connection" if client is None else "MAM_DISPATCH_SECRET", job_id)
+        return record
+    try:
+        if close_reason == CloseReason.AGENT_BLOCKED:
+            clear_dispatch(client, job_id)
+        publish_cancel(client, record, keys, close_reason)
+    except BrokerError as exc:
+        log.warning("job %s closed %s on the hub; the cancel was not published: %s; `mam-orch cancel %s` "
+                    "sends it again", job_id, close_reason, exc, job_id)
+    return record

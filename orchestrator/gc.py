@@ -1,0 +1,72 @@
+"""`mam-orch gc`: retention of the retained topics of ended jobs (PROTOCOL §2)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from mam.orchestrator.control import clear_retained
+from mam.orchestrator.hub import DAY_S, Workspace, open_hub
+from mam.shared import names
+from mam.shared.codes import TERMINAL_STATUSES
+from mam.shared.errors import UsageError
+from mam.shared.records import JobRecord, utc_now
+from mam.shared.wire import parse_ts
+
+RETAINED_LEAVES = ("dispatch", "events", "state", "control")
+RETENTION_DAYS = 7
+MAX_RETENTION_DAYS = 36500
+GC_AUDIT_EVENT = "retained_cleared"
+
+
+def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = None, dry_run: bool = False) -> int:
+    """`mam-orch gc`: clear the retained dispatch, terminal event, state and
+    control of this hub's jobs terminal for longer than `older_than_days` (§2).
+
+    Records and audit logs stay on disk; each cleared job gets a
+    `retained_cleared` audit line and is skipped by later runs. Jobs still
+    pending/running are never touched. Prints one JSON line per job cleared.
+
+    Args:
+        older_than_days: retention in days, >= 0 (0: every terminal job).
+        dry_run: list what would be cleared, publish nothing.
+    Returns:
+        0, or 1 when some record was corrupt (reported on stderr).
+    Raises:
+        UsageError (64), EnvFileError (1), BrokerError (3).
+    """
+    if not 0 <= older_than_days <= MAX_RETENTION_DAYS:
+        raise UsageError(f"--older-than-days {older_than_days:g} is invalid: expected 0..{MAX_RETENTION_DAYS}")
+    hub = open_hub(workspace)
+    registry = hub.registry
+    records, errors = registry.list()
+    cutoff_s = time.time() - older_than_days * DAY_S
+    due: list[JobRecord] = []
+    for record in records:
+        if record.get("role") != "hub" or record["status"] not in TERMINAL_STATUSES:
+            continue
+        try:
+            ended_s = parse_ts(record["updated_at"]).timestamp()
+        except (KeyError, ValueError, TypeError):
+            continue
+        if ended_s <= cutoff_s and not any(line.get("event") == GC_AUDIT_EVENT
+                                           for line in registry.audit(record["job_id"])):
+            due.append(record)
+    if due and not dry_run:
+        client = hub.connect("gc")
+        try:
+            for record in due:
+                job_id = record["job_id"]
+                for leaf in RETAINED_LEAVES:
+                    clear_retained(client, names.job_topic(job_id, leaf, client.config.topic_root))
+                registry.append_audit(job_id, {"event": GC_AUDIT_EVENT, "timestamp": utc_now(),
+                                               "topics": list(RETAINED_LEAVES)})
+        finally:
+            client.close()
+    for record in due:
+        print(json.dumps({"job_id": record["job_id"], "status": record["status"],
+                          "updated_at": record["updated_at"], "cleared": not dry_run}))
+    for exc in errors:
+        print(f"ERROR: {exc}", file=sys.stderr)
+    return 1 if errors else 0

@@ -1,0 +1,60 @@
+"""`mam-orch redispatch` (PROTOCOL §5, §8, §10): a new attempt of a job."""
+
+from __future__ import annotations
+
+from typing import BinaryIO
+
+from mam.orchestrator.control import publish_cancel
+from mam.orchestrator.dispatch import load_brief, publish_and_watch, read_brief
+from mam.orchestrator.hub import Workspace, open_hub
+from mam.shared import names
+from mam.shared.codes import OPEN_STATUSES, JobStatus
+from mam.shared.records import Refusal
+
+
+def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None = None,
+                   brief_file: str | None = None, detach: bool = False, as_json: bool = False,
+                   workspace: Workspace = None, stdin: BinaryIO | None = None) -> int:
+    """`mam-orch redispatch` (§5, §8, §10): a new attempt of a job.
+
+    Allowed from `error` or `cancelled`, or from `pending`/`running` after a
+    cancel request; never from `completed`. Checked before any network use
+    (and again, under the registry lock, by `Registry.redispatch`). The
+    brief is the one stored at dispatch time (`dispatch.brief_path`) unless
+    `--brief`/`--brief-file` gives a new one. Then: connect (unreachable:
+    exit 3, record unchanged), publish a signed cancel for the old attempt
+    (its runner may have missed the hub's close), attempt + 1 with a new dispatch_token and
+    auth_token, status pending, and `publish_and_watch` as a dispatch does.
+
+    Returns:
+        the exit code of §9 (0 with --detach once the dispatch is published).
+    Raises:
+        UsageError/ConfigError (64), Refusal (1: completed, or unfinished
+        without a cancel), JobNotFound (1), BrokerError (3).
+    """
+    names.validate_job_id(job_id)
+    if session is not None:
+        names.validate_session(session)
+    hub = open_hub(workspace)
+    registry = hub.registry
+    record = registry.get(job_id)
+    if record["status"] == JobStatus.COMPLETED:
+        raise Refusal(job_id, "not_allowed", "refused redispatch: the job completed")
+    if record["status"] in OPEN_STATUSES and not record.get("cancel_requested_at"):
+        raise Refusal(job_id, "not_allowed", f"refused redispatch: the job is {record['status']}; "
+                                             f"cancel it first (mam-orch cancel {job_id})")
+    if brief is not None or brief_file is not None:
+        text = read_brief(brief, brief_file, stdin)
+    else:
+        text = load_brief(registry, job_id)
+    keys = hub.keys()
+    client = hub.connect("hub", record)
+    try:
+        # The old attempt must not outlive the new one: its runner may never have heard the
+        # hub's close (a broker outage), so cancel it again before attempt + 1 goes out (§6, §10).
+        publish_cancel(client, record, keys, "redispatch")
+        new = registry.redispatch(job_id, source="operator", session=session, reason="operator redispatch")
+        return publish_and_watch(registry, new, text, keys, client, detach=detach, as_json=as_json,
+                                 verb="redispatched")
+    finally:
+        client.close()

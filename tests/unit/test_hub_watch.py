@@ -1,0 +1,137 @@
+"""PROTOCOL §6 and §10 on the hub without a broker: the watcher's clocks and
+exit codes, and the hub's close (record first, then dispatch cleared and a
+signed cancel published), with a recording stand-in for the MQTT client."""
+
+from __future__ import annotations
+
+import io
+import json
+import queue
+import threading
+
+import pytest
+from helpers import TEST_SECRET
+
+from mam.orchestrator.control import cancel_owed, close_remote
+from mam.orchestrator.watch import Watcher, WatchOptions
+from mam.shared import crypto, names, wire
+from mam.shared.config import BrokerConfig
+from mam.shared.errors import BrokerError, ExitCode
+from mam.shared.mqtt import Message
+from mam.shared.registry import Contract, Registry
+
+TS = "2026-06-20T14:49:30Z"
+KEYS = crypto.derive_keys(TEST_SECRET)
+
+
+class RecordingClient:
+    """The slice of `MqttClient` the hub uses: publish, subscribe, messages, connected."""
+
+    def __init__(self, *, fail_publish: bool = False) -> None:
+        self.config = BrokerConfig()
+        self.messages: queue.Queue[Message] = queue.Queue()
+        self.connected = threading.Event()
+        self.connected.set()
+        self.published: list[tuple[str, bytes, bool]] = []
+        self.subscribed: list[str] = []
+        self.fail_publish = fail_publish
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        if self.fail_publish:
+            raise BrokerError("no PUBACK")
+        self.published.append((topic, payload, retain))
+
+    def subscribe(self, topics) -> None:
+        self.subscribed += [topic for topic, _qos in topics]
+
+    def close(self) -> None:
+        self.connected.clear()
+
+
+def deliver(client, record, seq, name, **data):
+    body = {"schema_version": 1, "seq": seq, "job_id": record["job_id"], "event": name, "timestamp": TS,
+            "detail": "", "data": {"attempt_id": record["attempt_id"],
+                                   "dispatch_token": record["dispatch_token"], **data}}
+    raw = wire.encode(crypto.sign_event(body, record["auth_token"]))
+    client.messages.put(Message(names.events_topic(record["job_id"], client.config.topic_root), raw, False))
+
+
+@pytest.fixture
+def reg(tmp_path):
+    return Registry(tmp_path)
+
+
+def watch(reg, record, client, **options):
+    opts = WatchOptions(remote=True, **options)
+    return Watcher(reg, record["job_id"], client=client, keys=KEYS, options=opts, out=io.StringIO())
+
+
+def leaves(client):
+    return [topic.rsplit("/", 1)[1] for topic, _payload, _retain in client.published]
+
+
+def test_s10_no_started_within_ack_is_agent_blocked_exit_1(reg):
+    rec = reg.register(session="gpu-box")
+    client = RecordingClient()
+    assert watch(reg, rec, client, ack_timeout_s=0.2, idle_timeout_s=0.2,
+                 ack_only_before_first=True).run() == ExitCode.ERROR
+    after = reg.get(rec["job_id"])
+    assert after["status"] == "error" and after["close_reason"] == "agent_blocked"
+    assert leaves(client) == ["dispatch", "control"]  # dispatch cleared, then the cancel (§10)
+    control = wire.decode(client.published[1][1], "control")
+    crypto.verify(control.to_dict(), KEYS.sign_key)
+    assert control.attempt_id == rec["attempt_id"] and client.published[1][2] is True
+
+
+def test_s10_silence_after_started_is_deadline_timeout_exit_2(reg):
+    rec = reg.register(session="gpu-box")
+    client = RecordingClient()
+    deliver(client, rec, 1, "started")
+    assert watch(reg, rec, client, ack_timeout_s=5, idle_timeout_s=0.3).run() == ExitCode.TIMEOUT
+    after = reg.get(rec["job_id"])
+    assert after["close_reason"] == "deadline_timeout" and after["last_seq"] == 1
+    assert leaves(client) == ["control"]
+
+
+def test_s10_terminal_event_ends_the_watch_with_its_exit_code(reg):
+    rec = reg.register(session="gpu-box", contract=Contract(heartbeat_sec=5))
+    client = RecordingClient()
+    for seq, name in ((1, "started"), (2, "progress"), (3, "completed")):
+        deliver(client, rec, seq, name, **({"exit_code": 0} if name == "completed" else {}))
+    w = watch(reg, rec, client)
+    assert w.run() == ExitCode.COMPLETED
+    assert [json.loads(line)["seq"] for line in w.out.getvalue().splitlines()] == [1, 2, 3]
+    assert reg.get(rec["job_id"])["status"] == "completed" and client.published == []
+
+
+def test_s10_a_job_already_terminal_is_answered_from_disk(reg):
+    rec = reg.register(session="gpu-box")
+    reg.close(rec["job_id"], "cancelled")
+    client = RecordingClient()
+    assert watch(reg, rec, client).run() == ExitCode.CANCELLED and client.subscribed == []
+
+
+def test_s10_close_remote_goes_terminal_first_even_when_the_broker_fails(reg, caplog):
+    rec = reg.register(session="gpu-box")
+    closed = close_remote(reg, RecordingClient(fail_publish=True), KEYS, rec["job_id"], "deadline_timeout")
+    assert closed["status"] == "error" and "the cancel was not published" in caplog.text
+    assert cancel_owed(closed)
+    again = close_remote(reg, None, KEYS, rec["job_id"], "agent_blocked")
+    assert again == reg.get(rec["job_id"]) and again["close_reason"] == "deadline_timeout"
+
+
+def test_s10_hub_only_close_without_a_client_or_keys(reg, caplog):
+    rec = reg.register(session="gpu-box")
+    closed = close_remote(reg, None, None, rec["job_id"], "cancelled")
+    assert closed["status"] == "cancelled" and "on the hub only" in caplog.text
+
+
+def test_s10_cancel_owed_only_for_the_hubs_own_decisions(reg):
+    rec = reg.register(session="gpu-box")
+    assert not cancel_owed(rec)
+    started = reg.record_event(rec["job_id"], event="started", attempt_id=1, dispatch_token=rec["dispatch_token"],
+                               build=lambda seq: {"seq": seq})
+    assert started[0] == 1
+    ended = reg.transition(rec["job_id"], "error", source="runner", attempt_id=1,
+                           dispatch_token=rec["dispatch_token"], exit_code=3)
+    assert not cancel_owed(ended)  # its runner reported it
