@@ -26,6 +26,8 @@ AGENT_TAG_ENV = "MAM_AGENT_TAG"
 a cancel can find one that escaped the tree (double fork + `setsid`)."""
 POLL_S = 0.02
 """How often a terminating tree is collected again."""
+MAX_PROCESS_ID = 1 << 22
+"""Linux's highest pid (PID_MAX_LIMIT); a larger one in an identity file is forged."""
 KILL_WAIT_S = 5.0
 """How long SIGKILL is repeated before survivors (uninterruptible sleep) are logged and left."""
 
@@ -59,15 +61,12 @@ class AgentIdentity:
 
         Raises:
             ValueError: not an object, a missing or mistyped field, a pid or
-                pgid outside 2..2**22, a tag that is not 32 lowercase hex.
+                pgid outside 2..MAX_PROCESS_ID, a tag that is not 32 lowercase hex.
         """
         if not isinstance(obj, Mapping):
             raise ValueError("agent identity is not a JSON object")
-        pid, pgid, created, tag = obj.get("pid"), obj.get("pgid"), obj.get("create_time"), obj.get("tag")
-        for name, value in (("pid", pid), ("pgid", pgid)):
-            # pid 1 (init) and 0 (our own group for killpg) are never an agent's
-            if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 1 << 22:
-                raise ValueError(f"agent identity: {name} {value!r} is invalid")
+        pid, pgid = _process_id(obj, "pid"), _process_id(obj, "pgid")
+        created, tag = obj.get("create_time"), obj.get("tag")
         if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 < created < 1e11:
             raise ValueError(f"agent identity: create_time {created!r} is invalid")
         if not isinstance(tag, str) or len(tag) != 32 or tag.strip("0123456789abcdef"):
@@ -91,6 +90,19 @@ class AgentIdentity:
             return proc
         except (psutil.Error, OSError):
             return None
+
+
+def _process_id(obj: Mapping[str, object], name: str) -> int:
+    """A pid or pgid field of an identity file, 2..MAX_PROCESS_ID.
+
+    Raises:
+        ValueError: missing, not an integer, or out of range.
+    """
+    value = obj.get(name)
+    # pid 1 (init) and 0 (our own group for killpg) are never an agent's
+    if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= MAX_PROCESS_ID:
+        raise ValueError(f"agent identity: {name} {value!r} is invalid")
+    return value
 
 
 class ProcessTree:
