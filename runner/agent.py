@@ -38,7 +38,7 @@ from typing import Any
 
 import psutil
 
-from mam.runner.process_tree import AGENT_TAG_ENV, AgentIdentity, ProcessTree
+from mam.runner.process_tree import AGENT_TAG_ENV, TAG_BYTES, AgentIdentity, ProcessTree
 from mam.shared.errors import MamError, RegistryError, UsageError
 
 log = logging.getLogger("mam.runner.supervisor")  # the log name operators know
@@ -74,6 +74,14 @@ JOB_ENV_NAMES: frozenset[str] = frozenset({
     "JOB_ID", "MAM_JOB_ID", "MAM_ATTEMPT_ID", "MAM_DISPATCH_TOKEN", "MAM_SESSION",
     "MAM_HEARTBEAT_SEC", "MAM_PUBLISH_CMD", BRIEF_ENV, BRIEF_OMITTED_ENV, AGENT_TAG_ENV,
 })
+
+
+SHOWN_EXEC_CHARS = 80
+"""How much of a bad `--exec` string an error line shows."""
+TRACK_INTERVAL_S = 0.5
+"""How often a running agent's process tree is sampled (escaped descendants stay known)."""
+THREAD_JOIN_S = 1.0
+"""How long `close()` waits for each helper thread."""
 
 
 class AgentStartError(UsageError):
@@ -118,7 +126,7 @@ def split_exec(cmd: str) -> list[str]:
     return argv
 
 
-def _shorten(text: str, limit: int = 80) -> str:
+def _shorten(text: str, limit: int = SHOWN_EXEC_CHARS) -> str:
     """`repr(text)`, cut to about `limit` characters for one-line errors."""
     return repr(text if len(text) <= limit else text[:limit] + "…")
 
@@ -260,7 +268,7 @@ class AgentProcess:
     scrubs its environment *and* escapes before a sample is not found).
     """
 
-    def __init__(self, *, track_interval_s: float = 0.5) -> None:
+    def __init__(self, *, track_interval_s: float = TRACK_INTERVAL_S) -> None:
         self.track_interval_s = track_interval_s
         self._popen: subprocess.Popen[bytes] | None = None
         self._proc: psutil.Process | None = None
@@ -304,7 +312,7 @@ class AgentProcess:
         if not argv:
             raise UsageError("agent command is empty")
         executable = resolve_executable(argv[0], env.get("PATH"))
-        self._tag = os.urandom(16).hex()
+        self._tag = os.urandom(TAG_BYTES).hex()
         child_env = dict(env)
         child_env[AGENT_TAG_ENV] = self._tag
         cwd = Path(cwd)
@@ -490,7 +498,7 @@ class AgentProcess:
         Call after the agent ended (`wait()` or `cancel()`)."""
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=1.0)
+            thread.join(timeout=THREAD_JOIN_S)
 
 
 __all__ = ["AGENT_TAG_ENV", "AgentIdentity", "AgentProcess", "AgentStartError", "ExitStatus", "ProcessTree",

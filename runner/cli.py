@@ -14,8 +14,6 @@ from mam.shared.errors import BrokerError, ExitCode, MamError, ProtocolError, Re
 
 MAX_PUBLISH_ATTEMPTS = 10
 """Highest `--attempts` of `mam-runner publish` (§13)."""
-DEFAULT_TIMER_TIMEOUT_S = 7200.0
-"""The heartbeat timer's budget when the record names no `timeout_sec` (the contract's default, §5)."""
 
 app = clikit.new_app(
     "mam-runner",
@@ -107,6 +105,7 @@ def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attem
     """
     # lazy: the publish core (registry, crypto) loads only for this command (publish fast path)
     from mam.runner import heartbeat, publish
+    from mam.shared import wire
     from mam.shared.config import resolve_root
     from mam.shared.registry import Registry
 
@@ -139,7 +138,7 @@ def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attem
         rec = registry.get(request.job_id)
         heartbeat.start_timer(registry, request.job_id, attempt_id=rec["attempt_id"],
                               dispatch_token=rec["dispatch_token"], interval_s=heartbeat_s,
-                              watch=watch, timeout_s=float(rec.get("timeout_sec") or DEFAULT_TIMER_TIMEOUT_S))
+                              watch=watch, timeout_s=float(rec.get("timeout_sec") or wire.Contract.timeout_sec))
     print(json.dumps({"job_id": request.job_id, "seq": published.seq, "event": request.event,
                       "published": exit_code == ExitCode.PUBLISHED}))
     return exit_code

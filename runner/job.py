@@ -27,7 +27,7 @@ from mam.runner import heartbeat, orphans, publish
 from mam.runner.agent import AgentProcess, AgentStartError, ExitStatus, agent_env
 from mam.runner.process_tree import AgentIdentity, stop_orphan
 from mam.runner.settings import RunnerOptions
-from mam.shared import names
+from mam.shared import names, wire
 from mam.shared.codes import TERMINAL_STATUSES, EventName, JobStatus
 from mam.shared.config import BrokerConfig, write_env_file
 from mam.shared.errors import BrokerError, MamError, RegistryError, TransitionRefused
@@ -41,8 +41,6 @@ WAIT_POLL_S = 0.1
 RECORD_CHECK_S = 0.5
 """How often it reads the record to see whether the agent published its own terminal event."""
 BROKER_ENV_FILE = "broker.env"
-DEFAULT_HEARTBEAT_S = 30
-"""An orphan's heartbeat period when its record names none (§12)."""
 DETAIL_CANCELLED = "cancelled"
 DETAIL_SUPERVISOR_FAILED = "runner failed to supervise the agent"
 DETAIL_NOT_STARTED = "agent could not be started"
@@ -361,7 +359,7 @@ def orphan_job(record: Mapping[str, Any], identity: AgentIdentity | None, *,
         cancel_reason: set when a verified cancel found it (the end is then `cancelled`).
     """
     job = Job(job_id=record["job_id"], attempt_id=record["attempt_id"], dispatch_token=record["dispatch_token"],
-              brief="", heartbeat_s=int(record.get("heartbeat_sec") or DEFAULT_HEARTBEAT_S),
+              brief="", heartbeat_s=int(record.get("heartbeat_sec") or wire.Contract.heartbeat_sec),
               timeout_s=int(record.get("timeout_sec") or 0), orphan=True, identity=identity)
     if cancel_reason is not None:
         job.request_cancel(cancel_reason)

@@ -101,7 +101,7 @@ class Presence:
         Raises:
             SessionBusy: another runner is `online`/`draining` there and `replace` is False.
         """
-        client.subscribe([(self.topic, 1)])
+        client.subscribe([(self.topic, QOS_AT_LEAST_ONCE)])
         deadline = time.monotonic() + wait_s
         while True:
             remaining = deadline - time.monotonic()

@@ -26,6 +26,8 @@ AGENT_TAG_ENV = "MAM_AGENT_TAG"
 a cancel can find one that escaped the tree (double fork + `setsid`)."""
 POLL_S = 0.02
 """How often a terminating tree is collected again."""
+TAG_BYTES = 16
+"""Random bytes of a `MAM_AGENT_TAG` (32 lowercase hex characters)."""
 MAX_PROCESS_ID = 1 << 22
 """Linux's highest pid (PID_MAX_LIMIT); a larger one in an identity file is forged."""
 KILL_WAIT_S = 5.0
@@ -69,7 +71,7 @@ class AgentIdentity:
         created, tag = obj.get("create_time"), obj.get("tag")
         if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 < created < 1e11:
             raise ValueError(f"agent identity: create_time {created!r} is invalid")
-        if not isinstance(tag, str) or len(tag) != 32 or tag.strip("0123456789abcdef"):
+        if not isinstance(tag, str) or len(tag) != 2 * TAG_BYTES or tag.strip("0123456789abcdef"):
             raise ValueError("agent identity: tag is invalid")
         return cls(pid=pid, create_time=float(created), pgid=pgid, tag=tag)
 

@@ -182,15 +182,17 @@ def broker_for(registry: Registry, job_id: str, *, warn: bool = True) -> BrokerC
     return broker_config(block or None, workspace=registry.root, warn=warn)
 
 
-def send(published: Published, config: BrokerConfig, *, attempts: int = 3) -> None:
-    """Publish event then state over one fresh connection with the §13 retries.
+def send(published: Published, config: BrokerConfig, *, attempts: int | None = None) -> None:
+    """Publish event then state over one fresh connection with the §13 retries
+    (`attempts` tries; None = `mqtt.DEFAULT_ATTEMPTS`).
 
     Raises:
         BrokerUnavailable, PublishTimeout, BrokerError.
     """
     from mam.shared import mqtt  # lazy: paho only when a message is sent (publish fast path)
 
-    mqtt.publish_with_retry(config, "publish", published.messages(config.topic_root), attempts=attempts)
+    tries = mqtt.DEFAULT_ATTEMPTS if attempts is None else attempts
+    mqtt.publish_with_retry(config, "publish", published.messages(config.topic_root), attempts=tries)
 
 
 def send_on(client: Transport, published: Published) -> None:

@@ -217,8 +217,8 @@ class Runner:
         # Subscribe before announcing `online`: a dispatch published when the hub sees us must reach
         # us live. Controls first, each filter with its own SUBACK: retained cancels then normally
         # arrive before retained dispatches, so a replayed dispatch of a cancelled attempt is refused.
-        client.subscribe([(names.all_controls_filter(self.config.topic_root), 1)])
-        client.subscribe([(names.all_dispatches_filter(self.config.topic_root), 1)])
+        client.subscribe([(names.all_controls_filter(self.config.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
+        client.subscribe([(names.all_dispatches_filter(self.config.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
         self._publish_presence(PresenceStatus.ONLINE)
         log.info("runner %s serving session %s (max %d job(s)) on %s:%d", self.runner_id,
                  self.options.session, self.options.max_jobs, client.host, self.config.port)
