@@ -104,7 +104,7 @@ def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attem
         UsageError (exit 64) for bad arguments.
     """
     # lazy: the publish core (registry, crypto) loads only for this command (publish fast path)
-    from mam.runner import heartbeat, publish
+    from mam.runner import publish
     from mam.shared import wire
     from mam.shared.config import resolve_root
     from mam.shared.registry import Registry
@@ -116,6 +116,8 @@ def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attem
         raise UsageError(f"--attempts {attempts} is invalid: expected 1..{MAX_PUBLISH_ATTEMPTS}")
     watch = None
     if heartbeat_s is not None:
+        from mam.runner import heartbeat  # lazy: only `--heartbeat` starts a timer (publish fast path)
+
         try:
             watch = heartbeat.WatchedProcess.of(watch_pid if watch_pid is not None else heartbeat.default_watch_pid())
         except MamError as exc:
@@ -135,6 +137,8 @@ def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attem
               file=sys.stderr)
         exit_code = ExitCode.TRANSPORT
     if watch is not None and heartbeat_s is not None:
+        from mam.runner import heartbeat  # lazy: only `--heartbeat` starts a timer (publish fast path)
+
         rec = registry.get(request.job_id)
         heartbeat.start_timer(registry, request.job_id, attempt_id=rec["attempt_id"],
                               dispatch_token=rec["dispatch_token"], interval_s=heartbeat_s,

@@ -24,15 +24,16 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mam.runner import heartbeat
 from mam.shared import crypto, names, wire
 from mam.shared.codes import EVENT_NAMES, TERMINAL_EVENTS
 from mam.shared.config import BrokerConfig, broker_config
 from mam.shared.errors import UsageError
 from mam.shared.registry import Registry
-from mam.shared.transport import Transport
+
+if TYPE_CHECKING:  # the Protocol only types `send_on`; nothing to load on the publish path
+    from mam.shared.transport import Transport
 
 log = logging.getLogger("mam.publish")
 
@@ -151,6 +152,8 @@ def record(registry: Registry, request: PublishRequest, *, source: str = "publis
     attempt_id = request.attempt_id or current["attempt_id"]
     token = request.dispatch_token or current["dispatch_token"]
     if request.event in TERMINAL_EVENTS and stop_heartbeat:
+        from mam.runner import heartbeat  # lazy: only a terminal event stops the timer (publish fast path)
+
         if attempt_id == current["attempt_id"] and token == current["dispatch_token"]:
             heartbeat.stop_for_terminal(registry, request.job_id, attempt_id)
     data = {**request.data, **(extra_data or {})}
