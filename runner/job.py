@@ -187,7 +187,8 @@ class Supervisor:
         try:
             heartbeat.start_timer(self.registry, job.job_id, attempt_id=job.attempt_id,
                                   dispatch_token=job.dispatch_token, interval_s=float(job.heartbeat_s),
-                                  watch=heartbeat.WatchedProcess.of(os.getpid()), timeout_s=float(job.timeout_s))
+                                  watch=heartbeat.WatchedProcess.of(os.getpid()), timeout_s=float(job.timeout_s),
+                                  drain_s=self.options.heartbeat_drain_s)
         except (RegistryError, MamError) as exc:
             log.warning("job %s: heartbeat timer not started: %s", job.job_id, exc)
         if job.cancel.is_set():  # cancelled before the agent started
@@ -330,7 +331,7 @@ class Supervisor:
             published = publish.record(self.registry, publish.PublishRequest(
                 job_id=job.job_id, event=terminal.event, detail=terminal.detail, attempt_id=job.attempt_id,
                 dispatch_token=job.dispatch_token), source="runner", exit_code=terminal.exit_code,
-                status=terminal.status)
+                status=terminal.status, drain_s=self.options.heartbeat_drain_s)
         except Refusal as exc:
             if exc.reason == "after_terminal":
                 log.info("job %s already ended (the agent published its terminal event)", job.job_id)

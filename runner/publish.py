@@ -129,7 +129,7 @@ def make_request(job_id: str, event: str, detail: str = "", data: str | None = N
 
 def record(registry: Registry, request: PublishRequest, *, source: str = "publisher",
            extra_data: Mapping[str, Any] | None = None, exit_code: int | None = None,
-           status: str | None = None, stop_heartbeat: bool = True) -> Published:
+           status: str | None = None, stop_heartbeat: bool = True, drain_s: float | None = None) -> Published:
     """The disk side of a publish (§3, §4, §8, §12): for a terminal event stop
     the heartbeat first, then take the seq, apply the transition and append
     the signed event to the audit log, under the registry lock.
@@ -142,6 +142,7 @@ def record(registry: Registry, request: PublishRequest, *, source: str = "publis
         exit_code: stored on a terminal record.
         status: `"cancelled"` with an `error` event (§6).
         stop_heartbeat: run the §12 barrier + drain before a terminal event.
+        drain_s: how long the timer may take to exit, seconds (None = MAM_HEARTBEAT_DRAIN_S).
     Returns:
         the signed event and state.
     Raises:
@@ -155,7 +156,7 @@ def record(registry: Registry, request: PublishRequest, *, source: str = "publis
         from mam.runner import heartbeat  # lazy: only a terminal event stops the timer (publish fast path)
 
         if attempt_id == current["attempt_id"] and token == current["dispatch_token"]:
-            heartbeat.stop_for_terminal(registry, request.job_id, attempt_id)
+            heartbeat.stop_for_terminal(registry, request.job_id, attempt_id, drain_s=drain_s)
     data = {**request.data, **(extra_data or {})}
     if exit_code is not None:
         data["exit_code"] = exit_code

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from mam.runner import heartbeat
 from mam.runner.agent import resolve_executable, split_exec
 from mam.shared import config, names
 from mam.shared.errors import ConfigError, UsageError
@@ -44,6 +45,7 @@ CLOCK_SKEW = Seconds("MAM_CLOCK_SKEW_S", DEFAULT_CLOCK_SKEW_S, 0.0, 86400.0)
 PRESENCE_WAIT = Seconds("MAM_PRESENCE_WAIT_S", DEFAULT_PRESENCE_WAIT_S, 0.0, 60.0)
 PRESENCE_REFRESH = Seconds("MAM_PRESENCE_REFRESH_S", DEFAULT_PRESENCE_REFRESH_S, 1.0, 60.0)
 AGENT_LINGER = Seconds("MAM_AGENT_LINGER_S", DEFAULT_AGENT_LINGER_S, 0.0, 86400.0)
+HEARTBEAT_DRAIN = Seconds("MAM_HEARTBEAT_DRAIN_S", heartbeat.DEFAULT_DRAIN_S, 0.0, heartbeat.DRAIN_HIGH_S)
 
 
 def read_seconds(values: Mapping[str, str], setting: Seconds) -> float:
@@ -81,6 +83,7 @@ class RunnerOptions:
         presence_wait_s: how long to wait for the session's retained presence at start.
         presence_refresh_s: republish presence at least this often (§7; hub: stale after 3 periods).
         agent_linger_s: how long an agent may run on after publishing its own terminal event.
+        heartbeat_drain_s: how long a heartbeat timer may take to exit before a terminal event (§12).
     """
 
     session: str
@@ -95,6 +98,7 @@ class RunnerOptions:
     presence_wait_s: float = DEFAULT_PRESENCE_WAIT_S
     presence_refresh_s: float = DEFAULT_PRESENCE_REFRESH_S
     agent_linger_s: float = DEFAULT_AGENT_LINGER_S
+    heartbeat_drain_s: float = heartbeat.DEFAULT_DRAIN_S
 
 
 def _workdir(workdir: str | None) -> Path | None:
@@ -143,7 +147,8 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
                          clock_skew_s=read_seconds(values, CLOCK_SKEW),
                          presence_wait_s=read_seconds(values, PRESENCE_WAIT),
                          presence_refresh_s=read_seconds(values, PRESENCE_REFRESH),
-                         agent_linger_s=read_seconds(values, AGENT_LINGER))
+                         agent_linger_s=read_seconds(values, AGENT_LINGER),
+                         heartbeat_drain_s=read_seconds(values, HEARTBEAT_DRAIN))
 
 
 __all__ = ["MAX_JOBS_LIMIT", "RunnerOptions", "Seconds", "options_from_cli", "read_seconds"]
