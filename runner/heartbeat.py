@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mam.shared import names
 from mam.shared.codes import TERMINAL_STATUSES
@@ -40,6 +40,9 @@ from mam.shared.config import env_float
 from mam.shared.errors import MamError, RegistryError
 from mam.shared.fsio import atomic_write, read_json_object
 from mam.shared.registry import Registry
+
+if TYPE_CHECKING:  # psutil is loaded lazily below (publish fast path)
+    import psutil
 
 log = logging.getLogger("mam.heartbeat")
 
@@ -90,7 +93,7 @@ class WatchedProcess:
             return False
 
 
-def _names_of(proc: Any) -> set[str]:
+def _names_of(proc: psutil.Process) -> set[str]:
     found = set()
     with contextlib.suppress(Exception):
         found.add(proc.name())
