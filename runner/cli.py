@@ -4,9 +4,16 @@ PROTOCOL §9. `publish` is called often by agents: its imports stay lazy."""
 
 from __future__ import annotations
 
+import json
+import sys
+
 import typer
 
 from mam.shared import clikit
+from mam.shared.errors import BrokerError, ExitCode, MamError, ProtocolError, RegistryError, UsageError
+
+MAX_PUBLISH_ATTEMPTS = 10
+"""Highest `--attempts` of `mam-runner publish` (§13)."""
 
 app = clikit.new_app(
     "mam-runner",
@@ -42,7 +49,7 @@ def publish_cmd(
     dispatch_token: str = typer.Option(None, "--dispatch-token", metavar="TOKEN", envvar="MAM_DISPATCH_TOKEN",
                                        show_envvar=True,
                                        help="The dispatch token this publisher holds (default: the record's)."),
-    workspace: str = clikit.workspace_option(),
+    workspace: str = clikit.workspace_option(),  # type: ignore[no-untyped-call]  # clikit is untyped (shared owner)
 ) -> int:
     """Publish one event of a job: the record and audit line first, then the
     event and the retained state on one connection (PROTOCOL §3, §4).
@@ -50,8 +57,6 @@ def publish_cmd(
     Exit codes: 0 published; 1 refused (stale attempt, terminal job, unknown
     job); 2 transport failure (the event is on disk); 64 bad arguments.
     """
-    from mam.runner.publish import publish_cli
-
     return publish_cli(job_id=job, event=event, detail=detail, data=data, attempt_id=attempt_id,
                        dispatch_token=dispatch_token, heartbeat_s=heartbeat, watch_pid=watch_pid,
                        attempts=attempts, workspace=workspace)
@@ -64,7 +69,7 @@ def run_cmd(
     exec_cmd: str = typer.Option(..., "--exec", metavar="CMD",
                                  help="The agent command, split like a shell and run without one, "
                                       "e.g. \"claude -p\" (§11)."),
-    workspace: str = clikit.workspace_option(),
+    workspace: str = clikit.workspace_option(),  # type: ignore[no-untyped-call]  # clikit is untyped (shared owner)
     workdir: str = typer.Option(None, "--workdir", metavar="DIR",
                                 help="Agents' working directory (default: <workspace>/work/<job_id>/)."),
     max_jobs: int = typer.Option(1, "--max-jobs", metavar="N", help="Concurrent jobs, 1..64 (§11)."),
@@ -82,10 +87,65 @@ def run_cmd(
     another live runner.
     """
     clikit.setup_logging()
-    from mam.runner.daemon import run_cli
+    from mam.runner.service import run_cli  # lazy: keeps paho/psutil out of `mam-runner publish`
 
     return run_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
                    max_jobs=max_jobs, once=once, replace=replace)
+
+
+def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attempt_id: str | None,
+                dispatch_token: str | None, heartbeat_s: float | None, watch_pid: int | None,
+                attempts: int, workspace: str | None) -> int:
+    """`mam-runner publish`: disk first, then the wire (§3, §4, §12).
+
+    Returns:
+        the exit code of §9: 0 published, 1 refused, 2 transport failure (on disk).
+    Raises:
+        UsageError (exit 64) for bad arguments.
+    """
+    # lazy: the publish core (registry, crypto) loads only for this command (publish fast path)
+    from mam.runner import publish
+    from mam.shared import wire
+    from mam.shared.config import resolve_root
+    from mam.shared.registry import Registry
+
+    request = publish.make_request(job_id, event, detail, data, attempt_id, dispatch_token)
+    if heartbeat_s is not None and (event != "started" or heartbeat_s <= 0):
+        raise UsageError("--heartbeat N needs --event started and N > 0 (§12)")
+    if attempts < 1 or attempts > MAX_PUBLISH_ATTEMPTS:
+        raise UsageError(f"--attempts {attempts} is invalid: expected 1..{MAX_PUBLISH_ATTEMPTS}")
+    watch = None
+    if heartbeat_s is not None:
+        from mam.runner import heartbeat  # lazy: only `--heartbeat` starts a timer (publish fast path)
+
+        try:
+            watch = heartbeat.WatchedProcess.of(watch_pid if watch_pid is not None else heartbeat.default_watch_pid())
+        except MamError as exc:
+            raise UsageError(str(exc)) from None
+    registry = Registry(resolve_root(workspace))
+    try:
+        config = publish.broker_for(registry, request.job_id)  # before any write: bad config loses nothing
+        published = publish.record(registry, request)
+    except (ProtocolError, RegistryError) as exc:
+        print(f"ERROR: refused: {exc}", file=sys.stderr)
+        return ExitCode.REFUSED
+    exit_code = ExitCode.PUBLISHED
+    try:
+        publish.send(published, config, attempts=attempts)
+    except BrokerError as exc:
+        print(f"ERROR: job {request.job_id} seq {published.seq} is on disk but not published: {exc}",
+              file=sys.stderr)
+        exit_code = ExitCode.TRANSPORT
+    if watch is not None and heartbeat_s is not None:
+        from mam.runner import heartbeat  # lazy: only `--heartbeat` starts a timer (publish fast path)
+
+        rec = registry.get(request.job_id)
+        heartbeat.start_timer(registry, request.job_id, attempt_id=rec["attempt_id"],
+                              dispatch_token=rec["dispatch_token"], interval_s=heartbeat_s,
+                              watch=watch, timeout_s=float(rec.get("timeout_sec") or wire.Contract.timeout_sec))
+    print(json.dumps({"job_id": request.job_id, "seq": published.seq, "event": request.event,
+                      "published": exit_code == ExitCode.PUBLISHED}))
+    return exit_code
 
 
 def main() -> None:

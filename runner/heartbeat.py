@@ -1,8 +1,6 @@
-"""The detached heartbeat timer of PROTOCOL §12.
-
-One timer process per job publishes a `progress` beat (`detail: "heartbeat"`,
-`data.heartbeat: true`) every N seconds with the attempt identity it was
-started with, so a heartbeat means "the process it watches is alive".
+"""Start and stop the detached heartbeat timer of PROTOCOL §12 (the timer
+process itself is `mam.runner.timer`): one per job, beating with the attempt
+identity it was started with, so a heartbeat means "the process it watches is alive".
 
 Files, all under `<root>/.mam/jobs/` (names from `mam.shared.names`):
 
@@ -34,16 +32,33 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mam.shared import names
-from mam.shared.errors import MamError, RegistryError, TransitionRefused
+from mam.shared.codes import TERMINAL_STATUSES
+from mam.shared.config import env_float
+from mam.shared.errors import MamError, RegistryError
+from mam.shared.fsio import atomic_write, read_json_object
+from mam.shared.registry import Registry
+
+if TYPE_CHECKING:  # psutil is loaded lazily below (publish fast path)
+    import psutil
 
 log = logging.getLogger("mam.heartbeat")
 
 AGENT_CLI_NAMES = frozenset({"claude", "codex", "gemini", "aider", "opencode"})
 DEFAULT_DRAIN_S = 1.0
 HEARTBEAT_DETAIL = "heartbeat"
+FILE_MAX_BYTES = 4096
+"""Largest accepted pid or barrier file."""
+DRAIN_HIGH_S = 60.0
+"""Highest accepted MAM_HEARTBEAT_DRAIN_S."""
+STOP_POLL_S = 0.01
+"""How often a stopping timer is looked at."""
+KILL_WAIT_S = 5.0
+"""How long a SIGKILLed timer may take to go."""
+TIMER_MODULE = "mam.runner.timer"
+"""The module the detached timer process runs (`python -m`)."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +75,7 @@ class WatchedProcess:
         Raises:
             MamError: no such process.
         """
-        import psutil
+        import psutil  # lazy: psutil only where a process is looked at (publish fast path)
 
         try:
             return cls(pid, psutil.Process(pid).create_time())
@@ -69,7 +84,7 @@ class WatchedProcess:
 
     def alive(self) -> bool:
         """True while the same process (same create time) runs and is not a zombie."""
-        import psutil
+        import psutil  # lazy: psutil only where a process is looked at (publish fast path)
 
         try:
             proc = psutil.Process(self.pid)
@@ -78,7 +93,7 @@ class WatchedProcess:
             return False
 
 
-def _names_of(proc: Any) -> set[str]:
+def _names_of(proc: psutil.Process) -> set[str]:
     found = set()
     with contextlib.suppress(Exception):
         found.add(proc.name())
@@ -92,7 +107,7 @@ def default_watch_pid() -> int:
     ancestor whose name (or argv[0]/argv[1], for node-based CLIs) is a known
     agent CLI, else the parent of the publishing command.
     """
-    import psutil
+    import psutil  # lazy: psutil only where a process is looked at (publish fast path)
 
     parent = os.getppid()
     with contextlib.suppress(psutil.Error):
@@ -105,22 +120,20 @@ def default_watch_pid() -> int:
 # ------------------------------------------------------------------ files
 
 def _write_json_0600(path: Path, obj: dict[str, Any]) -> None:
-    from mam.shared.fsio import atomic_write
-
     atomic_write(path, json.dumps(obj, sort_keys=True).encode(), what=path.name)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json(path: Path) -> dict[str, Any] | None:
+    """A timer file (pid, barrier) as an object; None when absent, unreadable or not an object."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        return read_json_object(path, FILE_MAX_BYTES)
     except (OSError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
 
 
 def barrier_attempt(root: Path, job_id: str) -> int:
     """The attempt a barrier was raised for, or 0 when there is none."""
-    data = _read_json(names.heartbeat_path(root, job_id, "barrier"))
+    data = read_json(names.heartbeat_path(root, job_id, "barrier"))
     value = data.get("attempt_id") if data else None
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
@@ -139,7 +152,7 @@ def lifecycle_lock(root: Path, job_id: str) -> Iterator[None]:
 
 
 def _timer_process(root: Path, job_id: str) -> tuple[WatchedProcess, dict[str, Any]] | None:
-    info = _read_json(names.heartbeat_path(root, job_id, "pid"))
+    info = read_json(names.heartbeat_path(root, job_id, "pid"))
     if not info:
         return None
     pid, created = info.get("pid"), info.get("create_time")
@@ -162,26 +175,24 @@ def _stop_timer_locked(root: Path, job_id: str, drain_s: float) -> bool:
         os.kill(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + drain_s
     while proc.alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
+        time.sleep(STOP_POLL_S)
     if proc.alive():
         # a beat still on the wire is cancelled, never allowed to trail the terminal
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGKILL)
-        kill_deadline = time.monotonic() + 5.0
+        kill_deadline = time.monotonic() + KILL_WAIT_S
         while proc.alive() and time.monotonic() < kill_deadline:
-            time.sleep(0.01)
+            time.sleep(STOP_POLL_S)
     pid_path.unlink(missing_ok=True)
     return True
 
 
 def drain_s_setting() -> float:
     """MAM_HEARTBEAT_DRAIN_S (default 1 s, §12)."""
-    from mam.shared.config import env_float
-
-    return env_float("MAM_HEARTBEAT_DRAIN_S", DEFAULT_DRAIN_S, low=0.0, high=60.0)
+    return env_float("MAM_HEARTBEAT_DRAIN_S", DEFAULT_DRAIN_S, low=0.0, high=DRAIN_HIGH_S)
 
 
-def stop_for_terminal(registry: Any, job_id: str, attempt_id: int, *, drain_s: float | None = None) -> None:
+def stop_for_terminal(registry: Registry, job_id: str, attempt_id: int, *, drain_s: float | None = None) -> None:
     """The first half of a terminal publish (§12): raise the attempt's barrier
     under the seq lock, then stop the timer (drain, then kill). The caller
     takes its own seq only after this returns.
@@ -201,7 +212,7 @@ def stop_for_terminal(registry: Any, job_id: str, attempt_id: int, *, drain_s: f
         _stop_timer_locked(root, job_id, drain)
 
 
-def start_timer(registry: Any, job_id: str, *, attempt_id: int, dispatch_token: str,
+def start_timer(registry: Registry, job_id: str, *, attempt_id: int, dispatch_token: str,
                 interval_s: float, watch: WatchedProcess, timeout_s: float,
                 env: dict[str, str] | None = None, drain_s: float | None = None) -> int | None:
     """Start (or replace) the job's detached timer (§12).
@@ -220,9 +231,7 @@ def start_timer(registry: Any, job_id: str, *, attempt_id: int, dispatch_token: 
     Raises:
         RegistryError: the pid file cannot be written (the timer is killed).
     """
-    import psutil
-
-    from mam.shared.codes import TERMINAL_STATUSES
+    import psutil  # lazy: psutil only where a process is looked at (publish fast path)
 
     root = registry.root
     drain = drain_s_setting() if drain_s is None else drain_s
@@ -237,7 +246,7 @@ def start_timer(registry: Any, job_id: str, *, attempt_id: int, dispatch_token: 
         log_dir = names.job_logs_dir(root, job_id)
         log_dir.mkdir(parents=True, exist_ok=True)
         log_fd = os.open(log_dir / "heartbeat.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        argv = [sys.executable, "-m", "mam.runner.heartbeat", "--workspace", str(root), "--job", job_id,
+        argv = [sys.executable, "-m", TIMER_MODULE, "--workspace", str(root), "--job", job_id,
                 "--attempt-id", str(attempt_id), "--dispatch-token", dispatch_token,
                 "--interval-s", repr(float(interval_s)), "--timeout-s", repr(float(timeout_s)),
                 "--watch-pid", str(watch.pid), "--watch-create-time", repr(watch.create_time)]
@@ -257,129 +266,3 @@ def start_timer(registry: Any, job_id: str, *, attempt_id: int, dispatch_token: 
         # The timer is detached (own session); reap it in the background if we outlive it.
         threading.Thread(target=proc.wait, name=f"reap-heartbeat-{job_id}", daemon=True).start()
         return proc.pid
-
-
-# ------------------------------------------------------------ the timer
-
-
-class _Timer:
-    """The loop of one timer process. Publishes over one persistent connection."""
-
-    def __init__(self, registry: Any, job_id: str, attempt_id: int, dispatch_token: str,
-                 interval_s: float, timeout_s: float, watch: WatchedProcess) -> None:
-        self.registry = registry
-        self.job_id = job_id
-        self.attempt_id = attempt_id
-        self.dispatch_token = dispatch_token
-        self.interval_s = interval_s
-        self.deadline = time.monotonic() + timeout_s
-        self.watch = watch
-        self.stop = threading.Event()
-        self.client: Any = None
-
-    def stop_reason(self) -> str | None:
-        from mam.shared.codes import TERMINAL_STATUSES
-
-        if not self.watch.alive():
-            return f"watched process {self.watch.pid} is gone"
-        if time.monotonic() >= self.deadline:
-            return "timeout_sec reached"
-        try:
-            record = self.registry.get(self.job_id)
-        except RegistryError as exc:
-            return f"record unreadable ({exc})"
-        if record["attempt_id"] != self.attempt_id or record["dispatch_token"] != self.dispatch_token:
-            return f"attempt {record['attempt_id']} replaced attempt {self.attempt_id}"
-        if record["status"] in TERMINAL_STATUSES:
-            return f"job is {record['status']}"
-        if barrier_attempt(self.registry.root, self.job_id) >= self.attempt_id:
-            return "terminal barrier raised"
-        return None
-
-    def run(self) -> int:
-        from mam.runner import publish as pub
-
-        cfg = pub.broker_for(self.registry, self.job_id)
-        while True:
-            if self.stop.wait(self.interval_s):
-                return 0
-            reason = self.stop_reason()
-            if reason:
-                log.info("heartbeat for job %s stops: %s", self.job_id, reason)
-                return 0
-            try:
-                with self.registry.lock():
-                    # checked under the seq lock: a beat takes its seq before a terminal or not at all
-                    if barrier_attempt(self.registry.root, self.job_id) >= self.attempt_id:
-                        log.info("heartbeat for job %s stops: terminal barrier raised", self.job_id)
-                        return 0
-                    result = pub.record(self.registry, pub.PublishRequest(
-                        job_id=self.job_id, event="progress", detail=HEARTBEAT_DETAIL,
-                        attempt_id=self.attempt_id, dispatch_token=self.dispatch_token),
-                        extra_data={"heartbeat": True}, stop_heartbeat=False)
-            except TransitionRefused as exc:
-                log.info("heartbeat for job %s stops: %s", self.job_id, exc)
-                return 0
-            self._send(pub, result, cfg)
-
-    def _send(self, pub: Any, result: Any, cfg: Any) -> None:
-        """Publish a beat on the timer's persistent connection; a broker failure
-        costs only this beat on the wire (it is on disk) and the next one retries."""
-        from mam.shared import mqtt
-        from mam.shared.errors import BrokerError
-
-        try:
-            if self.client is None:
-                client = mqtt.MqttClient(cfg, "heartbeat")
-                try:
-                    client.connect()
-                except BrokerError:
-                    client.close()
-                    raise
-                self.client = client
-            pub.send_on(self.client, result)
-        except BrokerError as exc:
-            log.warning("job %s: beat seq %d not published: %s", self.job_id, result.seq, exc)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the detached timer of §12: `python -m mam.runner.heartbeat ...`.
-
-    Returns:
-        the exit code (0 whenever the timer stops for a §12 reason).
-    """
-    import argparse
-
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s heartbeat[%(process)d] %(levelname)s %(message)s")
-    parser = argparse.ArgumentParser(prog="mam.runner.heartbeat", description=__doc__)
-    parser.add_argument("--workspace", required=True)
-    parser.add_argument("--job", required=True)
-    parser.add_argument("--attempt-id", type=int, required=True)
-    parser.add_argument("--dispatch-token", required=True)
-    parser.add_argument("--interval-s", type=float, required=True)
-    parser.add_argument("--timeout-s", type=float, required=True)
-    parser.add_argument("--watch-pid", type=int, required=True)
-    parser.add_argument("--watch-create-time", type=float, required=True)
-    args = parser.parse_args(argv)
-
-    from mam.shared.registry import Registry
-
-    timer = _Timer(Registry(args.workspace), names.validate_job_id(args.job), args.attempt_id,
-                   names.validate_token(args.dispatch_token), args.interval_s, args.timeout_s,
-                   WatchedProcess(args.watch_pid, args.watch_create_time))
-    # SIGTERM = drain: finish the beat in flight, then exit (§12)
-    signal.signal(signal.SIGTERM, lambda *_: timer.stop.set())
-    try:
-        return timer.run()
-    finally:
-        if timer.client is not None:
-            timer.client.close()
-        pid_path = names.heartbeat_path(timer.registry.root, timer.job_id, "pid")
-        info = _read_json(pid_path)
-        if info and info.get("pid") == os.getpid():
-            pid_path.unlink(missing_ok=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,8 +10,8 @@ Terminal events are retained. Exit codes (§9): 0 published, 1 refused
 (stale attempt, terminal job, invalid), 2 transport failure with the local
 record and audit log already written.
 
-Agents call this often: keep module-level imports light (paho is imported
-only when a message is sent).
+Agents call this often: paho is imported only when a message is sent. The
+command line (`mam-runner publish`) is in `mam.runner.cli`.
 """
 
 from __future__ import annotations
@@ -19,15 +19,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mam.shared import names
+from mam.shared import crypto, names, wire
 from mam.shared.codes import EVENT_NAMES, TERMINAL_EVENTS
-from mam.shared.errors import BrokerError, ExitCode, MamError, UsageError
+from mam.shared.config import BrokerConfig, broker_config
+from mam.shared.errors import UsageError
+from mam.shared.registry import Registry
+
+if TYPE_CHECKING:  # the Protocol only types `send_on`; nothing to load on the publish path
+    from mam.shared.transport import Transport
 
 log = logging.getLogger("mam.publish")
 
@@ -66,8 +72,6 @@ class Published:
 
     def messages(self, topic_root: str) -> list[tuple[str, bytes, bool]]:
         """(topic, payload, retain) in publish order: event, then the retained state (§4)."""
-        from mam.shared import wire
-
         job_id = self.event["job_id"]
         return [(names.events_topic(job_id, topic_root), wire.encode(self.event), self.terminal),
                 (names.state_topic(job_id, topic_root), wire.encode(self.state), True)]
@@ -86,7 +90,7 @@ def parse_data(text: str | None) -> dict[str, Any]:
         raise UsageError(f"--data is larger than {MAX_DATA_BYTES} bytes")
     try:
         value = json.loads(text)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         raise UsageError(f"--data is not valid JSON ({exc.msg} at position {exc.pos})") from None
     if not isinstance(value, dict):
         raise UsageError("--data must be a JSON object, e.g. '{\"tests\": 12}'")
@@ -103,15 +107,13 @@ def make_request(job_id: str, event: str, detail: str = "", data: str | None = N
     Raises:
         UsageError: a bad job id, event, detail, data, attempt or token.
     """
-    from mam.shared import wire
-
     names.validate_job_id(job_id)
     if event not in EVENT_NAMES:
         raise UsageError(f"event {event!r} is invalid: expected one of {', '.join(EVENT_NAMES)}")
     attempt: int | None = None
     if attempt_id not in (None, ""):
         try:
-            attempt = int(attempt_id)  # type: ignore[arg-type]
+            attempt = int(attempt_id)
         except (TypeError, ValueError):
             raise UsageError(f"attempt id {attempt_id!r} is invalid: expected an integer >= 1") from None
         names.validate_attempt(attempt)
@@ -125,9 +127,9 @@ def make_request(job_id: str, event: str, detail: str = "", data: str | None = N
     return PublishRequest(job_id, event, detail, payload, attempt, token)
 
 
-def record(registry: Any, request: PublishRequest, *, source: str = "publisher",
+def record(registry: Registry, request: PublishRequest, *, source: str = "publisher",
            extra_data: Mapping[str, Any] | None = None, exit_code: int | None = None,
-           status: str | None = None, stop_heartbeat: bool = True) -> Published:
+           status: str | None = None, stop_heartbeat: bool = True, drain_s: float | None = None) -> Published:
     """The disk side of a publish (§3, §4, §8, §12): for a terminal event stop
     the heartbeat first, then take the seq, apply the transition and append
     the signed event to the audit log, under the registry lock.
@@ -140,22 +142,21 @@ def record(registry: Any, request: PublishRequest, *, source: str = "publisher",
         exit_code: stored on a terminal record.
         status: `"cancelled"` with an `error` event (§6).
         stop_heartbeat: run the §12 barrier + drain before a terminal event.
+        drain_s: how long the timer may take to exit, seconds (None = MAM_HEARTBEAT_DRAIN_S).
     Returns:
         the signed event and state.
     Raises:
         StaleAttemptError / TransitionRefused: not the current attempt, or the job is terminal.
         RegistryError: the record cannot be read or written.
     """
-    from mam.shared import crypto, wire
-
     current = registry.get(request.job_id)
     attempt_id = request.attempt_id or current["attempt_id"]
     token = request.dispatch_token or current["dispatch_token"]
     if request.event in TERMINAL_EVENTS and stop_heartbeat:
-        from mam.runner import heartbeat
+        from mam.runner import heartbeat  # lazy: only a terminal event stops the timer (publish fast path)
 
         if attempt_id == current["attempt_id"] and token == current["dispatch_token"]:
-            heartbeat.stop_for_terminal(registry, request.job_id, attempt_id)
+            heartbeat.stop_for_terminal(registry, request.job_id, attempt_id, drain_s=drain_s)
     data = {**request.data, **(extra_data or {})}
     if exit_code is not None:
         data["exit_code"] = exit_code
@@ -178,27 +179,27 @@ def record(registry: Any, request: PublishRequest, *, source: str = "publisher",
     return Published(seq, payload, crypto.sign_event(state.to_dict(), signed["token"]))
 
 
-def broker_for(registry: Any, job_id: str, *, warn: bool = True) -> Any:
+def broker_for(registry: Registry, job_id: str, *, warn: bool = True) -> BrokerConfig:
     """The BrokerConfig for a job: §13 resolution from the registry's root,
     then the record's `broker` overrides."""
-    from mam.shared.config import broker_config
-
     block = registry.get(job_id).get("broker")
     return broker_config(block or None, workspace=registry.root, warn=warn)
 
 
-def send(published: Published, config: Any, *, attempts: int = 3) -> None:
-    """Publish event then state over one fresh connection with the §13 retries.
+def send(published: Published, config: BrokerConfig, *, attempts: int | None = None) -> None:
+    """Publish event then state over one fresh connection with the §13 retries
+    (`attempts` tries; None = `mqtt.DEFAULT_ATTEMPTS`).
 
     Raises:
         BrokerUnavailable, PublishTimeout, BrokerError.
     """
-    from mam.shared import mqtt
+    from mam.shared import mqtt  # lazy: paho only when a message is sent (publish fast path)
 
-    mqtt.publish_with_retry(config, "publish", published.messages(config.topic_root), attempts=attempts)
+    tries = mqtt.DEFAULT_ATTEMPTS if attempts is None else attempts
+    mqtt.publish_with_retry(config, "publish", published.messages(config.topic_root), attempts=tries)
 
 
-def send_on(client: Any, published: Published) -> None:
+def send_on(client: Transport, published: Published) -> None:
     """Publish event then state on an already connected, persistent client (§4).
 
     Raises:
@@ -208,63 +209,9 @@ def send_on(client: Any, published: Published) -> None:
         client.publish(topic, payload, retain=retain)
 
 
-def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attempt_id: str | None,
-                dispatch_token: str | None, heartbeat_s: float | None, watch_pid: int | None,
-                attempts: int, workspace: str | None) -> int:
-    """`mam-runner publish`: returns the exit code of §9.
-
-    Raises:
-        UsageError (exit 64) for bad arguments; other errors are mapped here.
-    """
-    from mam.shared.errors import ProtocolError, RegistryError
-    from mam.shared.registry import Registry
-
-    request = make_request(job_id, event, detail, data, attempt_id, dispatch_token)
-    if heartbeat_s is not None and (event != "started" or heartbeat_s <= 0):
-        raise UsageError("--heartbeat N needs --event started and N > 0 (§12)")
-    if attempts < 1 or attempts > 10:
-        raise UsageError(f"--attempts {attempts} is invalid: expected 1..10")
-    watch = None
-    if heartbeat_s is not None:
-        from mam.runner.heartbeat import WatchedProcess, default_watch_pid
-
-        try:
-            watch = WatchedProcess.of(watch_pid if watch_pid is not None else default_watch_pid())
-        except MamError as exc:
-            raise UsageError(str(exc)) from None
-    from mam.shared.config import resolve_root
-
-    registry = Registry(resolve_root(workspace))
-    try:
-        config = broker_for(registry, request.job_id)  # before any write: bad config loses nothing
-        published = record(registry, request)
-    except (ProtocolError, RegistryError) as exc:
-        print(f"ERROR: refused: {exc}", file=sys.stderr)
-        return ExitCode.REFUSED
-    exit_code = ExitCode.PUBLISHED
-    try:
-        send(published, config, attempts=attempts)
-    except BrokerError as exc:
-        print(f"ERROR: job {request.job_id} seq {published.seq} is on disk but not published: {exc}",
-              file=sys.stderr)
-        exit_code = ExitCode.TRANSPORT
-    if watch is not None:
-        rec = registry.get(request.job_id)
-        from mam.runner.heartbeat import start_timer
-
-        start_timer(registry, request.job_id, attempt_id=rec["attempt_id"],
-                    dispatch_token=rec["dispatch_token"], interval_s=heartbeat_s,
-                    watch=watch, timeout_s=float(rec.get("timeout_sec") or 7200))
-    print(json.dumps({"job_id": request.job_id, "seq": published.seq, "event": request.event,
-                      "published": exit_code == ExitCode.PUBLISHED}))
-    return exit_code
-
-
 def publish_command(workspace: str | os.PathLike[str], job_id: str) -> str:
     """The MAM_PUBLISH_CMD of §11: a shell-quoted command line an agent runs
     with `--event E [--detail D] [--data JSON]` to publish for its job."""
-    import shlex
-
     script = Path(sys.executable).with_name("mam-runner")
     argv = [str(script)] if script.exists() else [sys.executable, "-m", "mam.runner.cli"]
     return shlex.join([*argv, "publish", "--job", job_id, "--workspace", str(workspace)])

@@ -542,7 +542,8 @@ def test_lifecycle_serve_once_shutdown_idempotent(nats_broker, tmp_path, wire_ob
     shutdown() is idempotent and ends serve() with presence offline (§7)."""
     import threading
 
-    from mam.runner.daemon import Runner, options_from_cli
+    from mam.runner.service import Runner
+    from mam.runner.settings import options_from_cli
     from mam.shared.errors import MamError
 
     ws = tmp_path / "runner"
@@ -934,24 +935,6 @@ def test_s6_replayed_dispatch_of_a_cancelled_attempt_never_runs(nats_broker, tmp
     assert wire_obs.events(job_id) == []  # no `started` either
     assert runner.status(job_id) is None  # never mirrored
     assert runner.proc.poll() is None
-
-
-def test_s6_cancel_tombstones_are_bounded_and_keep_the_highest_attempt(tmp_path):
-    """At most MAX_CANCEL_TOMBSTONES job ids are remembered (oldest dropped); a cancel of an
-    older attempt never lowers the tombstone (a replayed old cancel)."""
-    from mam.runner import daemon
-
-    options = daemon.options_from_cli(session=SESSION, exec_cmd=SHELL_AGENT, workspace=str(tmp_path / "ws"),
-                                      workdir=None, max_jobs=1, once=False, replace=False, environ=clean_env())
-    runner = daemon.Runner(options, config=None, keys=None)
-    limit = daemon.MAX_CANCEL_TOMBSTONES
-    for n in range(limit + 5):
-        runner._remember_cancel(f"{n:08x}", 1)
-    runner._remember_cancel("00000010", 3)
-    runner._remember_cancel("00000010", 2)
-    assert len(runner._cancelled) == limit
-    assert "00000000" not in runner._cancelled and "00000004" not in runner._cancelled
-    assert runner._cancelled["00000005"] == 1 and runner._cancelled["00000010"] == 3
 
 
 def test_s7_presence_is_refreshed_while_idle(nats_broker, tmp_path, wire_obs, runners):

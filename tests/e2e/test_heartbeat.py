@@ -28,7 +28,7 @@ def _beats(pair: JobPair) -> list[dict]:
 
 
 def _timer_pid(pair: JobPair) -> int | None:
-    info = heartbeat._read_json(names.heartbeat_path(pair.runner.root, pair.job_id, "pid"))
+    info = heartbeat.read_json(names.heartbeat_path(pair.runner.root, pair.job_id, "pid"))
     return info["pid"] if info else None
 
 

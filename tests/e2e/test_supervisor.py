@@ -1,4 +1,4 @@
-"""runner/supervisor.py with real processes and real signals (PROTOCOL §6, §11),
+"""runner/agent.py and runner/process_tree.py with real processes and real signals (PROTOCOL §6, §11),
 and the example agents of examples/agents/."""
 
 from __future__ import annotations
@@ -17,19 +17,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mam.runner.supervisor import (
-    AGENT_TAG_ENV,
+from mam.runner.agent import (
     BRIEF_OMITTED_ENV,
     EXEC_MAX_CHARS,
     SECRET_ENV_NAMES,
-    AgentIdentity,
     AgentProcess,
     AgentStartError,
     ExitStatus,
     agent_env,
     split_exec,
-    stop_orphan,
 )
+from mam.runner.process_tree import AGENT_TAG_ENV, AgentIdentity, stop_orphan
 from mam.shared.errors import RegistryError, UsageError
 
 pytestmark = pytest.mark.e2e
@@ -506,7 +504,7 @@ def test_shell_agent_keeps_going_when_progress_publish_fails(tmp_path, run_agent
 
 _ORPHAN_PARENT = textwrap.dedent("""
     import json, os, sys, time
-    from mam.runner.supervisor import AgentProcess
+    from mam.runner.agent import AgentProcess
     agent = AgentProcess()
     agent.start([sys.argv[1], "1000"], env=dict(os.environ), cwd=sys.argv[2], stdin_text="",
                 log_path=os.path.join(sys.argv[2], "agent.log"))

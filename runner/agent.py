@@ -1,9 +1,9 @@
 """Run one agent process for one job (PROTOCOL §6, §11): argv, environment,
-stdin brief, log file, process group, cancel of the whole process tree, and
-the mapping of its exit to the terminal event.
+stdin brief, log file, process group, cancel of the whole process tree
+(`mam.runner.process_tree`), and the mapping of its exit to the terminal event.
 
-No MQTT here: the daemon publishes `started`, heartbeats and the terminal
-event; this module only owns the agent's processes.
+No MQTT here: `mam.runner.job` publishes `started`, heartbeats and the
+terminal event; this module only owns the agent's processes.
 
 Lifecycle::
 
@@ -28,19 +28,20 @@ import logging
 import os
 import shlex
 import shutil
-import signal as _signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
+from mam.runner.process_tree import AGENT_TAG_ENV, TAG_BYTES, AgentIdentity, ProcessTree
 from mam.shared.errors import MamError, RegistryError, UsageError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("mam.runner.supervisor")  # the log name operators know
 
 EXEC_MAX_CHARS = 4096
 """Longest accepted `--exec` string; a longer one is refused as a usage error."""
@@ -50,9 +51,6 @@ EXEC_MAX_CHARS = 4096
 MAX_ENV_STRING_BYTES = 32 * 4096
 
 BRIEF_ENV = "MAM_JOB_BRIEF"
-AGENT_TAG_ENV = "MAM_AGENT_TAG"
-"""Set by `start()` to a fresh random value: every descendant inherits it, so
-`cancel()` can find one that escaped the tree (double fork + `setsid`)."""
 BRIEF_OMITTED_ENV = "MAM_JOB_BRIEF_OMITTED"
 
 # The fleet's own secrets. An agent is untrusted code with respect to them:
@@ -77,8 +75,13 @@ JOB_ENV_NAMES: frozenset[str] = frozenset({
     "MAM_HEARTBEAT_SEC", "MAM_PUBLISH_CMD", BRIEF_ENV, BRIEF_OMITTED_ENV, AGENT_TAG_ENV,
 })
 
-_POLL_S = 0.02
-_KILL_WAIT_S = 5.0
+
+SHOWN_EXEC_CHARS = 80
+"""How much of a bad `--exec` string an error line shows."""
+TRACK_INTERVAL_S = 0.5
+"""How often a running agent's process tree is sampled (escaped descendants stay known)."""
+THREAD_JOIN_S = 1.0
+"""How long `close()` waits for each helper thread."""
 
 
 class AgentStartError(UsageError):
@@ -123,7 +126,7 @@ def split_exec(cmd: str) -> list[str]:
     return argv
 
 
-def _shorten(text: str, limit: int = 80) -> str:
+def _shorten(text: str, limit: int = SHOWN_EXEC_CHARS) -> str:
     """`repr(text)`, cut to about `limit` characters for one-line errors."""
     return repr(text if len(text) <= limit else text[:limit] + "…")
 
@@ -265,7 +268,7 @@ class AgentProcess:
     scrubs its environment *and* escapes before a sample is not found).
     """
 
-    def __init__(self, *, track_interval_s: float = 0.5) -> None:
+    def __init__(self, *, track_interval_s: float = TRACK_INTERVAL_S) -> None:
         self.track_interval_s = track_interval_s
         self._popen: subprocess.Popen[bytes] | None = None
         self._proc: psutil.Process | None = None
@@ -309,7 +312,7 @@ class AgentProcess:
         if not argv:
             raise UsageError("agent command is empty")
         executable = resolve_executable(argv[0], env.get("PATH"))
-        self._tag = os.urandom(16).hex()
+        self._tag = os.urandom(TAG_BYTES).hex()
         child_env = dict(env)
         child_env[AGENT_TAG_ENV] = self._tag
         cwd = Path(cwd)
@@ -357,7 +360,7 @@ class AgentProcess:
         self._spawn_thread(self._write_stdin, data, name=f"agent-stdin-{self.pid}")
         self._spawn_thread(self._track, name=f"agent-track-{self.pid}")
 
-    def _spawn_thread(self, target, *args, name: str) -> None:
+    def _spawn_thread(self, target: Callable[..., object], *args: Any, name: str) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         thread.start()
         self._threads.append(thread)
@@ -495,243 +498,8 @@ class AgentProcess:
         Call after the agent ended (`wait()` or `cancel()`)."""
         self._stop.set()
         for thread in self._threads:
-            thread.join(timeout=1.0)
+            thread.join(timeout=THREAD_JOIN_S)
 
 
-AGENT_RECORD_MAX_BYTES = 4096
-"""Largest accepted agent identity file; a bigger one is not ours."""
-
-_CREATE_TIME_TOLERANCE_S = 0.001  # psutil derives it from clock ticks (10 ms): equal values round-trip
-
-
-@dataclass(frozen=True)
-class AgentIdentity:
-    """An agent process as a restarted runner can find it again (§6).
-
-    Attributes:
-        pid: the agent's pid.
-        create_time: its psutil create time (seconds since the epoch): with
-            `pid`, tells the agent from a later process that reused the pid.
-        pgid: its process group id (= `pid`: the agent leads its own session).
-        tag: the random `MAM_AGENT_TAG` value every descendant inherits.
-    """
-
-    pid: int
-    create_time: float
-    pgid: int
-    tag: str
-
-    def to_dict(self) -> dict[str, object]:
-        """The JSON object of the identity file."""
-        return {"pid": self.pid, "create_time": self.create_time, "pgid": self.pgid, "tag": self.tag}
-
-    @classmethod
-    def from_dict(cls, obj: object) -> AgentIdentity:
-        """Parse `to_dict()` output, read back from a file an agent could have written.
-
-        Raises:
-            ValueError: not an object, a missing or mistyped field, a pid or
-                pgid outside 2..2**22, a tag that is not 32 lowercase hex.
-        """
-        if not isinstance(obj, Mapping):
-            raise ValueError("agent identity is not a JSON object")
-        pid, pgid, created, tag = obj.get("pid"), obj.get("pgid"), obj.get("create_time"), obj.get("tag")
-        for name, value in (("pid", pid), ("pgid", pgid)):
-            # pid 1 (init) and 0 (our own group for killpg) are never an agent's
-            if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 1 << 22:
-                raise ValueError(f"agent identity: {name} {value!r} is invalid")
-        if isinstance(created, bool) or not isinstance(created, (int, float)) or not 0 < created < 1e11:
-            raise ValueError(f"agent identity: create_time {created!r} is invalid")
-        if not isinstance(tag, str) or len(tag) != 32 or tag.strip("0123456789abcdef"):
-            raise ValueError("agent identity: tag is invalid")
-        return cls(pid=pid, create_time=float(created), pgid=pgid, tag=tag)
-
-    def leader(self) -> psutil.Process | None:
-        """The agent process itself if it still runs: same pid, same create time,
-        not a zombie, and `MAM_AGENT_TAG` in its environment equal to `tag`
-        (a forged identity file cannot point at a process outside the agent's tree).
-
-        Returns:
-            the process, or None (gone, reused pid, or not readable as ours).
-        """
-        try:
-            proc = psutil.Process(self.pid)
-            if abs(proc.create_time() - self.create_time) > _CREATE_TIME_TOLERANCE_S:
-                return None
-            if not _alive(proc) or proc.environ().get(AGENT_TAG_ENV) != self.tag:
-                return None
-            return proc
-        except (psutil.Error, OSError):
-            return None
-
-
-class ProcessTree:
-    """The processes of one agent, found again and again while it runs and
-    stopped as a whole (§6).
-
-    Membership: every process seen before that still runs, their descendants
-    (`children(recursive=True)`, which catches reparented ones that fork
-    again), members of the agent's process group or session, and, on a deep
-    scan, every process started after the agent whose environment carries the
-    agent's `MAM_AGENT_TAG` (an escaped, never-seen descendant).
-
-    Args:
-        identity: the agent's `AgentIdentity`.
-        owned: True when the caller holds the agent as its own unreaped child
-            (`AgentProcess`): the group id cannot be reused, so every member
-            of the group or session is the agent's. False for an orphan left
-            by a dead runner (reparented to init, which reaps it): a group or
-            session member counts only if its environment carries the tag, and
-            the group is signalled only while a process proven ours is in it
-            (a group id, unlike a pid, is not reused while a member lives).
-    """
-
-    def __init__(self, identity: AgentIdentity, *, owned: bool) -> None:
-        self.identity = identity
-        self.owned = owned
-        self._seen: dict[tuple[int, float], psutil.Process] = {}
-        self._lock = threading.Lock()
-
-    @classmethod
-    def of_orphan(cls, identity: AgentIdentity) -> ProcessTree:
-        """The tree of an agent whose runner died, seeded with the agent if it still runs."""
-        tree = cls(identity, owned=False)
-        leader = identity.leader()
-        if leader is not None:
-            tree.remember([leader])
-        return tree
-
-    def remember(self, procs) -> None:
-        """Add `procs` (psutil.Process) to the processes known to be the agent's."""
-        with self._lock:
-            for proc in procs:
-                try:
-                    self._seen.setdefault((proc.pid, proc.create_time()), proc)
-                except psutil.Error:
-                    pass  # gone between listing and reading
-
-    def known(self) -> list[psutil.Process]:
-        """The processes remembered so far that still run (no new scan)."""
-        with self._lock:
-            return [p for p in self._seen.values() if _alive(p)]
-
-    def _tagged(self, proc: psutil.Process) -> bool:
-        try:
-            return (proc.create_time() >= self.identity.create_time - _CREATE_TIME_TOLERANCE_S
-                    and proc.environ().get(AGENT_TAG_ENV) == self.identity.tag)
-        except (psutil.Error, OSError):
-            return False  # gone, or not ours to read
-
-    def collect(self, *, deep: bool = False) -> list[psutil.Process]:
-        """Every process of the tree seen now or earlier that is still alive (zombies excluded).
-
-        Args:
-            deep: also read the environment of every process started after the
-                agent, looking for the tag (slower: one /proc read per process).
-        """
-        found: list[psutil.Process] = []
-        with self._lock:
-            roots = list(self._seen.values())
-        for proc in roots:
-            try:
-                if _alive(proc):
-                    found.append(proc)
-                    found.extend(proc.children(recursive=True))
-            except psutil.Error:
-                pass
-        pgid = self.identity.pgid
-        for proc in psutil.process_iter():
-            try:
-                in_group = os.getpgid(proc.pid) == pgid or os.getsid(proc.pid) == pgid
-                if in_group and (self.owned or self._tagged(proc)):
-                    found.append(proc)
-                elif deep and not in_group and self._tagged(proc):
-                    found.append(proc)
-            except (OSError, psutil.Error):
-                pass  # gone, or not ours to read
-        self.remember(found)
-        with self._lock:
-            return [p for p in self._seen.values() if _alive(p)]
-
-    def signal_all(self, procs: list[psutil.Process], sig: int) -> None:
-        """Send `sig` to the agent's process group and to every process of `procs`."""
-        if self.owned or any(_in_group(p, self.identity.pgid) for p in procs):
-            try:
-                os.killpg(self.identity.pgid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass  # group already empty
-        for proc in procs:
-            try:
-                proc.send_signal(sig)  # psutil refuses a reused pid (create-time check)
-            except psutil.Error:
-                pass
-
-    def terminate(self, grace_s: float, *, reap: Callable[[], object] = lambda: None) -> list[int]:
-        """Stop the whole tree (§6): SIGTERM to the process group and to every
-        known process of the tree, wait up to `grace_s` for all of them to
-        exit, collect the tree again, then SIGKILL every survivor and the
-        group, repeating until nothing of the tree is left (a process stuck in
-        uninterruptible sleep is logged after 5 s and left).
-
-        Args:
-            grace_s: seconds between SIGTERM and SIGKILL (`MAM_CANCEL_GRACE_S`).
-            reap: called on every poll (e.g. `Popen.poll`, so our own child does
-                not linger as a zombie).
-        Returns:
-            the pids that survived SIGKILL (normally empty).
-        """
-        procs = self.collect(deep=True)
-        self.signal_all(procs, _signal.SIGTERM)
-        deadline = time.monotonic() + max(0.0, grace_s)
-        while time.monotonic() < deadline:
-            reap()
-            if not self.collect():
-                break
-            time.sleep(_POLL_S)
-        kill_deadline = time.monotonic() + _KILL_WAIT_S
-        deep = True  # one full re-scan before the first SIGKILL, then the cheap one
-        while True:
-            reap()
-            procs = self.collect(deep=deep)
-            deep = False
-            if not procs:
-                return []
-            if time.monotonic() > kill_deadline:
-                log.warning("agent %d: %d process(es) survive SIGKILL: %s", self.identity.pid, len(procs),
-                            [p.pid for p in procs])
-                return [p.pid for p in procs]
-            self.signal_all(procs, _signal.SIGKILL)
-            time.sleep(_POLL_S)
-
-
-def stop_orphan(identity: AgentIdentity, grace_s: float) -> bool:
-    """Stop the process tree of an agent whose runner died (§6), as a cancel does,
-    without a `Popen` (the agent was reparented to init).
-
-    Args:
-        identity: read back from the identity file the runner wrote at start.
-        grace_s: seconds between SIGTERM and SIGKILL (`MAM_CANCEL_GRACE_S`).
-    Returns:
-        True if anything of the tree was found running (and was stopped),
-        False if the agent and every tagged descendant were already gone.
-    """
-    tree = ProcessTree.of_orphan(identity)
-    if not tree.collect(deep=True):
-        return False
-    tree.terminate(grace_s)
-    return True
-
-
-def _in_group(proc: psutil.Process, pgid: int) -> bool:
-    try:
-        return os.getpgid(proc.pid) == pgid
-    except OSError:
-        return False
-
-
-def _alive(proc: psutil.Process) -> bool:
-    """True if `proc` still runs: zombies count as gone (they can no longer act)."""
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
+__all__ = ["AGENT_TAG_ENV", "AgentIdentity", "AgentProcess", "AgentStartError", "ExitStatus", "ProcessTree",
+           "agent_env", "resolve_executable", "split_exec"]

@@ -1,0 +1,370 @@
+"""One taken job's life on its supervisor thread (PROTOCOL §11 steps 2-5, §5
+`timeout_sec`, §6 cancel, §12 heartbeat).
+
+Order: record `agent.pid` (orphans.py), clear the retained dispatch, publish
+`started`, start the heartbeat timer watching the daemon, write the agent's
+per-job `broker.env` (0600, MQTT_* and MAM_TOPIC_ROOT, never the dispatch
+secret; MAM_ENV_FILE points to it, §13), run the agent, and wait until one
+`StopReason`. Then stop what is left of its tree and only then publish the
+terminal event, unless the agent published one itself. The job's files are
+removed when it ends. An orphan (a dead runner's job) only has its agent tree
+stopped and its end published.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from mam.runner import heartbeat, orphans, publish
+from mam.runner.agent import AgentProcess, AgentStartError, ExitStatus, agent_env
+from mam.runner.process_tree import AgentIdentity, stop_orphan
+from mam.runner.settings import RunnerOptions
+from mam.shared import names, wire
+from mam.shared.codes import TERMINAL_STATUSES, EventName, JobStatus
+from mam.shared.config import BrokerConfig, write_env_file
+from mam.shared.errors import BrokerError, MamError, RegistryError, TransitionRefused
+from mam.shared.registry import Refusal, Registry
+from mam.shared.transport import Transport
+
+log = logging.getLogger("mam.daemon")
+
+WAIT_POLL_S = 0.1
+"""How often the supervisor looks at the agent, the cancel flag and the clock."""
+RECORD_CHECK_S = 0.5
+"""How often it reads the record to see whether the agent published its own terminal event."""
+BROKER_ENV_FILE = "broker.env"
+DETAIL_CANCELLED = "cancelled"
+DETAIL_SUPERVISOR_FAILED = "runner failed to supervise the agent"
+DETAIL_NOT_STARTED = "agent could not be started"
+EXIT_NOT_STARTED = 127
+"""`data.exit_code` of an agent that could not be started (the shell's "command not found")."""
+
+
+class StopReason(StrEnum):
+    """Why the supervisor stopped waiting for the agent."""
+
+    EXITED = "exited"  # the agent ended by itself
+    CANCELLED = "cancelled"  # a verified cancel (§6) or the runner's shutdown
+    TIMED_OUT = "timed_out"  # it ran the contract's `timeout_sec` (§5)
+    LINGERED = "lingered"  # it published its own terminal event, then ran on past MAM_AGENT_LINGER_S
+
+
+def final_reason(reason: StopReason, cancelled: bool) -> StopReason:
+    """A cancel seen after the wait ended wins over an exit or a timeout (the job is cancelled);
+    a lingering agent already reported its end, so nothing is published for it either way."""
+    if cancelled and reason in (StopReason.EXITED, StopReason.TIMED_OUT):
+        return StopReason.CANCELLED
+    return reason
+
+
+@dataclass(frozen=True)
+class Terminal:
+    """The terminal event the runner publishes (§11 step 5).
+
+    Attributes:
+        event: `completed` or `error`; detail: its detail; exit_code: `data.exit_code`;
+        status: the record status to set (`cancelled`), None = the event's own.
+    """
+
+    event: str
+    detail: str
+    exit_code: int | None
+    status: str | None = None
+
+
+def terminal_for(reason: StopReason, status: ExitStatus, timeout_s: int) -> Terminal | None:
+    """The terminal event of a supervised job, from why it stopped and how the agent ended.
+
+    Args:
+        reason: the final `StopReason`; status: the agent's exit; timeout_s: the contract's `timeout_sec`.
+    Returns:
+        the event to publish, or None (LINGERED: the agent published its own).
+    """
+    event, detail, code = status.terminal()
+    if reason is StopReason.LINGERED:
+        return None
+    if reason is StopReason.CANCELLED:
+        return Terminal(EventName.ERROR, DETAIL_CANCELLED, code, JobStatus.CANCELLED)
+    if reason is StopReason.TIMED_OUT:
+        return Terminal(EventName.ERROR, f"timed out after {timeout_s} s", code)
+    return Terminal(event, detail, code)
+
+
+@dataclass
+class Job:
+    """One taken job (or adopted orphan) and its supervisor thread.
+
+    `cancel` is set by a verified cancel or the shutdown, with `cancel_reason` for the log.
+    """
+
+    job_id: str
+    attempt_id: int
+    dispatch_token: str
+    brief: str
+    heartbeat_s: int
+    timeout_s: int
+    cancel: threading.Event = field(default_factory=threading.Event)
+    cancel_reason: str = ""
+    thread: threading.Thread | None = None
+    orphan: bool = False  # left by a dead runner: stop its agent, publish, never run anything
+    identity: AgentIdentity | None = None  # the orphan's agent, None when unknown
+
+    def request_cancel(self, reason: str) -> bool:
+        """Ask the supervisor to stop the agent; False when already asked."""
+        if self.cancel.is_set():
+            return False
+        self.cancel_reason = reason
+        self.cancel.set()
+        return True
+
+
+class Supervisor:
+    """Runs jobs on their threads (§11 steps 2-5) for one `Runner`.
+
+    Args:
+        options: the runner's options; runner_id: its id (§7).
+        registry: this host's registry; client: the daemon's connection; config: its broker settings.
+        environ: the environment agents inherit (None = os.environ).
+        on_end: called with the job id when a supervisor thread ends (always, last).
+    """
+
+    def __init__(self, *, options: RunnerOptions, runner_id: str, registry: Registry, client: Transport,
+                 config: BrokerConfig, environ: Mapping[str, str] | None, on_end: Callable[[str], None]) -> None:
+        self.options = options
+        self.runner_id = runner_id
+        self.registry = registry
+        self.client = client
+        self.config = config
+        self.environ = environ
+        self.on_end = on_end
+
+    def start(self, job: Job) -> None:
+        """Start the job's supervisor thread."""
+        kind = "orphan" if job.orphan else "supervisor"
+        job.thread = threading.Thread(target=self.supervise, args=(job,), name=f"{kind}-{job.job_id}",
+                                      daemon=True)
+        job.thread.start()
+
+    def supervise(self, job: Job) -> None:
+        """Steps 2-5 of §11 for one job; always ends by calling `on_end`."""
+        try:
+            if job.orphan:
+                self._end_orphan(job)
+            else:
+                self._run(job)
+        except Exception as exc:
+            log.error("supervisor of job %s failed: %s: %s", job.job_id, type(exc).__name__, exc)
+            log.debug("traceback", exc_info=True)
+            self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_SUPERVISOR_FAILED, None))
+        finally:
+            try:
+                self._remove_job_files(job.job_id)
+            finally:
+                self.on_end(job.job_id)
+
+    # ------------------------------------------------------------ one job
+
+    def _run(self, job: Job) -> None:
+        # before `started`: a restarted runner can tell this attempt is orphaned
+        orphans.write_agent_file(self.registry, job.job_id, job.attempt_id, self.runner_id)
+        try:  # §11 step 2: the dispatch is taken; nobody else may take it
+            self.client.publish(names.dispatch_topic(job.job_id, self.config.topic_root), b"", retain=True)
+        except BrokerError as exc:
+            log.warning("job %s: retained dispatch not cleared (%s); the registry refuses its replay", job.job_id,
+                        exc)
+        started = publish.record(self.registry, publish.PublishRequest(
+            job_id=job.job_id, event=EventName.STARTED, attempt_id=job.attempt_id,
+            dispatch_token=job.dispatch_token), source="runner")
+        self._send(job.job_id, started)
+        try:
+            heartbeat.start_timer(self.registry, job.job_id, attempt_id=job.attempt_id,
+                                  dispatch_token=job.dispatch_token, interval_s=float(job.heartbeat_s),
+                                  watch=heartbeat.WatchedProcess.of(os.getpid()), timeout_s=float(job.timeout_s),
+                                  drain_s=self.options.heartbeat_drain_s)
+        except (RegistryError, MamError) as exc:
+            log.warning("job %s: heartbeat timer not started: %s", job.job_id, exc)
+        if job.cancel.is_set():  # cancelled before the agent started
+            self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_CANCELLED, None, JobStatus.CANCELLED))
+            return
+        env_file = self._write_broker_env(job.job_id)
+        agent = AgentProcess()
+        try:
+            self._run_agent(job, agent, env_file)
+        finally:
+            if agent.started and agent.poll() is None:  # an unexpected error: never leave the agent behind
+                agent.cancel(grace_s=self.options.cancel_grace_s)
+            agent.close()
+            env_file.unlink(missing_ok=True)
+
+    def _run_agent(self, job: Job, agent: AgentProcess, env_file: Path) -> None:
+        workdir = self.options.workdir or (self.options.root / "work" / job.job_id)
+        try:
+            agent.start(list(self.options.argv), env=self._agent_env(job, env_file), cwd=workdir,
+                        stdin_text=job.brief, log_path=self.registry.logs_dir(job.job_id) / "agent.log")
+        except (AgentStartError, RegistryError, OSError) as exc:
+            log.error("job %s: agent not started: %s", job.job_id, exc)
+            self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_NOT_STARTED, EXIT_NOT_STARTED))
+            return
+        log.info("job %s: agent pid %d started", job.job_id, agent.pid)
+        try:
+            orphans.write_agent_file(self.registry, job.job_id, job.attempt_id, self.runner_id, agent.identity)
+        except RegistryError as exc:
+            log.warning("job %s: agent identity not recorded (a restarted runner cannot stop it): %s",
+                        job.job_id, exc)
+        reason, status = self._wait(job, agent)
+        reason = final_reason(reason, job.cancel.is_set())
+        grace_s = self.options.cancel_grace_s
+        if reason is StopReason.EXITED and status is not None:
+            log.info("job %s: agent ended (%s)", job.job_id, status.terminal()[1] or "exit 0")
+            self._stop_leftovers(job, agent)  # before the terminal event: nothing of the job outlives it
+        else:
+            status = agent.cancel(grace_s=grace_s)
+            if reason is StopReason.LINGERED:  # its terminal event is out; only its processes and our slot are left
+                log.info("job %s: the agent reported its end but ran on for %g s: stopped", job.job_id,
+                         self.options.agent_linger_s)
+            elif reason is StopReason.TIMED_OUT:
+                log.info("job %s: agent stopped: timed out after %d s (contract timeout_sec)", job.job_id,
+                         job.timeout_s)
+            else:
+                log.info("job %s: agent cancelled (%s)", job.job_id, job.cancel_reason or "cancel")
+        terminal = terminal_for(reason, status, job.timeout_s)
+        if terminal is not None:
+            self.publish_terminal(job, terminal)
+
+    def _wait(self, job: Job, agent: AgentProcess) -> tuple[StopReason, ExitStatus | None]:
+        """Wait for the agent until one `StopReason`; the status is set when it exited."""
+        deadline = time.monotonic() + job.timeout_s  # §5 timeout_sec, from the agent's start
+        reported_at: float | None = None  # when the agent's own terminal event was seen
+        next_check = 0.0
+        while True:
+            if job.cancel.wait(0):
+                return StopReason.CANCELLED, None
+            now = time.monotonic()
+            if now >= deadline:
+                return StopReason.TIMED_OUT, None
+            if reported_at is None and now >= next_check:
+                next_check = now + RECORD_CHECK_S
+                if self._record_terminal(job.job_id):
+                    reported_at = now
+            if reported_at is not None and now - reported_at >= self.options.agent_linger_s:
+                return StopReason.LINGERED, None
+            status = agent.wait(timeout_s=WAIT_POLL_S)
+            if status is not None:
+                return StopReason.EXITED, status
+
+    def _record_terminal(self, job_id: str) -> bool:
+        """True when this runner's record of the job is terminal (the agent published its end)."""
+        try:
+            return self.registry.get(job_id)["status"] in TERMINAL_STATUSES
+        except RegistryError:
+            return False
+
+    def _stop_leftovers(self, job: Job, agent: AgentProcess) -> None:
+        """§11 step 5: the leader exited; stop what remains of its tree (a background
+        child, the children of a killed leader) like a cancel, and log how many."""
+        try:
+            stopped = agent.stop_leftovers(self.options.cancel_grace_s)
+        except Exception as exc:  # never skip the terminal event because of the cleanup
+            log.warning("job %s: leftover processes of the agent not stopped: %s: %s", job.job_id,
+                        type(exc).__name__, exc)
+            return
+        log.info("job %s: %d leftover process(es) of the agent stopped", job.job_id, stopped)
+
+    def _agent_env(self, job: Job, env_file: Path) -> dict[str, str]:
+        env = agent_env(os.environ if self.environ is None else self.environ, job_id=job.job_id,
+                        attempt_id=job.attempt_id, dispatch_token=job.dispatch_token,
+                        session=self.options.session, heartbeat_s=job.heartbeat_s,
+                        publish_cmd=publish.publish_command(self.options.root, job.job_id), brief=job.brief)
+        env["MAM_ENV_FILE"] = str(env_file)
+        env["MAM_REAL_ROOT"] = str(self.options.root)
+        return env
+
+    def _write_broker_env(self, job_id: str) -> Path:
+        """The agent's per-job broker settings, 0600, without the dispatch secret (§13)."""
+        cfg = self.config
+        values = {"MQTT_BROKER": ",".join(cfg.hosts), "MQTT_PORT": str(cfg.port),
+                  "MQTT_TLS": "true" if cfg.tls else "false", "MQTT_USERNAME": cfg.username,
+                  "MQTT_PASSWORD": cfg.password, "MQTT_CA_CERTS": cfg.ca_certs,
+                  "MQTT_CERTFILE": cfg.certfile, "MQTT_KEYFILE": cfg.keyfile,
+                  "MQTT_CLIENT_ID_PREFIX": cfg.client_id_prefix, "MQTT_KEEPALIVE": str(cfg.keepalive_s),
+                  "MAM_TOPIC_ROOT": cfg.topic_root}
+        path = self.registry.logs_dir(job_id) / BROKER_ENV_FILE
+        return write_env_file(path, values, header=f"broker settings for the agent of job {job_id}",
+                              overwrite=True)
+
+    def _remove_job_files(self, job_id: str) -> None:
+        """broker.env holds MQTT_PASSWORD: it must not outlive the job; agent.pid neither."""
+        logs = self.registry.logs_dir(job_id)
+        for name in (BROKER_ENV_FILE, orphans.AGENT_FILE):
+            try:
+                (logs / name).unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("job %s: %s not removed: %s", job_id, name, exc.strerror or exc)
+
+    # ------------------------------------------------------------ orphans (§6)
+
+    def _end_orphan(self, job: Job) -> None:
+        """§6 for an orphan: stop its agent tree, THEN publish the terminal event."""
+        found = job.identity is not None and stop_orphan(job.identity, self.options.cancel_grace_s)
+        if job.cancel.is_set():
+            terminal = Terminal(EventName.ERROR, DETAIL_CANCELLED, None, JobStatus.CANCELLED)
+        else:
+            terminal = Terminal(EventName.ERROR,
+                                orphans.DETAIL_AGENT_STOPPED if found else orphans.DETAIL_AGENT_LOST, None)
+        log.info("job %s: orphaned agent %s; publishing error (%s)", job.job_id,
+                 "stopped" if found else "already gone", terminal.detail)
+        self.publish_terminal(job, terminal)
+
+    # ------------------------------------------------------------ publishing (§11 step 5)
+
+    def publish_terminal(self, job: Job, terminal: Terminal) -> None:
+        """Disk first, then the wire; an agent's own terminal event wins (§11 step 5)."""
+        try:
+            published = publish.record(self.registry, publish.PublishRequest(
+                job_id=job.job_id, event=terminal.event, detail=terminal.detail, attempt_id=job.attempt_id,
+                dispatch_token=job.dispatch_token), source="runner", exit_code=terminal.exit_code,
+                status=terminal.status, drain_s=self.options.heartbeat_drain_s)
+        except Refusal as exc:
+            if exc.reason == "after_terminal":
+                log.info("job %s already ended (the agent published its terminal event)", job.job_id)
+            else:
+                log.warning("job %s: terminal event refused: %s", job.job_id, exc)
+            return
+        except TransitionRefused as exc:
+            log.warning("job %s: terminal event refused: %s", job.job_id, exc)
+            return
+        self._send(job.job_id, published)
+
+    def _send(self, job_id: str, published: publish.Published) -> None:
+        try:
+            publish.send_on(self.client, published)
+        except BrokerError as exc:  # on disk already; paho still resends it after a reconnect
+            log.warning("job %s seq %d is on disk but not acknowledged by the broker: %s", job_id,
+                        published.seq, exc)
+
+
+def orphan_job(record: Mapping[str, Any], identity: AgentIdentity | None, *,
+               cancel_reason: str | None = None) -> Job:
+    """The `Job` that holds a slot for an orphan while its agent tree is stopped (§6).
+
+    Args:
+        record: this host's registry record of the job; identity: its agent, None when unknown.
+        cancel_reason: set when a verified cancel found it (the end is then `cancelled`).
+    """
+    job = Job(job_id=record["job_id"], attempt_id=record["attempt_id"], dispatch_token=record["dispatch_token"],
+              brief="", heartbeat_s=int(record.get("heartbeat_sec") or wire.Contract.heartbeat_sec),
+              timeout_s=int(record.get("timeout_sec") or 0), orphan=True, identity=identity)
+    if cancel_reason is not None:
+        job.request_cancel(cancel_reason)
+    return job
+
+
+__all__ = ["Job", "StopReason", "Supervisor", "Terminal", "final_reason", "orphan_job", "terminal_for"]

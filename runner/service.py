@@ -1,0 +1,514 @@
+"""The runner daemon of `mam-runner run`: its lifecycle (PROTOCOL §5-§7, §11).
+
+One process per worker host and session, ONE persistent MQTT connection
+whose Last Will is the signed `offline` presence. `Runner` is assembled from
+parts: `presence` (§7), `admission` (the §5 checks, cancel tombstones),
+`job` (one job's life, §11), `orphans` (restart recovery, §6) and `settings`.
+It reads as its life: `serve()` = startup, main loop (`on_tick`, then one
+message), shutdown. The first SIGTERM/SIGINT drains (presence `draining`,
+nothing new taken, running jobs finish); the second cancels them (§6) and
+exits. Controls are subscribed before dispatches, each with its own SUBACK,
+so retained cancels normally arrive before retained dispatches.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+from collections.abc import Callable, Mapping
+from types import FrameType, TracebackType
+from typing import Any
+
+from mam.runner import orphans
+from mam.runner.admission import (
+    Ignore,
+    Refuse,
+    RefuseReason,
+    RunnerState,
+    Take,
+    Tombstones,
+    Wait,
+    admit_dispatch,
+    check_control,
+    waiting_attempt,
+)
+from mam.runner.job import Job, Supervisor, orphan_job
+from mam.runner.presence import Presence
+from mam.runner.settings import RunnerOptions, options_from_cli
+from mam.shared import config as shared_config
+from mam.shared import crypto, mqtt, names
+from mam.shared.codes import TERMINAL_STATUSES, PresenceStatus
+from mam.shared.config import BrokerConfig
+from mam.shared.crypto import DispatchKeys
+from mam.shared.errors import ExitCode, MamError
+from mam.shared.registry import JobNotFound, Refusal, Registry
+from mam.shared.transport import Received, Transport, TransportFactory, Will
+
+log = logging.getLogger("mam.daemon")
+
+MESSAGE_WAIT_S = 0.1
+"""Longest wait for a message before the next `on_tick`."""
+SHUTDOWN_REASON = "runner_shutdown"
+
+SignalHandler = Callable[[int, FrameType | None], Any] | int | None
+
+
+def mqtt_transport(config: BrokerConfig, role: str, will: Will) -> Transport:
+    """The real connection: `MqttClient(config, role, will=will)` (§13)."""
+    return mqtt.MqttClient(config, role, will=will)
+
+
+class Runner:
+    """The runner daemon (§7, §11). Lifecycle like Temporal's worker / uvicorn::
+
+        runner = Runner(options, config=broker_config, keys=dispatch_keys)
+        code = runner.serve()      # blocks; refuses to run twice
+        runner.drain()             # = first SIGTERM: take nothing new, finish, exit
+        runner.shutdown()          # stop now: cancel running jobs, exit (idempotent)
+
+    Also a context manager: leaving `with Runner(...) as runner:` calls `shutdown()`.
+    The constructor has no side effects: no connection, no files, no signal
+    handlers. `serve()` installs SIGTERM/SIGINT handlers when it runs on the
+    main thread and restores the previous ones when it returns.
+
+    Args:
+        options: validated `RunnerOptions`.
+        config: the BrokerConfig of this host (§13).
+        keys: `DispatchKeys` from MAM_DISPATCH_SECRET (§5).
+        environ: the environment agents inherit (default os.environ).
+        transport: makes the connection (default `mqtt_transport`; tests pass a fake).
+    """
+
+    def __init__(self, options: RunnerOptions, *, config: BrokerConfig, keys: DispatchKeys,
+                 environ: Mapping[str, str] | None = None, transport: TransportFactory = mqtt_transport) -> None:
+        self.options = options
+        self.config = config
+        self.keys = keys
+        self.environ = environ
+        self.transport = transport
+        self.runner_id = names.new_runner_id()
+        self.client: Transport | None = None
+        self.presence = Presence(session=options.session, runner_id=self.runner_id, keys=keys,
+                                 max_jobs=options.max_jobs, topic_root=config.topic_root)
+        self.tombstones = Tombstones()
+        self._registry: Registry | None = None
+        self._supervisor: Supervisor | None = None
+        self._jobs: dict[str, Job] = {}
+        self._jobs_lock = threading.Lock()
+        self._pending: dict[str, bytes] = {}  # dispatch topic -> payload waiting for a slot
+        self._ended: queue.Queue[str] = queue.Queue()  # job ids whose supervisor finished
+        self._taken = 0
+        self._draining = threading.Event()
+        self._stop = threading.Event()  # second signal / shutdown(): cancel jobs and exit
+        self._stopped = threading.Event()
+        self._served = False
+        self._serve_lock = threading.Lock()
+        self._signals = 0
+        self._drain_announced = False
+        self._shutdown_done = False
+        self._serve_thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ public API
+
+    @property
+    def running(self) -> list[str]:
+        """Job ids of the jobs in progress (sorted)."""
+        with self._jobs_lock:
+            return sorted(self._jobs)
+
+    @property
+    def draining(self) -> bool:
+        """True once `drain()`, a first signal, a take-over (§7) or `shutdown()` happened."""
+        return self._draining.is_set()
+
+    def drain(self) -> None:
+        """Take nothing new, let running jobs finish (heartbeating), then exit 0
+        (§7 `draining`; the first SIGTERM/SIGINT). Safe from any thread."""
+        self._draining.set()
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Stop now: idempotent and safe from any thread (the second SIGTERM/SIGINT).
+
+        Order: 1. stop taking dispatches; 2. cancel every running job (§6:
+        SIGTERM, grace, SIGKILL of the tree; each publishes `error`/`cancelled`)
+        and join the supervisor threads; 3. publish presence `offline`
+        (retained); 4. close the MQTT connection (a clean DISCONNECT, so the
+        broker drops the Last Will); 5. restore the signal handlers. Steps 2-5
+        run in `serve()`'s thread; this call waits up to `timeout_s` (None =
+        forever) for them when `serve()` is running elsewhere. Before `serve()`
+        it does nothing (there is nothing to stop).
+        """
+        if not self._served:
+            return
+        self._draining.set()
+        self._stop.set()
+        if threading.current_thread() is not self._serve_thread:
+            self._stopped.wait(timeout_s)
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.shutdown()
+
+    def on_signal(self, signum: int, frame: FrameType | None = None) -> None:
+        """The SIGTERM/SIGINT handler: the first drains, the second cancels running jobs and exits."""
+        self._signals += 1
+        if self._signals == 1:
+            log.info("signal %d: draining (running jobs finish, nothing new is taken; "
+                     "signal again to cancel them)", signum)
+            self._draining.set()
+        else:
+            log.info("signal %d again: cancelling running jobs and exiting", signum)
+            self._stop.set()
+
+    def serve(self) -> int:
+        """Connect, check the session, announce presence, take and run jobs
+        until drained, stopped or (`once`) one job ended.
+
+        Returns:
+            0 on a clean exit.
+        Raises:
+            SessionBusy: another live runner holds the session (exit 64; §7).
+            HubRegistry: the registry root holds hub records (exit 64; §8).
+            BrokerUnavailable: no broker accepted the connection (exit 3).
+            MamError: `serve()` was already called on this Runner.
+        """
+        with self._serve_lock:
+            if self._served:
+                raise MamError("Runner.serve() was already called: a Runner serves once")
+            self._served = True
+        self._serve_thread = threading.current_thread()
+        self._registry = Registry(self.options.root)
+        try:
+            orphans.check_not_hub_registry(self._registry)  # before any connection, handler or log line
+        except BaseException:  # HubRegistry, or a registry that cannot be listed
+            self._shutdown_done = True
+            self._stopped.set()
+            raise
+        previous = self._install_signal_handlers()
+        try:
+            self._startup(self._registry)
+            self._main_loop()
+            return ExitCode.OK
+        finally:
+            try:
+                self._shutdown()
+            finally:
+                self._restore_signal_handlers(previous)
+                self._stopped.set()
+
+    # ------------------------------------------------------------ startup
+
+    def _startup(self, registry: Registry) -> None:
+        self.client = client = self.transport(self.config, "runner", self.presence.will())
+        client.connect()
+        self.presence.check_session_free(client, wait_s=self.options.presence_wait_s, replace=self.options.replace)
+        self._supervisor = Supervisor(options=self.options, runner_id=self.runner_id, registry=registry,
+                                      client=client, config=self.config, environ=self.environ,
+                                      on_end=self._ended.put)
+        # Before subscribing: a retained cancel for an orphan then finds it adopted (in `_jobs`).
+        for record, orphan in orphans.orphans_at_start(registry, runner_id=self.runner_id,
+                                                       session=self.options.session):
+            self._adopt_orphan(record, orphan)
+        # Subscribe before announcing `online`: a dispatch published when the hub sees us must reach
+        # us live. Controls first, each filter with its own SUBACK: retained cancels then normally
+        # arrive before retained dispatches, so a replayed dispatch of a cancelled attempt is refused.
+        client.subscribe([(names.all_controls_filter(self.config.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
+        client.subscribe([(names.all_dispatches_filter(self.config.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
+        self._publish_presence(PresenceStatus.ONLINE)
+        log.info("runner %s serving session %s (max %d job(s)) on %s:%d", self.runner_id,
+                 self.options.session, self.options.max_jobs, client.host, self.config.port)
+
+    # ------------------------------------------------------------ main loop
+
+    def _main_loop(self) -> None:
+        assert self.client is not None
+        while not self.on_tick():
+            try:
+                message = self.client.messages.get(timeout=MESSAGE_WAIT_S)
+            except queue.Empty:
+                continue
+            try:
+                self._handle(message)
+            except Exception as exc:  # a daemon never dies on a bad message
+                log.error("message on %s could not be handled: %s: %s", message.topic, type(exc).__name__, exc)
+                log.debug("traceback", exc_info=True)
+
+    def on_tick(self) -> bool:
+        """The periodic work between messages: stop, drain, presence (§7), ended jobs.
+
+        Returns:
+            True when the main loop must end (stopped, or drained with no job left).
+        """
+        assert self.client is not None
+        if self._stop.is_set():
+            self._cancel_all(SHUTDOWN_REASON)
+            if not self.running:
+                return True
+        if self._draining.is_set() and not self._drain_announced:
+            self._drain_announced = True
+            self._pending.clear()
+            self._publish_presence(PresenceStatus.DRAINING)
+        if (self._draining.is_set() or self._closing_once()) and not self.running:
+            return True
+        if self.client.reconnected.is_set():  # the broker may have published our Last Will
+            self.client.reconnected.clear()
+            self._publish_presence()
+        elif self.presence.refresh_due(self.options.presence_refresh_s):
+            self._publish_presence()  # refresh: a fresh timestamp says we are alive (§7)
+        self._reap_ended()
+        return False
+
+    # ------------------------------------------------------------ shutdown
+
+    def _shutdown(self) -> None:
+        """Steps 2-4 of `shutdown()`, once."""
+        if self._shutdown_done:
+            return
+        self._shutdown_done = True
+        self._draining.set()
+        self._cancel_all(SHUTDOWN_REASON)
+        for job in list(self._jobs.values()):
+            if job.thread is not None:
+                job.thread.join()
+        self._reap_ended()
+        if self.client is not None:
+            if self.presence.announced and self.client.connected.is_set():
+                self._publish_presence(PresenceStatus.OFFLINE)
+            self.client.close()
+        log.info("runner %s stopped", self.runner_id)
+
+    # ------------------------------------------------------------ signals
+
+    def _install_signal_handlers(self) -> dict[int, SignalHandler]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous: dict[int, SignalHandler] = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, self.on_signal)
+        return previous
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict[int, SignalHandler]) -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    # ------------------------------------------------------------ presence (§7)
+
+    def _closing_once(self) -> bool:
+        return self.options.once and self._taken > 0
+
+    def _publish_presence(self, status: str | None = None) -> None:
+        """Publish the retained presence; status None = what the daemon is now."""
+        assert self.client is not None
+        if status is None:
+            draining = self._draining.is_set() or self._closing_once()
+            status = PresenceStatus.DRAINING if draining else PresenceStatus.ONLINE
+        self.presence.publish(self.client, status, self.running)
+
+    # ------------------------------------------------------------ jobs
+
+    def _cancel_all(self, reason: str) -> None:
+        with self._jobs_lock:
+            jobs = list(self._jobs.values())
+        for job in jobs:
+            job.request_cancel(reason)
+
+    def _reap_ended(self) -> None:
+        changed = False
+        while True:
+            try:
+                job_id = self._ended.get_nowait()
+            except queue.Empty:
+                break
+            with self._jobs_lock:
+                job = self._jobs.pop(job_id, None)
+            if job is not None and job.thread is not None:
+                job.thread.join()
+            changed = True
+        if changed and self.client is not None and not self._shutdown_done:
+            self._publish_presence()
+            self._retry_pending()
+
+    def _record(self, job_id: str) -> dict[str, Any] | None:
+        """This host's record of `job_id`, or None."""
+        assert self._registry is not None
+        try:
+            return self._registry.get(job_id)
+        except JobNotFound:
+            return None
+
+    def _take(self, take: Take) -> None:
+        """§11 step 1 here (the slot is taken synchronously); steps 2-5 on the supervisor thread."""
+        assert self._registry is not None and self._supervisor is not None
+        dispatch, contract = take.dispatch, take.dispatch.contract
+        try:
+            self._registry.mirror(job_id=dispatch.job_id, session=dispatch.session,
+                                  attempt_id=dispatch.attempt_id, dispatch_token=dispatch.dispatch_token,
+                                  auth_token=take.auth_token, contract=contract, origin=dispatch.origin,
+                                  source="runner")
+        except Refusal as exc:
+            log.warning("refused dispatch %s: %s", dispatch.job_id, f"{exc.reason}: {exc}")
+            return
+        job = Job(job_id=dispatch.job_id, attempt_id=dispatch.attempt_id, dispatch_token=dispatch.dispatch_token,
+                  brief=take.brief, heartbeat_s=contract.heartbeat_sec, timeout_s=contract.timeout_sec)
+        with self._jobs_lock:
+            self._jobs[job.job_id] = job
+        self._taken += 1
+        log.info("took job %s attempt %d from %s", job.job_id, job.attempt_id, dispatch.origin)
+        self._supervisor.start(job)
+        self._publish_presence()
+
+    def _adopt_orphan(self, record: dict[str, Any], orphan: orphans.Orphan, *,
+                      cancel_reason: str | None = None) -> None:
+        """Hold a slot for the orphan while a thread stops its agent and publishes its end (§6)."""
+        assert self._supervisor is not None
+        with self._jobs_lock:
+            if record["job_id"] in self._jobs:
+                return
+            job = orphan_job(record, orphan.identity, cancel_reason=cancel_reason)
+            self._jobs[job.job_id] = job
+        identity = orphan.identity
+        where = f"stopping its agent (pid {identity.pid})" if identity is not None else "its agent is unknown"
+        log.warning("job %s attempt %d has no supervisor (%s): %s", job.job_id, job.attempt_id, orphan.found_by,
+                    where)
+        self._supervisor.start(job)
+        if self.presence.announced:
+            self._publish_presence()
+
+    # ------------------------------------------------------------ messages
+
+    def _handle(self, message: Received) -> None:
+        parsed = names.parse_job_topic(message.topic, self.config.topic_root)
+        if parsed is not None:
+            job_id, leaf = parsed
+            if leaf == "dispatch":
+                self._on_dispatch(job_id, message.topic, message.payload)
+            elif leaf == "control":
+                self._on_control(job_id, message.payload)
+            return
+        if message.topic == self.presence.topic and self.presence.on_message(message.payload, message.retain):
+            self._draining.set()
+
+    def admission_state(self) -> RunnerState:
+        """What the §5 checks need to know about this runner now."""
+        assert self._registry is not None
+        with self._jobs_lock:
+            busy = frozenset(self._jobs)
+        accepting = not (self._draining.is_set() or self._stop.is_set() or self._closing_once())
+        return RunnerState(session=self.options.session, keys=self.keys, clock_skew_s=self.options.clock_skew_s,
+                           record_of=self._record, root=self.options.root, busy=busy,
+                           max_jobs=self.options.max_jobs, accepting=accepting, tombstones=self.tombstones)
+
+    def _on_dispatch(self, topic_job_id: str, topic: str, payload: bytes) -> None:
+        """§5 checks, then take the job or remember it for a free slot (§11)."""
+        verdict = admit_dispatch(topic_job_id, payload, self.admission_state())
+        if isinstance(verdict, Take):
+            self._pending.pop(topic, None)
+            self._take(verdict)
+        elif isinstance(verdict, Wait):
+            busy = len(self.running)
+            log.info("dispatch %s waits for a free slot (%d/%d busy)", verdict.dispatch.job_id, busy,
+                     self.options.max_jobs)
+            self._pending[topic] = payload
+        elif isinstance(verdict, Refuse):
+            level = logging.ERROR if verdict.reason is RefuseReason.HUB_RECORD else logging.WARNING
+            log.log(level, "refused dispatch %s: %s", verdict.job_id, verdict.text)
+            if verdict.forget:
+                self._pending.pop(topic, None)
+        else:
+            if verdict.why:
+                log.log(logging.INFO if verdict.notice else logging.DEBUG, "%s", verdict.why)
+            if verdict.forget:
+                self._pending.pop(topic, None)
+
+    def _retry_pending(self) -> None:
+        """A slot freed: re-evaluate the remembered dispatches in arrival order (§11)."""
+        for topic, payload in list(self._pending.items()):
+            if len(self.running) >= self.options.max_jobs:
+                return
+            self._pending.pop(topic, None)
+            parsed = names.parse_job_topic(topic, self.config.topic_root)
+            if parsed is not None:
+                try:
+                    self._on_dispatch(parsed[0], topic, payload)
+                except Exception as exc:
+                    log.error("pending dispatch on %s could not be handled: %s: %s", topic, type(exc).__name__, exc)
+
+    def _on_control(self, job_id: str, payload: bytes) -> None:
+        """§6: a signed cancel for the attempt held here stops its agent."""
+        control = check_control(job_id, payload, self.keys)
+        if isinstance(control, Ignore):
+            return
+        if isinstance(control, Refuse):
+            log.warning("refused control %s: %s", job_id, control.text)
+            return
+        self.tombstones.remember(job_id, control.attempt_id)
+        with self._jobs_lock:
+            job = self._jobs.get(job_id)
+        if job is not None:
+            if control.attempt_id != job.attempt_id:
+                log.info("ignored cancel of job %s attempt %d: this runner holds attempt %d", job_id,
+                         control.attempt_id, job.attempt_id)
+            elif not job.cancel.is_set():
+                log.info("cancel of job %s attempt %d (%s)", job_id, control.attempt_id, control.reason)
+                job.request_cancel(control.reason)
+            return
+        self._drop_pending_for(job_id, control.attempt_id)
+        self._cancel_unsupervised(job_id, control.attempt_id)
+
+    def _drop_pending_for(self, job_id: str, attempt_id: int) -> None:
+        topic = names.dispatch_topic(job_id, self.config.topic_root)
+        payload = self._pending.get(topic)
+        if payload is None:
+            return
+        waiting = waiting_attempt(payload)
+        if waiting is None:
+            self._pending.pop(topic, None)
+        elif waiting <= attempt_id:
+            self._pending.pop(topic, None)
+            log.info("dropped waiting dispatch %s: cancelled", job_id)
+
+    def _cancel_unsupervised(self, job_id: str, attempt_id: int) -> None:
+        """A cancel for a job this process does not supervise (§6): unknown and
+        finished jobs, other attempts, hub records and jobs of another live runner
+        are ignored; a non-terminal record of that attempt left by a runner that
+        died is adopted as an orphan: its agent tree is stopped, then
+        `error`/`cancelled` is published and the record marked `cancelled`."""
+        assert self._registry is not None
+        record = self._record(job_id)
+        if record is None:
+            log.debug("ignored cancel of unknown job %s", job_id)
+            return
+        if (record["attempt_id"] != attempt_id or record["status"] in TERMINAL_STATUSES
+                or record.get("role") != "runner"):
+            log.debug("ignored cancel of job %s attempt %d (record: attempt %d, %s, role %s)", job_id, attempt_id,
+                      record["attempt_id"], record["status"], record.get("role"))
+            return
+        orphan = orphans.find_orphan(self._registry, record, runner_id=self.runner_id,
+                                     session=self.options.session, any_session=True)
+        if orphan is not None:
+            self._adopt_orphan(record, orphan, cancel_reason="cancel")
+
+
+def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None, max_jobs: int,
+            once: bool, replace: bool) -> int:
+    """`mam-runner run`: validate, resolve config and keys, serve.
+
+    Returns:
+        the exit code (0 clean exit).
+    Raises:
+        UsageError / ConfigError (exit 64), EnvFileError (1), BrokerUnavailable (3).
+    """
+    options = options_from_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
+                               max_jobs=max_jobs, once=once, replace=replace)
+    secret = shared_config.dispatch_secret(workspace=options.root)  # before anything talks to the network
+    cfg = shared_config.broker_config(workspace=options.root)
+    return Runner(options, config=cfg, keys=crypto.derive_keys(secret)).serve()
+
+
+__all__ = ["Runner", "mqtt_transport", "run_cli"]

@@ -1,0 +1,154 @@
+"""What `mam-runner run` was asked to do: `RunnerOptions`, validated once from
+the command line and every runner `MAM_*` setting (PROTOCOL §5, §6, §7, §11, §13).
+
+The settings are read from ONE resolution of the environment and `.mam.env`
+(`config.load_env`), not once per setting.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from mam.runner import heartbeat
+from mam.runner.agent import resolve_executable, split_exec
+from mam.shared import config, names
+from mam.shared.errors import ConfigError, UsageError
+
+MAX_JOBS_LIMIT = 64
+"""Highest `--max-jobs` (§11)."""
+DEFAULT_CANCEL_GRACE_S = 10.0
+DEFAULT_CLOCK_SKEW_S = 30.0
+DEFAULT_PRESENCE_WAIT_S = 1.0
+DEFAULT_PRESENCE_REFRESH_S = 60.0
+"""Presence is republished at least this often, so the hub can tell a live runner from a
+replayed or long-dead `online` (§7); the hub calls presence older than 3 periods stale."""
+DEFAULT_AGENT_LINGER_S = 30.0
+"""An agent that published its own terminal event (§11 step 5) may take this long to exit
+before the runner stops it: the job is over, and its slot must come back."""
+
+
+@dataclass(frozen=True)
+class Seconds:
+    """One `MAM_*` duration setting: its name, default and accepted range, in seconds."""
+
+    name: str
+    default_s: float
+    low_s: float
+    high_s: float
+
+
+CANCEL_GRACE = Seconds("MAM_CANCEL_GRACE_S", DEFAULT_CANCEL_GRACE_S, 0.0, 3600.0)
+CLOCK_SKEW = Seconds("MAM_CLOCK_SKEW_S", DEFAULT_CLOCK_SKEW_S, 0.0, 86400.0)
+PRESENCE_WAIT = Seconds("MAM_PRESENCE_WAIT_S", DEFAULT_PRESENCE_WAIT_S, 0.0, 60.0)
+PRESENCE_REFRESH = Seconds("MAM_PRESENCE_REFRESH_S", DEFAULT_PRESENCE_REFRESH_S, 1.0, 60.0)
+AGENT_LINGER = Seconds("MAM_AGENT_LINGER_S", DEFAULT_AGENT_LINGER_S, 0.0, 86400.0)
+HEARTBEAT_DRAIN = Seconds("MAM_HEARTBEAT_DRAIN_S", heartbeat.DEFAULT_DRAIN_S, 0.0, heartbeat.DRAIN_HIGH_S)
+
+
+def read_seconds(values: Mapping[str, str], setting: Seconds) -> float:
+    """The value of `setting` in the resolved settings `values`, in seconds.
+
+    Raises:
+        ConfigError: not a number, or outside `low_s..high_s` (same text as `config.env_float`).
+    """
+    value = values.get(setting.name)
+    if value in (None, ""):
+        return setting.default_s
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{setting.name}={value!r} is invalid: expected a number of seconds") from None
+    if not setting.low_s <= number <= setting.high_s:
+        raise ConfigError(f"{setting.name}={number} is out of range {setting.low_s}..{setting.high_s}")
+    return number
+
+
+@dataclass(frozen=True)
+class RunnerOptions:
+    """What `mam-runner run` was asked to do (validated by `options_from_cli`).
+
+    Attributes:
+        session: the runner's session name (§1).
+        argv: the agent command (`split_exec` output).
+        root: the registry root (§8).
+        workdir: the agents' working directory; None = `<root>/work/<job_id>/`.
+        max_jobs: concurrent jobs, 1..64 (§11).
+        once: exit after one job.
+        replace: start even if another runner is live under the session (§7).
+        cancel_grace_s: seconds between SIGTERM and SIGKILL on cancel (§6).
+        clock_skew_s: tolerance on `expires_at`, seconds (§5).
+        presence_wait_s: how long to wait for the session's retained presence at start.
+        presence_refresh_s: republish presence at least this often (§7; hub: stale after 3 periods).
+        agent_linger_s: how long an agent may run on after publishing its own terminal event.
+        heartbeat_drain_s: how long a heartbeat timer may take to exit before a terminal event (§12).
+    """
+
+    session: str
+    argv: tuple[str, ...]
+    root: Path
+    workdir: Path | None = None
+    max_jobs: int = 1
+    once: bool = False
+    replace: bool = False
+    cancel_grace_s: float = DEFAULT_CANCEL_GRACE_S
+    clock_skew_s: float = DEFAULT_CLOCK_SKEW_S
+    presence_wait_s: float = DEFAULT_PRESENCE_WAIT_S
+    presence_refresh_s: float = DEFAULT_PRESENCE_REFRESH_S
+    agent_linger_s: float = DEFAULT_AGENT_LINGER_S
+    heartbeat_drain_s: float = heartbeat.DEFAULT_DRAIN_S
+
+
+def _workdir(workdir: str | None) -> Path | None:
+    """`--workdir` as an absolute, existing directory (created if missing), or None."""
+    if workdir is None:
+        return None
+    if not workdir.strip():
+        raise UsageError("--workdir is empty: give a directory")
+    work = Path(workdir).expanduser().absolute()
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--workdir {workdir!r} cannot be created: {exc.strerror or exc}") from None
+    if not work.is_dir():
+        raise UsageError(f"--workdir {workdir!r} is not a directory")
+    return work
+
+
+def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None,
+                     max_jobs: int, once: bool, replace: bool,
+                     environ: Mapping[str, str] | None = None) -> RunnerOptions:
+    """Validate `mam-runner run` arguments before any network or registry write.
+
+    Args:
+        session: session name; exec_cmd: the `--exec` string; workspace: `--workspace`;
+        workdir: `--workdir` (created if missing); max_jobs: 1..64.
+        environ: the process environment (default os.environ).
+    Returns:
+        RunnerOptions.
+    Raises:
+        UsageError: one line naming the bad argument (exit 64).
+        ConfigError: a MAM_*_S setting out of range (exit 64).
+        EnvFileError: the chosen `.mam.env` cannot be read (exit 1).
+    """
+    env = os.environ if environ is None else environ
+    names.validate_session(session)
+    argv = split_exec(exec_cmd)
+    resolve_executable(argv[0], env.get("PATH"))
+    if isinstance(max_jobs, bool) or not isinstance(max_jobs, int) or not 1 <= max_jobs <= MAX_JOBS_LIMIT:
+        raise UsageError(f"--max-jobs {max_jobs!r} is invalid: expected 1..{MAX_JOBS_LIMIT}")
+    root = config.resolve_root(workspace, env)
+    work = _workdir(workdir)
+    values = config.load_env(env)
+    return RunnerOptions(session=session, argv=tuple(argv), root=root, workdir=work, max_jobs=max_jobs,
+                         once=once, replace=replace, cancel_grace_s=read_seconds(values, CANCEL_GRACE),
+                         clock_skew_s=read_seconds(values, CLOCK_SKEW),
+                         presence_wait_s=read_seconds(values, PRESENCE_WAIT),
+                         presence_refresh_s=read_seconds(values, PRESENCE_REFRESH),
+                         agent_linger_s=read_seconds(values, AGENT_LINGER),
+                         heartbeat_drain_s=read_seconds(values, HEARTBEAT_DRAIN))
+
+
+__all__ = ["MAX_JOBS_LIMIT", "RunnerOptions", "Seconds", "options_from_cli", "read_seconds"]

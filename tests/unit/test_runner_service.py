@@ -1,0 +1,206 @@
+"""runner/presence.py and runner/service.py over the in-memory fake broker: presence
+(§7), the Last Will, signals (first = drain, second = stop), the lifecycle, and refusals
+that never stop the daemon (§5). No broker process, no agent process."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness.fake_mqtt import FakeBroker
+from helpers import wait_until
+
+from mam.runner.presence import Presence, SessionBusy
+from mam.runner.service import Runner
+from mam.runner.settings import RunnerOptions
+from mam.shared import crypto, names, wire
+from mam.shared.config import BrokerConfig
+from mam.shared.errors import MamError
+
+KEYS = crypto.derive_keys("unit-test-dispatch-secret-0123456789abcdef")
+SESSION = "gpu-box"
+CONFIG = BrokerConfig(hosts=("fake-broker",), topic_root="unit/mam")
+TOPIC = names.presence_topic(SESSION, CONFIG.topic_root)
+OTHER_RUNNER = "fedcba9876543210fedcba9876543210"
+
+
+def presence_of(runner_id: str, status: str, keys: crypto.DispatchKeys = KEYS) -> bytes:
+    other = Presence(session=SESSION, runner_id=runner_id, keys=keys, max_jobs=1, topic_root=CONFIG.topic_root)
+    return other.payload(status, [])
+
+
+def statuses(broker: FakeBroker, runner_id: str | None = None) -> list[str]:
+    """The presence statuses published on the session, in order (optionally of one runner)."""
+    found = [wire.decode(p.payload, "presence") for p in broker.on_topic(TOPIC) if p.payload]
+    return [p.status for p in found if runner_id is None or p.runner_id == runner_id]
+
+
+# ------------------------------------------------------------ presence (§7)
+
+
+def test_s7_presence_is_signed_and_the_last_will_is_a_retained_offline():
+    presence = Presence(session=SESSION, runner_id=OTHER_RUNNER, keys=KEYS, max_jobs=3, topic_root="unit/mam")
+    decoded = wire.decode(presence.payload("online", ["0000aaaa", "918b0612"]), "presence")
+    crypto.verify(decoded, KEYS.sign_key)
+    assert (decoded.status, decoded.runner_id, decoded.max_jobs, list(decoded.running)) == (
+        "online", OTHER_RUNNER, 3, ["0000aaaa", "918b0612"])
+    topic, payload, qos, retain = presence.will()
+    assert topic == TOPIC and qos == 1 and retain is True
+    assert wire.decode(payload, "presence").status == "offline"
+
+
+def test_s7_publish_refresh_and_nothing_while_disconnected_or_replaced():
+    broker = FakeBroker()
+    client = broker.client(CONFIG)
+    presence = Presence(session=SESSION, runner_id=OTHER_RUNNER, keys=KEYS, max_jobs=1, topic_root="unit/mam")
+    presence.publish(client, "online", [])  # not connected yet: nothing, and not announced
+    assert broker.published == [] and not presence.announced and not presence.refresh_due(60.0)
+    client.connect()
+    presence.publish(client, "online", [])
+    assert presence.announced and broker.retained[TOPIC]
+    assert not presence.refresh_due(60.0, now=presence.published_at + 59.9)
+    assert presence.refresh_due(60.0, now=presence.published_at + 60.0)
+    presence.replaced = True
+    presence.publish(client, "offline", [])
+    assert statuses(broker) == ["online"]
+
+
+@pytest.mark.parametrize(("retained", "replace", "busy"), [
+    (presence_of(OTHER_RUNNER, "online"), False, True),
+    (presence_of(OTHER_RUNNER, "draining"), False, True),
+    (presence_of(OTHER_RUNNER, "online"), True, False),  # --replace
+    (presence_of(OTHER_RUNNER, "offline"), False, False),
+    (presence_of(OTHER_RUNNER, "online", crypto.derive_keys("x" * 40)), False, False),  # forged: ignored
+    (None, False, False),  # nobody ever announced the session
+])
+def test_s7_session_check_at_start(retained, replace, busy):
+    broker = FakeBroker()
+    if retained is not None:
+        broker.retained[TOPIC] = retained
+    client = broker.client(CONFIG).connect()
+    presence = Presence(session=SESSION, runner_id=names.new_runner_id(), keys=KEYS, max_jobs=1,
+                        topic_root="unit/mam")
+    if busy:
+        with pytest.raises(SessionBusy, match=f"held by another live runner \\({OTHER_RUNNER}"):
+            presence.check_session_free(client, wait_s=0.2, replace=replace)
+    else:
+        presence.check_session_free(client, wait_s=0.2, replace=replace)
+
+
+def test_s7_only_a_live_presence_of_another_runner_replaces_us():
+    presence = Presence(session=SESSION, runner_id=names.new_runner_id(), keys=KEYS, max_jobs=1,
+                        topic_root="unit/mam")
+    assert not presence.on_message(presence_of(OTHER_RUNNER, "online"), retained=True)  # a re-delivery
+    assert not presence.on_message(presence_of(OTHER_RUNNER, "offline"), retained=False)
+    assert not presence.on_message(presence.payload("online", []), retained=False)  # our own
+    assert not presence.on_message(b"", retained=False)
+    assert presence.on_message(presence_of(OTHER_RUNNER, "online"), retained=False)
+    assert presence.replaced
+
+
+# ------------------------------------------------------------ the Runner over the fake broker
+
+
+@pytest.fixture
+def broker() -> FakeBroker:
+    return FakeBroker()
+
+
+def new_runner(broker: FakeBroker, root: Path, **options: object) -> Runner:
+    opts = RunnerOptions(session=SESSION, argv=("true",), root=root, presence_wait_s=0.05, **options)  # type: ignore[arg-type]
+    return Runner(opts, config=CONFIG, keys=KEYS, transport=broker.client)
+
+
+@pytest.fixture
+def served(broker: FakeBroker, tmp_path: Path) -> Iterator[tuple[Runner, list[int]]]:
+    """A Runner serving on a thread; shut down (and joined) at the end."""
+    runner = new_runner(broker, tmp_path / "ws")
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(runner.serve()), daemon=True)
+    thread.start()
+    wait_until(lambda: "online" in statuses(broker, runner.runner_id), 5.0, "presence online")
+    yield runner, result
+    runner.shutdown(timeout_s=5.0)
+    thread.join(5.0)
+    assert not thread.is_alive()
+
+
+def test_lifecycle_no_side_effects_before_serve_and_serve_refuses_twice(broker, tmp_path):
+    runner = new_runner(broker, tmp_path / "ws")
+    assert runner.client is None and not (tmp_path / "ws").exists() and broker.published == []
+    runner.shutdown()  # before serve: a no-op
+    with runner:
+        thread = threading.Thread(target=runner.serve, daemon=True)
+        thread.start()
+        wait_until(lambda: "online" in statuses(broker, runner.runner_id), 5.0, "presence online")
+        with pytest.raises(MamError, match="already"):
+            runner.serve()
+    thread.join(5.0)  # leaving the `with` shut it down
+    assert not thread.is_alive()
+    assert statuses(broker, runner.runner_id) == ["online", "offline"]
+    assert runner.client is not None and runner.client.closed  # type: ignore[attr-defined]
+
+
+def test_signals_first_drains_and_serve_restores_the_handlers(broker, tmp_path):
+    """Like uvicorn's test_signal.py: the handler is called directly, on the main thread's serve()."""
+    runner = new_runner(broker, tmp_path / "ws")
+    before = signal.getsignal(signal.SIGTERM)
+    seen: list[object] = []
+
+    def first_signal() -> None:
+        wait_until(lambda: "online" in statuses(broker, runner.runner_id), 5.0, "presence online")
+        seen.append(signal.getsignal(signal.SIGTERM))
+        runner.on_signal(signal.SIGTERM)
+
+    helper = threading.Thread(target=first_signal, daemon=True)
+    helper.start()
+    assert runner.serve() == 0  # drained: no job running, so it exits
+    helper.join(5.0)
+    assert seen == [runner.on_signal]  # installed while serving
+    assert signal.getsignal(signal.SIGTERM) is before and signal.getsignal(signal.SIGINT) is not runner.on_signal
+    assert statuses(broker, runner.runner_id) == ["online", "draining", "offline"]
+
+
+def test_signals_the_second_stops(served, broker, caplog):
+    runner, result = served
+    caplog.set_level(logging.INFO, "mam.daemon")
+    runner.drain()  # a drain that cannot finish would wait for jobs; the second signal stops at once
+    runner.on_signal(signal.SIGTERM)
+    runner.on_signal(signal.SIGTERM)
+    wait_until(lambda: result == [0], 5.0, "serve() to return")
+    assert "again: cancelling running jobs and exiting" in caplog.text
+    assert statuses(broker, runner.runner_id)[-1] == "offline"
+
+
+def test_s5_a_refused_dispatch_never_stops_the_daemon(served, broker, caplog):
+    runner, result = served
+    caplog.set_level(logging.INFO, "mam.daemon")
+    sender = broker.client(CONFIG).connect()
+    sender.publish(names.dispatch_topic("918b0612", CONFIG.topic_root), b"not json", retain=True)
+    wait_until(lambda: "refused dispatch 918b0612: malformed" in caplog.text, 5.0, "the refusal line")
+    assert result == [] and runner.running == []
+
+
+def test_s7_last_will_on_a_lost_connection_and_presence_again_after_the_reconnect(served, broker):
+    runner, _ = served
+    assert runner.client is not None
+    client = runner.client
+    broker.drop(client)  # type: ignore[arg-type]
+    assert statuses(broker, runner.runner_id)[-1] == "offline"  # the broker published the Last Will
+    broker.reconnect(client)  # type: ignore[arg-type]
+    wait_until(lambda: statuses(broker, runner.runner_id)[-1] == "online", 5.0, "presence republished")
+    assert not client.reconnected.is_set()
+
+
+def test_s7_a_replaced_runner_drains_and_leaves_the_presence_to_the_new_one(served, broker):
+    runner, result = served
+    other = broker.client(CONFIG).connect()
+    other.publish(TOPIC, presence_of(OTHER_RUNNER, "online"), retain=True)
+    wait_until(lambda: result == [0], 5.0, "the replaced runner to exit")
+    assert runner.draining
+    assert statuses(broker, runner.runner_id) == ["online"]  # neither draining nor offline over the new one
+    assert wire.decode(broker.retained[TOPIC], "presence").runner_id == OTHER_RUNNER

@@ -1,0 +1,95 @@
+"""runner/settings.py: `mam-runner run` arguments and every runner MAM_* setting,
+read once (PROTOCOL §5, §6, §7, §11, §13)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mam.runner import settings
+from mam.runner.settings import RunnerOptions, options_from_cli
+from mam.shared import config
+from mam.shared.errors import ConfigError, UsageError
+
+
+def env(tmp_path, **values: str) -> dict[str, str]:
+    """A minimal environment: PATH for the agent command, a `.mam.env` of its own."""
+    return {"PATH": os.defpath, "MAM_ENV_FILE": str(tmp_path / "none.env"), **values}
+
+
+def options(tmp_path, environ: dict[str, str], **changes: object) -> RunnerOptions:
+    args: dict[str, object] = {"session": "gpu-box", "exec_cmd": "true", "workspace": str(tmp_path / "ws"),
+                               "workdir": None, "max_jobs": 1, "once": False, "replace": False}
+    args.update(changes)
+    return options_from_cli(environ=environ, **args)  # type: ignore[arg-type]
+
+
+def test_defaults(tmp_path):
+    opts = options(tmp_path, env(tmp_path))
+    assert opts.argv == ("true",) and opts.root == (tmp_path / "ws").resolve()
+    assert (opts.cancel_grace_s, opts.clock_skew_s, opts.presence_wait_s, opts.presence_refresh_s,
+            opts.agent_linger_s) == (10.0, 30.0, 1.0, 60.0, 30.0)
+    assert opts.heartbeat_drain_s == 1.0
+
+
+def test_every_setting_is_read_from_one_resolution_of_the_environment(tmp_path, monkeypatch):
+    calls = []
+    real = config.load_env
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(config, "load_env", counting)
+    opts = options(tmp_path, env(tmp_path, MAM_CANCEL_GRACE_S="2.5", MAM_CLOCK_SKEW_S="5",
+                                 MAM_PRESENCE_WAIT_S="0.2", MAM_PRESENCE_REFRESH_S="1",
+                                 MAM_AGENT_LINGER_S="7", MAM_HEARTBEAT_DRAIN_S="0.5"))
+    assert len(calls) == 1
+    assert (opts.cancel_grace_s, opts.clock_skew_s, opts.presence_wait_s, opts.presence_refresh_s,
+            opts.agent_linger_s, opts.heartbeat_drain_s) == (2.5, 5.0, 0.2, 1.0, 7.0, 0.5)
+
+
+def test_settings_come_from_the_env_file_under_the_environment(tmp_path):
+    env_file = tmp_path / "runner.env"
+    env_file.write_text("MAM_CANCEL_GRACE_S=3\nMAM_CLOCK_SKEW_S=4\n")
+    opts = options(tmp_path, env(tmp_path, MAM_ENV_FILE=str(env_file), MAM_CLOCK_SKEW_S="9"))
+    assert (opts.cancel_grace_s, opts.clock_skew_s) == (3.0, 9.0)
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("MAM_CANCEL_GRACE_S", "soon", "MAM_CANCEL_GRACE_S='soon' is invalid: expected a number of seconds"),
+    ("MAM_CANCEL_GRACE_S", "3601", "MAM_CANCEL_GRACE_S=3601.0 is out of range 0.0..3600.0"),
+    ("MAM_PRESENCE_REFRESH_S", "0.5", "MAM_PRESENCE_REFRESH_S=0.5 is out of range 1.0..60.0"),
+    ("MAM_PRESENCE_WAIT_S", "61", "MAM_PRESENCE_WAIT_S=61.0 is out of range 0.0..60.0"),
+])
+def test_a_bad_setting_is_a_config_error_naming_it(tmp_path, name, value, message):
+    with pytest.raises(ConfigError) as caught:
+        options(tmp_path, env(tmp_path, **{name: value}))
+    assert str(caught.value) == message
+
+
+def test_read_seconds_matches_env_float():
+    for value in ("", "0", "2.5", "86400"):
+        got = settings.read_seconds({"MAM_CLOCK_SKEW_S": value}, settings.CLOCK_SKEW)
+        assert got == config.env_float("MAM_CLOCK_SKEW_S", 30.0, environ={"MAM_CLOCK_SKEW_S": value,
+                                                                          "MAM_ENV_FILE": "/nonexistent"},
+                                       high=86400.0)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"max_jobs": 0}, "--max-jobs 0 is invalid: expected 1..64"),
+    ({"max_jobs": 65}, "--max-jobs 65 is invalid"),
+    ({"max_jobs": True}, "--max-jobs True is invalid"),
+    ({"session": "gpu.box"}, "session name"),
+    ({"exec_cmd": ""}, "--exec"),
+    ({"workdir": "  "}, "--workdir is empty"),
+])
+def test_bad_arguments_are_usage_errors(tmp_path, changes, message):
+    with pytest.raises(UsageError, match=message.replace(".", r"\.")):
+        options(tmp_path, env(tmp_path), **changes)
+
+
+def test_workdir_is_created_and_absolute(tmp_path):
+    opts = options(tmp_path, env(tmp_path), workdir=str(tmp_path / "work" / "here"))
+    assert opts.workdir == tmp_path / "work" / "here" and opts.workdir.is_dir()
