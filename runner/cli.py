@@ -49,7 +49,7 @@ def publish_cmd(
     dispatch_token: str = typer.Option(None, "--dispatch-token", metavar="TOKEN", envvar="MAM_DISPATCH_TOKEN",
                                        show_envvar=True,
                                        help="The dispatch token this publisher holds (default: the record's)."),
-    workspace: str = clikit.workspace_option(),  # type: ignore[no-untyped-call]  # clikit is untyped (shared owner)
+    workspace: str = clikit.workspace_option(),
 ) -> int:
     """Publish one event of a job: the record and audit line first, then the
     event and the retained state on one connection (PROTOCOL §3, §4).
@@ -69,7 +69,7 @@ def run_cmd(
     exec_cmd: str = typer.Option(..., "--exec", metavar="CMD",
                                  help="The agent command, split like a shell and run without one, "
                                       "e.g. \"claude -p\" (§11)."),
-    workspace: str = clikit.workspace_option(),  # type: ignore[no-untyped-call]  # clikit is untyped (shared owner)
+    workspace: str = clikit.workspace_option(),
     workdir: str = typer.Option(None, "--workdir", metavar="DIR",
                                 help="Agents' working directory (default: <workspace>/work/<job_id>/)."),
     max_jobs: int = typer.Option(1, "--max-jobs", metavar="N", help="Concurrent jobs, 1..64 (§11)."),

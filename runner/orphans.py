@@ -28,8 +28,10 @@ import psutil
 from mam.runner.admission import hub_registry_message
 from mam.runner.heartbeat import WatchedProcess
 from mam.runner.process_tree import AgentIdentity
+from mam.shared.codes import OPEN_STATUSES
 from mam.shared.errors import UsageError
 from mam.shared.fsio import atomic_write
+from mam.shared.records import JobRecord
 from mam.shared.registry import Registry
 
 log = logging.getLogger("mam.daemon")
@@ -161,15 +163,15 @@ def find_orphan(registry: Registry, record: Mapping[str, Any], *, runner_id: str
         return Orphan(None, f"its runner (pid {runner_pid}) died")
 
 
-def orphans_at_start(registry: Registry, *, runner_id: str, session: str) -> list[tuple[dict[str, Any], Orphan]]:
+def orphans_at_start(registry: Registry, *, runner_id: str, session: str) -> list[tuple[JobRecord, Orphan]]:
     """Every pending/running runner record of this host whose runner died (§6, §11).
 
     A record that cannot be judged is logged and skipped: one bad record never stops the daemon.
     """
-    found: list[tuple[dict[str, Any], Orphan]] = []
+    found: list[tuple[JobRecord, Orphan]] = []
     records, _ = registry.list()
     for record in records:
-        if record["status"] not in ("pending", "running") or record.get("role") != "runner":
+        if record["status"] not in OPEN_STATUSES or record.get("role") != "runner":
             continue
         try:
             orphan = find_orphan(registry, record, runner_id=runner_id, session=session, any_session=False)

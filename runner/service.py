@@ -43,6 +43,7 @@ from mam.shared.codes import TERMINAL_STATUSES, PresenceStatus
 from mam.shared.config import BrokerConfig
 from mam.shared.crypto import DispatchKeys
 from mam.shared.errors import ExitCode, MamError
+from mam.shared.records import JobRecord
 from mam.shared.registry import JobNotFound, Refusal, Registry
 from mam.shared.transport import Received, Transport, TransportFactory, Will
 
@@ -334,7 +335,7 @@ class Runner:
             self._publish_presence()
             self._retry_pending()
 
-    def _record(self, job_id: str) -> dict[str, Any] | None:
+    def _record(self, job_id: str) -> JobRecord | None:
         """This host's record of `job_id`, or None."""
         assert self._registry is not None
         try:
@@ -363,7 +364,7 @@ class Runner:
         self._supervisor.start(job)
         self._publish_presence()
 
-    def _adopt_orphan(self, record: dict[str, Any], orphan: orphans.Orphan, *,
+    def _adopt_orphan(self, record: JobRecord, orphan: orphans.Orphan, *,
                       cancel_reason: str | None = None) -> None:
         """Hold a slot for the orphan while a thread stops its agent and publishes its end (§6)."""
         assert self._supervisor is not None
