@@ -19,7 +19,15 @@ from datetime import UTC, datetime
 from typing import Any, NotRequired, TypedDict, cast
 
 from mam.shared import names, wire
-from mam.shared.codes import EVENT_NAMES, EVENT_STATUS, JOB_STATUSES, TERMINAL_STATUSES, EventName
+from mam.shared.codes import (
+    EVENT_NAMES,
+    EVENT_STATUS,
+    JOB_STATUSES,
+    OPEN_STATUSES,
+    TERMINAL_STATUSES,
+    EventName,
+    JobStatus,
+)
 from mam.shared.config import BrokerConfig, apply_job_overrides
 from mam.shared.errors import ConfigError, RegistryError, StaleAttemptError, TransitionRefused, UsageError
 
@@ -27,10 +35,8 @@ RECORD_VERSION = 1
 WORKER_SOURCES = frozenset({"publisher", "runner", "remote_mirror"})
 OPERATOR_SOURCES = frozenset({"operator", "registry_cli", "delegate_wrapper"})
 # worker edges of the state machine; redispatch is its own operation
-WORKER_EDGES = frozenset({
-    ("pending", "running"), ("pending", "completed"), ("pending", "error"), ("pending", "cancelled"),
-    ("running", "completed"), ("running", "error"), ("running", "cancelled"),
-})
+WORKER_EDGES = frozenset({(JobStatus.PENDING, JobStatus.RUNNING)} | {
+    (old, new) for old in OPEN_STATUSES for new in TERMINAL_STATUSES})
 SECRET_FIELDS = ("auth_token", "dispatch_token")
 RECORD_MAX_BYTES = 1 << 20  # a record is a few hundred bytes; anything this big is hostile
 RECORD_NAME_RE = re.compile(r"^[0-9a-f]{8}\.json$")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mam.shared import names
-from mam.shared.codes import CLOSE_STATUS, JOB_STATUSES, TERMINAL_STATUSES, CloseReason
+from mam.shared.codes import CLOSE_STATUS, JOB_STATUSES, OPEN_STATUSES, TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.config import resolve_root
 from mam.shared.errors import RegistryError, UsageError
 from mam.shared.flock import FileLock
@@ -507,8 +507,9 @@ class Registry:
                 if current in TERMINAL_STATUSES:
                     raise Refusal(job_id, "after_terminal",
                                   f"refused {source} request: the job is already {current}")
-                allowed = to_status == "cancelled" or (to_status == "error" and close_reason in
-                                                       ("deadline_timeout", "agent_blocked"))
+                allowed = to_status == JobStatus.CANCELLED or (
+                    to_status == JobStatus.ERROR and close_reason in (CloseReason.DEADLINE_TIMEOUT,
+                                                                      CloseReason.AGENT_BLOCKED))
                 if not allowed:
                     raise Refusal(job_id, "not_allowed",
                                   f"refused {source} request: operators may cancel, close and redispatch, "
@@ -581,7 +582,7 @@ class Registry:
                 current = record["status"]
                 if current == "completed":
                     raise Refusal(job_id, "not_allowed", "refused redispatch: the job completed")
-                if current in ("pending", "running") and not record.get("cancel_requested_at"):
+                if current in OPEN_STATUSES and not record.get("cancel_requested_at"):
                     raise Refusal(job_id, "not_allowed",
                                   f"refused redispatch: the job is {current}; cancel it first")
                 new = moved(record, "pending")
