@@ -12,17 +12,17 @@ second, so every test gets fresh brokers, ports and stores):
 - `broker`: parametrised over ["nats", "mosquitto"]: a test written against
   it runs on both.
 
-Every handle (see tests/helpers.py) has `.name` ("nats" | "mosquitto"),
+Every handle (see tests/harness/brokers.py) has `.name` ("nats" | "mosquitto"),
 `.config(user="agent"|"observer", **overrides) -> BrokerConfig`, `.kill()`
 (SIGKILL), `.restart()` (same ports, same store), `.stop()`, `.mqtt_port`,
 `.topic_root`; `nats_broker` also has `.port` (native NATS) and `.ws_port`.
-Helpers: `from helpers import free_port, wait_until`.
+Helpers: the `harness` package (tests/harness/): `from harness.waiting import wait_until`.
 """
 
 from __future__ import annotations
 
 import pytest
-from helpers import MosquittoBroker, NatsBroker
+from harness.brokers import MosquittoBroker, NatsBroker
 
 
 @pytest.fixture

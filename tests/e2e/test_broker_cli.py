@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from dotenv import dotenv_values
-from helpers import free_port
+from harness.brokers import free_port
 
 from mam.shared import broker as broker_mod
 from mam.shared import mqtt, names

@@ -20,7 +20,8 @@ from typing import Any
 
 import psutil
 import pytest
-from helpers import TEST_SECRET, clean_env, wait_until, write_env_for
+from harness.waiting import wait_until
+from harness.workspace import TEST_SECRET, clean_env, write_env_for
 
 from mam.orchestrator.dispatch import build_dispatch, publish_dispatch
 from mam.orchestrator.fleet import publish_cancel

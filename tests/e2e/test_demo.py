@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import clean_env
+from harness.workspace import clean_env
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "demo.py"

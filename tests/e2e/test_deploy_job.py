@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import clean_env, wait_until
-from test_deploy_brokers import Broker, mosquitto_pair, nats_plain, pki  # noqa: F401 - fixtures
+from harness.shipped import Broker, mosquitto_pair, nats_plain, pki  # noqa: F401 - fixtures
+from harness.waiting import wait_until
+from harness.workspace import clean_env
 
 from mam.shared.config import write_env_file
 

@@ -10,9 +10,9 @@ import stat
 import subprocess
 
 import pytest
-from helpers import wait_until
-from jobkit import WatchProcess
-from runnersim import MAM_ORCH, SimRunner, Wire, hub_env, hub_workspace, job_records, retained
+from harness.jobkit import WatchProcess
+from harness.runnersim import MAM_ORCH, SimRunner, Wire, hub_env, hub_workspace, job_records, retained
+from harness.waiting import wait_until
 
 from mam.shared import crypto, names, wire
 from mam.shared.registry import Registry

@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import clean_env, wait_until, write_env_for
-from jobkit import WatchProcess
-from runnersim import MAM_ORCH, hub_env, hub_workspace, retained
+from harness.jobkit import WatchProcess
+from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, retained
+from harness.waiting import wait_until
+from harness.workspace import clean_env, write_env_for
 
 from mam.shared import names
 from mam.shared.registry import Registry

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from jobkit import JobPair
+from harness.jobkit import JobPair
 
 pytestmark = pytest.mark.broker
 
@@ -108,7 +108,7 @@ def test_s10_broker_killed_mid_job_watcher_reconnects(broker, pair):
     watcher = pair.watch("--idle-timeout", "30")
     pair.wait_subscribed(watcher)
     assert pair.publish("started").returncode == 0
-    from helpers import wait_until
+    from harness.waiting import wait_until
 
     wait_until(lambda: watcher.events("started"), 10, "started to reach the watcher")
     broker.kill()

@@ -8,8 +8,8 @@ import subprocess
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from helpers import wait_until
-from runnersim import MAM_ORCH, SimRunner, hub_env, hub_workspace, job_records, retained
+from harness.runnersim import MAM_ORCH, SimRunner, hub_env, hub_workspace, job_records, retained
+from harness.waiting import wait_until
 
 from mam.shared import crypto, names, wire
 from mam.shared.registry import Registry
@@ -37,7 +37,7 @@ def detached(hub, *args):
 
 
 def test_s6_cancel_running_job_dispatch_exits_4_signed_retained_cancel(sim, tmp_path):
-    from jobkit import WatchProcess
+    from harness.jobkit import WatchProcess
 
     hub = hub_workspace(sim.broker, tmp_path)
     proc = WatchProcess([*MAM_ORCH, "dispatch", "--workspace", str(hub), "--session", "gpu-box",

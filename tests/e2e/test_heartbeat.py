@@ -8,8 +8,8 @@ import time
 
 import psutil
 import pytest
-from helpers import wait_until
-from jobkit import JobPair
+from harness.jobkit import JobPair
+from harness.waiting import wait_until
 
 from mam.runner import heartbeat, publish
 from mam.shared import names

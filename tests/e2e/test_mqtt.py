@@ -9,7 +9,8 @@ import queue
 import time
 
 import pytest
-from helpers import free_port, wait_until
+from harness.brokers import free_port
+from harness.waiting import wait_until
 
 from mam.shared import mqtt, names
 from mam.shared.config import BrokerConfig
@@ -224,7 +225,7 @@ def test_nats_observer_subscription_outside_root_is_refused(nats_broker):
 
 def test_nats_observer_reads_a_topic_root_with_a_dot(tmp_path):
     """nats-server maps MQTT '.' to '//' in subjects; the observer's rights follow that mapping."""
-    from helpers import NatsBroker
+    from harness.brokers import NatsBroker
 
     handle = NatsBroker(tmp_path, topic_root="fleet/v1.2").start()
     try:

@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from netns import NETNS_ETC, OWNER_DIR, Tailnet, tailnet  # noqa: F401 - fixture
+from harness.netns import NETNS_ETC, OWNER_DIR, Tailnet, tailnet  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.e2e
 

@@ -6,8 +6,8 @@ import signal
 import subprocess
 
 import pytest
-from helpers import wait_until
-from jobkit import MAM_RUNNER, JobPair
+from harness.jobkit import MAM_RUNNER, JobPair
+from harness.waiting import wait_until
 
 from mam.shared import mqtt, names
 

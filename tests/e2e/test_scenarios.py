@@ -15,8 +15,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from fleet import AGENTS, MODES, Fleet
-from helpers import wait_until
+from harness.fleet import AGENTS, MODES, Fleet
+from harness.waiting import wait_until
 
 from mam.shared import crypto, names, wire
 from mam.shared.registry import Contract, Registry
@@ -35,7 +35,7 @@ TERMINAL_EVENTS = ("completed", "error")
 def fleet(request, tmp_path):
     """A running fleet in each mode; everything it started is stopped after the test."""
     if request.param == "netns":
-        from netns import unavailable_reason
+        from harness.netns import unavailable_reason
 
         reason = unavailable_reason()
         if reason:

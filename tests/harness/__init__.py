@@ -1,0 +1,1 @@
+"""Test harness: brokers, fleets, network namespaces and fakes shared by the tests."""
