@@ -41,7 +41,7 @@ from harness.shipped import (  # noqa: F401 - fixtures
     start_nats,
     stop_broker,
 )
-from harness.waiting import wait_until
+from harness.waiting import PATIENCE_S, wait_until
 
 from mam.orchestrator import init as mam_init
 from mam.shared import names
@@ -94,7 +94,7 @@ def test_agent_publishes_and_receives_retained_state_under_the_topic_root(broker
     with broker.client(role="hub") as hub:
         hub.subscribe([(f"{ROOT}/jobs/{jid}/#", 1)])
         got: dict[str, Message] = {}
-        wait_until(lambda: _drain(hub, got) and len(got) == 2, 10, "both retained messages")
+        wait_until(lambda: _drain(hub, got) and len(got) == 2, what="both retained messages")
         assert all(m.retain for m in got.values())
         assert got[names.state_topic(jid, ROOT)].payload == b'{"state": 1}'
         assert got[names.events_topic(jid, ROOT)].payload == b'{"event": "completed"}'
@@ -152,7 +152,7 @@ def test_observer_watches_every_job_and_runner_with_wildcards(broker: Broker):
             runner.publish(topic, b'{"status": "online"}', qos=1, retain=True)
             expected.add(topic)
         got: set[str] = set()
-        wait_until(lambda: _drain_topics(observer, got) >= expected, 10, f"observer to see {expected}")
+        wait_until(lambda: _drain_topics(observer, got) >= expected, what=f"observer to see {expected}")
 
 
 def test_observer_reads_the_whole_root_with_hash(broker: Broker):
@@ -214,7 +214,8 @@ def test_mqtt_over_websocket_at_slash_mqtt_receives_job_events(broker: Broker):
     """A dashboard on ws://<broker>:<ws port>/mqtt (paho transport websockets) sees a job's events."""
     jid = job_id()
     cfg = broker.config("mam_observer", port=broker.ws_port, transport="websockets", ws_path="/mqtt")
-    with MqttClient(cfg, "dashboard").connect(timeout_s=10) as dashboard, broker.client(role="runner") as runner:
+    with MqttClient(cfg, "dashboard").connect(timeout_s=PATIENCE_S) as dashboard, \
+            broker.client(role="runner") as runner:
         dashboard.subscribe([(f"{ROOT}/jobs/+/events", 1)])
         for n in (1, 2):
             runner.publish(names.events_topic(jid, ROOT), f'{{"seq": {n}}}'.encode(), qos=1)
@@ -321,7 +322,7 @@ def test_tls_listener_still_needs_a_password(tls_broker: Broker):
 def test_nats_tls_websocket_serves_mqtt_over_wss(nats_tls: Broker):
     assert _handshake(nats_tls.ws_port, nats_tls.pki.ca) == "TLSv1.3"
     cfg = nats_tls.config("mam_observer", port=nats_tls.ws_port, transport="websockets", ws_path="/mqtt")
-    with MqttClient(cfg, "wss").connect(timeout_s=10) as dashboard:
+    with MqttClient(cfg, "wss").connect(timeout_s=PATIENCE_S) as dashboard:
         dashboard.subscribe([(f"{ROOT}/runners/+", 1)])
 
 
@@ -333,7 +334,7 @@ def test_client_certificate_required_refuses_a_client_without_one(mtls_broker: B
 def test_client_certificate_required_accepts_a_client_with_one(mtls_broker: Broker):
     pki = mtls_broker.pki
     cfg = mtls_broker.config(certfile=str(pki.client_cert), keyfile=str(pki.client_key))
-    with MqttClient(cfg, "withcert").connect(timeout_s=10) as client:
+    with MqttClient(cfg, "withcert").connect(timeout_s=PATIENCE_S) as client:
         client.subscribe([(f"{ROOT}/runners/+", 1)])
 
 
@@ -366,10 +367,10 @@ def test_init_output_starts_the_shipped_broker_and_its_credentials_work(tmp_path
     try:
         cfg = broker_config(environ={"MAM_ENV_FILE": str(ws / ".mam.env")}, warn=False)
         assert cfg.port == mqtt_port and cfg.username == "mam_agent"
-        with MqttClient(cfg, "hub").connect(timeout_s=10) as hub:
+        with MqttClient(cfg, "hub").connect(timeout_s=PATIENCE_S) as hub:
             hub.subscribe([(f"{cfg.topic_root}/#", 1)])
         observer = cfg.with_overrides(username="mam_observer", password=secrets_env["MAM_OBSERVER_PASS"])
-        with MqttClient(observer, "dash").connect(timeout_s=10):
+        with MqttClient(observer, "dash").connect(timeout_s=PATIENCE_S):
             pass
     finally:
         stop_broker(proc)

@@ -55,7 +55,7 @@ def test_agent_user_runs_a_complete_remote_job(shipped: Broker, tmp_path: Path):
             return any(json.loads(line).get("session") == session and json.loads(line).get("status") == "online"
                        for line in probe.stdout.splitlines() if line.strip())
 
-        wait_until(lambda: runner.poll() is not None or online(), 30, "the runner to be online")
+        wait_until(lambda: runner.poll() is not None or online(), what="the runner to be online")
         assert runner.poll() is None
         result = subprocess.run([sys.executable, "-m", "mam.orchestrator.cli", "dispatch", "--session", session,
                                  "--brief", "echo deployed > out.txt", "--ack-timeout", "30", "--json",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from harness.jobkit import WatchProcess
 from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, retained
-from harness.waiting import wait_until
+from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env, write_env_for
 
 from mam.shared import names
@@ -52,9 +52,9 @@ def test_s11_dispatch_to_a_real_runner_completes(request, broker_name, tmp_path)
         result = subprocess.run([*MAM_ORCH, "dispatch", "--session", "gpu-box", "--require-online",
                                  "--brief", "echo made-by-the-agent > out.txt", "--heartbeat", "1",
                                  "--ack-timeout", "20", "--workspace", str(hub)],
-                                env=hub_env(), capture_output=True, text=True, timeout=60)
+                                env=hub_env(), capture_output=True, text=True, timeout=PATIENCE_S)
         assert result.returncode == 0, result.stderr
-        assert runner.wait(30) == 0  # --once: it exits after the job
+        assert runner.wait(PATIENCE_S) == 0  # --once: it exits after the job
     finally:
         stop(runner)
     events = [line for line in result.stdout.splitlines() if line.strip()]
@@ -73,13 +73,13 @@ def test_s6_cancel_reaches_a_real_runner(nats_broker, tmp_path):
     dispatch = WatchProcess([*MAM_ORCH, "dispatch", "--session", "gpu-box", "--brief", "600", "--heartbeat", "1",
                              "--ack-timeout", "20", "--workspace", str(hub)], hub_env())
     try:
-        job_id = wait_until(lambda: (dispatch.events("started") or [None])[0], 30, "started")["job_id"]
+        job_id = wait_until(lambda: (dispatch.events("started") or [None])[0], what="started")["job_id"]
         cancel = subprocess.run([*MAM_ORCH, "cancel", job_id, "--workspace", str(hub)], env=hub_env(),
-                                capture_output=True, text=True, timeout=60)
+                                capture_output=True, text=True, timeout=PATIENCE_S)
         assert cancel.returncode == 0, cancel.stderr
-        assert dispatch.wait(30) == 4, dispatch.log()
-        wait_until(lambda: Registry(runner_ws).get(job_id)["status"] == "cancelled", 30,
-                   "the runner to mark the job cancelled")
+        assert dispatch.wait(PATIENCE_S) == 4, dispatch.log()
+        wait_until(lambda: Registry(runner_ws).get(job_id)["status"] == "cancelled",
+                   what="the runner to mark the job cancelled")
     finally:
         dispatch.kill()
         stop(runner)

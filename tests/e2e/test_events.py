@@ -110,10 +110,10 @@ def test_s10_broker_killed_mid_job_watcher_reconnects(broker, pair):
     assert pair.publish("started").returncode == 0
     from harness.waiting import wait_until
 
-    wait_until(lambda: watcher.events("started"), 10, "started to reach the watcher")
+    wait_until(lambda: watcher.events("started"), what="started to reach the watcher")
     broker.kill()
     broker.restart()
-    wait_until(lambda: "reconnected" in watcher.log(), 30, "the watcher to reconnect")
+    wait_until(lambda: "reconnected" in watcher.log(), what="the watcher to reconnect")
     assert pair.publish("completed").returncode == 0
     assert watcher.wait() == 0, watcher.log()
     assert pair.record["status"] == "completed"

@@ -10,7 +10,7 @@ import time
 
 import pytest
 from harness.brokers import free_port
-from harness.waiting import wait_until
+from harness.waiting import PATIENCE_S, wait_until
 
 from mam.shared import mqtt, names
 from mam.shared.config import BrokerConfig
@@ -21,11 +21,11 @@ pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 JOB = "0123abcd"
 
 
-def _next(client: mqtt.MqttClient, timeout_s: float = 10.0) -> mqtt.Message:
+def _next(client: mqtt.MqttClient, timeout_s: float = PATIENCE_S) -> mqtt.Message:
     return client.messages.get(timeout=timeout_s)
 
 
-def _drain_until(client: mqtt.MqttClient, payload: bytes, timeout_s: float = 10.0) -> list[bytes]:
+def _drain_until(client: mqtt.MqttClient, payload: bytes, timeout_s: float = PATIENCE_S) -> list[bytes]:
     """Every payload received up to and including `payload` (a sentinel), in order."""
     seen: list[bytes] = []
     deadline = time.monotonic() + timeout_s
@@ -84,9 +84,9 @@ def test_reconnect_after_broker_crash_resubscribes_and_logs(broker, caplog):
     try:
         sub.subscribe([(topic, 1)])
         broker.kill()
-        wait_until(lambda: not sub.connected.is_set(), 10, "the client to notice the crash")
+        wait_until(lambda: not sub.connected.is_set(), what="the client to notice the crash")
         broker.restart()
-        wait_until(sub.reconnected.is_set, 20, "the client to reconnect")
+        wait_until(sub.reconnected.is_set, what="the client to reconnect")
         assert sub.connected.is_set() and sub.reconnect_count == 1
         assert any("reconnected" in r.getMessage() for r in caplog.records)
 
@@ -97,7 +97,7 @@ def test_reconnect_after_broker_crash_resubscribes_and_logs(broker, caplog):
             except queue.Empty:
                 return False
 
-        wait_until(delivered, 15, "a message through the re-subscribed filter")
+        wait_until(delivered, what="a message through the re-subscribed filter")
     finally:
         sub.close()
     sub.close()  # idempotent
@@ -179,7 +179,7 @@ def test_message_queued_while_disconnected_is_never_resent_after_close(broker):
     topic = names.events_topic(JOB, broker.topic_root)
     old = mqtt.MqttClient(broker.config(), "publish").connect()
     broker.kill()
-    wait_until(lambda: not old.connected.is_set(), 10, "the publisher to notice the crash")
+    wait_until(lambda: not old.connected.is_set(), what="the publisher to notice the crash")
     with pytest.raises(BrokerUnavailable):
         old._publish(topic, b"payload", 1, False, 2.0, fail_on_disconnect=True)
     old_paho = old._client

@@ -11,7 +11,7 @@ modes (DESIGN.md "Test strategy", multi-host e2e; PROTOCOL §5-§12):
     fleet = Fleet("loopback", tmp_path)          # or the `fleet` fixture
     gpu = fleet.start_runner("gpu-box", AGENTS / "shell-agent")
     run = fleet.dispatch("gpu-box", "echo hi", "--ack-timeout", "10")
-    assert run.wait(60) == 0
+    assert run.wait() == 0
     fleet.hub_record(run.job_id()); fleet.runner_record("gpu-box", run.job_id())
     fleet.events_on_wire(run.job_id())           # what a hub-side subscriber saw
     fleet.close()                                # kills everything, also on failure
@@ -145,7 +145,7 @@ class Proc:
     def kill9(self) -> None:
         """SIGKILL the process itself (not its group: a crash leaves its children)."""
         self.signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.wait(PATIENCE_S)
 
     def terminate(self) -> None:
         self.signal(signal.SIGTERM)

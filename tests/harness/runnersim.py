@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.waiting import PATIENCE_S, wait_until
+from harness.waiting import PATIENCE_S, QUIET_S, wait_until
 from harness.workspace import TEST_SECRET, clean_env, write_env_for
 from mam.runner.publish import PublishRequest, record, send_on
 from mam.shared import crypto, mqtt, names, wire
@@ -61,9 +61,9 @@ class Wire:
         self.client.close()
 
 
-def retained(broker: Any, topic: str, quiet_s: float = 1.0) -> bytes | None:
-    """The retained payload of `topic` as a fresh subscriber gets it, or None
-    (no retained message, or a cleared one)."""
+def retained(broker: Any, topic: str, quiet_s: float = QUIET_S) -> bytes | None:
+    """The retained payload of `topic` as a fresh subscriber gets it within `quiet_s`, or None
+    (no retained message, or a cleared one). Expecting one, pass PATIENCE_S."""
     with mqtt.MqttClient(broker.config(), "probe") as client:
         client.subscribe([(topic, 1)])
         try:

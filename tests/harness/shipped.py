@@ -175,7 +175,7 @@ class Broker:
         return cfg.with_overrides(**changes)
 
     def client(self, user: str = "mam_agent", role: str = "test", **changes) -> MqttClient:
-        return MqttClient(self.config(user, **changes), role).connect(timeout_s=10)
+        return MqttClient(self.config(user, **changes), role).connect(timeout_s=PATIENCE_S)
 
 
 def stop_broker(proc: subprocess.Popen, remove: Path | None = None) -> None:

@@ -19,6 +19,10 @@ T = TypeVar("T")
 PATIENCE_S = 60.0
 """Deadline in seconds for anything observable: a process start, a message, a file, an exit."""
 
+QUIET_S = 1.0
+"""How long to listen before concluding that nothing arrives (an absence check: a busy
+machine can only make it pass wrongly, never fail; never use it to wait for a presence)."""
+
 POLL_INTERVAL_S = 0.02
 """Pause between two polls of a condition."""
 
