@@ -21,8 +21,16 @@ Helpers: the `harness` package (tests/harness/): `from harness.waiting import wa
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from harness.brokers import MosquittoBroker, NatsBroker
+
+# Tests send SIGINT (Ctrl-C) to the processes they start. A suite started in the background
+# of a non-interactive shell inherits SIGINT ignored, and so would every process it starts
+# (an ignored signal stays ignored across exec); with a handler here they get the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

@@ -11,21 +11,27 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+from harness.procs import all_gone, heartbeat_beats, kill_all
 from harness.waiting import PATIENCE_S, QUIET_S, wait_until
 from harness.workspace import TEST_SECRET, clean_env, write_env_for
 
 from mam.orchestrator.dispatch import build_dispatch, publish_dispatch
-from mam.orchestrator.fleet import publish_cancel
+from mam.orchestrator.fleet import clear_dispatch, publish_cancel
+from mam.runner import daemon
+from mam.runner.daemon import Runner, options_from_cli
 from mam.shared import crypto, names, wire
+from mam.shared.errors import MamError
 from mam.shared.mqtt import MqttClient
 from mam.shared.registry import Contract, Registry
 
@@ -221,30 +227,6 @@ def verify_signed(event: dict[str, Any], record: dict[str, Any]) -> None:
     assert event["data"]["dispatch_token"] == record["dispatch_token"]
 
 
-def pids_gone(pids: list[int]) -> bool:
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            pass
-    return True
-
-
-def disk_beats(runner: RunnerProc, job_id: str) -> int:
-    """How many heartbeat beats the runner's registry recorded for `job_id` (§12)."""
-    return len([line for line in runner.registry.audit(job_id)
-                if line.get("event") == "progress" and line.get("data", {}).get("heartbeat") is True])
-
-
-def kill_pids(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 # ------------------------------------------------------------------ tests
 
 def test_s11_valid_dispatch_runs_to_completed_and_clears_the_dispatch(broker, tmp_path, runners):
@@ -415,7 +397,7 @@ def test_s6_cancel_kills_the_agent_tree_and_marks_cancelled(nats_broker, tmp_pat
                                        what="the sleep-agent pids")]
     try:
         publish_cancel(hub.client, record, hub.keys, "operator")
-        wait_until(lambda: pids_gone(pids), what="the agent and its grandchild to be gone")
+        wait_until(lambda: all_gone(pids), what="the agent and its grandchild to be gone")
         event = wire_obs.wait_terminal(job_id)
         assert event["event"] == "error" and event["detail"] == "cancelled"
         verify_signed(event, record)
@@ -430,7 +412,7 @@ def test_s6_cancel_kills_the_agent_tree_and_marks_cancelled(nats_broker, tmp_pat
         assert again.wait() == 0
         assert len(wire_obs.terminal(job_id)) == 1
     finally:
-        kill_pids(pids)
+        kill_all(pids)
 
 
 def test_s11_exit_code_and_agent_own_terminal_event(nats_broker, tmp_path, hub, wire_obs, runners):
@@ -488,10 +470,10 @@ def test_s7_sigterm_drains_then_second_signal_cancels(nats_broker, tmp_path, hub
         event = wire_obs.wait_terminal(job["job_id"])
         assert (event["event"], event["detail"]) == ("error", "cancelled")
         assert again.status(job["job_id"]) == "cancelled"
-        assert pids_gone(pids)
+        assert all_gone(pids)
         wire_obs.wait_presence("offline", again_id)
     finally:
-        kill_pids(pids)
+        kill_all(pids)
 
 
 def test_s7_kill9_last_will_offline_and_heartbeat_stops(nats_broker, tmp_path, hub, wire_obs, runners):
@@ -512,18 +494,18 @@ def test_s7_kill9_last_will_offline_and_heartbeat_stops(nats_broker, tmp_path, h
         timer = json.loads(names.heartbeat_path(ws, job_id, "pid").read_text())["pid"]
         runner.proc.kill()
         runner.wait()
-        at_death = disk_beats(runner, job_id)
-        wait_until(lambda: pids_gone([timer]), what="the heartbeat timer to stop")
+        at_death = len(heartbeat_beats(runner.registry.audit(job_id)))
+        wait_until(lambda: all_gone([timer]), what="the heartbeat timer to stop")
         # §12 "within one period": the timer checks the watched runner before every beat, so at
         # most the beat whose check came before the death follows it (an ordering, not a stopwatch)
-        assert disk_beats(runner, job_id) <= at_death + 1
+        assert len(heartbeat_beats(runner.registry.audit(job_id))) <= at_death + 1
         will = wire_obs.wait_presence("offline", runner_id)
         crypto.verify(will, hub.keys.sign_key)
         beats = len(wire_obs.events(job_id))
         assert runner.status(job_id) == "running"  # nobody published a terminal event
         assert len(wire_obs.events(job_id)) == beats
     finally:
-        kill_pids(pids)
+        kill_all(pids)
 
 
 def test_s7_second_runner_same_session_refused_unless_replace(nats_broker, tmp_path, wire_obs, runners):
@@ -552,10 +534,7 @@ def test_s7_second_runner_same_session_refused_unless_replace(nats_broker, tmp_p
 def test_lifecycle_serve_once_shutdown_idempotent(nats_broker, tmp_path, wire_obs):
     """STYLE lifecycle: no side effects in __init__, serve() refuses a second start,
     shutdown() is idempotent and ends serve() with presence offline (§7)."""
-    import threading
 
-    from mam.runner.daemon import Runner, options_from_cli
-    from mam.shared.errors import MamError
 
     ws = tmp_path / "runner"
     options = options_from_cli(session=SESSION, exec_cmd=SHELL_AGENT, workspace=str(ws), workdir=None,
@@ -646,8 +625,6 @@ class Arrivals:
     that job's agent processes were already gone (§6: stopped BEFORE `error` is published)."""
 
     def __init__(self, broker: Any, procs: dict[str, list[psutil.Process]]) -> None:
-        import threading
-
         self.root = broker.topic_root
         self.procs = procs
         self.seen: dict[str, tuple[dict[str, Any], bool]] = {}
@@ -659,8 +636,6 @@ class Arrivals:
         self._thread.start()
 
     def _run(self) -> None:
-        import queue
-
         while not self._stop.is_set():
             try:
                 message = self.client.messages.get(timeout=0.05)
@@ -670,7 +645,7 @@ class Arrivals:
                 continue
             event = json.loads(message.payload)
             if event["event"] in ("completed", "error") and event["job_id"] not in self.seen:
-                gone = pids_gone([p.pid for p in self.procs[event["job_id"]]])
+                gone = all_gone([p.pid for p in self.procs[event["job_id"]]])
                 self.seen[event["job_id"]] = (event, gone)
 
     def close(self) -> None:
@@ -707,7 +682,7 @@ def test_s6_orphans_of_a_killed_runner_are_stopped_before_their_terminal_event(n
             pids = wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), what=f"{name} agent pids")
             procs[name] = [psutil.Process(int(p)) for p in pids]
             wait_until(lambda: json.loads((logs[name] / "agent.pid").read_text()).get("pid") == int(pids[0]),
-                       10, f"{name} agent.pid to name the agent")
+                       what=f"{name} agent.pid to name the agent")
             assert (logs[name] / "agent.pid").stat().st_mode & 0o777 == 0o600
             assert (logs[name] / "broker.env").exists()
         first.proc.kill()
@@ -716,8 +691,8 @@ def test_s6_orphans_of_a_killed_runner_are_stopped_before_their_terminal_event(n
                    what="the agents to be reparented")
         assert all(alive(ps) for ps in procs.values())  # kill -9 of the runner left them running
         for name in ("lost", "garbled"):
-            kill_pids([p.pid for p in procs[name]])
-            wait_until(lambda: pids_gone([p.pid for p in procs[name]]), what=f"the {name} agent to die")
+            kill_all([p.pid for p in procs[name]])
+            wait_until(lambda: all_gone([p.pid for p in procs[name]]), what=f"the {name} agent to die")
         (logs["garbled"] / "agent.pid").write_bytes(b"\xff{not json" * 1000)
         publish_cancel(hub.client, jobs["cancelled"], hub.keys, "operator")  # retained, as the hub does
         arrivals = Arrivals(nats_broker, {record["job_id"]: procs[name] for name, record in jobs.items()})
@@ -753,7 +728,7 @@ def test_s6_orphans_of_a_killed_runner_are_stopped_before_their_terminal_event(n
             wire.close()
         assert second.proc.poll() is None
     finally:
-        kill_pids([p.pid for ps in procs.values() for p in ps])
+        kill_all([p.pid for ps in procs.values() for p in ps])
 
 
 def test_s6_a_job_of_another_live_runner_in_the_same_workspace_is_left_alone(nats_broker, tmp_path, hub,
@@ -778,7 +753,7 @@ def test_s6_a_job_of_another_live_runner_in_the_same_workspace_is_left_alone(nat
         assert "has no supervisor" not in other.log()
         assert len(wire_obs.terminal(record["job_id"])) == 1
     finally:
-        kill_pids(pids)
+        kill_all(pids)
 
 
 def test_s6_retained_cancel_ends_a_record_left_without_identity(nats_broker, tmp_path, hub, wire_obs, runners):
@@ -869,7 +844,7 @@ def test_s11_leftover_processes_are_stopped_before_the_terminal_event(nats_broke
         wait_until(lambda: job_id in arrivals.seen, what="the terminal event")
     finally:
         arrivals.close()
-        kill_pids([child.pid])
+        kill_all([child.pid])
     event, gone_on_arrival = arrivals.seen[job_id]
     assert gone_on_arrival, "the agent's background child still ran when its terminal event arrived"
     if how == "exit-0":
@@ -902,7 +877,7 @@ def test_s5_contract_timeout_sec_is_enforced_by_the_runner(nats_broker, tmp_path
         wait_until(lambda: job_id in arrivals.seen, what="the terminal event")
     finally:
         arrivals.close()
-        kill_pids(pids)
+        kill_all(pids)
     event, gone_on_arrival = arrivals.seen[job_id]
     assert gone_on_arrival, "the agent still ran when `timed out` arrived"
     assert (event["event"], event["detail"]) == ("error", "timed out after 2 s")
@@ -921,7 +896,6 @@ def test_s6_replayed_dispatch_of_a_cancelled_attempt_never_runs(nats_broker, tmp
     cleared), the attacker re-publishes the captured dispatch retained, then a runner starts.
     The runner keeps the verified cancel of the unknown job as a tombstone and refuses the
     dispatch (one line); the agent never runs; a valid dispatch afterwards still runs."""
-    from mam.orchestrator.fleet import clear_dispatch
 
     marker = tmp_path / "runs.txt"
     record, captured = hub.dispatch('echo replayed >> "$MARKER"')  # nobody online: stays retained
@@ -951,7 +925,6 @@ def test_s6_replayed_dispatch_of_a_cancelled_attempt_never_runs(nats_broker, tmp
 def test_s6_cancel_tombstones_are_bounded_and_keep_the_highest_attempt(tmp_path):
     """At most MAX_CANCEL_TOMBSTONES job ids are remembered (oldest dropped); a cancel of an
     older attempt never lowers the tombstone (a replayed old cancel)."""
-    from mam.runner import daemon
 
     options = daemon.options_from_cli(session=SESSION, exec_cmd=SHELL_AGENT, workspace=str(tmp_path / "ws"),
                                       workdir=None, max_jobs=1, once=False, replace=False, environ=clean_env())

@@ -15,6 +15,7 @@ optional client certificates.
 from __future__ import annotations
 
 import os
+import queue
 import re
 import secrets
 import shutil
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from dotenv import dotenv_values
 from harness.brokers import free_port
 from harness.shipped import (  # noqa: F401 - fixtures
     MOSQUITTO_BIN,
@@ -45,6 +47,7 @@ from harness.waiting import PATIENCE_S, wait_until
 
 from mam.orchestrator import init as mam_init
 from mam.shared import names
+from mam.shared.config import broker_config
 from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
 from mam.shared.mqtt import Message, MqttClient
 
@@ -101,8 +104,6 @@ def test_agent_publishes_and_receives_retained_state_under_the_topic_root(broker
 
 
 def _drain(client: MqttClient, into: dict[str, Message]) -> bool:
-    import queue
-
     while True:
         try:
             message = client.messages.get_nowait()
@@ -164,8 +165,6 @@ def test_observer_reads_the_whole_root_with_hash(broker: Broker):
 
 
 def _drain_topics(client: MqttClient, into: set[str]) -> set[str]:
-    import queue
-
     while True:
         try:
             into.add(client.messages.get_nowait().topic)
@@ -344,9 +343,7 @@ def test_init_output_starts_the_shipped_broker_and_its_credentials_work(tmp_path
     """`mam-orch init --broker-config` → nats-server with nats.env → a client
     configured from .mam.env (§13) connects; the observer password from nats.env
     connects read-only."""
-    from dotenv import dotenv_values
 
-    from mam.shared.config import broker_config
 
     ws = tmp_path / "ws"
     ws.mkdir()

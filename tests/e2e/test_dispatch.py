@@ -6,23 +6,18 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import stat
-import subprocess
 
 import pytest
 from harness.jobkit import WatchProcess
-from harness.runnersim import MAM_ORCH, SimRunner, Wire, hub_env, hub_workspace, job_records, retained
+from harness.runnersim import MAM_ORCH, SimRunner, Wire, hub_env, hub_workspace, job_records, orch, retained
 from harness.waiting import PATIENCE_S, wait_until
 
 from mam.shared import crypto, names, wire
 from mam.shared.registry import Registry
 
 pytestmark = pytest.mark.broker
-
-
-def orch(workspace, *args, env=None, stdin=None, timeout_s=PATIENCE_S):
-    return subprocess.run([*MAM_ORCH, *args, "--workspace", str(workspace)], env=env or hub_env(),
-                          input=stdin, capture_output=True, text=True, timeout=timeout_s)
 
 
 def dispatch_bg(workspace, *args, env=None) -> WatchProcess:
@@ -223,8 +218,6 @@ def test_s10_env_contract_reaches_the_dispatch(sim, tmp_path):
 
 
 def test_s10_ctrl_c_detaches_and_the_job_keeps_its_state(sim, tmp_path):
-    import signal
-
     hub = hub_workspace(sim.broker, tmp_path)
     proc = dispatch_bg(hub, "--session", "gpu-box", "--brief", "x", "--ack-timeout", "60")
     try:

@@ -4,22 +4,17 @@ played by the test (PROTOCOL §5, §6, §7, §8, §9, §10)."""
 from __future__ import annotations
 
 import json
-import subprocess
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from harness.runnersim import MAM_ORCH, SimRunner, hub_env, hub_workspace, job_records, retained
+from harness.jobkit import WatchProcess
+from harness.runnersim import MAM_ORCH, SimRunner, hub_env, hub_workspace, job_records, orch, retained
 from harness.waiting import PATIENCE_S, wait_until
 
 from mam.shared import crypto, names, wire
 from mam.shared.registry import Registry
 
 pytestmark = pytest.mark.broker
-
-
-def orch(workspace, *args, env=None, stdin=None, timeout_s=PATIENCE_S):
-    return subprocess.run([*MAM_ORCH, *args, "--workspace", str(workspace)], env=env or hub_env(),
-                          input=stdin, capture_output=True, text=True, timeout=timeout_s)
 
 
 @pytest.fixture
@@ -37,8 +32,6 @@ def detached(hub, *args):
 
 
 def test_s6_cancel_running_job_dispatch_exits_4_signed_retained_cancel(sim, tmp_path):
-    from harness.jobkit import WatchProcess
-
     hub = hub_workspace(sim.broker, tmp_path)
     proc = WatchProcess([*MAM_ORCH, "dispatch", "--workspace", str(hub), "--session", "gpu-box",
                          "--brief", "long job", "--ack-timeout", "20"], hub_env())

@@ -10,6 +10,7 @@ import time
 import psutil
 import pytest
 from harness.jobkit import JobPair
+from harness.procs import gone, heartbeat_beats
 from harness.waiting import PATIENCE_S, wait_until
 
 from mam.runner import heartbeat, publish
@@ -30,15 +31,7 @@ def _sleeper() -> subprocess.Popen:
 
 
 def _beats(pair: JobPair) -> list[dict]:
-    return [line for line in pair.runner.audit(pair.job_id)
-            if line.get("event") == "progress" and line.get("data", {}).get("heartbeat") is True]
-
-
-def _stopped(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    return heartbeat_beats(pair.runner.audit(pair.job_id))
 
 
 def _timer_pid(pair: JobPair) -> int | None:
@@ -71,7 +64,7 @@ def test_s12_beats_keep_job_alive_then_stop_when_watched_process_dies(pair):
         agent.kill()
         agent.wait()
         at_death = len(_beats(pair))
-        wait_until(lambda: _stopped(timer), what="the timer to stop after the watched process died")
+        wait_until(lambda: gone(timer), what="the timer to stop after the watched process died")
         count = len(_beats(pair))
         # §12 "within one period": the timer checks the watched process before every beat, so at
         # most the beat whose check came before the death follows it (an ordering, not a stopwatch)
@@ -94,9 +87,9 @@ def test_s12_second_started_replaces_timer(pair):
                                        dispatch_token=record["dispatch_token"], interval_s=5,
                                        watch=heartbeat.WatchedProcess.of(agent.pid), timeout_s=60)
         assert second is not None and second != first
-        wait_until(lambda: _stopped(first), what="the first timer to be replaced")
+        wait_until(lambda: gone(first), what="the first timer to be replaced")
         assert pair.publish("completed").returncode == 0
-        wait_until(lambda: _stopped(second), what="the timer to stop on the terminal")
+        wait_until(lambda: gone(second), what="the timer to stop on the terminal")
         # a start that finds the attempt ended arms nothing
         assert heartbeat.start_timer(pair.runner, pair.job_id, attempt_id=record["attempt_id"],
                                      dispatch_token=record["dispatch_token"], interval_s=5,

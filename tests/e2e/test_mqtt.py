@@ -4,12 +4,19 @@ retries (§13), the observer's read-only rights, and secrets kept out of text.""
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import logging
 import queue
+import signal
 import time
 
 import pytest
-from harness.brokers import free_port
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from harness.brokers import NatsBroker, free_port
 from harness.waiting import PATIENCE_S, wait_until
 
 from mam.shared import mqtt, names
@@ -225,7 +232,6 @@ def test_nats_observer_subscription_outside_root_is_refused(nats_broker):
 
 def test_nats_observer_reads_a_topic_root_with_a_dot(tmp_path):
     """nats-server maps MQTT '.' to '//' in subjects; the observer's rights follow that mapping."""
-    from harness.brokers import NatsBroker
 
     handle = NatsBroker(tmp_path, topic_root="fleet/v1.2").start()
     try:
@@ -262,7 +268,6 @@ def test_last_will_is_published_when_the_client_dies(broker):
 
 def test_publish_timeout_when_broker_hangs(broker):
     """§13: a broker that accepts but never acknowledges → PublishTimeout after the deadline."""
-    import signal
 
     topic = names.events_topic(JOB, broker.topic_root)
     with mqtt.MqttClient(broker.config(), "runner") as client:
@@ -284,13 +289,7 @@ def test_message_repr_hides_payload():
 
 def _write_pki(directory):
     """A CA, a server certificate for 127.0.0.1 and a client certificate (PEM files)."""
-    import datetime
-    import ipaddress
 
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     now = datetime.datetime.now(datetime.UTC)
 

@@ -16,6 +16,7 @@ import psutil
 import pytest
 from harness.fleet import AGENTS, MODES, Fleet
 from harness.netns import unavailable_reason
+from harness.procs import gone
 from harness.waiting import PATIENCE_S, wait_until
 
 from mam.orchestrator.dispatch import build_dispatch
@@ -144,13 +145,6 @@ def test_s10_no_runner_agent_blocked_and_a_late_runner_never_runs_it(fleet, tmp_
 
 # ------------------------------------------------------------------ cancel (§6)
 
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 @pytest.mark.timeout(90)
 def test_s6_cancel_mid_run_kills_agent_and_grandchild_hub_cancelled_dispatch_exits_4(fleet, tmp_path):
     pidfile = tmp_path / "sleep.pids"
@@ -166,7 +160,7 @@ def test_s6_cancel_mid_run_kills_agent_and_grandchild_hub_cancelled_dispatch_exi
     assert json.loads(cancelled.stdout)["status"] == "cancelled"
     # the grandchild ignores SIGTERM: its end proves the SIGKILL of the tree after the grace
     # (MAM_CANCEL_GRACE_S in the fleet's runner env)
-    wait_until(lambda: _gone(agent_pid) and _gone(grandchild_pid),
+    wait_until(lambda: gone(agent_pid) and gone(grandchild_pid),
                what="the agent and its SIGTERM-ignoring grandchild to be gone")
     assert run.wait(PATIENCE_S) == 4, run.log()
     assert fleet.hub_record(job_id)["status"] == "cancelled"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import stat
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from harness.procs import gone
 from harness.waiting import PATIENCE_S, wait_until
 
 from mam.runner.supervisor import (
@@ -46,15 +48,6 @@ def script(tmp_path: Path, name: str, body: str) -> Path:
     path.write_text("#!/usr/bin/env bash\n" + textwrap.dedent(body))
     path.chmod(0o755)
     return path
-
-
-def gone(pid: int, create_time: float) -> bool:
-    """True if that process (pid + create time) no longer runs; a zombie counts as gone."""
-    try:
-        proc = psutil.Process(pid)
-        return proc.create_time() != create_time or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 @pytest.fixture
@@ -433,12 +426,10 @@ def _recorder(tmp_path: Path) -> tuple[str, Path]:
     rec.write_text(f"#!{sys.executable}\nimport json, sys\n"
                    f"open({str(record)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
     rec.chmod(0o755)
-    import shlex
     return shlex.join([str(rec), "--job", JOB_ID]), record
 
 
 def _published(record: Path) -> list[list[str]]:
-    import json
     return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
 
 

@@ -12,6 +12,7 @@ check what crossed the broker.
 from __future__ import annotations
 
 import queue
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -167,6 +168,13 @@ def hub_workspace(broker: Any, tmp_path: Path, **extra: str) -> Path:
 def hub_env(**extra: str) -> dict[str, str]:
     """The environment of a hub CLI process: no developer MQTT_/MAM_ settings."""
     return clean_env(MAM_LOG_LEVEL="INFO", **extra)
+
+
+def orch(workspace: Path, *args: str, env: dict[str, str] | None = None, stdin: str | None = None,
+         timeout_s: float = PATIENCE_S) -> subprocess.CompletedProcess[str]:
+    """`mam-orch ARGS --workspace WORKSPACE` run to its end (environment: `hub_env()`)."""
+    return subprocess.run([*MAM_ORCH, *args, "--workspace", str(workspace)], env=env or hub_env(),
+                          input=stdin, capture_output=True, text=True, timeout=timeout_s)
 
 
 def job_records(workspace: Path) -> list[Path]:

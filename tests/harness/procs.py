@@ -1,0 +1,41 @@
+"""Processes seen from a test: is one gone (a zombie counts as gone), kill a list, count beats."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterable
+
+import psutil
+
+
+def gone(pid: int, create_time: float | None = None) -> bool:
+    """True when process `pid` no longer runs: it does not exist, is a zombie, or (with
+    `create_time`, from psutil) the pid now belongs to a newer process."""
+    try:
+        proc = psutil.Process(pid)
+        if create_time is not None and proc.create_time() != create_time:
+            return True
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def all_gone(pids: Iterable[int]) -> bool:
+    """True when every pid of `pids` is gone (see `gone`)."""
+    return all(gone(pid) for pid in pids)
+
+
+def kill_all(pids: Iterable[int]) -> None:
+    """SIGKILL every pid of `pids` that still exists (cleanup; never raises for a gone one)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def heartbeat_beats(audit: Iterable[dict]) -> list[dict]:
+    """The heartbeat beats (PROTOCOL §12: `progress` with data.heartbeat true) of a job's audit lines."""
+    return [line for line in audit
+            if line.get("event") == "progress" and line.get("data", {}).get("heartbeat") is True]
