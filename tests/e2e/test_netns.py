@@ -1,4 +1,4 @@
-"""Self-test of the multi-host harness tests/e2e/netns.py (DESIGN.md, multi-host e2e)."""
+"""Self-test of the multi-host harness tests/harness/netns.py (DESIGN.md, multi-host e2e)."""
 
 from __future__ import annotations
 
