@@ -1,10 +1,11 @@
-"""Processes seen from a test: is one gone (a zombie counts as gone), kill a list, count beats."""
+"""Processes seen from a test: is one gone (a zombie counts as gone) or stopped, kill a list, count beats."""
 
 from __future__ import annotations
 
 import os
 import signal
 from collections.abc import Iterable
+from pathlib import Path
 
 import psutil
 
@@ -24,6 +25,20 @@ def gone(pid: int, create_time: float | None = None) -> bool:
 def all_gone(pids: Iterable[int]) -> bool:
     """True when every pid of `pids` is gone (see `gone`)."""
     return all(gone(pid) for pid in pids)
+
+
+def stopped(pid: int) -> bool:
+    """True when every thread of process `pid` is stopped (SIGSTOP took effect).
+
+    A stop signal stops the threads one after the other (the first to handle it
+    stops the rest), so a thread of a busy process may still run for a while after
+    kill() returned: wait for this before relying on the process being frozen."""
+    tasks = list(Path(f"/proc/{pid}/task").glob("*/stat"))
+    try:
+        # the state follows "(comm)", whose text may hold spaces and parentheses
+        return bool(tasks) and all(task.read_text().rpartition(")")[2].split()[0] in ("T", "t") for task in tasks)
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def kill_all(pids: Iterable[int]) -> None:
