@@ -39,7 +39,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ import psutil
 
 from harness.brokers import free_port
 from harness.netns import Tailnet
+from harness.procs import kill_all
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import TEST_SECRET, clean_env
 from mam.shared import broker, names
@@ -65,6 +65,7 @@ NETNS_MQTT_PORT = 1883
 START_TIMEOUT_S = PATIENCE_S
 WIRETAP = HERE / "wiretap.py"
 STOP_GRACE_S = 3.0
+KILL_POLL_S = 0.1
 
 
 def stop_group(proc: subprocess.Popen) -> None:
@@ -493,16 +494,17 @@ class Fleet:
                 handle.stop()
             except Exception:
                 pass
-        for _ in range(3):
+        def none_left() -> bool:
+            # SIGKILL what still carries the tag until nothing does: on a busy machine a killed
+            # process takes a while to die, and a dying parent may have just started a child
             pids = self.tagged_pids()
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            time.sleep(0.1)
+            kill_all(pids)
+            return not pids
+
+        try:
+            wait_until(none_left, what="the fleet's tagged processes to be gone", interval_s=KILL_POLL_S)
+        except AssertionError:
+            pass  # never raises; the `fleet` fixture reports what outlived close()
         if self.net is not None:
             self.net.close()
 

@@ -46,7 +46,7 @@ def kill_all(pids: Iterable[int]) -> None:
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
 
 
