@@ -7,9 +7,21 @@ harness.workspace (TEST_SECRET, write_env_for, clean_env).
 
 from __future__ import annotations
 
-from harness.brokers import MosquittoBroker, NatsBroker, free_port, port_accepts
+from harness.brokers import (
+    MOSQUITTO,
+    MOSQUITTO_PASSWD,
+    START_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    TEST_TOPIC_ROOT,
+    BrokerProcess,
+    MosquittoBroker,
+    NatsBroker,
+    free_port,
+    port_accepts,
+)
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import TEST_SECRET, clean_env, write_env_for
 
-__all__ = ["PATIENCE_S", "TEST_SECRET", "MosquittoBroker", "NatsBroker", "clean_env", "free_port",
+__all__ = ["MOSQUITTO", "MOSQUITTO_PASSWD", "PATIENCE_S", "START_TIMEOUT_S", "STOP_TIMEOUT_S", "TEST_SECRET",
+           "TEST_TOPIC_ROOT", "BrokerProcess", "MosquittoBroker", "NatsBroker", "clean_env", "free_port",
            "port_accepts", "wait_until", "write_env_for"]
