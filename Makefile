@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test unit lint demo bench system-deps clean
+.PHONY: test test-under-load unit lint demo bench system-deps clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ lint: $(STAMP)
 
 test: $(STAMP) system-deps lint
 	$(PY) -m pytest tests
+
+# The same suite while two CPU hogs (`yes > /dev/null`) compete for the CPUs:
+# no test may depend on how fast the machine is. tests/load.sh kills them afterwards.
+test-under-load: $(STAMP) system-deps lint
+	tests/load.sh $(PY) -m pytest tests
 
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit

@@ -4,4 +4,4 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "e2e")]
+sys.path[:0] = [str(ROOT / "tests")]  # the `harness` package

@@ -12,8 +12,8 @@ import subprocess
 import time
 
 import pytest
-from helpers import NatsBroker
-from jobkit import MAM_RUNNER, JobPair
+from harness.brokers import NatsBroker
+from harness.jobkit import MAM_RUNNER, JobPair
 
 from mam.shared import crypto, wire
 

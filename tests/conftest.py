@@ -12,17 +12,25 @@ second, so every test gets fresh brokers, ports and stores):
 - `broker`: parametrised over ["nats", "mosquitto"]: a test written against
   it runs on both.
 
-Every handle (see tests/helpers.py) has `.name` ("nats" | "mosquitto"),
+Every handle (see tests/harness/brokers.py) has `.name` ("nats" | "mosquitto"),
 `.config(user="agent"|"observer", **overrides) -> BrokerConfig`, `.kill()`
 (SIGKILL), `.restart()` (same ports, same store), `.stop()`, `.mqtt_port`,
 `.topic_root`; `nats_broker` also has `.port` (native NATS) and `.ws_port`.
-Helpers: `from helpers import free_port, wait_until`.
+Helpers: the `harness` package (tests/harness/): `from harness.waiting import wait_until`.
 """
 
 from __future__ import annotations
 
+import signal
+
 import pytest
-from helpers import MosquittoBroker, NatsBroker
+from harness.brokers import MosquittoBroker, NatsBroker
+
+# Tests send SIGINT (Ctrl-C) to the processes they start. A suite started in the background
+# of a non-interactive shell inherits SIGINT ignored, and so would every process it starts
+# (an ignored signal stays ignored across exec); with a handler here they get the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 from dotenv import dotenv_values
-from helpers import free_port
+from harness.brokers import free_port
+from harness.waiting import PATIENCE_S
 
 from mam.shared import broker as broker_mod
 from mam.shared import mqtt, names
@@ -25,7 +26,7 @@ from mam.shared.errors import BrokerError
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 
 
-def orch(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
+def orch(*args: str, timeout_s: float = PATIENCE_S) -> subprocess.CompletedProcess:
     """Run `mam-orch` as a real process."""
     return subprocess.run([sys.executable, "-m", "mam.orchestrator.cli", *args],
                           capture_output=True, text=True, timeout=timeout_s)
@@ -87,10 +88,10 @@ def test_up_status_down_round_trip(workspace):
     with mqtt.MqttClient(agent, "hub") as sub:
         sub.subscribe([(topic, 1)])
         mqtt.publish_with_retry(agent, "runner", [(topic, b"state", True)])
-        assert sub.messages.get(timeout=10).payload == b"state"
+        assert sub.messages.get(timeout=PATIENCE_S).payload == b"state"
     with mqtt.MqttClient(observer, "observer") as obs:
         obs.subscribe([(names.all_jobs_filter(env["MAM_TOPIC_ROOT"]), 1)])
-        assert obs.messages.get(timeout=10).retain
+        assert obs.messages.get(timeout=PATIENCE_S).retain
 
     status = orch("broker", "status", "--workspace", str(workspace))
     assert status.returncode == 0, status.stderr
@@ -164,7 +165,7 @@ def test_port_taken_after_the_check_is_read_from_the_server_log(tmp_path):
             config = BrokerConfig(hosts=("127.0.0.1",), port=busy, username=creds.agent_user,
                                   password=creds.agent_password)
             with pytest.raises(BrokerError, match="already in use") as info:
-                broker_mod.wait_mqtt_ready(config, timeout_s=15, proc=proc, log_path=log)
+                broker_mod.wait_mqtt_ready(config, timeout_s=PATIENCE_S, proc=proc, log_path=log)
         finally:
             if proc.poll() is None:
                 proc.kill()

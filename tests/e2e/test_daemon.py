@@ -11,20 +11,27 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-from helpers import TEST_SECRET, clean_env, wait_until, write_env_for
+from harness.procs import all_gone, heartbeat_beats, kill_all
+from harness.waiting import PATIENCE_S, QUIET_S, wait_until
+from harness.workspace import TEST_SECRET, clean_env, write_env_for
 
-from mam.orchestrator.control import publish_cancel
+from mam.orchestrator.control import clear_dispatch, publish_cancel
 from mam.orchestrator.dispatch import build_dispatch, publish_dispatch
+from mam.runner.service import Runner
+from mam.runner.settings import options_from_cli
 from mam.shared import crypto, names, wire
+from mam.shared.errors import MamError
 from mam.shared.mqtt import MqttClient
 from mam.shared.registry import Contract, Registry
 
@@ -63,7 +70,7 @@ class Wire:
     def terminal(self, job_id: str) -> list[dict[str, Any]]:
         return [e for e in self.events(job_id) if e["event"] in ("completed", "error")]
 
-    def wait_terminal(self, job_id: str, timeout_s: float = 20.0) -> dict[str, Any]:
+    def wait_terminal(self, job_id: str, timeout_s: float = PATIENCE_S) -> dict[str, Any]:
         return wait_until(lambda: (self.terminal(job_id) or [None])[0], timeout_s,
                           f"a terminal event of job {job_id}")
 
@@ -71,7 +78,7 @@ class Wire:
         topic = names.presence_topic(session, self.root)
         return [json.loads(m.payload) for m in self.poll() if m.topic == topic and m.payload]
 
-    def wait_presence(self, status: str, runner_id: str | None = None, timeout_s: float = 15.0) -> dict[str, Any]:
+    def wait_presence(self, status: str, runner_id: str | None = None, timeout_s: float = PATIENCE_S) -> dict[str, Any]:
         def found() -> dict[str, Any] | None:
             for p in reversed(self.presences()):
                 if p["status"] == status and (runner_id is None or p["runner_id"] == runner_id):
@@ -108,8 +115,9 @@ class Hub:
     def publish_raw(self, job_id: str, payload: bytes) -> None:
         self.client.publish(names.dispatch_topic(job_id, self.root), payload, retain=True)
 
-    def retained_dispatch(self, broker: Any, job_id: str, wait_s: float = 1.0) -> bytes | None:
-        """The retained dispatch of `job_id` as a fresh subscriber sees it (None: none)."""
+    def retained_dispatch(self, broker: Any, job_id: str, wait_s: float = QUIET_S) -> bytes | None:
+        """The retained dispatch of `job_id` as a fresh subscriber sees it within `wait_s`
+        (None: none). Expecting one, pass PATIENCE_S: it returns as soon as it arrives."""
         probe = MqttClient(broker.config(), "probe")
         probe.connect()
         try:
@@ -148,7 +156,7 @@ class RunnerProc:
     def log(self) -> str:
         return self.err_path.read_text(errors="replace")
 
-    def wait_log(self, text: str, timeout_s: float = 20.0) -> str:
+    def wait_log(self, text: str, timeout_s: float = PATIENCE_S) -> str:
         def found() -> bool:
             if text in self.log():
                 return True
@@ -173,7 +181,7 @@ class RunnerProc:
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
 
-    def wait(self, timeout_s: float = 30.0) -> int:
+    def wait(self, timeout_s: float = PATIENCE_S) -> int:
         code = self.proc.wait(timeout_s)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
@@ -217,24 +225,6 @@ def verify_signed(event: dict[str, Any], record: dict[str, Any]) -> None:
     crypto.verify_event(event, record["auth_token"])
     assert event["data"]["attempt_id"] == record["attempt_id"]
     assert event["data"]["dispatch_token"] == record["dispatch_token"]
-
-
-def pids_gone(pids: list[int]) -> bool:
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            pass
-    return True
-
-
-def kill_pids(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 # ------------------------------------------------------------------ tests
@@ -368,7 +358,7 @@ def test_s5_bad_dispatches_are_refused_and_the_runner_keeps_serving(nats_broker,
     assert runner.proc.poll() is None
     log = runner.log()
     assert elsewhere["job_id"] not in log  # silently ignored
-    assert hub.retained_dispatch(nats_broker, elsewhere["job_id"]) is not None
+    assert hub.retained_dispatch(nats_broker, elsewhere["job_id"], PATIENCE_S) is not None
     taken = {p.stem for p in (ws / ".mam" / "jobs").glob("*.json")}
     assert taken == {good["job_id"]}
     assert "Traceback" not in log
@@ -381,11 +371,11 @@ def test_s11_max_jobs_1_runs_two_dispatches_one_after_the_other(nats_broker, tmp
     runner = start_runner(runners, nats_broker, tmp_path / "runner", args=("--max-jobs", "1"), GO=str(go))
     runner.wait_serving()
     first, _ = hub.dispatch('while [ ! -e "$GO" ]; do sleep 0.05; done')
-    wait_until(lambda: runner.status(first["job_id"]) == "running", 15, "the first job to start")
+    wait_until(lambda: runner.status(first["job_id"]) == "running", what="the first job to start")
     second, _ = hub.dispatch("true")
     runner.wait_log(f"dispatch {second['job_id']} waits for a free slot")
     assert runner.status(second["job_id"]) is None
-    assert hub.retained_dispatch(nats_broker, second["job_id"]) is not None
+    assert hub.retained_dispatch(nats_broker, second["job_id"], PATIENCE_S) is not None
     go.touch()
     assert wire_obs.wait_terminal(first["job_id"])["event"] == "completed"
     assert wire_obs.wait_terminal(second["job_id"])["event"] == "completed"
@@ -403,15 +393,15 @@ def test_s6_cancel_kills_the_agent_tree_and_marks_cancelled(nats_broker, tmp_pat
     runner.wait_serving()
     record, _ = hub.dispatch("3600")
     job_id = record["job_id"]
-    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), 15,
-                                       "the sleep-agent pids")]
+    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(),
+                                       what="the sleep-agent pids")]
     try:
         publish_cancel(hub.client, record, hub.keys, "operator")
-        wait_until(lambda: pids_gone(pids), 1 + 2, "the agent and its grandchild to be gone")
+        wait_until(lambda: all_gone(pids), what="the agent and its grandchild to be gone")
         event = wire_obs.wait_terminal(job_id)
         assert event["event"] == "error" and event["detail"] == "cancelled"
         verify_signed(event, record)
-        wait_until(lambda: runner.status(job_id) == "cancelled", 5, "the runner record to be cancelled")
+        wait_until(lambda: runner.status(job_id) == "cancelled", what="the runner record to be cancelled")
         assert runner.proc.poll() is None  # the daemon keeps serving
         # the retained cancel is seen again after a restart: ignored for a finished job
         runner.signal(signal.SIGTERM)
@@ -422,7 +412,7 @@ def test_s6_cancel_kills_the_agent_tree_and_marks_cancelled(nats_broker, tmp_pat
         assert again.wait() == 0
         assert len(wire_obs.terminal(job_id)) == 1
     finally:
-        kill_pids(pids)
+        kill_all(pids)
 
 
 def test_s11_exit_code_and_agent_own_terminal_event(nats_broker, tmp_path, hub, wire_obs, runners):
@@ -451,7 +441,7 @@ def test_s7_sigterm_drains_then_second_signal_cancels(nats_broker, tmp_path, hub
     runner = start_runner(runners, nats_broker, ws, args=("--max-jobs", "2"), GO=str(go))
     runner_id = runner.wait_serving()
     first, _ = hub.dispatch('while [ ! -e "$GO" ]; do sleep 0.05; done')
-    wait_until(lambda: runner.status(first["job_id"]) == "running", 15, "the job to start")
+    wait_until(lambda: runner.status(first["job_id"]) == "running", what="the job to start")
     runner.signal(signal.SIGTERM)
     draining = wire_obs.wait_presence("draining", runner_id)
     assert draining["running"] == [first["job_id"]]
@@ -462,7 +452,7 @@ def test_s7_sigterm_drains_then_second_signal_cancels(nats_broker, tmp_path, hub
     assert runner.wait() == 0
     wire_obs.wait_presence("offline", runner_id)
     assert runner.status(late["job_id"]) is None
-    assert hub.retained_dispatch(nats_broker, late["job_id"]) is not None
+    assert hub.retained_dispatch(nats_broker, late["job_id"], PATIENCE_S) is not None
 
     # second signal: cancel (clear the waiting dispatch first so it is not taken)
     hub.client.publish(names.dispatch_topic(late["job_id"], hub.root), b"", retain=True)
@@ -470,20 +460,20 @@ def test_s7_sigterm_drains_then_second_signal_cancels(nats_broker, tmp_path, hub
     again = start_runner(runners, nats_broker, ws, exec_cmd=SLEEP_AGENT, SLEEP_AGENT_PIDFILE=str(pidfile))
     again_id = again.wait_serving()
     job, _ = hub.dispatch("3600")
-    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), 15,
-                                       "the sleep-agent pids")]
+    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(),
+                                       what="the sleep-agent pids")]
     try:
         again.signal(signal.SIGTERM)
         wire_obs.wait_presence("draining", again_id)
         again.signal(signal.SIGTERM)
-        assert again.wait(15) == 0
+        assert again.wait(PATIENCE_S) == 0
         event = wire_obs.wait_terminal(job["job_id"])
         assert (event["event"], event["detail"]) == ("error", "cancelled")
         assert again.status(job["job_id"]) == "cancelled"
-        assert pids_gone(pids)
+        assert all_gone(pids)
         wire_obs.wait_presence("offline", again_id)
     finally:
-        kill_pids(pids)
+        kill_all(pids)
 
 
 def test_s7_kill9_last_will_offline_and_heartbeat_stops(nats_broker, tmp_path, hub, wire_obs, runners):
@@ -496,22 +486,26 @@ def test_s7_kill9_last_will_offline_and_heartbeat_stops(nats_broker, tmp_path, h
     runner_id = runner.wait_serving()
     record, _ = hub.dispatch("3600")
     job_id = record["job_id"]
-    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), 15,
-                                       "the sleep-agent pids")]
+    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(),
+                                       what="the sleep-agent pids")]
     try:
-        wait_until(lambda: any(e["data"].get("heartbeat") for e in wire_obs.events(job_id)), 10,
-                   "a heartbeat beat")
+        wait_until(lambda: any(e["data"].get("heartbeat") for e in wire_obs.events(job_id)),
+                   what="a heartbeat beat")
         timer = json.loads(names.heartbeat_path(ws, job_id, "pid").read_text())["pid"]
         runner.proc.kill()
         runner.wait()
-        wait_until(lambda: pids_gone([timer]), FAST.heartbeat_sec + 3, "the heartbeat timer to stop")
-        will = wire_obs.wait_presence("offline", runner_id, timeout_s=20)
+        at_death = len(heartbeat_beats(runner.registry.audit(job_id)))
+        wait_until(lambda: all_gone([timer]), what="the heartbeat timer to stop")
+        # §12 "within one period": the timer checks the watched runner before every beat, so at
+        # most the beat whose check came before the death follows it (an ordering, not a stopwatch)
+        assert len(heartbeat_beats(runner.registry.audit(job_id))) <= at_death + 1
+        will = wire_obs.wait_presence("offline", runner_id)
         crypto.verify(will, hub.keys.sign_key)
         beats = len(wire_obs.events(job_id))
         assert runner.status(job_id) == "running"  # nobody published a terminal event
         assert len(wire_obs.events(job_id)) == beats
     finally:
-        kill_pids(pids)
+        kill_all(pids)
 
 
 def test_s7_second_runner_same_session_refused_unless_replace(nats_broker, tmp_path, wire_obs, runners):
@@ -521,7 +515,7 @@ def test_s7_second_runner_same_session_refused_unless_replace(nats_broker, tmp_p
     first_id = first.wait_serving()
     wire_obs.wait_presence("online", first_id)
     second = start_runner(runners, nats_broker, tmp_path / "b")
-    assert second.wait(20) == 64
+    assert second.wait(PATIENCE_S) == 64
     errors = [line for line in second.log().splitlines() if line.startswith("ERROR:")]
     assert len(errors) == 1 and "held by another live runner" in errors[0] and first_id in errors[0]
     assert wire_obs.presences()[-1]["runner_id"] == first_id  # the refused runner published nothing
@@ -531,7 +525,7 @@ def test_s7_second_runner_same_session_refused_unless_replace(nats_broker, tmp_p
     wire_obs.wait_presence("online", third_id)
     # the replaced runner drains and leaves the presence to the new one (no `offline` over it)
     first.wait_log("took over this session")
-    assert first.wait(20) == 0
+    assert first.wait(PATIENCE_S) == 0
     assert third.proc.poll() is None
     assert [p["runner_id"] for p in wire_obs.presences()][-1] == third_id
     assert not [p for p in wire_obs.presences() if p["runner_id"] == first_id and p["status"] == "offline"]
@@ -540,11 +534,7 @@ def test_s7_second_runner_same_session_refused_unless_replace(nats_broker, tmp_p
 def test_lifecycle_serve_once_shutdown_idempotent(nats_broker, tmp_path, wire_obs):
     """STYLE lifecycle: no side effects in __init__, serve() refuses a second start,
     shutdown() is idempotent and ends serve() with presence offline (§7)."""
-    import threading
 
-    from mam.runner.service import Runner
-    from mam.runner.settings import options_from_cli
-    from mam.shared.errors import MamError
 
     ws = tmp_path / "runner"
     options = options_from_cli(session=SESSION, exec_cmd=SHELL_AGENT, workspace=str(ws), workdir=None,
@@ -561,9 +551,9 @@ def test_lifecycle_serve_once_shutdown_idempotent(nats_broker, tmp_path, wire_ob
             runner.serve()
         assert thread.is_alive() and runner.client.connected.is_set()
     finally:
-        runner.shutdown(timeout_s=20)
+        runner.shutdown(timeout_s=PATIENCE_S)
         runner.shutdown(timeout_s=1)
-        thread.join(20)
+        thread.join(PATIENCE_S)
     assert result == [0]
     assert wire_obs.wait_presence("offline", runner.runner_id)["max_jobs"] == 2
 
@@ -613,15 +603,15 @@ def test_s8_redispatched_attempt_runs_after_the_cancelled_one(nats_broker, tmp_p
     runner.wait_serving()
     record, first = hub.dispatch('while [ ! -e "$GO" ]; do sleep 0.05; done')
     job_id = record["job_id"]
-    wait_until(lambda: runner.status(job_id) == "running", 15, "attempt 1 to start")
+    wait_until(lambda: runner.status(job_id) == "running", what="attempt 1 to start")
     hub.registry.request_cancel(job_id)
     publish_cancel(hub.client, record, hub.keys, "operator")
-    wait_until(lambda: runner.status(job_id) == "cancelled", 10, "attempt 1 cancelled")
+    wait_until(lambda: runner.status(job_id) == "cancelled", what="attempt 1 cancelled")
     second = hub.registry.redispatch(job_id)
     go.touch()
     publish_dispatch(hub.client, build_dispatch(second, 'echo two', hub.keys))
     wait_until(lambda: any(e["event"] == "completed" and e["data"]["attempt_id"] == 2
-                           for e in wire_obs.events(job_id)), 20, "attempt 2 to complete")
+                           for e in wire_obs.events(job_id)), what="attempt 2 to complete")
     local = runner.registry.get(job_id)
     assert (local["attempt_id"], local["status"]) == (2, "completed")
     publish_dispatch(hub.client, first)
@@ -635,8 +625,6 @@ class Arrivals:
     that job's agent processes were already gone (§6: stopped BEFORE `error` is published)."""
 
     def __init__(self, broker: Any, procs: dict[str, list[psutil.Process]]) -> None:
-        import threading
-
         self.root = broker.topic_root
         self.procs = procs
         self.seen: dict[str, tuple[dict[str, Any], bool]] = {}
@@ -648,8 +636,6 @@ class Arrivals:
         self._thread.start()
 
     def _run(self) -> None:
-        import queue
-
         while not self._stop.is_set():
             try:
                 message = self.client.messages.get(timeout=0.05)
@@ -659,7 +645,7 @@ class Arrivals:
                 continue
             event = json.loads(message.payload)
             if event["event"] in ("completed", "error") and event["job_id"] not in self.seen:
-                gone = pids_gone([p.pid for p in self.procs[event["job_id"]]])
+                gone = all_gone([p.pid for p in self.procs[event["job_id"]]])
                 self.seen[event["job_id"]] = (event, gone)
 
     def close(self) -> None:
@@ -693,20 +679,20 @@ def test_s6_orphans_of_a_killed_runner_are_stopped_before_their_terminal_event(n
     try:
         for name, record in jobs.items():
             pidfile = piddir / record["job_id"]
-            pids = wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), 15, f"{name} agent pids")
+            pids = wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), what=f"{name} agent pids")
             procs[name] = [psutil.Process(int(p)) for p in pids]
             wait_until(lambda: json.loads((logs[name] / "agent.pid").read_text()).get("pid") == int(pids[0]),
-                       10, f"{name} agent.pid to name the agent")
+                       what=f"{name} agent.pid to name the agent")
             assert (logs[name] / "agent.pid").stat().st_mode & 0o777 == 0o600
             assert (logs[name] / "broker.env").exists()
         first.proc.kill()
         first.wait()
-        wait_until(lambda: all(p.ppid() != first.proc.pid for ps in procs.values() for p in ps), 5,
-                   "the agents to be reparented")
+        wait_until(lambda: all(p.ppid() != first.proc.pid for ps in procs.values() for p in ps),
+                   what="the agents to be reparented")
         assert all(alive(ps) for ps in procs.values())  # kill -9 of the runner left them running
         for name in ("lost", "garbled"):
-            kill_pids([p.pid for p in procs[name]])
-            wait_until(lambda: pids_gone([p.pid for p in procs[name]]), 5, f"the {name} agent to die")
+            kill_all([p.pid for p in procs[name]])
+            wait_until(lambda: all_gone([p.pid for p in procs[name]]), what=f"the {name} agent to die")
         (logs["garbled"] / "agent.pid").write_bytes(b"\xff{not json" * 1000)
         publish_cancel(hub.client, jobs["cancelled"], hub.keys, "operator")  # retained, as the hub does
         arrivals = Arrivals(nats_broker, {record["job_id"]: procs[name] for name, record in jobs.items()})
@@ -714,7 +700,7 @@ def test_s6_orphans_of_a_killed_runner_are_stopped_before_their_terminal_event(n
             second = start_runner(runners, nats_broker, ws, exec_cmd=exec_cmd, args=("--replace", "--max-jobs", "4"),
                                   PIDDIR=str(piddir))
             second.wait_serving()
-            wait_until(lambda: len(arrivals.seen) == 4, 20, "four terminal events")
+            wait_until(lambda: len(arrivals.seen) == 4, what="four terminal events")
         finally:
             arrivals.close()
         expected = {"cancelled": ("cancelled", "cancelled"), "alive": ("runner restarted; agent stopped", "error"),
@@ -727,7 +713,7 @@ def test_s6_orphans_of_a_killed_runner_are_stopped_before_their_terminal_event(n
             assert (event["event"], event["detail"]) == ("error", detail), name
             assert "exit_code" not in event["data"]
             verify_signed(event, record)
-            wait_until(lambda: second.status(record["job_id"]) == status, 5, f"the {name} record to be {status}")
+            wait_until(lambda: second.status(record["job_id"]) == status, what=f"the {name} record to be {status}")
             assert not (logs[name] / "broker.env").exists(), name
             assert not (logs[name] / "agent.pid").exists(), name
         log = second.log()
@@ -742,7 +728,7 @@ def test_s6_orphans_of_a_killed_runner_are_stopped_before_their_terminal_event(n
             wire.close()
         assert second.proc.poll() is None
     finally:
-        kill_pids([p.pid for ps in procs.values() for p in ps])
+        kill_all([p.pid for ps in procs.values() for p in ps])
 
 
 def test_s6_a_job_of_another_live_runner_in_the_same_workspace_is_left_alone(nats_broker, tmp_path, hub,
@@ -754,10 +740,10 @@ def test_s6_a_job_of_another_live_runner_in_the_same_workspace_is_left_alone(nat
     first = start_runner(runners, nats_broker, ws, exec_cmd=SLEEP_AGENT, SLEEP_AGENT_PIDFILE=str(pidfile))
     first.wait_serving()
     record, _ = hub.dispatch("3600")
-    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), 15,
-                                       "the sleep-agent pids")]
+    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(),
+                                       what="the sleep-agent pids")]
     try:
-        wait_until(lambda: (ws / ".mam" / "logs" / record["job_id"] / "agent.pid").exists(), 10, "agent.pid")
+        wait_until(lambda: (ws / ".mam" / "logs" / record["job_id"] / "agent.pid").exists(), what="agent.pid")
         other = start_runner(runners, nats_broker, ws, session="cpu-box", exec_cmd=SLEEP_AGENT)
         other.wait_serving()
         publish_cancel(hub.client, record, hub.keys, "operator")  # both see it; only the owner acts
@@ -767,7 +753,7 @@ def test_s6_a_job_of_another_live_runner_in_the_same_workspace_is_left_alone(nat
         assert "has no supervisor" not in other.log()
         assert len(wire_obs.terminal(record["job_id"])) == 1
     finally:
-        kill_pids(pids)
+        kill_all(pids)
 
 
 def test_s6_retained_cancel_ends_a_record_left_without_identity(nats_broker, tmp_path, hub, wire_obs, runners):
@@ -786,7 +772,7 @@ def test_s6_retained_cancel_ends_a_record_left_without_identity(nats_broker, tmp
     event = wire_obs.wait_terminal(record["job_id"])
     assert (event["event"], event["detail"]) == ("error", "cancelled")
     verify_signed(event, record)
-    wait_until(lambda: runner.status(record["job_id"]) == "cancelled", 5, "the record to be cancelled")
+    wait_until(lambda: runner.status(record["job_id"]) == "cancelled", what="the record to be cancelled")
     assert "no agent identity recorded" in runner.log()
 
 
@@ -823,7 +809,7 @@ def test_s8_dispatch_of_a_hub_record_here_is_refused_by_name_not_as_replayed(nat
     assert "hub's registry" in line and "--workspace" in line and "replayed" not in line
     local = shared.get(record["job_id"])
     assert (local["role"], local["status"], local["attempt_id"]) == ("hub", "pending", 1)
-    assert hub.retained_dispatch(nats_broker, record["job_id"]) is not None  # not taken, not cleared
+    assert hub.retained_dispatch(nats_broker, record["job_id"], PATIENCE_S) is not None  # not taken, not cleared
     assert runner.proc.poll() is None
 
 
@@ -846,19 +832,19 @@ def test_s11_leftover_processes_are_stopped_before_the_terminal_event(nats_broke
     record, _ = hub.dispatch(LEFTOVER_BRIEF)
     job_id = record["job_id"]
     agent_file = ws / ".mam" / "logs" / job_id / "agent.pid"
-    leader = wait_until(lambda: agent_file.exists() and json.loads(agent_file.read_text()).get("pid"), 15,
-                        "agent.pid to name the agent")
-    child = psutil.Process(int(wait_until(lambda: pidf.exists() and pidf.read_text().strip(), 15, "the child")))
+    leader = wait_until(lambda: agent_file.exists() and json.loads(agent_file.read_text()).get("pid"),
+                        what="agent.pid to name the agent")
+    child = psutil.Process(int(wait_until(lambda: pidf.exists() and pidf.read_text().strip(), what="the child")))
     arrivals = Arrivals(nats_broker, {job_id: [child]})
     try:
         if how == "exit-0":
             go.touch()
         else:
             os.kill(leader, signal.SIGKILL)
-        wait_until(lambda: job_id in arrivals.seen, 20, "the terminal event")
+        wait_until(lambda: job_id in arrivals.seen, what="the terminal event")
     finally:
         arrivals.close()
-        kill_pids([child.pid])
+        kill_all([child.pid])
     event, gone_on_arrival = arrivals.seen[job_id]
     assert gone_on_arrival, "the agent's background child still ran when its terminal event arrived"
     if how == "exit-0":
@@ -884,20 +870,20 @@ def test_s5_contract_timeout_sec_is_enforced_by_the_runner(nats_broker, tmp_path
     short = Contract(heartbeat_sec=1, heartbeat_misses=10, ack_timeout_sec=60, timeout_sec=2)
     record, _ = hub.dispatch("3600", contract=short)
     job_id = record["job_id"]
-    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(), 15,
-                                       "the sleep-agent pids")]
+    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(),
+                                       what="the sleep-agent pids")]
     arrivals = Arrivals(nats_broker, {job_id: [psutil.Process(pid) for pid in pids]})
     try:
-        wait_until(lambda: job_id in arrivals.seen, 20, "the terminal event")
+        wait_until(lambda: job_id in arrivals.seen, what="the terminal event")
     finally:
         arrivals.close()
-        kill_pids(pids)
+        kill_all(pids)
     event, gone_on_arrival = arrivals.seen[job_id]
     assert gone_on_arrival, "the agent still ran when `timed out` arrived"
     assert (event["event"], event["detail"]) == ("error", "timed out after 2 s")
     assert event["data"]["exit_code"] == 128 + signal.SIGTERM  # the stop's: the agent died of SIGTERM
     verify_signed(event, record)
-    wait_until(lambda: runner.status(job_id) == "error", 5, "the runner record to be error")
+    wait_until(lambda: runner.status(job_id) == "error", what="the runner record to be error")
     runner.wait_log(f"job {job_id}: agent stopped: timed out after 2 s")
     assert runner.proc.poll() is None
 
@@ -910,7 +896,6 @@ def test_s6_replayed_dispatch_of_a_cancelled_attempt_never_runs(nats_broker, tmp
     cleared), the attacker re-publishes the captured dispatch retained, then a runner starts.
     The runner keeps the verified cancel of the unknown job as a tombstone and refuses the
     dispatch (one line); the agent never runs; a valid dispatch afterwards still runs."""
-    from mam.orchestrator.control import clear_dispatch
 
     marker = tmp_path / "runs.txt"
     record, captured = hub.dispatch('echo replayed >> "$MARKER"')  # nobody online: stays retained
@@ -924,7 +909,7 @@ def test_s6_replayed_dispatch_of_a_cancelled_attempt_never_runs(nats_broker, tmp
         publish_dispatch(attacker, captured)  # the replay, retained
     finally:
         attacker.close()
-    assert hub.retained_dispatch(nats_broker, job_id) is not None
+    assert hub.retained_dispatch(nats_broker, job_id, PATIENCE_S) is not None
     runner = start_runner(runners, nats_broker, tmp_path / "runner", MARKER=str(marker))
     runner.wait_serving()
     log = runner.wait_log(f"refused dispatch {job_id}: cancelled: attempt 1 was cancelled by the hub")
@@ -943,7 +928,7 @@ def test_s7_presence_is_refreshed_while_idle(nats_broker, tmp_path, wire_obs, ru
     runner = start_runner(runners, nats_broker, tmp_path / "runner", MAM_PRESENCE_REFRESH_S="1")
     runner_id = runner.wait_serving()
     wait_until(lambda: len([p for p in wire_obs.presences() if p["runner_id"] == runner_id
-                            and p["status"] == "online"]) >= 3, 15, "three online presences from an idle runner")
+                            and p["status"] == "online"]) >= 3, what="three online presences from an idle runner")
     stamps = [p["timestamp"] for p in wire_obs.presences() if p["runner_id"] == runner_id]
     assert stamps == sorted(stamps) and stamps[-1] > stamps[0]
 

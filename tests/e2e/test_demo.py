@@ -10,10 +10,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import clean_env
+from harness.waiting import PATIENCE_S
+from harness.workspace import clean_env
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "examples" / "demo.py"
+DEMO_TIMEOUT_S = 3 * PATIENCE_S  # a broker, a runner, a job and their shutdown, on a busy machine
 
 pytestmark = pytest.mark.e2e
 
@@ -31,10 +33,10 @@ def _processes_under(folder: Path) -> list[str]:
     return found
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(DEMO_TIMEOUT_S + PATIENCE_S)
 def test_demo_completes_and_leaves_no_process(tmp_path):
     done = subprocess.run([sys.executable, str(DEMO), "--dir", str(tmp_path)], env=clean_env(),
-                          capture_output=True, text=True, timeout=80, cwd=str(tmp_path))
+                          capture_output=True, text=True, timeout=DEMO_TIMEOUT_S, cwd=str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "completed" in out
@@ -57,7 +59,7 @@ def test_demo_completes_and_leaves_no_process(tmp_path):
     assert secret not in out and secret not in done.stderr
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(DEMO_TIMEOUT_S + PATIENCE_S)
 def test_demo_interrupted_after_the_runner_is_up_stops_everything(tmp_path):
     proc = subprocess.Popen([sys.executable, str(DEMO), "--dir", str(tmp_path)], env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(tmp_path))
@@ -69,7 +71,7 @@ def test_demo_interrupted_after_the_runner_is_up_stops_everything(tmp_path):
                 proc.send_signal(signal.SIGINT)  # Ctrl-C
                 break
         lines.extend(proc.stdout)  # type: ignore[union-attr]
-        code = proc.wait(60)
+        code = proc.wait(DEMO_TIMEOUT_S)
     finally:
         if proc.poll() is None:
             proc.kill()

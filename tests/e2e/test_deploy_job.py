@@ -10,12 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import clean_env, wait_until
-from test_deploy_brokers import Broker, mosquitto_pair, nats_plain, pki  # noqa: F401 - fixtures
+from harness.shipped import Broker, mosquitto_pair, nats_plain, pki  # noqa: F401 - fixtures
+from harness.waiting import PATIENCE_S, wait_until
+from harness.workspace import clean_env
 
 from mam.shared.config import write_env_file
 
-pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "deploy-test-dispatch-secret-0123456789"
@@ -50,16 +51,16 @@ def test_agent_user_runs_a_complete_remote_job(shipped: Broker, tmp_path: Path):
         def online() -> bool:
             probe = subprocess.run([sys.executable, "-m", "mam.orchestrator.cli", "runners", "--json",
                                     "--workspace", str(hub)], env=clean_env(), capture_output=True,
-                                   text=True, timeout=30)
+                                   text=True, timeout=PATIENCE_S)
             return any(json.loads(line).get("session") == session and json.loads(line).get("status") == "online"
                        for line in probe.stdout.splitlines() if line.strip())
 
-        wait_until(lambda: runner.poll() is not None or online(), 30, "the runner to be online")
+        wait_until(lambda: runner.poll() is not None or online(), what="the runner to be online")
         assert runner.poll() is None
         result = subprocess.run([sys.executable, "-m", "mam.orchestrator.cli", "dispatch", "--session", session,
-                                 "--brief", "echo deployed > out.txt", "--ack-timeout", "30", "--json",
+                                 "--brief", "echo deployed > out.txt", "--ack-timeout", str(int(PATIENCE_S)), "--json",
                                  "--workspace", str(hub)], env=clean_env(), capture_output=True, text=True,
-                                timeout=90)
+                                timeout=2 * PATIENCE_S)
         assert result.returncode == 0, result.stderr
         events = [json.loads(line) for line in result.stdout.splitlines()]
         assert events[0]["event"] == "started" and events[-1]["event"] == "completed"

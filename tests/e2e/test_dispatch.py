@@ -6,23 +6,18 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import stat
-import subprocess
 
 import pytest
-from helpers import wait_until
-from jobkit import WatchProcess
-from runnersim import MAM_ORCH, SimRunner, Wire, hub_env, hub_workspace, job_records, retained
+from harness.jobkit import WatchProcess
+from harness.runnersim import MAM_ORCH, SimRunner, Wire, hub_env, hub_workspace, job_records, orch, retained
+from harness.waiting import PATIENCE_S, wait_until
 
 from mam.shared import crypto, names, wire
 from mam.shared.registry import Registry
 
 pytestmark = pytest.mark.broker
-
-
-def orch(workspace, *args, env=None, stdin=None, timeout_s=60.0):
-    return subprocess.run([*MAM_ORCH, *args, "--workspace", str(workspace)], env=env or hub_env(),
-                          input=stdin, capture_output=True, text=True, timeout=timeout_s)
 
 
 def dispatch_bg(workspace, *args, env=None) -> WatchProcess:
@@ -55,7 +50,7 @@ def test_s5_s10_dispatch_completed_and_brief_never_in_clear(sim, tmp_path):
         sim.publish(job_id, "started")
         sim.publish(job_id, "progress", "half way")
         sim.publish(job_id, "completed", "done", exit_code=0)
-        assert proc.wait(30) == 0, proc.log()
+        assert proc.wait(PATIENCE_S) == 0, proc.log()
     finally:
         proc.kill()
     assert [e["event"] for e in proc.events()] == ["started", "progress", "completed"]
@@ -162,7 +157,7 @@ def test_s10_ack_timeout_agent_blocked_clears_dispatch_and_cancels(sim, tmp_path
     assert record["status"] == "error" and record["close_reason"] == "agent_blocked"
     root = sim.broker.topic_root
     assert retained(sim.broker, names.dispatch_topic(record["job_id"], root)) is None
-    raw = retained(sim.broker, names.control_topic(record["job_id"], root))
+    raw = retained(sim.broker, names.control_topic(record["job_id"], root), PATIENCE_S)
     control = wire.decode(raw, "control")
     crypto.verify(control.to_dict(), sim.keys.sign_key)
     assert (control.action, control.attempt_id, control.reason) == ("cancel", 1, "agent_blocked")
@@ -203,9 +198,9 @@ def test_s10_detach_then_watch_reattaches(sim, tmp_path):
     sim.publish(job_id, "started")
     watcher = WatchProcess([*MAM_ORCH, "watch", job_id, "--workspace", str(hub)], hub_env())
     try:
-        wait_until(lambda: any("subscribed" in line for line in watcher.stderr), 20, "the watcher to subscribe")
+        wait_until(lambda: any("subscribed" in line for line in watcher.stderr), what="the watcher to subscribe")
         sim.publish(job_id, "completed", exit_code=0)
-        assert watcher.wait(30) == 0, watcher.log()
+        assert watcher.wait(PATIENCE_S) == 0, watcher.log()
     finally:
         watcher.kill()
     assert Registry(hub).get(job_id)["status"] == "completed"
@@ -223,15 +218,13 @@ def test_s10_env_contract_reaches_the_dispatch(sim, tmp_path):
 
 
 def test_s10_ctrl_c_detaches_and_the_job_keeps_its_state(sim, tmp_path):
-    import signal
-
     hub = hub_workspace(sim.broker, tmp_path)
     proc = dispatch_bg(hub, "--session", "gpu-box", "--brief", "x", "--ack-timeout", "60")
     try:
         job_id = sim.take().dispatch.job_id
-        wait_until(lambda: any("dispatched job" in line for line in proc.stderr), 20, "the dispatch line")
+        wait_until(lambda: any("dispatched job" in line for line in proc.stderr), what="the dispatch line")
         proc.proc.send_signal(signal.SIGINT)
-        assert proc.wait(20) == 130, proc.log()
+        assert proc.wait(PATIENCE_S) == 130, proc.log()
     finally:
         proc.kill()
     assert f"Re-attach: mam-orch watch {job_id}" in proc.log() and f"mam-orch cancel {job_id}" in proc.log()

@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import clean_env, wait_until, write_env_for
-from jobkit import WatchProcess
-from runnersim import MAM_ORCH, hub_env, hub_workspace, retained
+from harness.jobkit import WatchProcess
+from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, retained
+from harness.waiting import PATIENCE_S, wait_until
+from harness.workspace import clean_env, write_env_for
 
 from mam.shared import names
 from mam.shared.registry import Registry
@@ -19,6 +20,7 @@ pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 
 AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
 MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
+ACK_TIMEOUT = str(int(PATIENCE_S))  # a real runner process takes the job: as long as a busy machine needs
 
 
 def start_runner(broker, workspace: Path, agent: str, *args: str) -> subprocess.Popen:
@@ -29,7 +31,7 @@ def start_runner(broker, workspace: Path, agent: str, *args: str) -> subprocess.
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     topic = names.presence_topic("gpu-box", broker.topic_root)
     wait_until(lambda: proc.poll() is not None or b'"online"' in (retained(broker, topic, 0.3) or b""),
-               20, "the runner's online presence")
+               what="the runner's online presence")
     assert proc.poll() is None, proc.stderr.read()
     return proc
 
@@ -37,7 +39,7 @@ def start_runner(broker, workspace: Path, agent: str, *args: str) -> subprocess.
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
-        proc.wait(10)
+        proc.wait(PATIENCE_S)
     proc.stderr.close()
 
 
@@ -50,10 +52,10 @@ def test_s11_dispatch_to_a_real_runner_completes(request, broker_name, tmp_path)
     try:
         result = subprocess.run([*MAM_ORCH, "dispatch", "--session", "gpu-box", "--require-online",
                                  "--brief", "echo made-by-the-agent > out.txt", "--heartbeat", "1",
-                                 "--ack-timeout", "20", "--workspace", str(hub)],
-                                env=hub_env(), capture_output=True, text=True, timeout=60)
+                                 "--heartbeat-misses", "10", "--ack-timeout", ACK_TIMEOUT, "--workspace", str(hub)],
+                                env=hub_env(), capture_output=True, text=True, timeout=PATIENCE_S)
         assert result.returncode == 0, result.stderr
-        assert runner.wait(30) == 0  # --once: it exits after the job
+        assert runner.wait(PATIENCE_S) == 0  # --once: it exits after the job
     finally:
         stop(runner)
     events = [line for line in result.stdout.splitlines() if line.strip()]
@@ -70,15 +72,16 @@ def test_s6_cancel_reaches_a_real_runner(nats_broker, tmp_path):
     runner_ws = tmp_path / "runner"
     runner = start_runner(nats_broker, runner_ws, "sleep-agent")
     dispatch = WatchProcess([*MAM_ORCH, "dispatch", "--session", "gpu-box", "--brief", "600", "--heartbeat", "1",
-                             "--ack-timeout", "20", "--workspace", str(hub)], hub_env())
+                             "--heartbeat-misses", "10", "--ack-timeout", ACK_TIMEOUT, "--workspace", str(hub)],
+                            hub_env())
     try:
-        job_id = wait_until(lambda: (dispatch.events("started") or [None])[0], 30, "started")["job_id"]
+        job_id = wait_until(lambda: (dispatch.events("started") or [None])[0], what="started")["job_id"]
         cancel = subprocess.run([*MAM_ORCH, "cancel", job_id, "--workspace", str(hub)], env=hub_env(),
-                                capture_output=True, text=True, timeout=60)
+                                capture_output=True, text=True, timeout=PATIENCE_S)
         assert cancel.returncode == 0, cancel.stderr
-        assert dispatch.wait(30) == 4, dispatch.log()
-        wait_until(lambda: Registry(runner_ws).get(job_id)["status"] == "cancelled", 30,
-                   "the runner to mark the job cancelled")
+        assert dispatch.wait(PATIENCE_S) == 4, dispatch.log()
+        wait_until(lambda: Registry(runner_ws).get(job_id)["status"] == "cancelled",
+                   what="the runner to mark the job cancelled")
     finally:
         dispatch.kill()
         stop(runner)

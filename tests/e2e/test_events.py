@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from jobkit import JobPair
+from harness.jobkit import JobPair
+from harness.waiting import wait_until
+
+from mam.runner import publish
+from mam.shared import crypto, mqtt, names, wire
+from mam.shared.mqtt import MqttClient
 
 pytestmark = pytest.mark.broker
 
@@ -41,8 +46,6 @@ def test_s4_late_watcher_resolves_from_retained_state(pair):
 
 
 def _inject(broker, topic: str, payload: bytes) -> None:
-    from mam.shared.mqtt import MqttClient
-
     with MqttClient(broker.config(), "inject") as client:
         client.connect()
         client.publish(topic, payload)
@@ -50,7 +53,6 @@ def _inject(broker, topic: str, payload: bytes) -> None:
 
 def test_s3_2_refusals_while_job_completes(broker, pair):
     """§3.2: forged HMAC, stale attempt, wrong schema, non-JSON, 2 MB: each refused; the job completes."""
-    from mam.shared import crypto, names, wire
 
     watcher = pair.watch()
     pair.wait_subscribed(watcher)
@@ -108,12 +110,11 @@ def test_s10_broker_killed_mid_job_watcher_reconnects(broker, pair):
     watcher = pair.watch("--idle-timeout", "30")
     pair.wait_subscribed(watcher)
     assert pair.publish("started").returncode == 0
-    from helpers import wait_until
 
-    wait_until(lambda: watcher.events("started"), 10, "started to reach the watcher")
+    wait_until(lambda: watcher.events("started"), what="started to reach the watcher")
     broker.kill()
     broker.restart()
-    wait_until(lambda: "reconnected" in watcher.log(), 30, "the watcher to reconnect")
+    wait_until(lambda: "reconnected" in watcher.log(), what="the watcher to reconnect")
     assert pair.publish("completed").returncode == 0
     assert watcher.wait() == 0, watcher.log()
     assert pair.record["status"] == "completed"
@@ -144,8 +145,6 @@ def test_s4_terminal_state_before_its_event(broker, pair, send_event):
     """§4: brokers do not order messages across topics. A terminal state that
     overtakes its event waits briefly for it (so the event and its exit code are
     shown and mirrored); a state whose event never comes still resolves the job."""
-    from mam.runner import publish
-    from mam.shared import mqtt
 
     watcher = pair.watch()
     pair.wait_subscribed(watcher)

@@ -4,22 +4,17 @@ played by the test (PROTOCOL §5, §6, §7, §8, §9, §10)."""
 from __future__ import annotations
 
 import json
-import subprocess
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from helpers import wait_until
-from runnersim import MAM_ORCH, SimRunner, hub_env, hub_workspace, job_records, retained
+from harness.jobkit import WatchProcess
+from harness.runnersim import MAM_ORCH, SimRunner, hub_env, hub_workspace, job_records, orch, retained
+from harness.waiting import PATIENCE_S, wait_until
 
 from mam.shared import crypto, names, wire
 from mam.shared.registry import Registry
 
 pytestmark = pytest.mark.broker
-
-
-def orch(workspace, *args, env=None, stdin=None, timeout_s=60.0):
-    return subprocess.run([*MAM_ORCH, *args, "--workspace", str(workspace)], env=env or hub_env(),
-                          input=stdin, capture_output=True, text=True, timeout=timeout_s)
 
 
 @pytest.fixture
@@ -37,27 +32,25 @@ def detached(hub, *args):
 
 
 def test_s6_cancel_running_job_dispatch_exits_4_signed_retained_cancel(sim, tmp_path):
-    from jobkit import WatchProcess
-
     hub = hub_workspace(sim.broker, tmp_path)
     proc = WatchProcess([*MAM_ORCH, "dispatch", "--workspace", str(hub), "--session", "gpu-box",
                          "--brief", "long job", "--ack-timeout", "20"], hub_env())
     try:
         job_id = sim.take().dispatch.job_id
         sim.publish(job_id, "started")
-        wait_until(lambda: Registry(hub).get(job_id)["status"] == "running", 20, "the hub to mirror started")
+        wait_until(lambda: Registry(hub).get(job_id)["status"] == "running", what="the hub to mirror started")
         result = orch(hub, "cancel", job_id)
         assert result.returncode == 0, result.stderr
         assert json.loads(result.stdout) == {"job_id": job_id, "status": "cancelled", "attempt_id": 1,
                                              "changed": True}
-        assert proc.wait(30) == 4, proc.log()
+        assert proc.wait(PATIENCE_S) == 4, proc.log()
     finally:
         proc.kill()
     record = Registry(hub).get(job_id)
     assert record["status"] == "cancelled" and record["close_reason"] == "cancelled"
     control = sim.wait_control(job_id)  # verified with the fleet key by the runner side
     assert (control.action, control.attempt_id, control.reason) == ("cancel", 1, "operator")
-    raw = retained(sim.broker, names.control_topic(job_id, sim.root))
+    raw = retained(sim.broker, names.control_topic(job_id, sim.root), PATIENCE_S)
     crypto.verify(wire.decode(raw, "control").to_dict(), sim.keys.sign_key)  # retained for a reconnecting runner
     # §10: a closed job's cancel is sent again (the first may never have left the hub)
     again = orch(hub, "cancel", job_id)
@@ -69,7 +62,7 @@ def test_s6_cancel_pending_job_clears_the_retained_dispatch(sim, tmp_path):
     hub = hub_workspace(sim.broker, tmp_path)
     sim.close()  # no runner is listening: the dispatch waits retained
     job_id = detached(hub, "--brief", "never run", "--ack-timeout", "60")
-    assert retained(sim.broker, names.dispatch_topic(job_id, sim.root)) is not None
+    assert retained(sim.broker, names.dispatch_topic(job_id, sim.root), PATIENCE_S) is not None
     assert orch(hub, "cancel", job_id).returncode == 0
     # a runner that connects now never sees the dispatch
     assert retained(sim.broker, names.dispatch_topic(job_id, sim.root)) is None
@@ -102,7 +95,7 @@ def test_s8_redispatch_from_error_new_attempt_opens_with_new_identity(sim, tmp_p
     taken = sim.take()
     assert taken.dispatch.attempt_id == 2 and taken.dispatch.dispatch_token == new["dispatch_token"]
     # the old attempt was cancelled again first: its runner may have missed the hub's close (§6, §10)
-    control = wire.decode(retained(sim.broker, names.control_topic(job_id, sim.root)), "control")
+    control = wire.decode(retained(sim.broker, names.control_topic(job_id, sim.root), PATIENCE_S), "control")
     crypto.verify(control.to_dict(), sim.keys.sign_key)
     assert (control.attempt_id, control.reason) == (1, "redispatch")
     assert taken.auth_token == new["auth_token"] and taken.brief == "try twice"
@@ -183,14 +176,14 @@ def test_s2_gc_clears_retained_topics_of_old_terminal_jobs_only(sim, tmp_path):
     assert bad.returncode == 64 and "--older-than-days -1 is invalid" in bad.stderr
     dry = orch(hub, "gc", "--dry-run")
     assert dry.returncode == 0 and [json.loads(x)["job_id"] for x in dry.stdout.splitlines()] == [old]
-    assert retained(sim.broker, names.state_topic(old, sim.root)) == b"{}"
+    assert retained(sim.broker, names.state_topic(old, sim.root), PATIENCE_S) == b"{}"
     result = orch(hub, "gc")
     assert result.returncode == 0, result.stderr
     assert [json.loads(line)["job_id"] for line in result.stdout.splitlines()] == [old]
     for leaf in ("dispatch", "state", "control"):
         assert retained(sim.broker, names.job_topic(old, leaf, sim.root), 0.5) is None
-    assert retained(sim.broker, names.state_topic(recent, sim.root)) == b"{}"
-    assert retained(sim.broker, names.state_topic(unfinished, sim.root)) == b"{}"
+    assert retained(sim.broker, names.state_topic(recent, sim.root), PATIENCE_S) == b"{}"
+    assert retained(sim.broker, names.state_topic(unfinished, sim.root), PATIENCE_S) == b"{}"
     assert registry.get(old)["status"] == "cancelled"  # the record stays
     assert orch(hub, "gc").stdout == ""  # done once
 

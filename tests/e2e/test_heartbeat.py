@@ -2,29 +2,36 @@
 
 from __future__ import annotations
 
+import queue
 import subprocess
 import sys
 import time
 
 import psutil
 import pytest
-from helpers import wait_until
-from jobkit import JobPair
+from harness.jobkit import JobPair
+from harness.procs import gone, heartbeat_beats
+from harness.waiting import PATIENCE_S, wait_until
 
 from mam.runner import heartbeat, publish
-from mam.shared import names
+from mam.shared import mqtt, names, wire
 from mam.shared.registry import Contract
 
 pytestmark = pytest.mark.broker
 
+BEAT_S = 0.5
+IDLE_TIMEOUT_S = 3
+KEEPALIVE_BEATS = int(2 * IDLE_TIMEOUT_S / BEAT_S)
+REPETITIONS = 200
+AGENT_LIFETIME_S = 3600  # outlives every test here (killed in `finally`): a watched agent that exits stops the timer
+
 
 def _sleeper() -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({AGENT_LIFETIME_S})"])
 
 
 def _beats(pair: JobPair) -> list[dict]:
-    return [line for line in pair.runner.audit(pair.job_id)
-            if line.get("event") == "progress" and line.get("data", {}).get("heartbeat") is True]
+    return heartbeat_beats(pair.runner.audit(pair.job_id))
 
 
 def _timer_pid(pair: JobPair) -> int | None:
@@ -42,13 +49,13 @@ def pair(broker, tmp_path):
 def test_s12_beats_keep_job_alive_then_stop_when_watched_process_dies(pair):
     agent = _sleeper()
     try:
-        watcher = pair.watch("--idle-timeout", "2")
+        watcher = pair.watch("--idle-timeout", str(IDLE_TIMEOUT_S))
         pair.wait_subscribed(watcher)
-        started = pair.publish("started", "--heartbeat", "0.5", "--watch-pid", str(agent.pid))
+        started = pair.publish("started", "--heartbeat", str(BEAT_S), "--watch-pid", str(agent.pid))
         assert started.returncode == 0, started.stderr
-        # 8 beats at 0.5 s span 4 s: twice the idle timeout, so only beats kept it alive
-        wait_until(lambda: len(watcher.events("progress")) >= 8 or watcher.proc.poll() is not None,
-                   30, "eight heartbeats")
+        # the beats span twice the idle timeout, so only beats kept it alive (6x margin for a late beat)
+        wait_until(lambda: len(watcher.events("progress")) >= KEEPALIVE_BEATS or watcher.proc.poll() is not None,
+                   what=f"{KEEPALIVE_BEATS} heartbeats")
         assert watcher.proc.poll() is None, watcher.log()
         beat = watcher.events("progress")[0]
         assert beat["detail"] == "heartbeat" and beat["data"]["heartbeat"] is True
@@ -56,11 +63,13 @@ def test_s12_beats_keep_job_alive_then_stop_when_watched_process_dies(pair):
         assert timer is not None and psutil.pid_exists(timer)
         agent.kill()
         agent.wait()
-        # §12: within one period after the watched process is gone (0.5 s; generous slack for 2 cores)
-        wait_until(lambda: not psutil.pid_exists(timer) or psutil.Process(timer).status() == "zombie",
-                   5, "the timer to stop after the watched process died")
+        at_death = len(_beats(pair))
+        wait_until(lambda: gone(timer), what="the timer to stop after the watched process died")
         count = len(_beats(pair))
-        assert watcher.wait(30) == 2, watcher.log()  # silence now: the hub closes it
+        # §12 "within one period": the timer checks the watched process before every beat, so at
+        # most the beat whose check came before the death follows it (an ordering, not a stopwatch)
+        assert count <= at_death + 1, f"{count - at_death} beats after the watched process died"
+        assert watcher.wait(PATIENCE_S) == 2, watcher.log()  # silence now: the hub closes it
         assert len(_beats(pair)) == count
         assert pair.record["close_reason"] == "deadline_timeout"
     finally:
@@ -78,11 +87,9 @@ def test_s12_second_started_replaces_timer(pair):
                                        dispatch_token=record["dispatch_token"], interval_s=5,
                                        watch=heartbeat.WatchedProcess.of(agent.pid), timeout_s=60)
         assert second is not None and second != first
-        wait_until(lambda: not psutil.pid_exists(first) or psutil.Process(first).status() == "zombie",
-                   5, "the first timer to be replaced")
+        wait_until(lambda: gone(first), what="the first timer to be replaced")
         assert pair.publish("completed").returncode == 0
-        wait_until(lambda: not psutil.pid_exists(second) or psutil.Process(second).status() == "zombie",
-                   5, "the timer to stop on the terminal")
+        wait_until(lambda: gone(second), what="the timer to stop on the terminal")
         # a start that finds the attempt ended arms nothing
         assert heartbeat.start_timer(pair.runner, pair.job_id, attempt_id=record["attempt_id"],
                                      dispatch_token=record["dispatch_token"], interval_s=5,
@@ -98,13 +105,10 @@ def test_s12_heartbeat_flag_refused_without_started(pair):
     assert pair.runner.get(pair.job_id)["last_seq"] == 0
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(REPETITIONS * 5)
 def test_s12_no_beat_follows_a_terminal_200_times(nats_broker, tmp_path):
     """§12: terminal-while-beating, 200 times: the terminal always has the highest seq,
     on disk and on the wire, and nothing of that job arrives after it."""
-    from mam.shared import mqtt, wire
-
-    repetitions = 200
     agent = _sleeper()
     observer = mqtt.MqttClient(nats_broker.config(), "observer")
     observer.connect()
@@ -112,7 +116,7 @@ def test_s12_no_beat_follows_a_terminal_200_times(nats_broker, tmp_path):
     try:
         watch = heartbeat.WatchedProcess.of(agent.pid)
         terminal_seq: dict[str, int] = {}
-        for i in range(repetitions):
+        for i in range(REPETITIONS):
             pair = JobPair(nats_broker, tmp_path / f"r{i}")
             cfg = publish.broker_for(pair.runner, pair.job_id, warn=False)
             publish.send(publish.record(pair.runner, publish.PublishRequest(pair.job_id, "started")), cfg)
@@ -120,7 +124,7 @@ def test_s12_no_beat_follows_a_terminal_200_times(nats_broker, tmp_path):
             heartbeat.start_timer(pair.runner, pair.job_id, attempt_id=1,
                                   dispatch_token=record["dispatch_token"], interval_s=0.01,
                                   watch=watch, timeout_s=60, drain_s=0.2)
-            wait_until(lambda: pair.runner.get(pair.job_id)["last_seq"] >= 2, 10, "a first beat")
+            wait_until(lambda: pair.runner.get(pair.job_id)["last_seq"] >= 2, what="a first beat")
             done = publish.record(pair.runner, publish.PublishRequest(pair.job_id, "completed"))
             publish.send(done, cfg)
             terminal_seq[pair.job_id] = done.seq
@@ -128,10 +132,13 @@ def test_s12_no_beat_follows_a_terminal_200_times(nats_broker, tmp_path):
             assert lines[-1]["event"] == "completed" and lines[-1]["seq"] == done.seq
             assert max(line["seq"] for line in lines) == done.seq
         # the wire, in arrival order: after a job's terminal event nothing of that job arrives
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PATIENCE_S
         seen_terminal: set[str] = set()
-        while time.monotonic() < deadline and len(seen_terminal) < repetitions:
-            message = observer.messages.get(timeout=5)
+        while len(seen_terminal) < REPETITIONS and (remaining := deadline - time.monotonic()) > 0:
+            try:
+                message = observer.messages.get(timeout=remaining)
+            except queue.Empty:
+                break
             parsed = names.parse_job_topic(message.topic, nats_broker.topic_root)
             if not parsed or parsed[1] != "events" or not message.payload:
                 continue
@@ -140,7 +147,7 @@ def test_s12_no_beat_follows_a_terminal_200_times(nats_broker, tmp_path):
             assert event.seq <= terminal_seq[event.job_id]
             if event.terminal:
                 seen_terminal.add(event.job_id)
-        assert len(seen_terminal) == repetitions
+        assert len(seen_terminal) == REPETITIONS
     finally:
         observer.close()
         agent.kill()

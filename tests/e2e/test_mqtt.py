@@ -4,12 +4,21 @@ retries (§13), the observer's read-only rights, and secrets kept out of text.""
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import logging
 import queue
+import signal
 import time
 
 import pytest
-from helpers import free_port, wait_until
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from harness.brokers import NatsBroker, free_port
+from harness.procs import stopped
+from harness.waiting import PATIENCE_S, wait_until
 
 from mam.shared import mqtt, names
 from mam.shared.config import BrokerConfig
@@ -20,11 +29,11 @@ pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 JOB = "0123abcd"
 
 
-def _next(client: mqtt.MqttClient, timeout_s: float = 10.0) -> mqtt.Message:
+def _next(client: mqtt.MqttClient, timeout_s: float = PATIENCE_S) -> mqtt.Message:
     return client.messages.get(timeout=timeout_s)
 
 
-def _drain_until(client: mqtt.MqttClient, payload: bytes, timeout_s: float = 10.0) -> list[bytes]:
+def _drain_until(client: mqtt.MqttClient, payload: bytes, timeout_s: float = PATIENCE_S) -> list[bytes]:
     """Every payload received up to and including `payload` (a sentinel), in order."""
     seen: list[bytes] = []
     deadline = time.monotonic() + timeout_s
@@ -83,9 +92,9 @@ def test_reconnect_after_broker_crash_resubscribes_and_logs(broker, caplog):
     try:
         sub.subscribe([(topic, 1)])
         broker.kill()
-        wait_until(lambda: not sub.connected.is_set(), 10, "the client to notice the crash")
+        wait_until(lambda: not sub.connected.is_set(), what="the client to notice the crash")
         broker.restart()
-        wait_until(sub.reconnected.is_set, 20, "the client to reconnect")
+        wait_until(sub.reconnected.is_set, what="the client to reconnect")
         assert sub.connected.is_set() and sub.reconnect_count == 1
         assert any("reconnected" in r.getMessage() for r in caplog.records)
 
@@ -96,7 +105,7 @@ def test_reconnect_after_broker_crash_resubscribes_and_logs(broker, caplog):
             except queue.Empty:
                 return False
 
-        wait_until(delivered, 15, "a message through the re-subscribed filter")
+        wait_until(delivered, what="a message through the re-subscribed filter")
     finally:
         sub.close()
     sub.close()  # idempotent
@@ -178,7 +187,7 @@ def test_message_queued_while_disconnected_is_never_resent_after_close(broker):
     topic = names.events_topic(JOB, broker.topic_root)
     old = mqtt.MqttClient(broker.config(), "publish").connect()
     broker.kill()
-    wait_until(lambda: not old.connected.is_set(), 10, "the publisher to notice the crash")
+    wait_until(lambda: not old.connected.is_set(), what="the publisher to notice the crash")
     with pytest.raises(BrokerUnavailable):
         old._publish(topic, b"payload", 1, False, 2.0, fail_on_disconnect=True)
     old_paho = old._client
@@ -224,7 +233,6 @@ def test_nats_observer_subscription_outside_root_is_refused(nats_broker):
 
 def test_nats_observer_reads_a_topic_root_with_a_dot(tmp_path):
     """nats-server maps MQTT '.' to '//' in subjects; the observer's rights follow that mapping."""
-    from helpers import NatsBroker
 
     handle = NatsBroker(tmp_path, topic_root="fleet/v1.2").start()
     try:
@@ -261,12 +269,12 @@ def test_last_will_is_published_when_the_client_dies(broker):
 
 def test_publish_timeout_when_broker_hangs(broker):
     """§13: a broker that accepts but never acknowledges → PublishTimeout after the deadline."""
-    import signal
-
     topic = names.events_topic(JOB, broker.topic_root)
     with mqtt.MqttClient(broker.config(), "runner") as client:
         broker.proc.send_signal(signal.SIGSTOP)
         try:
+            # on a busy machine a thread of the broker runs on (and acknowledges) until the stop reaches it
+            wait_until(lambda: stopped(broker.proc.pid), what="every thread of the broker to be stopped")
             with pytest.raises(PublishTimeout):
                 client.publish(topic, b"x", timeout_s=0.5)
         finally:
@@ -283,13 +291,7 @@ def test_message_repr_hides_payload():
 
 def _write_pki(directory):
     """A CA, a server certificate for 127.0.0.1 and a client certificate (PEM files)."""
-    import datetime
-    import ipaddress
 
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     now = datetime.datetime.now(datetime.UTC)
 

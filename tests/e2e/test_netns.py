@@ -1,4 +1,4 @@
-"""Self-test of the multi-host harness tests/e2e/netns.py (DESIGN.md, multi-host e2e)."""
+"""Self-test of the multi-host harness tests/harness/netns.py (DESIGN.md, multi-host e2e)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import time
 
 import psutil
 import pytest
-from netns import NETNS_ETC, OWNER_DIR, Tailnet, tailnet  # noqa: F401 - fixture
+from harness.netns import NETNS_ETC, OWNER_DIR, Tailnet, tailnet  # noqa: F401 - fixture
+from harness.waiting import PATIENCE_S
 
 pytestmark = pytest.mark.e2e
 
@@ -76,7 +77,7 @@ def test_orch_reaches_hub_by_name_until_link_down(tailnet):
     assert connect(tailnet, "gpu-box", "cpu-box", timeout_s=1.5).stdout.startswith("unreachable")  # no server there
 
     tailnet.link_up("hub")
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + PATIENCE_S
     while (again := connect(tailnet, "orch", "hub", timeout_s=2)).returncode != 0:
         assert time.monotonic() < deadline, "hub not reachable again after link_up"
     assert again.stdout.strip() == "hello from 100.64.0.1"

@@ -6,8 +6,8 @@ import signal
 import subprocess
 
 import pytest
-from helpers import wait_until
-from jobkit import MAM_RUNNER, JobPair
+from harness.jobkit import MAM_RUNNER, JobPair
+from harness.waiting import PATIENCE_S, wait_until
 
 from mam.shared import mqtt, names
 
@@ -63,13 +63,13 @@ def test_s9_bad_arguments_exit_64_nothing_written(pair, wire_log, args, why):
 def test_s9_bad_job_or_event_exit_64(pair, job, event, why):
     result = subprocess.run([*MAM_RUNNER, "publish", "--job", job, "--event", event,
                              "--workspace", str(pair.runner_ws)], env=pair.env, capture_output=True,
-                            text=True, timeout=30)
+                            text=True, timeout=PATIENCE_S)
     assert result.returncode == 64 and why in result.stderr
 
 
 def test_s9_stale_attempt_refused_exit_1_nothing_published(pair, wire_log):
     assert pair.publish("started").returncode == 0
-    wait_until(lambda: len(wire_log.messages.queue) >= 2, 10, "started and its state")
+    wait_until(lambda: len(wire_log.messages.queue) >= 2, what="started and its state")
     _drain(wire_log)
     stale = pair.publish("progress", "--attempt-id", "2")
     assert stale.returncode == 1 and "refused" in stale.stderr
@@ -82,7 +82,7 @@ def test_s9_stale_attempt_refused_exit_1_nothing_published(pair, wire_log):
 def test_s9_terminal_job_refused_exit_1(pair, wire_log):
     assert pair.publish("started").returncode == 0
     assert pair.publish("error", "--detail", "tests failed").returncode == 0
-    wait_until(lambda: len(wire_log.messages.queue) >= 4, 10, "four messages")
+    wait_until(lambda: len(wire_log.messages.queue) >= 4, what="four messages")
     _drain(wire_log)
     late = pair.publish("progress")
     assert late.returncode == 1 and "already error" in late.stderr
@@ -92,7 +92,7 @@ def test_s9_terminal_job_refused_exit_1(pair, wire_log):
 def test_s9_unknown_job_refused_exit_1(pair):
     result = subprocess.run([*MAM_RUNNER, "publish", "--job", "0badf00d", "--event", "progress",
                              "--workspace", str(pair.runner_ws)], env=pair.env, capture_output=True,
-                            text=True, timeout=30)
+                            text=True, timeout=PATIENCE_S)
     assert result.returncode == 1 and "no record" in result.stderr
 
 
@@ -103,7 +103,7 @@ def test_s3_terminal_event_is_retained(nats_broker, pair):
     try:
         late.connect()
         late.subscribe([(names.events_topic(pair.job_id, nats_broker.topic_root), 1)])
-        message = late.messages.get(timeout=10)
+        message = late.messages.get(timeout=PATIENCE_S)
         assert message.retain and b'"completed"' in message.payload
     finally:
         late.close()

@@ -10,7 +10,7 @@ import queue
 import threading
 
 import pytest
-from helpers import TEST_SECRET
+from harness.workspace import TEST_SECRET
 
 from mam.orchestrator.control import cancel_owed, close_remote
 from mam.orchestrator.watch import Watcher, WatchOptions

@@ -11,7 +11,10 @@ import stat
 import pytest
 
 from mam.orchestrator.acceptance import mirror_event
+from mam.orchestrator.cli import app as orch_app
+from mam.runner.cli import app as runner_app
 from mam.shared import clikit, names
+from mam.shared.config import contract_from_env
 from mam.shared.errors import (
     ConfigError,
     RegistryError,
@@ -151,8 +154,6 @@ def test_s5_contract_refuses_non_positive_or_huge_values(field, value):
 
 
 def test_s5_contract_from_env_overrides_and_refuses_garbage():
-    from mam.shared.config import contract_from_env
-
     env = {"MAM_HEARTBEAT_SEC": "5", "MAM_HEARTBEAT_MISSES": "2", "MAM_ACK_TIMEOUT_S": "9"}
     c = contract_from_env(env, timeout_sec=60)
     assert (c.heartbeat_sec, c.heartbeat_misses, c.ack_timeout_sec, c.timeout_sec, c.idle_timeout_s) == \
@@ -605,9 +606,6 @@ def test_s8_jobs_reports_corrupt_records_and_exits_1(reg, tmp_path, capsys):
 
 @pytest.mark.parametrize("prog", ["mam-orch", "mam-runner"])
 def test_s9_jobs_show_commands_exit_codes_and_no_secrets(reg, tmp_path, capsys, prog):
-    from mam.orchestrator.cli import app as orch_app
-    from mam.runner.cli import app as runner_app
-
     app = orch_app if prog == "mam-orch" else runner_app
     rec = _populated(reg)
 

@@ -12,11 +12,13 @@ import signal
 import time
 
 import pytest
+from harness.waiting import PATIENCE_S
 
 from mam.shared import names
 from mam.shared.registry import Registry
 
 CTX = multiprocessing.get_context("fork")  # fast start; the children only touch the registry
+WRITER_LIFETIME_S = 2 * PATIENCE_S  # a writer outlives the wait for its progress; it is killed long before
 
 
 def _ident(record):
@@ -62,10 +64,10 @@ def test_s8_registration_8_processes_x_100_gives_800_readable_records(tmp_path):
 
 
 def _writer(root, job_ids, seed):
-    """Update the registry as fast as possible until killed (or 20 s pass)."""
+    """Update the registry as fast as possible until killed (or WRITER_LIFETIME_S pass)."""
     rng = random.Random(seed)
     reg = Registry(root)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + WRITER_LIFETIME_S
     while time.monotonic() < deadline:
         job_id = rng.choice(job_ids)
         record = reg.get(job_id)
@@ -108,7 +110,7 @@ def test_s8_sigkill_inside_tight_update_loop_leaves_every_record_parseable(tmp_p
         target = start + rng.randint(1, 25)
         child = CTX.Process(target=_writer, args=(str(tmp_path), job_ids, round_no))
         child.start()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + PATIENCE_S
         while _progress(tmp_path, job_ids) < target:  # kill at a random point of the loop
             assert child.is_alive(), f"writer died by itself with exit code {child.exitcode}"
             assert time.monotonic() < deadline, "writer made no progress"

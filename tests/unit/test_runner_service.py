@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from harness.fake_mqtt import FakeBroker
-from helpers import wait_until
+from harness.waiting import wait_until
 
 from mam.runner.presence import Presence, SessionBusy
 from mam.runner.service import Runner

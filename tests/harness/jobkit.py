@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fleet import Dispatch
-from helpers import clean_env, wait_until, write_env_for
-
+from harness.fleet import Dispatch
+from harness.waiting import PATIENCE_S, wait_until
+from harness.workspace import clean_env, write_env_for
 from mam.shared.registry import Contract, Registry
 
 MAM_ORCH = [sys.executable, "-m", "mam.orchestrator.cli"]
@@ -59,7 +59,7 @@ class JobPair:
     def record(self) -> dict[str, Any]:
         return self.hub.get(self.job_id)
 
-    def publish(self, event: str, *args: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess[str]:
+    def publish(self, event: str, *args: str, timeout_s: float = PATIENCE_S) -> subprocess.CompletedProcess[str]:
         """`mam-runner publish` on the runner host, as an agent would run it."""
         argv = [*MAM_RUNNER, "publish", "--job", self.job_id, "--event", event,
                 "--workspace", str(self.runner_ws), *args]
@@ -75,7 +75,7 @@ class JobPair:
     def wait_subscribed(self, watcher: WatchProcess) -> None:
         """The watcher has subscribed once the broker holds its session; poll its log instead."""
         wait_until(lambda: watcher.proc.poll() is not None or any("subscribed" in line for line in watcher.stderr),
-                   20, "the watcher to subscribe")
+                   what="the watcher to subscribe")
 
     def close(self) -> None:
         for watcher in self.watchers:

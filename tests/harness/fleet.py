@@ -11,7 +11,7 @@ modes (DESIGN.md "Test strategy", multi-host e2e; PROTOCOL §5-§12):
     fleet = Fleet("loopback", tmp_path)          # or the `fleet` fixture
     gpu = fleet.start_runner("gpu-box", AGENTS / "shell-agent")
     run = fleet.dispatch("gpu-box", "echo hi", "--ack-timeout", "10")
-    assert run.wait(60) == 0
+    assert run.wait() == 0
     fleet.hub_record(run.job_id()); fleet.runner_record("gpu-box", run.job_id())
     fleet.events_on_wire(run.job_id())           # what a hub-side subscriber saw
     fleet.close()                                # kills everything, also on failure
@@ -22,7 +22,7 @@ its environment, which agents and heartbeat timers inherit: `close()` kills
 process groups it started and then every process still carrying the tag
 (orphaned agents of a SIGKILLed runner included).
 
-The wire tap (this file run as a script, `python fleet.py tap WORKSPACE`)
+The wire tap (harness/wiretap.py, run as a script in the hub's namespace)
 is a test MQTT client on the hub side: it prints every message under the
 topic root as a JSON line from the start, and publishes what it is given on
 stdin (`{"topic", "payload_b64", "retain"}` lines), so tests can inject
@@ -39,10 +39,20 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import psutil
+
+from harness.brokers import free_port
+from harness.netns import Tailnet
+from harness.procs import kill_all
+from harness.waiting import PATIENCE_S, wait_until
+from harness.workspace import TEST_SECRET, clean_env
+from mam.shared import broker, names
+from mam.shared.config import write_env_file
+from mam.shared.registry import JobNotFound, Registry
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -52,14 +62,10 @@ MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
 HOSTS = ("hub", "orch", "gpu-box", "cpu-box")
 MODES = ("loopback", "netns")
 NETNS_MQTT_PORT = 1883
-START_TIMEOUT_S = 20.0
+START_TIMEOUT_S = PATIENCE_S
+WIRETAP = HERE / "wiretap.py"
 STOP_GRACE_S = 3.0
-
-
-def _wait_until(predicate: Any, timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    from helpers import wait_until
-
-    return wait_until(predicate, timeout_s, what, interval_s)
+KILL_POLL_S = 0.1
 
 
 def stop_group(proc: subprocess.Popen) -> None:
@@ -123,7 +129,7 @@ class Proc:
         """Everything it wrote on stderr so far."""
         return "".join(self.stderr)
 
-    def wait(self, timeout_s: float = 60.0) -> int:
+    def wait(self, timeout_s: float = PATIENCE_S) -> int:
         """Wait for the exit code (and for its output to be read)."""
         code = self.proc.wait(timeout_s)
         for thread in self._threads:
@@ -140,7 +146,7 @@ class Proc:
     def kill9(self) -> None:
         """SIGKILL the process itself (not its group: a crash leaves its children)."""
         self.signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.wait(PATIENCE_S)
 
     def terminate(self) -> None:
         self.signal(signal.SIGTERM)
@@ -164,7 +170,7 @@ class Proc:
 class Dispatch(Proc):
     """A background `mam-orch dispatch|redispatch --json`."""
 
-    def job_id(self, timeout_s: float = 20.0) -> str:
+    def job_id(self, timeout_s: float = PATIENCE_S) -> str:
         """The job id, from the first event line or the "dispatched job <id>" log line."""
         def find() -> str | None:
             for line in self.lines:
@@ -175,7 +181,7 @@ class Dispatch(Proc):
                 if len(words) >= 3 and words[0] in ("dispatched", "redispatched") and words[1] == "job":
                     return words[2]
             return None
-        _wait_until(lambda: find() or not self.alive(), timeout_s, f"{self.name} to name its job")
+        wait_until(lambda: find() or not self.alive(), timeout_s, f"{self.name} to name its job")
         found = find()
         if found is None:
             raise AssertionError(f"{self.name} exited {self.proc.returncode} without a job id: {self.log()[-2000:]}")
@@ -217,7 +223,7 @@ class Tap(Proc):
                             "retain": line["retain"]})
         return out
 
-    def publish(self, topic: str, payload: bytes, *, retain: bool = False, timeout_s: float = 15.0) -> None:
+    def publish(self, topic: str, payload: bytes, *, retain: bool = False, timeout_s: float = PATIENCE_S) -> None:
         """Publish from inside the network (QoS 1) and wait for the tap's PUBACK line."""
         with self._cond:
             before = self._acks
@@ -244,8 +250,6 @@ class Fleet:
     """
 
     def __init__(self, mode: str, base: Path, *, topic_root: str = "python/mqtt") -> None:
-        from helpers import TEST_SECRET, clean_env, free_port
-
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.mode = mode
@@ -261,8 +265,6 @@ class Fleet:
         self.env["PATH"] = f"{Path(sys.executable).parent}:{self.env.get('PATH', '/usr/bin:/bin')}"
         try:
             if mode == "netns":
-                from netns import Tailnet
-
                 Tailnet.sweep_stale()
                 self.net = Tailnet(HOSTS)
                 self.broker_host, self.mqtt_port = "hub", NETNS_MQTT_PORT
@@ -282,8 +284,6 @@ class Fleet:
     # -------------------------------------------------------------- setup
 
     def _start_broker(self, listen: str, nats_port: int, ws_port: int) -> None:
-        from mam.shared import broker
-
         folder = self.base / "broker"
         folder.mkdir(parents=True, exist_ok=True)
         self.agent_password = "agent-" + secrets.token_hex(12)
@@ -307,19 +307,17 @@ class Fleet:
 
     def workspace(self, name: str) -> Path:
         """A fresh workspace `<base>/ws/<name>` with its own `.mam.env` (0600)."""
-        from mam.shared.config import write_env_file
-
         ws = self.base / "ws" / name
         (ws / ".git").mkdir(parents=True, exist_ok=True)
         write_env_file(ws / ".mam.env", self.broker_values(), overwrite=True)
         return ws
 
     def _start_tap(self) -> Tap:
-        argv = [sys.executable, str(Path(__file__).resolve()), "tap", str(self.hub_ws)]
+        argv = [sys.executable, str(WIRETAP), str(self.hub_ws), str(START_TIMEOUT_S)]
         proc = self._popen("hub", argv, stdin=subprocess.PIPE)
         tap = Tap("tap", proc)
         self._procs.append(tap)
-        _wait_until(lambda: any(line.get("ready") for line in tap.lines) or not tap.alive(), START_TIMEOUT_S,
+        wait_until(lambda: any(line.get("ready") for line in tap.lines) or not tap.alive(), START_TIMEOUT_S,
                     "the broker to accept the wire tap")
         if not tap.alive():
             raise RuntimeError(f"wire tap failed: {tap.log()[-2000:]}\nbroker log: "
@@ -403,7 +401,7 @@ class Fleet:
             return bool(doc) and doc["status"] == "online" and doc["runner_id"] not in before \
                 and f"runner {doc['runner_id']} serving session {session}" in handle.log()
 
-        _wait_until(lambda: online() or not handle.alive(), timeout_s, f"runner {session} to be online")
+        wait_until(lambda: online() or not handle.alive(), timeout_s, f"runner {session} to be online")
         if not handle.alive():
             raise AssertionError(f"runner {session} exited with {handle.proc.returncode}: {handle.log()[-3000:]}")
         handle.runner_id = self.presence(session)["runner_id"]  # type: ignore[index]
@@ -425,16 +423,16 @@ class Fleet:
         self._procs.append(handle)
         return handle
 
-    def orch(self, *argv: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+    def orch(self, *argv: str, timeout_s: float = PATIENCE_S) -> subprocess.CompletedProcess:
         """`mam-orch *argv --workspace <hub ws>` on `orch`, waited for (cancel, redispatch, runners, jobs, show)."""
         return self.run_on("orch", [*MAM_ORCH, *argv, "--workspace", str(self.hub_ws)], timeout_s=timeout_s)
 
-    def runner_cli(self, session: str, *argv: str, timeout_s: float = 60.0) -> subprocess.CompletedProcess:
+    def runner_cli(self, session: str, *argv: str, timeout_s: float = PATIENCE_S) -> subprocess.CompletedProcess:
         """`mam-runner *argv --workspace <session ws>` on the session's host (e.g. publish)."""
         ws = self.base / "ws" / session
         return self.run_on(self.host_of(session), [*MAM_RUNNER, *argv, "--workspace", str(ws)], timeout_s=timeout_s)
 
-    def run_on(self, host: str, argv: Sequence[str], *, timeout_s: float = 60.0,
+    def run_on(self, host: str, argv: Sequence[str], *, timeout_s: float = PATIENCE_S,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         """Run a command on `host` and wait (text output captured)."""
         full_env = dict(self.env)
@@ -446,20 +444,14 @@ class Fleet:
 
     def hub_record(self, job_id: str) -> dict[str, Any]:
         """The hub's record of the job (§8)."""
-        from mam.shared.registry import Registry
-
         return Registry(self.hub_ws).get(job_id)
 
     def runner_record(self, session: str, job_id: str) -> dict[str, Any]:
         """The record of the job in `session`'s runner workspace (§8)."""
-        from mam.shared.registry import Registry
-
         return Registry(self.base / "ws" / session).get(job_id)
 
     def has_runner_record(self, session: str, job_id: str) -> bool:
         """True when `session`'s workspace holds a record of the job."""
-        from mam.shared.registry import JobNotFound
-
         try:
             self.runner_record(session, job_id)
         except JobNotFound:
@@ -467,8 +459,6 @@ class Fleet:
         return True
 
     def runner_registry(self, session: str) -> Any:
-        from mam.shared.registry import Registry
-
         return Registry(self.base / "ws" / session)
 
     def agent_log(self, session: str, job_id: str) -> Path:
@@ -477,15 +467,11 @@ class Fleet:
 
     def events_on_wire(self, job_id: str, kind: str = "events") -> list[dict[str, Any]]:
         """Decoded non-empty messages on `ROOT/jobs/<job_id>/<kind>` the tap saw, in order."""
-        from mam.shared import names
-
         topic = names.job_topic(job_id, kind, self.topic_root)
         return [json.loads(m["payload"]) for m in self.tap.messages() if m["topic"] == topic and m["payload"]]
 
     def tagged_pids(self) -> list[int]:
         """Live processes carrying this fleet's FLEET_TAG (agents, timers, CLIs)."""
-        import psutil
-
         found = []
         for proc in psutil.process_iter(["pid"]):
             try:
@@ -508,16 +494,17 @@ class Fleet:
                 handle.stop()
             except Exception:
                 pass
-        for _ in range(3):
+        def none_left() -> bool:
+            # SIGKILL what still carries the tag until nothing does: on a busy machine a killed
+            # process takes a while to die, and a dying parent may have just started a child
             pids = self.tagged_pids()
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            time.sleep(0.1)
+            kill_all(pids)
+            return not pids
+
+        try:
+            wait_until(none_left, what="the fleet's tagged processes to be gone", interval_s=KILL_POLL_S)
+        except AssertionError:
+            pass  # never raises; the `fleet` fixture reports what outlived close()
         if self.net is not None:
             self.net.close()
 
@@ -539,50 +526,3 @@ class _Quiet:
 
     def stop(self) -> None:
         stop_group(self.proc)
-
-
-# ------------------------------------------------------------------ the wire tap process
-
-def _tap_main(workspace: str) -> int:
-    """Subscribe to ROOT/# and print every message; publish what stdin asks (see module doc)."""
-    import queue
-
-    from mam.shared import broker, config, mqtt
-
-    cfg = config.broker_config(workspace=Path(workspace))
-    broker.wait_mqtt_ready(cfg, timeout_s=START_TIMEOUT_S)
-    client = mqtt.MqttClient(cfg, "tap").connect()
-    client.subscribe([(f"{cfg.topic_root}/#", 1)])
-    lock = threading.Lock()
-
-    def emit(obj: dict[str, Any]) -> None:
-        with lock:
-            sys.stdout.write(json.dumps(obj) + "\n")
-            sys.stdout.flush()
-
-    def publisher() -> None:
-        for line in sys.stdin:
-            try:
-                req = json.loads(line)
-                client.publish(req["topic"], base64.b64decode(req["payload_b64"]), retain=bool(req["retain"]))
-                emit({"published": req["topic"]})
-            except Exception as exc:  # report, keep tapping
-                emit({"published": None, "publish_error": f"{type(exc).__name__}: {exc}"})
-        os._exit(0)  # stdin closed: the test is done
-
-    threading.Thread(target=publisher, daemon=True).start()
-    emit({"ready": True})
-    while True:
-        try:
-            message = client.messages.get(timeout=1.0)
-        except queue.Empty:
-            continue
-        emit({"topic": message.topic, "retain": bool(message.retain),
-              "payload_b64": base64.b64encode(message.payload).decode()})
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "tap":
-        sys.exit(_tap_main(sys.argv[2]))
-    print("usage: fleet.py tap WORKSPACE", file=sys.stderr)
-    sys.exit(64)

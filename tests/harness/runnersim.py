@@ -12,14 +12,16 @@ check what crossed the broker.
 from __future__ import annotations
 
 import queue
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helpers import TEST_SECRET, clean_env, wait_until, write_env_for
-
+from harness.waiting import PATIENCE_S, QUIET_S, wait_until
+from harness.workspace import TEST_SECRET, clean_env, write_env_for
+from mam.runner.publish import PublishRequest, record, send_on
 from mam.shared import crypto, mqtt, names, wire
 from mam.shared.registry import Registry
 
@@ -51,7 +53,7 @@ class Wire:
             except queue.Empty:
                 return self.seen
 
-    def wait_for(self, predicate: Any, timeout_s: float = 15.0, what: str = "a message") -> mqtt.Message:
+    def wait_for(self, predicate: Any, timeout_s: float = PATIENCE_S, what: str = "a message") -> mqtt.Message:
         def find() -> Any:
             return next((m for m in self.drain() if predicate(m)), None)
         return wait_until(find, timeout_s, what)
@@ -60,9 +62,9 @@ class Wire:
         self.client.close()
 
 
-def retained(broker: Any, topic: str, quiet_s: float = 1.0) -> bytes | None:
-    """The retained payload of `topic` as a fresh subscriber gets it, or None
-    (no retained message, or a cleared one)."""
+def retained(broker: Any, topic: str, quiet_s: float = QUIET_S) -> bytes | None:
+    """The retained payload of `topic` as a fresh subscriber gets it within `quiet_s`, or None
+    (no retained message, or a cleared one). Expecting one, pass PATIENCE_S."""
     with mqtt.MqttClient(broker.config(), "probe") as client:
         client.subscribe([(topic, 1)])
         try:
@@ -107,7 +109,7 @@ class SimRunner:
             if parsed[1] == leaf:
                 return message
 
-    def take(self, timeout_s: float = 20.0, *, mirror: bool = True) -> Taken:
+    def take(self, timeout_s: float = PATIENCE_S, *, mirror: bool = True) -> Taken:
         """Wait for a dispatch, verify its sig, open its seal, mirror it and clear it (§5, §11)."""
         message = self._next("dispatch", timeout_s)
         dispatch = wire.decode(message.payload, "dispatch")
@@ -124,7 +126,7 @@ class SimRunner:
             self.client.publish(names.dispatch_topic(dispatch.job_id, self.root), b"", retain=True)
         return Taken(dispatch, auth_token, brief, message.payload)
 
-    def wait_control(self, job_id: str, timeout_s: float = 15.0) -> Any:
+    def wait_control(self, job_id: str, timeout_s: float = PATIENCE_S) -> Any:
         """The first signed cancel seen for `job_id` (§6)."""
         def seen() -> Any:
             while True:
@@ -137,8 +139,6 @@ class SimRunner:
 
     def publish(self, job_id: str, event: str, detail: str = "", **kwargs: Any) -> Any:
         """Disk first, then event + retained state on this connection (runner.publish)."""
-        from mam.runner.publish import PublishRequest, record, send_on
-
         published = record(self.registry, PublishRequest(job_id, event, detail), source="runner", **kwargs)
         send_on(self.client, published)
         return published
@@ -168,6 +168,13 @@ def hub_workspace(broker: Any, tmp_path: Path, **extra: str) -> Path:
 def hub_env(**extra: str) -> dict[str, str]:
     """The environment of a hub CLI process: no developer MQTT_/MAM_ settings."""
     return clean_env(MAM_LOG_LEVEL="INFO", **extra)
+
+
+def orch(workspace: Path, *args: str, env: dict[str, str] | None = None, stdin: str | None = None,
+         timeout_s: float = PATIENCE_S) -> subprocess.CompletedProcess[str]:
+    """`mam-orch ARGS --workspace WORKSPACE` run to its end (environment: `hub_env()`)."""
+    return subprocess.run([*MAM_ORCH, *args, "--workspace", str(workspace)], env=env or hub_env(),
+                          input=stdin, capture_output=True, text=True, timeout=timeout_s)
 
 
 def job_records(workspace: Path) -> list[Path]:

@@ -361,7 +361,7 @@ def _teardown(ip: str, tag: str, namespaces: list[str]) -> None:
 def tailnet() -> Iterator[Tailnet]:
     """A fresh `Tailnet` with the default hosts, closed after the test even when it
     fails; skips with the reason when namespaces are unavailable. Import it into
-    a test module (`from netns import tailnet`) to use it."""
+    a test module (`from harness.netns import tailnet`) to use it."""
     Tailnet.sweep_stale()
     try:
         net = Tailnet()
