@@ -938,10 +938,11 @@ def test_s11_agent_that_reported_its_end_but_runs_on_is_stopped(nats_broker, tmp
     after MAM_AGENT_LINGER_S, so its slot comes back; still exactly one terminal event."""
     runner = start_runner(runners, nats_broker, tmp_path / "runner", MAM_AGENT_LINGER_S="1")
     runner.wait_serving()
-    lingering, _ = hub.dispatch('eval "$MAM_PUBLISH_CMD --event completed --detail reported"\nsleep 300')
+    nap = f"300.{os.getpid()}"  # this test's own sleep: other test runs on the machine have theirs
+    lingering, _ = hub.dispatch(f'eval "$MAM_PUBLISH_CMD --event completed --detail reported"\nsleep {nap}')
     wire_obs.wait_terminal(lingering["job_id"])
     runner.wait_log(f"job {lingering['job_id']}: the agent reported its end but ran on")
     following, _ = hub.dispatch("true")  # --max-jobs 1: runs only once the slot is back
     assert wire_obs.wait_terminal(following["job_id"])["event"] == "completed"
     assert [e["event"] for e in wire_obs.terminal(lingering["job_id"])] == ["completed"]
-    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "300"]]
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", nap]]
