@@ -221,11 +221,16 @@ def test_status_with_stale_pid_file_reports_down(workspace):
     assert psutil.pid_exists(os.getpid())  # down never signalled the foreign pid
 
 
-def test_rendered_config_quotes_and_permissions():
-    """Observer rights: subscribe under the root subject (and $MQTT.sub.>), publish nothing."""
+def test_rendered_config_is_the_shipped_template_with_its_variables_filled():
+    """Issue 10 fault 5: the embedded config is deploy/nats/nats.conf itself (one source):
+    observer subscribes to the root subject AND the bare root (MQTT `#`), publishes
+    nothing, and connects over MQTT and MQTT-over-WebSocket (MQTT_WS, not WEBSOCKET)."""
     settings = broker_mod.NatsSettings(store_dir=Path("/x"), topic_root="fleet/v1.2")
     text = broker_mod.render_nats_config(settings, broker_mod.BrokerCredentials.fresh())
-    assert '"fleet.v1//2.>"' in text and '"$MQTT.sub.>"' in text and 'deny: [">"]' in text
+    shipped = (Path(__file__).resolve().parents[2] / "deploy" / "nats" / "nats.conf").read_text()
+    assert text.endswith(shipped.split("MAM_SUBJECTS:")[1].split("\n", 1)[1])  # everything below the variables
+    assert 'MAM_SUBJECTS: ["fleet.v1//2", "fleet.v1//2.>"]' in text and 'deny:  [">"]' in text
+    assert '"MQTT_WS"' in text and '"WEBSOCKET"' not in text
     assert "websocket {" in text and "jetstream: enabled" in text
     with pytest.raises(Exception, match="MQTT_USERNAME"):
         broker_mod.render_nats_config(settings, broker_mod.BrokerCredentials(
