@@ -23,7 +23,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -239,9 +239,12 @@ def start_embedded(workspace: Path) -> Broker:
                   folder=workspace, log=Path(info["log"]))
 
 
-def start_mosquitto(folder: Path, pki: Pki, *, require_certificate: bool = False) -> tuple[Broker, Broker]:
+def start_mosquitto(folder: Path, pki: Pki, *, require_certificate: bool = False,
+                    changes: Mapping[str, str] | None = None) -> tuple[Broker, Broker]:
     """mosquitto running deploy/mosquitto/mosquitto.conf + acl; returns views of
-    its plain listener (with the WebSocket one) and of its TLS listener.
+    its plain listener (with the WebSocket one) and of its TLS listener. `changes`
+    replaces further lines of the shipped file (each must occur once), e.g. to run
+    it with an earlier setting and show the fault that setting caused.
 
     Started as root, mosquitto drops to the mosquitto user (as in production),
     which cannot traverse pytest's 0700 tmp folders: use a folder under /tmp
@@ -267,6 +270,8 @@ def start_mosquitto(folder: Path, pki: Pki, *, require_certificate: bool = False
     text = replace_once(text, "listener 8080\n", f"listener {ws_port} 127.0.0.1\n")
     if require_certificate:
         text = replace_once(text, "require_certificate false\n", "require_certificate true\n")
+    for line, replacement in (changes or {}).items():
+        text = replace_once(text, line, replacement)
     conf = folder / "mosquitto.conf"
     conf.write_text(text)
     shutil.copy(DEPLOY / "mosquitto" / "acl", folder / "auth" / "acl")
