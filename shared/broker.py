@@ -275,7 +275,9 @@ def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int 
             of this machine (default 127.0.0.1).
         ready_timeout_s: deadline for the MQTT CONNECT/CONNACK check.
     Returns:
-        a summary dict (no secrets): status "started" or "already running", pid, ports.
+        a summary dict (no secrets): status "started" or "already running", pid, ports;
+        "unclean_stop" is True when the previous server died without `down` (its pid
+        file was left): the caller re-clears retained topics (issue 10 fault 7).
     Raises:
         UsageError: a port out of range, two listeners on one port, or a bad listen
             address; checked before anything is started or written (§9: exit 64).
@@ -294,6 +296,7 @@ def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int 
     proc = _live_process(state)
     if proc is not None:
         return {"status": "already running", **_public_state(state)}
+    unclean = state is not None or paths.pid.exists()  # `down` removes both: the server died
     creds, env = _credentials_for(paths)
     labels = {name: name if given is not None else f"{name} (default)" for name, given in
               (("--mqtt-port", mqtt_port), ("--port", port), ("--ws-port", ws_port))}
@@ -341,7 +344,7 @@ def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int 
         }, header="Written by `mam-orch broker up`; holds secrets (mode 0600).\n"
                   "Copy to runners as their .mam.env (drop MAM_OBSERVER_* there).")
     return {"status": "started", **_public_state(new_state), "env_file": str(paths.env_file),
-            "log": str(paths.log)}
+            "log": str(paths.log), "unclean_stop": unclean}
 
 
 def _int_or(value: str | None, default: int) -> int:
