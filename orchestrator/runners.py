@@ -82,8 +82,8 @@ class PresenceBurst:
 
     Attributes:
         rows: verified presences by session; refused: one line per refused presence.
-        received: non-empty presence messages received (verified or refused).
-        cut_off: the collection ended at its time limit while messages still came.
+        received: non-empty retained presences received (verified or refused).
+        cut_off: the collection ended at its time limit while retained ones still came.
     """
 
     rows: dict[str, Row] = field(default_factory=dict)
@@ -98,7 +98,7 @@ class PresenceBurst:
 def receive_presence(client: MqttClient, keys: DispatchKeys, session: str | None = None, *,
                      quiet_s: float = PRESENCE_QUIET_S, max_s: float = PRESENCE_MAX_S) -> PresenceBurst:
     """Subscribe to the retained presence of one session (or all, `ROOT/runners/+`)
-    and collect it until no message came for `quiet_s` seconds, at most `max_s` (§7).
+    and collect it until no retained message came for `quiet_s` seconds, at most `max_s` (§7).
 
     Unsigned, forged or malformed presence is refused (listed in `refused` for the
     caller to print on stderr), never shown. Zero-length payloads (cleared) are ignored.
@@ -126,10 +126,11 @@ def receive_presence(client: MqttClient, keys: DispatchKeys, session: str | None
             message = client.messages.get(timeout=wait_s)
         except queue.Empty:
             break
-        quiet_until = time.monotonic() + quiet_s
+        if message.retain:  # live refreshes of a large fleet never pause: only the retained burst counts
+            quiet_until = time.monotonic() + quiet_s
         if names.parse_presence_topic(message.topic, root) is None or not message.payload:
             continue
-        burst.received += 1
+        burst.received += message.retain
         try:
             row = verify_presence(message.topic, message.payload, keys, root)
         except ProtocolError as exc:
