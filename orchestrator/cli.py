@@ -11,13 +11,14 @@ import typer
 
 from mam.orchestrator.cancel import cancel
 from mam.orchestrator.dispatch import dispatch_cli
-from mam.orchestrator.gc import RETENTION_DAYS, gc_cli
+from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.redispatch import redispatch_cli
 from mam.orchestrator.runners import runners_cli
 from mam.orchestrator.watch import watch_cli
 from mam.shared import broker, clikit
 from mam.shared.config import describe
+from mam.shared.errors import MamError
 
 app = clikit.new_app(
     "mam-orch",
@@ -105,6 +106,8 @@ def broker_up_cmd(
                                     "machine (0.0.0.0 for runners on other hosts)."),
 ) -> int:
     """Start nats-server detached and wait until it accepts MQTT; write .mam.env if missing.
+    After an unclean stop (a stale pid file), re-clear the retained topics of ended and
+    started jobs as `gc --reclear` does (the count is `recleared_jobs`).
 
     Prints one JSON line (no secrets). Already running: says so, exit 0. Exit 64: a port
     out of range, two listeners on one port, or a bad --listen (nothing started or
@@ -112,6 +115,14 @@ def broker_up_cmd(
     """
     info = broker.up(workspace, mqtt_port=mqtt_port, port=port, ws_port=ws_port,
                      monitor_port=monitor_port, host=listen)
+    if info.get("unclean_stop"):  # nats-server may have brought cleared retained messages back (fault 7)
+        try:
+            done, _ = reclear(workspace)
+            info["recleared_jobs"] = len(done)
+        except MamError as exc:  # the broker runs: say what is left to do, exit 0
+            info["reclear_error"] = str(exc)
+            typer.echo(f"WARNING: re-clearing retained topics failed ({exc}); run `mam-orch gc --reclear`",
+                       err=True)
     _print_json(info)
     return 0
 
@@ -251,11 +262,17 @@ def gc_cmd(
     older_than_days: float = typer.Option(float(RETENTION_DAYS), "--older-than-days", metavar="D",
                                           help="Retention: clear jobs terminal for longer than D days."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Only list the jobs that would be cleared."),
+    reclear_: bool = typer.Option(False, "--reclear",
+                                  help="Instead: clear again the dispatch and control of every ended job and "
+                                       "the dispatch of every started one (after a broker crash)."),
     workspace: str = clikit.workspace_option(),
 ) -> int:
     """Clear the retained dispatch, events, state and control of jobs terminal
-    for longer than the retention period (PROTOCOL §2). Records stay on disk."""
+    for longer than the retention period (PROTOCOL §2). Records stay on disk.
+    With --reclear: clear again what a broker crash brought back (docs/deployment.md)."""
     clikit.setup_logging()
+    if reclear_:
+        return reclear_cli(workspace=workspace)
     return gc_cli(older_than_days=older_than_days, workspace=workspace, dry_run=dry_run)
 
 

@@ -1,4 +1,14 @@
-"""`mam-orch gc`: retention of the retained topics of ended jobs (PROTOCOL §2)."""
+"""`mam-orch gc`: retention of the retained topics of ended jobs (PROTOCOL §2),
+and `--reclear`: clear again what a broker crash may have brought back.
+
+nats-server 2.15 brings cleared retained messages back after it is SIGKILLed
+(issue 10 fault 7: 100 retained dispatches, 90 cleared, kill -9, restart: 100).
+Runners refuse such a dispatch (replayed/expired), and `reclear` takes it off
+the broker: the dispatch and control of every job terminal in this hub's
+registry (all four retained topics of a job `gc` cleared already), and the
+dispatch of every job already started. `mam-orch broker up` runs it after an
+unclean stop (docs/deployment.md).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +19,9 @@ import time
 from mam.orchestrator.control import clear_retained
 from mam.orchestrator.hub import DAY_S, Workspace, open_hub
 from mam.shared import names
-from mam.shared.codes import TERMINAL_STATUSES
+from mam.shared.codes import TERMINAL_STATUSES, JobStatus
 from mam.shared.errors import UsageError
+from mam.shared.mqtt import MqttClient
 from mam.shared.records import JobRecord, utc_now
 from mam.shared.wire import parse_ts
 
@@ -18,6 +29,9 @@ RETAINED_LEAVES = ("dispatch", "events", "state", "control")
 RETENTION_DAYS = 7
 MAX_RETENTION_DAYS = 36500
 GC_AUDIT_EVENT = "retained_cleared"
+# What a terminal job must not have retained once ended (its final events and state stay until gc).
+ENDED_LEAVES = ("dispatch", "control")
+STARTED_LEAVES = ("dispatch",)
 
 
 def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = None, dry_run: bool = False) -> int:
@@ -69,4 +83,69 @@ def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = No
                           "updated_at": record["updated_at"], "cleared": not dry_run}))
     for exc in errors:
         print(f"ERROR: {exc}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def reclear_leaves(record: JobRecord, collected: bool) -> tuple[str, ...]:
+    """The retained leaves of `record`'s job that must stay cleared (issue 10 fault 7).
+
+    Args:
+        record: a hub record; collected: `gc` cleared its retained topics already.
+    """
+    if record["status"] in TERMINAL_STATUSES:
+        return RETAINED_LEAVES if collected else ENDED_LEAVES
+    if record["status"] == JobStatus.RUNNING:
+        return STARTED_LEAVES
+    return ()
+
+
+def reclear(workspace: Workspace = None, *, client: MqttClient | None = None) -> tuple[list[dict[str, object]], int]:
+    """Clear again the retained topics that must stay cleared, for every hub job (fault 7).
+
+    Args:
+        workspace: the hub workspace; client: a connection to use (default: a new one).
+    Returns:
+        (one summary per job re-cleared, number of corrupt records reported on stderr).
+    Raises:
+        EnvFileError (1), BrokerError (3).
+    """
+    hub = open_hub(workspace)
+    records, errors = hub.registry.list()
+    for exc in errors:
+        print(f"ERROR: {exc}", file=sys.stderr)
+    due = []
+    for record in records:
+        if record.get("role") != "hub":
+            continue
+        collected = record["status"] in TERMINAL_STATUSES and any(
+            line.get("event") == GC_AUDIT_EVENT for line in hub.registry.audit(record["job_id"]))
+        leaves = reclear_leaves(record, collected)
+        if leaves:
+            due.append((record, leaves))
+    if not due:
+        return [], len(errors)
+    own = client is None
+    client = hub.connect("gc") if client is None else client
+    try:
+        for record, leaves in due:
+            for leaf in leaves:
+                clear_retained(client, names.job_topic(record["job_id"], leaf, client.config.topic_root))
+    finally:
+        if own:
+            client.close()
+    return [{"job_id": record["job_id"], "status": record["status"], "recleared": list(leaves)}
+            for record, leaves in due], len(errors)
+
+
+def reclear_cli(*, workspace: Workspace = None) -> int:
+    """`mam-orch gc --reclear`: `reclear`, one JSON line per job re-cleared.
+
+    Returns:
+        0, or 1 when some record was corrupt (reported on stderr).
+    Raises:
+        EnvFileError (1), BrokerError (3).
+    """
+    done, errors = reclear(workspace)
+    for line in done:
+        print(json.dumps(line, sort_keys=True))
     return 1 if errors else 0

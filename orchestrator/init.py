@@ -1,9 +1,9 @@
 """`mam-orch init`: write a workspace's `.mam.env` and, on request, a filled
 production `nats.conf` (PROTOCOL §13, docs/deployment.md).
 
-The nats-server configurations shipped in `deploy/nats/` are embedded below
-(`NATS_CONF`, `NATS_TLS_CONF`) because an installed wheel has no `deploy/`
-folder; a test asserts they are byte-identical to the files in `deploy/nats/`.
+The nats-server configurations shipped in `deploy/nats/` live in
+`mam.shared.natsconf` (`NATS_CONF`, `NATS_TLS_CONF`, re-exported here), the one
+source the embedded broker of `mam-orch broker up` is rendered from too.
 Everything a deployment may change lives in a block of `MAM_*: value`
 variable lines at the top of those files; `set_conf_variables` rewrites those
 lines and nothing else, so the tests run the shipped files themselves.
@@ -14,9 +14,7 @@ never printed.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +23,7 @@ from mam.shared import names
 from mam.shared.config import ENV_FILE_NAME, new_secret, resolve_root, write_env_file
 from mam.shared.errors import ConfigError, UsageError
 from mam.shared.fsio import atomic_write
+from mam.shared.natsconf import NATS_CONF, NATS_TLS_CONF, conf_variables, set_conf_variables
 
 #: Users of deploy/nats/nats.conf (account MAM) and what they are for.
 AGENT_USER = "mam_agent"
@@ -34,50 +33,9 @@ BROKER_SECRET_VARS = ("MAM_BROKER_PASS", "MAM_OBSERVER_PASS", "MAM_HOME_PASS", "
 #: Name of the file holding the broker's secrets, next to the rendered nats.conf.
 BROKER_ENV_NAME = "nats.env"
 
-_VAR_LINE = re.compile(r"^(?P<name>MAM_[A-Z_]+):[ \t]*(?P<value>.*)$", re.M)
-
-
-def _conf_value(value: str | int | bool | list[str] | tuple[str, ...]) -> str:
-    """A Python value in nats-server config syntax (strings JSON-quoted)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(json.dumps(str(item)) for item in value) + "]"
-    text = str(value)
-    if any(c in text for c in "\n\r\x00"):
-        raise UsageError(f"config value {text!r} is invalid: no line breaks")
-    return json.dumps(text)
-
-
-def conf_variables(text: str) -> dict[str, str]:
-    """The `MAM_*: value` variable lines of a shipped nats config, as raw text."""
-    return {m.group("name"): m.group("value").strip() for m in _VAR_LINE.finditer(text)}
-
-
-def set_conf_variables(text: str, values: Mapping[str, str | int | bool | list[str] | tuple[str, ...]]) -> str:
-    """Rewrite the `MAM_*: value` variable lines at the top of a nats config.
-
-    Args:
-        text: a config from deploy/nats (or `NATS_CONF`/`NATS_TLS_CONF`).
-        values: variable name -> new value (str is quoted, int/bool bare,
-            list -> array of strings).
-    Returns:
-        the new text; every other line is unchanged.
-    Raises:
-        ConfigError: a variable is not defined exactly once in `text`
-            (the template and this code have drifted apart).
-    """
-    out = text
-    for name, value in values.items():
-        pattern = re.compile(rf"^{re.escape(name)}:[ \t]*.*$", re.M)
-        count = len(pattern.findall(out))
-        if count != 1:
-            raise ConfigError(f"nats config variable {name} is defined {count} times (expected 1)")
-        rendered = f"{name}: {_conf_value(value)}"
-        out = pattern.sub(lambda _m: rendered, out)
-    return out
+__all__ = ["AGENT_USER", "BROKER_ENV_NAME", "BROKER_SECRET_VARS", "NATS_CONF", "NATS_TLS_CONF", "OBSERVER_USER",
+           "InitResult", "broker_password", "conf_variables", "init_workspace", "render_nats_conf",
+           "set_conf_variables", "topic_subjects"]
 
 
 def topic_subjects(topic_root: str) -> list[str]:
@@ -244,208 +202,3 @@ def init_workspace(workspace: str | os.PathLike[str] | None = None, *,
     notes.append("check: mam-orch config")
     return InitResult(env_file=env_path, broker_config=conf_path, broker_env=secrets_path,
                       notes=tuple(notes))
-
-
-# ----------------------------------------------------------------- templates
-# Byte-identical copies of deploy/nats/nats.conf and deploy/nats/nats-tls.conf
-# (tests/e2e/test_deploy_init.py checks it).
-
-NATS_CONF = r"""# mam-fleet production broker: nats-server >= 2.10 with its MQTT 3.1.1 engine.
-#
-# Plain-TCP variant, for use INSIDE a tailnet (WireGuard encrypts the link).
-# For a broker exposed beyond a private network use nats-tls.conf instead.
-#
-# Secrets come from the environment; nats-server refuses to start when one is
-# unset (no default): MAM_BROKER_PASS, MAM_OBSERVER_PASS, MAM_HOME_PASS,
-# MAM_SYS_PASS. `mam-orch init` generates them (see deploy/nats/README.md).
-# Keep the env references bare: a quoted "$VAR" is taken literally.
-#
-# Settings `mam-orch init` and the tests fill in. Names start with MAM_ on
-# purpose: config keys are case-insensitive, so a variable called STORE_DIR
-# would be read as the store_dir option itself.
-MAM_MQTT_PORT: 1883
-MAM_WS_PORT: 8080
-MAM_STORE_DIR: "/data"
-# Native NATS client port (loopback only, see below).
-MAM_NATS_PORT: 4222
-# The subjects of MAM_TOPIC_ROOT (python/mqtt): NATS maps MQTT '/' to '.'.
-# MQTT '#' also matches the parent level, hence the bare root.
-MAM_SUBJECTS: ["python.mqtt", "python.mqtt.>"]
-
-server_name: mam-broker
-
-# Native NATS port: mam-fleet does not use it; loopback only (admin tools).
-host: 127.0.0.1
-port: $MAM_NATS_PORT
-
-# MQTT needs JetStream: QoS 1 sessions and retained messages live in streams.
-jetstream {
-  store_dir: $MAM_STORE_DIR
-  max_memory_store: 256MB
-  max_file_store: 8GB
-}
-
-# MQTT 3.1.1 over TCP: the hub (mam-orch) and the runners (mam-runner).
-mqtt {
-  port: $MAM_MQTT_PORT
-  # PUBACK wait before JetStream redelivers a QoS 1 message to a subscriber.
-  ack_wait: "30s"
-}
-
-# WebSocket listener. It serves BOTH protocols: NATS-over-WebSocket at any
-# path, and MQTT-over-WebSocket when the client asks for the path /mqtt
-# (nats-server >= 2.8, PR nats-io/nats-server#2735). Dashboards connect to
-# ws://<broker>:8080/mqtt as mam_observer. no_tls is acceptable only inside
-# a tailnet; nats-tls.conf adds TLS here.
-websocket {
-  port: $MAM_WS_PORT
-  no_tls: true
-  # Browsers send an Origin header; dashboards may be served from anywhere.
-  same_origin: false
-  compression: false
-}
-
-accounts {
-  # Everything mam-fleet does happens inside this account.
-  MAM: {
-    jetstream: enabled
-    users: [
-      # Hub and runners: read and write under the topic root, nothing else.
-      { user: mam_agent, password: $MAM_BROKER_PASS,
-        allowed_connection_types: ["MQTT", "MQTT_WS"],
-        permissions: {
-          publish:   { allow: $MAM_SUBJECTS }
-          subscribe: { allow: $MAM_SUBJECTS }
-        } }
-      # Dashboards: read every job and runner topic, publish nothing. A denied
-      # MQTT PUBLISH is dropped by the server (logged as a Publish Violation).
-      { user: mam_observer, password: $MAM_OBSERVER_PASS,
-        allowed_connection_types: ["MQTT", "MQTT_WS"],
-        permissions: {
-          publish:   { deny:  [">"] }
-          subscribe: { allow: $MAM_SUBJECTS }
-        } }
-    ]
-  }
-  # Other home services; accounts are isolated, so HOME sees nothing of MAM.
-  HOME: {
-    users: [ { user: home, password: $MAM_HOME_PASS } ]
-  }
-  # Server monitoring and events ($SYS.>); never give it to an agent.
-  SYS: {
-    users: [ { user: sys, password: $MAM_SYS_PASS } ]
-  }
-}
-system_account: SYS
-"""
-
-NATS_TLS_CONF = r"""# mam-fleet production broker: nats-server >= 2.10 with its MQTT 3.1.1 engine.
-#
-# TLS variant (model P: a broker reachable beyond a private network).
-# TLS 1.3 only, server certificate from a private CA; client certificates
-# (mTLS) are optional: set MAM_VERIFY_CLIENTS to true to require them.
-# Certificates: see deploy/nats/README.md.
-#
-# Secrets come from the environment; nats-server refuses to start when one is
-# unset (no default): MAM_BROKER_PASS, MAM_OBSERVER_PASS, MAM_HOME_PASS,
-# MAM_SYS_PASS. `mam-orch init` generates them (see deploy/nats/README.md).
-# Keep the env references bare: a quoted "$VAR" is taken literally.
-#
-# Settings `mam-orch init` and the tests fill in. Names start with MAM_ on
-# purpose: config keys are case-insensitive, so a variable called STORE_DIR
-# would be read as the store_dir option itself.
-MAM_MQTT_PORT: 8883
-MAM_WS_PORT: 8443
-MAM_CA_FILE: "/certs/ca.crt"
-MAM_CERT_FILE: "/certs/server.crt"
-MAM_KEY_FILE: "/certs/server.key"
-# true: a client must present a certificate signed by the CA (mTLS), on top
-# of its password.
-MAM_VERIFY_CLIENTS: false
-MAM_STORE_DIR: "/data"
-# Native NATS client port (loopback only, see below).
-MAM_NATS_PORT: 4222
-# The subjects of MAM_TOPIC_ROOT (python/mqtt): NATS maps MQTT '/' to '.'.
-# MQTT '#' also matches the parent level, hence the bare root.
-MAM_SUBJECTS: ["python.mqtt", "python.mqtt.>"]
-
-server_name: mam-broker
-
-# Native NATS port: mam-fleet does not use it; loopback only (admin tools).
-host: 127.0.0.1
-port: $MAM_NATS_PORT
-
-# MQTT needs JetStream: QoS 1 sessions and retained messages live in streams.
-jetstream {
-  store_dir: $MAM_STORE_DIR
-  max_memory_store: 256MB
-  max_file_store: 8GB
-}
-
-# MQTT 3.1.1 over TLS (mqtts://<broker>:8883): the hub and the runners.
-mqtt {
-  port: $MAM_MQTT_PORT
-  # PUBACK wait before JetStream redelivers a QoS 1 message to a subscriber.
-  ack_wait: "30s"
-  tls {
-    ca_file:   $MAM_CA_FILE
-    cert_file: $MAM_CERT_FILE
-    key_file:  $MAM_KEY_FILE
-    min_version: "1.3"
-    verify: $MAM_VERIFY_CLIENTS
-    timeout: 5
-  }
-}
-
-# WebSocket listener over TLS. It serves BOTH protocols: NATS-over-WebSocket
-# at any path, and MQTT-over-WebSocket when the client asks for the path /mqtt
-# (nats-server >= 2.8, PR nats-io/nats-server#2735). Dashboards connect to
-# wss://<broker>:8443/mqtt as mam_observer.
-websocket {
-  port: $MAM_WS_PORT
-  # Browsers send an Origin header; dashboards may be served from anywhere.
-  same_origin: false
-  compression: false
-  tls {
-    ca_file:   $MAM_CA_FILE
-    cert_file: $MAM_CERT_FILE
-    key_file:  $MAM_KEY_FILE
-    min_version: "1.3"
-    verify: $MAM_VERIFY_CLIENTS
-    timeout: 5
-  }
-}
-
-accounts {
-  # Everything mam-fleet does happens inside this account.
-  MAM: {
-    jetstream: enabled
-    users: [
-      # Hub and runners: read and write under the topic root, nothing else.
-      { user: mam_agent, password: $MAM_BROKER_PASS,
-        allowed_connection_types: ["MQTT", "MQTT_WS"],
-        permissions: {
-          publish:   { allow: $MAM_SUBJECTS }
-          subscribe: { allow: $MAM_SUBJECTS }
-        } }
-      # Dashboards: read every job and runner topic, publish nothing. A denied
-      # MQTT PUBLISH is dropped by the server (logged as a Publish Violation).
-      { user: mam_observer, password: $MAM_OBSERVER_PASS,
-        allowed_connection_types: ["MQTT", "MQTT_WS"],
-        permissions: {
-          publish:   { deny:  [">"] }
-          subscribe: { allow: $MAM_SUBJECTS }
-        } }
-    ]
-  }
-  # Other home services; accounts are isolated, so HOME sees nothing of MAM.
-  HOME: {
-    users: [ { user: home, password: $MAM_HOME_PASS } ]
-  }
-  # Server monitoring and events ($SYS.>); never give it to an agent.
-  SYS: {
-    users: [ { user: sys, password: $MAM_SYS_PASS } ]
-  }
-}
-system_account: SYS
-"""

@@ -1,5 +1,12 @@
 """The hub's view of its runners: their signed retained presence (PROTOCOL §7)
-and `mam-orch runners`."""
+and `mam-orch runners`.
+
+A broker may deliver only part of a large retained burst (mosquitto's
+`max_queued_messages` defaulted to 1,000: 2,000 presences listed as 1,020, issue
+10 fault 6), so `runners` says on stderr when what it received may be incomplete:
+the count equals a known broker queue limit, the burst was cut by the time limit,
+or it is below the count of the previous run (kept in `.mam/runners-seen.json`).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +14,18 @@ import json
 import queue
 import sys
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.shared import crypto, names, render, wire
 from mam.shared.codes import PresenceStatus
 from mam.shared.crypto import DispatchKeys
-from mam.shared.errors import ProtocolError
+from mam.shared.errors import ProtocolError, RegistryError
+from mam.shared.fsio import atomic_write, read_json_object
 from mam.shared.mqtt import MqttClient
+from mam.shared.records import utc_now
 
 PRESENCE_QUIET_S = 0.5
 # A runner republishes its presence every PRESENCE_REFRESH_S (the runner's own constant);
@@ -23,7 +34,15 @@ PRESENCE_REFRESH_S = 60.0
 STALE_PERIODS = 3
 CLOCK_SKEW_S = 30.0
 PRESENCE_STALE_S = STALE_PERIODS * PRESENCE_REFRESH_S + CLOCK_SKEW_S
-PRESENCE_MAX_S = 3.0
+# Collection ends after PRESENCE_QUIET_S without a message; this caps a burst that never pauses
+# (10,000 retained presences of a large fleet arrive within a few seconds).
+PRESENCE_MAX_S = 30.0
+# Counts at which a broker's per-client queue cuts a retained burst: mosquitto 2.x's default
+# max_queued_messages and 1.x's, each alone and plus the default max_inflight_messages.
+MOSQUITTO_DEFAULT_QUEUED, MOSQUITTO_1X_DEFAULT_QUEUED, MOSQUITTO_DEFAULT_INFLIGHT = 1000, 100, 20
+QUEUE_LIMIT_COUNTS = frozenset({MOSQUITTO_DEFAULT_QUEUED, MOSQUITTO_DEFAULT_QUEUED + MOSQUITTO_DEFAULT_INFLIGHT,
+                                MOSQUITTO_1X_DEFAULT_QUEUED, MOSQUITTO_1X_DEFAULT_QUEUED + MOSQUITTO_DEFAULT_INFLIGHT})
+SEEN_MAX_BYTES = 4096
 READ_PRESENCE_QUIET_S = 1.0  # one session: its retained presence comes at once, or not at all
 STALE = "stale"
 
@@ -57,31 +76,49 @@ def _presence_age_s(timestamp: str) -> float:
     return time.time() - wire.parse_ts(timestamp).timestamp()
 
 
-def collect_presence(client: MqttClient, keys: DispatchKeys, session: str | None = None, *,
-                     quiet_s: float = PRESENCE_QUIET_S, max_s: float = PRESENCE_MAX_S) -> tuple[list[Row], list[str]]:
-    """Subscribe to the retained presence of one session (or all, `ROOT/runners/+`)
-    and collect it until no message came for `quiet_s` seconds, at most `max_s` (§7).
+@dataclass
+class PresenceBurst:
+    """What one subscription to retained presence received (§7).
 
-    Unsigned, forged or malformed presence is refused (listed in the second
-    value for the caller to print on stderr), never shown. Zero-length payloads (cleared) are ignored.
+    Attributes:
+        rows: verified presences by session; refused: one line per refused presence.
+        received: non-empty retained presences received (verified or refused).
+        cut_off: the collection ended at its time limit while retained ones still came.
+    """
+
+    rows: dict[str, Row] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)
+    received: int = 0
+    cut_off: bool = False
+
+    def sorted_rows(self) -> list[Row]:
+        return sorted(self.rows.values(), key=lambda row: str(row["session"]))
+
+
+def receive_presence(client: MqttClient, keys: DispatchKeys, session: str | None = None, *,
+                     quiet_s: float = PRESENCE_QUIET_S, max_s: float = PRESENCE_MAX_S) -> PresenceBurst:
+    """Subscribe to the retained presence of one session (or all, `ROOT/runners/+`)
+    and collect it until no retained message came for `quiet_s` seconds, at most `max_s` (§7).
+
+    Unsigned, forged or malformed presence is refused (listed in `refused` for the
+    caller to print on stderr), never shown. Zero-length payloads (cleared) are ignored.
 
     Args:
         client: a connected `MqttClient` (its queue must hold nothing else).
         session: one session, or None for every runner.
-    Returns:
-        (rows sorted by session, refusal lines).
     Raises:
         BrokerError: the subscription failed.
     """
     root = client.config.topic_root
     topic_filter = names.presence_topic(session, root) if session else names.all_presence_filter(root)
     client.subscribe([(topic_filter, 1)])
-    rows: dict[str, Row] = {}
-    refused: list[str] = []
+    burst = PresenceBurst()
     end = time.monotonic() + max_s
     quiet_until = time.monotonic() + quiet_s
     while True:
         now = time.monotonic()
+        if now >= end and quiet_until > end:
+            burst.cut_off = True
         wait_s = min(end, quiet_until) - now
         if wait_s <= 0:
             break
@@ -89,18 +126,70 @@ def collect_presence(client: MqttClient, keys: DispatchKeys, session: str | None
             message = client.messages.get(timeout=wait_s)
         except queue.Empty:
             break
-        quiet_until = time.monotonic() + quiet_s
+        if message.retain:  # live refreshes of a large fleet never pause: only the retained burst counts
+            quiet_until = time.monotonic() + quiet_s
         if names.parse_presence_topic(message.topic, root) is None or not message.payload:
             continue
+        burst.received += message.retain
         try:
             row = verify_presence(message.topic, message.payload, keys, root)
         except ProtocolError as exc:
-            refused.append(f"refused presence on {message.topic}: {exc}")
+            burst.refused.append(f"refused presence on {message.topic}: {exc}")
             continue
-        rows[row["session"]] = row
+        burst.rows[row["session"]] = row
         if session is not None:
             break  # the one retained presence of that session
-    return sorted(rows.values(), key=lambda row: str(row["session"])), refused
+    return burst
+
+
+def collect_presence(client: MqttClient, keys: DispatchKeys, session: str | None = None, *,
+                     quiet_s: float = PRESENCE_QUIET_S, max_s: float = PRESENCE_MAX_S) -> tuple[list[Row], list[str]]:
+    """`receive_presence` as (rows sorted by session, refusal lines).
+
+    Raises:
+        BrokerError: the subscription failed.
+    """
+    burst = receive_presence(client, keys, session, quiet_s=quiet_s, max_s=max_s)
+    return burst.sorted_rows(), burst.refused
+
+
+def incomplete_reasons(received: int, *, cut_off: bool, last_count: int | None) -> list[str]:
+    """Why a list of `received` presences may miss runners (empty: no sign of it), issue 10 fault 6.
+
+    Args:
+        received: presence messages received in this run.
+        cut_off: the burst was still arriving when the time limit ended it.
+        last_count: presences received by the previous run, or None.
+    """
+    reasons = []
+    if received in QUEUE_LIMIT_COUNTS:
+        reasons.append(f"exactly {received} is a broker queue limit (mosquitto max_queued_messages "
+                       f"+ max_inflight_messages; see deploy/mosquitto/mosquitto.conf)")
+    if cut_off:
+        reasons.append(f"presences were still arriving after {PRESENCE_MAX_S:g} s")
+    if last_count is not None and received < last_count:
+        reasons.append(f"the previous `runners` received {last_count}")
+    return reasons
+
+
+def _last_count(root: Path) -> int | None:
+    """The count kept by the previous run, or None (none kept, or unreadable)."""
+    try:
+        count = read_json_object(names.runners_seen_path(root), SEEN_MAX_BYTES).get("received")
+    except (OSError, ValueError):
+        return None
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
+
+
+def _keep_count(root: Path, received: int) -> None:
+    """Keep this run's count for the next one; a hub that cannot write it still lists its runners."""
+    data = json.dumps({"received": received, "timestamp": utc_now()}).encode("utf-8")
+    path = names.runners_seen_path(root)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, data, what=path.name)
+    except (OSError, RegistryError) as exc:
+        print(f"WARNING: cannot keep the presence count in {path}: {exc}", file=sys.stderr)
 
 
 def read_presence(client: MqttClient, keys: DispatchKeys, session: str, *,
@@ -120,7 +209,8 @@ def read_presence(client: MqttClient, keys: DispatchKeys, session: str, *,
 def runners_cli(*, workspace: Workspace = None, as_json: bool = False) -> int:
     """`mam-orch runners`: every runner's verified retained presence (§7):
     session, online / draining / offline, running jobs, last seen. A table on
-    a TTY, JSON lines otherwise (or with --json); refusals on stderr.
+    a TTY, JSON lines otherwise (or with --json); refusals on stderr, and one
+    WARNING line when the list may be incomplete (`incomplete_reasons`).
 
     Returns:
         0.
@@ -131,11 +221,17 @@ def runners_cli(*, workspace: Workspace = None, as_json: bool = False) -> int:
     keys = hub.keys()
     client = hub.connect("runners")
     try:
-        rows, refused = collect_presence(client, keys)
+        burst = receive_presence(client, keys)
     finally:
         client.close()
-    for line in refused:
+    rows = burst.sorted_rows()
+    for line in burst.refused:
         print(line, file=sys.stderr)
+    reasons = incomplete_reasons(burst.received, cut_off=burst.cut_off, last_count=_last_count(hub.root))
+    if reasons:
+        print(f"WARNING: received {burst.received} runner presences; the list may be incomplete: "
+              f"{'; '.join(reasons)}", file=sys.stderr)
+    _keep_count(hub.root, burst.received)
     if as_json or not sys.stdout.isatty():
         for row in rows:
             print(json.dumps(row, sort_keys=True))

@@ -43,6 +43,7 @@ from mam.shared.brokerconf import (
     DEFAULT_SERVER_NAME,
     DEFAULT_WS_PORT,
     OBSERVER_USER,
+    SYS_USER,
     BrokerCredentials,
     BrokerStartError,
     NatsSettings,
@@ -70,6 +71,7 @@ from mam.shared.config import (
 )
 from mam.shared.errors import BrokerError, BrokerUnavailable, ConfigError
 from mam.shared.mqtt import MqttClient
+from mam.shared.natsconf import conf_variables
 
 __all__ = [
     "ACCOUNT", "AGENT_USER", "DEFAULT_HOST", "DEFAULT_MQTT_PORT", "DEFAULT_PORT", "DEFAULT_SERVER_NAME",
@@ -273,7 +275,9 @@ def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int 
             of this machine (default 127.0.0.1).
         ready_timeout_s: deadline for the MQTT CONNECT/CONNACK check.
     Returns:
-        a summary dict (no secrets): status "started" or "already running", pid, ports.
+        a summary dict (no secrets): status "started" or "already running", pid, ports;
+        "unclean_stop" is True when the previous server died without `down` (its pid
+        file was left): the caller re-clears retained topics (issue 10 fault 7).
     Raises:
         UsageError: a port out of range, two listeners on one port, or a bad listen
             address; checked before anything is started or written (§9: exit 64).
@@ -292,6 +296,7 @@ def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int 
     proc = _live_process(state)
     if proc is not None:
         return {"status": "already running", **_public_state(state)}
+    unclean = state is not None or paths.pid.exists()  # `down` removes both: the server died
     creds, env = _credentials_for(paths)
     labels = {name: name if given is not None else f"{name} (default)" for name, given in
               (("--mqtt-port", mqtt_port), ("--port", port), ("--ws-port", ws_port))}
@@ -339,7 +344,7 @@ def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int 
         }, header="Written by `mam-orch broker up`; holds secrets (mode 0600).\n"
                   "Copy to runners as their .mam.env (drop MAM_OBSERVER_* there).")
     return {"status": "started", **_public_state(new_state), "env_file": str(paths.env_file),
-            "log": str(paths.log)}
+            "log": str(paths.log), "unclean_stop": unclean}
 
 
 def _int_or(value: str | None, default: int) -> int:
@@ -396,48 +401,53 @@ def down(workspace: str | None = None, *, timeout_s: float = STOP_TIMEOUT_S) -> 
     return {"status": outcome, "pid": proc.pid}
 
 
-async def _nats_probe(url: str, user: str, password: str, timeout_s: float) -> dict[str, Any]:
+async def _nats_probe(url: str, password: str, timeout_s: float) -> dict[str, Any]:
+    """Version, server name and the MAM account's JetStream streams, asked through the
+    system account (`$SYS.REQ.ACCOUNT.MAM.JSZ`): the agent user speaks MQTT only."""
     async def _quiet(*_: Any) -> None:  # nats-py prints errors by default
         return None
 
-    nc = await nats.connect(url, user=user, password=password, connect_timeout=timeout_s,
+    nc = await nats.connect(url, user=SYS_USER, password=password, connect_timeout=timeout_s,
                             allow_reconnect=False, max_reconnect_attempts=0,
                             error_cb=_quiet, disconnected_cb=_quiet, closed_cb=_quiet)
     try:
         info = nc._server_info  # the INFO the server sent: version, jetstream, server_name
-        js = nc.jetstream(timeout=timeout_s)
-        account = await js.account_info()
-        streams = sorted(s.config.name for s in await js.streams_info()
-                         if s.config.name and s.config.name.startswith(MQTT_STREAM_PREFIX))
+        reply = await nc.request(f"$SYS.REQ.ACCOUNT.{ACCOUNT}.JSZ", json.dumps({"streams": True}).encode(),
+                                 timeout=timeout_s)
+        data = json.loads(reply.data).get("data") or {}
+        streams = sorted(str(s.get("name")) for s in data.get("stream_detail") or []
+                         if str(s.get("name", "")).startswith(MQTT_STREAM_PREFIX))
         return {"version": info.get("version"), "server_name": info.get("server_name"),
-                "jetstream": bool(info.get("jetstream")) and account is not None,
+                "jetstream": bool(info.get("jetstream")) and data.get("name") == ACCOUNT,
                 "mqtt_streams": streams}
     finally:
         await nc.close()
 
 
 def status(workspace: str | None = None, *, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
-    """Check the workspace broker natively with nats-py.
+    """Check the workspace broker natively with nats-py, as the system account's user.
 
     Returns:
         a dict: running, pid, ports, version, server_name, jetstream, mqtt_streams, healthy.
     Raises:
         BrokerUnavailable: the broker is not running or does not answer.
-        EnvFileError: `.mam.env` cannot be read.
     """
     paths = BrokerPaths(resolve_root(workspace))
     state = _read_state(paths)
     if _live_process(state) is None:
         raise BrokerUnavailable(f"broker is not running in {paths.root} (start it with `mam-orch broker up`)")
     assert state is not None
-    env = read_env_file(paths.env_file) if paths.env_file.exists() else {}
+    try:
+        sys_password = json.loads(conf_variables(paths.config.read_text(encoding="utf-8"))["MAM_SYS_PASS"])
+    except (OSError, KeyError, ValueError):
+        raise BrokerUnavailable(f"{paths.config} is missing or has no MAM_SYS_PASS "
+                                "(restart the broker: `mam-orch broker down` then `up`)") from None
     host = state.get("host") or DEFAULT_HOST
     host = LOOPBACK if host in _ANY_ADDRESSES else host
     url = f"nats://{host}:{state.get('port')}"
     try:
         probe = asyncio.run(asyncio.wait_for(
-            _nats_probe(url, env.get("MQTT_USERNAME", AGENT_USER), env.get("MQTT_PASSWORD", ""),
-                        timeout_s), timeout_s * 2))
+            _nats_probe(url, str(sys_password), timeout_s), timeout_s * 2))
     except Exception as exc:  # nats-py raises many types: timeouts, auth, connection refused
         raise BrokerUnavailable(f"broker at {host}:{state.get('port')} does not answer "
                                 f"({type(exc).__name__})") from None

@@ -219,6 +219,11 @@ def record_path(root: Path, job_id: str) -> Path:
     return jobs_dir(root) / f"{validate_job_id(job_id)}.json"
 
 
+def runners_seen_path(root: Path) -> Path:
+    """`<root>/.mam/runners-seen.json`: how many presences the last `mam-orch runners` received."""
+    return mam_dir(root) / "runners-seen.json"
+
+
 def lock_path(root: Path) -> Path:
     """`<root>/.mam/jobs/.lock`, the registry lock (§8)."""
     return jobs_dir(root) / ".lock"

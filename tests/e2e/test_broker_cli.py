@@ -1,11 +1,14 @@
 """`mam-orch broker up|status|down` through the real CLI in a temporary
 workspace (MESSAGING §1.2-§1.3, PROTOCOL §9, §13): the detached nats-server,
-the written `.mam.env`, native status checks, clean shutdown, refusals."""
+the written `.mam.env`, native status checks, clean shutdown, refusals, and the
+re-clear of retained topics after an unclean stop (issue 10 fault 7, §2)."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
+import signal
 import socket
 import stat
 import subprocess
@@ -16,12 +19,13 @@ import psutil
 import pytest
 from dotenv import dotenv_values
 from harness.brokers import free_port
-from harness.waiting import PATIENCE_S
+from harness.waiting import PATIENCE_S, QUIET_S
 
 from mam.shared import broker as broker_mod
 from mam.shared import mqtt, names
-from mam.shared.config import BrokerConfig
+from mam.shared.config import BrokerConfig, broker_config
 from mam.shared.errors import BrokerError
+from mam.shared.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 
@@ -221,11 +225,16 @@ def test_status_with_stale_pid_file_reports_down(workspace):
     assert psutil.pid_exists(os.getpid())  # down never signalled the foreign pid
 
 
-def test_rendered_config_quotes_and_permissions():
-    """Observer rights: subscribe under the root subject (and $MQTT.sub.>), publish nothing."""
+def test_rendered_config_is_the_shipped_template_with_its_variables_filled():
+    """Issue 10 fault 5: the embedded config is deploy/nats/nats.conf itself (one source):
+    observer subscribes to the root subject AND the bare root (MQTT `#`), publishes
+    nothing, and connects over MQTT and MQTT-over-WebSocket (MQTT_WS, not WEBSOCKET)."""
     settings = broker_mod.NatsSettings(store_dir=Path("/x"), topic_root="fleet/v1.2")
     text = broker_mod.render_nats_config(settings, broker_mod.BrokerCredentials.fresh())
-    assert '"fleet.v1//2.>"' in text and '"$MQTT.sub.>"' in text and 'deny: [">"]' in text
+    shipped = (Path(__file__).resolve().parents[2] / "deploy" / "nats" / "nats.conf").read_text()
+    assert text.endswith(shipped.split("MAM_SUBJECTS:")[1].split("\n", 1)[1])  # everything below the variables
+    assert 'MAM_SUBJECTS: ["fleet.v1//2", "fleet.v1//2.>"]' in text and 'deny:  [">"]' in text
+    assert '"MQTT_WS"' in text and '"WEBSOCKET"' not in text
     assert "websocket {" in text and "jetstream: enabled" in text
     with pytest.raises(Exception, match="MQTT_USERNAME"):
         broker_mod.render_nats_config(settings, broker_mod.BrokerCredentials(
@@ -317,3 +326,81 @@ def test_s9_server_that_does_not_start_exits_1_and_writes_no_env(workspace):
     assert len(lines) == 1 and "nats-server did not start" in lines[0]
     assert nats_processes_in(workspace) == []
     assert not (workspace / ".mam.env").exists() and not (bdir / "state.json").exists()
+
+
+# ----------------------------------------------------------------- issue 10 fault 7
+
+JOBS, ENDED, STARTED = 100, 85, 5  # 85 terminal + 5 started = the 90 dispatches the hub and runners cleared
+
+
+def _retained_dispatches(config: BrokerConfig, job_ids: list[str]) -> set[str]:
+    """The jobs among `job_ids` whose dispatch the broker holds retained (§2)."""
+    wanted = {names.dispatch_topic(j, config.topic_root): j for j in job_ids}
+    found: set[str] = set()
+    with mqtt.MqttClient(config, "probe") as probe:
+        probe.subscribe([(names.all_dispatches_filter(config.topic_root), 1)])
+        while True:
+            try:
+                message = probe.messages.get(timeout=QUIET_S)
+            except queue.Empty:
+                return found
+            if message.retain and message.payload and message.topic in wanted:
+                found.add(wanted[message.topic])
+
+
+def _hub_jobs_with_dispatches(workspace: Path, config: BrokerConfig) -> tuple[list[str], list[str]]:
+    """JOBS hub jobs with a retained dispatch each; ENDED closed and STARTED running in the
+    registry, their dispatches cleared. Returns (cleared job ids, pending job ids)."""
+    registry = Registry(workspace)
+    job_ids = [registry.register(session="box")["job_id"] for _ in range(JOBS)]
+    mqtt.publish_with_retry(config, "hub", [(names.dispatch_topic(j, config.topic_root), b"dispatch " + j.encode(),
+                                             True) for j in job_ids])
+    for job_id in job_ids[:ENDED]:
+        registry.close(job_id, "cancelled")
+    for job_id in job_ids[ENDED:ENDED + STARTED]:
+        with registry.transaction(job_id) as tx:
+            tx.update({**tx.record, "status": "running"}, source="watch", reason="started")
+    cleared = job_ids[:ENDED + STARTED]
+    mqtt.publish_with_retry(config, "hub", [(names.dispatch_topic(j, config.topic_root), b"", True) for j in cleared])
+    return cleared, job_ids[ENDED + STARTED:]
+
+
+def test_fault7_broker_up_after_a_sigkill_keeps_cleared_dispatches_cleared(workspace):
+    """100 retained dispatches, 90 cleared, nats-server SIGKILLed, `broker up` again: its
+    stale pid file says the stop was unclean, so it re-clears what the registry says must
+    stay cleared (nats-server 2.15 brought all 100 back); the 10 pending stay retained."""
+    up = orch("broker", "up", "--workspace", str(workspace), *ports())
+    assert up.returncode == 0, up.stderr
+    info = json.loads(up.stdout)
+    assert info["unclean_stop"] is False and "recleared_jobs" not in info
+    config = broker_config(environ={"MAM_ENV_FILE": str(workspace / ".mam.env")}, warn=False)
+    cleared, pending = _hub_jobs_with_dispatches(workspace, config)
+    assert _retained_dispatches(config, cleared + pending) == set(pending)
+
+    os.kill(info["pid"], signal.SIGKILL)
+    psutil.wait_procs([psutil.Process(info["pid"])], timeout=PATIENCE_S)
+    again = orch("broker", "up", "--workspace", str(workspace), "--port", str(info["port"]),
+                 "--ws-port", str(info["ws_port"]))
+    assert again.returncode == 0, again.stderr
+    report = json.loads(again.stdout)
+    assert report["status"] == "started" and report["unclean_stop"] is True
+    assert report["recleared_jobs"] == len(cleared)
+    assert _retained_dispatches(config, cleared + pending) == set(pending)
+
+
+def test_fault7_gc_reclear_clears_dispatches_that_came_back(workspace):
+    """`mam-orch gc --reclear` on demand: resurrected dispatches of ended and started jobs
+    are cleared again, one JSON line per job; pending dispatches are left alone."""
+    up = orch("broker", "up", "--workspace", str(workspace), *ports())
+    assert up.returncode == 0, up.stderr
+    config = broker_config(environ={"MAM_ENV_FILE": str(workspace / ".mam.env")}, warn=False)
+    cleared, pending = _hub_jobs_with_dispatches(workspace, config)
+    mqtt.publish_with_retry(config, "crash", [(names.dispatch_topic(j, config.topic_root), b"back", True)
+                                              for j in cleared])  # what the crash brought back
+    result = orch("gc", "--reclear", "--workspace", str(workspace))
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert sorted(line["job_id"] for line in lines) == sorted(cleared)
+    assert {tuple(line["recleared"]) for line in lines if line["status"] == "running"} == {("dispatch",)}
+    assert {tuple(line["recleared"]) for line in lines if line["status"] == "cancelled"} == {("dispatch", "control")}
+    assert _retained_dispatches(config, cleared + pending) == set(pending)

@@ -35,6 +35,7 @@ from harness.shipped import (  # noqa: F401 - fixtures
     ROOT,
     Broker,
     mosquitto_pair,
+    nats_embedded,
     nats_plain,
     pki,
     receive,
@@ -54,11 +55,14 @@ from mam.shared.mqtt import Message, MqttClient
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
 
 
-@pytest.fixture(params=["nats", "mosquitto"])
+@pytest.fixture(params=["nats", "mosquitto", "embedded"])
 def broker(request) -> Broker:
-    """Each ACL test runs against both shipped broker configs."""
+    """Each ACL test runs against both shipped broker configs and the embedded broker of
+    `mam-orch broker up` (issue 10 fault 5: its observer could not read `#` nor use /mqtt)."""
     if request.param == "nats":
         return request.getfixturevalue("nats_plain")
+    if request.param == "embedded":
+        return request.getfixturevalue("nats_embedded")
     return request.getfixturevalue("mosquitto_pair")[0]
 
 

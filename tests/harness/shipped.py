@@ -4,7 +4,9 @@ real servers, for tests/e2e/test_deploy_brokers.py and test_deploy_job.py.
 Each broker is started from the file in deploy/ with only ports, store and
 certificate paths changed (for nats through the `MAM_*` variable lines of the
 file, for mosquitto by replacing the listener and path lines, each of which
-must match exactly once). Module-scoped fixtures `pki`, `nats_plain` and
+must match exactly once). `start_embedded` runs the hub's embedded broker through
+`mam.shared.broker.up` (rendered from the same deploy/nats/nats.conf, issue 10
+fault 5). Module-scoped fixtures `pki`, `nats_plain`, `nats_embedded` and
 `mosquitto_pair`: import them into a test module to use them.
 """
 
@@ -21,7 +23,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +36,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from harness.brokers import free_port
 from harness.waiting import PATIENCE_S, wait_until
 from mam.orchestrator import init as mam_init
-from mam.shared.config import BrokerConfig
+from mam.shared import broker as embedded
+from mam.shared.config import BrokerConfig, read_env_file
 from mam.shared.mqtt import Message, MqttClient
 
 REPO = Path(__file__).resolve().parents[2]  # tests/harness/shipped.py
@@ -226,9 +229,22 @@ def start_nats(folder: Path, *, tls: bool = False, pki: Pki | None = None,
     return Broker("nats", mqtt_port, ws_port, agent, observer, tls, pki, proc, folder / "nats.log")
 
 
-def start_mosquitto(folder: Path, pki: Pki, *, require_certificate: bool = False) -> tuple[Broker, Broker]:
+def start_embedded(workspace: Path) -> Broker:
+    """The hub's embedded broker (`mam-orch broker up`) in `workspace`, on free ports;
+    stop it with `embedded.down(workspace)`."""
+    info = embedded.up(str(workspace), mqtt_port=free_port(), port=free_port(), ws_port=free_port(),
+                       ready_timeout_s=PATIENCE_S)
+    env = read_env_file(workspace / ".mam.env")
+    return Broker("nats", info["mqtt_port"], info["ws_port"], env["MQTT_PASSWORD"], env["MAM_OBSERVER_PASSWORD"],
+                  folder=workspace, log=Path(info["log"]))
+
+
+def start_mosquitto(folder: Path, pki: Pki, *, require_certificate: bool = False,
+                    changes: Mapping[str, str] | None = None) -> tuple[Broker, Broker]:
     """mosquitto running deploy/mosquitto/mosquitto.conf + acl; returns views of
-    its plain listener (with the WebSocket one) and of its TLS listener.
+    its plain listener (with the WebSocket one) and of its TLS listener. `changes`
+    replaces further lines of the shipped file (each must occur once), e.g. to run
+    it with an earlier setting and show the fault that setting caused.
 
     Started as root, mosquitto drops to the mosquitto user (as in production),
     which cannot traverse pytest's 0700 tmp folders: use a folder under /tmp
@@ -254,6 +270,8 @@ def start_mosquitto(folder: Path, pki: Pki, *, require_certificate: bool = False
     text = replace_once(text, "listener 8080\n", f"listener {ws_port} 127.0.0.1\n")
     if require_certificate:
         text = replace_once(text, "require_certificate false\n", "require_certificate true\n")
+    for line, replacement in (changes or {}).items():
+        text = replace_once(text, line, replacement)
     conf = folder / "mosquitto.conf"
     conf.write_text(text)
     shutil.copy(DEPLOY / "mosquitto" / "acl", folder / "auth" / "acl")
@@ -290,6 +308,15 @@ def nats_plain(tmp_path_factory) -> Iterator[Broker]:
     broker = start_nats(tmp_path_factory.mktemp("nats"))
     yield broker
     stop_broker(broker.proc)
+
+
+@pytest.fixture(scope="module")
+def nats_embedded(tmp_path_factory) -> Iterator[Broker]:
+    """The embedded broker of `mam-orch broker up` (its own config renderer, issue 10 fault 5)."""
+    workspace = tmp_path_factory.mktemp("embedded")
+    broker = start_embedded(workspace)
+    yield broker
+    embedded.down(str(workspace))
 
 
 @pytest.fixture(scope="module")
