@@ -11,12 +11,12 @@ acknowledges it: a non-terminal entry is removed; a terminal one becomes
 reconnect (a broker that crashed before saving retained messages gets them
 back; same seq, so receivers drop the duplicate, §3.2 rule 6).
 
-Re-send (`resend`, run by the daemon's `Resender` at start, after every
-reconnect, and every SWEEP_S for entries older than SETTLE_S): per job in
-(attempt, seq) order every event; a state only when it is the newest of the
-job's current attempt (terminal, or the record's `last_seq`), so a re-sent
-state never replaces a newer retained one. The first broker failure ends the
-pass; the rest waits for the next one.
+Re-send (`resend`, by the daemon's `Resender`: pending entries at start and
+after every reconnect, kept ones after every reconnect, and every SWEEP_S the
+pending ones older than SETTLE_S): per job in (attempt, seq) order every
+event; a state only when it is the newest of the job's current attempt
+(terminal, or the record's `last_seq`), so a re-sent state never replaces a
+newer retained one. The first broker failure ends the pass until the next.
 
 Bounds: at OUTBOX_MAX_PENDING entries a new `progress`/`permission_required`
 is not kept (a warning; it is in the audit log and sent once); `started` and
@@ -272,8 +272,9 @@ def _safe_record(record_of: RecordOf, job_id: str) -> Mapping[str, Any] | None:
 
 
 class Resender:
-    """The daemon's re-send loop on its own thread (§17): a full pass at start and after every
-    `wake()` (a reconnect), and every SWEEP_S a pass over entries older than SETTLE_S.
+    """The daemon's re-send loop on its own thread (§17): every pending entry at start; after
+    every `wake()` (a reconnect) the kept terminal entries too; and every SWEEP_S the pending
+    entries older than SETTLE_S.
 
     Args:
         outbox: the runner's `Outbox`; client: the daemon's connection; record_of: as `Outbox.resend`.
@@ -289,18 +290,19 @@ class Resender:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._full_due = True
+        self._now_due = True  # a pass over every pending entry, however young
+        self._kept_due = False  # ... and the kept terminal entries (after a reconnect)
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Start the thread; its first pass is a full one."""
+        """Start the thread; its first pass sends every pending entry."""
         self._thread = threading.Thread(target=self._run, name="outbox", daemon=True)
         self._thread.start()
 
     def wake(self) -> None:
         """Ask for a full pass (kept terminal entries included) now: the connection came back."""
         with self._lock:
-            self._full_due = True
+            self._now_due = self._kept_due = True
         self._wake.set()
 
     def stop(self) -> None:
@@ -314,19 +316,20 @@ class Resender:
         while not self._stop.is_set():
             self._wake.clear()
             with self._lock:
-                full, self._full_due = self._full_due, False
-            if not self._pass(full) and full:
-                with self._lock:
-                    self._full_due = True  # retried at the next sweep or wake
+                now, kept = self._now_due, self._kept_due
+                self._now_due = self._kept_due = False
+            if not self._pass(now, kept):
+                with self._lock:  # retried at the next sweep or wake
+                    self._now_due, self._kept_due = self._now_due or now, self._kept_due or kept
             self._wake.wait(self.sweep_s)
 
-    def _pass(self, full: bool) -> bool:
+    def _pass(self, now: bool, kept: bool) -> bool:
         """One pass; False when it could not finish (no connection, broker failure)."""
         if not self.client.connected.is_set():
             return False
         try:
-            done = self.outbox.resend(self.client, self.record_of, settle_s=0.0 if full else self.settle_s,
-                                      with_kept=full, stop=self._stop)
+            done = self.outbox.resend(self.client, self.record_of, settle_s=0.0 if now else self.settle_s,
+                                      with_kept=kept, stop=self._stop)
         except Exception as exc:  # the loop never dies: a bad entry or a full disk waits for the next pass
             log.error("outbox: re-send failed: %s: %s", type(exc).__name__, exc)
             log.debug("traceback", exc_info=True)

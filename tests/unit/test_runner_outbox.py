@@ -237,6 +237,22 @@ def test_s17_resender_passes_only_while_connected_and_again_on_wake(tmp_path):
     assert sent(broker) == [("events", 1, False), ("state", 1, True)]
 
 
+def test_s17_resender_at_start_leaves_kept_terminals_a_reconnect_republishes_them(tmp_path):
+    """A restarted runner does not repeat its finished jobs' terminals; a reconnect does (fault 10)."""
+    registry = mirrored(tmp_path)
+    publish.send_on(connected(FakeBroker()), record(registry, "completed", exit_code=0))
+    broker = FakeBroker()
+    resender = Resender(Outbox(tmp_path), connected(broker), registry.get, sweep_s=0.05)
+    resender.start()
+    try:
+        wait_until(lambda: resender._now_due is False, 5.0, "the first pass")
+        assert broker.published == []
+        resender.wake()
+        wait_until(lambda: sent(broker) == [("events", 1, True), ("state", 1, True)], 5.0, "the re-publish")
+    finally:
+        resender.stop()
+
+
 def test_s17_the_daemon_resends_at_start_and_republishes_kept_terminals_after_a_reconnect(tmp_path):
     """What a `publish` left (exit 2) goes out when the runner starts; after a reconnect the
     acknowledged terminal is published again with the same seq (fault 10)."""
