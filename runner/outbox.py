@@ -69,8 +69,8 @@ RecordOf = Callable[[str], Mapping[str, Any] | None]
 
 
 @dataclass(frozen=True)
-class Entry:
-    """One outbox entry: a signed event and its signed state (§17).
+class Slot:
+    """An outbox entry file as its name and mtime tell it, before it is read (§17).
 
     Attributes:
         path: its file; kept: acknowledged terminal entry kept for re-publishing;
@@ -83,8 +83,35 @@ class Entry:
     seq: int
     kept: bool
     written_at: float
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One outbox entry, read and checked: a signed event and its signed state (§17)."""
+
+    slot: Slot
     event: dict[str, Any]
     state: dict[str, Any]
+
+    @property
+    def path(self) -> Path:
+        return self.slot.path
+
+    @property
+    def job_id(self) -> str:
+        return self.slot.job_id
+
+    @property
+    def attempt_id(self) -> int:
+        return self.slot.attempt_id
+
+    @property
+    def seq(self) -> int:
+        return self.slot.seq
+
+    @property
+    def kept(self) -> bool:
+        return self.slot.kept
 
     @property
     def terminal(self) -> bool:
@@ -170,8 +197,8 @@ class Outbox:
         self.root = Path(root)
         self.folder = names.outbox_dir(self.root)
 
-    def entries(self) -> list[Entry]:
-        """Every readable entry, sorted by (job, attempt, seq); bad files become `*.bad`."""
+    def scan(self) -> list[Slot]:
+        """Every entry file by name and mtime (nothing read), sorted by (job, attempt, seq)."""
         try:
             listing = os.listdir(self.folder)
         except FileNotFoundError:
@@ -179,21 +206,30 @@ class Outbox:
         found = []
         for name in listing:
             parsed = names.parse_outbox_name(name)
-            if parsed is not None:
-                entry = self._load(self.folder / name, *parsed)
-                if entry is not None:
-                    found.append(entry)
-        found.sort(key=lambda e: (e.job_id, e.attempt_id, e.seq, e.kept))
+            if parsed is None:
+                continue
+            try:
+                written_at = (self.folder / name).stat().st_mtime
+            except FileNotFoundError:
+                continue  # acknowledged meanwhile
+            found.append(Slot(self.folder / name, *parsed, written_at))
+        found.sort(key=lambda f: (f.job_id, f.attempt_id, f.seq, f.kept))
         return found
 
-    def _load(self, path: Path, job_id: str, attempt_id: int, seq: int, kept: bool) -> Entry | None:
+    def entries(self) -> list[Entry]:
+        """Every readable entry, sorted by (job, attempt, seq); bad files become `*.bad`."""
+        return [entry for slot in self.scan() if (entry := self.load(slot)) is not None]
+
+    def load(self, slot: Slot) -> Entry | None:
+        """Read and check one entry (§3, §4 rules); None when gone or set aside as `*.bad`."""
+        path = slot.path
         try:
-            written_at = path.stat().st_mtime
             obj = json.loads(read_capped(path, ENTRY_MAX_BYTES).decode("utf-8"))
             if not isinstance(obj, dict) or set(obj) != {"event", "state"}:
                 raise ValueError("expected an object with event and state")
             event, state = wire.from_dict(obj["event"], "event"), wire.from_dict(obj["state"], "state")
-            if (event.job_id, event.seq, event.data["attempt_id"], state.seq) != (job_id, seq, attempt_id, seq):
+            named = (slot.job_id, slot.seq, slot.attempt_id, slot.seq)
+            if (event.job_id, event.seq, event.data["attempt_id"], state.seq) != named:
                 raise ValueError("its messages do not match its name")
         except FileNotFoundError:
             return None  # acknowledged meanwhile
@@ -205,17 +241,17 @@ class Outbox:
             except OSError:
                 pass
             return None
-        return Entry(path, job_id, attempt_id, seq, kept, written_at, obj["event"], obj["state"])
+        return Entry(slot, obj["event"], obj["state"])
 
-    def prune(self, entries: list[Entry], now: float) -> list[Entry]:
+    def prune(self, slots: list[Slot], now: float) -> list[Slot]:
         """Remove kept entries older than KEEP_TERMINAL_S or beyond OUTBOX_MAX_KEPT; return the rest."""
-        kept = sorted((e for e in entries if e.kept), key=lambda e: e.written_at)
-        expired = [e for e in kept if now - e.written_at > KEEP_TERMINAL_S]
-        young = [e for e in kept if now - e.written_at <= KEEP_TERMINAL_S]
-        gone = {e.path for e in expired + young[:max(0, len(young) - OUTBOX_MAX_KEPT)]}
+        kept = sorted((f for f in slots if f.kept), key=lambda f: f.written_at)
+        young = [f for f in kept if now - f.written_at <= KEEP_TERMINAL_S]
+        gone = {f.path for f in kept if now - f.written_at > KEEP_TERMINAL_S}
+        gone.update(f.path for f in young[:max(0, len(young) - OUTBOX_MAX_KEPT)])
         for path in gone:
             path.unlink(missing_ok=True)
-        return [e for e in entries if e.path not in gone]
+        return [f for f in slots if f.path not in gone]
 
     def resend(self, client: Transport, record_of: RecordOf, *, settle_s: float = 0.0, with_kept: bool = True,
                now: float | None = None, stop: threading.Event | None = None) -> Resent:
@@ -224,22 +260,24 @@ class Outbox:
         Args:
             client: a connected `Transport`; record_of: this host's record of a job, or None.
             settle_s: leave a job's pending entries from the first one younger than this, seconds.
-            with_kept: also re-publish acknowledged terminal entries (after a reconnect or a start).
+            with_kept: also re-publish acknowledged terminal entries (after a reconnect).
             now: epoch seconds (tests); stop: set to end the pass between two entries.
         Returns:
             a `Resent`; a broker failure ends the pass (`failed`).
         """
         now = time.time() if now is None else now
-        entries = self.prune(self.entries(), now)
         sent, jobs, last_job = 0, 0, ""
         settling = ""
-        for entry in entries:
+        for slot in self.prune(self.scan(), now):
             if stop is not None and stop.is_set():
                 break
-            if entry.job_id == settling or (entry.kept and not with_kept):
+            if slot.job_id == settling or (slot.kept and not with_kept):
                 continue
-            if not entry.kept and settle_s > 0 and now - entry.written_at < settle_s:
-                settling = entry.job_id  # later seqs of this job wait behind it
+            if not slot.kept and settle_s > 0 and now - slot.written_at < settle_s:
+                settling = slot.job_id  # later seqs of this job wait behind it
+                continue
+            entry = self.load(slot)
+            if entry is None:
                 continue
             record = _safe_record(record_of, entry.job_id)
             current = record is None or record.get("attempt_id") == entry.attempt_id
@@ -338,4 +376,4 @@ class Resender:
 
 
 __all__ = ["ALWAYS_KEPT", "Entry", "KEEP_TERMINAL_S", "OUTBOX_MAX_KEPT", "OUTBOX_MAX_PENDING", "Outbox", "Resender",
-           "Resent", "acknowledge", "put"]
+           "Resent", "Slot", "acknowledge", "put"]
