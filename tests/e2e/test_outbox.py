@@ -4,6 +4,8 @@ fault 1 and fault 10): a broker outage of any length loses nothing a runner wrot
 - Fault 1: an agent's own terminal event, published while the broker is down
   (`publish` exits 2), reaches the hub after the broker is back: the runner
   daemon re-sends it from `<root>/.mam/outbox/`.
+- Without an outage: a `publish` that failed on its own (the daemon stayed
+  connected) is sent by the daemon's next sweep.
 - Fault 10: mosquitto SIGKILLed before it saved its retained messages gets the
   retained state of a recently finished job back: the daemon re-publishes the
   acknowledged terminal entries it keeps after every reconnect (same seq).
@@ -106,6 +108,26 @@ def test_s17_fault1_an_agents_terminal_event_published_during_an_outage_reaches_
     assert "re-sent" in runner_log(runner_ws)
     left = [n for n in outbox_files(runner_ws) if not n.endswith(names.OUTBOX_KEPT_SUFFIX)]
     assert left == [], left  # everything acknowledged; only the kept terminal entry stays
+
+
+def test_s17_a_publish_that_failed_while_the_daemon_stayed_connected_is_sent_by_a_sweep(nats_broker, tmp_path):
+    """§17 without an outage: the agent's own `publish` cannot reach the broker (a wrong port in
+    its environment) and exits 2; the daemon, connected all along, sends the entry at its next
+    sweep (entries older than SETTLE_S), and the hub closes the job `completed`."""
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner_ws = tmp_path / "runner"
+    runner = start_runner(nats_broker, runner_ws)
+    brief = ('MQTT_PORT=1 MAM_LOG_LEVEL=ERROR eval "$MAM_PUBLISH_CMD --event completed --detail by-the-agent '
+             '--attempts 1" || echo "publish exited $?" >&2')
+    try:
+        result = orch(hub, "dispatch", "--session", SESSION, "--brief", brief, *OUTAGE_HEARTBEAT,
+                      "--ack-timeout", ACK_TIMEOUT)
+    finally:
+        stop(runner)
+    assert result.returncode == 0, result.stderr + runner_log(runner_ws)
+    assert '"by-the-agent"' in result.stdout
+    agent_log = (runner_ws / ".mam" / "logs" / Registry(hub).list()[0][0]["job_id"] / "agent.log").read_text()
+    assert "publish exited 2" in agent_log
 
 
 @pytest.fixture
