@@ -55,7 +55,7 @@ def publish_cmd(
     event and the retained state on one connection (PROTOCOL §3, §4).
 
     Exit codes: 0 published; 1 refused (stale attempt, terminal job, unknown
-    job); 2 transport failure (the event is on disk); 64 bad arguments.
+    job); 2 transport failure (the event is on disk and in the outbox, §17); 64 bad arguments.
     """
     return publish_cli(job_id=job, event=event, detail=detail, data=data, attempt_id=attempt_id,
                        dispatch_token=dispatch_token, heartbeat_s=heartbeat, watch_pid=watch_pid,
@@ -133,7 +133,8 @@ def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attem
     try:
         publish.send(published, config, attempts=attempts)
     except BrokerError as exc:
-        print(f"ERROR: job {request.job_id} seq {published.seq} is on disk but not published: {exc}",
+        kept = "; kept in the outbox: a runner daemon on this workspace re-sends it" if published.entry else ""
+        print(f"ERROR: job {request.job_id} seq {published.seq} is on disk but not published: {exc}{kept}",
               file=sys.stderr)
         exit_code = ExitCode.TRANSPORT
     if watch is not None and heartbeat_s is not None:

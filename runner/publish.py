@@ -4,11 +4,12 @@
 Order: validate everything (nothing written on bad input); for a terminal
 event raise the heartbeat barrier and stop the timer (§12); then, under the
 registry lock, check the attempt identity, take the seq, apply the status
-transition and append the signed event to `events.ndjson` (§8); only then
-publish the event and, on the same connection, the retained state (§4).
-Terminal events are retained. Exit codes (§9): 0 published, 1 refused
+transition, append the signed event to `events.ndjson` (§8) and put the
+event and its state in the outbox (§17); only then publish the event and,
+on the same connection, the retained state (§4), and acknowledge the outbox
+entry. Terminal events are retained. Exit codes (§9): 0 published, 1 refused
 (stale attempt, terminal job, invalid), 2 transport failure with the local
-record and audit log already written.
+record, audit log and outbox entry written (the runner daemon re-sends it).
 
 Agents call this often: paho is imported only when a message is sent. The
 command line (`mam-runner publish`) is in `mam.runner.cli`.
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mam.runner import outbox
 from mam.shared import crypto, names, wire
 from mam.shared.codes import EVENT_NAMES, TERMINAL_EVENTS
 from mam.shared.config import BrokerConfig, broker_config
@@ -60,11 +62,13 @@ class PublishRequest:
 
 @dataclass(frozen=True)
 class Published:
-    """The signed event and state of one publish, already on disk."""
+    """The signed event and state of one publish, already on disk; `entry` is its
+    outbox entry (§17), None when it was not kept."""
 
     seq: int
     event: dict[str, Any]
     state: dict[str, Any]
+    entry: Path | None = None
 
     @property
     def terminal(self) -> bool:
@@ -170,13 +174,16 @@ def record(registry: Registry, request: PublishRequest, *, source: str = "publis
         signed["token"] = rec["auth_token"]
         return crypto.sign_event(event.to_dict(), rec["auth_token"])
 
-    seq, payload = registry.record_event(request.job_id, attempt_id=attempt_id, dispatch_token=token,
-                                         event=request.event, build=build, source=source,
-                                         status=status, exit_code=exit_code)
-    after = registry.get(request.job_id)
-    state = wire.State.build(request.job_id, seq, after["status"], request.event,
-                             attempt_id=attempt_id, dispatch_token=token)
-    return Published(seq, payload, crypto.sign_event(state.to_dict(), signed["token"]))
+    with registry.lock():  # one hold: the outbox gets a job's entries in seq order (§17)
+        seq, payload = registry.record_event(request.job_id, attempt_id=attempt_id, dispatch_token=token,
+                                             event=request.event, build=build, source=source,
+                                             status=status, exit_code=exit_code)
+        after = registry.get(request.job_id)
+        state = crypto.sign_event(wire.State.build(request.job_id, seq, after["status"], request.event,
+                                                   attempt_id=attempt_id, dispatch_token=token).to_dict(),
+                                  signed["token"])
+        entry = outbox.put(registry.root, payload, state)
+    return Published(seq, payload, state, entry)
 
 
 def broker_for(registry: Registry, job_id: str, *, warn: bool = True) -> BrokerConfig:
@@ -188,7 +195,8 @@ def broker_for(registry: Registry, job_id: str, *, warn: bool = True) -> BrokerC
 
 def send(published: Published, config: BrokerConfig, *, attempts: int | None = None) -> None:
     """Publish event then state over one fresh connection with the §13 retries
-    (`attempts` tries; None = `mqtt.DEFAULT_ATTEMPTS`).
+    (`attempts` tries; None = `mqtt.DEFAULT_ATTEMPTS`), then acknowledge the
+    outbox entry (§17); on failure it stays for the runner daemon to re-send.
 
     Raises:
         BrokerUnavailable, PublishTimeout, BrokerError.
@@ -197,16 +205,25 @@ def send(published: Published, config: BrokerConfig, *, attempts: int | None = N
 
     tries = mqtt.DEFAULT_ATTEMPTS if attempts is None else attempts
     mqtt.publish_with_retry(config, "publish", published.messages(config.topic_root), attempts=tries)
+    acknowledge(published)
 
 
 def send_on(client: Transport, published: Published) -> None:
-    """Publish event then state on an already connected, persistent client (§4).
+    """Publish event then state on an already connected, persistent client (§4),
+    then acknowledge the outbox entry (§17).
 
     Raises:
         PublishTimeout, BrokerError.
     """
     for topic, payload, retain in published.messages(client.config.topic_root):
         client.publish(topic, payload, retain=retain)
+    acknowledge(published)
+
+
+def acknowledge(published: Published) -> None:
+    """The broker acknowledged both messages: release the outbox entry (§17)."""
+    if published.entry is not None:
+        outbox.acknowledge(published.entry, terminal=published.terminal)
 
 
 def publish_command(workspace: str | os.PathLike[str], job_id: str) -> str:

@@ -35,6 +35,7 @@ from mam.runner.admission import (
     waiting_attempt,
 )
 from mam.runner.job import Job, Supervisor, orphan_job
+from mam.runner.outbox import Outbox, Resender
 from mam.runner.presence import Presence
 from mam.runner.settings import RunnerOptions, options_from_cli
 from mam.shared import config as shared_config
@@ -96,6 +97,7 @@ class Runner:
         self.tombstones = Tombstones()
         self._registry: Registry | None = None
         self._supervisor: Supervisor | None = None
+        self._resender: Resender | None = None  # re-sends the outbox (§17)
         self._jobs: dict[str, Job] = {}
         self._jobs_lock = threading.Lock()
         self._pending: dict[str, bytes] = {}  # dispatch topic -> payload waiting for a slot
@@ -221,6 +223,8 @@ class Runner:
         client.subscribe([(names.all_controls_filter(self.config.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
         client.subscribe([(names.all_dispatches_filter(self.config.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
         self._publish_presence(PresenceStatus.ONLINE)
+        self._resender = Resender(Outbox(self.options.root), client, self._record)
+        self._resender.start()  # §17: what an earlier run or a failed `publish` left is sent now
         log.info("runner %s serving session %s (max %d job(s)) on %s:%d", self.runner_id,
                  self.options.session, self.options.max_jobs, client.host, self.config.port)
 
@@ -259,6 +263,8 @@ class Runner:
         if self.client.reconnected.is_set():  # the broker may have published our Last Will
             self.client.reconnected.clear()
             self._publish_presence()
+            if self._resender is not None:
+                self._resender.wake()  # §17: re-send the outbox, kept terminal states included
         elif self.presence.refresh_due(self.options.presence_refresh_s):
             self._publish_presence()  # refresh: a fresh timestamp says we are alive (§7)
         self._reap_ended()
@@ -277,6 +283,8 @@ class Runner:
             if job.thread is not None:
                 job.thread.join()
         self._reap_ended()
+        if self._resender is not None:
+            self._resender.stop()
         if self.client is not None:
             if self.presence.announced and self.client.connected.is_set():
                 self._publish_presence(PresenceStatus.OFFLINE)

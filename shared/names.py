@@ -239,3 +239,32 @@ def heartbeat_path(root: Path, job_id: str, kind: str) -> Path:
     if kind not in ("barrier", "pid", "lock"):
         raise ValueError(f"unknown heartbeat file kind {kind!r}")
     return jobs_dir(root) / f"{validate_job_id(job_id)}.heartbeat.{kind}"
+
+
+# ---------------------------------------------------------------- outbox (§17)
+
+OUTBOX_SUFFIX = ".json"
+OUTBOX_KEPT_SUFFIX = ".kept.json"
+_OUTBOX_NAME_RE = re.compile(r"^([0-9a-f]{8})\.([1-9][0-9]{0,8})\.([1-9][0-9]{0,11})(\.kept)?\.json$")
+
+
+def outbox_dir(root: Path) -> Path:
+    """`<root>/.mam/outbox`: events and states not yet acknowledged by the broker (§17)."""
+    return mam_dir(root) / "outbox"
+
+
+def outbox_entry_path(root: Path, job_id: str, attempt_id: int, seq: int, *, kept: bool = False) -> Path:
+    """`<root>/.mam/outbox/<job_id>.<attempt_id>.<seq>.json` (one event and its state, §17);
+    `.kept.json` once acknowledged, for a terminal entry kept for re-publishing."""
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+        raise UsageError(f"seq {seq!r} is invalid: expected an integer >= 1")
+    suffix = OUTBOX_KEPT_SUFFIX if kept else OUTBOX_SUFFIX
+    return outbox_dir(root) / f"{validate_job_id(job_id)}.{validate_attempt(attempt_id)}.{seq}{suffix}"
+
+
+def parse_outbox_name(name: str) -> tuple[str, int, int, bool] | None:
+    """(job_id, attempt_id, seq, kept) of an outbox entry's file name (§17), or None."""
+    match = _OUTBOX_NAME_RE.fullmatch(name)
+    if match is None:
+        return None
+    return match.group(1), int(match.group(2)), int(match.group(3)), match.group(4) is not None
