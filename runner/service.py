@@ -545,7 +545,8 @@ def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str 
     Returns:
         the exit code (0 clean exit).
     Raises:
-        UsageError / ConfigError (exit 64), EnvFileError (1), BrokerUnavailable (3).
+        UsageError / ConfigError (exit 64), EnvFileError (1), RegistryError (1: the workspace's
+        `.mam/` cannot be written), BrokerUnavailable (3).
     """
     options = options_from_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
                                max_jobs=max_jobs, once=once, replace=replace)

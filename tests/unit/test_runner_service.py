@@ -227,7 +227,8 @@ def test_fault4_a_workspace_whose_mam_folder_cannot_be_written_refuses_to_start_
     (ws / ".mam" / "jobs").mkdir(parents=True)
     (ws / ".mam" / "logs").write_text("not a folder")
     runner = new_runner(broker, ws)
-    with pytest.raises(RegistryError, match=r"^the runner's workspace \(§8\): /\S+/ws/\.mam/logs is not writable \(EEXIST: ") as caught:
+    expected = r"^the runner's workspace \(§8\): /\S+/ws/\.mam/logs is not writable \(EEXIST: "
+    with pytest.raises(RegistryError, match=expected) as caught:
         runner.serve()
     assert "\n" not in str(caught.value)
     assert broker.published == [] and runner.client is None
