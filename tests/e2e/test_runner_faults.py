@@ -223,7 +223,7 @@ def test_fault4_a_read_only_workspace_refuses_to_start_before_any_presence(broke
     `ERROR:` line and exit 1 (§9: like a file that exists but cannot be read), no presence."""
     ws = tmp_path / "ro-ws"
     ws.mkdir()
-    mount(mounts, "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(ws))
+    mount(mounts, "-t", "tmpfs", "-o", f"size={SMALL_DISK}", "tmpfs", str(ws))
     write_env_for(broker, ws)
     (ws / ".mam").mkdir(mode=0o700)
     mount(mounts, "-o", "remount,ro", str(ws))
