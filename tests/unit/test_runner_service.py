@@ -19,7 +19,7 @@ from mam.runner.service import Runner
 from mam.runner.settings import RunnerOptions
 from mam.shared import crypto, names, wire
 from mam.shared.config import BrokerConfig
-from mam.shared.errors import MamError, RegistryError
+from mam.shared.errors import BrokerUnavailable, MamError, RegistryError
 
 KEYS = crypto.derive_keys("unit-test-dispatch-secret-0123456789abcdef")
 SESSION = "gpu-box"
@@ -269,3 +269,31 @@ def test_s17_the_state_read_returns_the_retained_state_and_keeps_other_messages_
     assert state_topic not in client.filters
     del broker.retained[state_topic]
     assert runner._retained_state(job_id) is None
+
+
+def test_s17_a_state_that_cannot_be_read_leaves_the_dispatch_retained_and_nothing_subscribed(
+        served, broker, caplog, monkeypatch):
+    """No SUBACK for the state topic: the dispatch is not taken now (it comes back after a
+    reconnect), and the state topic is not left among the filters re-subscribed at reconnect."""
+    runner, result = served
+    assert runner.client is not None
+    caplog.set_level(logging.INFO, "mam.daemon")
+    job_id = "918b0612"
+    state_topic = names.state_topic(job_id, CONFIG.topic_root)
+    subscribe = runner.client.subscribe
+
+    def no_suback(filters, *, timeout_s=5.0):
+        if filters[0][0] == state_topic:
+            runner.client.filters.append(state_topic)  # type: ignore[union-attr]  # as MqttClient remembers it
+            raise BrokerUnavailable("no SUBACK from fake-broker within 2 s")
+        subscribe(filters, timeout_s=timeout_s)
+
+    monkeypatch.setattr(runner.client, "subscribe", no_suback)
+    hub = broker.client(CONFIG).connect()
+    hub.publish(names.dispatch_topic(job_id, CONFIG.topic_root),
+                wire.encode(signed_dispatch(job_id, names.new_auth_token())), retain=True)
+    wait_until(lambda: f"dispatch {job_id} not taken now: its retained state could not be read" in caplog.text,
+               5.0, "the warning")
+    assert runner.running == [] and result == []
+    assert state_topic not in runner.client.filters  # type: ignore[union-attr]
+    assert names.dispatch_topic(job_id, CONFIG.topic_root) in broker.retained
