@@ -5,8 +5,9 @@ of the job, its busy slots, whether it drains) and acts on the verdict.
 `admit_dispatch` returns `Take` (run it now), `Wait` (valid, every slot busy:
 keep it for a free slot), `Refuse` (one line on stderr, PROTOCOL §5 reasons)
 or `Ignore` (silently, or at debug level). `Refuse.forget` and `Ignore.forget`
-say whether a dispatch kept for a free slot is dropped. `check_control` does
-the same for the signed cancel of §6.
+say whether a dispatch kept for a free slot is dropped. `check_taken` judges
+the job's retained state read just before a take (§17: an attempt runs at most
+once); `check_control` does the same for the signed cancel of §6.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ class RefuseReason(StrEnum):
     REPLAYED = "replayed"
     CANCELLED = "cancelled"
     SEAL = "seal"
+    TAKEN = "taken"  # §17: a state of this attempt is retained, another runner started it
 
 
 # A refusal for these reasons also drops a dispatch kept for a free slot: the dispatch is
 # authentic, and will never become takeable. A forged or broken one leaves the kept one alone.
 _FORGETTING = frozenset({RefuseReason.HUB_RECORD, RefuseReason.EXPIRED, RefuseReason.REPLAYED,
-                         RefuseReason.CANCELLED})
+                         RefuseReason.CANCELLED, RefuseReason.TAKEN})
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,35 @@ def admit_dispatch(topic_job_id: str, payload: bytes, state: RunnerState) -> Ver
     return Take(dispatch, auth_token, brief)
 
 
+def check_taken(take: Take, state_payload: bytes | None) -> Refuse | None:
+    """§17 "An attempt runs at most once": the job's retained `state`, read just
+    before taking `take`, proves another runner started this attempt when it is
+    a state of the same `attempt_id` (any status) signed with the attempt's
+    `auth_token` (from the opened seal). A crashed broker can bring back a
+    cleared dispatch; a replacement runner has no registry record of it.
+
+    Args:
+        take: the `Take` verdict of `admit_dispatch`.
+        state_payload: the retained state as received; None or b"" = none.
+    Returns:
+        `Refuse(TAKEN)`, or None when the state proves nothing (none, another
+        attempt, unreadable, or not signed with this attempt's token).
+    """
+    if not state_payload:
+        return None
+    dispatch = take.dispatch
+    try:
+        state = wire.decode(state_payload, "state")
+        crypto.verify_event(state, take.auth_token)
+    except (DecodeError, SignatureError):
+        return None
+    if state.job_id != dispatch.job_id or state.data.get("attempt_id") != dispatch.attempt_id:
+        return None
+    return Refuse(dispatch.job_id, RefuseReason.TAKEN,
+                  f"taken: attempt {dispatch.attempt_id} was already started by another runner "
+                  f"(retained state {state.status}, seq {state.seq}); not run again (§17)")
+
+
 def check_control(topic_job_id: str, payload: bytes, keys: DispatchKeys) -> wire.Control | Refuse | Ignore:
     """Decode and verify a control message (§6).
 
@@ -240,4 +271,5 @@ class Tombstones:
 
 
 __all__ = ["MAX_CANCEL_TOMBSTONES", "Ignore", "Refuse", "RefuseReason", "RunnerState", "Take", "Tombstones",
-           "Verdict", "Wait", "admit_dispatch", "check_control", "hub_registry_message", "waiting_attempt"]
+           "Verdict", "Wait", "admit_dispatch", "check_control", "check_taken", "hub_registry_message",
+           "waiting_attempt"]

@@ -201,15 +201,23 @@ def stop_for_terminal(registry: Registry, job_id: str, attempt_id: int, *, drain
         registry: the host's `Registry`.
         job_id: the job; attempt_id: the attempt ending.
         drain_s: how long the timer may take to exit (default MAM_HEARTBEAT_DRAIN_S).
+    Raises:
+        RegistryError: the barrier could not be written (the timer is stopped all the same).
     """
     drain = drain_s_setting() if drain_s is None else drain_s
     root = registry.root
+    refused: RegistryError | None = None
     with lifecycle_lock(root, job_id):
         with registry.lock():
             if barrier_attempt(root, job_id) < attempt_id:
-                _write_json_0600(names.heartbeat_path(root, job_id, "barrier"),
-                                 {"attempt_id": attempt_id, "raised_at": time.time()})
+                try:
+                    _write_json_0600(names.heartbeat_path(root, job_id, "barrier"),
+                                     {"attempt_id": attempt_id, "raised_at": time.time()})
+                except RegistryError as exc:  # a full disk: the timer is still stopped, then we say so
+                    refused = exc
         _stop_timer_locked(root, job_id, drain)
+    if refused is not None:
+        raise refused
 
 
 def start_timer(registry: Registry, job_id: str, *, attempt_id: int, dispatch_token: str,

@@ -8,7 +8,9 @@ secret; MAM_ENV_FILE points to it, §13), run the agent, and wait until one
 `StopReason`. Then stop what is left of its tree and only then publish the
 terminal event, unless the agent published one itself. The job's files are
 removed when it ends. An orphan (a dead runner's job) only has its agent tree
-stopped and its end published.
+stopped and its end published. A job thread never dies with an exception and
+ends every job with a terminal: when the disk refuses it (full, read-only) it
+goes on the wire at once and to disk once the disk takes it (issue 10, fault 9).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from mam.runner import heartbeat, orphans, publish
 from mam.runner.agent import AgentProcess, AgentStartError, ExitStatus, agent_env
 from mam.runner.process_tree import AgentIdentity, stop_orphan
 from mam.runner.settings import RunnerOptions
-from mam.shared import names, wire
-from mam.shared.codes import TERMINAL_STATUSES, EventName, JobStatus
+from mam.shared import crypto, names, wire
+from mam.shared.codes import EVENT_STATUS, TERMINAL_STATUSES, EventName, JobStatus
 from mam.shared.config import BrokerConfig, write_env_file
 from mam.shared.errors import BrokerError, MamError, RegistryError, TransitionRefused
 from mam.shared.registry import Refusal, Registry
@@ -40,6 +42,8 @@ WAIT_POLL_S = 0.1
 """How often the supervisor looks at the agent, the cancel flag and the clock."""
 RECORD_CHECK_S = 0.5
 """How often it reads the record to see whether the agent published its own terminal event."""
+DISK_RETRY_S = 1.0
+"""How often a terminal event the disk refused is written again (seconds)."""
 BROKER_ENV_FILE = "broker.env"
 DETAIL_CANCELLED = "cancelled"
 DETAIL_SUPERVISOR_FAILED = "runner failed to supervise the agent"
@@ -134,10 +138,13 @@ class Supervisor:
         registry: this host's registry; client: the daemon's connection; config: its broker settings.
         environ: the environment agents inherit (None = os.environ).
         on_end: called with the job id when a supervisor thread ends (always, last).
+        stopping: set when the runner stops now: a terminal event still waiting for
+            disk space is then left to the restart's recovery (default: never set).
     """
 
     def __init__(self, *, options: RunnerOptions, runner_id: str, registry: Registry, client: Transport,
-                 config: BrokerConfig, environ: Mapping[str, str] | None, on_end: Callable[[str], None]) -> None:
+                 config: BrokerConfig, environ: Mapping[str, str] | None, on_end: Callable[[str], None],
+                 stopping: threading.Event | None = None) -> None:
         self.options = options
         self.runner_id = runner_id
         self.registry = registry
@@ -145,6 +152,7 @@ class Supervisor:
         self.config = config
         self.environ = environ
         self.on_end = on_end
+        self.stopping = stopping or threading.Event()
 
     def start(self, job: Job) -> None:
         """Start the job's supervisor thread."""
@@ -163,7 +171,10 @@ class Supervisor:
         except Exception as exc:
             log.error("supervisor of job %s failed: %s: %s", job.job_id, type(exc).__name__, exc)
             log.debug("traceback", exc_info=True)
-            self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_SUPERVISOR_FAILED, None))
+            try:
+                self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_SUPERVISOR_FAILED, None))
+            except Exception as again:  # a supervisor thread never dies with an exception
+                log.error("job %s: no terminal event published: %s: %s", job.job_id, type(again).__name__, again)
         finally:
             try:
                 self._remove_job_files(job.job_id)
@@ -326,22 +337,78 @@ class Supervisor:
     # ------------------------------------------------------------ publishing (§11 step 5)
 
     def publish_terminal(self, job: Job, terminal: Terminal) -> None:
-        """Disk first, then the wire; an agent's own terminal event wins (§11 step 5)."""
+        """Disk first, then the wire; an agent's own terminal event wins (§11 step 5).
+
+        A disk that refuses the write (ENOSPC, EROFS) does not lose the end: the event is
+        signed from the record as it stands (its next seq) and sent at once, then written
+        every DISK_RETRY_S until the disk takes it (the same seq: the hub drops the resend
+        as a duplicate, §3.2 rule 6) or the runner stops.
+        """
         try:
-            published = publish.record(self.registry, publish.PublishRequest(
-                job_id=job.job_id, event=terminal.event, detail=terminal.detail, attempt_id=job.attempt_id,
-                dispatch_token=job.dispatch_token), source="runner", exit_code=terminal.exit_code,
-                status=terminal.status, drain_s=self.options.heartbeat_drain_s)
-        except Refusal as exc:
-            if exc.reason == "after_terminal":
-                log.info("job %s already ended (the agent published its terminal event)", job.job_id)
-            else:
-                log.warning("job %s: terminal event refused: %s", job.job_id, exc)
-            return
+            published = self._record_terminal_event(job, terminal)
         except TransitionRefused as exc:
-            log.warning("job %s: terminal event refused: %s", job.job_id, exc)
+            self._terminal_refused(job, exc)
+            return
+        except (RegistryError, OSError) as exc:
+            log.error("job %s: terminal event %s not written to disk (%s); sent on the wire now, written "
+                      "when the disk takes it", job.job_id, terminal.event, exc)
+            self._send_unrecorded(job, terminal)
+            self._record_when_disk_returns(job, terminal)
             return
         self._send(job.job_id, published)
+
+    def _record_terminal_event(self, job: Job, terminal: Terminal) -> publish.Published:
+        return publish.record(self.registry, publish.PublishRequest(
+            job_id=job.job_id, event=terminal.event, detail=terminal.detail, attempt_id=job.attempt_id,
+            dispatch_token=job.dispatch_token), source="runner", exit_code=terminal.exit_code,
+            status=terminal.status, drain_s=self.options.heartbeat_drain_s)
+
+    @staticmethod
+    def _terminal_refused(job: Job, exc: TransitionRefused) -> None:
+        if isinstance(exc, Refusal) and exc.reason == "after_terminal":
+            log.info("job %s already ended (the agent published its terminal event)", job.job_id)
+        else:
+            log.warning("job %s: terminal event refused: %s", job.job_id, exc)
+
+    def _send_unrecorded(self, job: Job, terminal: Terminal) -> None:
+        """The terminal event and state of `job`, signed from its record (read-only) with the
+        next seq, on the wire only: the disk refused them (§4, §11 step 5)."""
+        try:
+            record = self.registry.get(job.job_id)
+        except RegistryError as exc:
+            log.error("job %s: record unreadable, terminal event not sent: %s", job.job_id, exc)
+            return
+        if (record["attempt_id"], record["dispatch_token"]) != (job.attempt_id, job.dispatch_token) \
+                or record["status"] in TERMINAL_STATUSES:
+            return
+        seq = record["last_seq"] + 1
+        data = {} if terminal.exit_code is None else {"exit_code": terminal.exit_code}
+        event = wire.Event.build(job.job_id, seq, terminal.event, terminal.detail, attempt_id=job.attempt_id,
+                                 dispatch_token=job.dispatch_token, session=record.get("session"), data=data)
+        status = terminal.status or EVENT_STATUS[EventName(terminal.event)]
+        state = wire.State.build(job.job_id, seq, status, terminal.event, attempt_id=job.attempt_id,
+                                 dispatch_token=job.dispatch_token)
+        token = record["auth_token"]
+        self._send(job.job_id, publish.Published(seq, crypto.sign_event(event.to_dict(), token),
+                                                 crypto.sign_event(state.to_dict(), token)))
+
+    def _record_when_disk_returns(self, job: Job, terminal: Terminal) -> None:
+        """Write the terminal event every DISK_RETRY_S until the disk takes it, then send it again."""
+        while not self.stopping.wait(DISK_RETRY_S):
+            try:
+                published = self._record_terminal_event(job, terminal)
+            except TransitionRefused as exc:
+                self._terminal_refused(job, exc)
+                return
+            except (RegistryError, OSError) as exc:
+                log.debug("job %s: disk still refuses the terminal event: %s", job.job_id, exc)
+                continue
+            log.info("job %s: terminal event %s written to disk (seq %d)", job.job_id, terminal.event,
+                     published.seq)
+            self._send(job.job_id, published)
+            return
+        log.error("job %s: runner stopping while the disk still refuses its terminal event; its record "
+                  "stays open (a restart ends it)", job.job_id)
 
     def _send(self, job_id: str, published: publish.Published) -> None:
         try:

@@ -28,9 +28,10 @@ import psutil
 from mam.runner.admission import hub_registry_message
 from mam.runner.heartbeat import WatchedProcess
 from mam.runner.process_tree import AgentIdentity
+from mam.shared import names
 from mam.shared.codes import OPEN_STATUSES
 from mam.shared.errors import UsageError
-from mam.shared.fsio import atomic_write
+from mam.shared.fsio import atomic_write, check_writable
 from mam.shared.records import JobRecord
 from mam.shared.registry import Registry
 
@@ -59,6 +60,20 @@ def check_not_hub_registry(registry: Registry) -> None:
     hub = [r["job_id"] for r in records if r.get("role") == "hub"]
     if hub:
         raise HubRegistry(hub_registry_message(registry.root, hub[0]))
+
+
+def check_workspace_writable(registry: Registry) -> None:
+    """Refuse to serve from a workspace whose `.mam/` cannot be written (a read-only mount,
+    a folder of another user, a full disk): every dispatch would fail inside while the
+    presence said `online` (issue 10, fault 4). Runs before any connection or presence.
+
+    Raises:
+        RegistryError: one line naming the folder and the errno (exit 1, like a
+            configuration file that exists but cannot be read, §9).
+    """
+    root = registry.root
+    for folder in (names.mam_dir(root), names.jobs_dir(root), names.logs_dir(root)):
+        check_writable(folder, what="the runner's workspace (§8)")
 
 
 def agent_file(registry: Registry, job_id: str) -> Path:

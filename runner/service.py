@@ -13,6 +13,8 @@ so retained cancels normally arrive before retained dispatches.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import queue
 import signal
@@ -32,6 +34,7 @@ from mam.runner.admission import (
     Wait,
     admit_dispatch,
     check_control,
+    check_taken,
     waiting_attempt,
 )
 from mam.runner.job import Job, Supervisor, orphan_job
@@ -43,7 +46,7 @@ from mam.shared import crypto, mqtt, names
 from mam.shared.codes import TERMINAL_STATUSES, PresenceStatus
 from mam.shared.config import BrokerConfig
 from mam.shared.crypto import DispatchKeys
-from mam.shared.errors import ExitCode, MamError
+from mam.shared.errors import BrokerError, ExitCode, MamError
 from mam.shared.records import JobRecord
 from mam.shared.registry import JobNotFound, Refusal, Registry
 from mam.shared.transport import Received, Transport, TransportFactory, Will
@@ -53,6 +56,10 @@ log = logging.getLogger("mam.daemon")
 MESSAGE_WAIT_S = 0.1
 """Longest wait for a message before the next `on_tick`."""
 SHUTDOWN_REASON = "runner_shutdown"
+TAKEN_CHECK_WAIT_S = 2.0
+"""Longest wait for each of the SUBACK and UNSUBACK of a job's state topic read before a take
+(§17); on a healthy broker each answer takes one round trip, so a take waits this only when
+the broker does not answer (the dispatch then stays retained)."""
 
 SignalHandler = Callable[[int, FrameType | None], Any] | int | None
 
@@ -101,6 +108,7 @@ class Runner:
         self._jobs: dict[str, Job] = {}
         self._jobs_lock = threading.Lock()
         self._pending: dict[str, bytes] = {}  # dispatch topic -> payload waiting for a slot
+        self._deferred: collections.deque[Received] = collections.deque()  # read during a take check
         self._ended: queue.Queue[str] = queue.Queue()  # job ids whose supervisor finished
         self._taken = 0
         self._draining = threading.Event()
@@ -177,6 +185,7 @@ class Runner:
         Raises:
             SessionBusy: another live runner holds the session (exit 64; §7).
             HubRegistry: the registry root holds hub records (exit 64; §8).
+            RegistryError: the workspace's `.mam/` is not writable (exit 1; §9).
             BrokerUnavailable: no broker accepted the connection (exit 3).
             MamError: `serve()` was already called on this Runner.
         """
@@ -188,7 +197,8 @@ class Runner:
         self._registry = Registry(self.options.root)
         try:
             orphans.check_not_hub_registry(self._registry)  # before any connection, handler or log line
-        except BaseException:  # HubRegistry, or a registry that cannot be listed
+            orphans.check_workspace_writable(self._registry)  # before any presence (issue 10 fault 4)
+        except BaseException:  # HubRegistry, a registry that cannot be listed or written
             self._shutdown_done = True
             self._stopped.set()
             raise
@@ -212,7 +222,7 @@ class Runner:
         self.presence.check_session_free(client, wait_s=self.options.presence_wait_s, replace=self.options.replace)
         self._supervisor = Supervisor(options=self.options, runner_id=self.runner_id, registry=registry,
                                       client=client, config=self.config, environ=self.environ,
-                                      on_end=self._ended.put)
+                                      on_end=self._ended.put, stopping=self._stop)
         # Before subscribing: a retained cancel for an orphan then finds it adopted (in `_jobs`).
         for record, orphan in orphans.orphans_at_start(registry, runner_id=self.runner_id,
                                                        session=self.options.session):
@@ -234,7 +244,8 @@ class Runner:
         assert self.client is not None
         while not self.on_tick():
             try:
-                message = self.client.messages.get(timeout=MESSAGE_WAIT_S)
+                message = (self._deferred.popleft() if self._deferred
+                           else self.client.messages.get(timeout=MESSAGE_WAIT_S))
             except queue.Empty:
                 continue
             try:
@@ -417,6 +428,13 @@ class Runner:
         """§5 checks, then take the job or remember it for a free slot (§11)."""
         verdict = admit_dispatch(topic_job_id, payload, self.admission_state())
         if isinstance(verdict, Take):
+            try:  # §17: an attempt runs at most once, whatever the broker forgot
+                verdict = check_taken(verdict, self._retained_state(verdict.dispatch.job_id)) or verdict
+            except BrokerError as exc:
+                log.warning("dispatch %s not taken now: its retained state could not be read (%s); "
+                            "it stays retained and comes back after a reconnect", topic_job_id, exc)
+                return
+        if isinstance(verdict, Take):
             self._pending.pop(topic, None)
             self._take(verdict)
         elif isinstance(verdict, Wait):
@@ -434,6 +452,38 @@ class Runner:
                 log.log(logging.INFO if verdict.notice else logging.DEBUG, "%s", verdict.why)
             if verdict.forget:
                 self._pending.pop(topic, None)
+
+    def _retained_state(self, job_id: str) -> bytes | None:
+        """The job's retained `state` as the broker holds it now (§17), None when there is none.
+
+        Subscribe, then unsubscribe, each acknowledged: the broker sends a retained message
+        right after the SUBACK, so it is in the inbox once the UNSUBACK arrived. Other
+        messages read meanwhile are kept, in order, for the main loop.
+
+        Raises:
+            BrokerError: no SUBACK/UNSUBACK within TAKEN_CHECK_WAIT_S.
+        """
+        assert self.client is not None
+        topic = names.state_topic(job_id, self.config.topic_root)
+        # QoS 0: a read, no session state; nats-server makes a JetStream consumer for every QoS 1
+        # subscription (~30 ms a take), QoS 0 answers in well under 1 ms on both brokers
+        try:
+            self.client.subscribe([(topic, mqtt.QOS_AT_MOST_ONCE)], timeout_s=TAKEN_CHECK_WAIT_S)
+            self.client.unsubscribe([topic], timeout_s=TAKEN_CHECK_WAIT_S)
+        except BrokerError:
+            with contextlib.suppress(BrokerError):  # never left subscribed (nor re-subscribed at reconnect)
+                self.client.unsubscribe([topic], timeout_s=TAKEN_CHECK_WAIT_S)
+            raise
+        found: bytes | None = None
+        while True:
+            try:
+                message = self.client.messages.get_nowait()
+            except queue.Empty:
+                return found
+            if message.topic == topic:
+                found = message.payload or None
+            else:
+                self._deferred.append(message)
 
     def _retry_pending(self) -> None:
         """A slot freed: re-evaluate the remembered dispatches in arrival order (§11)."""
@@ -511,7 +561,8 @@ def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str 
     Returns:
         the exit code (0 clean exit).
     Raises:
-        UsageError / ConfigError (exit 64), EnvFileError (1), BrokerUnavailable (3).
+        UsageError / ConfigError (exit 64), EnvFileError (1), RegistryError (1: the workspace's
+        `.mam/` cannot be written), BrokerUnavailable (3).
     """
     options = options_from_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
                                max_jobs=max_jobs, once=once, replace=replace)

@@ -67,6 +67,34 @@ def atomic_write(path: Path, data: bytes, *, what: str, error: type[MamError] = 
                 os.unlink(tmp)
 
 
+WRITE_PROBE_PREFIX = ".write-probe."
+"""The probe file `check_writable` creates and removes (the pid follows)."""
+
+
+def check_writable(folder: Path, *, what: str, error: type[MamError] = RegistryError) -> None:
+    """Make `folder` (0700, with its parents) if missing, then create, fsync and
+    remove a probe file in it: a read-only mount, a full disk or a folder we may
+    not write to fails here, not in the middle of a job.
+
+    Raises:
+        error: one line naming `what`, the folder and the errno (EROFS, EACCES, ENOSPC).
+    """
+    probe = folder / f"{WRITE_PROBE_PREFIX}{os.getpid()}"
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"probe\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+        raise error(f"{what}: {folder} is not writable ({errno_name(exc)}: {exc.strerror or exc})") from exc
+
+
 def json_line(obj: Any) -> bytes:
     """`obj` as one compact, key-sorted JSON line (UTF-8, ending in a newline)."""
     return (json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n").encode("utf-8")

@@ -179,6 +179,7 @@ class MqttClient:
         self._filters: dict[str, int] = {}
         self._acked: set[int] = set()
         self._subacked: dict[int, list[int]] = {}
+        self._unsubacked: set[int] = set()
         self._connack: str | None = None  # None = waiting, "" = accepted, else the refusal reason
         self._connect_count = 0
         self._reconnect_count = 0
@@ -275,6 +276,12 @@ class MqttClient:
             self._subacked[mid] = codes
             self._cond.notify_all()
 
+    def _on_unsubscribe(self, client: paho.Client, userdata: Any, mid: int, reasons: Any = None,
+                        properties: Any = None) -> None:
+        with self._cond:
+            self._unsubacked.add(mid)
+            self._cond.notify_all()
+
     # ------------------------------------------------------------ lifecycle
 
     def _new_paho(self) -> paho.Client:
@@ -300,6 +307,7 @@ class MqttClient:
         client.on_message = self._on_message
         client.on_publish = self._on_publish
         client.on_subscribe = self._on_subscribe
+        client.on_unsubscribe = self._on_unsubscribe
         return client
 
     def connect(self, timeout_s: float = CONNACK_TIMEOUT_S) -> MqttClient:
@@ -434,6 +442,35 @@ class MqttClient:
                 for topic in refused:
                     self._filters.pop(topic, None)
             raise BrokerError(f"broker refused the subscription to {', '.join(refused)}")
+
+    def unsubscribe(self, filters: Sequence[str], *, timeout_s: float = SUBACK_TIMEOUT_S) -> None:
+        """Unsubscribe from topic filters (no longer re-subscribed after a reconnect) and
+        wait for the UNSUBACK. A broker answers packets in order and sends a filter's
+        retained messages right after its SUBACK, so they are in `messages` once this returns.
+
+        Raises:
+            BrokerUnavailable: not sent, or no UNSUBACK within `timeout_s` seconds.
+        """
+        items = [str(topic) for topic in filters]
+        if not items:
+            return
+        client = self._paho()
+        with self._cond:
+            for topic in items:
+                self._filters.pop(topic, None)
+        rc, mid = client.unsubscribe(items)
+        if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
+            raise BrokerUnavailable(f"cannot unsubscribe on {_endpoint(self._host, self.config.port)}: "
+                                    f"{paho.error_string(rc)}")
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while mid not in self._unsubacked:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise BrokerUnavailable(
+                        f"no UNSUBACK from {_endpoint(self._host, self.config.port)} within {timeout_s:g} s")
+                self._cond.wait(remaining)
+            self._unsubacked.discard(mid)
 
     def publish(self, topic: str, payload: bytes, *, qos: int = QOS_AT_LEAST_ONCE,
                 retain: bool = False, timeout_s: float = PUBACK_TIMEOUT_S) -> None:

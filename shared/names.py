@@ -229,9 +229,14 @@ def lock_path(root: Path) -> Path:
     return jobs_dir(root) / ".lock"
 
 
+def logs_dir(root: Path) -> Path:
+    """`<root>/.mam/logs`, the parent of every job's log folder (§8)."""
+    return mam_dir(root) / "logs"
+
+
 def job_logs_dir(root: Path, job_id: str) -> Path:
     """`<root>/.mam/logs/<job_id>` holding meta.json, status.json, events.ndjson (§8)."""
-    return mam_dir(root) / "logs" / validate_job_id(job_id)
+    return logs_dir(root) / validate_job_id(job_id)
 
 
 def heartbeat_path(root: Path, job_id: str, kind: str) -> Path:

@@ -72,6 +72,11 @@ class Transport(Protocol):
         """Subscribe to (filter, QoS) pairs and wait for the SUBACK. Raises `BrokerError`."""
         ...
 
+    def unsubscribe(self, filters: Sequence[str], *, timeout_s: float = ...) -> None:
+        """Unsubscribe and wait for the UNSUBACK (retained messages of the subscription,
+        sent right after its SUBACK, are then in `messages`). Raises `BrokerError`."""
+        ...
+
     def publish(self, topic: str, payload: bytes, *, qos: int = ..., retain: bool = ...,
                 timeout_s: float = ...) -> None:
         """Publish and wait for the PUBACK. Raises `PublishTimeout` / `BrokerError`."""

@@ -140,6 +140,11 @@ class FakeClient:
                 self.filters.append(pattern)
             self.deliver_retained(pattern)
 
+    def unsubscribe(self, filters: Sequence[str], *, timeout_s: float = 5.0) -> None:
+        if self.broker.down or not self.connected.is_set():
+            raise BrokerUnavailable("fake broker: no UNSUBACK")
+        self.filters = [pattern for pattern in self.filters if pattern not in filters]
+
     def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
                 timeout_s: float = 5.0) -> None:
         if self.broker.down or not self.connected.is_set():

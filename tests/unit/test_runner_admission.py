@@ -176,7 +176,52 @@ def test_s5_checks_run_in_order_signature_before_session_before_expiry():
 def test_every_refuse_reason_is_covered_and_names_its_forgetting():
     forgetting = {r for r in RefuseReason if Refuse(JOB, r, "").forget}
     assert forgetting == {RefuseReason.HUB_RECORD, RefuseReason.EXPIRED, RefuseReason.REPLAYED,
-                          RefuseReason.CANCELLED}
+                          RefuseReason.CANCELLED, RefuseReason.TAKEN}
+
+
+# ------------------------------------------------------------ §17: an attempt runs at most once
+
+
+def taken_take(attempt_id: int = 1) -> tuple[Take, str]:
+    auth_token = names.new_auth_token()
+    verdict = admission.admit_dispatch(JOB, dispatch_payload(attempt_id=attempt_id, auth_token=auth_token), state())
+    assert isinstance(verdict, Take)
+    return verdict, auth_token
+
+
+def state_payload(take: Take, auth_token: str, *, status: str = "running", attempt_id: int | None = None,
+                  job_id: str = JOB, seq: int = 1) -> bytes:
+    """A retained state as the runner that took the attempt published it (§4), signed with `auth_token`."""
+    snapshot = wire.State.build(job_id, seq, status, "started",
+                                attempt_id=take.dispatch.attempt_id if attempt_id is None else attempt_id,
+                                dispatch_token=take.dispatch.dispatch_token)
+    return wire.encode(crypto.sign_event(snapshot.to_dict(), auth_token))
+
+
+@pytest.mark.parametrize("status", ["running", "pending", "completed", "error", "cancelled"])
+def test_s17_a_retained_state_of_the_same_attempt_means_taken_whatever_its_status(status):
+    take, auth_token = taken_take(attempt_id=2)
+    verdict = refused(admission.check_taken(take, state_payload(take, auth_token, status=status, seq=3)),
+                      RefuseReason.TAKEN)
+    assert verdict.job_id == JOB and verdict.forget
+    assert verdict.text.startswith("taken: attempt 2 was already started by another runner")
+    assert f"retained state {status}, seq 3" in verdict.text
+
+
+def test_s17_no_state_a_cleared_one_or_another_attempt_proves_nothing():
+    take, auth_token = taken_take(attempt_id=2)
+    assert admission.check_taken(take, None) is None
+    assert admission.check_taken(take, b"") is None
+    assert admission.check_taken(take, state_payload(take, auth_token, attempt_id=1)) is None  # an earlier attempt
+    assert admission.check_taken(take, state_payload(take, auth_token, job_id="0000aaaa")) is None
+
+
+def test_s17_a_state_not_signed_with_the_attempts_auth_token_or_unreadable_is_not_proof():
+    take, _ = taken_take()
+    forged = state_payload(take, names.new_auth_token())  # not the token sealed in this dispatch
+    assert admission.check_taken(take, forged) is None
+    assert admission.check_taken(take, b"not json") is None
+    assert admission.check_taken(take, b'{"schema_version": 1}') is None
 
 
 # ------------------------------------------------------------ controls (§6)

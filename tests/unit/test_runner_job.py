@@ -1,15 +1,27 @@
-"""runner/job.py without processes: how a StopReason becomes the terminal event (PROTOCOL §5, §6, §11)."""
+"""runner/job.py without processes: how a StopReason becomes the terminal event (PROTOCOL §5, §6, §11),
+and a terminal the disk refuses (issue 10 fault 9)."""
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
+import threading
 
 import pytest
+from harness.fake_mqtt import FakeBroker
+from harness.waiting import PATIENCE_S, wait_until
 
+from mam.runner import publish
 from mam.runner.agent import ExitStatus
-from mam.runner.job import Job, StopReason, Terminal, final_reason, orphan_job, terminal_for
+from mam.runner.job import Job, StopReason, Supervisor, Terminal, final_reason, orphan_job, terminal_for
 from mam.runner.process_tree import AgentIdentity
+from mam.runner.settings import RunnerOptions
+from mam.shared import crypto, names, wire
+from mam.shared.config import BrokerConfig
+from mam.shared.registry import Registry
 
+JOB = "918b0612"
 EXIT_0 = ExitStatus(exit_code=0, signal=None)
 EXIT_3 = ExitStatus(exit_code=3, signal=None)
 KILLED_TERM = ExitStatus(exit_code=None, signal=signal.SIGTERM)
@@ -68,3 +80,57 @@ def test_s6_an_orphan_job_comes_from_its_record():
     assert (job.orphan, job.identity, job.attempt_id, job.heartbeat_s, job.timeout_s) == (True, identity, 2, 30, 600)
     assert job.cancel.is_set() and job.brief == ""
     assert not orphan_job(record, None).cancel.is_set()
+
+
+# ------------------------------------------------------------ issue 10 fault 9: a disk that refuses the terminal
+
+
+def test_fault9_a_terminal_the_disk_refuses_goes_on_the_wire_then_to_disk_with_the_same_seq(tmp_path, monkeypatch):
+    """Every fsync fails with ENOSPC while `full` is set (a full disk, as the registry sees it):
+    the terminal is sent on the wire at once, signed with the attempt's token; when the disk
+    takes writes again the record ends `error` with that seq; nothing raises out of the thread."""
+    broker = FakeBroker()
+    config = BrokerConfig(hosts=("fake-broker",), topic_root="unit/mam")
+    client = broker.client(config).connect()
+    registry = Registry(tmp_path / "ws")
+    auth_token, token = names.new_auth_token(), names.new_dispatch_token()
+    registry.mirror(job_id=JOB, session="gpu-box", attempt_id=1, dispatch_token=token, auth_token=auth_token,
+                    contract=wire.Contract(), origin="hub", source="runner")
+    publish.record(registry, publish.PublishRequest(JOB, "started", attempt_id=1, dispatch_token=token),
+                   source="runner")
+    options = RunnerOptions(session="gpu-box", argv=("true",), root=registry.root)
+    supervisor = Supervisor(options=options, runner_id="0" * 32, registry=registry, client=client, config=config,
+                            environ={}, on_end=lambda _job_id: None)
+    job = Job(job_id=JOB, attempt_id=1, dispatch_token=token, brief="", heartbeat_s=30, timeout_s=60)
+    full = threading.Event()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    full.set()
+    failures: list[BaseException] = []
+
+    def end() -> None:
+        try:
+            supervisor.publish_terminal(job, Terminal("error", "agent exited with code 3", 3))
+        except BaseException as exc:  # the thread must not die
+            failures.append(exc)
+
+    thread = threading.Thread(target=end, daemon=True)
+    thread.start()
+    events = names.events_topic(JOB, config.topic_root)
+    sent = wait_until(lambda: broker.on_topic(events), PATIENCE_S, "the terminal on the wire")[0]
+    terminal = wire.decode(sent.payload, "event")
+    crypto.verify_event(terminal, auth_token)
+    assert (terminal.event, terminal.seq, terminal.data["exit_code"]) == ("error", 2, 3)
+    assert registry.get(JOB)["status"] == "running"  # the disk refused it
+    full.clear()  # space returns
+    thread.join(PATIENCE_S)
+    assert not thread.is_alive() and failures == []
+    record = registry.get(JOB)
+    assert (record["status"], record["last_seq"], record["exit_code"]) == ("error", 2, 3)
+    assert [wire.decode(p.payload, "event").seq for p in broker.on_topic(events)] == [2, 2]  # resent, same seq

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness.fake_mqtt import FakeBroker
+from harness.fake_mqtt import FakeBroker, FakeMessage
 from harness.waiting import wait_until
 
 from mam.runner.presence import Presence, SessionBusy
@@ -19,7 +19,7 @@ from mam.runner.service import Runner
 from mam.runner.settings import RunnerOptions
 from mam.shared import crypto, names, wire
 from mam.shared.config import BrokerConfig
-from mam.shared.errors import MamError
+from mam.shared.errors import BrokerUnavailable, MamError, RegistryError
 
 KEYS = crypto.derive_keys("unit-test-dispatch-secret-0123456789abcdef")
 SESSION = "gpu-box"
@@ -204,3 +204,96 @@ def test_s7_a_replaced_runner_drains_and_leaves_the_presence_to_the_new_one(serv
     assert runner.draining
     assert statuses(broker, runner.runner_id) == ["online"]  # neither draining nor offline over the new one
     assert wire.decode(broker.retained[TOPIC], "presence").runner_id == OTHER_RUNNER
+
+
+# ------------------------------------------------------------ issue 10: start checks and §17 takes
+
+
+def signed_dispatch(job_id: str, auth_token: str, *, attempt_id: int = 1) -> wire.Dispatch:
+    """A dispatch of `job_id` as a hub publishes it (§5), sealing `auth_token`."""
+    token = names.new_dispatch_token()
+    sealed = crypto.seal(KEYS.seal_key, job_id=job_id, attempt_id=attempt_id, dispatch_token=token,
+                         auth_token=auth_token, brief="echo hi")
+    unsigned = wire.Dispatch.build(job_id, SESSION, attempt_id, token, origin="hub", contract=wire.Contract(),
+                                   sealed=sealed)
+    return wire.decode(wire.encode(crypto.sign(unsigned.to_dict(), KEYS.sign_key)), "dispatch")
+
+
+def test_fault4_a_workspace_whose_mam_folder_cannot_be_written_refuses_to_start_before_any_presence(
+        broker, tmp_path):
+    """Issue 10 fault 4: `.mam/logs` cannot be made (a file is in its way here; the e2e test uses a
+    read-only mount and a folder of another user): one RegistryError line (exit 1), nothing published."""
+    ws = tmp_path / "ws"
+    (ws / ".mam" / "jobs").mkdir(parents=True)
+    (ws / ".mam" / "logs").write_text("not a folder")
+    runner = new_runner(broker, ws)
+    expected = r"^the runner's workspace \(§8\): /\S+/ws/\.mam/logs is not writable \(EEXIST: "
+    with pytest.raises(RegistryError, match=expected) as caught:
+        runner.serve()
+    assert "\n" not in str(caught.value)
+    assert broker.published == [] and runner.client is None
+
+
+def test_s17_a_dispatch_whose_attempt_has_a_retained_state_is_refused_taken(served, broker, caplog):
+    """§17: another runner started this attempt (its signed state is retained): not run here."""
+    runner, result = served
+    caplog.set_level(logging.INFO, "mam.daemon")
+    job_id, auth_token = "918b0612", names.new_auth_token()
+    dispatch = signed_dispatch(job_id, auth_token)
+    snapshot = wire.State.build(job_id, 4, "running", "progress", attempt_id=1,
+                                dispatch_token=dispatch.dispatch_token)
+    hub = broker.client(CONFIG).connect()
+    hub.publish(names.state_topic(job_id, CONFIG.topic_root),
+                wire.encode(crypto.sign_event(snapshot.to_dict(), auth_token)), retain=True)
+    hub.publish(names.dispatch_topic(job_id, CONFIG.topic_root), wire.encode(dispatch), retain=True)
+    wait_until(lambda: f"refused dispatch {job_id}: taken: attempt 1" in caplog.text, 5.0, "the taken refusal")
+    assert runner.running == [] and result == []
+    assert not (runner.options.root / ".mam" / "jobs" / f"{job_id}.json").exists()
+    assert broker.on_topic(names.events_topic(job_id, CONFIG.topic_root)) == []  # no `started`
+    assert names.state_topic(job_id, CONFIG.topic_root) not in runner.client.filters  # type: ignore[union-attr]
+
+
+def test_s17_the_state_read_returns_the_retained_state_and_keeps_other_messages_in_order(broker, tmp_path):
+    """Messages received while a take reads the job's state are handled afterwards, in order,
+    and the state topic is unsubscribed again (no subscription per job accumulates)."""
+    runner = new_runner(broker, tmp_path / "ws")
+    runner.client = client = broker.client(CONFIG).connect()
+    job_id = "918b0612"
+    state_topic = names.state_topic(job_id, CONFIG.topic_root)
+    broker.retained[state_topic] = b"the retained state"
+    others = [names.control_topic(other, CONFIG.topic_root) for other in ("0000aaaa", "0000bbbb")]
+    for topic in others:
+        client.messages.put(FakeMessage(topic, b"", False))
+    assert runner._retained_state(job_id) == b"the retained state"
+    assert [m.topic for m in runner._deferred] == others
+    assert state_topic not in client.filters
+    del broker.retained[state_topic]
+    assert runner._retained_state(job_id) is None
+
+
+def test_s17_a_state_that_cannot_be_read_leaves_the_dispatch_retained_and_nothing_subscribed(
+        served, broker, caplog, monkeypatch):
+    """No SUBACK for the state topic: the dispatch is not taken now (it comes back after a
+    reconnect), and the state topic is not left among the filters re-subscribed at reconnect."""
+    runner, result = served
+    assert runner.client is not None
+    caplog.set_level(logging.INFO, "mam.daemon")
+    job_id = "918b0612"
+    state_topic = names.state_topic(job_id, CONFIG.topic_root)
+    subscribe = runner.client.subscribe
+
+    def no_suback(filters, *, timeout_s=5.0):
+        if filters[0][0] == state_topic:
+            runner.client.filters.append(state_topic)  # type: ignore[union-attr]  # as MqttClient remembers it
+            raise BrokerUnavailable("no SUBACK from fake-broker within 2 s")
+        subscribe(filters, timeout_s=timeout_s)
+
+    monkeypatch.setattr(runner.client, "subscribe", no_suback)
+    hub = broker.client(CONFIG).connect()
+    hub.publish(names.dispatch_topic(job_id, CONFIG.topic_root),
+                wire.encode(signed_dispatch(job_id, names.new_auth_token())), retain=True)
+    wait_until(lambda: f"dispatch {job_id} not taken now: its retained state could not be read" in caplog.text,
+               5.0, "the warning")
+    assert runner.running == [] and result == []
+    assert state_topic not in runner.client.filters  # type: ignore[union-attr]
+    assert names.dispatch_topic(job_id, CONFIG.topic_root) in broker.retained
