@@ -27,6 +27,7 @@ from typing import Any, TextIO
 from mam.orchestrator.acceptance import (
     AFTER_TERMINAL,
     OF_CURRENT_ATTEMPT,
+    STALE_ATTEMPT,
     Accepted,
     Kind,
     Refused,
@@ -34,7 +35,7 @@ from mam.orchestrator.acceptance import (
     Verdict,
     accept,
 )
-from mam.orchestrator.control import clear_retained, close_remote
+from mam.orchestrator.control import clear_dispatch, clear_retained, close_remote
 from mam.orchestrator.hub import DAY_S, Workspace, open_hub
 from mam.shared import names, wire
 from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
@@ -42,7 +43,7 @@ from mam.shared.config import BrokerConfig, env_float
 from mam.shared.crypto import DispatchKeys
 from mam.shared.errors import BrokerError, BrokerUnavailable, ConfigError, ExitCode, TransitionRefused, UsageError
 from mam.shared.mqtt import MqttClient
-from mam.shared.records import JobRecord, utc_now
+from mam.shared.records import JobRecord, Transaction, late_terminal, moved, touched, utc_now
 from mam.shared.registry import Registry
 
 log = logging.getLogger("mam.watch")
@@ -151,7 +152,9 @@ class Watcher:
 
     def _refuse(self, reason: str, detail: str = "") -> None:
         self.refusals.append(reason)
-        log.warning("job %s: refused message: %s%s", self.job_id, reason, f" ({detail})" if detail else "")
+        # an earlier attempt's straggler is expected after a redispatch: quiet (§3.2 rule 5)
+        log.log(logging.DEBUG if reason == STALE_ATTEMPT else logging.WARNING, "job %s: refused message: %s%s",
+                self.job_id, reason, f" ({detail})" if detail else "")
 
     # ------------------------------------------------------------ acceptance
 
@@ -169,11 +172,11 @@ class Watcher:
         kind = TOPIC_KINDS.get(parsed[1] if parsed else "")
         if kind is None:
             return False
-        if kind == "event" and self.options.remote:
-            verdict = self._accept_and_mirror(raw)
+        if self.options.remote:
+            verdict = self._accept_and_mirror(raw, kind)
         else:
             verdict = accept(raw, kind=kind, job_id=self.job_id, record=self.registry.get(self.job_id),
-                             seen=Seen(self.highest_event, self.terminal))
+                             seen=Seen(self.highest_event, self.terminal, self.highest_any))
         if isinstance(verdict, Refused):
             if verdict.silent:
                 return False
@@ -186,10 +189,12 @@ class Watcher:
         message = verdict.message
         if message.terminal:
             self.runner_ended = True
+        if verdict.gap is not None and not self.options.remote:
+            self._audit_gap(*verdict.gap)  # the registry logged it with the message when mirroring
         if isinstance(message, wire.State):
             return self._handle_state(message)
-        if verdict.gap is not None and not self.options.remote:
-            self._audit_gap(*verdict.gap)  # the registry logged it with the event when mirroring
+        if message.event == "started" and self.options.remote:
+            self._clear_dispatch()
         self.highest_event = message.seq
         self.highest_any = max(self.highest_any, message.seq)
         self.accepted_any = True
@@ -200,19 +205,37 @@ class Watcher:
                 self._resolve_from_record()
         return True
 
-    def _accept_and_mirror(self, raw: bytes) -> Verdict:
-        """§3.2 against the hub record under the registry lock, and store an accepted event (§10)."""
+    def _accept_and_mirror(self, raw: bytes, kind: Kind) -> Verdict:
+        """§3.2 against the hub record under the registry lock, and store what it
+        implies (§10): an accepted event; a newer state's seq (and `pending` →
+        `running` when it says the attempt runs); a late terminal (§14)."""
+        moved_to_running = False
         with self.registry.transaction(self.job_id) as txn:
-            seen = Seen(self.highest_event, self.terminal).merged(Seen.of_record(txn.record))
-            verdict = accept(raw, kind="event", job_id=self.job_id, record=txn.record, seen=seen)
-            if isinstance(verdict, Accepted):
+            seen = Seen(self.highest_event, self.terminal, self.highest_any).merged(Seen.of_record(txn.record))
+            verdict = accept(raw, kind=kind, job_id=self.job_id, record=txn.record, seen=seen)
+            if isinstance(verdict, Accepted) and isinstance(verdict.message, wire.Event):
                 txn.store_event(verdict.message.to_dict(), source="remote_mirror", gap=verdict.gap)
+            elif isinstance(verdict, Accepted) and isinstance(verdict.message, wire.State):
+                moved_to_running = _mirror_state(txn, verdict.message, verdict.gap)
+            elif isinstance(verdict, Refused) and verdict.reason == AFTER_TERMINAL and verdict.message is not None:
+                _note_late_terminal(txn, verdict.message)
+        if moved_to_running:
+            self._clear_dispatch()
         return verdict
+
+    def _clear_dispatch(self) -> None:
+        """§17: the attempt started, so its retained dispatch goes (a crashed broker
+        may bring a cleared one back; the runners refuse it as `taken`)."""
+        client = self.client
+        if client is None or not client.connected.is_set():
+            return
+        try:
+            clear_dispatch(client, self.job_id)
+        except BrokerError as exc:
+            log.warning("job %s: the retained dispatch was not cleared: %s", self.job_id, exc)
 
     def _handle_state(self, message: wire.State) -> bool:
         newer = message.seq > self.highest_any
-        if newer and message.seq > self.highest_any + 1 and message.seq > self.highest_event + 1:
-            self._audit_gap(self.highest_any + 1, message.seq)
         if newer:
             self.highest_any = message.seq
             self.accepted_any = True
@@ -387,6 +410,47 @@ class Watcher:
         finally:
             if self._owns_client and self.client is not None:
                 self.client.close()
+
+
+def _mirror_state(txn: Transaction, state: wire.State, gap: tuple[int, int] | None) -> bool:
+    """Store what an accepted §4 state of the current attempt tells the hub record:
+    its seq (so a gap is logged once), `pending` → `running` for a running job
+    (a detached dispatch's watch may never see `started`), or a late terminal (§14).
+
+    Returns:
+        True when the record moved to `running`.
+    """
+    record = txn.record
+    if record["status"] in TERMINAL_STATUSES:
+        _note_late_terminal(txn, state)
+        return False
+    running = record["status"] == JobStatus.PENDING and state.status == JobStatus.RUNNING
+    if state.seq <= record.get("seen_seq", 0) or (gap is None and not running):
+        return False  # nothing to store: a record write per heartbeat state buys nothing
+    if gap is not None:
+        txn.log({"event": "seq_gap", "timestamp": utc_now(), "expected": gap[0], "got": gap[1],
+                 "attempt_id": record["attempt_id"], "source": "state"})
+    new = moved(record, JobStatus.RUNNING) if running else touched(record)
+    new["seen_seq"] = state.seq
+    txn.update(new, source="remote_mirror", reason="retained state running" if running else None)
+    return running
+
+
+def _note_late_terminal(txn: Transaction, message: wire.Event | wire.State) -> None:
+    """§14: a verified terminal of the current attempt after the hub closed the job:
+    a `late_terminal` audit line and `late_outcome`; the status stays (§8)."""
+    if not message.terminal:
+        return
+    event = message.last_event if isinstance(message, wire.State) else message.event
+    late = late_terminal(txn.record, event, message.seq, message.data.get("exit_code"), message.detail,
+                         message.timestamp)
+    if late is None:
+        return
+    new, line = late
+    txn.log(line)
+    txn.update(new, source="remote_mirror", reason="late terminal")
+    log.warning("job %s: the runner reported %s after the hub closed it %s (late_outcome)",
+                txn.job_id, new.get("late_outcome"), txn.record.get("close_reason"))
 
 
 def _exit_of(status: str | None) -> int:
