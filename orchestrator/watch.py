@@ -7,18 +7,21 @@ human view on a TTY).
 Clocks (§10): before the first accepted event the ack clock runs, after it the
 idle clock (K × N), renewed by every accepted event and by a state only when
 its seq is newer than everything accepted (§4); the wall clock runs from the
-attempt's creation. Whatever ends a wait that has begun (other than Ctrl-C)
-leaves the hub record terminal: a deadline that passes while the broker is
-unreachable closes the job `deadline_timeout` and exits 3. A watch that cannot
-reach the broker when it starts decides nothing: it reports the record's own
-status (disk fallback) and exits 3 without closing it.
+attempt's creation. While the hub's own broker connection is down the ack and
+idle clocks stand still (§14): after the reconnect the retained state is read
+and every clock gets a full idle window; only the wall clock runs on (passing
+while the broker is unreachable, it closes the job `deadline_timeout`, exit 3).
+A watch that cannot reach the broker, at start or for `MAM_HUB_OUTAGE_GIVE_UP_S`,
+decides nothing: the record stays open and it exits 3 with a re-attach hint.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -60,6 +63,9 @@ STATE_GRACE_S = 1.0
 CANCEL_GRACE_S = 10.0
 CONFIRM_MARGIN_S = 5.0
 MIN_WAIT_S = 0.01
+# §14: a watch gives up (exit 3, record left open) after the broker was unreachable this
+# long, and never before a job's idle window (K × N); MAM_HUB_OUTAGE_GIVE_UP_S overrides.
+OUTAGE_GIVE_UP_S = 60.0
 MAX_OPTION_S = 366 * DAY_S  # a watch option beyond a year is a mistake
 CLOCK_CHARS = slice(11, 19)  # HH:MM:SS of a §3 timestamp, for the human view
 TOPIC_KINDS: dict[str, Kind] = {"events": "event", "state": "state"}
@@ -85,6 +91,36 @@ class WatchOptions:
 
 class Detached(Exception):
     """Ctrl-C: the job keeps running."""
+
+
+class BrokerLink:
+    """The hub's own broker connection as the clocks see it (§14 "Broker outages
+    are nobody's silence"): `look(now)` notices a loss and the reconnect after it,
+    even one that happened between two looks (`MqttClient.disconnect_count`)."""
+
+    def __init__(self, client: MqttClient) -> None:
+        self.client = client
+        self.down_since: float | None = None
+        self._losses = getattr(client, "disconnect_count", 0)
+
+    @property
+    def down(self) -> bool:
+        """True from the first look that found the connection down until it is back."""
+        return self.down_since is not None
+
+    def look(self, now: float) -> float | None:
+        """The outage's length in seconds when the connection came back since the
+        last look (0.0 when it was lost and regained in between), else None."""
+        if not self.client.connected.is_set():
+            if self.down_since is None:
+                self.down_since = now
+            return None
+        losses = getattr(self.client, "disconnect_count", 0)
+        if self.down_since is None and losses == self._losses:
+            return None
+        outage = now - self.down_since if self.down_since is not None else 0.0
+        self.down_since, self._losses = None, losses
+        return outage
 
 
 def _wall_deadline(record: JobRecord, timeout_s: float) -> float:
@@ -375,8 +411,24 @@ class Watcher:
                 first_deadline = start + idle_s  # re-attached to a running job: no ack phase
             last_alive = start
             next_poll = start
+            link = BrokerLink(client)
+            give_up_s = max(idle_s, env_float("MAM_HUB_OUTAGE_GIVE_UP_S", OUTAGE_GIVE_UP_S))
             while self.terminal is None:
                 now = time.monotonic()
+                outage = link.look(now)
+                if outage is not None:  # §14: the clocks stood still; a full idle window from now
+                    first_deadline = max(first_deadline + outage, now + idle_s)
+                    last_alive = now
+                    log.info("job %s: broker connection back after %.1f s; the idle clock restarts",
+                             self.job_id, outage)
+                if link.down_since is not None:
+                    if now >= wall_deadline:
+                        return self._close(CloseReason.DEADLINE_TIMEOUT)
+                    if now >= link.down_since + give_up_s:
+                        log.error("job %s: the broker was unreachable for %.0f s; giving up, the job "
+                                  "stays %s", self.job_id, now - link.down_since,
+                                  self.registry.get(self.job_id)["status"])
+                        return ExitCode.BROKER
                 if now >= next_poll:
                     next_poll = now + REGISTRY_POLL_S
                     self._resolve_from_record()  # e.g. `mam-orch cancel` from another shell
@@ -389,7 +441,9 @@ class Watcher:
                 deadline = min(wall_deadline, (last_alive + idle_s) if self.accepted_any else first_deadline)
                 if pending_state is not None:
                     deadline = min(deadline, self._terminal_state_at + STATE_GRACE_S)
-                if now >= deadline and pending_state is None:
+                if link.down_since is not None:  # only the wall clock runs while the broker is away
+                    deadline = min(wall_deadline, link.down_since + give_up_s)
+                if now >= deadline and pending_state is None and link.down_since is None:
                     if now >= wall_deadline:
                         return self._close(CloseReason.DEADLINE_TIMEOUT)
                     if not self.accepted_any and record["status"] == JobStatus.PENDING and \
@@ -458,10 +512,24 @@ def _exit_of(status: str | None) -> int:
     return STATUS_EXIT.get(status or "", ExitCode.ERROR)
 
 
-def detach_hint(job_id: str) -> str:
+def _where(workspace: Workspace) -> str:
+    return f" --workspace {shlex.quote(os.fspath(workspace))}" if workspace is not None else ""
+
+
+def detach_hint(job_id: str, workspace: Workspace = None) -> str:
     """What Ctrl-C prints (§10): how to re-attach or cancel."""
-    return (f"detached from job {job_id}; it keeps running. Re-attach: mam-orch watch {job_id}  "
-            f"Cancel: mam-orch cancel {job_id}")
+    return (f"detached from job {job_id}; it keeps running. Re-attach: mam-orch watch {job_id}{_where(workspace)}  "
+            f"Cancel: mam-orch cancel {job_id}{_where(workspace)}")
+
+
+def reattach_hint(registry: Registry, job_id: str, workspace: Workspace = None) -> str | None:
+    """What a watch that gave up on the broker (exit 3) prints when the job is
+    still open (§14): its status and how to re-attach; None when it is closed."""
+    status = registry.get(job_id)["status"]
+    if status in TERMINAL_STATUSES:
+        return None
+    return (f"job {job_id} is still {status} (the broker is unreachable; nothing was decided). "
+            f"Re-attach: mam-orch watch {job_id}{_where(workspace)}")
 
 
 def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s: float | None,
@@ -490,7 +558,11 @@ def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s
                       options=WatchOptions(remote=remote, ack_timeout_s=ack_timeout_s,
                                            idle_timeout_s=idle_timeout_s, timeout_s=timeout_s))
     try:
-        return watcher.run()
+        code = watcher.run()
     except Detached:
-        print(detach_hint(job_id), file=sys.stderr)
+        print(detach_hint(job_id, workspace), file=sys.stderr)
         return ExitCode.DETACHED
+    hint = reattach_hint(hub.registry, job_id, workspace) if code == ExitCode.BROKER else None
+    if hint is not None:
+        print(hint, file=sys.stderr)
+    return code
