@@ -31,6 +31,8 @@ TS = "2026-06-20T14:49:30Z"
 KEYS = crypto.derive_keys(TEST_SECRET)
 IDLE_S = 0.5  # K × N of these tests' watches
 OUTAGE_S = 4 * IDLE_S  # a hub-side broker outage well past the idle window
+BLINK_IDLE_S = 3.0  # the idle window of the test whose outage falls between two looks...
+BLINK_AFTER_S = 1.0  # ...a third into it
 
 
 class FlakyClient:
@@ -223,17 +225,19 @@ def test_s14_an_outage_between_two_looks_still_restarts_the_idle_window(reg):
     rec = reg.register(session="gpu-box", contract=Contract(heartbeat_sec=5))
     client = FlakyClient()
     put(client, rec, signed(rec, 1, "started"))
-    w = remote_watcher(reg, rec, client, idle_timeout_s=IDLE_S)
+    w = remote_watcher(reg, rec, client, idle_timeout_s=BLINK_IDLE_S)
     dropped_at: list[float] = []
 
     def blink() -> None:
         wait_until(lambda: w.accepted_any, PATIENCE_S, "started to be accepted")
+        until = time.monotonic() + BLINK_AFTER_S
+        wait_until(lambda: time.monotonic() >= until, PATIENCE_S, "a third of the idle window")
         client.disconnect_count += 1  # lost and regained before the watcher looked
         dropped_at.append(time.monotonic())
 
     threading.Thread(target=blink, daemon=True).start()
-    assert w.run() == ExitCode.TIMEOUT  # then real silence: closed, but only a full window later
-    assert time.monotonic() >= dropped_at[0] + IDLE_S
+    assert w.run() == ExitCode.TIMEOUT  # then real silence: closed, but only a full window after the blink
+    assert dropped_at and time.monotonic() >= dropped_at[0] + BLINK_IDLE_S
     assert reg.get(rec["job_id"])["close_reason"] == "deadline_timeout"
 
 
