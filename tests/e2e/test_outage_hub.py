@@ -1,0 +1,79 @@
+"""Issue 10, fault 2 (PROTOCOL §14 "Broker outages are nobody's silence"): a
+broker outage shorter than nothing in particular must not give a final, wrong
+verdict. `mam-orch dispatch --heartbeat 3` (K × N = 12 s) to a real `mam-runner
+run`, the broker SIGKILLed for ~11 s mid-job and restarted on the same ports:
+the hub's idle clock stands still while its own connection is down, so the
+dispatch ends with the runner's `completed` (exit 0), not `deadline_timeout`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from harness.jobkit import WatchProcess
+from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, retained
+from harness.waiting import PATIENCE_S, wait_until
+from harness.workspace import clean_env, write_env_for
+
+from mam.shared import names
+from mam.shared.registry import Registry
+
+pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
+
+AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
+MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
+ACK_TIMEOUT = str(int(PATIENCE_S))  # a real runner process takes the job: as long as a busy machine needs
+HEARTBEAT_S = 3
+MISSES = 4  # K × N = 12 s, as in the issue
+OUTAGE_S = 11.0  # the broker is down this long: just under K × N
+JOB_S = 25  # the agent's sleep: it ends well after the broker is back
+
+
+def start_runner(broker, workspace: Path) -> subprocess.Popen:
+    (workspace / ".git").mkdir(parents=True, exist_ok=True)
+    write_env_for(broker, workspace)
+    proc = subprocess.Popen([*MAM_RUNNER, "run", "--session", "gpu-box", "--exec", str(AGENTS / "sleep-agent"),
+                             "--workspace", str(workspace), "--once"], env=clean_env(MAM_CANCEL_GRACE_S="1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    topic = names.presence_topic("gpu-box", broker.topic_root)
+    wait_until(lambda: proc.poll() is not None or b'"online"' in (retained(broker, topic, 0.3) or b""),
+               what="the runner's online presence")
+    assert proc.poll() is None, proc.stderr.read()
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(PATIENCE_S)
+    proc.stderr.close()
+
+
+def test_fault2_s14_a_short_broker_outage_is_nobodys_silence(broker, tmp_path):
+    hub = hub_workspace(broker, tmp_path)
+    runner_ws = tmp_path / "runner"
+    runner = start_runner(broker, runner_ws)
+    dispatch = WatchProcess([*MAM_ORCH, "dispatch", "--session", "gpu-box", "--brief", str(JOB_S),
+                             "--heartbeat", str(HEARTBEAT_S), "--heartbeat-misses", str(MISSES),
+                             "--ack-timeout", ACK_TIMEOUT, "--workspace", str(hub)], hub_env())
+    try:
+        job_id = wait_until(lambda: (dispatch.events("started") or [None])[0], what="started")["job_id"]
+        wait_until(lambda: any(e.get("detail") == "heartbeat" for e in dispatch.events("progress")),
+                   what="a first heartbeat to reach the hub")
+        broker.kill()
+        back_at = time.monotonic() + OUTAGE_S
+        wait_until(lambda: time.monotonic() >= back_at, what=f"the {OUTAGE_S:g} s outage")
+        broker.restart()
+        code = dispatch.wait(PATIENCE_S + JOB_S)
+        assert runner.wait(PATIENCE_S) == 0  # --once: it exits after the job
+    finally:
+        dispatch.kill()
+        stop(runner)
+    assert code == 0, dispatch.log()
+    record = Registry(hub).get(job_id)
+    assert record["status"] == "completed" and record.get("close_reason") is None, record
+    assert Registry(runner_ws).get(job_id)["status"] == "completed"
+    assert "deadline_timeout" not in dispatch.log()
