@@ -40,13 +40,14 @@ from mam.orchestrator.acceptance import (
 )
 from mam.orchestrator.control import clear_dispatch, clear_retained, close_remote
 from mam.orchestrator.hub import DAY_S, Workspace, open_hub
+from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S, BrokerLink, mirror_state, note_late_terminal
 from mam.shared import names, wire
 from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.config import BrokerConfig, env_float
 from mam.shared.crypto import DispatchKeys
 from mam.shared.errors import BrokerError, BrokerUnavailable, ConfigError, ExitCode, TransitionRefused, UsageError
 from mam.shared.mqtt import MqttClient
-from mam.shared.records import JobRecord, Transaction, late_terminal, moved, touched, utc_now
+from mam.shared.records import HUB_DECISIONS, JobRecord, utc_now
 from mam.shared.registry import Registry
 
 log = logging.getLogger("mam.watch")
@@ -63,9 +64,8 @@ STATE_GRACE_S = 1.0
 CANCEL_GRACE_S = 10.0
 CONFIRM_MARGIN_S = 5.0
 MIN_WAIT_S = 0.01
-# §14: a watch gives up (exit 3, record left open) after the broker was unreachable this
-# long, and never before a job's idle window (K × N); MAM_HUB_OUTAGE_GIVE_UP_S overrides.
-OUTAGE_GIVE_UP_S = 60.0
+# A re-attached watch of a job the hub closed reads the retained messages this long (§14).
+LATE_READ_S = 2.0
 MAX_OPTION_S = 366 * DAY_S  # a watch option beyond a year is a mistake
 CLOCK_CHARS = slice(11, 19)  # HH:MM:SS of a §3 timestamp, for the human view
 TOPIC_KINDS: dict[str, Kind] = {"events": "event", "state": "state"}
@@ -91,36 +91,6 @@ class WatchOptions:
 
 class Detached(Exception):
     """Ctrl-C: the job keeps running."""
-
-
-class BrokerLink:
-    """The hub's own broker connection as the clocks see it (§14 "Broker outages
-    are nobody's silence"): `look(now)` notices a loss and the reconnect after it,
-    even one that happened between two looks (`MqttClient.disconnect_count`)."""
-
-    def __init__(self, client: MqttClient) -> None:
-        self.client = client
-        self.down_since: float | None = None
-        self._losses = getattr(client, "disconnect_count", 0)
-
-    @property
-    def down(self) -> bool:
-        """True from the first look that found the connection down until it is back."""
-        return self.down_since is not None
-
-    def look(self, now: float) -> float | None:
-        """The outage's length in seconds when the connection came back since the
-        last look (0.0 when it was lost and regained in between), else None."""
-        if not self.client.connected.is_set():
-            if self.down_since is None:
-                self.down_since = now
-            return None
-        losses = getattr(self.client, "disconnect_count", 0)
-        if self.down_since is None and losses == self._losses:
-            return None
-        outage = now - self.down_since if self.down_since is not None else 0.0
-        self.down_since, self._losses = None, losses
-        return outage
 
 
 def _wall_deadline(record: JobRecord, timeout_s: float) -> float:
@@ -252,9 +222,9 @@ class Watcher:
             if isinstance(verdict, Accepted) and isinstance(verdict.message, wire.Event):
                 txn.store_event(verdict.message.to_dict(), source="remote_mirror", gap=verdict.gap)
             elif isinstance(verdict, Accepted) and isinstance(verdict.message, wire.State):
-                moved_to_running = _mirror_state(txn, verdict.message, verdict.gap)
+                moved_to_running = mirror_state(txn, verdict.message, verdict.gap)
             elif isinstance(verdict, Refused) and verdict.reason == AFTER_TERMINAL and verdict.message is not None:
-                _note_late_terminal(txn, verdict.message)
+                note_late_terminal(txn, verdict.message)
         if moved_to_running:
             self._clear_dispatch()
         return verdict
@@ -364,6 +334,29 @@ class Watcher:
         self._subscribed = self._connect()
         return self._subscribed
 
+    def _read_late_terminal(self) -> None:
+        """§14 "Late terminals": re-attached to a job the hub closed itself, read the
+        job's retained state (and any event) for `LATE_READ_S`; a terminal of the
+        attempt is recorded as `late_outcome` (the status stays, §8)."""
+        try:
+            if not self.subscribe() or self.client is None:
+                return
+            deadline = time.monotonic() + LATE_READ_S
+            while time.monotonic() < deadline:
+                try:
+                    message = self.client.messages.get(timeout=max(MIN_WAIT_S, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                self.handle(message.topic, message.payload)
+        finally:
+            if self._owns_client and self.client is not None:
+                self.client.close()
+                self.client, self._owns_client, self._subscribed = None, False, False
+        late = self.registry.get(self.job_id).get("late_outcome")
+        if late:
+            print(f"job {self.job_id}: the hub closed it, but its runner later reported {late} "
+                  f"(late_outcome; the record keeps its status)", file=sys.stderr)
+
     def _finish_from_disk(self, why: str) -> int:
         """Disk fallback (§10): the hub's own record decides; else exit 3."""
         status = self.registry.get(self.job_id)["status"]
@@ -393,6 +386,8 @@ class Watcher:
         """
         record = self.registry.get(self.job_id)
         if record["status"] in TERMINAL_STATUSES:
+            if self.options.remote and record.get("close_reason") in HUB_DECISIONS and not record.get("late_outcome"):
+                self._read_late_terminal()
             return self._finish_from_disk("already terminal")
         opts = self.options
         ack_s = float(opts.ack_timeout_s if opts.ack_timeout_s is not None else record["ack_timeout_sec"])
@@ -464,47 +459,6 @@ class Watcher:
         finally:
             if self._owns_client and self.client is not None:
                 self.client.close()
-
-
-def _mirror_state(txn: Transaction, state: wire.State, gap: tuple[int, int] | None) -> bool:
-    """Store what an accepted §4 state of the current attempt tells the hub record:
-    its seq (so a gap is logged once), `pending` → `running` for a running job
-    (a detached dispatch's watch may never see `started`), or a late terminal (§14).
-
-    Returns:
-        True when the record moved to `running`.
-    """
-    record = txn.record
-    if record["status"] in TERMINAL_STATUSES:
-        _note_late_terminal(txn, state)
-        return False
-    running = record["status"] == JobStatus.PENDING and state.status == JobStatus.RUNNING
-    if state.seq <= record.get("seen_seq", 0) or (gap is None and not running):
-        return False  # nothing to store: a record write per heartbeat state buys nothing
-    if gap is not None:
-        txn.log({"event": "seq_gap", "timestamp": utc_now(), "expected": gap[0], "got": gap[1],
-                 "attempt_id": record["attempt_id"], "source": "state"})
-    new = moved(record, JobStatus.RUNNING) if running else touched(record)
-    new["seen_seq"] = state.seq
-    txn.update(new, source="remote_mirror", reason="retained state running" if running else None)
-    return running
-
-
-def _note_late_terminal(txn: Transaction, message: wire.Event | wire.State) -> None:
-    """§14: a verified terminal of the current attempt after the hub closed the job:
-    a `late_terminal` audit line and `late_outcome`; the status stays (§8)."""
-    if not message.terminal:
-        return
-    event = message.last_event if isinstance(message, wire.State) else message.event
-    late = late_terminal(txn.record, event, message.seq, message.data.get("exit_code"), message.detail,
-                         message.timestamp)
-    if late is None:
-        return
-    new, line = late
-    txn.log(line)
-    txn.update(new, source="remote_mirror", reason="late terminal")
-    log.warning("job %s: the runner reported %s after the hub closed it %s (late_outcome)",
-                txn.job_id, new.get("late_outcome"), txn.record.get("close_reason"))
 
 
 def _exit_of(status: str | None) -> int:

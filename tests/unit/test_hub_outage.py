@@ -266,3 +266,14 @@ def test_s14_the_wall_clock_runs_on_during_an_outage(reg):
     assert reg.get(rec["job_id"])["close_reason"] == "deadline_timeout"
     assert reattach_hint(reg, rec["job_id"]) is None
     assert json.loads(json.dumps(reg.get(rec["job_id"])))["status"] == "error"
+
+
+def test_s14_watch_of_a_job_the_hub_closed_reads_the_retained_state_for_a_late_outcome(reg, capsys):
+    rec = reg.register(session="gpu-box")
+    reg.close(rec["job_id"], "deadline_timeout")
+    client = FlakyClient()
+    put(client, rec, signed(rec, 9, "completed", kind="state", status="completed"), "state")
+    assert remote_watcher(reg, rec, client).run() == ExitCode.ERROR  # the record's own verdict (§8)
+    after = reg.get(rec["job_id"])
+    assert after["status"] == "error" and after["late_outcome"] == "completed"
+    assert "its runner later reported completed" in capsys.readouterr().err
