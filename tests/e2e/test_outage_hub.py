@@ -1,12 +1,19 @@
-"""Issue 10, fault 2 (PROTOCOL §14 "Broker outages are nobody's silence"): a
-broker outage shorter than nothing in particular must not give a final, wrong
-verdict. `mam-orch dispatch --heartbeat 3` (K × N = 12 s) to a real `mam-runner
-run`, the broker SIGKILLed for ~11 s mid-job and restarted on the same ports:
-the hub's idle clock stands still while its own connection is down, so the
-dispatch ends with the runner's `completed` (exit 0), not `deadline_timeout`."""
+"""Issue 10 on the hub, with a real `mam-runner run` over both brokers.
+
+Fault 2 (PROTOCOL §14 "Broker outages are nobody's silence"): `mam-orch
+dispatch --heartbeat 3` (K × N = 12 s), the broker SIGKILLed for ~11 s mid-job
+and restarted on the same ports: the hub's idle clock stands still while its
+own connection is down, so the dispatch ends with the runner's `completed`
+(exit 0), not `deadline_timeout`.
+
+Fault 3 (§4, §3.2 rule 6): after `dispatch --detach`, `mam-orch watch` moves the
+`pending` hub record to `running` from the retained state, and a gap in the
+seqs it never saw is logged once, however often it is re-attached.
+"""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -14,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from harness.jobkit import WatchProcess
-from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, retained
+from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, orch, retained
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env, write_env_for
 
@@ -30,6 +37,7 @@ HEARTBEAT_S = 3
 MISSES = 4  # K × N = 12 s, as in the issue
 OUTAGE_S = 11.0  # the broker is down this long: just under K × N
 JOB_S = 25  # the agent's sleep: it ends well after the broker is back
+DETACHED_JOB_S = 12  # long enough to re-attach twice while it runs
 
 
 def start_runner(broker, workspace: Path) -> subprocess.Popen:
@@ -77,3 +85,37 @@ def test_fault2_s14_a_short_broker_outage_is_nobodys_silence(broker, tmp_path):
     assert record["status"] == "completed" and record.get("close_reason") is None, record
     assert Registry(runner_ws).get(job_id)["status"] == "completed"
     assert "deadline_timeout" not in dispatch.log()
+
+
+def test_fault3_s4_watch_mirrors_a_detached_running_job_and_logs_a_gap_once(broker, tmp_path):
+    hub = hub_workspace(broker, tmp_path)
+    runner_ws = tmp_path / "runner"
+    runner = start_runner(broker, runner_ws)
+    watchers: list[WatchProcess] = []
+    try:
+        sent = orch(hub, "dispatch", "--session", "gpu-box", "--detach", "--json", "--brief", str(DETACHED_JOB_S),
+                    "--heartbeat", "1", "--heartbeat-misses", "10", "--ack-timeout", ACK_TIMEOUT)
+        assert sent.returncode == 0, sent.stderr
+        job_id = json.loads(sent.stdout)["job_id"]
+        wait_until(lambda: Registry(runner_ws).record_path(job_id).exists()
+                   and Registry(runner_ws).get(job_id)["last_seq"] >= 3,
+                   what="the runner to run the job past its third seq")
+        assert Registry(hub).get(job_id)["status"] == "pending"  # nobody mirrored it yet
+        for _ in range(2):  # attach, detach, attach again: the same gap is not logged twice
+            watchers.append(WatchProcess([*MAM_ORCH, "watch", job_id, "--workspace", str(hub)], hub_env()))
+            wait_until(lambda: Registry(hub).get(job_id)["status"] != "pending",
+                       what="the watch to mirror the retained running state")
+            assert Registry(hub).get(job_id)["status"] == "running"
+            if len(watchers) == 1:
+                watchers[0].stop()
+        assert watchers[-1].wait(PATIENCE_S + DETACHED_JOB_S) == 0, watchers[-1].log()
+        assert runner.wait(PATIENCE_S) == 0
+    finally:
+        for watcher in watchers:
+            watcher.kill()
+        stop(runner)
+    assert Registry(hub).get(job_id)["status"] == "completed"
+    gaps = [(g["expected"], g["got"]) for g in Registry(hub).audit(job_id) if g["event"] == "seq_gap"]
+    assert gaps and len(gaps) == len(set(gaps)), gaps
+    covered = [got for _expected, got in gaps]
+    assert covered == sorted(covered) and all(e > prev for (e, _), prev in zip(gaps[1:], covered, strict=False))
