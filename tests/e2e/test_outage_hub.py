@@ -9,6 +9,9 @@ own connection is down, so the dispatch ends with the runner's `completed`
 Fault 3 (§4, §3.2 rule 6): after `dispatch --detach`, `mam-orch watch` moves the
 `pending` hub record to `running` from the retained state, and a gap in the
 seqs it never saw is logged once, however often it is re-attached.
+
+Fault 11 (§3.2 rules 4-5): after `redispatch`, the first attempt's stragglers
+are `stale_attempt` (logged at debug), not forgeries; a forgery still is.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from pathlib import Path
 
 import pytest
 from harness.jobkit import WatchProcess
-from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, orch, retained
+from harness.runnersim import MAM_ORCH, SimRunner, hub_env, hub_workspace, orch, retained
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env, write_env_for
 
-from mam.shared import names
+from mam.shared import crypto, names, wire
 from mam.shared.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
@@ -38,6 +41,7 @@ MISSES = 4  # K × N = 12 s, as in the issue
 OUTAGE_S = 11.0  # the broker is down this long: just under K × N
 JOB_S = 25  # the agent's sleep: it ends well after the broker is back
 DETACHED_JOB_S = 12  # long enough to re-attach twice while it runs
+STRAGGLERS = 15  # late messages of attempt 1, as in the issue
 
 
 def start_runner(broker, workspace: Path) -> subprocess.Popen:
@@ -119,3 +123,45 @@ def test_fault3_s4_watch_mirrors_a_detached_running_job_and_logs_a_gap_once(brok
     assert gaps and len(gaps) == len(set(gaps)), gaps
     covered = [got for _expected, got in gaps]
     assert covered == sorted(covered) and all(e > prev for (e, _), prev in zip(gaps[1:], covered, strict=False))
+
+
+def test_fault11_s3_2_an_earlier_attempts_stragglers_are_no_forgeries(broker, tmp_path):
+    hub = hub_workspace(broker, tmp_path)
+    first = SimRunner(broker, tmp_path / "first")
+    second = None
+    watcher = None
+    try:
+        sent = orch(hub, "dispatch", "--session", "gpu-box", "--detach", "--json", "--brief", "x",
+                    "--ack-timeout", ACK_TIMEOUT)
+        assert sent.returncode == 0, sent.stderr
+        job_id = json.loads(sent.stdout)["job_id"]
+        first.take()
+        first.publish(job_id, "started")
+        assert orch(hub, "cancel", job_id).returncode in (0, 4)
+        redo = orch(hub, "redispatch", job_id, "--detach", "--json")
+        assert redo.returncode == 0, redo.stderr
+        second = SimRunner(broker, tmp_path / "second")  # subscribes now: the retained attempt 2 only
+        assert second.take().dispatch.attempt_id == 2
+        watcher = WatchProcess([*MAM_ORCH, "watch", job_id, "--workspace", str(hub)], hub_env())
+        wait_until(lambda: watcher.proc.poll() is not None or "subscribed" in watcher.log(),
+                   what="the watch to subscribe")
+        second.publish(job_id, "started")
+        for _ in range(STRAGGLERS):  # attempt 1 never heard of the redispatch: its runner goes on
+            first.publish(job_id, "progress")
+        ident = {"attempt_id": 2, "dispatch_token": Registry(hub).get(job_id)["dispatch_token"]}
+        forged = crypto.sign_event({"schema_version": 1, "seq": 99, "job_id": job_id, "event": "progress",
+                                    "timestamp": "2026-06-20T14:49:30Z", "detail": "", "data": ident}, "f" * 43)
+        first.client.publish(names.events_topic(job_id, broker.topic_root), wire.encode(forged))
+        wait_until(lambda: "HMAC verify failed" in watcher.log(), what="the forgery to be refused")
+        second.publish(job_id, "completed", exit_code=0)
+        assert watcher.wait(PATIENCE_S) == 0, watcher.log()
+    finally:
+        if watcher is not None:
+            watcher.kill()
+        first.close()
+        if second is not None:
+            second.close()
+    log = watcher.log()
+    assert log.count("HMAC verify failed") == 1, log  # the forgery only
+    assert "stale_attempt" not in log  # the stragglers: debug, below the CLI's log level
+    assert Registry(hub).get(job_id)["status"] == "completed"
