@@ -66,11 +66,14 @@ class Accepted:
 @dataclass(frozen=True)
 class Refused:
     """A refused message: `reason` is §3.2's word, `detail` a short note for the
-    log (no secrets); `message` is the decoded message from rule 4 on, else None."""
+    log (no secrets); `message` is the decoded message from rule 4 on, else None;
+    `earlier` is True for a `stale_attempt` signed by an earlier attempt of the
+    job (its expected straggler after a redispatch: logged quietly)."""
 
     reason: str
     detail: str = ""
     message: Message | None = None
+    earlier: bool = False
 
     @property
     def silent(self) -> bool:
@@ -162,7 +165,8 @@ def accept(message: bytes | Message, *, kind: Kind, job_id: str, record: JobReco
         crypto.verify_event(message, record["auth_token"])
     except SignatureError:
         if earlier_attempt(message, record):  # a straggler of an attempt before a redispatch
-            return Refused(STALE_ATTEMPT, f"attempt {message.attempt_id!r} is an earlier attempt", message)
+            return Refused(STALE_ATTEMPT, f"attempt {message.attempt_id!r} is an earlier attempt", message,
+                           earlier=True)
         return Refused(HMAC_FAILED, f"{'events' if kind == 'event' else 'state'} seq {message.seq}", message)
     refused = judge(kind, message.event, message.seq, message.attempt_id, message.dispatch_token,
                     record=record, seen=seen)

@@ -30,7 +30,6 @@ from typing import Any, TextIO
 from mam.orchestrator.acceptance import (
     AFTER_TERMINAL,
     OF_CURRENT_ATTEMPT,
-    STALE_ATTEMPT,
     Accepted,
     Kind,
     Refused,
@@ -156,10 +155,10 @@ class Watcher:
             self.out.write(json.dumps(payload, sort_keys=True) + "\n")
         self.out.flush()
 
-    def _refuse(self, reason: str, detail: str = "") -> None:
+    def _refuse(self, reason: str, detail: str = "", *, quiet: bool = False) -> None:
         self.refusals.append(reason)
         # an earlier attempt's straggler is expected after a redispatch: quiet (§3.2 rule 5)
-        log.log(logging.DEBUG if reason == STALE_ATTEMPT else logging.WARNING, "job %s: refused message: %s%s",
+        log.log(logging.DEBUG if quiet else logging.WARNING, "job %s: refused message: %s%s",
                 self.job_id, reason, f" ({detail})" if detail else "")
 
     # ------------------------------------------------------------ acceptance
@@ -188,7 +187,7 @@ class Watcher:
                 return False
             if verdict.reason in OF_CURRENT_ATTEMPT and verdict.message is not None and verdict.message.terminal:
                 self.runner_ended = True  # the runner reported its end of this attempt (§6 confirmation)
-            self._refuse(verdict.reason, verdict.detail)
+            self._refuse(verdict.reason, verdict.detail, quiet=verdict.earlier)
             if self.options.remote and verdict.reason == AFTER_TERMINAL:
                 self._resolve_from_record()
             return False
