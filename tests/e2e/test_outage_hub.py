@@ -10,6 +10,9 @@ Fault 3 (§4, §3.2 rule 6): after `dispatch --detach`, `mam-orch watch` moves t
 `pending` hub record to `running` from the retained state, and a gap in the
 seqs it never saw is logged once, however often it is re-attached.
 
+§14: a watch that gives up on an unreachable broker leaves the job open and
+says how to re-attach; a terminal after the hub's own close is a `late_outcome`.
+
 Fault 11 (§3.2 rules 4-5): after `redispatch`, the first attempt's stragglers
 are `stale_attempt` (logged at debug), not forgeries; a forgery still is.
 """
@@ -23,12 +26,13 @@ import time
 from pathlib import Path
 
 import pytest
-from harness.jobkit import WatchProcess
+from harness.jobkit import JobPair, WatchProcess
 from harness.runnersim import MAM_ORCH, SimRunner, hub_env, hub_workspace, orch, retained
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env, write_env_for
 
 from mam.shared import crypto, names, wire
+from mam.shared.errors import ExitCode
 from mam.shared.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
@@ -165,3 +169,41 @@ def test_fault11_s3_2_an_earlier_attempts_stragglers_are_no_forgeries(broker, tm
     assert log.count("HMAC verify failed") == 1, log  # the forgery only
     assert "stale_attempt" not in log  # the stragglers: debug, below the CLI's log level
     assert Registry(hub).get(job_id)["status"] == "completed"
+
+
+def test_s14_a_watch_that_gives_up_leaves_the_job_open_and_says_how_to_reattach(broker, tmp_path):
+    pair = JobPair(broker, tmp_path)
+    try:
+        pair.env = clean_env(MAM_HUB_OUTAGE_GIVE_UP_S="1")
+        watcher = pair.watch("--idle-timeout", "1")
+        pair.wait_subscribed(watcher)
+        assert pair.publish("started").returncode == 0
+        wait_until(lambda: pair.record["status"] == "running", what="started to be mirrored")
+        broker.kill()
+        assert watcher.wait() == ExitCode.BROKER, watcher.log()
+    finally:
+        pair.close()
+    assert pair.record["status"] == "running" and pair.record["close_reason"] is None
+    assert f"Re-attach: mam-orch watch {pair.job_id} --workspace {pair.hub_ws}" in watcher.log()
+    assert "deadline_timeout" not in watcher.log()
+
+
+def test_s14_a_terminal_after_the_hubs_close_is_recorded_as_late_outcome(broker, tmp_path):
+    pair = JobPair(broker, tmp_path)
+    try:
+        watcher = pair.watch("--idle-timeout", "1")
+        pair.wait_subscribed(watcher)
+        assert pair.publish("started").returncode == 0
+        assert watcher.wait() == ExitCode.TIMEOUT, watcher.log()
+        assert pair.publish("completed").returncode == 0  # the runner finishes after all
+        again = pair.watch()
+        assert again.wait() == ExitCode.ERROR, again.log()  # the hub's verdict stands (§8)
+        jobs = orch(pair.hub_ws, "jobs", "--json")
+    finally:
+        pair.close()
+    record = pair.record
+    assert record["status"] == "error" and record["close_reason"] == "deadline_timeout"
+    assert record["late_outcome"] == "completed" and "later reported completed" in again.log()
+    assert [json.loads(line)["late_outcome"] for line in jobs.stdout.splitlines()] == ["completed"]
+    late = [line for line in pair.hub.audit(pair.job_id) if line["event"] == "late_terminal"]
+    assert len(late) == 1 and late[0]["terminal"] == "completed"
