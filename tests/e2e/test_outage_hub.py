@@ -13,6 +13,9 @@ seqs it never saw is logged once, however often it is re-attached.
 §14: a watch that gives up on an unreachable broker leaves the job open and
 says how to re-attach; a terminal after the hub's own close is a `late_outcome`.
 
+Fault 8, the hub's part (§17): the hub clears the retained dispatch as soon as
+it accepts that attempt's `started`, whether or not the runner did.
+
 Fault 11 (§3.2 rules 4-5): after `redispatch`, the first attempt's stragglers
 are `stale_attempt` (logged at debug), not forgeries; a forgery still is.
 """
@@ -207,3 +210,26 @@ def test_s14_a_terminal_after_the_hubs_close_is_recorded_as_late_outcome(broker,
     assert [json.loads(line)["late_outcome"] for line in jobs.stdout.splitlines()] == ["completed"]
     late = [line for line in pair.hub.audit(pair.job_id) if line["event"] == "late_terminal"]
     assert len(late) == 1 and late[0]["terminal"] == "completed"
+
+
+def test_fault8_s17_the_hub_clears_the_retained_dispatch_when_it_accepts_started(broker, tmp_path):
+    hub = hub_workspace(broker, tmp_path)
+    sim = SimRunner(broker, tmp_path / "runner")
+    dispatch = WatchProcess([*MAM_ORCH, "dispatch", "--session", "gpu-box", "--brief", "x",
+                             "--ack-timeout", ACK_TIMEOUT, "--workspace", str(hub)], hub_env())
+    try:
+        taken = sim.take(mirror=False)  # a runner that does not clear it (one that crashed just after `started`)
+        job_id = taken.dispatch.job_id
+        sim.registry.mirror(job_id=job_id, session="gpu-box", attempt_id=1,
+                            dispatch_token=taken.dispatch.dispatch_token, auth_token=taken.auth_token,
+                            contract=taken.dispatch.contract, origin=taken.dispatch.origin)
+        topic = names.dispatch_topic(job_id, broker.topic_root)
+        assert retained(broker, topic) is not None
+        sim.publish(job_id, "started")
+        wait_until(lambda: dispatch.events("started"), what="the hub to accept started")
+        wait_until(lambda: retained(broker, topic) is None, what="the hub to clear the retained dispatch")
+        sim.publish(job_id, "completed", exit_code=0)
+        assert dispatch.wait(PATIENCE_S) == 0, dispatch.log()
+    finally:
+        dispatch.kill()
+        sim.close()
