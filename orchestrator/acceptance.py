@@ -33,26 +33,31 @@ Message = wire.Event | wire.State
 @dataclass(frozen=True)
 class Seen:
     """What the hub has accepted of the job's current attempt: the highest
-    event seq (0: none) and its terminal status on the hub (None while open)."""
+    event seq (0: none), its terminal status on the hub (None while open), and
+    the highest seq of any accepted event or state (`covered`: a `seq_gap` is
+    only owed past it, so one gap is logged once, §3.2 rule 6)."""
 
     highest_seq: int = 0
     terminal: str | None = None
+    covered: int = 0
 
     @classmethod
     def of_record(cls, record: JobRecord) -> Seen:
-        """The view of a hub record: `last_seq` and its status when terminal."""
+        """The view of a hub record: `last_seq`, its status when terminal, `seen_seq`."""
         status = record["status"]
-        return cls(record["last_seq"], status if status in TERMINAL_STATUSES else None)
+        return cls(record["last_seq"], status if status in TERMINAL_STATUSES else None,
+                   record.get("seen_seq", 0))
 
     def merged(self, other: Seen) -> Seen:
         """The stricter of two views (a watcher's memory and the registry's record)."""
-        return Seen(max(self.highest_seq, other.highest_seq), self.terminal or other.terminal)
+        return Seen(max(self.highest_seq, other.highest_seq), self.terminal or other.terminal,
+                    max(self.covered, other.covered))
 
 
 @dataclass(frozen=True)
 class Accepted:
-    """An accepted message; `gap` is (expected, got) when an event's seq jumped
-    (§3.2 rule 6: accepted, and a `seq_gap` audit line is owed)."""
+    """An accepted message; `gap` is (expected, got) when its seq jumped past
+    every seq seen (§3.2 rule 6: accepted, and a `seq_gap` audit line is owed)."""
 
     message: Message
     gap: tuple[int, int] | None = None
@@ -61,11 +66,14 @@ class Accepted:
 @dataclass(frozen=True)
 class Refused:
     """A refused message: `reason` is §3.2's word, `detail` a short note for the
-    log (no secrets); `message` is the decoded message from rule 4 on, else None."""
+    log (no secrets); `message` is the decoded message from rule 4 on, else None;
+    `earlier` is True for a `stale_attempt` signed by an earlier attempt of the
+    job (its expected straggler after a redispatch: logged quietly)."""
 
     reason: str
     detail: str = ""
     message: Message | None = None
+    earlier: bool = False
 
     @property
     def silent(self) -> bool:
@@ -111,8 +119,22 @@ def judge(kind: Kind, event: str, seq: int, attempt_id: object, dispatch_token: 
 
 
 def seq_gap(seq: int, seen: Seen) -> tuple[int, int] | None:
-    """(expected, got) when an accepted event's `seq` skips past `seen` (§3.2 rule 6), else None."""
-    return (seen.highest_seq + 1, seq) if seq > seen.highest_seq + 1 else None
+    """(expected, got) when an accepted message's `seq` skips past everything `seen`
+    (§3.2 rule 6), else None: a gap already covered by a newer state is not logged again."""
+    highest = max(seen.highest_seq, seen.covered)
+    return (highest + 1, seq) if seq > highest + 1 else None
+
+
+def earlier_attempt(message: Message, record: JobRecord) -> bool:
+    """True when `message` is signed with an earlier attempt's auth token of the
+    job (`earlier_auth_tokens`, kept by a redispatch): §3.2 rule 5, not a forgery."""
+    for token in record.get("earlier_auth_tokens", []):
+        try:
+            crypto.verify_event(message, token)
+        except SignatureError:
+            continue
+        return True
+    return False
 
 
 def accept(message: bytes | Message, *, kind: Kind, job_id: str, record: JobRecord, seen: Seen) -> Verdict:
@@ -142,12 +164,15 @@ def accept(message: bytes | Message, *, kind: Kind, job_id: str, record: JobReco
     try:
         crypto.verify_event(message, record["auth_token"])
     except SignatureError:
+        if earlier_attempt(message, record):  # a straggler of an attempt before a redispatch
+            return Refused(STALE_ATTEMPT, f"attempt {message.attempt_id!r} is an earlier attempt", message,
+                           earlier=True)
         return Refused(HMAC_FAILED, f"{'events' if kind == 'event' else 'state'} seq {message.seq}", message)
     refused = judge(kind, message.event, message.seq, message.attempt_id, message.dispatch_token,
                     record=record, seen=seen)
     if refused is not None:
         return Refused(refused.reason, refused.detail, message)
-    return Accepted(message, seq_gap(message.seq, seen) if kind == "event" else None)
+    return Accepted(message, seq_gap(message.seq, seen))
 
 
 def mirror_event(registry: Registry, job_id: str, payload: Mapping[str, Any], *,

@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 from mam.orchestrator.control import close_remote
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.runners import read_presence
-from mam.orchestrator.watch import Detached, Watcher, WatchOptions, detach_hint
+from mam.orchestrator.watch import Detached, Watcher, WatchOptions, detach_hint, reattach_hint
 from mam.shared import config, crypto, names, wire
 from mam.shared.codes import PresenceStatus
 from mam.shared.crypto import MAX_BRIEF_BYTES, DispatchKeys
@@ -223,7 +223,7 @@ def _print_started(record: JobRecord, as_json: bool, verb: str) -> None:
 
 
 def publish_and_watch(registry: Registry, record: JobRecord, brief: str, keys: DispatchKeys, client: MqttClient, *,
-                      detach: bool, as_json: bool, verb: str = "dispatched") -> int:
+                      detach: bool, as_json: bool, verb: str = "dispatched", workspace: Workspace = None) -> int:
     """From a registered (or redispatched) pending attempt to its end, on one
     connection (§5, §10): store the brief, subscribe to the job's events and
     state, publish the sealed signed retained dispatch, then watch.
@@ -236,8 +236,10 @@ def publish_and_watch(registry: Registry, record: JobRecord, brief: str, keys: D
         brief: the checked brief; client: a connected `MqttClient` (not closed here).
         detach: return 0 right after the publish; as_json: JSON on stdout even on a TTY.
         verb: "dispatched" or "redispatched", for the messages.
+        workspace: the `--workspace` given, for the re-attach hints.
     Returns:
-        the exit code of §9 (130 when detached with Ctrl-C).
+        the exit code of §9 (130 when detached with Ctrl-C; 3 with the record
+        left open when the broker stayed unreachable after the publish, §14).
     Raises:
         BrokerError (exit 3), RegistryError, UsageError.
     """
@@ -267,10 +269,14 @@ def publish_and_watch(registry: Registry, record: JobRecord, brief: str, keys: D
         _print_started(registry.get(job_id), as_json, verb)
         return 0
     try:
-        return watcher.run()
+        code = watcher.run()
     except Detached:
-        print(detach_hint(job_id), file=sys.stderr)
+        print(detach_hint(job_id, workspace), file=sys.stderr)
         return ExitCode.DETACHED
+    hint = reattach_hint(registry, job_id, workspace) if code == ExitCode.BROKER else None
+    if hint is not None:
+        print(hint, file=sys.stderr)
+    return code
 
 
 def dispatch_cli(*, session: str, brief: str | None, brief_file: str | None, heartbeat_s: int | None,
@@ -310,6 +316,7 @@ def dispatch_cli(*, session: str, brief: str | None, brief_file: str | None, hea
                       f"--session {session}` there, or drop --require-online)", file=sys.stderr)
                 return ExitCode.NO_RUNNER
         record = registry.register(session=session, contract=contract)
-        return publish_and_watch(registry, record, text, keys, client, detach=detach, as_json=as_json)
+        return publish_and_watch(registry, record, text, keys, client, detach=detach, as_json=as_json,
+                                 workspace=workspace)
     finally:
         client.close()

@@ -55,6 +55,6 @@ def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None
         publish_cancel(client, record, keys, "redispatch")
         new = registry.redispatch(job_id, source="operator", session=session, reason="operator redispatch")
         return publish_and_watch(registry, new, text, keys, client, detach=detach, as_json=as_json,
-                                 verb="redispatched")
+                                 verb="redispatched", workspace=workspace)
     finally:
         client.close()

@@ -7,18 +7,21 @@ human view on a TTY).
 Clocks (§10): before the first accepted event the ack clock runs, after it the
 idle clock (K × N), renewed by every accepted event and by a state only when
 its seq is newer than everything accepted (§4); the wall clock runs from the
-attempt's creation. Whatever ends a wait that has begun (other than Ctrl-C)
-leaves the hub record terminal: a deadline that passes while the broker is
-unreachable closes the job `deadline_timeout` and exits 3. A watch that cannot
-reach the broker when it starts decides nothing: it reports the record's own
-status (disk fallback) and exits 3 without closing it.
+attempt's creation. While the hub's own broker connection is down the ack and
+idle clocks stand still (§14): after the reconnect the retained state is read
+and every clock gets a full idle window; only the wall clock runs on (passing
+while the broker is unreachable, it closes the job `deadline_timeout`, exit 3).
+A watch that cannot reach the broker, at start or for `MAM_HUB_OUTAGE_GIVE_UP_S`,
+decides nothing: the record stays open and it exits 3 with a re-attach hint.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -34,15 +37,16 @@ from mam.orchestrator.acceptance import (
     Verdict,
     accept,
 )
-from mam.orchestrator.control import clear_retained, close_remote
+from mam.orchestrator.control import clear_dispatch, clear_retained, close_remote
 from mam.orchestrator.hub import DAY_S, Workspace, open_hub
+from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S, BrokerLink, mirror_state, note_late_terminal
 from mam.shared import names, wire
 from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.config import BrokerConfig, env_float
 from mam.shared.crypto import DispatchKeys
 from mam.shared.errors import BrokerError, BrokerUnavailable, ConfigError, ExitCode, TransitionRefused, UsageError
 from mam.shared.mqtt import MqttClient
-from mam.shared.records import JobRecord, utc_now
+from mam.shared.records import HUB_DECISIONS, JobRecord, utc_now
 from mam.shared.registry import Registry
 
 log = logging.getLogger("mam.watch")
@@ -59,6 +63,8 @@ STATE_GRACE_S = 1.0
 CANCEL_GRACE_S = 10.0
 CONFIRM_MARGIN_S = 5.0
 MIN_WAIT_S = 0.01
+# A re-attached watch of a job the hub closed reads the retained messages this long (§14).
+LATE_READ_S = 2.0
 MAX_OPTION_S = 366 * DAY_S  # a watch option beyond a year is a mistake
 CLOCK_CHARS = slice(11, 19)  # HH:MM:SS of a §3 timestamp, for the human view
 TOPIC_KINDS: dict[str, Kind] = {"events": "event", "state": "state"}
@@ -149,9 +155,11 @@ class Watcher:
             self.out.write(json.dumps(payload, sort_keys=True) + "\n")
         self.out.flush()
 
-    def _refuse(self, reason: str, detail: str = "") -> None:
+    def _refuse(self, reason: str, detail: str = "", *, quiet: bool = False) -> None:
         self.refusals.append(reason)
-        log.warning("job %s: refused message: %s%s", self.job_id, reason, f" ({detail})" if detail else "")
+        # an earlier attempt's straggler is expected after a redispatch: quiet (§3.2 rule 5)
+        log.log(logging.DEBUG if quiet else logging.WARNING, "job %s: refused message: %s%s",
+                self.job_id, reason, f" ({detail})" if detail else "")
 
     # ------------------------------------------------------------ acceptance
 
@@ -169,27 +177,29 @@ class Watcher:
         kind = TOPIC_KINDS.get(parsed[1] if parsed else "")
         if kind is None:
             return False
-        if kind == "event" and self.options.remote:
-            verdict = self._accept_and_mirror(raw)
+        if self.options.remote:
+            verdict = self._accept_and_mirror(raw, kind)
         else:
             verdict = accept(raw, kind=kind, job_id=self.job_id, record=self.registry.get(self.job_id),
-                             seen=Seen(self.highest_event, self.terminal))
+                             seen=Seen(self.highest_event, self.terminal, self.highest_any))
         if isinstance(verdict, Refused):
             if verdict.silent:
                 return False
             if verdict.reason in OF_CURRENT_ATTEMPT and verdict.message is not None and verdict.message.terminal:
                 self.runner_ended = True  # the runner reported its end of this attempt (§6 confirmation)
-            self._refuse(verdict.reason, verdict.detail)
+            self._refuse(verdict.reason, verdict.detail, quiet=verdict.earlier)
             if self.options.remote and verdict.reason == AFTER_TERMINAL:
                 self._resolve_from_record()
             return False
         message = verdict.message
         if message.terminal:
             self.runner_ended = True
+        if verdict.gap is not None and not self.options.remote:
+            self._audit_gap(*verdict.gap)  # the registry logged it with the message when mirroring
         if isinstance(message, wire.State):
             return self._handle_state(message)
-        if verdict.gap is not None and not self.options.remote:
-            self._audit_gap(*verdict.gap)  # the registry logged it with the event when mirroring
+        if message.event == "started" and self.options.remote:
+            self._clear_dispatch()
         self.highest_event = message.seq
         self.highest_any = max(self.highest_any, message.seq)
         self.accepted_any = True
@@ -200,19 +210,37 @@ class Watcher:
                 self._resolve_from_record()
         return True
 
-    def _accept_and_mirror(self, raw: bytes) -> Verdict:
-        """§3.2 against the hub record under the registry lock, and store an accepted event (§10)."""
+    def _accept_and_mirror(self, raw: bytes, kind: Kind) -> Verdict:
+        """§3.2 against the hub record under the registry lock, and store what it
+        implies (§10): an accepted event; a newer state's seq (and `pending` →
+        `running` when it says the attempt runs); a late terminal (§14)."""
+        moved_to_running = False
         with self.registry.transaction(self.job_id) as txn:
-            seen = Seen(self.highest_event, self.terminal).merged(Seen.of_record(txn.record))
-            verdict = accept(raw, kind="event", job_id=self.job_id, record=txn.record, seen=seen)
-            if isinstance(verdict, Accepted):
+            seen = Seen(self.highest_event, self.terminal, self.highest_any).merged(Seen.of_record(txn.record))
+            verdict = accept(raw, kind=kind, job_id=self.job_id, record=txn.record, seen=seen)
+            if isinstance(verdict, Accepted) and isinstance(verdict.message, wire.Event):
                 txn.store_event(verdict.message.to_dict(), source="remote_mirror", gap=verdict.gap)
+            elif isinstance(verdict, Accepted) and isinstance(verdict.message, wire.State):
+                moved_to_running = mirror_state(txn, verdict.message, verdict.gap)
+            elif isinstance(verdict, Refused) and verdict.reason == AFTER_TERMINAL and verdict.message is not None:
+                note_late_terminal(txn, verdict.message)
+        if moved_to_running:
+            self._clear_dispatch()
         return verdict
+
+    def _clear_dispatch(self) -> None:
+        """§17: the attempt started, so its retained dispatch goes (a crashed broker
+        may bring a cleared one back; the runners refuse it as `taken`)."""
+        client = self.client
+        if client is None or not client.connected.is_set():
+            return
+        try:
+            clear_dispatch(client, self.job_id)
+        except BrokerError as exc:
+            log.warning("job %s: the retained dispatch was not cleared: %s", self.job_id, exc)
 
     def _handle_state(self, message: wire.State) -> bool:
         newer = message.seq > self.highest_any
-        if newer and message.seq > self.highest_any + 1 and message.seq > self.highest_event + 1:
-            self._audit_gap(self.highest_any + 1, message.seq)
         if newer:
             self.highest_any = message.seq
             self.accepted_any = True
@@ -305,6 +333,29 @@ class Watcher:
         self._subscribed = self._connect()
         return self._subscribed
 
+    def _read_late_terminal(self) -> None:
+        """§14 "Late terminals": re-attached to a job the hub closed itself, read the
+        job's retained state (and any event) for `LATE_READ_S`; a terminal of the
+        attempt is recorded as `late_outcome` (the status stays, §8)."""
+        try:
+            if not self.subscribe() or self.client is None:
+                return
+            deadline = time.monotonic() + LATE_READ_S
+            while time.monotonic() < deadline:
+                try:
+                    message = self.client.messages.get(timeout=max(MIN_WAIT_S, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                self.handle(message.topic, message.payload)
+        finally:
+            if self._owns_client and self.client is not None:
+                self.client.close()
+                self.client, self._owns_client, self._subscribed = None, False, False
+        late = self.registry.get(self.job_id).get("late_outcome")
+        if late:
+            print(f"job {self.job_id}: the hub closed it, but its runner later reported {late} "
+                  f"(late_outcome; the record keeps its status)", file=sys.stderr)
+
     def _finish_from_disk(self, why: str) -> int:
         """Disk fallback (§10): the hub's own record decides; else exit 3."""
         status = self.registry.get(self.job_id)["status"]
@@ -334,6 +385,8 @@ class Watcher:
         """
         record = self.registry.get(self.job_id)
         if record["status"] in TERMINAL_STATUSES:
+            if self.options.remote and record.get("close_reason") in HUB_DECISIONS and not record.get("late_outcome"):
+                self._read_late_terminal()
             return self._finish_from_disk("already terminal")
         opts = self.options
         ack_s = float(opts.ack_timeout_s if opts.ack_timeout_s is not None else record["ack_timeout_sec"])
@@ -352,8 +405,24 @@ class Watcher:
                 first_deadline = start + idle_s  # re-attached to a running job: no ack phase
             last_alive = start
             next_poll = start
+            link = BrokerLink(client)
+            give_up_s = max(idle_s, env_float("MAM_HUB_OUTAGE_GIVE_UP_S", OUTAGE_GIVE_UP_S))
             while self.terminal is None:
                 now = time.monotonic()
+                outage = link.look(now)
+                if outage is not None:  # §14: the clocks stood still; a full idle window from now
+                    first_deadline = max(first_deadline + outage, now + idle_s)
+                    last_alive = now
+                    log.info("job %s: broker connection back after %.1f s; the idle clock restarts",
+                             self.job_id, outage)
+                if link.down_since is not None:
+                    if now >= wall_deadline:
+                        return self._close(CloseReason.DEADLINE_TIMEOUT)
+                    if now >= link.down_since + give_up_s:
+                        log.error("job %s: the broker was unreachable for %.0f s; giving up, the job "
+                                  "stays %s", self.job_id, now - link.down_since,
+                                  self.registry.get(self.job_id)["status"])
+                        return ExitCode.BROKER
                 if now >= next_poll:
                     next_poll = now + REGISTRY_POLL_S
                     self._resolve_from_record()  # e.g. `mam-orch cancel` from another shell
@@ -366,7 +435,9 @@ class Watcher:
                 deadline = min(wall_deadline, (last_alive + idle_s) if self.accepted_any else first_deadline)
                 if pending_state is not None:
                     deadline = min(deadline, self._terminal_state_at + STATE_GRACE_S)
-                if now >= deadline and pending_state is None:
+                if link.down_since is not None:  # only the wall clock runs while the broker is away
+                    deadline = min(wall_deadline, link.down_since + give_up_s)
+                if now >= deadline and pending_state is None and link.down_since is None:
                     if now >= wall_deadline:
                         return self._close(CloseReason.DEADLINE_TIMEOUT)
                     if not self.accepted_any and record["status"] == JobStatus.PENDING and \
@@ -394,10 +465,24 @@ def _exit_of(status: str | None) -> int:
     return STATUS_EXIT.get(status or "", ExitCode.ERROR)
 
 
-def detach_hint(job_id: str) -> str:
+def _where(workspace: Workspace) -> str:
+    return f" --workspace {shlex.quote(os.fspath(workspace))}" if workspace is not None else ""
+
+
+def detach_hint(job_id: str, workspace: Workspace = None) -> str:
     """What Ctrl-C prints (§10): how to re-attach or cancel."""
-    return (f"detached from job {job_id}; it keeps running. Re-attach: mam-orch watch {job_id}  "
-            f"Cancel: mam-orch cancel {job_id}")
+    return (f"detached from job {job_id}; it keeps running. Re-attach: mam-orch watch {job_id}{_where(workspace)}  "
+            f"Cancel: mam-orch cancel {job_id}{_where(workspace)}")
+
+
+def reattach_hint(registry: Registry, job_id: str, workspace: Workspace = None) -> str | None:
+    """What a watch that gave up on the broker (exit 3) prints when the job is
+    still open (§14): its status and how to re-attach; None when it is closed."""
+    status = registry.get(job_id)["status"]
+    if status in TERMINAL_STATUSES:
+        return None
+    return (f"job {job_id} is still {status} (the broker is unreachable; nothing was decided). "
+            f"Re-attach: mam-orch watch {job_id}{_where(workspace)}")
 
 
 def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s: float | None,
@@ -426,7 +511,11 @@ def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s
                       options=WatchOptions(remote=remote, ack_timeout_s=ack_timeout_s,
                                            idle_timeout_s=idle_timeout_s, timeout_s=timeout_s))
     try:
-        return watcher.run()
+        code = watcher.run()
     except Detached:
-        print(detach_hint(job_id), file=sys.stderr)
+        print(detach_hint(job_id, workspace), file=sys.stderr)
         return ExitCode.DETACHED
+    hint = reattach_hint(hub.registry, job_id, workspace) if code == ExitCode.BROKER else None
+    if hint is not None:
+        print(hint, file=sys.stderr)
+    return code

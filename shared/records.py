@@ -25,6 +25,7 @@ from mam.shared.codes import (
     JOB_STATUSES,
     OPEN_STATUSES,
     TERMINAL_STATUSES,
+    CloseReason,
     EventName,
     JobStatus,
 )
@@ -38,6 +39,11 @@ OPERATOR_SOURCES = frozenset({"operator", "registry_cli", "delegate_wrapper"})
 WORKER_EDGES = frozenset({(JobStatus.PENDING, JobStatus.RUNNING)} | {
     (old, new) for old in OPEN_STATUSES for new in TERMINAL_STATUSES})
 SECRET_FIELDS = ("auth_token", "dispatch_token")
+# Redacted like the secrets: earlier attempts' auth tokens (kept to tell a stale attempt from a forgery, §3.2).
+EARLIER_TOKENS = "earlier_auth_tokens"
+MAX_EARLIER_TOKENS = 16  # attempts older than this many redispatches are judged as forgeries
+# The close reasons of the hub's own decisions: a terminal after them is a late terminal (§14).
+HUB_DECISIONS = frozenset({CloseReason.DEADLINE_TIMEOUT, CloseReason.AGENT_BLOCKED})
 RECORD_MAX_BYTES = 1 << 20  # a record is a few hundred bytes; anything this big is hostile
 RECORD_NAME_RE = re.compile(r"^[0-9a-f]{8}\.json$")
 
@@ -73,6 +79,9 @@ class JobRecord(TypedDict):
     idle_timeout_sec: int
     timeout_sec: int
     attempt_created_at: NotRequired[str]  # set by a redispatch (§10: a new wall-clock budget)
+    earlier_auth_tokens: NotRequired[list[str]]  # earlier attempts' tokens, newest last (§3.2 rule 5)
+    seen_seq: NotRequired[int]  # highest seq of any event or state accepted of this attempt (gap lines)
+    late_outcome: NotRequired[str]  # the runner's terminal after the hub closed the job (§14)
 
 
 def utc_now() -> str:
@@ -312,7 +321,9 @@ class Transaction:
         data = payload.get("data")
         code = data.get("exit_code") if isinstance(data, Mapping) else None
         code = code if isinstance(code, int) and not isinstance(code, bool) else None
-        return self._advance(str(payload["event"]), int(payload["seq"]), source, None, code)
+        new = self._advance(str(payload["event"]), int(payload["seq"]), source, None, code)
+        new["seen_seq"] = max(self.record.get("seen_seq", 0), new["last_seq"])
+        return new
 
     def _advance(self, event: str, seq: int, source: str, status: str | None, exit_code: int | None) -> JobRecord:
         record = self.record
@@ -326,11 +337,44 @@ class Transaction:
         return new
 
 
+def next_attempt(record: JobRecord) -> JobRecord:
+    """A copy of `record` as its next attempt (§8 redispatch): `pending`, attempt + 1,
+    fresh tokens, seq restarted; the old auth token joins `earlier_auth_tokens`
+    (so the hub can still tell that attempt's late messages from forgeries, §3.2)."""
+    new = moved(record, JobStatus.PENDING)
+    earlier = [*record.get("earlier_auth_tokens", []), record["auth_token"]][-MAX_EARLIER_TOKENS:]
+    new.update({"attempt_id": record["attempt_id"] + 1, "dispatch_token": names.new_dispatch_token(),
+                "auth_token": names.new_auth_token(), "last_seq": 0, "close_reason": None,
+                "exit_code": None, "cancel_requested_at": None, "attempt_created_at": new["updated_at"],
+                "earlier_auth_tokens": earlier, "seen_seq": 0})
+    new.pop("late_outcome", None)
+    return new
+
+
+def late_terminal(record: JobRecord, event: str, seq: int, exit_code: object, detail: str,
+                  timestamp: str) -> tuple[JobRecord, dict[str, Any]] | None:
+    """§14 "Late terminals": the record (status unchanged, `late_outcome` set) and its
+    `late_terminal` audit line, when a verified terminal of the current attempt comes
+    after the hub closed the job itself; None when it is no late terminal or one was
+    already recorded."""
+    if record["status"] not in TERMINAL_STATUSES or record.get("close_reason") not in HUB_DECISIONS \
+            or record.get("late_outcome"):
+        return None
+    outcome = JobStatus.COMPLETED if event == EventName.COMPLETED else JobStatus.ERROR
+    new = touched(record)
+    new["late_outcome"] = outcome
+    line = {"event": "late_terminal", "timestamp": utc_now(), "terminal": event, "seq": seq,
+            "exit_code": exit_code, "detail": detail, "sent_at": timestamp, "attempt_id": record["attempt_id"],
+            "late_outcome": outcome}
+    return new, line
+
+
 def redact(obj: Any) -> Any:
-    """A copy of `obj` with every `auth_token`/`dispatch_token` value replaced
-    by `"<set>"` (or `"<unset>"`), at any depth."""
+    """A copy of `obj` with every `auth_token`/`dispatch_token` value (and the
+    earlier attempts' tokens) replaced by `"<set>"` (or `"<unset>"`), at any depth."""
     if isinstance(obj, Mapping):
-        return {k: (("<set>" if v else "<unset>") if k in SECRET_FIELDS else redact(v)) for k, v in obj.items()}
+        return {k: (("<set>" if v else "<unset>") if k in SECRET_FIELDS or k == EARLIER_TOKENS else redact(v))
+                for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [redact(v) for v in obj]
     return obj

@@ -45,6 +45,7 @@ from mam.shared.records import (
     dumps,
     moved,
     new_record,
+    next_attempt,
     redact,
     require_source,
     touched,
@@ -585,10 +586,7 @@ class Registry:
                 if current in OPEN_STATUSES and not record.get("cancel_requested_at"):
                     raise Refusal(job_id, "not_allowed",
                                   f"refused redispatch: the job is {current}; cancel it first")
-                new = moved(record, "pending")
-                new.update({"attempt_id": record["attempt_id"] + 1, "dispatch_token": names.new_dispatch_token(),
-                            "auth_token": names.new_auth_token(), "last_seq": 0, "close_reason": None,
-                            "exit_code": None, "cancel_requested_at": None, "attempt_created_at": new["updated_at"]})
+                new = next_attempt(record)
                 if session is not None:
                     new.update({"session": session, "agent_session": names.agent_session_label(session)})
                 txn.update(new, source=source, reason=reason or "redispatch")

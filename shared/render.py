@@ -17,7 +17,7 @@ from mam.shared.registry import Registry
 
 JOB_COLUMNS = (("JOB", "job_id"), ("STATUS", "status"), ("SESSION", "session"), ("ROLE", "role"),
                ("ATTEMPT", "attempt_id"), ("SEQ", "last_seq"), ("CLOSE", "close_reason"),
-               ("EXIT", "exit_code"), ("UPDATED", "updated_at"))
+               ("EXIT", "exit_code"), ("LATE", "late_outcome"), ("UPDATED", "updated_at"))
 
 
 def _cell(value: Any) -> str:

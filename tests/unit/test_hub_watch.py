@@ -90,7 +90,7 @@ def test_s10_silence_after_started_is_deadline_timeout_exit_2(reg):
     assert watch(reg, rec, client, ack_timeout_s=5, idle_timeout_s=0.3).run() == ExitCode.TIMEOUT
     after = reg.get(rec["job_id"])
     assert after["close_reason"] == "deadline_timeout" and after["last_seq"] == 1
-    assert leaves(client) == ["control"]
+    assert leaves(client) == ["dispatch", "control"]  # started cleared the dispatch (§17), then the cancel
 
 
 def test_s10_terminal_event_ends_the_watch_with_its_exit_code(reg):
@@ -101,7 +101,8 @@ def test_s10_terminal_event_ends_the_watch_with_its_exit_code(reg):
     w = watch(reg, rec, client)
     assert w.run() == ExitCode.COMPLETED
     assert [json.loads(line)["seq"] for line in w.out.getvalue().splitlines()] == [1, 2, 3]
-    assert reg.get(rec["job_id"])["status"] == "completed" and client.published == []
+    assert reg.get(rec["job_id"])["status"] == "completed"
+    assert client.published == [(names.dispatch_topic(rec["job_id"], client.config.topic_root), b"", True)]
 
 
 def test_s10_a_job_already_terminal_is_answered_from_disk(reg):
