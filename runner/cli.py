@@ -1,16 +1,23 @@
 """`mam-runner`: the worker host's command line. Each command parses, calls
 one function, and lets `clikit.run` map errors to the exit codes of
-PROTOCOL §9. `publish` is called often by agents: its imports stay lazy."""
+PROTOCOL §9. `publish` is called often by agents: its imports stay lazy, and
+inside a job it goes through the runner's socket (`fastpath`, §17) before
+typer is even imported (the console script's entry is `fastpath.main`)."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-import typer
+from mam.runner import fastpath
 
-from mam.shared import clikit
-from mam.shared.errors import BrokerError, ExitCode, MamError, ProtocolError, RegistryError, UsageError
+if __name__ == "__main__":  # `python -m mam.runner.cli publish`: the socket fast path before typer loads (§17)
+    fastpath.main()
+
+import typer  # noqa: E402  (after the fast path above: an agent's publish never loads typer)
+
+from mam.shared import clikit  # noqa: E402
+from mam.shared.errors import BrokerError, ExitCode, MamError, ProtocolError, RegistryError, UsageError  # noqa: E402
 
 MAX_PUBLISH_ATTEMPTS = 10
 """Highest `--attempts` of `mam-runner publish` (§13)."""

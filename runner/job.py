@@ -27,6 +27,7 @@ from typing import Any
 
 from mam.runner import heartbeat, orphans, publish
 from mam.runner.agent import AgentProcess, AgentStartError, ExitStatus, agent_env
+from mam.runner.fastpath import SOCKET_ENV
 from mam.runner.process_tree import AgentIdentity, stop_orphan
 from mam.runner.settings import RunnerOptions
 from mam.shared import crypto, names, wire
@@ -153,6 +154,7 @@ class Supervisor:
         self.environ = environ
         self.on_end = on_end
         self.stopping = stopping or threading.Event()
+        self.socket_path: Path | None = None  # the daemon's local publish socket (§17), set once it listens
 
     def start(self, job: Job) -> None:
         """Start the job's supervisor thread."""
@@ -296,6 +298,9 @@ class Supervisor:
                         publish_cmd=publish.publish_command(self.options.root, job.job_id), brief=job.brief)
         env["MAM_ENV_FILE"] = str(env_file)
         env["MAM_REAL_ROOT"] = str(self.options.root)
+        env.pop(SOCKET_ENV, None)  # never another daemon's socket
+        if self.socket_path is not None:  # §17: `mam-runner publish` goes through this daemon
+            env[SOCKET_ENV] = str(self.socket_path)
         return env
 
     def _write_broker_env(self, job_id: str) -> Path:

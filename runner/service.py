@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from types import FrameType, TracebackType
 from typing import Any
 
-from mam.runner import orphans
+from mam.runner import orphans, publish
 from mam.runner.admission import (
     Ignore,
     Refuse,
@@ -38,6 +38,7 @@ from mam.runner.admission import (
     waiting_attempt,
 )
 from mam.runner.job import Job, Supervisor, orphan_job
+from mam.runner.localsock import PublishServer
 from mam.runner.outbox import Outbox, Resender
 from mam.runner.presence import Presence
 from mam.runner.settings import RunnerOptions, options_from_cli
@@ -105,6 +106,7 @@ class Runner:
         self._registry: Registry | None = None
         self._supervisor: Supervisor | None = None
         self._resender: Resender | None = None  # re-sends the outbox (§17)
+        self._socket: PublishServer | None = None  # agents' local publish socket (§17)
         self._jobs: dict[str, Job] = {}
         self._jobs_lock = threading.Lock()
         self._pending: dict[str, bytes] = {}  # dispatch topic -> payload waiting for a slot
@@ -235,6 +237,8 @@ class Runner:
         self._publish_presence(PresenceStatus.ONLINE)
         self._resender = Resender(Outbox(self.options.root), client, self._record)
         self._resender.start()  # §17: what an earlier run or a failed `publish` left is sent now
+        self._socket = PublishServer(registry, held=lambda job_id: job_id in self.running, send=self._send)
+        self._supervisor.socket_path = self._socket.start()
         log.info("runner %s serving session %s (max %d job(s)) on %s:%d", self.runner_id,
                  self.options.session, self.options.max_jobs, client.host, self.config.port)
 
@@ -294,6 +298,8 @@ class Runner:
             if job.thread is not None:
                 job.thread.join()
         self._reap_ended()
+        if self._socket is not None:
+            self._socket.stop()
         if self._resender is not None:
             self._resender.stop()
         if self.client is not None:
@@ -353,6 +359,11 @@ class Runner:
         if changed and self.client is not None and not self._shutdown_done:
             self._publish_presence()
             self._retry_pending()
+
+    def _send(self, published: publish.Published) -> None:
+        """An agent's event from the local socket, on this daemon's connection (§17)."""
+        assert self.client is not None
+        publish.send_on(self.client, published)
 
     def _record(self, job_id: str) -> JobRecord | None:
         """This host's record of `job_id`, or None."""

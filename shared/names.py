@@ -253,6 +253,16 @@ OUTBOX_KEPT_SUFFIX = ".kept.json"
 _OUTBOX_NAME_RE = re.compile(r"^([0-9a-f]{8})\.([1-9][0-9]{0,8})\.([1-9][0-9]{0,11})(\.kept)?\.json$")
 
 
+def run_dir(root: Path) -> Path:
+    """`<root>/.mam/run` (mode 0700): the runner daemon's local socket lives here (§17)."""
+    return mam_dir(root) / "run"
+
+
+def runner_socket_path(root: Path) -> Path:
+    """`<root>/.mam/run/runner.sock`: the runner daemon's local publish socket (§17)."""
+    return run_dir(root) / "runner.sock"
+
+
 def outbox_dir(root: Path) -> Path:
     """`<root>/.mam/outbox`: events and states not yet acknowledged by the broker (§17)."""
     return mam_dir(root) / "outbox"

@@ -1,0 +1,286 @@
+"""The runner daemon's local publish socket (PROTOCOL §17).
+
+`<root>/.mam/run/runner.sock` (0600, its folder 0700). Each client sends one
+JSON line `{"job_id", "attempt_id", "dispatch_token", "event", "detail",
+"data"}` and gets one line back: `{"ok": true, "seq": N}` once the event is
+in the registry, the audit log and the outbox (`publish.record`, the §8
+checks and the §12 barrier of a terminal event), or `{"ok": false,
+"reason": ...}` (`"usage": true` for input that `mam-runner publish` would
+reject with exit 64). The connection is then closed and the event is sent
+on the daemon's own connection by a sender thread (`send`).
+
+One selector thread serves every client: lines are capped (MAX_LINE_BYTES),
+clients are capped (MAX_CLIENTS) and idle ones dropped (CLIENT_IDLE_S); bad
+input of any kind is refused with one line and never stops the daemon. A
+stale socket file of a dead daemon is replaced; a live one is left alone
+(this daemon then does not listen). The file is removed on `stop()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import selectors
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mam.runner import publish
+from mam.runner.fastpath import CONNECT_TIMEOUT_S, unix_address
+from mam.shared import names
+from mam.shared.errors import MamError, ProtocolError, RegistryError, UsageError
+from mam.shared.registry import Registry
+
+log = logging.getLogger("mam.socket")
+
+MAX_LINE_BYTES = 128 * 1024
+"""Longest request line, bytes: 16 KiB of data as escaped JSON plus the other fields."""
+MAX_CLIENTS = 32
+"""Connections served at once; one more is refused with a line and closed."""
+CLIENT_IDLE_S = 10.0
+"""A client that sends no full line within this many seconds is refused and closed."""
+SELECT_S = 0.2
+"""Longest wait of the selector before it checks for `stop()`."""
+RECV_BYTES = 64 * 1024
+"""Bytes read per `recv`."""
+DIR_MODE = 0o700
+SOCKET_MODE = 0o600
+BACKLOG = 16
+FIELDS = frozenset({"job_id", "attempt_id", "dispatch_token", "event", "detail", "data"})
+
+
+def parse_request(line: bytes) -> publish.PublishRequest:
+    """One request line as a validated `PublishRequest` (the checks of `mam-runner publish`, §3).
+
+    Raises:
+        UsageError: not UTF-8 JSON, not an object, unknown/missing fields, bad types or values.
+    """
+    try:
+        value = json.loads(line.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise UsageError("the request is not one line of UTF-8 JSON") from None
+    if not isinstance(value, dict):
+        raise UsageError("the request must be a JSON object")
+    unknown = sorted(str(key) for key in value.keys() - FIELDS)
+    if unknown:
+        raise UsageError(f"unknown request field(s): {', '.join(unknown)[:200]}")
+    for key, kind in (("job_id", str), ("event", str), ("dispatch_token", str), ("detail", str), ("data", dict)):
+        if key in value and not isinstance(value[key], kind):
+            raise UsageError(f"request field {key!r} must be a {'JSON object' if kind is dict else 'string'}")
+    attempt = value.get("attempt_id")
+    if isinstance(attempt, bool) or not isinstance(attempt, int):
+        raise UsageError("request field 'attempt_id' must be an integer >= 1")
+    if "job_id" not in value or "event" not in value or not value.get("dispatch_token"):
+        raise UsageError("the request needs job_id, attempt_id, dispatch_token and event")
+    data = value.get("data") or {}
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False) if data else None
+    return publish.make_request(value["job_id"], value["event"], value.get("detail", ""), text, attempt,
+                                value["dispatch_token"])
+
+
+@dataclass
+class _Client:
+    sock: socket.socket
+    since: float
+    buffer: bytearray = field(default_factory=bytearray)
+
+
+class PublishServer:
+    """The listener of one runner daemon (§17)::
+
+        server = PublishServer(registry, held=lambda job_id: ..., send=...)
+        path = server.start()   # None when it does not listen (a live daemon holds the socket)
+        server.stop()           # joins both threads, removes the socket file
+
+    Args:
+        registry: this host's registry.
+        held: True for a job this daemon runs (other jobs are refused).
+        send: sends one `Published` on the daemon's connection (called on the sender thread).
+    """
+
+    def __init__(self, registry: Registry, *, held: Callable[[str], bool],
+                 send: Callable[[publish.Published], None]) -> None:
+        self.registry = registry
+        self.path = names.runner_socket_path(registry.root)
+        self.held = held
+        self.send = send
+        self._listener: socket.socket | None = None
+        self._inode: int | None = None
+        self._stop = threading.Event()
+        self._outgoing: queue.Queue[publish.Published | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> Path | None:
+        """Bind and listen; the socket's path, or None when it does not listen."""
+        run_dir = self.path.parent
+        run_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        os.chmod(run_dir, DIR_MODE)
+        if not self._clear_stale():
+            return None
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        address, fd = unix_address(self.path)
+        try:
+            listener.bind(address)
+        except OSError as exc:
+            listener.close()
+            log.warning("local publish socket %s not opened (%s): agents publish on their own connection",
+                        self.path, exc)
+            return None
+        finally:
+            if fd is not None:
+                os.close(fd)
+        os.chmod(self.path, SOCKET_MODE)
+        self._inode = self.path.stat().st_ino
+        listener.listen(BACKLOG)
+        listener.setblocking(False)
+        self._listener = listener
+        for target, name in ((self._serve, "mam-socket"), (self._send_loop, "mam-socket-send")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info("local publish socket on %s", self.path)
+        return self.path
+
+    def stop(self) -> None:
+        """Stop serving, send what was accepted, remove the socket file (idempotent)."""
+        self._stop.set()
+        self._outgoing.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            with contextlib.suppress(OSError):
+                if self.path.stat().st_ino == self._inode:
+                    self.path.unlink()
+
+    # ------------------------------------------------------------ start
+
+    def _clear_stale(self) -> bool:
+        """Remove a socket file no daemon answers on; False when another daemon answers or it is no socket."""
+        try:
+            mode = self.path.lstat().st_mode
+        except FileNotFoundError:
+            return True
+        if not stat.S_ISSOCK(mode):
+            log.warning("%s is not a socket: local publish socket not opened", self.path)
+            return False
+        address, fd = unix_address(self.path)
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(CONNECT_TIMEOUT_S)
+                probe.connect(address)
+        except OSError:  # ECONNREFUSED: its daemon is gone
+            log.info("replacing the stale socket %s", self.path)
+            self.path.unlink(missing_ok=True)
+            return True
+        finally:
+            if fd is not None:
+                os.close(fd)
+        log.warning("another runner daemon listens on %s: local publish socket not opened", self.path)
+        return False
+
+    # ------------------------------------------------------------ serving
+
+    def _serve(self) -> None:
+        assert self._listener is not None
+        clients: dict[int, _Client] = {}
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._listener, selectors.EVENT_READ)
+            while not self._stop.is_set():
+                for key, _ in selector.select(SELECT_S):
+                    try:
+                        if key.fileobj is self._listener:
+                            self._accept(selector, clients)
+                        else:
+                            self._read(selector, clients, clients[key.fd])
+                    except Exception as exc:  # a daemon never dies on a bad client
+                        log.error("local socket: %s: %s", type(exc).__name__, exc)
+                now = time.monotonic()
+                for client in [c for c in clients.values() if now - c.since > CLIENT_IDLE_S]:
+                    self._finish(selector, clients, client, {"ok": False, "reason": "no request line in time"})
+            for client in list(clients.values()):
+                self._finish(selector, clients, client, {"ok": False, "reason": "the runner is stopping"})
+
+    def _accept(self, selector: selectors.BaseSelector, clients: dict[int, _Client]) -> None:
+        assert self._listener is not None
+        try:
+            sock, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        client = _Client(sock, time.monotonic())
+        if len(clients) >= MAX_CLIENTS:
+            self._reply(sock, {"ok": False, "reason": f"too many clients (at most {MAX_CLIENTS})"})
+            sock.close()
+            return
+        sock.setblocking(False)
+        clients[sock.fileno()] = client
+        selector.register(sock, selectors.EVENT_READ)
+
+    def _read(self, selector: selectors.BaseSelector, clients: dict[int, _Client], client: _Client) -> None:
+        try:
+            chunk = client.sock.recv(RECV_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._finish(selector, clients, client, None)
+            return
+        client.buffer += chunk
+        line, newline, _ = bytes(client.buffer).partition(b"\n")
+        if len(line) > MAX_LINE_BYTES:
+            answer: dict[str, Any] = {"ok": False, "reason": f"request line longer than {MAX_LINE_BYTES} bytes"}
+        elif not newline:
+            return
+        else:
+            answer = self.handle(line)
+        self._finish(selector, clients, client, answer)
+
+    def _finish(self, selector: selectors.BaseSelector, clients: dict[int, _Client], client: _Client,
+                answer: dict[str, Any] | None) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            selector.unregister(client.sock)
+        clients.pop(client.sock.fileno(), None)
+        if answer is not None:
+            self._reply(client.sock, answer)
+        client.sock.close()
+
+    @staticmethod
+    def _reply(sock: socket.socket, answer: dict[str, Any]) -> None:
+        with contextlib.suppress(OSError):  # a client that left does not get its answer
+            sock.setblocking(True)
+            sock.settimeout(CONNECT_TIMEOUT_S)
+            sock.sendall(json.dumps(answer).encode("utf-8") + b"\n")
+
+    def handle(self, line: bytes) -> dict[str, Any]:
+        """One request line: its answer; an accepted event is queued for sending (§17)."""
+        try:
+            request = parse_request(line)
+        except UsageError as exc:
+            return {"ok": False, "reason": str(exc), "usage": True}
+        if not self.held(request.job_id):
+            return {"ok": False, "reason": f"job {request.job_id} is not running under this runner"}
+        try:
+            published = publish.record(self.registry, request)
+        except (ProtocolError, RegistryError, MamError, OSError) as exc:
+            return {"ok": False, "reason": str(exc)}
+        self._outgoing.put(published)
+        log.debug("job %s seq %d (%s) from the local socket", request.job_id, published.seq, request.event)
+        return {"ok": True, "seq": published.seq}
+
+    def _send_loop(self) -> None:
+        while (published := self._outgoing.get()) is not None:
+            try:
+                self.send(published)
+            except Exception as exc:  # on disk and in the outbox: the Resender sends it later
+                log.warning("job %s seq %d kept in the outbox: %s", published.event["job_id"], published.seq, exc)
