@@ -2,8 +2,9 @@
 fault 1 and fault 10): a broker outage of any length loses nothing a runner wrote.
 
 - Fault 1: an agent's own terminal event, published while the broker is down
-  (`publish` exits 2), reaches the hub after the broker is back: the runner
-  daemon re-sends it from `<root>/.mam/outbox/`.
+  on the publisher's own connection (no runner socket, v1: `publish` exits 2),
+  reaches the hub after the broker is back: the runner daemon re-sends it from
+  `<root>/.mam/outbox/`.
 - Without an outage: a `publish` that failed on its own (the daemon stayed
   connected) is sent by the daemon's next sweep.
 - Fault 10: mosquitto SIGKILLed before it saved its retained messages gets the
@@ -84,7 +85,8 @@ def test_s17_fault1_an_agents_terminal_event_published_during_an_outage_reaches_
     gate, rc_file = tmp_path / "gate", tmp_path / "publish.rc"
     runner = start_runner(broker, runner_ws, GATE=str(gate), RC=str(rc_file))
     brief = ('while [ ! -e "$GATE" ]; do sleep 0.05; done; '
-             '{ eval "$MAM_PUBLISH_CMD --event completed --detail by-the-agent"; echo $? > "$RC.tmp"; '
+             '{ MAM_RUNNER_SOCKET= eval "$MAM_PUBLISH_CMD --event completed --detail by-the-agent"; '
+             'echo $? > "$RC.tmp"; '
              'mv "$RC.tmp" "$RC"; } || true')
     dispatch = WatchProcess([*MAM_ORCH, "dispatch", "--session", SESSION, "--brief", brief, *OUTAGE_HEARTBEAT,
                              "--ack-timeout", ACK_TIMEOUT, "--workspace", str(hub)], hub_env())
@@ -117,8 +119,8 @@ def test_s17_a_publish_that_failed_while_the_daemon_stayed_connected_is_sent_by_
     hub = hub_workspace(nats_broker, tmp_path)
     runner_ws = tmp_path / "runner"
     runner = start_runner(nats_broker, runner_ws)
-    brief = ('MQTT_PORT=1 MAM_LOG_LEVEL=ERROR eval "$MAM_PUBLISH_CMD --event completed --detail by-the-agent '
-             '--attempts 1" || echo "publish exited $?" >&2')
+    brief = ('MAM_RUNNER_SOCKET= MQTT_PORT=1 MAM_LOG_LEVEL=ERROR eval "$MAM_PUBLISH_CMD --event completed '
+             '--detail by-the-agent --attempts 1" || echo "publish exited $?" >&2')  # no socket: v1
     try:
         result = orch(hub, "dispatch", "--session", SESSION, "--brief", brief, *OUTAGE_HEARTBEAT,
                       "--ack-timeout", ACK_TIMEOUT)
