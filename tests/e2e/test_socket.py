@@ -211,3 +211,31 @@ def test_s17_hostile_requests_are_refused_one_line_each_and_the_daemon_keeps_ser
     finally:
         stop_cleanly(runner)
     assert "replacing the stale socket" in runner_log(ws)
+
+
+def test_s17_an_agents_terminal_event_through_the_socket_during_an_outage_exits_0_and_reaches_the_hub(
+        broker, tmp_path):
+    """§17 on both brokers: with the broker down the agent's `completed` through the socket still
+    exits 0 (on disk and in the outbox is enough); the daemon sends it once the broker is back."""
+    hub = hub_workspace(broker, tmp_path)
+    ws = tmp_path / "runner"
+    gate, rc_file = tmp_path / "gate", tmp_path / "publish.rc"
+    runner = start_runner(broker, ws, GATE=str(gate), RC=str(rc_file))
+    brief = (f'{WAIT_FOR_GATE}; {{ eval "$MAM_PUBLISH_CMD --event completed --detail in-the-outage"; '
+             'echo $? > "$RC.tmp"; mv "$RC.tmp" "$RC"; } || true')
+    watch = WatchProcess([*MAM_ORCH, "dispatch", "--session", SESSION, "--brief", brief, "--heartbeat", "10",
+                          "--heartbeat-misses", "12", "--ack-timeout", ACK_TIMEOUT, "--workspace", str(hub)],
+                         hub_env())
+    try:
+        wait_until(lambda: watch.events("started"), what="started at the hub")
+        broker.kill()
+        gate.touch()
+        wait_until(rc_file.exists, what="the agent's publish")
+        assert rc_file.read_text().strip() == "0", runner_log(ws)
+        broker.restart()
+        assert watch.wait(PATIENCE_S) == 0, watch.log() + runner_log(ws)
+    finally:
+        gate.touch()
+        watch.kill()
+        stop_cleanly(runner)
+    assert watch.events("completed")[0]["detail"] == "in-the-outage"
