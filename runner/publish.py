@@ -12,7 +12,9 @@ entry. Terminal events are retained. Exit codes (§9): 0 published, 1 refused
 record, audit log and outbox entry written (the runner daemon re-sends it).
 
 Agents call this often: paho is imported only when a message is sent. The
-command line (`mam-runner publish`) is in `mam.runner.cli`.
+command line (`mam-runner publish`) is in `mam.runner.cli`; inside a job it goes
+through the runner daemon's socket (`fastpath` → `localsock`, §17), which
+calls `record` and sends on the daemon's connection.
 """
 
 from __future__ import annotations
