@@ -239,3 +239,34 @@ def test_s17_an_agents_terminal_event_through_the_socket_during_an_outage_exits_
         watch.kill()
         stop_cleanly(runner)
     assert watch.events("completed")[0]["detail"] == "in-the-outage"
+
+
+def test_s17_listener_caps_clients_drops_idle_ones_leaves_a_live_socket_and_cleans_up(tmp_path, monkeypatch):
+    """§17, the listener alone (no broker): one client over MAX_CLIENTS and a client that sends no
+    line get one refusal line each; a second daemon leaves a live socket alone; `stop()` removes it."""
+    monkeypatch.setattr(localsock, "MAX_CLIENTS", 2)
+    monkeypatch.setattr(localsock, "CLIENT_IDLE_S", 0.5)  # the idle cap itself, not a wait of the test
+    registry = Registry(tmp_path)
+    server = localsock.PublishServer(registry, held=lambda job_id: False, send=lambda published: None)
+    path = server.start()
+    assert path == names.runner_socket_path(tmp_path)
+    try:
+        assert localsock.PublishServer(registry, held=lambda job_id: False, send=lambda p: None).start() is None
+        address, fd = localsock.unix_address(path)
+        silent = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(3)]
+        try:
+            for sock in silent:
+                sock.settimeout(PATIENCE_S)
+                sock.connect(address)
+            answers = [json.loads(sock.makefile("rb").readline()) for sock in silent]
+        finally:
+            for sock in silent:
+                sock.close()
+            if fd is not None:
+                os.close(fd)
+        reasons = sorted(a["reason"] for a in answers)
+        assert reasons == ["no request line in time"] * 2 + ["too many clients (at most 2)"], reasons
+        assert request(path, json.dumps({"job_id": "0badc0de"}).encode() + b"\n")["ok"] is False  # still serving
+    finally:
+        server.stop()
+    assert path.exists() is False
