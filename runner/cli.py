@@ -61,8 +61,11 @@ def publish_cmd(
     """Publish one event of a job: the record and audit line first, then the
     event and the retained state on one connection (PROTOCOL §3, §4).
 
-    Exit codes: 0 published; 1 refused (stale attempt, terminal job, unknown
-    job); 2 transport failure (the event is on disk and in the outbox, §17); 64 bad arguments.
+    Inside a job (MAM_RUNNER_SOCKET set) the runner daemon records and sends it:
+    exit 0 once it is on disk and in the outbox (§17); without the socket, its
+    own connection. Exit codes: 0 published; 1 refused (stale attempt, terminal
+    job, unknown job); 2 transport failure (the event is on disk and in the
+    outbox, §17); 64 bad arguments.
     """
     return publish_cli(job_id=job, event=event, detail=detail, data=data, attempt_id=attempt_id,
                        dispatch_token=dispatch_token, heartbeat_s=heartbeat, watch_pid=watch_pid,

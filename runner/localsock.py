@@ -274,6 +274,9 @@ class PublishServer:
             published = publish.record(self.registry, request)
         except (ProtocolError, RegistryError, MamError, OSError) as exc:
             return {"ok": False, "reason": str(exc)}
+        except Exception as exc:  # a daemon never dies on a bad request; the client learns it failed
+            log.error("local socket: job %s: %s: %s", request.job_id, type(exc).__name__, exc)
+            return {"ok": False, "reason": f"the runner could not record the event ({type(exc).__name__})"}
         self._outgoing.put(published)
         log.debug("job %s seq %d (%s) from the local socket", request.job_id, published.seq, request.event)
         return {"ok": True, "seq": published.seq}

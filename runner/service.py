@@ -363,6 +363,8 @@ class Runner:
     def _send(self, published: publish.Published) -> None:
         """An agent's event from the local socket, on this daemon's connection (§17)."""
         assert self.client is not None
+        if self._shutdown_done and not self.client.connected.is_set():
+            return  # stopping without a broker: it stays in the outbox, sent at the next start
         publish.send_on(self.client, published)
 
     def _record(self, job_id: str) -> JobRecord | None:

@@ -129,7 +129,8 @@ def test_s17_agent_progress_and_completed_go_through_the_runner_socket(broker, t
 
 
 def test_s17_socket_publish_refuses_a_wrong_token_loads_no_heavy_module_and_falls_back(nats_broker, tmp_path):
-    """§17/§8: through the socket a wrong dispatch token exits 1 with the reason; a good publish
+    """§17/§8: through the socket a wrong dispatch token exits 1 with the reason, bad input exits 64
+    with typer's message; a good publish
     imports neither typer nor paho nor cryptography (`-X importtime`, both entry points); a
     socket that does not exist falls back to the publisher's own connection (v1)."""
     hub = hub_workspace(nats_broker, tmp_path)
@@ -143,6 +144,11 @@ def test_s17_socket_publish_refuses_a_wrong_token_loads_no_heavy_module_and_fall
         wrong = subprocess.run([*MAM_RUNNER, *argv], env=publish_env(ws, job_id, MAM_DISPATCH_TOKEN=OTHER_TOKEN),
                                capture_output=True, text=True, timeout=PATIENCE_S)
         assert wrong.returncode == 1 and wrong.stderr.startswith("ERROR: refused: "), wrong.stderr
+        bad = [*argv[:4], "bogus", *argv[5:], "--data", '{"hmac_sig": 1}']
+        usage = [subprocess.run([*MAM_RUNNER, *bad], env=publish_env(ws, job_id, MAM_RUNNER_SOCKET=sock),
+                                capture_output=True, text=True, timeout=PATIENCE_S)
+                 for sock in (str(names.runner_socket_path(ws)), "")]
+        assert [u.returncode for u in usage] == [64, 64] and usage[0].stderr == usage[1].stderr, usage
         timed = subprocess.run([sys.executable, "-X", "importtime", "-m", "mam.runner.cli", *argv,
                                 "--detail", "fast"], env=publish_env(ws, job_id), capture_output=True, text=True,
                                timeout=PATIENCE_S)
