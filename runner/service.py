@@ -234,11 +234,11 @@ class Runner:
         # arrive before retained dispatches, so a replayed dispatch of a cancelled attempt is refused.
         client.subscribe([(names.all_controls_filter(self.config.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
         client.subscribe([(names.all_dispatches_filter(self.config.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
+        self._socket = PublishServer(registry, held=lambda job_id: job_id in self.running, send=self._send)
+        self._supervisor.socket_path = self._socket.start()  # listening before `online` (§17)
         self._publish_presence(PresenceStatus.ONLINE)
         self._resender = Resender(Outbox(self.options.root), client, self._record)
         self._resender.start()  # §17: what an earlier run or a failed `publish` left is sent now
-        self._socket = PublishServer(registry, held=lambda job_id: job_id in self.running, send=self._send)
-        self._supervisor.socket_path = self._socket.start()
         log.info("runner %s serving session %s (max %d job(s)) on %s:%d", self.runner_id,
                  self.options.session, self.options.max_jobs, client.host, self.config.port)
 
