@@ -91,10 +91,11 @@ def test_dispatch_to_started_latency(fleet):
           f"{DISPATCH_ROUNDS} jobs; {load_note()}")
 
 
-def runner_rss(runner_pid: int, agent_path: str) -> tuple[float, int, int]:
-    """RSS (MB) of the runner and every descendant outside an agent's tree; (MB, processes, agents)."""
+def runner_memory(runner_pid: int, agent_path: str) -> tuple[float, float, int, int]:
+    """RSS and PSS (MB) summed over the runner and every descendant outside an agent's tree;
+    (RSS, PSS, processes counted, agents seen). RSS counts shared pages once per process."""
     daemon = psutil.Process(runner_pid)
-    counted, agents, skipped = [daemon], 0, set()
+    agents, skipped = 0, set()
     for child in daemon.children():
         try:
             if agent_path in " ".join(child.cmdline()):
@@ -103,14 +104,16 @@ def runner_rss(runner_pid: int, agent_path: str) -> tuple[float, int, int]:
                 skipped.update(p.pid for p in child.children(recursive=True))
         except psutil.Error:
             continue
-    counted += [p for p in daemon.children(recursive=True) if p.pid not in skipped]
-    total = 0
+    counted = [daemon, *(p for p in daemon.children(recursive=True) if p.pid not in skipped)]
+    rss = pss = 0
     for proc in counted:
         try:
-            total += proc.memory_info().rss
+            info = proc.memory_full_info()
         except psutil.Error:
             continue
-    return total / BYTES_PER_MB, len(counted), agents
+        rss += info.rss
+        pss += info.pss
+    return rss / BYTES_PER_MB, pss / BYTES_PER_MB, len(counted), agents
 
 
 @pytest.mark.timeout(BENCH_TIMEOUT_S)
@@ -119,13 +122,17 @@ def test_runner_memory_with_32_jobs(fleet):
     runner = fleet.start_runner("gpu-box", agent, "--max-jobs", str(MEMORY_JOBS))
     clock = WireClock(fleet.broker_values())
     try:
-        idle_mb, _, _ = runner_rss(runner.pid, str(agent))
+        idle_mb, idle_pss, _, _ = runner_memory(runner.pid, str(agent))
         for _ in range(MEMORY_JOBS):
             fleet.dispatch("gpu-box", "600", "--detach").job_id()
         wait_until(lambda: clock.count_started() >= MEMORY_JOBS, PATIENCE_S, f"{MEMORY_JOBS} jobs to start")
+        # `started` goes out before the agent is spawned (§11 step 3): wait for every agent too
+        wait_until(lambda: runner_memory(runner.pid, str(agent))[3] >= MEMORY_JOBS, PATIENCE_S,
+                   f"{MEMORY_JOBS} agents to run")
     finally:
         clock.close()
-    busy_mb, processes, agents = runner_rss(runner.pid, str(agent))
+    busy_mb, busy_pss, processes, agents = runner_memory(runner.pid, str(agent))
     assert agents == MEMORY_JOBS
-    print(f"\nrunner RSS: idle {idle_mb:.0f} MB; with {MEMORY_JOBS} running jobs {busy_mb:.0f} MB "
-          f"over {processes} processes (agents excluded) vs floor {MEMORY_FLOOR_MB:.0f} MB; {load_note()}")
+    print(f"\nrunner RSS with {MEMORY_JOBS} running jobs: {busy_mb:.0f} MB (PSS {busy_pss:.0f} MB) over {processes} "
+          f"processes, agents excluded, vs floor {MEMORY_FLOOR_MB:.0f} MB; idle daemon {idle_mb:.0f} MB "
+          f"(PSS {idle_pss:.0f} MB); {load_note()}")
