@@ -53,7 +53,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 bench: $(STAMP)
-	$(PY) -m pytest bench -p no:cacheprovider --timeout=600
+	$(PY) -m pytest bench -p no:cacheprovider --timeout=600 -s
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis $(TYPECHECK)

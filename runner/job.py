@@ -188,14 +188,24 @@ class Supervisor:
     def _run(self, job: Job) -> None:
         # before `started`: a restarted runner can tell this attempt is orphaned
         orphans.write_agent_file(self.registry, job.job_id, job.attempt_id, self.runner_id)
-        try:  # §11 step 2: the dispatch is taken; nobody else may take it
-            self.client.publish(names.dispatch_topic(job.job_id, self.config.topic_root), b"", retain=True)
+        # §11 step 2: the dispatch is taken; nobody else may take it. `started` is recorded on
+        # disk while the broker acknowledges the clear, and goes out only after that PUBACK.
+        dispatch_topic = names.dispatch_topic(job.job_id, self.config.topic_root)
+        try:
+            cleared: Callable[[], None] | None = self.client.publish_async(dispatch_topic, b"", retain=True)
         except BrokerError as exc:
+            cleared = None
             log.warning("job %s: retained dispatch not cleared (%s); the registry refuses its replay", job.job_id,
                         exc)
         started = publish.record(self.registry, publish.PublishRequest(
             job_id=job.job_id, event=EventName.STARTED, attempt_id=job.attempt_id,
             dispatch_token=job.dispatch_token), source="runner")
+        try:
+            if cleared is not None:
+                cleared()
+        except BrokerError as exc:
+            log.warning("job %s: retained dispatch not cleared (%s); the registry refuses its replay", job.job_id,
+                        exc)
         self._send(job.job_id, started)
         try:
             heartbeat.start_timer(self.registry, job.job_id, attempt_id=job.attempt_id,

@@ -489,10 +489,21 @@ class MqttClient:
             PublishTimeout: no acknowledgement within `timeout_s`.
             BrokerError: paho refused to queue the message.
         """
-        self._publish(topic, payload, qos, retain, timeout_s, fail_on_disconnect=False)
+        self._publish(topic, payload, qos, retain, timeout_s, fail_on_disconnect=False)()
+
+    def publish_async(self, topic: str, payload: bytes, *, qos: int = QOS_AT_LEAST_ONCE,
+                      retain: bool = False, timeout_s: float = PUBACK_TIMEOUT_S) -> Callable[[], None]:
+        """Queue one message like `publish` and return at once; the returned call waits for
+        its PUBACK (the deadline counts from now) and raises like `publish`. Lets a caller do
+        other work (disk) while the broker acknowledges; the wire order is the call order.
+
+        Raises:
+            BrokerError: paho refused to queue the message (the waiter raises the rest).
+        """
+        return self._publish(topic, payload, qos, retain, timeout_s, fail_on_disconnect=False)
 
     def _publish(self, topic: str, payload: bytes, qos: int, retain: bool, timeout_s: float, *,
-                 fail_on_disconnect: bool) -> None:
+                 fail_on_disconnect: bool) -> Callable[[], None]:
         client = self._paho()
         start_disconnects = self._disconnects
         info = client.publish(topic, bytes(payload), qos=qos, retain=retain)
@@ -502,17 +513,20 @@ class MqttClient:
             raise BrokerUnavailable(f"connection to {_endpoint(self._host, self.config.port)} lost "
                                     f"before publishing to {topic}")
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while info.mid not in self._acked:
-                if fail_on_disconnect and self._disconnects != start_disconnects:
-                    raise BrokerUnavailable(f"connection to {_endpoint(self._host, self.config.port)} "
-                                            f"lost while publishing to {topic}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise PublishTimeout(f"no PUBACK for {topic} from "
-                                         f"{_endpoint(self._host, self.config.port)} within {timeout_s:g} s")
-                self._cond.wait(remaining)
-            self._acked.discard(info.mid)
+
+        def wait_acked() -> None:
+            with self._cond:
+                while info.mid not in self._acked:
+                    if fail_on_disconnect and self._disconnects != start_disconnects:
+                        raise BrokerUnavailable(f"connection to {_endpoint(self._host, self.config.port)} "
+                                                f"lost while publishing to {topic}")
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise PublishTimeout(f"no PUBACK for {topic} from "
+                                             f"{_endpoint(self._host, self.config.port)} within {timeout_s:g} s")
+                    self._cond.wait(remaining)
+                self._acked.discard(info.mid)
+        return wait_acked
 
 
 def _close_socket(client: paho.Client) -> None:
@@ -563,7 +577,7 @@ def publish_with_retry(config: BrokerConfig, role: str,
             client.connect(connect_timeout_s)
             while pending:
                 topic, payload, retain = pending[0]
-                client._publish(topic, payload, qos, retain, puback_timeout_s, fail_on_disconnect=True)
+                client._publish(topic, payload, qos, retain, puback_timeout_s, fail_on_disconnect=True)()
                 pending.pop(0)
             return
         except (BrokerUnavailable, PublishTimeout) as exc:

@@ -82,6 +82,11 @@ class Transport(Protocol):
         """Publish and wait for the PUBACK. Raises `PublishTimeout` / `BrokerError`."""
         ...
 
+    def publish_async(self, topic: str, payload: bytes, *, qos: int = ..., retain: bool = ...,
+                      timeout_s: float = ...) -> Callable[[], None]:
+        """Queue a publish and return a call that waits for its PUBACK (raises like `publish`)."""
+        ...
+
     def close(self) -> None:
         """A clean DISCONNECT (the broker drops the Last Will); idempotent."""
         ...

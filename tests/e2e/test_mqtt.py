@@ -27,6 +27,7 @@ from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 
 JOB = "0123abcd"
+ASYNC_LOST_PUBACK_S = 0.5  # no broker: this PUBACK never comes
 
 
 def _next(client: mqtt.MqttClient, timeout_s: float = PATIENCE_S) -> mqtt.Message:
@@ -181,6 +182,23 @@ def test_publish_with_retry_succeeds_when_broker_returns_exactly_once(broker):
         assert _next(sub).payload == b"two"  # the retained copy is the last one
 
 
+def test_publish_async_keeps_call_order_and_its_waiter_raises_like_publish(broker):
+    """§2, §13: `publish_async` queues and returns; its waiter returns once the PUBACK came,
+    the wire order is the call order, and without a broker the waiter raises PublishTimeout."""
+    topic = names.events_topic(JOB, broker.topic_root)
+    with mqtt.MqttClient(broker.config(), "hub") as sub, mqtt.MqttClient(broker.config(), "runner") as pub:
+        sub.subscribe([(topic, mqtt.QOS_AT_LEAST_ONCE)])
+        first = pub.publish_async(topic, b"first", timeout_s=PATIENCE_S)
+        pub.publish(topic, b"second", timeout_s=PATIENCE_S)
+        first()
+        assert _drain_until(sub, b"second") == [b"first", b"second"]
+        broker.kill()
+        wait_until(lambda: not pub.connected.is_set(), what="the publisher to notice the crash")
+        lost = pub.publish_async(topic, b"third", timeout_s=ASYNC_LOST_PUBACK_S)
+        with pytest.raises(PublishTimeout):
+            lost()
+
+
 def test_message_queued_while_disconnected_is_never_resent_after_close(broker):
     """§13: paho queues a publish made while disconnected; closing the client
     drops that queue, so the retry with a new client is the only copy on the wire."""
@@ -189,7 +207,7 @@ def test_message_queued_while_disconnected_is_never_resent_after_close(broker):
     broker.kill()
     wait_until(lambda: not old.connected.is_set(), what="the publisher to notice the crash")
     with pytest.raises(BrokerUnavailable):
-        old._publish(topic, b"payload", 1, False, 2.0, fail_on_disconnect=True)
+        old._publish(topic, b"payload", 1, False, 2.0, fail_on_disconnect=True)()
     old_paho = old._client
     assert old_paho is not None and len(old_paho._out_messages) == 1  # the hazard is real
     old.close()

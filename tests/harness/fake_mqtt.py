@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from paho.mqtt.client import topic_matches_sub
@@ -150,6 +150,18 @@ class FakeClient:
         if self.broker.down or not self.connected.is_set():
             raise PublishTimeout(f"fake broker: no PUBACK for {topic}")
         self.broker._route(self.client_id, topic, payload, retain)
+
+    def publish_async(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
+                      timeout_s: float = 5.0) -> Callable[[], None]:
+        try:
+            self.publish(topic, payload, qos=qos, retain=retain, timeout_s=timeout_s)
+        except PublishTimeout as exc:
+            failure = exc
+
+            def fail() -> None:
+                raise failure
+            return fail
+        return lambda: None
 
     def close(self) -> None:
         """A clean DISCONNECT: the Last Will is discarded."""
