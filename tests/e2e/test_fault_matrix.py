@@ -7,7 +7,7 @@ records end terminal), 0 duplicate runs (the agent appends one marker line per r
 and the hub's verdict equals the runner's, or the hub records the runner's later
 outcome as `late_outcome` (§14, read by `mam-orch watch` re-attaching). Each trial
 set prints one summary line, `MATRIX <kind>: trials=… lost=… duplicates=… wrong=…`,
-to compare run to run (`pytest -s`).
+to compare run to run (also without `pytest -s`).
 
 Kinds: broker SIGKILL + restart 3 s into a 10 s job (×20 nats-server, ×5 mosquitto);
 a runner cut off (iptables DROP in its namespace) shorter than the keepalive and
@@ -35,7 +35,7 @@ from harness.waiting import PATIENCE_S, wait_until
 
 from mam.shared.codes import TERMINAL_STATUSES
 
-pytestmark = [pytest.mark.e2e]
+pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 
 SHELL_AGENT = AGENTS / "shell-agent"
 HEARTBEAT_S = 1
@@ -53,8 +53,11 @@ backoff (0.2 + 0.4 + 0.8 s), seconds: the MQTT connection and the job survive it
 LONG_CUT_S = HEARTBEAT_S * MISSES + KEEPALIVE_S
 """A cut longer than K × N (and than the keepalive), seconds."""
 BROKER_TRIALS = {"nats": 20, "mosquitto": 5}
-CUT_TRIALS = 3
+"""Jobs that live through a broker crash; each crash hits one job on each of SESSIONS."""
+SESSIONS = ("gpu-box", "cpu-box")
+CUT_TRIALS = 2
 KILL_TRIALS = 2
+HUB_TRIALS = 2
 JOB_PATIENCE_S = PATIENCE_S + JOB_S + LONG_CUT_S
 """Deadline for one trial's dispatch to end, seconds."""
 BRIEF = 'echo "$MAM_SESSION $MAM_JOB_ID $MAM_ATTEMPT_ID $$" >> "$MARKS"\nsleep ' + str(JOB_S) + "\n"
@@ -77,8 +80,10 @@ class Tally:
         return (f"MATRIX {self.kind}: trials={self.trials} lost={self.lost} duplicates={self.duplicates} "
                 f"wrong={self.wrong} late_outcome={self.late}")
 
-    def check(self) -> None:
-        print(self.line())
+    def check(self, capsys: pytest.CaptureFixture[str]) -> None:
+        """Print the line past pytest's capture (seen in every run), then assert the zeros."""
+        with capsys.disabled():
+            print(f"\n{self.line()}")
         assert (self.lost, self.duplicates, self.wrong) == (0, 0, 0), "\n".join([self.line(), *self.notes])
 
 
@@ -155,28 +160,35 @@ def judge(fleet: Fleet, tally: Tally, session: str, job_id: str, marks_file: Pat
 
 @pytest.mark.timeout(540)
 @pytest.mark.parametrize("netns_fleet", list(BROKER_TRIALS), indirect=True)
-def test_broker_sigkill_restart_3s_into_a_10s_job(netns_fleet: Fleet, tmp_path: Path):
+def test_broker_sigkill_restart_3s_into_a_10s_job(
+        netns_fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     """Issue 10 fault 2 (§14, §17): the broker crashes and comes back (same store) 3 s into
-    each job; ×20 on nats-server, ×5 on mosquitto."""
+    each job; ×20 jobs on nats-server, ×5 on mosquitto (two jobs, one per runner, per crash)."""
     fleet = netns_fleet
     marks_file = tmp_path / "marks"
-    fleet.start_runner("gpu-box", SHELL_AGENT, env={"MARKS": str(marks_file)})
+    for session in SESSIONS:
+        fleet.start_runner(session, SHELL_AGENT, env={"MARKS": str(marks_file)})
     tally = Tally(f"broker-restart[{fleet.broker_kind}]")
-    for _ in range(BROKER_TRIALS[fleet.broker_kind]):
-        run = fleet.dispatch("gpu-box", BRIEF, *CONTRACT)
-        sleep_until(started_on_hub(run) + FAULT_AT_S)
+    crashes = 0
+    while tally.trials < BROKER_TRIALS[fleet.broker_kind]:
+        runs = {session: fleet.dispatch(session, BRIEF, *CONTRACT) for session in SESSIONS}
+        sleep_until(max(started_on_hub(run) for run in runs.values()) + FAULT_AT_S)
         fleet.kill_broker()
         fleet.start_broker()
-        run.wait(JOB_PATIENCE_S)
-        judge(fleet, tally, "gpu-box", run.job_id(), marks_file)
-    tally.check()
+        crashes += 1
+        for session, run in runs.items():
+            run.wait(JOB_PATIENCE_S)
+            judge(fleet, tally, session, run.job_id(), marks_file)
+    tally.kind += f" crashes={crashes}"
+    tally.check(capsys)
 
 
 # ------------------------------------------------------------------ runner cut off
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("cut_s", [SHORT_CUT_S, LONG_CUT_S], ids=["shorter-than-keepalive", "longer-than-KxN"])
-def test_runner_cut_off_by_iptables_drop(netns_fleet: Fleet, tmp_path: Path, cut_s: float):
+def test_runner_cut_off_by_iptables_drop(
+        netns_fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str], cut_s: float):
     """Issue 10 faults 3, 5 (§10, §14, §17): every packet of the runner's host dropped for
     `cut_s` seconds, 3 s into the job; the terminal still reaches the hub."""
     fleet = netns_fleet
@@ -191,13 +203,14 @@ def test_runner_cut_off_by_iptables_drop(netns_fleet: Fleet, tmp_path: Path, cut
         fleet.net.unblackhole("gpu-box")
         run.wait(JOB_PATIENCE_S)
         judge(fleet, tally, "gpu-box", run.job_id(), marks_file)
-    tally.check()
+    tally.check(capsys)
 
 
 # ------------------------------------------------------------------ runner kill -9, redispatch
 
 @pytest.mark.timeout(300)
-def test_runner_kill9_orphan_stopped_at_restart_redispatch_completes(netns_fleet: Fleet, tmp_path: Path):
+def test_runner_kill9_orphan_stopped_at_restart_redispatch_completes(
+        netns_fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     """Issue 10 faults 10, 11 (§8, §10, §17): the runner dies with kill -9 mid-job; the hub
     closes it (deadline_timeout); the restarted runner stops the orphaned agent; `redispatch`
     to another runner completes; an attempt-1 straggler is refused, not taken as a forgery."""
@@ -235,20 +248,21 @@ def test_runner_kill9_orphan_stopped_at_restart_redispatch_completes(netns_fleet
             tally.duplicates += 1
             tally.notes.append(f"{job_id}: attempt 1 ran {marks(marks_file)}")
         fleet.runners["gpu-box"].stop()
-    tally.check()
+    tally.check(capsys)
 
 
 # ------------------------------------------------------------------ hub kill -9
 
 @pytest.mark.timeout(300)
-def test_hub_kill9_then_watch_resolves(netns_fleet: Fleet, tmp_path: Path):
+def test_hub_kill9_then_watch_resolves(
+        netns_fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     """Issue 10 (§10, §14): the hub's watching process (`mam-orch dispatch`) dies with kill -9
     3 s into the job; `mam-orch watch` re-attaches and resolves to the runner's verdict."""
     fleet = netns_fleet
     marks_file = tmp_path / "marks"
     fleet.start_runner("gpu-box", SHELL_AGENT, env={"MARKS": str(marks_file)})
     tally = Tally("hub-kill9-watch")
-    for _ in range(CUT_TRIALS):
+    for _ in range(HUB_TRIALS):
         run = fleet.dispatch("gpu-box", BRIEF, *CONTRACT)
         sleep_until(started_on_hub(run) + FAULT_AT_S)
         job_id = run.job_id()
@@ -256,4 +270,4 @@ def test_hub_kill9_then_watch_resolves(netns_fleet: Fleet, tmp_path: Path):
         watched = fleet.orch("watch", job_id, timeout_s=JOB_PATIENCE_S)
         assert watched.returncode == 0, watched.stderr
         judge(fleet, tally, "gpu-box", job_id, marks_file)
-    tally.check()
+    tally.check(capsys)
