@@ -8,9 +8,6 @@ modes (DESIGN.md "Test strategy", multi-host e2e; PROTOCOL §5-§12):
 - "loopback": the same hosts as separate processes with separate
   workspaces, all on 127.0.0.1.
 
-The broker is nats-server, or mosquitto with `broker_kind="mosquitto"`;
-`kill_broker()` and `start_broker()` crash and restart it (same store).
-
     fleet = Fleet("loopback", tmp_path)          # or the `fleet` fixture
     gpu = fleet.start_runner("gpu-box", AGENTS / "shell-agent")
     run = fleet.dispatch("gpu-box", "echo hi", "--ack-timeout", "10")
@@ -250,6 +247,8 @@ class Fleet:
         mode: "loopback" or "netns".
         base: an empty directory for workspaces and logs (tmp_path).
         topic_root: the MQTT topic root (§2).
+        broker_kind: "nats" (nats-server) or "mosquitto" (configured like deploy/mosquitto);
+            `kill_broker()` and `start_broker()` crash and restart it (same ports, same store).
     Raises:
         netns.NetnsUnavailable: mode "netns" where namespaces cannot be built.
     """
