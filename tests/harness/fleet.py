@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import pwd
 import secrets
 import signal
 import subprocess
@@ -45,7 +46,7 @@ from typing import Any
 
 import psutil
 
-from harness.brokers import free_port
+from harness.brokers import MOSQUITTO, MOSQUITTO_PASSWD, free_port
 from harness.netns import Tailnet
 from harness.procs import kill_all
 from harness.waiting import PATIENCE_S, wait_until
@@ -61,6 +62,7 @@ MAM_ORCH = [sys.executable, "-m", "mam.orchestrator.cli"]
 MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
 HOSTS = ("hub", "orch", "gpu-box", "cpu-box")
 MODES = ("loopback", "netns")
+BROKER_KINDS = ("nats", "mosquitto")
 NETNS_MQTT_PORT = 1883
 START_TIMEOUT_S = PATIENCE_S
 WIRETAP = HERE / "wiretap.py"
@@ -245,14 +247,20 @@ class Fleet:
         mode: "loopback" or "netns".
         base: an empty directory for workspaces and logs (tmp_path).
         topic_root: the MQTT topic root (§2).
+        broker_kind: "nats" (nats-server) or "mosquitto" (configured like deploy/mosquitto);
+            `kill_broker()` and `start_broker()` crash and restart it (same ports, same store).
     Raises:
         netns.NetnsUnavailable: mode "netns" where namespaces cannot be built.
     """
 
-    def __init__(self, mode: str, base: Path, *, topic_root: str = "python/mqtt") -> None:
+    def __init__(self, mode: str, base: Path, *, topic_root: str = "python/mqtt",
+                 broker_kind: str = "nats") -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+        if broker_kind not in BROKER_KINDS:
+            raise ValueError(f"broker_kind must be one of {BROKER_KINDS}, not {broker_kind!r}")
         self.mode = mode
+        self.broker_kind = broker_kind
         self.base = Path(base)
         self.topic_root = topic_root
         self.tag = secrets.token_hex(6)
@@ -287,16 +295,49 @@ class Fleet:
         folder = self.base / "broker"
         folder.mkdir(parents=True, exist_ok=True)
         self.agent_password = "agent-" + secrets.token_hex(12)
-        settings = broker.NatsSettings(store_dir=folder / "jetstream", host=listen, port=nats_port,
-                                       mqtt_port=self.mqtt_port, ws_port=ws_port, server_name="mam-fleet",
-                                       topic_root=self.topic_root)
         creds = broker.BrokerCredentials(agent_password=self.agent_password,
                                          observer_password="observer-" + secrets.token_hex(12))
         self.agent_user = creds.agent_user
-        conf = broker.write_private(folder / "nats.conf", broker.render_nats_config(settings, creds))
-        self.broker_log = folder / "nats.log"
-        self.broker = self._spawn("hub", "nats", [str(broker.nats_server_binary()), "-c", str(conf)],
-                                  stdout_path=self.broker_log)
+        if self.broker_kind == "mosquitto":
+            self._broker_argv = [MOSQUITTO, "-c", str(self._mosquitto_conf(folder, listen))]
+        else:
+            settings = broker.NatsSettings(store_dir=folder / "jetstream", host=listen, port=nats_port,
+                                           mqtt_port=self.mqtt_port, ws_port=ws_port, server_name="mam-fleet",
+                                           topic_root=self.topic_root)
+            conf = broker.write_private(folder / "nats.conf", broker.render_nats_config(settings, creds))
+            self._broker_argv = [str(broker.nats_server_binary()), "-c", str(conf)]
+        self.broker_log = folder / f"{self.broker_kind}.log"
+        self.start_broker()
+
+    def _mosquitto_conf(self, folder: Path, listen: str) -> Path:
+        """mosquitto as deploy/mosquitto ships it (password file, ACL, persistence saved every
+        second), listening on `listen`:`mqtt_port`; returns the config file."""
+        passwd, acl, store = folder / "passwd", folder / "acl", folder / "store"
+        store.mkdir(exist_ok=True)
+        fd = os.open(passwd, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:  # plain "user:password", hashed in place by -U
+            handle.write(f"{self.agent_user}:{self.agent_password}\n")
+        subprocess.run([MOSQUITTO_PASSWD, "-U", str(passwd)], check=True, capture_output=True,
+                       timeout=START_TIMEOUT_S)
+        acl.write_text(f"user {self.agent_user}\ntopic readwrite {self.topic_root}/#\n")
+        os.chmod(acl, 0o600)
+        conf = folder / "mosquitto.conf"
+        conf.write_text("\n".join([
+            f"user {pwd.getpwuid(os.getuid()).pw_name}", "per_listener_settings false",
+            "allow_anonymous false", f"password_file {passwd}", f"acl_file {acl}",
+            "persistence true", f"persistence_location {store}/", "autosave_on_changes false",
+            "autosave_interval 1", "log_dest stderr", "log_type error", "log_type warning",
+            "log_type notice", f"listener {self.mqtt_port} {listen}", ""]))
+        return conf
+
+    def start_broker(self) -> None:
+        """Start the broker process (again, after `kill_broker()`: same ports, same store)."""
+        self.broker = self._spawn("hub", self.broker_kind, self._broker_argv, stdout_path=self.broker_log)
+
+    def kill_broker(self) -> None:
+        """SIGKILL the broker process (a crash) and reap it."""
+        self.broker.proc.kill()
+        self.broker.proc.wait(PATIENCE_S)
 
     def broker_values(self) -> dict[str, str]:
         """The .mam.env values every host uses (§13)."""
