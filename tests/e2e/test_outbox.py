@@ -16,23 +16,20 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from harness import runnersim
 from harness.brokers import MosquittoBroker
 from harness.jobkit import WatchProcess
-from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, orch, retained
+from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, orch, retained, runner_log
 from harness.waiting import PATIENCE_S, wait_until
-from harness.workspace import clean_env, write_env_for
 
 from mam.shared import names
 from mam.shared.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 
-AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
-MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
 ACK_TIMEOUT = str(int(PATIENCE_S))  # a real runner process takes the job: as long as a busy machine needs
 SESSION = "gpu-box"
 # K × N far above the outage (and both reconnect backoffs): the hub's verdict must come from the event
@@ -41,23 +38,8 @@ AUTOSAVE_S = 3600  # mosquitto saves retained messages this seldom: a SIGKILL lo
 
 
 def start_runner(broker, workspace: Path, **env: str) -> subprocess.Popen:
-    """`mam-runner run` with the shell agent, once its signed `online` presence is retained."""
-    (workspace / ".git").mkdir(parents=True, exist_ok=True)
-    write_env_for(broker, workspace)
-    err = open(workspace.parent / f"{workspace.name}.stderr", "wb")  # noqa: SIM115 (closed by stop)
-    proc = subprocess.Popen([*MAM_RUNNER, "run", "--session", SESSION, "--exec", str(AGENTS / "shell-agent"),
-                             "--workspace", str(workspace)], env=clean_env(MAM_CANCEL_GRACE_S="1", **env),
-                            stdout=subprocess.DEVNULL, stderr=err)
-    err.close()
-    topic = names.presence_topic(SESSION, broker.topic_root)
-    wait_until(lambda: proc.poll() is not None or b'"online"' in (retained(broker, topic, 0.3) or b""),
-               what="the runner's online presence")
-    assert proc.poll() is None, runner_log(workspace)
-    return proc
-
-
-def runner_log(workspace: Path) -> str:
-    return (workspace.parent / f"{workspace.name}.stderr").read_text(errors="replace")
+    """`mam-runner run` for SESSION with the shell agent (harness.runnersim.start_runner)."""
+    return runnersim.start_runner(broker, workspace, SESSION, **env)
 
 
 def stop(proc: subprocess.Popen) -> None:

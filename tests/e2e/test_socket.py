@@ -21,10 +21,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness import runnersim
 from harness.jobkit import WatchProcess
-from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, retained
+from harness.runnersim import MAM_ORCH, MAM_RUNNER, hub_env, hub_workspace, runner_log
 from harness.waiting import PATIENCE_S, wait_until
-from harness.workspace import clean_env, write_env_for
+from harness.workspace import clean_env
 
 from mam.runner import localsock
 from mam.shared import names
@@ -32,8 +33,6 @@ from mam.shared.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
 
-AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
-MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
 ACK_TIMEOUT = str(int(PATIENCE_S))
 SESSION = "gpu-box"
 HEAVY_MODULES = ("typer", "click", "paho", "cryptography")
@@ -42,23 +41,8 @@ OTHER_TOKEN = "0123456789abcdef0123456789abcdef"
 
 
 def start_runner(broker, workspace: Path, **env: str) -> subprocess.Popen:
-    """`mam-runner run` with the shell agent, once its signed `online` presence is retained."""
-    (workspace / ".git").mkdir(parents=True, exist_ok=True)
-    write_env_for(broker, workspace)
-    err = open(workspace.parent / f"{workspace.name}.stderr", "wb")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen([*MAM_RUNNER, "run", "--session", SESSION, "--exec", str(AGENTS / "shell-agent"),
-                             "--workspace", str(workspace)], env=clean_env(MAM_CANCEL_GRACE_S="1", **env),
-                            stdout=subprocess.DEVNULL, stderr=err)
-    err.close()
-    topic = names.presence_topic(SESSION, broker.topic_root)
-    wait_until(lambda: proc.poll() is not None or b'"online"' in (retained(broker, topic, 0.3) or b""),
-               what="the runner's online presence")
-    assert proc.poll() is None, runner_log(workspace)
-    return proc
-
-
-def runner_log(workspace: Path) -> str:
-    return (workspace.parent / f"{workspace.name}.stderr").read_text(errors="replace")
+    """`mam-runner run` for SESSION with the shell agent (harness.runnersim.start_runner)."""
+    return runnersim.start_runner(broker, workspace, SESSION, **env)
 
 
 def stop_cleanly(proc: subprocess.Popen) -> int:

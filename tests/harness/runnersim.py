@@ -26,6 +26,8 @@ from mam.shared import crypto, mqtt, names, wire
 from mam.shared.registry import Registry
 
 MAM_ORCH = [sys.executable, "-m", "mam.orchestrator.cli"]
+MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
+AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
 
 
 @dataclass
@@ -181,3 +183,24 @@ def job_records(workspace: Path) -> list[Path]:
     """The job records of a workspace (empty when nothing was registered)."""
     folder = names.jobs_dir(workspace)
     return sorted(folder.glob("*.json")) if folder.exists() else []
+
+
+def start_runner(broker: Any, workspace: Path, session: str, **env: str) -> subprocess.Popen[bytes]:
+    """`mam-runner run --session SESSION` with the shell agent in `workspace` (its stderr in
+    `<workspace>.stderr`, see `runner_log`), once its signed `online` presence is retained."""
+    (workspace / ".git").mkdir(parents=True, exist_ok=True)
+    write_env_for(broker, workspace)
+    with open(workspace.parent / f"{workspace.name}.stderr", "wb") as err:
+        proc = subprocess.Popen([*MAM_RUNNER, "run", "--session", session, "--exec", str(AGENTS / "shell-agent"),
+                                 "--workspace", str(workspace)], env=clean_env(MAM_CANCEL_GRACE_S="1", **env),
+                                stdout=subprocess.DEVNULL, stderr=err)
+    topic = names.presence_topic(session, broker.topic_root)
+    wait_until(lambda: proc.poll() is not None or b'"online"' in (retained(broker, topic, 0.3) or b""),
+               what="the runner's online presence")
+    assert proc.poll() is None, runner_log(workspace)
+    return proc
+
+
+def runner_log(workspace: Path) -> str:
+    """The stderr of the runner `start_runner` started in `workspace`."""
+    return (workspace.parent / f"{workspace.name}.stderr").read_text(errors="replace")
