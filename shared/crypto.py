@@ -269,9 +269,38 @@ def seal(seal_key: bytes, *, job_id: str, attempt_id: int, dispatch_token: str, 
         nonce = os.urandom(SEAL_NONCE_BYTES)
     if len(nonce) != SEAL_NONCE_BYTES:
         raise ValueError(f"nonce must be {SEAL_NONCE_BYTES} bytes")
-    plaintext = canonical({"auth_token": auth_token, "brief": brief})
-    ciphertext = _encrypt(key, nonce, plaintext, _associated_data(job_id, attempt_id, dispatch_token))
+    ciphertext = seal_inner(key, nonce, job_id=job_id, attempt_id=attempt_id, dispatch_token=dispatch_token,
+                            auth_token=auth_token, brief=brief)
     return {"alg": SEAL_ALG, "nonce": b64url_encode(nonce), "ciphertext": b64url_encode(ciphertext)}
+
+
+def seal_inner(key: bytes, nonce: bytes, *, job_id: str, attempt_id: int, dispatch_token: str, auth_token: str,
+               brief: str) -> bytes:
+    """The AES-256-GCM core every seal shares (§5 v1, §16 v2): ciphertext + tag of
+    `canonical({"auth_token", "brief"})`, associated data `job_id:attempt_id:dispatch_token`."""
+    plaintext = canonical({"auth_token": auth_token, "brief": brief})
+    return _encrypt(key, nonce, plaintext, _associated_data(job_id, attempt_id, dispatch_token))
+
+
+def open_inner(key: bytes, nonce: bytes, ciphertext: bytes, *, job_id: str, attempt_id: int,
+               dispatch_token: str) -> tuple[str, str]:
+    """Inverse of `seal_inner`: (auth_token, brief).
+
+    Raises:
+        ValueError: the tag does not verify, or the plaintext is not {"auth_token", "brief"}.
+    """
+    if len(nonce) != SEAL_NONCE_BYTES:
+        raise ValueError("nonce")
+    plaintext = _decrypt(key, nonce, ciphertext, _associated_data(job_id, attempt_id, dispatch_token))
+    try:
+        inner = json.loads(plaintext.decode("utf-8"))
+    except (UnicodeError, RecursionError):
+        raise ValueError("inner") from None
+    if (not isinstance(inner, dict) or set(inner) != {"auth_token", "brief"}
+            or not isinstance(inner["auth_token"], str) or not inner["auth_token"]
+            or not isinstance(inner["brief"], str)):
+        raise ValueError("inner")
+    return inner["auth_token"], inner["brief"]
 
 
 def open_sealed(seal_key: bytes, sealed: Sealed | Mapping[str, Any], *, job_id: str, attempt_id: int,
@@ -295,14 +324,7 @@ def open_sealed(seal_key: bytes, sealed: Sealed | Mapping[str, Any], *, job_id: 
             raise ValueError("alg")
         nonce = b64url_decode(parts["nonce"])
         ciphertext = b64url_decode(parts["ciphertext"])
-        if len(nonce) != SEAL_NONCE_BYTES:
-            raise ValueError("nonce")
-        plaintext = _decrypt(key, nonce, ciphertext, _associated_data(job_id, attempt_id, dispatch_token))
-        inner = json.loads(plaintext.decode("utf-8"))
-        if (not isinstance(inner, dict) or set(inner) != {"auth_token", "brief"}
-                or not isinstance(inner["auth_token"], str) or not inner["auth_token"]
-                or not isinstance(inner["brief"], str)):
-            raise ValueError("inner")
+        return open_inner(key, nonce, ciphertext, job_id=job_id, attempt_id=attempt_id,
+                          dispatch_token=dispatch_token)
     except (ValueError, TypeError, KeyError, UnicodeError, RecursionError):
         raise SignatureError(SEAL_FAILED) from None
-    return inner["auth_token"], inner["brief"]

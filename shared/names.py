@@ -283,3 +283,47 @@ def parse_outbox_name(name: str) -> tuple[str, int, int, bool] | None:
     if match is None:
         return None
     return match.group(1), int(match.group(2)), int(match.group(3)), match.group(4) is not None
+
+
+# ------------------------------------------------------- keys and roster (§16)
+
+def keys_dir(root: Path) -> Path:
+    """`<root>/.mam/keys` (mode 0700): this host's v2 private keys and the hub keys it trusts (§16)."""
+    return mam_dir(root) / "keys"
+
+
+def hub_key_path(root: Path) -> Path:
+    """`<root>/.mam/keys/hub.ed25519`: the hub's Ed25519 private key, 0600 (§16)."""
+    return keys_dir(root) / "hub.ed25519"
+
+
+def hub_previous_public_path(root: Path) -> Path:
+    """`<root>/.mam/keys/hub.previous.ed25519.pub`: the hub's public key before its last rotation (§16)."""
+    return keys_dir(root) / "hub.previous.ed25519.pub"
+
+
+def runner_key_path(root: Path, kind: str) -> Path:
+    """`<root>/.mam/keys/runner.<kind>` for kind in ed25519, x25519: a runner's private keys, 0600 (§16)."""
+    if kind not in ("ed25519", "x25519"):
+        raise ValueError(f"unknown runner key kind {kind!r}")
+    return keys_dir(root) / f"runner.{kind}"
+
+
+def runner_identity_path(root: Path) -> Path:
+    """`<root>/.mam/keys/runner.json`: the session, labels and public keys `mam-runner enroll` made (§16)."""
+    return keys_dir(root) / "runner.json"
+
+
+def trusted_hub_keys_path(root: Path) -> Path:
+    """`<root>/.mam/keys/hub-trusted.pub`: the hub public keys a runner verifies with, one a line (§16)."""
+    return keys_dir(root) / "hub-trusted.pub"
+
+
+def roster_dir(root: Path) -> Path:
+    """`<root>/.mam/runners`: the hub's roster of enrolled runners (§16)."""
+    return mam_dir(root) / "runners"
+
+
+def roster_path(root: Path, session: str) -> Path:
+    """`<root>/.mam/runners/<session>.json`: one enrolled runner (§16)."""
+    return roster_dir(root) / f"{validate_session(session)}.json"

@@ -21,18 +21,22 @@ from mam.shared.wirefields import (
     MAX_NAME_CHARS,
     SCHEMA_VERSION,
     SEAL_ALG,
+    SEAL_ALG_V2,
     SEAL_NONCE_BYTES,
+    V2_SEALED_FIELDS,
+    V2_SIGNED_FIELDS,
+    X25519_KEY_BYTES,
     Invalid,
     build,
     check_b64,
     check_choice,
     check_fields,
     check_hex32,
-    check_hex64,
     check_int,
     check_job_id,
     check_schema,
     check_session,
+    check_sig,
     check_text,
     check_timestamp,
     decode_object,
@@ -121,19 +125,25 @@ class Contract:
 
 @dataclass(frozen=True)
 class Sealed:
-    """The sealed part of a dispatch (§5): AES-256-GCM, base64url nonce and ciphertext+tag."""
+    """The sealed part of a dispatch (§5): AES-256-GCM, base64url nonce and ciphertext+tag;
+    v2 (§16, alg X25519-A256GCM) adds `epk`, the ephemeral X25519 public key."""
 
     nonce: str
     ciphertext: str
     alg: str = SEAL_ALG
+    epk: str | None = None
 
     def __post_init__(self) -> None:
         run_check(self._check)
 
     def _check(self) -> None:
-        check_choice(self.alg, "sealed.alg", (SEAL_ALG,))
+        check_choice(self.alg, "sealed.alg", (SEAL_ALG, SEAL_ALG_V2))
         check_b64(self.nonce, "sealed.nonce", exact=SEAL_NONCE_BYTES)
         check_b64(self.ciphertext, "sealed.ciphertext", minimum=GCM_TAG_BYTES)
+        if self.alg == SEAL_ALG_V2:
+            check_b64(self.epk, "sealed.epk", exact=X25519_KEY_BYTES)
+        elif self.epk is not None:
+            raise Invalid(f"sealed.epk is only allowed with sealed.alg {SEAL_ALG_V2}")
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> Sealed:
@@ -142,12 +152,16 @@ class Sealed:
 
     def to_dict(self) -> dict[str, str]:
         """The wire object."""
-        return {"alg": self.alg, "nonce": self.nonce, "ciphertext": self.ciphertext}
+        out = {"alg": self.alg, "nonce": self.nonce, "ciphertext": self.ciphertext}
+        if self.epk is not None:
+            out["epk"] = self.epk
+        return out
 
 
 @dataclass(frozen=True)
 class Dispatch:
-    """A dispatch of §5. `sig` is None until signed by `crypto.sign`; `decode` requires it."""
+    """A dispatch of §5. `sig` is None until signed by `crypto.sign` (v1) or `wirev2.sign`
+    (v2, §16: `sig_alg` "ed25519" and a v2 seal); `decode` requires it."""
 
     job_id: str
     session: str
@@ -160,6 +174,7 @@ class Dispatch:
     sealed: Sealed
     sig: str | None = None
     kind: str = "dispatch"
+    sig_alg: str | None = None
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -182,19 +197,22 @@ class Dispatch:
         if not isinstance(self.sealed, Sealed):
             raise Invalid(f"sealed must be an object, got {type_name(self.sealed)}")
         if self.sig is not None:
-            check_hex64(self.sig, "sig")
+            check_sig(self.sig, self.sig_alg)
+        if (self.sig_alg is None) != (self.sealed.alg == SEAL_ALG):
+            raise Invalid(f"sealed.alg {self.sealed.alg} does not go with sig_alg {self.sig_alg} "
+                          "(v1: HMAC and A256GCM; v2: ed25519 and X25519-A256GCM, §16)")
 
     @classmethod
     def build(cls, job_id: str, session: str, attempt_id: int, dispatch_token: str, *, origin: str,
               contract: Contract, sealed: Sealed | Mapping[str, Any],
-              issued_at: datetime | None = None) -> Dispatch:
+              issued_at: datetime | None = None, sig_alg: str | None = None) -> Dispatch:
         """An unsigned dispatch (sign with `crypto.sign`), §5.
 
         Args:
             session: the bare runner name (no `remote:`); origin: the hub's name;
             contract: the liveness contract; sealed: `crypto.seal(...)` output;
             issued_at: aware datetime, None means now. `expires_at` is
-            `issued_at + contract.ack_timeout_sec`.
+            `issued_at + contract.ack_timeout_sec`; sig_alg: "ed25519" for v2 (§16).
         Raises:
             UsageError: a field breaks §5.
         """
@@ -208,7 +226,7 @@ class Dispatch:
             raise UsageError(f"dispatch not built: {strip_word(exc.reason)}") from None
         return build(cls, job_id=job_id, session=session, attempt_id=attempt_id,
                      dispatch_token=dispatch_token, origin=origin, issued_at=format_ts(issued),
-                     expires_at=format_ts(expires), contract=contract, sealed=seal_obj)
+                     expires_at=format_ts(expires), contract=contract, sealed=seal_obj, sig_alg=sig_alg)
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> Dispatch:
@@ -222,6 +240,8 @@ class Dispatch:
             "session": self.session, "attempt_id": self.attempt_id, "dispatch_token": self.dispatch_token,
             "origin": self.origin, "issued_at": self.issued_at, "expires_at": self.expires_at,
             "contract": self.contract.to_dict(), "sealed": self.sealed.to_dict()}
+        if self.sig_alg is not None:
+            out["sig_alg"] = self.sig_alg
         if self.sig is not None:
             out["sig"] = self.sig
         return out
@@ -248,12 +268,12 @@ def _contract_from(obj: object) -> Contract:
 def _sealed_from(obj: object) -> Sealed:
     if not isinstance(obj, Mapping):
         raise Invalid(f"sealed must be an object, got {type_name(obj)} {show(obj)}")
-    check_fields(obj, SEALED_FIELDS, "sealed.")
+    check_fields(obj, SEALED_FIELDS, "sealed.", optional=V2_SEALED_FIELDS)
     return run_inner(lambda: Sealed(**obj))
 
 
 def _dispatch_from(obj: dict[str, Any]) -> Dispatch:
-    check_fields(obj, DISPATCH_FIELDS)
+    check_fields(obj, DISPATCH_FIELDS, optional=V2_SIGNED_FIELDS)
     if obj["sig"] is None:
         raise Invalid("sig must be a string, got null")
     values = dict(obj)

@@ -27,6 +27,14 @@ SCHEMA_VERSION = 1
 SEAL_ALG = "A256GCM"
 SEAL_NONCE_BYTES = 12
 GCM_TAG_BYTES = 16
+# §16 (v2): Ed25519 signatures (64 bytes, base64url) and seals to a runner's X25519 key.
+SIG_ALG_ED25519 = "ed25519"
+SEAL_ALG_V2 = "X25519-A256GCM"
+ED25519_SIG_BYTES = 64
+X25519_KEY_BYTES = 32
+# The optional fields v2 adds (§16): absent on v1 messages.
+V2_SIGNED_FIELDS = frozenset({"sig_alg"})
+V2_SEALED_FIELDS = frozenset({"epk"})
 
 MAX_DETAIL_CHARS = 1024
 # Dispatch carries the sealed brief (<= 512 KiB, §5) and must fit NATS's default 1 MiB cap.
@@ -210,12 +218,23 @@ def check_b64(value: object, where: str, *, exact: int | None = None, minimum: i
     return value
 
 
-def check_fields(obj: Mapping[str, Any], expected: frozenset[str], prefix: str = "") -> None:
-    """Refuse a missing or unknown field (§3-§7: exact field sets); `prefix` is e.g. "contract.". Raises `Invalid`."""
+def check_sig(sig: object, sig_alg: object) -> None:
+    """A v1 `sig` (64 hex, HMAC, §5-§7) when `sig_alg` is None, else an Ed25519 one (§16). Raises `Invalid`."""
+    if sig_alg is None:
+        check_hex64(sig, "sig")
+        return
+    check_choice(sig_alg, "sig_alg", (SIG_ALG_ED25519,))
+    check_b64(sig, "sig", exact=ED25519_SIG_BYTES)
+
+
+def check_fields(obj: Mapping[str, Any], expected: frozenset[str], prefix: str = "",
+                 optional: frozenset[str] = frozenset()) -> None:
+    """Refuse a missing or unknown field (§3-§7: exact field sets, plus the `optional` ones of §16);
+    `prefix` is e.g. "contract.". Raises `Invalid`."""
     missing = sorted(expected - obj.keys())
     if missing:
         raise Invalid(f"missing field {', '.join(repr(prefix + m) for m in missing)}")
-    unknown = sorted(str(u) for u in obj.keys() - expected)
+    unknown = sorted(str(u) for u in obj.keys() - expected - optional)
     if unknown:
         more = f" and {len(unknown) - _UNKNOWN_SHOWN} more" if len(unknown) > _UNKNOWN_SHOWN else ""
         raise Invalid(f"unknown field {', '.join(show(prefix + u) for u in unknown[:_UNKNOWN_SHOWN])}{more}")

@@ -30,17 +30,18 @@ from mam.shared.wirefields import (
     MAX_RUNNING,
     MAX_VERSION_CHARS,
     SCHEMA_VERSION,
+    V2_SIGNED_FIELDS,
     Invalid,
     build,
     check_choice,
     check_data,
     check_fields,
     check_hex32,
-    check_hex64,
     check_int,
     check_job_id,
     check_schema,
     check_session,
+    check_sig,
     check_text,
     check_timestamp,
     decode_object,
@@ -241,6 +242,7 @@ class Control:
     sig: str | None = None
     kind: str = "control"
     schema_version: int = SCHEMA_VERSION
+    sig_alg: str | None = None  # §16: "ed25519" on v2
 
     def __post_init__(self) -> None:
         run_check(self._check)
@@ -254,7 +256,7 @@ class Control:
         check_text(self.reason, "reason", MAX_REASON_CHARS)
         check_timestamp(self.issued_at, "issued_at")
         if self.sig is not None:
-            check_hex64(self.sig, "sig")
+            check_sig(self.sig, self.sig_alg)
 
     @classmethod
     def cancel(cls, job_id: str, attempt_id: int, reason: str, *,
@@ -278,6 +280,8 @@ class Control:
         out: dict[str, Any] = {"schema_version": self.schema_version, "kind": self.kind, "action": self.action,
                                "job_id": self.job_id, "attempt_id": self.attempt_id, "reason": self.reason,
                                "issued_at": self.issued_at}
+        if self.sig_alg is not None:
+            out["sig_alg"] = self.sig_alg
         if self.sig is not None:
             out["sig"] = self.sig
         return out
@@ -298,6 +302,7 @@ class Presence:
     sig: str | None = None
     kind: str = "presence"
     schema_version: int = SCHEMA_VERSION
+    sig_alg: str | None = None  # §16: "ed25519" on v2
 
     def __post_init__(self) -> None:
         if isinstance(self.running, list):
@@ -323,7 +328,7 @@ class Presence:
             raise Invalid("running lists a job id twice")
         check_timestamp(self.timestamp, "timestamp")
         if self.sig is not None:
-            check_hex64(self.sig, "sig")
+            check_sig(self.sig, self.sig_alg)
 
     @classmethod
     def build(cls, session: str, runner_id: str, status: str, *, host: str, version: str, max_jobs: int,
@@ -349,6 +354,8 @@ class Presence:
                                "runner_id": self.runner_id, "status": self.status, "host": self.host,
                                "version": self.version, "max_jobs": self.max_jobs,
                                "running": list(self.running), "timestamp": self.timestamp}
+        if self.sig_alg is not None:
+            out["sig_alg"] = self.sig_alg
         if self.sig is not None:
             out["sig"] = self.sig
         return out
@@ -369,14 +376,14 @@ def _state_from(obj: dict[str, Any]) -> State:
 
 
 def _control_from(obj: dict[str, Any]) -> Control:
-    check_fields(obj, CONTROL_FIELDS)
+    check_fields(obj, CONTROL_FIELDS, optional=V2_SIGNED_FIELDS)
     if obj["sig"] is None:
         raise Invalid("sig must be a string, got null")
     return Control(**obj)
 
 
 def _presence_from(obj: dict[str, Any]) -> Presence:
-    check_fields(obj, PRESENCE_FIELDS)
+    check_fields(obj, PRESENCE_FIELDS, optional=V2_SIGNED_FIELDS)
     if obj["sig"] is None:
         raise Invalid("sig must be a string, got null")
     if not isinstance(obj["running"], list):
