@@ -14,6 +14,7 @@ from mam.orchestrator.dispatch import dispatch_cli
 from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.redispatch import redispatch_cli
+from mam.orchestrator.roster_cli import runner_app
 from mam.orchestrator.runners import runners_cli
 from mam.orchestrator.watch import watch_cli
 from mam.shared import broker, clikit
@@ -84,6 +85,7 @@ clikit.add_registry_commands(app)
 
 broker_app = clikit.new_app("broker", "Run the hub's embedded nats-server (MQTT, JetStream, websocket).")
 app.add_typer(broker_app, name="broker")
+app.add_typer(runner_app, name="runner")  # §16 roster; `runners` (plural, below) lists presence
 
 
 def _print_json(info: dict[str, Any]) -> None:

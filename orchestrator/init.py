@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mam.shared import names
+from mam.shared import keys, names
 from mam.shared.config import ENV_FILE_NAME, new_secret, resolve_root, write_env_file
 from mam.shared.errors import ConfigError, UsageError
 from mam.shared.fsio import atomic_write
@@ -192,6 +192,9 @@ def init_workspace(workspace: str | os.PathLike[str] | None = None, *,
               "Copy this file to every runner's workspace; keep it mode 0600.",
         overwrite=True)
     notes = [f"wrote {env_path} (mode 0600): copy it to every runner's workspace root"]
+    hub_public = keys.public_text(keys.hub_key(root))  # §16: made once, never overwritten (rotate instead)
+    notes.append(f"hub key {names.hub_key_path(root)} (mode 0600); public key {hub_public}; enrol runners with "
+                 "mam-orch runner add (docs/security.md)")
     if conf_path is not None:
         notes.append(f"wrote {conf_path} and {secrets_path} (mode 0600, broker host only)")
         notes.append(f"start the broker: cd {conf_path.parent} && docker compose --env-file "

@@ -103,6 +103,43 @@ def run_cmd(
                    max_jobs=max_jobs, once=once, replace=replace)
 
 
+@app.command("enroll")
+def enroll_cmd(
+    session: str = typer.Option(..., "--session", metavar="NAME", help="The session this runner serves (§1)."),
+    labels: str = typer.Option(None, "--labels", metavar="L1,L2", help="Its labels, comma-separated (§14)."),
+    force: bool = typer.Option(False, "--force", help="Make new keys even if this host has some."),
+    workspace: str = clikit.workspace_option(),
+) -> int:
+    """Make this host's Ed25519 and X25519 keys (0600, .mam/keys/) and print the one-line
+    enrolment request for `mam-orch runner add` on the hub (PROTOCOL §16). The request holds
+    public keys only. Exit 64: bad arguments, or keys exist (without --force)."""
+    from mam.runner.enrol import enroll  # lazy: keeps cryptography out of `mam-runner publish`
+
+    request = enroll(session=session, labels=labels, workspace=workspace, force=force)
+    typer.echo(request.line())
+    typer.echo("give the line above to the hub operator: mam-orch runner add '<line>'; then run the "
+               "`mam-runner trust-hub ...` line it prints", err=True)
+    return 0
+
+
+_HUB_KEYS_ARGUMENT = typer.Argument(..., metavar="PUB [PUB]",
+                                    help="The hub's Ed25519 public key; during a rotation, two.")
+
+
+@app.command("trust-hub")
+def trust_hub_cmd(
+    public_keys: list[str] = _HUB_KEYS_ARGUMENT,
+    workspace: str = clikit.workspace_option(),
+) -> int:
+    """Store the hub public keys this runner accepts dispatches and cancels from (PROTOCOL §16),
+    replacing the ones stored before. Exit 64: not a key, or more than two."""
+    from mam.runner.enrol import trust_hub  # lazy: keeps cryptography out of `mam-runner publish`
+
+    stored = trust_hub(public_keys, workspace=workspace)
+    typer.echo(f"this runner now trusts {len(stored)} hub key(s): {' '.join(stored)}")
+    return 0
+
+
 def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attempt_id: str | None,
                 dispatch_token: str | None, heartbeat_s: float | None, watch_pid: int | None,
                 attempts: int, workspace: str | None) -> int:

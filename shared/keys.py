@@ -7,7 +7,8 @@ in `.mam/keys/` (0700); a private key file readable by group or others is
 refused, as ssh does. Paths come from `names` (`hub_key_path`, ...).
 
 The hub key is made by `mam-orch init` or on first use (`hub_key`);
-`rotate_hub_key` keeps the old public key as `previous`. A runner's keys are
+`stage_hub_key` makes the next one for runners to trust first, `rotate_hub_key`
+switches to it and keeps the old public key as `previous`. A runner's keys are
 made by `mam-runner enroll`; its trusted hub keys (`hub-trusted.pub`, one key a
 line: the current one, and the previous one during a rotation) by
 `mam-runner trust-hub`. No function here logs or puts a private key in an
@@ -16,6 +17,7 @@ error message or a repr.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections.abc import Iterable, Sequence
@@ -29,6 +31,7 @@ from mam.shared import names
 from mam.shared.errors import ConfigError, UsageError
 from mam.shared.fsio import atomic_write, read_capped
 from mam.shared.wirefields import b64url_decode, b64url_encode
+from mam.shared.wirejson import canonical_json
 
 KEY_BYTES = 32
 """Raw Ed25519 seeds, X25519 private keys and both public keys are 32 bytes (§16)."""
@@ -137,8 +140,33 @@ def hub_previous_public(root: Path) -> str | None:
     return text
 
 
+def stage_hub_key(root: Path) -> str:
+    """Make the next hub key (`hub.next.ed25519`) without using it yet, so runners can trust it
+    before the hub signs with it (§16: rotation without downtime). Staging again keeps the staged key.
+
+    Returns:
+        the staged public key, base64url.
+    Raises:
+        ConfigError: there is no hub key yet, or a file cannot be read or written.
+    """
+    hub_key(root, create=False)
+    path = names.hub_next_key_path(root)
+    if path.exists():
+        return public_text(Ed25519PrivateKey.from_private_bytes(_read_key(path)))
+    staged = Ed25519PrivateKey.generate()
+    _write_key(root, path, staged.private_bytes_raw())
+    return public_text(staged)
+
+
+def staged_hub_public(root: Path) -> str | None:
+    """The staged next hub public key (base64url), or None."""
+    path = names.hub_next_key_path(root)
+    return public_text(Ed25519PrivateKey.from_private_bytes(_read_key(path))) if path.exists() else None
+
+
 def rotate_hub_key(root: Path) -> tuple[Ed25519PrivateKey, str]:
-    """A new hub key; the current public key is kept as `previous` (§16).
+    """Switch to a new hub key: the staged one (`stage_hub_key`) if any, else a fresh one; the
+    current public key is kept as `previous` (§16).
 
     Returns:
         (the new private key, the previous public key as base64url).
@@ -147,10 +175,13 @@ def rotate_hub_key(root: Path) -> tuple[Ed25519PrivateKey, str]:
     """
     old = hub_key(root, create=False)
     previous = public_text(old)
+    staged_path = names.hub_next_key_path(root)
+    new = Ed25519PrivateKey.from_private_bytes(_read_key(staged_path)) if staged_path.exists() \
+        else Ed25519PrivateKey.generate()
     atomic_write(names.hub_previous_public_path(root), (previous + "\n").encode("ascii"),
                  what="previous hub public key", error=ConfigError)
-    new = Ed25519PrivateKey.generate()
     _write_key(root, names.hub_key_path(root), new.private_bytes_raw())
+    staged_path.unlink(missing_ok=True)
     return new, previous
 
 
@@ -247,11 +278,61 @@ def trusted_hub_keys(root: Path) -> tuple[Ed25519PublicKey, ...]:
         raise ConfigError(str(exc)) from None
 
 
+# ------------------------------------------------------------ enrolment
+
+ENROL_KIND = "enrol_request"
+ENROL_FIELDS = frozenset({"kind", "session", "labels", "ed25519_public", "x25519_public"})
+MAX_ENROL_REQUEST_CHARS = 4096
+
+
+@dataclass(frozen=True)
+class EnrolRequest:
+    """What `mam-runner enroll` prints and `mam-orch runner add` reads (§16): public parts only."""
+
+    session: str
+    labels: tuple[str, ...]
+    ed25519_public: str
+    x25519_public: str
+
+    @classmethod
+    def build(cls, session: object, labels: object, ed25519_text: object, x25519_text: object) -> EnrolRequest:
+        """Validated and normalised. Raises `UsageError` naming the bad part."""
+        return cls(session=names.validate_session(session), labels=names.validate_labels(labels),
+                   ed25519_public=public_text(ed25519_public(ed25519_text, "ed25519_public")),
+                   x25519_public=public_text(x25519_public(x25519_text, "x25519_public")))
+
+    @classmethod
+    def parse(cls, text: str) -> EnrolRequest:
+        """Read the one-line request (a JSON object). Raises `UsageError` with one line."""
+        if not isinstance(text, str) or len(text) > MAX_ENROL_REQUEST_CHARS:
+            raise UsageError(f"enrolment request is invalid: expected one JSON line of at most "
+                             f"{MAX_ENROL_REQUEST_CHARS} characters from `mam-runner enroll`")
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            raise UsageError("enrolment request is invalid: not JSON (paste the line `mam-runner enroll` printed, "
+                             "quoted)") from None
+        if not isinstance(obj, dict) or obj.get("kind") != ENROL_KIND or set(obj) != ENROL_FIELDS:
+            raise UsageError(f"enrolment request is invalid: expected a JSON object with exactly "
+                             f"{', '.join(sorted(ENROL_FIELDS))} and kind {ENROL_KIND!r}")
+        return cls.build(obj["session"], obj["labels"], obj["ed25519_public"], obj["x25519_public"])
+
+    def to_dict(self) -> dict[str, object]:
+        """The request as a JSON object."""
+        return {"kind": ENROL_KIND, "session": self.session, "labels": list(self.labels),
+                "ed25519_public": self.ed25519_public, "x25519_public": self.x25519_public}
+
+    def line(self) -> str:
+        """The one-line form printed by `mam-runner enroll` (canonical JSON, §3.1)."""
+        return canonical_json(self.to_dict()).decode("utf-8")
+
+
 def texts(keys: Iterable[Ed25519PublicKey | X25519PublicKey]) -> list[str]:
     """The base64url texts of public keys."""
     return [public_text(key) for key in keys]
 
 
-__all__ = ["KEY_BYTES", "MAX_TRUSTED_HUB_KEYS", "RunnerKeys", "b64", "create_runner_keys", "ed25519_public",
-           "hub_key", "hub_previous_public", "load_runner_keys", "public_text", "rotate_hub_key", "texts",
-           "trusted_hub_keys", "write_trusted_hub_keys", "x25519_public"]
+__all__ = ["ENROL_KIND", "KEY_BYTES", "MAX_TRUSTED_HUB_KEYS", "EnrolRequest", "RunnerKeys", "b64",
+           "create_runner_keys", "ed25519_public", "hub_key", "hub_previous_public", "load_runner_keys",
+           "public_text", "rotate_hub_key", "stage_hub_key",
+           "staged_hub_public", "texts", "trusted_hub_keys", "write_trusted_hub_keys", "x25519_public"]

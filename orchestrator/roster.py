@@ -1,0 +1,186 @@
+"""The hub's roster of enrolled runners (PROTOCOL §16): one 0600 JSON file per
+session, `.mam/runners/<session>.json`, holding `session`, `labels`,
+`ed25519_public`, `x25519_public`, `enrolled_at` and `revoked_at` (null while
+enrolled). Public keys only: no private key ever leaves its host.
+
+`add` enrols (or re-enrols a revoked session with its new keys), `revoke`
+stamps `revoked_at` (the hub refuses the session from its next message on),
+`get`/`entries` read. A file that cannot be read is a `RegistryError` naming it,
+never a crash, and never taken for an enrolment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+
+from mam.shared import keys, names
+from mam.shared.errors import RegistryError, UsageError
+from mam.shared.fsio import atomic_write, json_line, read_json_object
+from mam.shared.keys import EnrolRequest
+from mam.shared.wire import format_ts, parse_ts
+
+MAX_ROSTER_FILE_BYTES = 16 * 1024
+"""A roster entry is a few hundred bytes; a bigger file is not ours."""
+ROSTER_DIR_MODE = 0o700
+ENTRY_FIELDS = frozenset({"session", "labels", "ed25519_public", "x25519_public", "enrolled_at", "revoked_at"})
+
+__all__ = ["RosterEntry", "add", "entries", "get", "revoke"]
+
+
+@dataclass(frozen=True)
+class RosterEntry:
+    """One enrolled runner (§16)."""
+
+    session: str
+    labels: tuple[str, ...]
+    ed25519_public: str
+    x25519_public: str
+    enrolled_at: str
+    revoked_at: str | None = None
+
+    @property
+    def active(self) -> bool:
+        """True while not revoked: the hub uses v2 for it and accepts its presence."""
+        return self.revoked_at is None
+
+    def ed25519_key(self) -> Ed25519PublicKey:
+        """The key its presence is verified with (§16)."""
+        return keys.ed25519_public(self.ed25519_public)
+
+    def x25519_key(self) -> X25519PublicKey:
+        """The key its dispatches are sealed to (§16)."""
+        return keys.x25519_public(self.x25519_public)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's JSON object."""
+        return {"session": self.session, "labels": list(self.labels), "ed25519_public": self.ed25519_public,
+                "x25519_public": self.x25519_public, "enrolled_at": self.enrolled_at,
+                "revoked_at": self.revoked_at}
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> RosterEntry:
+        """Check a file's object. Raises `UsageError` naming the bad field."""
+        if set(obj) != ENTRY_FIELDS:
+            raise UsageError(f"expected exactly the fields {', '.join(sorted(ENTRY_FIELDS))}")
+        request = EnrolRequest.build(obj["session"], obj["labels"], obj["ed25519_public"], obj["x25519_public"])
+        for name in ("enrolled_at", "revoked_at"):
+            value = obj[name]
+            if value is None and name == "revoked_at":
+                continue
+            try:
+                parse_ts(value)
+            except ValueError:
+                raise UsageError(f"{name} {value!r} is not a UTC timestamp") from None
+        return cls(session=request.session, labels=request.labels, ed25519_public=request.ed25519_public,
+                   x25519_public=request.x25519_public, enrolled_at=obj["enrolled_at"], revoked_at=obj["revoked_at"])
+
+
+def _now() -> str:
+    return format_ts(datetime.now(UTC))
+
+
+def _write(root: Path, entry: RosterEntry) -> None:
+    folder = names.roster_dir(root)
+    try:
+        folder.mkdir(mode=ROSTER_DIR_MODE, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RegistryError(f"{folder}: cannot create the roster folder ({exc.strerror or exc})") from None
+    atomic_write(names.roster_path(root, entry.session), json_line(entry.to_dict()),
+                 what=f"roster entry {entry.session}")
+
+
+def get(root: Path, session: str) -> RosterEntry | None:
+    """The roster entry of `session` (revoked or not), or None when it was never enrolled.
+
+    Raises:
+        UsageError: a bad session name; RegistryError: the file exists but is unreadable or not an entry.
+    """
+    path = names.roster_path(root, session)
+    try:
+        obj = read_json_object(path, MAX_ROSTER_FILE_BYTES)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise RegistryError(f"{path}: cannot read ({type(exc).__name__})") from None
+    try:
+        entry = RosterEntry.from_dict(obj)
+    except UsageError as exc:
+        raise RegistryError(f"{path}: not a roster entry: {exc}") from None
+    if entry.session != session:
+        raise RegistryError(f"{path}: holds session {entry.session!r}, not {session!r}")
+    return entry
+
+
+def entries(root: Path) -> list[RosterEntry]:
+    """Every roster entry, by session name.
+
+    Raises:
+        RegistryError: an entry file is unreadable (named).
+    """
+    folder = names.roster_dir(root)
+    if not folder.is_dir():
+        return []
+    found = []
+    for path in sorted(folder.glob("*.json")):
+        session = path.name[: -len(".json")]
+        if names.session_problem(session) is None:
+            entry = get(root, session)
+            if entry is not None:
+                found.append(entry)
+    return found
+
+
+def add(root: Path, request: EnrolRequest, *, replace_keys: bool = False) -> tuple[RosterEntry, str]:
+    """Enrol a runner's public keys (§16).
+
+    Adding the same keys again is a no-op; a revoked session may be enrolled again with new keys;
+    an enrolled session with other keys needs `replace_keys` (its old keys stop working at once);
+    the same keys with other labels update the labels.
+
+    Returns:
+        (the entry, what happened: "enrolled", "unchanged", "updated", "replaced" or "re-enrolled").
+    Raises:
+        UsageError: other keys for an enrolled session without `replace_keys`, or the revoked keys again.
+        RegistryError: the roster cannot be read or written.
+    """
+    current = get(root, request.session)
+    same_keys = current is not None and (current.ed25519_public, current.x25519_public) == \
+        (request.ed25519_public, request.x25519_public)
+    if current is not None and current.active and same_keys and current.labels == request.labels:
+        return current, "unchanged"
+    if current is not None and not current.active and same_keys:
+        raise UsageError(f"runner {request.session!r} was revoked with these keys at {current.revoked_at}; "
+                         "make new ones on its host (mam-runner enroll --force) and add those")
+    if current is not None and current.active and not same_keys and not replace_keys:
+        raise UsageError(f"runner {request.session!r} is enrolled with other keys; use --replace to replace "
+                         "them (the old keys stop working at once)")
+    entry = RosterEntry(session=request.session, labels=request.labels, ed25519_public=request.ed25519_public,
+                        x25519_public=request.x25519_public,
+                        enrolled_at=current.enrolled_at if current is not None and same_keys else _now())
+    _write(root, entry)
+    if current is None:
+        return entry, "enrolled"
+    return entry, ("re-enrolled" if not current.active else "replaced" if not same_keys else "updated")
+
+
+def revoke(root: Path, session: str) -> RosterEntry:
+    """Revoke an enrolled runner (§16): from the hub's next message on, its presence is refused
+    and nothing is dispatched to it. Revoking twice keeps the first `revoked_at`.
+
+    Raises:
+        RegistryError: the session is not enrolled, or the roster cannot be written.
+    """
+    current = get(root, names.validate_session(session))
+    if current is None:
+        raise RegistryError(f"runner {session!r} is not enrolled (see: mam-orch runner list)")
+    if not current.active:
+        return current
+    entry = replace(current, revoked_at=_now())
+    _write(root, entry)
+    return entry

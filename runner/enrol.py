@@ -1,0 +1,79 @@
+"""`mam-runner enroll` and `mam-runner trust-hub` (PROTOCOL §16): make this
+host's Ed25519 and X25519 keys (0600, `.mam/keys/`), print the one-line
+enrolment request for `mam-orch runner add` (session, labels, public keys: no
+secret), and store the hub public keys this runner verifies dispatches and
+controls with. `identity` reads back what `enroll` recorded.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from mam.shared import config, keys, names
+from mam.shared.errors import ConfigError, UsageError
+from mam.shared.fsio import atomic_write, json_line, read_json_object
+from mam.shared.keys import EnrolRequest
+
+MAX_IDENTITY_BYTES = 8 * 1024
+
+__all__ = ["enroll", "identity", "trust_hub"]
+
+Workspace = str | os.PathLike[str] | None
+
+
+def _root(workspace: Workspace) -> Path:
+    root = config.resolve_root(workspace)
+    if not root.is_dir():
+        raise UsageError(f"workspace {str(root)!r} does not exist")
+    return root
+
+
+def enroll(*, session: str, labels: str | None, workspace: Workspace, force: bool = False) -> EnrolRequest:
+    """Make this runner's keys and return its enrolment request (§16).
+
+    Args:
+        session: the session it will serve (§1); labels: comma-separated (§14) or None.
+        force: make new keys even if some exist (the hub must then enrol them again).
+    Raises:
+        UsageError: a bad session or label (nothing written); ConfigError: keys exist without
+            `force`, or a file cannot be written.
+    """
+    names.validate_session(session)
+    names.validate_labels(labels or "")
+    root = _root(workspace)
+    made = keys.create_runner_keys(root, force=force)
+    request = EnrolRequest.build(session, labels or "", made.ed25519_public, made.x25519_public)
+    atomic_write(names.runner_identity_path(root), json_line(request.to_dict()), what="runner identity",
+                 error=ConfigError)
+    return request
+
+
+def identity(root: Path) -> EnrolRequest | None:
+    """What `enroll` recorded on this host (session, labels, public keys), or None before it ran.
+
+    Raises:
+        ConfigError: the file is unreadable or not a request.
+    """
+    path = names.runner_identity_path(root)
+    try:
+        obj = read_json_object(path, MAX_IDENTITY_BYTES)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read ({type(exc).__name__})") from None
+    try:
+        return EnrolRequest.build(obj.get("session"), obj.get("labels"), obj.get("ed25519_public"),
+                                  obj.get("x25519_public"))
+    except UsageError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def trust_hub(public_keys: list[str], *, workspace: Workspace) -> list[str]:
+    """Store the hub public keys this runner accepts dispatches and controls from (§16):
+    the current one, and the previous or next one during a rotation.
+
+    Raises:
+        UsageError: none, more than two, or not a key (nothing written).
+    """
+    return keys.write_trusted_hub_keys(_root(workspace), public_keys)
