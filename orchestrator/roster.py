@@ -68,6 +68,8 @@ class RosterEntry:
         """Check a file's object. Raises `UsageError` naming the bad field."""
         if set(obj) != ENTRY_FIELDS:
             raise UsageError(f"expected exactly the fields {', '.join(sorted(ENTRY_FIELDS))}")
+        if not isinstance(obj["labels"], list):
+            raise UsageError("labels must be an array")
         request = EnrolRequest.build(obj["session"], obj["labels"], obj["ed25519_public"], obj["x25519_public"])
         for name in ("enrolled_at", "revoked_at"):
             value = obj[name]

@@ -315,6 +315,8 @@ class EnrolRequest:
         if not isinstance(obj, dict) or obj.get("kind") != ENROL_KIND or set(obj) != ENROL_FIELDS:
             raise UsageError(f"enrolment request is invalid: expected a JSON object with exactly "
                              f"{', '.join(sorted(ENROL_FIELDS))} and kind {ENROL_KIND!r}")
+        if not isinstance(obj["labels"], list):
+            raise UsageError("enrolment request is invalid: labels must be a JSON array of strings")
         return cls.build(obj["session"], obj["labels"], obj["ed25519_public"], obj["x25519_public"])
 
     def to_dict(self) -> dict[str, object]:

@@ -60,7 +60,11 @@ def test_init_writes_env_and_broker_files_0600_and_prints_no_secret(tmp_path: Pa
 def test_init_without_broker_config_writes_only_env(tmp_path: Path):
     result = run_init("--workspace", str(tmp_path), "--tls", "--port", "8884")
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".mam.env"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".mam", ".mam.env"]
+    # §16: and the hub's Ed25519 key, 0600, in a 0700 folder
+    hub_key = tmp_path / ".mam" / "keys" / "hub.ed25519"
+    assert hub_key.stat().st_mode & 0o777 == 0o600 and hub_key.parent.stat().st_mode & 0o777 == 0o700
+    assert hub_key.read_text(encoding="ascii").strip() not in result.stdout + result.stderr
     values = dotenv_values(tmp_path / ".mam.env")
     assert values["MQTT_TLS"] == "true" and values["MQTT_PORT"] == "8884"
 

@@ -1,0 +1,254 @@
+"""PROTOCOL §16: key files (hub, runner, trusted hub keys), the enrolment request,
+the hub's roster, and the `mam-orch runner ...` / `mam-runner enroll|trust-hub` commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+from mam.orchestrator import roster
+from mam.runner import enrol
+from mam.shared import keys, names
+from mam.shared.errors import ConfigError, RegistryError, UsageError
+from mam.shared.keys import EnrolRequest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def request(session: str = "gpu-box", labels: str = "gpu") -> EnrolRequest:
+    return EnrolRequest.build(session, labels, keys.public_text(Ed25519PrivateKey.generate()),
+                              keys.public_text(X25519PrivateKey.generate()))
+
+
+# ------------------------------------------------------------------ key files
+
+def test_s16_hub_key_made_once_0600_in_0700_folder(tmp_path):
+    first = keys.hub_key(tmp_path)
+    path = names.hub_key_path(tmp_path)
+    assert mode(path) == 0o600 and mode(path.parent) == 0o700
+    assert keys.public_text(keys.hub_key(tmp_path)) == keys.public_text(first)
+    assert len(keys.b64url_decode(path.read_text().strip())) == 32  # raw 32 bytes, base64url, one line
+
+
+def test_s16_missing_hub_key_without_create_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="no such key file"):
+        keys.hub_key(tmp_path, create=False)
+
+
+def test_s16_private_key_open_to_others_refused(tmp_path):
+    keys.hub_key(tmp_path)
+    path = names.hub_key_path(tmp_path)
+    os.chmod(path, 0o644)
+    with pytest.raises(ConfigError, match="chmod 600") as info:
+        keys.hub_key(tmp_path)
+    assert path.read_text().strip() not in str(info.value)
+
+
+@pytest.mark.parametrize("content", ["", "not base64!", "AAAA", "A" * 5000, "\xff"])
+def test_s16_broken_key_file_refused_without_echo(tmp_path, content):
+    path = names.hub_key_path(tmp_path)
+    path.parent.mkdir(parents=True)
+    path.write_text(content, encoding="latin-1")
+    os.chmod(path, 0o600)
+    with pytest.raises(ConfigError) as info:
+        keys.hub_key(tmp_path)
+    message = str(info.value)
+    assert "\n" not in message and (not content.strip() or content[:40] not in message)
+
+
+def test_s16_staged_rotation_keeps_previous(tmp_path):
+    old = keys.public_text(keys.hub_key(tmp_path))
+    staged = keys.stage_hub_key(tmp_path)
+    assert keys.stage_hub_key(tmp_path) == staged == keys.staged_hub_public(tmp_path)
+    assert keys.public_text(keys.hub_key(tmp_path)) == old  # staging does not switch
+    new, previous = keys.rotate_hub_key(tmp_path)
+    assert keys.public_text(new) == staged and previous == old
+    assert keys.hub_previous_public(tmp_path) == old and keys.staged_hub_public(tmp_path) is None
+    assert keys.public_text(keys.hub_key(tmp_path)) == staged
+    fresh, previous = keys.rotate_hub_key(tmp_path)  # unstaged: a fresh key
+    assert previous == staged and keys.public_text(fresh) not in (old, staged)
+
+
+def test_s16_rotate_without_hub_key_refused(tmp_path):
+    with pytest.raises(ConfigError, match="no such key file"):
+        keys.rotate_hub_key(tmp_path)
+
+
+def test_s16_runner_keys_made_once_and_hidden(tmp_path):
+    assert keys.load_runner_keys(tmp_path) is None
+    made = keys.create_runner_keys(tmp_path)
+    for kind in ("ed25519", "x25519"):
+        assert mode(names.runner_key_path(tmp_path, kind)) == 0o600
+    loaded = keys.load_runner_keys(tmp_path)
+    assert loaded is not None and repr(loaded) == repr(made)
+    private = names.runner_key_path(tmp_path, "ed25519").read_text().strip()
+    assert private not in repr(made) and made.ed25519_public in repr(made)
+    with pytest.raises(ConfigError, match="already exists; use --force"):
+        keys.create_runner_keys(tmp_path)
+    assert keys.create_runner_keys(tmp_path, force=True).ed25519_public != made.ed25519_public
+
+
+def test_s16_one_runner_key_missing_refused(tmp_path):
+    keys.create_runner_keys(tmp_path)
+    names.runner_key_path(tmp_path, "x25519").unlink()
+    with pytest.raises(ConfigError, match="no such key file"):
+        keys.load_runner_keys(tmp_path)
+
+
+def test_s16_trusted_hub_keys(tmp_path):
+    assert keys.trusted_hub_keys(tmp_path) == ()
+    one, two = (keys.public_text(Ed25519PrivateKey.generate()) for _ in range(2))
+    assert keys.write_trusted_hub_keys(tmp_path, [one, two, one]) == [one, two]
+    assert keys.texts(keys.trusted_hub_keys(tmp_path)) == [one, two]
+    for bad in ([], [one, two, keys.public_text(Ed25519PrivateKey.generate())], ["nope"], [one[:-4]]):
+        with pytest.raises(UsageError):
+            keys.write_trusted_hub_keys(tmp_path, bad)
+    assert keys.texts(keys.trusted_hub_keys(tmp_path)) == [one, two]  # unchanged by the refusals
+
+
+# ------------------------------------------------------------ enrol request
+
+def test_s16_enrol_request_round_trip_one_line():
+    made = request(labels="linux,gpu,gpu")
+    line = made.line()
+    assert "\n" not in line and EnrolRequest.parse(line) == made and made.labels == ("gpu", "linux")
+
+
+@pytest.mark.parametrize("text", [
+    "", "not json", "[]", json.dumps({"kind": "enrol_request"}),
+    json.dumps({**request().to_dict(), "extra": 1}),
+    json.dumps({**request().to_dict(), "kind": "other"}),
+    json.dumps({**request().to_dict(), "session": "gpu.box"}),
+    json.dumps({**request().to_dict(), "labels": ["GPU"]}),
+    json.dumps({**request().to_dict(), "labels": "gpu"}),
+    json.dumps({**request().to_dict(), "ed25519_public": "AAAA"}),
+    json.dumps({**request().to_dict(), "x25519_public": None}),
+    "x" * 5000,
+])
+def test_s16_bad_enrol_request_refused_with_one_line(text):
+    with pytest.raises(UsageError) as info:
+        EnrolRequest.parse(text)
+    assert "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------------- roster
+
+def test_s16_roster_add_get_list_revoke(tmp_path):
+    made = request()
+    entry, what = roster.add(tmp_path, made)
+    assert what == "enrolled" and entry.active and entry.labels == ("gpu",)
+    path = names.roster_path(tmp_path, "gpu-box")
+    assert mode(path) == 0o600
+    assert set(json.loads(path.read_text())) == {"session", "labels", "ed25519_public", "x25519_public",
+                                                 "enrolled_at", "revoked_at"}
+    assert roster.add(tmp_path, made) == (entry, "unchanged")
+    relabelled = EnrolRequest.build("gpu-box", "gpu,big", made.ed25519_public, made.x25519_public)
+    assert roster.add(tmp_path, relabelled)[1] == "updated"
+    assert roster.get(tmp_path, "gpu-box").labels == ("big", "gpu")
+    assert [e.session for e in roster.entries(tmp_path)] == ["gpu-box"]
+    revoked = roster.revoke(tmp_path, "gpu-box")
+    assert not revoked.active and roster.revoke(tmp_path, "gpu-box") == revoked
+    assert not roster.get(tmp_path, "gpu-box").active
+    with pytest.raises(UsageError, match="was revoked with these keys"):
+        roster.add(tmp_path, relabelled)
+    assert roster.add(tmp_path, request())[1] == "re-enrolled"
+
+
+def test_s16_roster_other_keys_need_replace(tmp_path):
+    roster.add(tmp_path, request())
+    other = request()
+    with pytest.raises(UsageError, match="--replace"):
+        roster.add(tmp_path, other)
+    entry, what = roster.add(tmp_path, other, replace_keys=True)
+    assert what == "replaced" and entry.ed25519_public == other.ed25519_public
+
+
+def test_s16_roster_unknown_and_corrupt(tmp_path):
+    assert roster.get(tmp_path, "nobody") is None and roster.entries(tmp_path) == []
+    with pytest.raises(RegistryError, match="not enrolled"):
+        roster.revoke(tmp_path, "nobody")
+    roster.add(tmp_path, request())
+    names.roster_path(tmp_path, "gpu-box").write_text('{"session": "gpu-box"}')
+    with pytest.raises(RegistryError, match="not a roster entry"):
+        roster.get(tmp_path, "gpu-box")
+    names.roster_path(tmp_path, "gpu-box").write_text("{")
+    with pytest.raises(RegistryError, match="cannot read"):
+        roster.entries(tmp_path)
+
+
+# ------------------------------------------------------------------ commands
+
+def cli(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MQTT_", "MAM_"))}
+    return subprocess.run([sys.executable, "-m", module, *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_s16_enrol_add_trust_commands_end_to_end(tmp_path):
+    hub, runner = tmp_path / "hub", tmp_path / "runner"
+    hub.mkdir()
+    runner.mkdir()
+    made = cli("mam.runner.cli", "enroll", "--session", "gpu-box", "--labels", "gpu", "--workspace", str(runner),
+               cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    line = made.stdout.strip()
+    assert "\n" not in line and EnrolRequest.parse(line).session == "gpu-box"
+    for kind in ("ed25519", "x25519"):  # no private key in any output
+        private = names.runner_key_path(runner, kind).read_text().strip()
+        assert private not in made.stdout + made.stderr
+    again = cli("mam.runner.cli", "enroll", "--session", "gpu-box", "--workspace", str(runner), cwd=tmp_path)
+    assert again.returncode == 64 and "--force" in again.stderr and again.stdout == ""
+
+    added = cli("mam.orchestrator.cli", "runner", "add", line, "--json", "--workspace", str(hub), cwd=tmp_path)
+    assert added.returncode == 0, added.stderr
+    shown = json.loads(added.stdout)
+    hub_public = keys.public_text(keys.hub_key(hub, create=False))
+    assert shown["hub_ed25519_public"] == [hub_public] and shown["result"] == "enrolled"
+    assert names.hub_key_path(hub).read_text().strip() not in added.stdout + added.stderr
+
+    trusted = cli("mam.runner.cli", "trust-hub", hub_public, "--workspace", str(runner), cwd=tmp_path)
+    assert trusted.returncode == 0, trusted.stderr
+    assert keys.texts(keys.trusted_hub_keys(runner)) == [hub_public]
+
+    listed = cli("mam.orchestrator.cli", "runner", "list", "--json", "--workspace", str(hub), cwd=tmp_path)
+    assert json.loads(listed.stdout)["status"] == "enrolled"
+    revoked = cli("mam.orchestrator.cli", "runner", "revoke", "gpu-box", "--workspace", str(hub), cwd=tmp_path)
+    assert revoked.returncode == 0 and "revoked runner gpu-box" in revoked.stdout
+    unknown = cli("mam.orchestrator.cli", "runner", "revoke", "nobody", "--workspace", str(hub), cwd=tmp_path)
+    assert unknown.returncode == 1 and len(unknown.stderr.strip().splitlines()) == 1
+
+
+def test_s16_runner_add_bad_request_exit_64(tmp_path):
+    result = cli("mam.orchestrator.cli", "runner", "add", "{not json", "--workspace", str(tmp_path), cwd=tmp_path)
+    assert result.returncode == 64 and "enrolment request is invalid" in result.stderr
+    assert not names.roster_dir(tmp_path).exists()
+
+
+def test_s16_rotate_hub_key_command_stage_then_switch(tmp_path):
+    old = keys.public_text(keys.hub_key(tmp_path))
+    staged = cli("mam.orchestrator.cli", "runner", "rotate-hub-key", "--stage", "--workspace", str(tmp_path),
+                 cwd=tmp_path)
+    assert staged.returncode == 0, staged.stderr
+    new = keys.staged_hub_public(tmp_path)
+    assert f"mam-runner trust-hub {old} {new}" in staged.stdout
+    switched = cli("mam.orchestrator.cli", "runner", "rotate-hub-key", "--workspace", str(tmp_path), cwd=tmp_path)
+    assert switched.returncode == 0 and keys.public_text(keys.hub_key(tmp_path)) == new
+    assert keys.hub_previous_public(tmp_path) == old
+
+
+def test_s16_enrol_identity_recorded(tmp_path):
+    made = enrol.enroll(session="gpu-box", labels="gpu", workspace=tmp_path)
+    assert enrol.identity(tmp_path) == made
+    with pytest.raises(UsageError):
+        enrol.enroll(session="bad.name", labels=None, workspace=tmp_path / "other")
