@@ -19,6 +19,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from mam.runner import trust
+from mam.runner.trust import V2Trust
 from mam.shared import crypto, wire
 from mam.shared.crypto import DispatchKeys
 from mam.shared.errors import DecodeError, SignatureError
@@ -105,17 +107,18 @@ class RunnerState:
 
     Attributes:
         session: this runner's session (§1).
-        keys: the `DispatchKeys` of MAM_DISPATCH_SECRET (§5).
+        keys: the `DispatchKeys` of MAM_DISPATCH_SECRET (§5), or None (a v2-only runner, §16).
         clock_skew_s: tolerance on `expires_at`, seconds.
         record_of: this host's record of a job id (a registry dict), or None; read-only.
         root: the registry root (named in the hub-record refusal, §8).
         busy: job ids holding a slot; max_jobs: the slot count (§11).
         accepting: False while draining, stopping, or after the one job of `--once`.
         tombstones: the verified cancels (§6).
+        v2: this runner's v2 keys and trusted hub keys (§16), or None (a v1 runner).
     """
 
     session: str
-    keys: DispatchKeys
+    keys: DispatchKeys | None
     clock_skew_s: float
     record_of: Callable[[str], Mapping[str, Any] | None]
     root: Path
@@ -123,6 +126,7 @@ class RunnerState:
     max_jobs: int
     accepting: bool
     tombstones: Tombstones
+    v2: V2Trust | None = None
 
 
 def hub_registry_message(root: Path, job_id: str) -> str:
@@ -151,7 +155,7 @@ def admit_dispatch(topic_job_id: str, payload: bytes, state: RunnerState) -> Ver
     if job_id != topic_job_id:
         return Refuse(topic_job_id, RefuseReason.MALFORMED, f"malformed: job_id {job_id} does not match the topic")
     try:
-        crypto.verify(dispatch, state.keys.sign_key)
+        trust.verify_from_hub(dispatch, state.keys, state.v2)  # §16: v2 with the hub's keys only
     except SignatureError as exc:
         return Refuse(job_id, RefuseReason.SIGNATURE, str(exc))
     if dispatch.session != state.session:
@@ -170,9 +174,7 @@ def admit_dispatch(topic_job_id: str, payload: bytes, state: RunnerState) -> Ver
     if cancelled is not None and dispatch.attempt_id <= cancelled:
         return Refuse(job_id, RefuseReason.CANCELLED, f"cancelled: attempt {cancelled} was cancelled by the hub")
     try:
-        auth_token, brief = crypto.open_sealed(state.keys.seal_key, dispatch.sealed, job_id=job_id,
-                                               attempt_id=dispatch.attempt_id,
-                                               dispatch_token=dispatch.dispatch_token)
+        auth_token, brief = trust.open_dispatch(dispatch, state.keys, state.v2)
     except SignatureError as exc:
         return Refuse(job_id, RefuseReason.SEAL, str(exc))
     if not state.accepting:
@@ -211,8 +213,9 @@ def check_taken(take: Take, state_payload: bytes | None) -> Refuse | None:
                   f"(retained state {state.status}, seq {state.seq}); not run again (§17)")
 
 
-def check_control(topic_job_id: str, payload: bytes, keys: DispatchKeys) -> wire.Control | Refuse | Ignore:
-    """Decode and verify a control message (§6).
+def check_control(topic_job_id: str, payload: bytes, keys: DispatchKeys | None,
+                  v2: V2Trust | None = None) -> wire.Control | Refuse | Ignore:
+    """Decode and verify a control message (§6; v2 with the hub's keys, §16).
 
     Returns:
         the verified `Control`; `Ignore` for a cleared topic; `Refuse` (reason
@@ -224,7 +227,7 @@ def check_control(topic_job_id: str, payload: bytes, keys: DispatchKeys) -> wire
         control = wire.decode(payload, "control")
         if control.job_id != topic_job_id:
             raise DecodeError(f"malformed: job_id {control.job_id} does not match the topic")
-        crypto.verify(control, keys.sign_key)
+        trust.verify_from_hub(control, keys, v2)
     except DecodeError as exc:
         return Refuse(topic_job_id, RefuseReason.MALFORMED, exc.reason or str(exc))
     except SignatureError as exc:

@@ -16,7 +16,9 @@ import socket
 import time
 from collections.abc import Sequence
 
-from mam.shared import __version__, crypto, names, wire
+from mam.runner import trust
+from mam.runner.trust import V2Trust
+from mam.shared import __version__, names, wire
 from mam.shared.codes import PresenceStatus
 from mam.shared.crypto import DispatchKeys
 from mam.shared.errors import BrokerError, DecodeError, SignatureError, UsageError
@@ -38,7 +40,8 @@ class Presence:
 
     Args:
         session: the session (§1); runner_id: this runner's id.
-        keys: the `DispatchKeys` whose sign key signs every presence (§5).
+        keys: the `DispatchKeys` whose sign key signs every presence (§5), or None (v2 only).
+        v2: this runner's v2 keys: presence is then signed with its own Ed25519 key (§16).
         max_jobs: the slot count announced; topic_root: MAM_TOPIC_ROOT.
 
     Attributes:
@@ -47,11 +50,12 @@ class Presence:
         replaced: another runner took the session over (`--replace`): publish nothing any more.
     """
 
-    def __init__(self, *, session: str, runner_id: str, keys: DispatchKeys, max_jobs: int,
-                 topic_root: str) -> None:
+    def __init__(self, *, session: str, runner_id: str, keys: DispatchKeys | None, max_jobs: int,
+                 topic_root: str, v2: V2Trust | None = None) -> None:
         self.session = session
         self.runner_id = runner_id
         self.keys = keys
+        self.v2 = v2
         self.max_jobs = max_jobs
         self.topic = names.presence_topic(session, topic_root)
         self.announced = False
@@ -64,7 +68,7 @@ class Presence:
         presence = wire.Presence.build(self.session, self.runner_id, status,
                                        host=(socket.gethostname() or "unknown")[:HOST_MAX_CHARS],
                                        version=__version__, max_jobs=self.max_jobs, running=list(running))
-        return wire.encode(crypto.sign(presence.to_dict(), self.keys.sign_key))
+        return wire.encode(trust.sign_presence(presence.to_dict(), self.keys, self.v2))
 
     def will(self) -> Will:
         """The Last Will: a signed, retained `offline`, pre-signed at connect (§7)."""
@@ -117,7 +121,7 @@ class Presence:
                 return
             try:
                 presence = wire.decode(message.payload, "presence")
-                crypto.verify(presence, self.keys.sign_key)
+                trust.verify_own_presence(presence, self.keys, self.v2)
             except (DecodeError, SignatureError) as exc:
                 log.warning("ignoring the retained presence of session %s: %s", self.session, exc)
                 return
@@ -145,7 +149,7 @@ class Presence:
             return False
         try:
             presence = wire.decode(payload, "presence")
-            crypto.verify(presence, self.keys.sign_key)
+            trust.verify_own_presence(presence, self.keys, self.v2)
         except (DecodeError, SignatureError) as exc:
             log.warning("refused presence on session %s: %s", self.session, exc)
             return False

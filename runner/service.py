@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from types import FrameType, TracebackType
 from typing import Any
 
-from mam.runner import orphans, publish
+from mam.runner import orphans, publish, trust
 from mam.runner.admission import (
     Ignore,
     Refuse,
@@ -42,8 +42,9 @@ from mam.runner.localsock import PublishServer
 from mam.runner.outbox import Outbox, Resender
 from mam.runner.presence import Presence
 from mam.runner.settings import RunnerOptions, options_from_cli
+from mam.runner.trust import V2Trust
 from mam.shared import config as shared_config
-from mam.shared import crypto, mqtt, names
+from mam.shared import mqtt, names
 from mam.shared.codes import TERMINAL_STATUSES, PresenceStatus
 from mam.shared.config import BrokerConfig
 from mam.shared.crypto import DispatchKeys
@@ -86,22 +87,25 @@ class Runner:
     Args:
         options: validated `RunnerOptions`.
         config: the BrokerConfig of this host (§13).
-        keys: `DispatchKeys` from MAM_DISPATCH_SECRET (§5).
+        keys: `DispatchKeys` from MAM_DISPATCH_SECRET (§5); None on a v2-only runner.
+        v2: this runner's v2 keys and trusted hub keys (§16), or None.
         environ: the environment agents inherit (default os.environ).
         transport: makes the connection (default `mqtt_transport`; tests pass a fake).
     """
 
-    def __init__(self, options: RunnerOptions, *, config: BrokerConfig, keys: DispatchKeys,
-                 environ: Mapping[str, str] | None = None, transport: TransportFactory = mqtt_transport) -> None:
+    def __init__(self, options: RunnerOptions, *, config: BrokerConfig, keys: DispatchKeys | None,
+                 environ: Mapping[str, str] | None = None, transport: TransportFactory = mqtt_transport,
+                 v2: V2Trust | None = None) -> None:
         self.options = options
         self.config = config
         self.keys = keys
+        self.v2 = v2
         self.environ = environ
         self.transport = transport
         self.runner_id = names.new_runner_id()
         self.client: Transport | None = None
         self.presence = Presence(session=options.session, runner_id=self.runner_id, keys=keys,
-                                 max_jobs=options.max_jobs, topic_root=config.topic_root)
+                                 max_jobs=options.max_jobs, topic_root=config.topic_root, v2=v2)
         self.tombstones = Tombstones()
         self._registry: Registry | None = None
         self._supervisor: Supervisor | None = None
@@ -435,7 +439,8 @@ class Runner:
         accepting = not (self._draining.is_set() or self._stop.is_set() or self._closing_once())
         return RunnerState(session=self.options.session, keys=self.keys, clock_skew_s=self.options.clock_skew_s,
                            record_of=self._record, root=self.options.root, busy=busy,
-                           max_jobs=self.options.max_jobs, accepting=accepting, tombstones=self.tombstones)
+                           max_jobs=self.options.max_jobs, accepting=accepting, tombstones=self.tombstones,
+                           v2=self.v2)
 
     def _on_dispatch(self, topic_job_id: str, topic: str, payload: bytes) -> None:
         """§5 checks, then take the job or remember it for a free slot (§11)."""
@@ -513,7 +518,7 @@ class Runner:
 
     def _on_control(self, job_id: str, payload: bytes) -> None:
         """§6: a signed cancel for the attempt held here stops its agent."""
-        control = check_control(job_id, payload, self.keys)
+        control = check_control(job_id, payload, self.keys, self.v2)
         if isinstance(control, Ignore):
             return
         if isinstance(control, Refuse):
@@ -579,9 +584,9 @@ def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str 
     """
     options = options_from_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
                                max_jobs=max_jobs, once=once, replace=replace)
-    secret = shared_config.dispatch_secret(workspace=options.root)  # before anything talks to the network
+    v1, v2 = trust.load(options.root)  # before anything talks to the network (§5, §16)
     cfg = shared_config.broker_config(workspace=options.root)
-    return Runner(options, config=cfg, keys=crypto.derive_keys(secret)).serve()
+    return Runner(options, config=cfg, keys=v1, v2=v2).serve()
 
 
 __all__ = ["Runner", "mqtt_transport", "run_cli"]
