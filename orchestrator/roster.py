@@ -7,20 +7,26 @@ enrolled). Public keys only: no private key ever leaves its host.
 stamps `revoked_at` (the hub refuses the session from its next message on),
 `get`/`entries` read. A file that cannot be read is a `RegistryError` naming it,
 never a crash, and never taken for an enrolment.
+
+The hub's v2 hooks: `check_presence` (presence against the roster),
+`build_dispatch_v2` and `sign_control_v2` (v2 for enrolled sessions, None: v1).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
-from mam.shared import keys, names
-from mam.shared.errors import RegistryError, UsageError
+from mam.shared import crypto, keys, names, wire, wirev2
+from mam.shared.crypto import DispatchKeys
+from mam.shared.errors import RegistryError, SignatureError, UsageError
 from mam.shared.fsio import atomic_write, json_line, read_json_object
 from mam.shared.keys import EnrolRequest
 from mam.shared.wire import format_ts, parse_ts
@@ -30,7 +36,11 @@ MAX_ROSTER_FILE_BYTES = 16 * 1024
 ROSTER_DIR_MODE = 0o700
 ENTRY_FIELDS = frozenset({"session", "labels", "ed25519_public", "x25519_public", "enrolled_at", "revoked_at"})
 
-__all__ = ["RosterEntry", "add", "entries", "get", "revoke"]
+__all__ = ["RosterEntry", "add", "build_dispatch_v2", "check_presence", "entries", "get", "revoke",
+           "sign_control_v2"]
+
+log = logging.getLogger("mam.roster")
+_WARNED_V1: set[str] = set()  # sessions already warned about (once per session and process, §16)
 
 
 @dataclass(frozen=True)
@@ -186,3 +196,81 @@ def revoke(root: Path, session: str) -> RosterEntry:
     entry = replace(current, revoked_at=_now())
     _write(root, entry)
     return entry
+
+
+# ------------------------------------------------------------ hub hooks (§16)
+
+def _active_or_refuse(root: Path, session: str) -> RosterEntry | None:
+    entry = get(root, session)
+    if entry is not None and not entry.active:
+        raise UsageError(f"runner {session!r} was revoked at {entry.revoked_at}; nothing is dispatched to it "
+                         "(mam-orch runner add to enrol it again)")
+    return entry
+
+
+def check_presence(root: Path, presence: wire.Presence, v1: DispatchKeys | None) -> None:
+    """Verify a presence against the roster (§16): an enrolled session's presence must be v2 and
+    signed with its enrolled key, a revoked one is refused, and an unenrolled session is v1 (§7).
+
+    Raises:
+        SignatureError: one line naming why (logged by the caller and shown by `runners`).
+    """
+    session = presence.session
+    try:
+        entry = get(root, session)
+    except RegistryError as exc:
+        raise SignatureError(f"presence of {session} refused: {exc}") from None
+    if entry is None:
+        if presence.sig_alg is not None:
+            raise SignatureError(f"presence of {session} is v2 but the session is not enrolled (mam-orch runner add)")
+        if v1 is None:
+            raise SignatureError(f"presence of {session} is v1 and this hub has no MAM_DISPATCH_SECRET")
+        crypto.verify(presence, v1.sign_key)
+        return
+    if not entry.active:
+        raise SignatureError(f"presence of {session} refused: runner revoked at {entry.revoked_at}")
+    if presence.sig_alg is None:
+        raise SignatureError(f"presence of {session} is v1 but the session is enrolled: v2 only (§16)")
+    try:
+        wirev2.verify(presence, [entry.ed25519_key()])
+    except SignatureError:
+        raise SignatureError(f"presence of {session}: sig does not verify with its enrolled key") from None
+
+
+def build_dispatch_v2(root: Path, record: Mapping[str, Any], brief: str, hub_key: Ed25519PrivateKey, *,
+                      origin: str, issued_at: datetime | None = None) -> dict[str, Any] | None:
+    """The signed v2 dispatch of the record's attempt when its session is enrolled (§16), else None
+    (the caller builds v1 and this logs a warning once per session).
+
+    Hook: `orchestrator/dispatch.py` `build_dispatch` calls this first (after `check_brief`).
+
+    Args:
+        record: the hub record (job_id, session, attempt_id, dispatch_token, auth_token, contract fields).
+        hub_key: `keys.hub_key(root)`.
+    Raises:
+        UsageError: the session is revoked (nothing is dispatched to it), or a bad record field.
+    """
+    session = record["session"]
+    entry = _active_or_refuse(root, session)
+    if entry is None:
+        if session not in _WARNED_V1:
+            _WARNED_V1.add(session)
+            log.warning("session %s is not enrolled: dispatching with v1 (shared secret); enrol it with "
+                        "mam-orch runner add (docs/security.md)", session)
+        return None
+    return wirev2.build_dispatch(hub_key, entry.x25519_key(), job_id=record["job_id"], session=session,
+                                 attempt_id=record["attempt_id"], dispatch_token=record["dispatch_token"],
+                                 auth_token=record["auth_token"], brief=brief, origin=origin,
+                                 contract=wire.Contract.of_record(record), issued_at=issued_at)
+
+
+def sign_control_v2(root: Path, session: str, control: wire.Control, hub_key: Ed25519PrivateKey
+                    ) -> dict[str, Any] | None:
+    """A cancel signed v2 when the job's session is enrolled, revoked ones included (a revoked
+    runner's jobs are still cancelled, §16); None: sign it v1.
+
+    Hook: `orchestrator/control.py` `publish_cancel`, before `crypto.sign`.
+    """
+    if get(root, session) is None:
+        return None
+    return wirev2.sign(control, hub_key)

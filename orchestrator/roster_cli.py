@@ -90,7 +90,7 @@ def add_cmd(
     shown = ",".join(entry.labels) or "none"
     typer.echo(f"{what} runner {entry.session} (labels: {shown}) in .mam/runners/{entry.session}.json")
     typer.echo("on the runner host, run:")
-    typer.echo(f"  mam-runner trust-hub {' '.join(hub)}")
+    typer.echo(f"  mam-runner trust-hub -- {' '.join(hub)}")
     typer.echo("and give its .mam.env these settings (the broker password is not shown; hand it over "
                "separately):")
     for line in broker:
@@ -150,13 +150,13 @@ def rotate_cmd(
         current = keys.public_text(keys.hub_key(root, create=False))
         staged = keys.stage_hub_key(root)
         typer.echo(f"staged next hub public key: {staged}")
-        typer.echo(f"on every runner host: mam-runner trust-hub {current} {staged}")
+        typer.echo(f"on every runner host: mam-runner trust-hub -- {current} {staged}")
         typer.echo("then: mam-orch runner rotate-hub-key")
         return 0
     new, previous = keys.rotate_hub_key(root)
     current = keys.public_text(new)
     typer.echo(f"hub now signs with: {current} (previous: {previous})")
     typer.echo(f"runners that trust both keep working; on runners not yet told: "
-               f"mam-runner trust-hub {current} {previous}")
-    typer.echo(f"once every runner trusts the new key: mam-runner trust-hub {current}")
+               f"mam-runner trust-hub -- {current} {previous}")
+    typer.echo(f"once every runner trusts the new key: mam-runner trust-hub -- {current}")
     return 0

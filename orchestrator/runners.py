@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mam.orchestrator import roster
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.shared import crypto, names, render, wire
 from mam.shared.codes import PresenceStatus
@@ -49,8 +50,9 @@ STALE = "stale"
 Row = dict[str, Any]
 
 
-def verify_presence(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str) -> Row:
-    """Decode and verify one retained presence (§7) into a row.
+def verify_presence(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str,
+                    roster_root: Path | None = None) -> Row:
+    """Decode and verify one retained presence (§7; against the roster of `roster_root`, §16) into a row.
 
     Returns:
         {"session", "status", "host", "running", "max_jobs", "last_seen", "runner_id", "version"};
@@ -60,7 +62,10 @@ def verify_presence(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str)
         ProtocolError: the presence names another session than its topic.
     """
     presence = wire.decode(raw, "presence")
-    crypto.verify(presence.to_dict(), keys.sign_key)
+    if roster_root is None:
+        crypto.verify(presence.to_dict(), keys.sign_key)
+    else:
+        roster.check_presence(roster_root, presence, keys)
     session = names.parse_presence_topic(topic, topic_root)
     if session != presence.session:
         raise ProtocolError(f"presence for session {presence.session!r} published on {topic}")
@@ -96,7 +101,8 @@ class PresenceBurst:
 
 
 def receive_presence(client: MqttClient, keys: DispatchKeys, session: str | None = None, *,
-                     quiet_s: float = PRESENCE_QUIET_S, max_s: float = PRESENCE_MAX_S) -> PresenceBurst:
+                     quiet_s: float = PRESENCE_QUIET_S, max_s: float = PRESENCE_MAX_S,
+                     roster_root: Path | None = None) -> PresenceBurst:
     """Subscribe to the retained presence of one session (or all, `ROOT/runners/+`)
     and collect it until no retained message came for `quiet_s` seconds, at most `max_s` (§7).
 
@@ -106,6 +112,7 @@ def receive_presence(client: MqttClient, keys: DispatchKeys, session: str | None
     Args:
         client: a connected `MqttClient` (its queue must hold nothing else).
         session: one session, or None for every runner.
+        roster_root: the hub's root: verify against its roster (§16); None: v1 only.
     Raises:
         BrokerError: the subscription failed.
     """
@@ -132,7 +139,7 @@ def receive_presence(client: MqttClient, keys: DispatchKeys, session: str | None
             continue
         burst.received += message.retain
         try:
-            row = verify_presence(message.topic, message.payload, keys, root)
+            row = verify_presence(message.topic, message.payload, keys, root, roster_root)
         except ProtocolError as exc:
             burst.refused.append(f"refused presence on {message.topic}: {exc}")
             continue
@@ -143,13 +150,14 @@ def receive_presence(client: MqttClient, keys: DispatchKeys, session: str | None
 
 
 def collect_presence(client: MqttClient, keys: DispatchKeys, session: str | None = None, *,
-                     quiet_s: float = PRESENCE_QUIET_S, max_s: float = PRESENCE_MAX_S) -> tuple[list[Row], list[str]]:
+                     quiet_s: float = PRESENCE_QUIET_S, max_s: float = PRESENCE_MAX_S,
+                     roster_root: Path | None = None) -> tuple[list[Row], list[str]]:
     """`receive_presence` as (rows sorted by session, refusal lines).
 
     Raises:
         BrokerError: the subscription failed.
     """
-    burst = receive_presence(client, keys, session, quiet_s=quiet_s, max_s=max_s)
+    burst = receive_presence(client, keys, session, quiet_s=quiet_s, max_s=max_s, roster_root=roster_root)
     return burst.sorted_rows(), burst.refused
 
 
@@ -193,14 +201,14 @@ def _keep_count(root: Path, received: int) -> None:
 
 
 def read_presence(client: MqttClient, keys: DispatchKeys, session: str, *,
-                  quiet_s: float = READ_PRESENCE_QUIET_S) -> Row | None:
+                  quiet_s: float = READ_PRESENCE_QUIET_S, roster_root: Path | None = None) -> Row | None:
     """The verified retained presence of `session`, or None when it has none (§7);
     refusals are printed on stderr.
 
     Raises:
         BrokerError: the subscription failed.
     """
-    rows, refused = collect_presence(client, keys, session, quiet_s=quiet_s)
+    rows, refused = collect_presence(client, keys, session, quiet_s=quiet_s, roster_root=roster_root)
     for line in refused:
         print(line, file=sys.stderr)
     return rows[0] if rows else None
@@ -221,7 +229,7 @@ def runners_cli(*, workspace: Workspace = None, as_json: bool = False) -> int:
     keys = hub.keys()
     client = hub.connect("runners")
     try:
-        burst = receive_presence(client, keys)
+        burst = receive_presence(client, keys, roster_root=hub.root)  # §16: enrolled sessions are v2
     finally:
         client.close()
     rows = burst.sorted_rows()

@@ -132,7 +132,8 @@ def trust_hub_cmd(
     workspace: str = clikit.workspace_option(),
 ) -> int:
     """Store the hub public keys this runner accepts dispatches and cancels from (PROTOCOL §16),
-    replacing the ones stored before. Exit 64: not a key, or more than two."""
+    replacing the ones stored before. Put `--` before the keys: base64url may start with '-'.
+    Exit 64: not a key, or more than two."""
     from mam.runner.enrol import trust_hub  # lazy: keeps cryptography out of `mam-runner publish`
 
     stored = trust_hub(public_keys, workspace=workspace)

@@ -13,10 +13,10 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from mam.orchestrator import roster
+from mam.orchestrator import roster, runners
 from mam.runner import enrol
-from mam.shared import keys, names
-from mam.shared.errors import ConfigError, RegistryError, UsageError
+from mam.shared import crypto, keys, names, wire, wirev2
+from mam.shared.errors import ConfigError, RegistryError, SignatureError, UsageError
 from mam.shared.keys import EnrolRequest
 
 pytestmark = pytest.mark.timeout(120)
@@ -217,7 +217,10 @@ def test_s16_enrol_add_trust_commands_end_to_end(tmp_path):
     assert shown["hub_ed25519_public"] == [hub_public] and shown["result"] == "enrolled"
     assert names.hub_key_path(hub).read_text().strip() not in added.stdout + added.stderr
 
-    trusted = cli("mam.runner.cli", "trust-hub", hub_public, "--workspace", str(runner), cwd=tmp_path)
+    # `--`: a base64url key may start with '-' (1 in 64), as the printed command says
+    assert f"mam-runner trust-hub -- {hub_public}" in cli("mam.orchestrator.cli", "runner", "add", line,
+                                                          "--workspace", str(hub), cwd=tmp_path).stdout
+    trusted = cli("mam.runner.cli", "trust-hub", "--workspace", str(runner), "--", hub_public, cwd=tmp_path)
     assert trusted.returncode == 0, trusted.stderr
     assert keys.texts(keys.trusted_hub_keys(runner)) == [hub_public]
 
@@ -241,7 +244,7 @@ def test_s16_rotate_hub_key_command_stage_then_switch(tmp_path):
                  cwd=tmp_path)
     assert staged.returncode == 0, staged.stderr
     new = keys.staged_hub_public(tmp_path)
-    assert f"mam-runner trust-hub {old} {new}" in staged.stdout
+    assert f"mam-runner trust-hub -- {old} {new}" in staged.stdout
     switched = cli("mam.orchestrator.cli", "runner", "rotate-hub-key", "--workspace", str(tmp_path), cwd=tmp_path)
     assert switched.returncode == 0 and keys.public_text(keys.hub_key(tmp_path)) == new
     assert keys.hub_previous_public(tmp_path) == old
@@ -252,3 +255,60 @@ def test_s16_enrol_identity_recorded(tmp_path):
     assert enrol.identity(tmp_path) == made
     with pytest.raises(UsageError):
         enrol.enroll(session="bad.name", labels=None, workspace=tmp_path / "other")
+
+
+# ------------------------------------------------------------- hub hooks
+
+def _presence(session: str = "gpu-box") -> dict:
+    return wire.Presence.build(session, "f" * 32, "online", host="h", version="0.1.0", max_jobs=1).to_dict()
+
+
+def test_s16_hub_checks_presence_against_the_roster(tmp_path):
+    v1 = crypto.derive_keys("x" * 40)
+    runner_key = Ed25519PrivateKey.generate()
+    made = EnrolRequest.build("gpu-box", "", keys.public_text(runner_key),
+                              keys.public_text(X25519PrivateKey.generate()))
+    topic_root = "python/mqtt"
+    topic = names.presence_topic("gpu-box", topic_root)
+
+    def check(signed: dict) -> dict:
+        return runners.verify_presence(topic, wire.encode(signed), v1, topic_root, roster_root=tmp_path)
+
+    assert check(crypto.sign(_presence(), v1.sign_key))["status"] == "online"  # not enrolled: v1 as before
+    with pytest.raises(SignatureError, match="not enrolled"):
+        check(wirev2.sign_presence(_presence(), runner_key))
+    roster.add(tmp_path, made)
+    assert check(wirev2.sign_presence(_presence(), runner_key))["session"] == "gpu-box"
+    with pytest.raises(SignatureError, match="v2 only"):
+        check(crypto.sign(_presence(), v1.sign_key))  # the v1 secret no longer speaks for an enrolled runner
+    with pytest.raises(SignatureError, match="enrolled key"):
+        check(wirev2.sign_presence(_presence(), Ed25519PrivateKey.generate()))  # runner A posing as B
+    roster.revoke(tmp_path, "gpu-box")
+    with pytest.raises(SignatureError, match="revoked"):
+        check(wirev2.sign_presence(_presence(), runner_key))
+
+
+def test_s16_hub_builds_v2_for_enrolled_sessions_only(tmp_path, caplog):
+    hub = keys.hub_key(tmp_path)
+    runner_x = X25519PrivateKey.generate()
+    record = {"job_id": "918b0612", "session": "gpu-box", "attempt_id": 1, "dispatch_token": "a" * 32,
+              "auth_token": "tok", **wire.Contract().to_dict()}
+    with caplog.at_level("WARNING", logger="mam.roster"):
+        assert roster.build_dispatch_v2(tmp_path, {**record, "session": "v1-box"}, "b", hub, origin="h") is None
+        assert roster.build_dispatch_v2(tmp_path, {**record, "session": "v1-box"}, "b", hub, origin="h") is None
+    assert len([r for r in caplog.records if "v1-box" in r.getMessage()]) == 1  # warned once per session
+    roster.add(tmp_path, EnrolRequest.build("gpu-box", "", keys.public_text(Ed25519PrivateKey.generate()),
+                                            keys.public_text(runner_x)))
+    signed = roster.build_dispatch_v2(tmp_path, record, "brief", hub, origin="h")
+    assert signed is not None
+    dispatch = wire.decode(wire.encode(signed), "dispatch")
+    wirev2.verify(dispatch, [hub.public_key()])
+    assert wirev2.open_sealed(runner_x, dispatch.sealed, job_id="918b0612", attempt_id=1,
+                              dispatch_token="a" * 32) == ("tok", "brief")
+    control = wire.Control.cancel("918b0612", 1, "operator")
+    assert roster.sign_control_v2(tmp_path, "v1-box", control, hub) is None
+    wirev2.verify(roster.sign_control_v2(tmp_path, "gpu-box", control, hub), [hub.public_key()])
+    roster.revoke(tmp_path, "gpu-box")
+    with pytest.raises(UsageError, match="revoked"):
+        roster.build_dispatch_v2(tmp_path, record, "brief", hub, origin="h")
+    assert roster.sign_control_v2(tmp_path, "gpu-box", control, hub) is not None  # its jobs are still cancelled
