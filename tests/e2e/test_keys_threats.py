@@ -1,0 +1,103 @@
+"""PROTOCOL §16 threat tests over real brokers: the attacker holds everything runner
+A's host holds (its Ed25519 and X25519 keys, the broker password; no v1 secret on
+v2 runner hosts) and forges a dispatch for runner B. B, a real `mam-runner run`
+with v2 keys, refuses it and runs nothing; a dispatch the hub signs, sealed to B,
+runs (so the refusals are the signature's doing, not a deaf runner)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from harness.runnersim import AGENTS, MAM_RUNNER, retained, runner_log
+from harness.waiting import PATIENCE_S, wait_until
+from harness.workspace import clean_env, write_env_for
+
+from mam.shared import crypto, keys, mqtt, names, wire, wirev2
+
+pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
+
+SESSION_B = "runner-b"
+
+
+def start_v2_runner(broker, workspace: Path, hub_public: str) -> subprocess.Popen[bytes]:
+    """`mam-runner run` for B: v2 keys, the hub's public key, and no MAM_DISPATCH_SECRET."""
+    (workspace / ".git").mkdir(parents=True, exist_ok=True)
+    write_env_for(broker, workspace, MAM_DISPATCH_SECRET="")
+    keys.create_runner_keys(workspace)
+    keys.write_trusted_hub_keys(workspace, [hub_public])
+    with open(workspace.parent / f"{workspace.name}.stderr", "wb") as err:
+        proc = subprocess.Popen([*MAM_RUNNER, "run", "--session", SESSION_B, "--exec", str(AGENTS / "shell-agent"),
+                                 "--workspace", str(workspace)], env=clean_env(MAM_CANCEL_GRACE_S="1"),
+                                stdout=subprocess.DEVNULL, stderr=err)
+    topic = names.presence_topic(SESSION_B, broker.topic_root)
+    wait_until(lambda: proc.poll() is not None or b'"online"' in (retained(broker, topic, 0.3) or b""),
+               what="runner B's online presence")
+    assert proc.poll() is None, runner_log(workspace)
+    return proc
+
+
+def dispatch_for_b(signer: Ed25519PrivateKey, b_x25519: str, job_id: str, brief: str) -> bytes:
+    """A v2 dispatch for B, sealed to B's public X25519 key, signed by `signer`."""
+    signed = wirev2.build_dispatch(signer, keys.x25519_public(b_x25519), job_id=job_id, session=SESSION_B,
+                                   attempt_id=1, dispatch_token=names.new_dispatch_token(),
+                                   auth_token=names.new_auth_token(), brief=brief, origin="attacker",
+                                   contract=wire.Contract())
+    return wire.encode(signed)
+
+
+def v1_dispatch_for_b(secret: str, job_id: str, brief: str) -> bytes:
+    """A v1 dispatch for B, HMAC'd with a key A holds (its broker password as the v1 secret)."""
+    derived = crypto.derive_keys(secret.ljust(crypto.MIN_SECRET_CHARS, "x"))
+    token = names.new_dispatch_token()
+    sealed = crypto.seal(derived.seal_key, job_id=job_id, attempt_id=1, dispatch_token=token,
+                         auth_token=names.new_auth_token(), brief=brief)
+    dispatch = wire.Dispatch.build(job_id, SESSION_B, 1, token, origin="attacker", contract=wire.Contract(),
+                                   sealed=sealed)
+    return wire.encode(crypto.sign(dispatch.to_dict(), derived.sign_key))
+
+
+def test_s16_runner_a_keys_cannot_sign_a_dispatch_b_accepts(broker, tmp_path):
+    hub_root = tmp_path / "hub"
+    hub_key = keys.hub_key(hub_root)
+    runner_b = start_v2_runner(broker, tmp_path / "runner-b", keys.public_text(hub_key))
+    b_identity = keys.load_runner_keys(tmp_path / "runner-b")
+    assert b_identity is not None
+    a_keys = keys.create_runner_keys(tmp_path / "runner-a")  # everything runner A's host holds
+    forged = {"0000f001": tmp_path / "forged-with-a-ed25519", "0000f002": tmp_path / "forged-with-a-as-hmac",
+              "0000f003": tmp_path / "forged-with-b-own-key"}
+    legit_job, legit_marker = "0000600d", tmp_path / "hub-signed"
+    try:
+        with mqtt.MqttClient(broker.config(), "attacker") as attacker:  # A's broker user and password
+            root = broker.topic_root
+            attacker.publish(names.dispatch_topic("0000f001", root),
+                             dispatch_for_b(a_keys.ed25519, b_identity.x25519_public, "0000f001",
+                                            f"touch {forged['0000f001']}"), retain=True)
+            attacker.publish(names.dispatch_topic("0000f002", root),
+                             v1_dispatch_for_b(broker.config().password, "0000f002",
+                                               f"touch {forged['0000f002']}"), retain=True)
+            # even B's own Ed25519 key (stolen) signs nothing B accepts: runners only verify
+            attacker.publish(names.dispatch_topic("0000f003", root),
+                             dispatch_for_b(b_identity.ed25519, b_identity.x25519_public, "0000f003",
+                                            f"touch {forged['0000f003']}"), retain=True)
+            for job_id in forged:
+                wait_until(lambda job_id=job_id: f"refused dispatch {job_id}: " in runner_log(tmp_path / "runner-b"),
+                           what=f"B's refusal of forged dispatch {job_id}")
+            attacker.publish(names.dispatch_topic(legit_job, root),
+                             dispatch_for_b(hub_key, b_identity.x25519_public, legit_job, f"touch {legit_marker}"),
+                             retain=True)
+            wait_until(legit_marker.exists, what="the hub-signed dispatch to run on B")
+    finally:
+        runner_b.send_signal(signal.SIGTERM)
+        code = runner_b.wait(PATIENCE_S)
+    log = runner_log(tmp_path / "runner-b")
+    assert code == 0, log
+    assert not any(marker.exists() for marker in forged.values()), log
+    assert "refused dispatch 0000f001: dispatch sig verify failed" in log
+    assert "refused dispatch 0000f002: dispatch is a v1 message" in log
+    assert "refused dispatch 0000f003: dispatch sig verify failed" in log
+    for kind in ("ed25519", "x25519"):  # B's private keys never reach its log
+        assert names.runner_key_path(tmp_path / "runner-b", kind).read_text().strip() not in log
