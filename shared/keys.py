@@ -50,8 +50,10 @@ def b64(raw: bytes) -> str:
 
 def _raw32(text: object, what: str) -> bytes:
     """The 32 bytes of a base64url key; `UsageError` naming `what` otherwise (never echoing the value)."""
+    if not isinstance(text, str):
+        raise UsageError(f"{what} is invalid: expected {KEY_BYTES} bytes as base64url text")
     try:
-        raw = b64url_decode(text.strip() if isinstance(text, str) else text)  # type: ignore[arg-type]
+        raw = b64url_decode(text.strip())
     except ValueError:
         raise UsageError(f"{what} is invalid: expected {KEY_BYTES} bytes as base64url") from None
     if len(raw) != KEY_BYTES:

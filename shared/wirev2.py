@@ -48,7 +48,8 @@ SEAL_INFO_V2 = b"mam-fleet/v2/seal"
 SEAL_KEY_BYTES = 32
 # Inner JSON overhead around the brief and the auth_token, generously: a seal bigger than this is hostile.
 SEAL_OVERHEAD_BYTES = 64 * 1024
-MAX_SEALED_CIPHERTEXT_BYTES = MAX_BRIEF_BYTES * 6 + SEAL_OVERHEAD_BYTES  # worst-case JSON escaping of a brief
+JSON_ESCAPE_BYTES = 6  # the most one brief byte can become in canonical JSON ("\u001f")
+MAX_SEALED_CIPHERTEXT_BYTES = MAX_BRIEF_BYTES * JSON_ESCAPE_BYTES + SEAL_OVERHEAD_BYTES
 SIGNED_KINDS = ("dispatch", "control", "presence")
 V1_REFUSED = ("is a v1 message (HMAC sig, no sig_alg); this host verifies v2 only (§16; "
               "MAM_ACCEPT_V1=true accepts v1 during a migration)")

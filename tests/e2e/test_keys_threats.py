@@ -1,34 +1,44 @@
 """PROTOCOL §16 threat tests over real brokers: the attacker holds everything runner
 A's host holds (its Ed25519 and X25519 keys, the broker password; no v1 secret on
-v2 runner hosts) and forges a dispatch for runner B. B, a real `mam-runner run`
-with v2 keys, refuses it and runs nothing; a dispatch the hub signs, sealed to B,
-runs (so the refusals are the signature's doing, not a deaf runner)."""
+v2 runner hosts). It forges a dispatch for runner B: B, a real `mam-runner run`
+with v2 keys, refuses it and runs nothing, while a dispatch the hub signs, sealed
+to B, runs (so the refusals are the signature's doing, not a deaf runner). It
+publishes presence as B: the hub's `runners` refuses it (logged), and B neither
+believes it nor drains. A revoked B's own presence is refused by the hub."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from harness.runnersim import AGENTS, MAM_RUNNER, retained, runner_log
+from harness.runnersim import AGENTS, MAM_RUNNER, hub_workspace, orch, retained, runner_log
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env, write_env_for
 
+from mam.orchestrator import roster
 from mam.shared import crypto, keys, mqtt, names, wire, wirev2
+from mam.shared.keys import EnrolRequest
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
 
 SESSION_B = "runner-b"
 
 
-def start_v2_runner(broker, workspace: Path, hub_public: str) -> subprocess.Popen[bytes]:
-    """`mam-runner run` for B: v2 keys, the hub's public key, and no MAM_DISPATCH_SECRET."""
+def enrol_b(broker, workspace: Path, hub_public: str) -> keys.RunnerKeys:
+    """Runner B's host after enrolment: v2 keys, the hub's public key, and no MAM_DISPATCH_SECRET."""
     (workspace / ".git").mkdir(parents=True, exist_ok=True)
     write_env_for(broker, workspace, MAM_DISPATCH_SECRET="")
-    keys.create_runner_keys(workspace)
+    made = keys.create_runner_keys(workspace)
     keys.write_trusted_hub_keys(workspace, [hub_public])
+    return made
+
+
+def start_v2_runner(broker, workspace: Path) -> subprocess.Popen[bytes]:
+    """`mam-runner run` for B in its enrolled workspace, once its signed `online` presence is retained."""
     with open(workspace.parent / f"{workspace.name}.stderr", "wb") as err:
         proc = subprocess.Popen([*MAM_RUNNER, "run", "--session", SESSION_B, "--exec", str(AGENTS / "shell-agent"),
                                  "--workspace", str(workspace)], env=clean_env(MAM_CANCEL_GRACE_S="1"),
@@ -63,9 +73,8 @@ def v1_dispatch_for_b(secret: str, job_id: str, brief: str) -> bytes:
 def test_s16_runner_a_keys_cannot_sign_a_dispatch_b_accepts(broker, tmp_path):
     hub_root = tmp_path / "hub"
     hub_key = keys.hub_key(hub_root)
-    runner_b = start_v2_runner(broker, tmp_path / "runner-b", keys.public_text(hub_key))
-    b_identity = keys.load_runner_keys(tmp_path / "runner-b")
-    assert b_identity is not None
+    b_identity = enrol_b(broker, tmp_path / "runner-b", keys.public_text(hub_key))
+    runner_b = start_v2_runner(broker, tmp_path / "runner-b")
     a_keys = keys.create_runner_keys(tmp_path / "runner-a")  # everything runner A's host holds
     forged = {"0000f001": tmp_path / "forged-with-a-ed25519", "0000f002": tmp_path / "forged-with-a-as-hmac",
               "0000f003": tmp_path / "forged-with-b-own-key"}
@@ -101,3 +110,49 @@ def test_s16_runner_a_keys_cannot_sign_a_dispatch_b_accepts(broker, tmp_path):
     assert "refused dispatch 0000f003: dispatch sig verify failed" in log
     for kind in ("ed25519", "x25519"):  # B's private keys never reach its log
         assert names.runner_key_path(tmp_path / "runner-b", kind).read_text().strip() not in log
+
+
+def runners_json(hub: Path) -> subprocess.CompletedProcess[str]:
+    return orch(hub, "runners", "--json")
+
+
+def test_s16_presence_forged_as_b_refused_by_hub_and_b(broker, tmp_path):
+    hub = hub_workspace(broker, tmp_path)
+    hub_key = keys.hub_key(hub)
+    b_ws = tmp_path / "runner-b"
+    b_identity = enrol_b(broker, b_ws, keys.public_text(hub_key))
+    roster.add(hub, EnrolRequest.build(SESSION_B, "", b_identity.ed25519_public, b_identity.x25519_public))
+    runner_b = start_v2_runner(broker, b_ws)
+    a_keys = keys.create_runner_keys(tmp_path / "runner-a")
+    marker = tmp_path / "ran-after-forgery"
+    try:
+        listed = runners_json(hub)
+        rows = [json.loads(line) for line in listed.stdout.splitlines()]
+        assert [(r["session"], r["status"]) for r in rows] == [(SESSION_B, "online")], listed.stderr
+        real_runner_id = rows[0]["runner_id"]
+        forged = wire.Presence.build(SESSION_B, names.new_runner_id(), "online", host="attacker", version="0.1.0",
+                                     max_jobs=1)
+        with mqtt.MqttClient(broker.config(), "attacker") as attacker:
+            attacker.publish(names.presence_topic(SESSION_B, broker.topic_root),
+                             wire.encode(wirev2.sign_presence(forged, a_keys.ed25519)), retain=True)
+            # B is not fooled into draining (a v1 runner that sees a takeover presence drains)
+            wait_until(lambda: f"refused presence on session {SESSION_B}" in runner_log(b_ws),
+                       what="B's refusal of the forged presence")
+            listed = runners_json(hub)
+            assert "sig does not verify with its enrolled key" in listed.stderr, listed.stderr
+            assert "attacker" not in listed.stdout
+            attacker.publish(names.dispatch_topic("0000600d", broker.topic_root),
+                             dispatch_for_b(hub_key, b_identity.x25519_public, "0000600d", f"touch {marker}"),
+                             retain=True)
+            wait_until(marker.exists, what="B, not drained, to run a hub-signed dispatch")
+        roster.revoke(hub, SESSION_B)  # revoked: the hub refuses B's own presence from now on
+        wait_until(lambda: b'"online"' in (retained(broker, names.presence_topic(SESSION_B, broker.topic_root),
+                                                    0.3) or b"") and real_runner_id.encode() in
+                   (retained(broker, names.presence_topic(SESSION_B, broker.topic_root), 0.3) or b""),
+                   what="B's own presence retained again (republished when its job ended)")
+        listed = runners_json(hub)
+        assert "runner revoked at" in listed.stderr and listed.stdout == "", listed.stderr
+    finally:
+        runner_b.send_signal(signal.SIGTERM)
+        code = runner_b.wait(PATIENCE_S)
+    assert code == 0, runner_log(b_ws)

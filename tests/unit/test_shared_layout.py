@@ -15,7 +15,7 @@ from mam.shared import broker, wire
 SHARED = Path(wire.__file__).resolve().parent
 MAX_MODULE_LINES = 600
 SPLIT_MODULES = ("wire", "wirefields", "wirejson", "wiretypes", "wiredispatch", "broker", "brokerconf", "mqtt",
-                 "crypto", "config", "clikit", "names", "errors", "codes", "fsio")
+                 "crypto", "config", "clikit", "names", "errors", "codes", "fsio", "keys", "wirev2")
 
 # Names other code reaches as `wire.X` / `broker.X` (grep of orchestrator, runner, tests, bench, examples).
 WIRE_NAMES = ("decode", "encode", "canonical", "from_dict", "format_ts", "parse_ts", "b64url_encode",
