@@ -237,8 +237,9 @@ def check_presence(root: Path, presence: wire.Presence, v1: DispatchKeys | None)
         raise SignatureError(f"presence of {session}: sig does not verify with its enrolled key") from None
 
 
-def build_dispatch_v2(root: Path, record: Mapping[str, Any], brief: str, hub_key: Ed25519PrivateKey, *,
-                      origin: str, issued_at: datetime | None = None) -> dict[str, Any] | None:
+def build_dispatch_v2(root: Path, record: Mapping[str, Any], brief: str, *, origin: str,
+                      issued_at: datetime | None = None, hub_key: Ed25519PrivateKey | None = None
+                      ) -> dict[str, Any] | None:
     """The signed v2 dispatch of the record's attempt when its session is enrolled (§16), else None
     (the caller builds v1 and this logs a warning once per session).
 
@@ -246,9 +247,10 @@ def build_dispatch_v2(root: Path, record: Mapping[str, Any], brief: str, hub_key
 
     Args:
         record: the hub record (job_id, session, attempt_id, dispatch_token, auth_token, contract fields).
-        hub_key: `keys.hub_key(root)`.
+        hub_key: default `keys.hub_key(root)`, read only for an enrolled session.
     Raises:
         UsageError: the session is revoked (nothing is dispatched to it), or a bad record field.
+        ConfigError: the hub key cannot be read.
     """
     session = record["session"]
     entry = _active_or_refuse(root, session)
@@ -258,19 +260,23 @@ def build_dispatch_v2(root: Path, record: Mapping[str, Any], brief: str, hub_key
             log.warning("session %s is not enrolled: dispatching with v1 (shared secret); enrol it with "
                         "mam-orch runner add (docs/security.md)", session)
         return None
-    return wirev2.build_dispatch(hub_key, entry.x25519_key(), job_id=record["job_id"], session=session,
+    signer = hub_key if hub_key is not None else keys.hub_key(root)
+    return wirev2.build_dispatch(signer, entry.x25519_key(), job_id=record["job_id"], session=session,
                                  attempt_id=record["attempt_id"], dispatch_token=record["dispatch_token"],
                                  auth_token=record["auth_token"], brief=brief, origin=origin,
                                  contract=wire.Contract.of_record(record), issued_at=issued_at)
 
 
-def sign_control_v2(root: Path, session: str, control: wire.Control, hub_key: Ed25519PrivateKey
+def sign_control_v2(root: Path, session: str, control: wire.Control, *, hub_key: Ed25519PrivateKey | None = None
                     ) -> dict[str, Any] | None:
     """A cancel signed v2 when the job's session is enrolled, revoked ones included (a revoked
     runner's jobs are still cancelled, §16); None: sign it v1.
 
     Hook: `orchestrator/control.py` `publish_cancel`, before `crypto.sign`.
+
+    Raises:
+        RegistryError: the roster entry is unreadable; ConfigError: the hub key cannot be read.
     """
     if get(root, session) is None:
         return None
-    return wirev2.sign(control, hub_key)
+    return wirev2.sign(control, hub_key if hub_key is not None else keys.hub_key(root))

@@ -95,16 +95,19 @@ def test_s16_runner_a_keys_cannot_sign_a_dispatch_b_accepts(broker, tmp_path):
             for job_id in forged:
                 wait_until(lambda job_id=job_id: f"refused dispatch {job_id}: " in runner_log(tmp_path / "runner-b"),
                            what=f"B's refusal of forged dispatch {job_id}")
-            attacker.publish(names.dispatch_topic(legit_job, root),
-                             dispatch_for_b(hub_key, b_identity.x25519_public, legit_job, f"touch {legit_marker}"),
-                             retain=True)
+            captured = dispatch_for_b(hub_key, b_identity.x25519_public, legit_job, f"touch {legit_marker}")
+            attacker.publish(names.dispatch_topic(legit_job, root), captured, retain=True)
             wait_until(legit_marker.exists, what="the hub-signed dispatch to run on B")
+            legit_marker.unlink()
+            attacker.publish(names.dispatch_topic(legit_job, root), captured, retain=True)  # replayed after the take
+            wait_until(lambda: f"refused dispatch {legit_job}: replayed" in runner_log(tmp_path / "runner-b"),
+                       what="B's refusal of the replayed dispatch")
     finally:
         runner_b.send_signal(signal.SIGTERM)
         code = runner_b.wait(PATIENCE_S)
     log = runner_log(tmp_path / "runner-b")
     assert code == 0, log
-    assert not any(marker.exists() for marker in forged.values()), log
+    assert not any(marker.exists() for marker in forged.values()) and not legit_marker.exists(), log
     assert "refused dispatch 0000f001: dispatch sig verify failed" in log
     assert "refused dispatch 0000f002: dispatch is a v1 message" in log
     assert "refused dispatch 0000f003: dispatch sig verify failed" in log

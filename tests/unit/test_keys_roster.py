@@ -294,21 +294,21 @@ def test_s16_hub_builds_v2_for_enrolled_sessions_only(tmp_path, caplog):
     record = {"job_id": "918b0612", "session": "gpu-box", "attempt_id": 1, "dispatch_token": "a" * 32,
               "auth_token": "tok", **wire.Contract().to_dict()}
     with caplog.at_level("WARNING", logger="mam.roster"):
-        assert roster.build_dispatch_v2(tmp_path, {**record, "session": "v1-box"}, "b", hub, origin="h") is None
-        assert roster.build_dispatch_v2(tmp_path, {**record, "session": "v1-box"}, "b", hub, origin="h") is None
+        assert roster.build_dispatch_v2(tmp_path, {**record, "session": "v1-box"}, "b", origin="h") is None
+        assert roster.build_dispatch_v2(tmp_path, {**record, "session": "v1-box"}, "b", origin="h") is None
     assert len([r for r in caplog.records if "v1-box" in r.getMessage()]) == 1  # warned once per session
     roster.add(tmp_path, EnrolRequest.build("gpu-box", "", keys.public_text(Ed25519PrivateKey.generate()),
                                             keys.public_text(runner_x)))
-    signed = roster.build_dispatch_v2(tmp_path, record, "brief", hub, origin="h")
+    signed = roster.build_dispatch_v2(tmp_path, record, "brief", origin="h")
     assert signed is not None
     dispatch = wire.decode(wire.encode(signed), "dispatch")
     wirev2.verify(dispatch, [hub.public_key()])
     assert wirev2.open_sealed(runner_x, dispatch.sealed, job_id="918b0612", attempt_id=1,
                               dispatch_token="a" * 32) == ("tok", "brief")
     control = wire.Control.cancel("918b0612", 1, "operator")
-    assert roster.sign_control_v2(tmp_path, "v1-box", control, hub) is None
-    wirev2.verify(roster.sign_control_v2(tmp_path, "gpu-box", control, hub), [hub.public_key()])
+    assert roster.sign_control_v2(tmp_path, "v1-box", control) is None
+    wirev2.verify(roster.sign_control_v2(tmp_path, "gpu-box", control), [hub.public_key()])
     roster.revoke(tmp_path, "gpu-box")
     with pytest.raises(UsageError, match="revoked"):
-        roster.build_dispatch_v2(tmp_path, record, "brief", hub, origin="h")
-    assert roster.sign_control_v2(tmp_path, "gpu-box", control, hub) is not None  # its jobs are still cancelled
+        roster.build_dispatch_v2(tmp_path, record, "brief", origin="h", hub_key=hub)
+    assert roster.sign_control_v2(tmp_path, "gpu-box", control) is not None  # its jobs are still cancelled
