@@ -61,7 +61,7 @@ def cancel(job_id: str, *, workspace: Workspace = None, reason: str = "operator"
             if changed or cancel_owed(record):
                 try:
                     clear_dispatch(client, job_id)
-                    publish_cancel(client, record, keys, reason)
+                    publish_cancel(client, record, keys, reason, hub.root)
                 except BrokerError as exc:
                     raise BrokerError(f"job {job_id} is {record['status']} on the hub, but its runner was not "
                                       f"told: {exc}; run `mam-orch cancel {job_id}` again") from None

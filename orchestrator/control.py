@@ -7,7 +7,9 @@ connected client, so a command uses one connection.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
+from mam.orchestrator import roster
 from mam.shared import crypto, names, wire
 from mam.shared.codes import CloseReason, JobStatus
 from mam.shared.crypto import DispatchKeys
@@ -22,19 +24,25 @@ log = logging.getLogger("mam.fleet")
 HUB_CLOSES = frozenset({CloseReason.DEADLINE_TIMEOUT, CloseReason.AGENT_BLOCKED})
 
 
-def publish_cancel(client: MqttClient, record: JobRecord, keys: DispatchKeys, reason: str) -> None:
-    """Publish the signed, retained cancel of §6 for the record's current attempt.
+def publish_cancel(client: MqttClient, record: JobRecord, keys: DispatchKeys, reason: str,
+                   root: Path | None = None) -> None:
+    """Publish the signed, retained cancel of §6 for the record's current attempt (v2 for an
+    enrolled session, §16).
 
     Args:
         client: a connected `MqttClient`.
         record: the hub record (job_id, attempt_id).
         keys: `DispatchKeys`.
         reason: short text, e.g. "operator", "deadline_timeout".
+        root: the hub's root: a job of an enrolled session gets a v2 (Ed25519) cancel (§16);
+            None: v1.
     Raises:
         BrokerError: no PUBACK.
     """
     control = wire.Control.cancel(record["job_id"], record["attempt_id"], reason)
-    payload = wire.encode(crypto.sign(control.to_dict(), keys.sign_key))
+    session = record.get("session")
+    signed = roster.sign_control_v2(root, session, control) if root is not None and session else None
+    payload = wire.encode(signed or crypto.sign(control.to_dict(), keys.sign_key))
     client.publish(names.control_topic(record["job_id"], client.config.topic_root), payload, retain=True)
 
 
@@ -91,7 +99,7 @@ def close_remote(registry: Registry, client: MqttClient | None, keys: DispatchKe
     try:
         if close_reason == CloseReason.AGENT_BLOCKED:
             clear_dispatch(client, job_id)
-        publish_cancel(client, record, keys, close_reason)
+        publish_cancel(client, record, keys, close_reason, registry.root)
     except BrokerError as exc:
         log.warning("job %s closed %s on the hub; the cancel was not published: %s; `mam-orch cancel %s` "
                     "sends it again", job_id, close_reason, exc, job_id)

@@ -52,7 +52,7 @@ def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None
     try:
         # The old attempt must not outlive the new one: its runner may never have heard the
         # hub's close (a broker outage), so cancel it again before attempt + 1 goes out (§6, §10).
-        publish_cancel(client, record, keys, "redispatch")
+        publish_cancel(client, record, keys, "redispatch", hub.root)
         new = registry.redispatch(job_id, source="operator", session=session, reason="operator redispatch")
         return publish_and_watch(registry, new, text, keys, client, detach=detach, as_json=as_json,
                                  verb="redispatched", workspace=workspace)

@@ -275,8 +275,13 @@ def sign_control_v2(root: Path, session: str, control: wire.Control, *, hub_key:
     Hook: `orchestrator/control.py` `publish_cancel`, before `crypto.sign`.
 
     Raises:
-        RegistryError: the roster entry is unreadable; ConfigError: the hub key cannot be read.
+        ConfigError: the hub key cannot be read.
     """
-    if get(root, session) is None:
+    try:
+        entry = get(root, session)
+    except RegistryError as exc:  # a close must not crash the watch: the v1 cancel is logged as the fallback
+        log.warning("cancel for session %s signed v1: %s", session, exc)
+        return None
+    if entry is None:
         return None
     return wirev2.sign(control, hub_key if hub_key is not None else keys.hub_key(root))

@@ -13,7 +13,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from mam.orchestrator import roster, runners
+from mam.orchestrator import control, roster, runners
 from mam.runner import enrol
 from mam.shared import crypto, keys, names, wire, wirev2
 from mam.shared.errors import ConfigError, RegistryError, SignatureError, UsageError
@@ -312,3 +312,30 @@ def test_s16_hub_builds_v2_for_enrolled_sessions_only(tmp_path, caplog):
     with pytest.raises(UsageError, match="revoked"):
         roster.build_dispatch_v2(tmp_path, record, "brief", origin="h", hub_key=hub)
     assert roster.sign_control_v2(tmp_path, "gpu-box", control) is not None  # its jobs are still cancelled
+
+
+class _Recorder:
+    """The two things `publish_cancel` uses of a client: its topic root and `publish`."""
+
+    def __init__(self) -> None:
+        self.config = type("Config", (), {"topic_root": "python/mqtt"})()
+        self.published: list[tuple[str, bytes, bool]] = []
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        self.published.append((topic, payload, retain))
+
+
+def test_s16_hub_cancel_is_v2_for_enrolled_sessions(tmp_path):
+    v1 = crypto.derive_keys("x" * 40)
+    hub = keys.hub_key(tmp_path)
+    roster.add(tmp_path, request())
+    client = _Recorder()
+    for session in ("gpu-box", "v1-box"):
+        record = {"job_id": "918b0612", "attempt_id": 2, "session": session}
+        control.publish_cancel(client, record, v1, "operator", tmp_path)  # type: ignore[arg-type]
+    (topic, enrolled, retain), (_, other, _) = client.published
+    assert retain and topic == names.control_topic("918b0612", "python/mqtt")
+    wirev2.verify(wire.decode(enrolled, "control"), [hub.public_key()])
+    decoded = wire.decode(other, "control")
+    assert decoded.sig_alg is None
+    crypto.verify(decoded, v1.sign_key)
