@@ -238,6 +238,9 @@ def check_fields(obj: Mapping[str, Any], expected: frozenset[str], prefix: str =
     if unknown:
         more = f" and {len(unknown) - _UNKNOWN_SHOWN} more" if len(unknown) > _UNKNOWN_SHOWN else ""
         raise Invalid(f"unknown field {', '.join(show(prefix + u) for u in unknown[:_UNKNOWN_SHOWN])}{more}")
+    for key in sorted(optional & obj.keys()):
+        if obj[key] is None:  # absent means v1; an explicit null would be a second spelling of it
+            raise Invalid(f"{prefix}{key} must be a string, got null")
 
 
 def freeze(value: Any) -> Any:

@@ -277,6 +277,14 @@ def test_s16_decode_refuses_inconsistent_v2_dispatch(change, reason):
     assert reason in info.value.reason
 
 
+@pytest.mark.parametrize("name", ["dispatch_sig", "control_sig", "presence_sig"])
+def test_s16_explicit_null_sig_alg_refused(name):
+    v1 = json.loads((Path(__file__).parent / "golden_vectors.json").read_text(encoding="utf-8"))
+    signed = crypto.sign(v1[name]["payload"], crypto.derive_keys(v1[name]["secret"]).sign_key)
+    with pytest.raises(DecodeError, match="sig_alg must be a string, got null"):
+        wire.decode(canonical({**signed, "sig_alg": None}), v1[name]["payload"]["kind"])
+
+
 def test_s16_decode_refuses_epk_on_a_v1_seal():
     keys = crypto.derive_keys("x" * 40)
     sealed = {**crypto.seal(keys.seal_key, **ATTEMPT, auth_token="t", brief="b"), "epk": b64(bytes(32))}
