@@ -15,6 +15,7 @@ from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.redispatch import redispatch_cli
 from mam.orchestrator.runners import runners_cli
+from mam.orchestrator.service import serve_cli
 from mam.orchestrator.watch import watch_cli
 from mam.shared import broker, clikit
 from mam.shared.config import describe
@@ -274,6 +275,20 @@ def gc_cmd(
     if reclear_:
         return reclear_cli(workspace=workspace)
     return gc_cli(older_than_days=older_than_days, workspace=workspace, dry_run=dry_run)
+
+
+@app.command("serve")
+def serve_cmd(
+    workspace: str = clikit.workspace_option(),
+) -> int:
+    """Run the hub service: one process and one broker connection for every job of this
+    registry (PROTOCOL §14). It tracks every queued, pending and running job, whichever
+    command registered it, publishes queued jobs when a runner has a free slot, applies the
+    clocks of §10 and mirrors events. SIGTERM/SIGINT stop it; the jobs go on, and the
+    next start picks them up. Exit 64: another service runs for this registry (its pid is named).
+    """
+    clikit.setup_logging()
+    return serve_cli(workspace=workspace)
 
 
 def main() -> None:

@@ -144,6 +144,7 @@ class Watcher:
         self.ack_s = self.idle_s = 0.0  # the clocks (§10), set by start_clocks
         self.wall_deadline = self.first_deadline = self.last_alive = self.next_poll = 0.0
         self.started_status = ""
+        self.attempt_id = 0
 
     # ---------------------------------------------------------------- output
 
@@ -309,6 +310,10 @@ class Watcher:
             self.handle(message.topic, message.payload)
         self.finish_confirm()
 
+    def refresh(self) -> None:
+        """Take the hub record's word when it is terminal (a cancel from another shell)."""
+        self._resolve_from_record()
+
     def _resolve_from_record(self) -> None:
         status = self.registry.get(self.job_id)["status"]
         if status in TERMINAL_STATUSES:
@@ -410,6 +415,7 @@ class Watcher:
         self.wall_deadline = _wall_deadline(record, wall_s)
         self.first_deadline = now + (self.ack_s if opts.ack_only_before_first else self.ack_s + self.idle_s)
         self.started_status = record["status"]
+        self.attempt_id = int(record["attempt_id"])
         if self.started_status == JobStatus.RUNNING:
             self.first_deadline = now + self.idle_s  # re-attached to a running job: no ack phase
         self.last_alive = now

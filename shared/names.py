@@ -172,6 +172,16 @@ def all_jobs_filter(root: str | None = None) -> str:
     return f"{topic_root(root)}/jobs/#"
 
 
+def all_events_filter(root: str | None = None) -> str:
+    """Subscription filter for every job's events: `ROOT/jobs/+/events` (the hub service, §14)."""
+    return f"{topic_root(root)}/jobs/+/events"
+
+
+def all_states_filter(root: str | None = None) -> str:
+    """Subscription filter for every job's retained state: `ROOT/jobs/+/state` (the hub service, §14)."""
+    return f"{topic_root(root)}/jobs/+/state"
+
+
 def presence_topic(session: str, root: str | None = None) -> str:
     """Retained presence and Last Will of one runner session (§2, §7)."""
     return f"{topic_root(root)}/runners/{validate_session(session)}"
@@ -227,6 +237,11 @@ def runners_seen_path(root: Path) -> Path:
 def lock_path(root: Path) -> Path:
     """`<root>/.mam/jobs/.lock`, the registry lock (§8)."""
     return jobs_dir(root) / ".lock"
+
+
+def hub_lock_path(root: Path) -> Path:
+    """`<root>/.mam/hub.lock`: held (flock) by the one `mam-orch serve` of a registry; holds its pid (§14)."""
+    return mam_dir(root) / "hub.lock"
 
 
 def logs_dir(root: Path) -> Path:

@@ -1,0 +1,145 @@
+"""`mam-orch serve`, the hub service (PROTOCOL §14 "One hub process", §3.2, §10):
+one lock per registry, jobs tracked whichever command registered them, restarts,
+two hubs sharing one runner, the thin CLI and the Python API, hostile messages.
+Real nats-server, real `mam-runner run` and `mam-orch serve` processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, orch, runner_log, start_runner
+from harness.waiting import PATIENCE_S, wait_until
+
+from mam.orchestrator.hublock import service_pid
+from mam.shared import mqtt, names
+from mam.shared.registry import Registry
+
+pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(180)]
+
+FAST = ["--heartbeat", "1", "--heartbeat-misses", "5", "--ack-timeout", str(int(PATIENCE_S))]
+
+
+def start_serve(workspace: Path) -> subprocess.Popen[bytes]:
+    """`mam-orch serve` on `workspace` (stderr in `<workspace>/../serve.stderr`), once it holds the lock
+    and subscribed."""
+    log_path = workspace.parent / "serve.stderr"
+    with open(log_path, "ab") as err:
+        proc = subprocess.Popen([*MAM_ORCH, "serve", "--workspace", str(workspace)], env=hub_env(),
+                                stdout=subprocess.DEVNULL, stderr=err)
+    wait_until(lambda: proc.poll() is not None or b"hub service pid" in log_path.read_bytes(),
+               what="the service serving")
+    assert proc.poll() is None, serve_log(workspace)
+    return proc
+
+
+def serve_log(workspace: Path) -> str:
+    return (workspace.parent / "serve.stderr").read_text(errors="replace")
+
+
+def stop(*procs: subprocess.Popen[bytes]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(PATIENCE_S)
+
+
+def status_of(workspace: Path, job_id: str) -> str:
+    return Registry(workspace).get(job_id)["status"]
+
+
+def detach(workspace: Path, session: str, brief: str, *extra: str) -> str:
+    result = orch(workspace, "dispatch", "--session", session, "--brief", brief, "--detach", "--json",
+                  *FAST, *extra)
+    assert result.returncode == 0, result.stderr
+    return str(json.loads(result.stdout.splitlines()[-1])["job_id"])
+
+
+def jobs_status(workspace: Path, job_id: str) -> str:
+    result = orch(workspace, "jobs", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    return str(next(row["status"] for row in rows if row["job_id"] == job_id))
+
+
+def test_s14_a_second_serve_exits_64_naming_the_first_pid(nats_broker, tmp_path):
+    hub = hub_workspace(nats_broker, tmp_path)
+    first = start_serve(hub)
+    try:
+        assert service_pid(hub) == first.pid
+        second = orch(hub, "serve")
+        assert second.returncode == 64, second.stderr
+        assert f"pid {first.pid}" in second.stderr
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(PATIENCE_S) == 0, serve_log(hub)
+    assert service_pid(hub) is None  # SIGTERM released the lock
+
+
+def test_s14_serve_tracks_a_detached_job_running_then_completed(nats_broker, tmp_path):
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner = start_runner(nats_broker, tmp_path / "runner", "box-a")
+    serve = start_serve(hub)
+    try:
+        marker = tmp_path / "go"
+        job_id = detach(hub, "box-a", f"bash -c 'while [ ! -e {marker} ]; do sleep 0.1; done'")
+        wait_until(lambda: jobs_status(hub, job_id) == "running", what="running in `jobs` without a watch")
+        marker.touch()
+        wait_until(lambda: status_of(hub, job_id) == "completed", what="completed, mirrored by the service")
+        assert jobs_status(hub, job_id) == "completed"
+    finally:
+        stop(serve, runner)
+    assert "Traceback" not in serve_log(hub), serve_log(hub)
+
+
+def test_s14_sigterm_leaves_jobs_running_and_the_next_start_picks_them_up(nats_broker, tmp_path):
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner = start_runner(nats_broker, tmp_path / "runner", "box-a")
+    serve = start_serve(hub)
+    try:
+        marker = tmp_path / "go"
+        job_id = detach(hub, "box-a", f"bash -c 'while [ ! -e {marker} ]; do sleep 0.1; done'")
+        wait_until(lambda: status_of(hub, job_id) == "running", what="running")
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(PATIENCE_S) == 0, serve_log(hub)
+        assert service_pid(hub) is None
+        marker.touch()  # the job ends while no service runs
+        serve = start_serve(hub)
+        wait_until(lambda: status_of(hub, job_id) == "completed", what="completed after the restart")
+    finally:
+        stop(serve, runner)
+    assert runner_log(tmp_path / "runner")  # the runner kept running
+
+
+HOSTILE = [b"", b"\x00\xff" * 10, b"{", b"[]", b'{"schema_version": 1, "seq": -1}', b"null",
+           json.dumps({"event": "started", "job_id": "deadbeef", "seq": 1}).encode(), b"x" * 200_000]
+
+
+def test_s14_hostile_messages_on_every_subscribed_topic_do_not_kill_serve(nats_broker, tmp_path):
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner = start_runner(nats_broker, tmp_path / "runner", "box-a")
+    serve = start_serve(hub)
+    root = nats_broker.topic_root
+    try:
+        marker = tmp_path / "go"
+        job_id = detach(hub, "box-a", f"bash -c 'while [ ! -e {marker} ]; do sleep 0.1; done'")
+        wait_until(lambda: status_of(hub, job_id) == "running", what="running")
+        topics = [names.events_topic(job_id, root), names.state_topic(job_id, root),
+                  names.events_topic("0badf00d", root), names.state_topic("0badf00d", root),
+                  f"{root}/jobs/not-a-job/events", names.presence_topic("evil", root),
+                  names.presence_topic("box-a", root) + "x"]
+        with mqtt.MqttClient(nats_broker.config(), "evil") as client:
+            client.connect()
+            for topic in topics:
+                for payload in HOSTILE:
+                    client.publish(topic, payload)
+        marker.touch()
+        wait_until(lambda: status_of(hub, job_id) == "completed", what="completed despite the noise")
+        assert serve.poll() is None, serve_log(hub)
+    finally:
+        stop(serve, runner)
+    assert "Traceback" not in serve_log(hub), serve_log(hub)
