@@ -11,12 +11,12 @@ import typer
 
 from mam.orchestrator.cancel import cancel
 from mam.orchestrator.dispatch import dispatch_cli
+from mam.orchestrator.follow import watch_cli
 from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.redispatch import redispatch_cli
 from mam.orchestrator.runners import runners_cli
 from mam.orchestrator.service import serve_cli
-from mam.orchestrator.watch import watch_cli
 from mam.shared import broker, clikit
 from mam.shared.config import describe
 from mam.shared.errors import MamError

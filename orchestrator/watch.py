@@ -38,13 +38,13 @@ from mam.orchestrator.acceptance import (
     accept,
 )
 from mam.orchestrator.control import clear_dispatch, clear_retained, close_remote
-from mam.orchestrator.hub import DAY_S, Workspace, open_hub
+from mam.orchestrator.hub import DAY_S, Workspace
 from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S, BrokerLink, mirror_state, note_late_terminal
 from mam.shared import names, wire
 from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.config import BrokerConfig, env_float
 from mam.shared.crypto import DispatchKeys
-from mam.shared.errors import BrokerError, BrokerUnavailable, ConfigError, ExitCode, TransitionRefused, UsageError
+from mam.shared.errors import BrokerError, BrokerUnavailable, ExitCode, TransitionRefused
 from mam.shared.mqtt import MqttClient
 from mam.shared.records import HUB_DECISIONS, JobRecord, utc_now
 from mam.shared.registry import Registry
@@ -65,7 +65,6 @@ CONFIRM_MARGIN_S = 5.0
 MIN_WAIT_S = 0.01
 # A re-attached watch of a job the hub closed reads the retained messages this long (§14).
 LATE_READ_S = 2.0
-MAX_OPTION_S = 366 * DAY_S  # a watch option beyond a year is a mistake
 CLOCK_CHARS = slice(11, 19)  # HH:MM:SS of a §3 timestamp, for the human view
 TOPIC_KINDS: dict[str, Kind] = {"events": "event", "state": "state"}
 
@@ -86,6 +85,17 @@ class WatchOptions:
     idle_timeout_s: float | None = None
     timeout_s: float | None = None
     ack_only_before_first: bool = False
+
+
+def render_event(payload: dict[str, Any], human: bool) -> str:
+    """One accepted event as `watch` prints it: a JSON line, or a human line for a TTY."""
+    if not human:
+        return json.dumps(payload, sort_keys=True) + "\n"
+    data = payload.get("data", {})
+    stamp = str(payload.get("timestamp", ""))[CLOCK_CHARS]
+    extra = f" (exit {data['exit_code']})" if "exit_code" in data else ""
+    return (f"{stamp} {payload['job_id']} #{payload['seq']:<4} {payload['event']:<20} "
+            f"{payload.get('detail', '')}{extra}\n")
 
 
 class Detached(Exception):
@@ -149,14 +159,7 @@ class Watcher:
     # ---------------------------------------------------------------- output
 
     def _emit(self, payload: dict[str, Any]) -> None:
-        if self.human:
-            data = payload.get("data", {})
-            stamp = str(payload.get("timestamp", ""))[CLOCK_CHARS]
-            extra = f" (exit {data['exit_code']})" if "exit_code" in data else ""
-            self.out.write(f"{stamp} {payload['job_id']} #{payload['seq']:<4} {payload['event']:<20} "
-                           f"{payload.get('detail', '')}{extra}\n")
-        else:
-            self.out.write(json.dumps(payload, sort_keys=True) + "\n")
+        self.out.write(render_event(payload, self.human))
         self.out.flush()
 
     def _refuse(self, reason: str, detail: str = "", *, quiet: bool = False) -> None:
@@ -555,39 +558,3 @@ def reattach_hint(registry: Registry, job_id: str, workspace: Workspace = None) 
         return None
     return (f"job {job_id} is still {status} (the broker is unreachable; nothing was decided). "
             f"Re-attach: mam-orch watch {job_id}{_where(workspace)}")
-
-
-def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s: float | None,
-              ack_timeout_s: float | None, timeout_s: float | None) -> int:
-    """`mam-orch watch`: returns the exit code of §9 (130 when detached with Ctrl-C).
-
-    Raises:
-        UsageError, EnvFileError, ConfigError, RegistryError.
-    """
-    names.validate_job_id(job_id)
-    for name, value in (("--idle-timeout", idle_timeout_s), ("--ack-timeout", ack_timeout_s),
-                        ("--timeout", timeout_s)):
-        if value is not None and not 0 < value <= MAX_OPTION_S:
-            raise UsageError(f"{name} {value:g} is invalid: expected seconds > 0")
-    hub = open_hub(workspace)
-    record = hub.registry.get(job_id)
-    remote = remote or record.get("transport") == "remote" and record.get("role") == "hub"
-    cfg = hub.broker_config(record)
-    keys = None
-    if remote:
-        try:
-            keys = hub.keys()
-        except ConfigError as exc:
-            log.warning("%s; a close will not publish a cancel", exc)
-    watcher = Watcher(hub.registry, job_id, config=cfg, keys=keys,
-                      options=WatchOptions(remote=remote, ack_timeout_s=ack_timeout_s,
-                                           idle_timeout_s=idle_timeout_s, timeout_s=timeout_s))
-    try:
-        code = watcher.run()
-    except Detached:
-        print(detach_hint(job_id, workspace), file=sys.stderr)
-        return ExitCode.DETACHED
-    hint = reattach_hint(hub.registry, job_id, workspace) if code == ExitCode.BROKER else None
-    if hint is not None:
-        print(hint, file=sys.stderr)
-    return code
