@@ -40,6 +40,7 @@ class Presence:
         session: the session (§1); runner_id: this runner's id.
         keys: the `DispatchKeys` whose sign key signs every presence (§5).
         max_jobs: the slot count announced; topic_root: MAM_TOPIC_ROOT.
+        labels: the labels announced (§14; none: the field is left out, as a v1 runner's).
 
     Attributes:
         announced: True once `online` was published (only then may `offline` be).
@@ -48,11 +49,12 @@ class Presence:
     """
 
     def __init__(self, *, session: str, runner_id: str, keys: DispatchKeys, max_jobs: int,
-                 topic_root: str) -> None:
+                 topic_root: str, labels: Sequence[str] = ()) -> None:
         self.session = session
         self.runner_id = runner_id
         self.keys = keys
         self.max_jobs = max_jobs
+        self.labels = tuple(sorted(labels))
         self.topic = names.presence_topic(session, topic_root)
         self.announced = False
         self.published_at = 0.0
@@ -63,7 +65,8 @@ class Presence:
         """The signed presence message (§7) with `running` (job ids, sorted)."""
         presence = wire.Presence.build(self.session, self.runner_id, status,
                                        host=(socket.gethostname() or "unknown")[:HOST_MAX_CHARS],
-                                       version=__version__, max_jobs=self.max_jobs, running=list(running))
+                                       version=__version__, max_jobs=self.max_jobs, running=list(running),
+                                       labels=self.labels)
         return wire.encode(crypto.sign(presence.to_dict(), self.keys.sign_key))
 
     def will(self) -> Will:

@@ -22,6 +22,9 @@ TOKEN_RE = re.compile(r"^[0-9a-f]{32}$")
 RUNNER_ID_RE = TOKEN_RE
 REMOTE_PREFIX = "remote:"
 SESSION_MAX_LEN = 63
+LABEL_RE = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,31}$")
+MAX_LABELS = 16
+"""At most this many labels per runner and per job (§14)."""
 
 # Characters singled out by §1 because NATS maps them (`/` -> `.`) or treats
 # them as wildcards (`*`, `>`); MQTT treats `+` and `#` as wildcards.
@@ -102,6 +105,53 @@ def validate_attempt(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UsageError(f"attempt id {value!r} is invalid: expected an integer >= 1")
     return value
+
+
+def label_problem(value: object) -> str | None:
+    """Why `value` is not a label of §14 (`^[a-z0-9][a-z0-9_.:-]{0,31}$`), or None."""
+    if not isinstance(value, str):
+        return f"expected a string, got {type(value).__name__}"
+    if not LABEL_RE.fullmatch(value):
+        return ("expected 1-32 characters: lowercase letters, digits, '_', '.', ':' and '-', "
+                "starting with a letter or digit")
+    return None
+
+
+def validate_labels(values: object, what: str = "labels") -> tuple[str, ...]:
+    """`values` (a list of labels) sorted, if each is a §14 label, at most 16 and none twice.
+
+    Raises:
+        UsageError: one line naming the bad label or the count.
+    """
+    if not isinstance(values, (list, tuple, frozenset, set)):
+        raise UsageError(f"{what} must be a list of labels")
+    if len(values) > MAX_LABELS:
+        raise UsageError(f"{what}: {len(values)} labels, at most {MAX_LABELS} are allowed (§14)")
+    for value in values:
+        problem = label_problem(value)
+        if problem is not None:
+            raise UsageError(f"label {str(value)[:40]!r} is invalid: {problem} (§14)")
+    if len(set(values)) != len(values):
+        raise UsageError(f"{what} list a label twice")
+    return tuple(sorted(values))
+
+
+def parse_labels(text: str, what: str = "--labels") -> tuple[str, ...]:
+    """`gpu,cuda12` as sorted labels (§14); empty items are refused.
+
+    Raises:
+        UsageError: an empty list or item, a bad label, more than 16, a label twice.
+    """
+    items = [item.strip() for item in text.split(",")]
+    if not text.strip() or any(not item for item in items):
+        raise UsageError(f"{what} {text!r} is invalid: expected labels separated by commas, e.g. gpu,cuda12")
+    return validate_labels(items, what)
+
+
+def strip_remote(session: str) -> str:
+    """The bare session of `remote:<session>` (the seed's form, §14), else `session` as given."""
+    return session[len(REMOTE_PREFIX):] if isinstance(session, str) and session.startswith(REMOTE_PREFIX) \
+        else session
 
 
 def agent_session_label(session: str) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from mam.shared import names
 from mam.shared.codes import (
     CONTROL_ACTIONS,
     EVENT_NAMES,
@@ -23,6 +24,7 @@ from mam.shared.codes import (
     TERMINAL_EVENTS,
     TERMINAL_STATUSES,
 )
+from mam.shared.errors import UsageError
 from mam.shared.wirefields import (
     MAX_DETAIL_CHARS,
     MAX_NAME_CHARS,
@@ -298,10 +300,13 @@ class Presence:
     sig: str | None = None
     kind: str = "presence"
     schema_version: int = SCHEMA_VERSION
+    labels: tuple[str, ...] | None = None  # §14; None (absent on the wire): an older runner, no labels
 
     def __post_init__(self) -> None:
         if isinstance(self.running, list):
             object.__setattr__(self, "running", tuple(self.running))
+        if isinstance(self.labels, list):
+            object.__setattr__(self, "labels", tuple(self.labels))
         run_check(self._check)
 
     def _check(self) -> None:
@@ -321,22 +326,33 @@ class Presence:
             check_job_id(job_id, f"running[{index}]")
         if len(set(self.running)) != len(self.running):
             raise Invalid("running lists a job id twice")
+        if self.labels is not None:
+            if not isinstance(self.labels, tuple):
+                raise Invalid(f"labels must be an array, got {type_name(self.labels)} {show(self.labels)}")
+            try:
+                names.validate_labels(self.labels)
+            except UsageError as exc:
+                raise Invalid(str(exc)) from None
         check_timestamp(self.timestamp, "timestamp")
         if self.sig is not None:
             check_hex64(self.sig, "sig")
 
     @classmethod
     def build(cls, session: str, runner_id: str, status: str, *, host: str, version: str, max_jobs: int,
-              running: Iterable[str] = (), timestamp: datetime | str | None = None) -> Presence:
+              running: Iterable[str] = (), timestamp: datetime | str | None = None,
+              labels: Iterable[str] = ()) -> Presence:
         """An unsigned presence (sign with `crypto.sign`), §7.
 
         Args:
             status: online, draining or offline; running: job ids in progress.
+            labels: §14 labels, sent sorted; none: the field is left out (a v1 hub refuses it).
         Raises:
             UsageError: a field breaks §7.
         """
+        sorted_labels = tuple(sorted(labels))
         return build(cls, session=session, runner_id=runner_id, status=status, host=host, version=version,
-                     max_jobs=max_jobs, running=tuple(running), timestamp=ts_arg(timestamp))
+                     max_jobs=max_jobs, running=tuple(running), timestamp=ts_arg(timestamp),
+                     labels=sorted_labels or None)
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> Presence:
@@ -349,6 +365,8 @@ class Presence:
                                "runner_id": self.runner_id, "status": self.status, "host": self.host,
                                "version": self.version, "max_jobs": self.max_jobs,
                                "running": list(self.running), "timestamp": self.timestamp}
+        if self.labels is not None:
+            out["labels"] = list(self.labels)
         if self.sig is not None:
             out["sig"] = self.sig
         return out
@@ -376,7 +394,7 @@ def _control_from(obj: dict[str, Any]) -> Control:
 
 
 def _presence_from(obj: dict[str, Any]) -> Presence:
-    check_fields(obj, PRESENCE_FIELDS)
+    check_fields(obj, PRESENCE_FIELDS | ({"labels"} if "labels" in obj else frozenset()))  # §14: optional
     if obj["sig"] is None:
         raise Invalid("sig must be a string, got null")
     if not isinstance(obj["running"], list):
