@@ -34,17 +34,15 @@ from mam.orchestrator.mirror import BrokerLink
 from mam.orchestrator.runners import PRESENCE_STALE_S
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared import crypto, names, wire
-from mam.shared.codes import JobStatus
+from mam.shared.codes import PUBLISHED_STATUSES, JobStatus
 from mam.shared.errors import MamError
 from mam.shared.mqtt import MqttClient
-from mam.shared.records import RECORD_NAME_RE, JobRecord
+from mam.shared.records import RECORD_NAME_RE, JobRecord, target_of
 
 log = logging.getLogger("mam.serve")
 
 SCAN_S = 0.2  # the registry folder is scanned this often for new and changed records
 TICK_S = 0.1  # the §10 clocks of every job are looked at this often
-OPEN_STATUSES = frozenset({JobStatus.PENDING, JobStatus.RUNNING})
-QUEUED = "queued"  # §14 (hub only)
 
 
 class _Discard:
@@ -117,16 +115,16 @@ class HubService:
         status = record["status"]
         watcher = self.watchers.get(job_id)
         if watcher is not None:
-            if status not in OPEN_STATUSES:
+            if status not in PUBLISHED_STATUSES:
                 watcher.refresh()  # e.g. `mam-orch cancel` from another shell: the next tick ends it
             elif record["attempt_id"] != watcher.attempt_id:
                 self.watchers[job_id] = self._watcher(record, now)  # a new attempt (redispatch, retry)
             return
-        if status in OPEN_STATUSES:
+        if status in PUBLISHED_STATUSES:
             self.watchers[job_id] = self._watcher(record, now)
             self.sessions[job_id] = record["session"]
             log.info("job %s: tracking (%s, attempt %s)", job_id, status, record["attempt_id"])
-        elif status == QUEUED:
+        elif status == JobStatus.QUEUED:
             self._enqueue(record, now)
         else:
             self.queued.pop(job_id, None)
@@ -298,17 +296,14 @@ class HubService:
 
 def queued_job(record: JobRecord, now: float) -> hubqueue.QueuedJob:
     """The queue's view of a `queued` record (§14); `queued_at` keeps the order across restarts."""
-    target = record.get("target") or {"session": record["session"]}
+    session, labels = target_of(record)
     try:
-        age_s = max(0.0, time.time() - wire.parse_ts(record["created_at"]).timestamp())
+        age_s = max(0.0, time.time() - wire.parse_ts(record.get("queued_at") or record["created_at"]).timestamp())
     except (KeyError, ValueError, TypeError):
         age_s = 0.0
-    labels = target.get("labels") if isinstance(target, dict) else None
-    session = target.get("session") if isinstance(target, dict) else None
-    return hubqueue.QueuedJob(job_id=record["job_id"], target_session=session if isinstance(session, str) else None,
-                              target_labels=frozenset(labels) if isinstance(labels, list) else frozenset(),
-                              priority=int(record.get("priority", 0) or 0),  # type: ignore[call-overload]
-                              queued_at=now - age_s, avoid_session=record.get("avoid_session"))  # type: ignore[arg-type]
+    return hubqueue.QueuedJob(job_id=record["job_id"], target_session=session, target_labels=frozenset(labels),
+                              priority=int(record.get("priority", 0)), queued_at=now - age_s,
+                              avoid_session=record.get("avoid_session"))
 
 
 def presence_view(session: str, raw: bytes, keys: crypto.DispatchKeys, now: float) -> hubqueue.RunnerView | None:
@@ -328,9 +323,8 @@ def presence_view(session: str, raw: bytes, keys: crypto.DispatchKeys, now: floa
         verified = True
     except MamError:
         verified = False
-    labels = getattr(presence, "labels", ())
     return hubqueue.RunnerView(session=session, runner_id=presence.runner_id, status=presence.status,
-                               labels=frozenset(labels or ()), max_jobs=presence.max_jobs,
+                               labels=frozenset(presence.labels or ()), max_jobs=presence.max_jobs,
                                running=frozenset(presence.running), verified=verified, seen_at=now)
 
 
