@@ -17,6 +17,7 @@ from mam.orchestrator.init import init_workspace
 from mam.orchestrator.redispatch import redispatch_cli
 from mam.orchestrator.runners import runners_cli
 from mam.orchestrator.service import serve_cli
+from mam.orchestrator.thin import service_runs, thin_dispatch_cli
 from mam.shared import broker, clikit
 from mam.shared.config import describe
 from mam.shared.errors import MamError
@@ -206,6 +207,11 @@ def dispatch_cmd(
     (--require-online), 64 bad arguments, 130 detached with Ctrl-C.
     """
     clikit.setup_logging()
+    if not require_online and service_runs(workspace):  # the thin CLI: the service publishes and watches (§14)
+        return thin_dispatch_cli(session=session, brief=brief, brief_file=brief_file, heartbeat_s=heartbeat,
+                                 heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout,
+                                 idle_timeout_s=idle_timeout, timeout_s=timeout, detach=detach, as_json=as_json,
+                                 workspace=workspace)
     return dispatch_cli(session=session, brief=brief, brief_file=brief_file, heartbeat_s=heartbeat,
                         heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout, idle_timeout_s=idle_timeout,
                         timeout_s=timeout, require_online=require_online, detach=detach, as_json=as_json,

@@ -212,7 +212,7 @@ def hub_contract(workspace: Workspace, *, heartbeat_s: int | None = None, heartb
     return contract
 
 
-def _print_started(record: JobRecord, as_json: bool, verb: str) -> None:
+def print_started(record: JobRecord, as_json: bool, verb: str) -> None:
     """The --detach answer on stdout: the job id (JSON unless a human reads a TTY)."""
     if as_json or not sys.stdout.isatty():
         print(json.dumps({"job_id": record["job_id"], "session": record["session"],
@@ -266,7 +266,7 @@ def publish_and_watch(registry: Registry, record: JobRecord, brief: str, keys: D
     print(f"{verb} job {job_id} to {record['session']} (attempt {record['attempt_id']})", file=sys.stderr,
           flush=True)
     if detach:
-        _print_started(registry.get(job_id), as_json, verb)
+        print_started(registry.get(job_id), as_json, verb)
         return 0
     try:
         code = watcher.run()

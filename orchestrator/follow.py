@@ -159,3 +159,4 @@ def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s
     if hint is not None:
         print(hint, file=sys.stderr)
     return code
+

@@ -28,16 +28,18 @@ from types import FrameType
 from typing import TextIO
 
 from mam.orchestrator import queue as hubqueue
+from mam.orchestrator.dispatch import build_dispatch, load_brief, publish_dispatch
 from mam.orchestrator.hub import Hub, Workspace, open_hub
 from mam.orchestrator.hublock import HubLock
 from mam.orchestrator.mirror import BrokerLink
 from mam.orchestrator.runners import PRESENCE_STALE_S
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared import crypto, names, wire
-from mam.shared.codes import PUBLISHED_STATUSES, JobStatus
+from mam.shared.codes import PUBLISHED_STATUSES, JobStatus, QueueSource
 from mam.shared.errors import MamError
 from mam.shared.mqtt import MqttClient
-from mam.shared.records import RECORD_NAME_RE, JobRecord, target_of
+from mam.shared.records import RECORD_NAME_RE, JobRecord, published, target_of, utc_now
+from mam.shared.registry import Registry
 
 log = logging.getLogger("mam.serve")
 
@@ -204,8 +206,21 @@ class HubService:
             self.publish(job_id, session, now)
 
     def publish(self, job_id: str, session: str, now: float) -> None:
-        """queued → pending: publish the job's dispatch to `session`; the ack clock starts now."""
-        raise NotImplementedError
+        """queued → pending: publish the job's dispatch to `session`; the ack clock starts now (§14)."""
+        client = self.client
+        if client is None:
+            return
+        try:
+            record = publish_queued(self.registry, job_id, session, self.keys, client)
+        except MamError as exc:
+            log.warning("job %s: not published to %s: %s", job_id, session, exc)
+            self.consider(job_id, now)  # still queued: it goes back to the queue
+            return
+        self.stats.published += 1
+        self.fleet.inflight(session, job_id)
+        self.sessions[job_id] = session
+        self.watchers[job_id] = self._watcher(record, time.monotonic())
+        log.info("job %s: published to %s (attempt %s)", job_id, session, record["attempt_id"])
 
     # ------------------------------------------------------------ clocks
 
@@ -292,6 +307,21 @@ class HubService:
         log.info("hub service stopping: %d jobs go on without it (%d messages handled)",
                  len(self.watchers), self.stats.messages)
         return 0
+
+
+def publish_queued(registry: Registry, job_id: str, session: str, keys: crypto.DispatchKeys,
+                   client: MqttClient) -> JobRecord:
+    """queued → pending for `session` (§14), then the sealed signed retained dispatch (§5).
+
+    Raises:
+        Refusal: the job is no longer queued. UsageError: no stored brief. BrokerError.
+    """
+    brief = load_brief(registry, job_id)
+    with registry.transaction(job_id) as txn:
+        record = published(txn.record, session, utc_now())
+        txn.update(record, source=QueueSource.HUB_QUEUE, reason=f"published to {session}")
+    publish_dispatch(client, build_dispatch(record, brief, keys))
+    return record
 
 
 def queued_job(record: JobRecord, now: float) -> hubqueue.QueuedJob:

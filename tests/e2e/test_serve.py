@@ -143,3 +143,25 @@ def test_s14_hostile_messages_on_every_subscribed_topic_do_not_kill_serve(nats_b
     finally:
         stop(serve, runner)
     assert "Traceback" not in serve_log(hub), serve_log(hub)
+
+
+def test_s14_thin_dispatch_and_watch_follow_through_the_service_without_a_connection(nats_broker, tmp_path):
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner = start_runner(nats_broker, tmp_path / "runner", "box-a")
+    serve = start_serve(hub)
+    no_broker = hub_env(MQTT_PORT="1")  # a connection of its own would fail: only the service's works
+    try:
+        ok = orch(hub, "dispatch", "--session", "box-a", "--brief", "echo thin", *FAST, env=no_broker)
+        assert ok.returncode == 0, ok.stderr + serve_log(hub)
+        events = [json.loads(line)["event"] for line in ok.stdout.splitlines()]
+        assert events[0] == "started" and events[-1] == "completed", ok.stdout
+        assert "dispatched job" in ok.stderr
+        failed = orch(hub, "dispatch", "--session", "box-a", "--brief", "exit 7", *FAST, env=no_broker)
+        assert failed.returncode == 1, failed.stderr
+        assert json.loads(failed.stdout.splitlines()[-1])["event"] == "error"
+        job_id = detach(hub, "box-a", "sleep 1")
+        watched = orch(hub, "watch", job_id, env=no_broker)
+        assert watched.returncode == 0, watched.stderr
+        assert json.loads(watched.stdout.splitlines()[-1])["event"] == "completed"
+    finally:
+        stop(serve, runner)
