@@ -22,6 +22,7 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from types import FrameType
@@ -32,7 +33,7 @@ from mam.orchestrator.dispatch import build_dispatch, load_brief, publish_dispat
 from mam.orchestrator.hub import Hub, Workspace, open_hub
 from mam.orchestrator.hublock import HubLock
 from mam.orchestrator.mirror import BrokerLink
-from mam.orchestrator.runners import PRESENCE_STALE_S
+from mam.orchestrator.runners import PRESENCE_STALE_S, presence_view
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared import crypto, names, wire
 from mam.shared.codes import PUBLISHED_STATUSES, JobStatus, QueueSource
@@ -96,6 +97,7 @@ class HubService:
         self.stats = ServiceStats()
         self._mtimes: dict[str, int] = {}
         self._stop = False
+        self.ready = threading.Event()  # set once it holds the lock and subscribed
 
     # ------------------------------------------------------------ records
 
@@ -189,8 +191,13 @@ class HubService:
 
     def on_presence(self, session: str, raw: bytes, now: float) -> None:
         """A runner's presence (§7): update the fleet, then publish what the queue allows (§14)."""
-        view = presence_view(session, raw, self.keys, now)
-        if view is None:
+        if not raw:
+            return  # a cleared presence
+        try:
+            view = presence_view(names.presence_topic(session, self.config.topic_root), raw, self.keys,
+                                 self.config.topic_root, now)
+        except MamError as exc:
+            log.warning("presence on runners/%s refused: %s", session, exc)
             return
         self.fleet.update(view)
         self.plan(now)
@@ -286,6 +293,7 @@ class HubService:
         log.info("hub service pid %d serving %s: %d open jobs, %d queued", os.getpid(), self.registry.root,
                  len(self.watchers), len(self.queued))
         link = BrokerLink(client)
+        self.ready.set()
         next_scan = next_tick = now
         while not self._stop:
             now = time.monotonic()
@@ -334,28 +342,6 @@ def queued_job(record: JobRecord, now: float) -> hubqueue.QueuedJob:
     return hubqueue.QueuedJob(job_id=record["job_id"], target_session=session, target_labels=frozenset(labels),
                               priority=int(record.get("priority", 0)), queued_at=now - age_s,
                               avoid_session=record.get("avoid_session"))
-
-
-def presence_view(session: str, raw: bytes, keys: crypto.DispatchKeys, now: float) -> hubqueue.RunnerView | None:
-    """A presence (§7) as the queue sees it, or None when it is not one (logged)."""
-    if not raw:
-        return None
-    try:
-        presence = wire.decode(raw, "presence")
-    except MamError as exc:
-        log.warning("presence on runners/%s refused: %s", session, exc)
-        return None
-    if presence.session != session:
-        log.warning("presence for %r published on runners/%s refused", presence.session, session)
-        return None
-    try:
-        crypto.verify(presence.to_dict(), keys.sign_key)
-        verified = True
-    except MamError:
-        verified = False
-    return hubqueue.RunnerView(session=session, runner_id=presence.runner_id, status=presence.status,
-                               labels=frozenset(presence.labels or ()), max_jobs=presence.max_jobs,
-                               running=frozenset(presence.running), verified=verified, seen_at=now)
 
 
 def serve_cli(*, workspace: Workspace) -> int:

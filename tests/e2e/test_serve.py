@@ -6,6 +6,7 @@ Real nats-server, real `mam-runner run` and `mam-orch serve` processes."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, orch, runner_log, start_runner
 from harness.waiting import PATIENCE_S, wait_until
 
+from mam import Hub, Outcome  # the public import path (README "Python API")
 from mam.orchestrator.hublock import service_pid
 from mam.shared import mqtt, names
 from mam.shared.registry import Registry
@@ -165,3 +167,26 @@ def test_s14_thin_dispatch_and_watch_follow_through_the_service_without_a_connec
         assert json.loads(watched.stdout.splitlines()[-1])["event"] == "completed"
     finally:
         stop(serve, runner)
+
+
+def test_s14_the_python_api_dispatches_waits_and_streams_events(nats_broker, tmp_path, monkeypatch):
+    hub_ws = hub_workspace(nats_broker, tmp_path)
+    for key in [k for k in os.environ if k.startswith(("MQTT_", "MAM_"))]:
+        monkeypatch.delenv(key)
+    runner = start_runner(nats_broker, tmp_path / "runner", "box-a", MAM_RUNNER_LABELS="gpu,x")
+    try:
+        with Hub(workspace=hub_ws) as hub:  # no `mam-orch serve`: the Hub runs the service in a thread
+            job = hub.dispatch("echo from-the-api", labels=["gpu"], heartbeat_s=1, heartbeat_misses=5)
+            assert service_pid(hub_ws) == os.getpid()
+            events = [event["event"] for event in job.events(timeout_s=PATIENCE_S)]
+            assert events[0] == "started" and events[-1] == "completed", events
+            outcome = job.wait(timeout_s=PATIENCE_S)
+            assert outcome == Outcome(status="completed", exit_code=0, close_reason=None, detail="",
+                                      agent_exit_code=0)
+            failing = hub.dispatch("exit 3", session="box-a", heartbeat_s=1, heartbeat_misses=5)
+            assert failing.wait(timeout_s=PATIENCE_S).exit_code == 1
+            assert [row["session"] for row in hub.runners()] == ["box-a"]
+            assert hub.cancel(job.id) == "completed"  # ended: left alone
+        assert service_pid(hub_ws) is None  # close() stopped the embedded service
+    finally:
+        stop(runner)
