@@ -12,8 +12,19 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, orch, runner_log, start_runner
+from harness.runnersim import (
+    AGENTS,
+    MAM_ORCH,
+    MAM_RUNNER,
+    hub_env,
+    hub_workspace,
+    orch,
+    retained,
+    runner_log,
+    start_runner,
+)
 from harness.waiting import PATIENCE_S, wait_until
+from harness.workspace import clean_env, write_env_for
 
 from mam import Hub, Outcome  # the public import path (README "Python API")
 from mam.orchestrator.hublock import service_pid
@@ -190,3 +201,73 @@ def test_s14_the_python_api_dispatches_waits_and_streams_events(nats_broker, tmp
         assert service_pid(hub_ws) is None  # close() stopped the embedded service
     finally:
         stop(runner)
+
+
+def start_runner_slots(broker, workspace: Path, session: str, max_jobs: int) -> subprocess.Popen[bytes]:
+    """`mam-runner run --max-jobs N` with the shell agent, once its online presence is retained."""
+    (workspace / ".git").mkdir(parents=True, exist_ok=True)
+    write_env_for(broker, workspace)
+    with open(workspace.parent / f"{workspace.name}.stderr", "wb") as err:
+        proc = subprocess.Popen([*MAM_RUNNER, "run", "--session", session, "--exec", str(AGENTS / "shell-agent"),
+                                 "--max-jobs", str(max_jobs), "--workspace", str(workspace)],
+                                env=clean_env(MAM_CANCEL_GRACE_S="1"), stdout=subprocess.DEVNULL, stderr=err)
+    topic = names.presence_topic(session, broker.topic_root)
+    wait_until(lambda: proc.poll() is not None or b'"online"' in (retained(broker, topic, 0.3) or b""),
+               what="the runner's online presence")
+    assert proc.poll() is None, runner_log(workspace)
+    return proc
+
+
+def gated(tmp_path: Path, n: int) -> str:
+    """A brief that runs until the file `<tmp_path>/go-<n>` exists."""
+    return f"bash -c 'while [ ! -e {tmp_path}/go-{n} ]; do sleep 0.1; done'"
+
+
+def test_s14_serve_killed_while_10_jobs_run_restarted_all_end_correctly(nats_broker, tmp_path):
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner = start_runner_slots(nats_broker, tmp_path / "runner", "box-a", 10)
+    serve = start_serve(hub)
+    try:
+        jobs = [detach(hub, "box-a", gated(tmp_path, n)) for n in range(10)]
+        wait_until(lambda: all(status_of(hub, job) == "running" for job in jobs), what="10 jobs running")
+        serve.kill()  # SIGKILL: no clean stop, the kernel drops the lock
+        serve.wait(PATIENCE_S)
+        for n in range(5):  # half of them end while no service runs
+            (tmp_path / f"go-{n}").touch()
+        runner_registry = Registry(tmp_path / "runner")
+        wait_until(lambda: all(runner_registry.get(job)["status"] == "completed" for job in jobs[:5]),
+                   what="5 jobs completed on the runner")
+        assert all(status_of(hub, job) == "running" for job in jobs)  # nobody mirrored them yet
+        serve = start_serve(hub)
+        for n in range(5, 10):
+            (tmp_path / f"go-{n}").touch()
+        wait_until(lambda: all(status_of(hub, job) == "completed" for job in jobs), what="all 10 completed")
+    finally:
+        stop(serve, runner)
+    assert "Traceback" not in serve_log(hub), serve_log(hub)
+
+
+def test_s14_two_hubs_share_one_runner_each_completes_never_above_max_jobs(nats_broker, tmp_path):
+    hubs = [hub_workspace(nats_broker, tmp_path / name) for name in ("one", "two")]
+    runner = start_runner_slots(nats_broker, tmp_path / "runner", "box-a", 2)
+    services = [start_serve(hub) for hub in hubs]
+    seen_running: list[int] = []
+    topic = names.presence_topic("box-a", nats_broker.topic_root)
+    with mqtt.MqttClient(nats_broker.config(), "presence-tap") as tap:
+        tap.connect()
+        tap.subscribe([(topic, 1)])
+        try:
+            jobs = [(hub, detach(hub, "box-a", "sleep 1")) for hub in hubs for _ in range(3)]
+
+            def all_done() -> bool:
+                while not tap.messages.empty():
+                    payload = tap.messages.get_nowait().payload
+                    if payload:
+                        seen_running.append(len(json.loads(payload)["running"]))
+                return all(status_of(hub, job) == "completed" for hub, job in jobs)
+
+            wait_until(all_done, what="the 6 jobs of both hubs completed")
+        finally:
+            stop(*services, runner)
+    assert seen_running and max(seen_running) <= 2, seen_running
+    assert max(seen_running) == 2  # it was full at some point: the test exercised the limit
