@@ -24,6 +24,7 @@ import queue
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -141,6 +142,10 @@ class Watcher:
         self._terminal_state_at = 0.0
         self._owns_client = False
         self._subscribed = False
+        # §14 hooks of the dispatch process: messages on other topics (presence), and
+        # whether the runner was lost (an idle close is then `runner_lost`)
+        self.on_other: Callable[[str, bytes], object] | None = None
+        self.runner_lost: Callable[[], bool] | None = None
 
     # ---------------------------------------------------------------- output
 
@@ -176,6 +181,8 @@ class Watcher:
         parsed = names.parse_job_topic(topic, self.config.topic_root)
         kind = TOPIC_KINDS.get(parsed[1] if parsed else "")
         if kind is None:
+            if self.on_other is not None:
+                self.on_other(topic, raw)
             return False
         if self.options.remote:
             verdict = self._accept_and_mirror(raw, kind)
@@ -443,7 +450,8 @@ class Watcher:
                     if not self.accepted_any and record["status"] == JobStatus.PENDING and \
                             self.registry.get(self.job_id)["status"] == JobStatus.PENDING:
                         return self._close(CloseReason.AGENT_BLOCKED)
-                    return self._close(CloseReason.DEADLINE_TIMEOUT)
+                    lost = self.runner_lost is not None and self.runner_lost()
+                    return self._close(CloseReason.RUNNER_LOST if lost else CloseReason.DEADLINE_TIMEOUT)
                 try:
                     message = client.messages.get(timeout=max(MIN_WAIT_S, min(deadline, next_poll) - now))
                 except queue.Empty:
