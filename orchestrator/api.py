@@ -31,6 +31,7 @@ from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.runners import receive_presence
 from mam.orchestrator.service import HubService
+from mam.shared import names
 from mam.shared.codes import DEFAULT_RETRY_ON, TERMINAL_STATUSES
 from mam.shared.errors import TransitionRefused, UsageError
 from mam.shared.records import DEFAULT_QUEUE_TIMEOUT_SEC, JobRecord, QueueTerms, redact
@@ -190,6 +191,7 @@ class Hub:
             UsageError: a bad brief, target or term (one line). ConfigError: no usable MAM_DISPATCH_SECRET.
         """
         check_brief(brief)
+        session = names.strip_remote(session) if session is not None else None
         terms = QueueTerms(target_session=session, target_labels=tuple(labels or ()), priority=priority,
                            queue_timeout_sec=queue_timeout_s, retries=retries,
                            retry_on=tuple(retry_on)).checked()

@@ -52,7 +52,8 @@ class QueuedJob:
     Attributes:
         job_id: the job (§1); target_session: the one runner it names, or None.
         target_labels: the labels a runner must all carry (empty: any runner).
-        priority: higher leaves the queue first; queued_at: monotonic s, earlier first.
+        priority: higher leaves the queue first; queued_at: seconds on any one clock
+            shared by the jobs compared (e.g. the record's `queued_at`), earlier first.
         avoid_session: the previous attempt's runner (retries): chosen only
             when no other candidate exists.
     """
@@ -106,6 +107,11 @@ class Fleet:
         """The hub published a dispatch for `job_id` to `session` (no `started` yet):
         it takes a slot, and `session` becomes the most recently handed runner."""
         self._inflight.setdefault(session, set()).add(job_id)
+        self.handed(session)
+
+    def handed(self, session: str) -> None:
+        """`session` was handed a job now (the most recently handed, §14), in flight or not
+        (a hub rebuilding its view from its records replays their publish order)."""
         self._hand_count += 1
         self._handed[session] = self._hand_count
 

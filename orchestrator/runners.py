@@ -74,13 +74,14 @@ def verify_presence(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str)
             "last_seen": presence.timestamp, "runner_id": presence.runner_id, "version": presence.version}
 
 
-def presence_view(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str, seen_at: float) -> RunnerView:
-    """One live presence message as the queue's `RunnerView` (§7, §14): a presence
-    whose signature does not verify is kept with `verified=False` (so the hub can say
-    why a job waits), never matched.
+def presence_view(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str, received_at: float) -> RunnerView:
+    """One presence message as the queue's `RunnerView` (§7, §14): a presence whose
+    signature does not verify is kept with `verified=False` (so the hub can say why a
+    job waits), never matched.
 
     Args:
-        seen_at: when it was received (monotonic s).
+        received_at: when it was received (monotonic s); `seen_at` is that minus the
+            presence's age by its `timestamp` (a retained presence may be old).
     Raises:
         DecodeError: not a §7 presence (hostile labels included); ProtocolError: another session than its topic.
     """
@@ -94,7 +95,8 @@ def presence_view(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str, s
         verified = False
     return RunnerView(session=presence.session, runner_id=presence.runner_id, status=presence.status,
                       labels=frozenset(presence.labels or ()), max_jobs=presence.max_jobs,
-                      running=frozenset(presence.running), verified=verified, seen_at=seen_at)
+                      running=frozenset(presence.running), verified=verified,
+                      seen_at=received_at - max(0.0, _presence_age_s(presence.timestamp)))
 
 
 def _presence_age_s(timestamp: str) -> float:

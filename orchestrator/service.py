@@ -29,18 +29,18 @@ from types import FrameType
 from typing import TextIO
 
 from mam.orchestrator import queue as hubqueue
-from mam.orchestrator.dispatch import build_dispatch, load_brief, publish_dispatch
-from mam.orchestrator.hub import Hub, Workspace, open_hub
+from mam.orchestrator.dispatch import publish_queued
+from mam.orchestrator.hub import DAY_S, Hub, Workspace, open_hub
 from mam.orchestrator.hublock import HubLock
 from mam.orchestrator.mirror import BrokerLink
-from mam.orchestrator.runners import PRESENCE_STALE_S, presence_view
+from mam.orchestrator.queuewait import PresenceFeed, close_queue_timeout, queued_job, retry_attempt, retry_reason
+from mam.orchestrator.runners import PRESENCE_STALE_S
 from mam.orchestrator.watch import Watcher, WatchOptions
-from mam.shared import crypto, names, wire
-from mam.shared.codes import PUBLISHED_STATUSES, JobStatus, QueueSource
+from mam.shared import names
+from mam.shared.codes import PUBLISHED_STATUSES, JobStatus
 from mam.shared.errors import MamError
 from mam.shared.mqtt import MqttClient
-from mam.shared.records import RECORD_NAME_RE, JobRecord, published, target_of, utc_now
-from mam.shared.registry import Registry
+from mam.shared.records import RECORD_NAME_RE, JobRecord
 
 log = logging.getLogger("mam.serve")
 
@@ -92,7 +92,9 @@ class HubService:
         self.confirming: dict[str, float] = {}  # cancelled jobs waiting for the runner's end (§6): deadline
         self.confirm_watchers: dict[str, Watcher] = {}
         self.queued: dict[str, hubqueue.QueuedJob] = {}
-        self.fleet = hubqueue.Fleet()
+        self.queue_deadlines: dict[str, float] = {}  # job id -> wall time of its queue_timeout (§14)
+        self.feed = PresenceFeed(self.keys, self.config.topic_root)
+        self.fleet = self.feed.fleet
         self.sessions: dict[str, str] = {}  # job id -> the session its dispatch went to
         self.stats = ServiceStats()
         self._mtimes: dict[str, int] = {}
@@ -105,6 +107,8 @@ class HubService:
         watcher = Watcher(self.registry, record["job_id"], client=self.client, keys=self.keys, out=self.out,
                           options=WatchOptions(remote=True, ack_only_before_first=True))
         watcher.start_clocks(now, record)
+        session, runner_id = record["session"], self.feed.runner_id(record["session"])
+        watcher.runner_lost = lambda: self.feed.lost(session, runner_id)  # §14 runner_lost
         return watcher
 
     def consider(self, job_id: str, now: float) -> None:
@@ -129,15 +133,18 @@ class HubService:
             self.sessions[job_id] = record["session"]
             log.info("job %s: tracking (%s, attempt %s)", job_id, status, record["attempt_id"])
         elif status == JobStatus.QUEUED:
-            self._enqueue(record, now)
+            self._enqueue(record)
         else:
             self.queued.pop(job_id, None)
+            self.queue_deadlines.pop(job_id, None)
 
-    def _enqueue(self, record: JobRecord, now: float) -> None:
-        if record["job_id"] in self.queued:
+    def _enqueue(self, record: JobRecord) -> None:
+        job_id = record["job_id"]
+        if job_id in self.queued:
             return
-        self.queued[record["job_id"]] = queued_job(record, now)
-        log.info("job %s: queued", record["job_id"])
+        job = self.queued[job_id] = queued_job(record)
+        self.queue_deadlines[job_id] = job.queued_at + int(record.get("queue_timeout_sec", DAY_S))
+        log.info("job %s: queued", job_id)
 
     def scan(self, now: float) -> None:
         """Look at every record file whose mtime changed since the last scan."""
@@ -191,15 +198,7 @@ class HubService:
 
     def on_presence(self, session: str, raw: bytes, now: float) -> None:
         """A runner's presence (§7): update the fleet, then publish what the queue allows (§14)."""
-        if not raw:
-            return  # a cleared presence
-        try:
-            view = presence_view(names.presence_topic(session, self.config.topic_root), raw, self.keys,
-                                 self.config.topic_root, now)
-        except MamError as exc:
-            log.warning("presence on runners/%s refused: %s", session, exc)
-            return
-        self.fleet.update(view)
+        self.feed.handle(names.presence_topic(session, self.config.topic_root), raw)
         self.plan(now)
 
     # ------------------------------------------------------------ the queue
@@ -210,7 +209,41 @@ class HubService:
             return
         for job_id, session in hubqueue.plan(list(self.queued.values()), self.fleet, now, PRESENCE_STALE_S):
             self.queued.pop(job_id, None)
+            self.queue_deadlines.pop(job_id, None)
             self.publish(job_id, session, now)
+
+    def expire_queued(self) -> None:
+        """§14: a job queued longer than its queue_timeout_sec closes `queue_timeout`."""
+        now_wall = time.time()
+        for job_id, deadline in list(self.queue_deadlines.items()):
+            if now_wall < deadline:
+                continue
+            self.queued.pop(job_id, None)
+            del self.queue_deadlines[job_id]
+            try:
+                record = close_queue_timeout(self.registry, job_id)
+            except MamError as exc:
+                log.warning("job %s: queue timeout not recorded: %s", job_id, exc)
+                continue
+            log.info("job %s: %s (%s)", job_id, record["status"], record.get("close_reason"))
+
+    def retry(self, job_id: str, now: float) -> None:
+        """§14 Retries: an attempt that ended for a reason in `retry_on` with retries left
+        is cancelled and queued again as attempt + 1 (the dispatch process's own rule)."""
+        try:
+            record = self.registry.get(job_id)
+            reason = retry_reason(record)
+            if reason is None:
+                return
+            new = retry_attempt(self.registry, job_id, reason, self.client, self.keys)
+        except MamError as exc:
+            log.warning("job %s: not retried: %s", job_id, exc)
+            return
+        if new is not None:
+            log.info("job %s: attempt %s ended %s; attempt %s queued", job_id, record["attempt_id"], reason,
+                     new["attempt_id"])
+            self._enqueue(new)
+            self.plan(now)
 
     def publish(self, job_id: str, session: str, now: float) -> None:
         """queued → pending: publish the job's dispatch to `session`; the ack clock starts now (§14)."""
@@ -250,6 +283,8 @@ class HubService:
             if watcher.terminal == JobStatus.CANCELLED:
                 self.confirming[job_id] = watcher.confirm_deadline(now)
                 self.confirm_watchers[job_id] = watcher
+            else:
+                self.retry(job_id, now)
         for job_id, deadline in list(self.confirming.items()):
             watcher = self.confirm_watchers[job_id]
             if watcher.runner_ended or now >= deadline:
@@ -303,6 +338,7 @@ class HubService:
             if now >= next_scan:
                 next_scan = now + SCAN_S
                 self.scan(now)
+                self.expire_queued()
                 self.plan(now)
             if now >= next_tick:
                 next_tick = now + TICK_S
@@ -315,33 +351,6 @@ class HubService:
         log.info("hub service stopping: %d jobs go on without it (%d messages handled)",
                  len(self.watchers), self.stats.messages)
         return 0
-
-
-def publish_queued(registry: Registry, job_id: str, session: str, keys: crypto.DispatchKeys,
-                   client: MqttClient) -> JobRecord:
-    """queued → pending for `session` (§14), then the sealed signed retained dispatch (§5).
-
-    Raises:
-        Refusal: the job is no longer queued. UsageError: no stored brief. BrokerError.
-    """
-    brief = load_brief(registry, job_id)
-    with registry.transaction(job_id) as txn:
-        record = published(txn.record, session, utc_now())
-        txn.update(record, source=QueueSource.HUB_QUEUE, reason=f"published to {session}")
-    publish_dispatch(client, build_dispatch(record, brief, keys))
-    return record
-
-
-def queued_job(record: JobRecord, now: float) -> hubqueue.QueuedJob:
-    """The queue's view of a `queued` record (§14); `queued_at` keeps the order across restarts."""
-    session, labels = target_of(record)
-    try:
-        age_s = max(0.0, time.time() - wire.parse_ts(record.get("queued_at") or record["created_at"]).timestamp())
-    except (KeyError, ValueError, TypeError):
-        age_s = 0.0
-    return hubqueue.QueuedJob(job_id=record["job_id"], target_session=session, target_labels=frozenset(labels),
-                              priority=int(record.get("priority", 0)), queued_at=now - age_s,
-                              avoid_session=record.get("avoid_session"))
 
 
 def serve_cli(*, workspace: Workspace) -> int:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import sys
 from typing import BinaryIO
 
-from mam.orchestrator.dispatch import hub_contract, print_started, read_brief, save_brief
+from mam.orchestrator.dispatch import hub_contract, print_started, queue_terms, read_brief, save_brief
 from mam.orchestrator.follow import follow_service
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.watch import Detached, detach_hint, reattach_hint
-from mam.shared import names, wire
+from mam.shared import wire
 from mam.shared.errors import ExitCode
 from mam.shared.records import QueueTerms, describe_target
 from mam.shared.registry import Registry
@@ -59,22 +59,23 @@ def dispatch_via_service(registry: Registry, *, brief: str, contract: wire.Contr
     return ExitCode.BROKER
 
 
-def thin_dispatch_cli(*, session: str, brief: str | None, brief_file: str | None, heartbeat_s: int | None,
+def thin_dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | None, heartbeat_s: int | None,
                       heartbeat_misses: int | None, ack_timeout_s: int | None, idle_timeout_s: int | None,
                       timeout_s: int | None, detach: bool, as_json: bool, workspace: Workspace,
-                      stdin: BinaryIO | None = None) -> int:
+                      stdin: BinaryIO | None = None, labels: str | None = None, priority: int = 0,
+                      queue_timeout_s: int | None = None, retries: int = 0, retry_on: str | None = None) -> int:
     """`mam-orch dispatch` through the running service: the checks of `dispatch_cli`
     (nothing written when one fails), then `dispatch_via_service`.
 
     Raises:
         UsageError / ConfigError (exit 64), EnvFileError (exit 1).
     """
-    names.validate_session(session)
+    terms = queue_terms(session, labels, priority=priority, queue_timeout_s=queue_timeout_s, retries=retries,
+                        retry_on=retry_on)._replace(owner_pid=None)  # the service publishes it
     text = read_brief(brief, brief_file, stdin)
     hub = open_hub(workspace)
     contract = hub_contract(hub.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
                             ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
     hub.keys()  # MAM_DISPATCH_SECRET must be usable here too (exit 64 before anything is written)
-    return dispatch_via_service(hub.registry, brief=text, contract=contract,
-                                terms=QueueTerms(target_session=session), detach=detach, as_json=as_json,
-                                workspace=workspace)
+    return dispatch_via_service(hub.registry, brief=text, contract=contract, terms=terms, detach=detach,
+                                as_json=as_json, workspace=workspace)

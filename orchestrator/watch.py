@@ -24,6 +24,7 @@ import queue
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -155,6 +156,10 @@ class Watcher:
         self.wall_deadline = self.first_deadline = self.last_alive = self.next_poll = 0.0
         self.started_status = ""
         self.attempt_id = 0
+        # §14 hooks of the dispatch process: messages on other topics (presence), and
+        # whether the runner was lost (an idle close is then `runner_lost`)
+        self.on_other: Callable[[str, bytes], object] | None = None
+        self.runner_lost: Callable[[], bool] | None = None
 
     # ---------------------------------------------------------------- output
 
@@ -190,6 +195,8 @@ class Watcher:
         parsed = names.parse_job_topic(topic, self.config.topic_root)
         kind = TOPIC_KINDS.get(parsed[1] if parsed else "")
         if kind is None:
+            if self.on_other is not None:
+                self.on_other(topic, raw)
             return False
         if self.options.remote:
             verdict = self._accept_and_mirror(raw, kind)
@@ -479,7 +486,8 @@ class Watcher:
         if not self.accepted_any and self.started_status == JobStatus.PENDING and \
                 self.registry.get(self.job_id)["status"] == JobStatus.PENDING:
             return self._close(CloseReason.AGENT_BLOCKED)
-        return self._close(CloseReason.DEADLINE_TIMEOUT)
+        lost = self.runner_lost is not None and self.runner_lost()
+        return self._close(CloseReason.RUNNER_LOST if lost else CloseReason.DEADLINE_TIMEOUT)
 
     # ---------------------------------------------------------------- loop
 

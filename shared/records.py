@@ -93,6 +93,8 @@ class JobRecord(TypedDict):
     queued_at: NotRequired[str]  # when the current attempt was queued (§14)
     avoid_session: NotRequired[str]  # the previous attempt's runner, chosen last for a label target
     attempt_history: NotRequired[list[dict[str, Any]]]  # earlier attempts: attempt_id, session, status, reason
+    retried: NotRequired[int]  # §14: retries made so far
+    queue_owner_pid: NotRequired[int]  # the hub process that waits for this queued job (no service)
 
 
 MAX_RETRIES = 10
@@ -110,6 +112,7 @@ class QueueTerms(NamedTuple):
         target_labels: the labels a runner must carry (sorted; empty with a session).
         priority: higher first; queue_timeout_sec: seconds queued before `queue_timeout`.
         retries: 0-10; retry_on: subset of `RETRY_ON_CHOICES`.
+        owner_pid: the hub process that waits to publish it (None: a service's).
     """
 
     target_session: str | None = None
@@ -118,6 +121,7 @@ class QueueTerms(NamedTuple):
     queue_timeout_sec: int = DEFAULT_QUEUE_TIMEOUT_SEC
     retries: int = 0
     retry_on: tuple[str, ...] = tuple(DEFAULT_RETRY_ON)
+    owner_pid: int | None = None  # the hub process that will publish it (a dispatch without a service)
 
     def checked(self) -> QueueTerms:
         """These terms, validated (labels sorted).
@@ -145,8 +149,11 @@ class QueueTerms(NamedTuple):
         """The record fields of these terms."""
         target: dict[str, Any] = ({"session": self.target_session} if self.target_session is not None
                                   else {"labels": list(self.target_labels)})
-        return {"target": target, "priority": self.priority, "queue_timeout_sec": self.queue_timeout_sec,
-                "retries": self.retries, "retry_on": list(self.retry_on)}
+        fields = {"target": target, "priority": self.priority, "queue_timeout_sec": self.queue_timeout_sec,
+                  "retries": self.retries, "retry_on": list(self.retry_on), "retried": 0}
+        if self.owner_pid is not None:
+            fields["queue_owner_pid"] = self.owner_pid
+        return fields
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:
