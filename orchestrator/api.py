@@ -26,7 +26,7 @@ from typing import Any
 
 from mam.orchestrator.control import close_remote
 from mam.orchestrator.dispatch import check_brief, hub_contract, save_brief
-from mam.orchestrator.follow import FOLLOW_POLL_S, AuditTail, exit_code_of, is_event_line
+from mam.orchestrator.follow import FOLLOW_POLL_S, AuditTail, exit_code_of, is_event_line, settled
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.runners import receive_presence
@@ -93,7 +93,7 @@ class Job:
             for line in tail.read():
                 if is_event_line(line, self.id):
                     yield line
-            if record["status"] in TERMINAL_STATUSES:
+            if settled(record):
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"job {self.id} is still {record['status']} after {timeout_s:g} s")

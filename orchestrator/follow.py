@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 from mam.orchestrator.hub import DAY_S, Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
+from mam.orchestrator.queuewait import retry_reason
 from mam.orchestrator.watch import Detached, Watcher, WatchOptions, detach_hint, reattach_hint, render_event
 from mam.shared import names
 from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
@@ -42,6 +43,11 @@ def exit_code_of(record: JobRecord) -> int:
     if record.get("close_reason") in TIMEOUT_CLOSES:
         return ExitCode.TIMEOUT
     return EXIT_OF_STATUS.get(record["status"], ExitCode.ERROR)
+
+
+def settled(record: JobRecord) -> bool:
+    """The job is over for good: terminal, and not an attempt the service is about to retry (§14)."""
+    return record["status"] in TERMINAL_STATUSES and retry_reason(record) is None
 
 
 def is_event_line(line: dict[str, Any], job_id: str) -> bool:
@@ -104,7 +110,7 @@ def follow_service(registry: Registry, job_id: str, *, out: TextIO | None = None
                 elif announce and line.get("event") == "status_changed" and line.get("to") == JobStatus.PENDING:
                     print(f"dispatched job {job_id} to {registry.get(job_id)['session']} "
                           f"(attempt {line.get('attempt_id')})", file=sys.stderr, flush=True)
-            if record["status"] in TERMINAL_STATUSES:
+            if settled(record):
                 return exit_code_of(record)
             if service_pid(registry.root) is None:
                 print(f"job {job_id}: the hub service stopped; watching it here", file=sys.stderr, flush=True)

@@ -46,6 +46,7 @@ log = logging.getLogger("mam.serve")
 
 SCAN_S = 0.2  # the registry folder is scanned this often for new and changed records
 TICK_S = 0.1  # the §10 clocks of every job are looked at this often
+MAX_TICK_DEFER_S = 2.0  # how long a backlog of received messages may hold the clocks back
 
 
 class _Discard:
@@ -123,7 +124,10 @@ class HubService:
         status = record["status"]
         watcher = self.watchers.get(job_id)
         if watcher is not None:
-            if status not in PUBLISHED_STATUSES:
+            if status == JobStatus.QUEUED:  # another process queued a retry: back to the queue
+                del self.watchers[job_id]
+                self._enqueue(record)
+            elif status not in PUBLISHED_STATUSES:
                 watcher.refresh()  # e.g. `mam-orch cancel` from another shell: the next tick ends it
             elif record["attempt_id"] != watcher.attempt_id:
                 self.watchers[job_id] = self._watcher(record, now)  # a new attempt (redispatch, retry)
@@ -340,7 +344,9 @@ class HubService:
                 self.scan(now)
                 self.expire_queued()
                 self.plan(now)
-            if now >= next_tick:
+            # §10: a message already received renews its job even if not judged yet, so the
+            # clocks wait for the local backlog to be handled (at most MAX_TICK_DEFER_S)
+            if now >= next_tick and (client.messages.empty() or now >= next_tick + MAX_TICK_DEFER_S):
                 next_tick = now + TICK_S
                 self.tick(now, link.down_since)
             try:

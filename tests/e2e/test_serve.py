@@ -11,6 +11,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 from harness.runnersim import (
     AGENTS,
@@ -65,8 +66,8 @@ def status_of(workspace: Path, job_id: str) -> str:
 
 
 def detach(workspace: Path, session: str, brief: str, *extra: str) -> str:
-    result = orch(workspace, "dispatch", "--session", session, "--brief", brief, "--detach", "--json",
-                  *FAST, *extra)
+    target = ["--session", session] if session else []
+    result = orch(workspace, "dispatch", *target, "--brief", brief, "--detach", "--json", *FAST, *extra)
     assert result.returncode == 0, result.stderr
     return str(json.loads(result.stdout.splitlines()[-1])["job_id"])
 
@@ -203,13 +204,13 @@ def test_s14_the_python_api_dispatches_waits_and_streams_events(nats_broker, tmp
         stop(runner)
 
 
-def start_runner_slots(broker, workspace: Path, session: str, max_jobs: int) -> subprocess.Popen[bytes]:
+def start_runner_slots(broker, workspace: Path, session: str, max_jobs: int, *args: str) -> subprocess.Popen[bytes]:
     """`mam-runner run --max-jobs N` with the shell agent, once its online presence is retained."""
     (workspace / ".git").mkdir(parents=True, exist_ok=True)
     write_env_for(broker, workspace)
     with open(workspace.parent / f"{workspace.name}.stderr", "wb") as err:
         proc = subprocess.Popen([*MAM_RUNNER, "run", "--session", session, "--exec", str(AGENTS / "shell-agent"),
-                                 "--max-jobs", str(max_jobs), "--workspace", str(workspace)],
+                                 "--max-jobs", str(max_jobs), "--workspace", str(workspace), *args],
                                 env=clean_env(MAM_CANCEL_GRACE_S="1"), stdout=subprocess.DEVNULL, stderr=err)
     topic = names.presence_topic(session, broker.topic_root)
     wait_until(lambda: proc.poll() is not None or b'"online"' in (retained(broker, topic, 0.3) or b""),
@@ -271,3 +272,28 @@ def test_s14_two_hubs_share_one_runner_each_completes_never_above_max_jobs(nats_
             stop(*services, runner)
     assert seen_running and max(seen_running) <= 2, seen_running
     assert max(seen_running) == 2  # it was full at some point: the test exercised the limit
+
+
+def test_s14_serve_retries_a_job_whose_runner_died_on_another_matching_runner(nats_broker, tmp_path):
+    hub = hub_workspace(nats_broker, tmp_path)
+    first = start_runner_slots(nats_broker, tmp_path / "box-a", "box-a", 1, "--labels", "x")
+    serve = start_serve(hub)
+    second = None
+    try:
+        job_id = detach(hub, "", gated(tmp_path, 0), "--labels", "x", "--retries", "1")
+        wait_until(lambda: status_of(hub, job_id) == "running", what="attempt 1 running")
+        assert Registry(hub).get(job_id)["session"] == "box-a"
+        second = start_runner_slots(nats_broker, tmp_path / "box-b", "box-b", 1, "--labels", "x")
+        host = [first, *psutil.Process(first.pid).children(recursive=True)]
+        for proc in host:  # the whole host dies: runner and agent, no goodbye (the broker sends the Last Will)
+            proc.kill()
+        wait_until(lambda: Registry(hub).get(job_id)["attempt_id"] == 2 and status_of(hub, job_id) == "running",
+                   what="attempt 2 running elsewhere")
+        record = Registry(hub).get(job_id)
+        assert record["session"] == "box-b"
+        assert record["attempt_history"][0]["close_reason"] == "runner_lost", record["attempt_history"]
+        (tmp_path / "go-0").touch()
+        wait_until(lambda: status_of(hub, job_id) == "completed", what="attempt 2 completed")
+    finally:
+        stop(serve, first, *([second] if second else []))
+    assert "Traceback" not in serve_log(hub), serve_log(hub)
