@@ -226,63 +226,6 @@ def print_started(record: JobRecord, as_json: bool, verb: str) -> None:
         print(record["job_id"], flush=True)
 
 
-def publish_and_watch(registry: Registry, record: JobRecord, brief: str, keys: DispatchKeys, client: MqttClient, *,
-                      detach: bool, as_json: bool, verb: str = "dispatched", workspace: Workspace = None) -> int:
-    """From a registered (or redispatched) pending attempt to its end, on one
-    connection (§5, §10): store the brief, subscribe to the job's events and
-    state, publish the sealed signed retained dispatch, then watch.
-
-    If anything fails before the dispatch is on the broker, the record is
-    closed `agent_blocked` (so no job stays pending) and the error propagates.
-
-    Args:
-        record: the attempt to publish (from `Registry.register` / `redispatch`).
-        brief: the checked brief; client: a connected `MqttClient` (not closed here).
-        detach: return 0 right after the publish; as_json: JSON on stdout even on a TTY.
-        verb: "dispatched" or "redispatched", for the messages.
-        workspace: the `--workspace` given, for the re-attach hints.
-    Returns:
-        the exit code of §9 (130 when detached with Ctrl-C; 3 with the record
-        left open when the broker stayed unreachable after the publish, §14).
-    Raises:
-        BrokerError (exit 3), RegistryError, UsageError.
-    """
-    job_id = record["job_id"]
-    watcher = Watcher(registry, job_id, client=client, keys=keys,
-                      options=WatchOptions(remote=True, ack_only_before_first=True))
-    if as_json:
-        watcher.human = False
-    published = False
-    try:
-        signed = build_dispatch(record, brief, keys)
-        save_brief(registry, job_id, brief)
-        if not watcher.subscribe():
-            raise BrokerUnavailable(f"job {job_id}: cannot subscribe to its events and state")
-        publish_dispatch(client, signed)
-        published = True
-    except BaseException:
-        if not published:
-            closed = close_remote(registry, client if client.connected.is_set() else None, keys,
-                                  job_id, "agent_blocked")
-            print(f"job {job_id} was not {verb}; its record is closed {closed.get('close_reason')}",
-                  file=sys.stderr)
-        raise
-    print(f"{verb} job {job_id} to {record['session']} (attempt {record['attempt_id']})", file=sys.stderr,
-          flush=True)
-    if detach:
-        print_started(registry.get(job_id), as_json, verb)
-        return 0
-    try:
-        code = watcher.run()
-    except Detached:
-        print(detach_hint(job_id, workspace), file=sys.stderr)
-        return ExitCode.DETACHED
-    hint = reattach_hint(registry, job_id, workspace) if code == ExitCode.BROKER else None
-    if hint is not None:
-        print(hint, file=sys.stderr)
-    return code
-
-
 def send_dispatch(registry: Registry, record: JobRecord, keys: DispatchKeys, client: MqttClient) -> JobRecord:
     """Seal, sign and publish retained the dispatch of a `pending` attempt with its
     stored brief (§5). If it does not reach the broker the record is closed
@@ -367,10 +310,13 @@ def queued_hint(job_id: str, workspace: Workspace) -> str:
 
 
 def follow_queued(registry: Registry, record: JobRecord, keys: DispatchKeys, client: MqttClient, *,
-                  detach: bool, as_json: bool, workspace: Workspace = None) -> int:
+                  detach: bool, as_json: bool, workspace: Workspace = None, verb: str = "dispatched") -> int:
     """Without a service (§14): wait for the queued job to be placed, publish it, watch
     it (§10), and retry a failed attempt while `retries` allow (§14 Retries).
 
+    Args:
+        record: the queued attempt (from `Registry.register` or `queuewait.requeue`).
+        verb: "dispatched" or "redispatched", for the messages.
     Returns:
         the exit code of §9 of the last attempt (2 for `queue_timeout`; 0 with --detach
         once published; 130 when detached with Ctrl-C).
@@ -402,9 +348,9 @@ def follow_queued(registry: Registry, record: JobRecord, keys: DispatchKeys, cli
             send_dispatch(registry, placed, keys, client)
         session, runner_id = placed["session"], feed.runner_id(placed["session"])
         watcher.runner_lost = lambda: feed.lost(session, runner_id)
-        print(f"dispatched job {job_id} to {session} (attempt {placed['attempt_id']})", file=sys.stderr, flush=True)
+        print(f"{verb} job {job_id} to {session} (attempt {placed['attempt_id']})", file=sys.stderr, flush=True)
         if detach:
-            print_started(registry.get(job_id), as_json, "dispatched")
+            print_started(registry.get(job_id), as_json, verb)
             return 0
         try:
             code = watcher.run()

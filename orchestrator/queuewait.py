@@ -24,12 +24,12 @@ from mam.orchestrator.control import publish_cancel
 from mam.orchestrator.queue import Fleet, QueuedJob, matches, plan, why_waiting
 from mam.orchestrator.runners import CLOCK_SKEW_S, PRESENCE_STALE_S, presence_view
 from mam.shared import names, wire
-from mam.shared.codes import DEFAULT_RETRY_ON, PresenceStatus, QueueSource, RetryOn
+from mam.shared.codes import DEFAULT_RETRY_ON, OPEN_STATUSES, PresenceStatus, QueueSource, RetryOn
 from mam.shared.codes import JobStatus as Status
 from mam.shared.crypto import DispatchKeys
 from mam.shared.errors import BrokerError, ProtocolError
 from mam.shared.mqtt import QOS_AT_LEAST_ONCE, QOS_AT_MOST_ONCE, MqttClient
-from mam.shared.records import JobRecord, moved, next_attempt, published, target_of, utc_now
+from mam.shared.records import JobRecord, Refusal, moved, next_attempt, published, target_of, utc_now
 from mam.shared.registry import Registry
 
 log = logging.getLogger("mam.queue")
@@ -278,6 +278,34 @@ def wait_queued(registry: Registry, job_id: str, client: MqttClient, feed: Prese
 
 
 # ------------------------------------------------------------------ retries
+
+def requeue(registry: Registry, job_id: str, *, session: str | None = None, reason: str = "operator redispatch"
+            ) -> JobRecord:
+    """An operator's redispatch (§8) through the queue (§14): from `error` or `cancelled`,
+    or from an open status after a cancel, never from `completed`: attempt + 1 `queued`
+    with fresh tokens, for `session` when given (the target becomes that runner).
+
+    Raises:
+        Refusal(`not_allowed`), UsageError (bad session), JobNotFound, RegistryError.
+    """
+    if session is not None:
+        names.validate_session(session)
+    with registry.transaction(job_id) as txn:
+        record = txn.record
+        if record["status"] == Status.COMPLETED:
+            raise Refusal(job_id, "not_allowed", "refused redispatch: the job completed")
+        if record["status"] in OPEN_STATUSES and not record.get("cancel_requested_at"):
+            raise Refusal(job_id, "not_allowed", f"refused redispatch: the job is {record['status']}; cancel it first")
+        new = next_attempt(record, Status.QUEUED)
+        new["queue_owner_pid"] = os.getpid()
+        new.pop("avoid_session", None)
+        if session is not None:
+            new["target"] = {"session": session}
+        elif "target" not in new:  # a v1 record: its session is its target
+            new["target"] = {"session": record["session"]}
+        txn.update(new, source="operator", reason=reason)
+    return new
+
 
 def retry_reason(record: JobRecord) -> str | None:
     """Why this ended attempt may be retried (§14), or None: `error` ended by the hub

@@ -390,6 +390,22 @@ class Watcher:
             print(f"job {self.job_id}: the hub closed it, but its runner later reported {late} "
                   f"(late_outcome; the record keeps its status)", file=sys.stderr)
 
+    def _wait_unqueued(self) -> JobRecord:
+        """§14: a queued job has no clock yet; wait until whoever queued it publishes (or closes) it.
+
+        Raises:
+            Detached: on KeyboardInterrupt.
+        """
+        log.info("job %s is queued; waiting for its dispatch", self.job_id)
+        try:
+            while True:
+                record = self.registry.get(self.job_id)
+                if record["status"] != JobStatus.QUEUED:
+                    return record
+                time.sleep(REGISTRY_POLL_S)
+        except KeyboardInterrupt:
+            raise Detached(self.job_id) from None
+
     def _finish_from_disk(self, why: str) -> int:
         """Disk fallback (§10): the hub's own record decides; else exit 3."""
         status = self.registry.get(self.job_id)["status"]
@@ -499,6 +515,10 @@ class Watcher:
             RegistryError: the hub record cannot be read.
         """
         record = self.registry.get(self.job_id)
+        if record["status"] == JobStatus.QUEUED:
+            record = self._wait_unqueued()
+        if record.get("close_reason") == CloseReason.QUEUE_TIMEOUT:
+            return ExitCode.TIMEOUT
         if record["status"] in TERMINAL_STATUSES:
             if self.options.remote and record.get("close_reason") in HUB_DECISIONS and not record.get("late_outcome"):
                 self._read_late_terminal()
