@@ -187,12 +187,12 @@ def test_s14_bad_labels_refused_by_both_clis_one_line_nothing_registered(nats_br
     for labels in ("GPU", "a,,b", too_many, "x" * 33):
         result = orch(hub, "dispatch", "--labels", labels, "--brief", "x")
         assert result.returncode == 64, result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1 and "label" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "is invalid" in result.stderr
         runner = subprocess.run([*MAM_RUNNER, "run", "--session", "r1", "--exec", "true", "--labels", labels,
                                  "--workspace", str(tmp_path / "r1")], env=clean_env(), capture_output=True,
                                 text=True, timeout=PATIENCE_S)
         assert runner.returncode == 64, runner.stderr
-        assert len(runner.stderr.strip().splitlines()) == 1 and "label" in runner.stderr
+        assert len(runner.stderr.strip().splitlines()) == 1 and "is invalid" in runner.stderr
     both = orch(hub, "dispatch", "--labels", "x", "--session", "s", "--brief", "x")
     assert both.returncode == 64 and "not both" in both.stderr
     assert orch(hub, "dispatch", "--labels", "x", "--retries", "11", "--brief", "x").returncode == 64
