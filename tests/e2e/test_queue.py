@@ -230,6 +230,9 @@ def test_s14_hostile_presence_never_kills_a_waiting_dispatch(broker, runners, tm
 
 def test_s14_no_runner_has_the_labels_warning_then_queue_timeout_exit_2(broker, tmp_path):
     hub = hub_workspace(broker, tmp_path)
+    required = orch(hub, "dispatch", "--labels", "nowhere", "--require-online", "--brief", "x")
+    assert required.returncode == 5 and "no runner with labels=nowhere is online" in required.stderr
+    assert hub_records(hub) == []
     result = orch(hub, "dispatch", "--labels", "nowhere", "--queue-timeout", "2", "--brief", "x")
     assert result.returncode == 2, result.stderr
     assert "WARNING: job" in result.stderr and "no runner has ever announced labels=nowhere" in result.stderr
