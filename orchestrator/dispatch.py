@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 from mam.orchestrator.control import close_remote
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.queuewait import PresenceFeed, mark_published, retry_attempt, retry_reason, wait_queued
-from mam.orchestrator.runners import read_presence
+from mam.orchestrator.runners import collect_presence, read_presence
 from mam.orchestrator.watch import Detached, Watcher, WatchOptions, detach_hint, reattach_hint
 from mam.shared import config, crypto, names, wire
 from mam.shared.codes import DEFAULT_RETRY_ON, TERMINAL_STATUSES, CloseReason, JobStatus, PresenceStatus
@@ -371,6 +371,14 @@ def follow_queued(registry: Registry, record: JobRecord, keys: DispatchKeys, cli
         record = retry
 
 
+def _labels_online(client: MqttClient, keys: DispatchKeys, labels: tuple[str, ...]) -> bool:
+    """Some runner with a signed `online` presence carries every one of `labels` (§7, §14)."""
+    rows, refused = collect_presence(client, keys)
+    for line in refused:
+        print(line, file=sys.stderr)
+    return any(row["status"] == PresenceStatus.ONLINE and set(labels) <= set(row["labels"]) for row in rows)
+
+
 def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | None, heartbeat_s: int | None,
                  heartbeat_misses: int | None, ack_timeout_s: int | None, idle_timeout_s: int | None,
                  timeout_s: int | None, require_online: bool, detach: bool, as_json: bool,
@@ -383,7 +391,8 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
     `--labels a,b`; one brief source, the brief, the contract, the §14 terms,
     MAM_DISPATCH_SECRET, the broker settings) with nothing written; connect
     (unreachable: exit 3, nothing registered); with `require_online` read the
-    session's retained presence and exit 5 unless it is a signed `online` presence;
+    session's retained presence (with labels: every runner's) and exit 5 unless it
+    is a signed `online` presence (carrying the labels);
     register the job `queued` and store its brief; then `follow_queued`.
 
     Returns:
@@ -410,6 +419,10 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
                 print(f"ERROR: session {target} {state}; nothing dispatched (start `mam-runner run "
                       f"--session {target}` there, or drop --require-online)", file=sys.stderr)
                 return ExitCode.NO_RUNNER
+        elif require_online and not _labels_online(client, keys, terms.target_labels):
+            print(f"ERROR: no runner with labels={','.join(terms.target_labels)} is online; nothing dispatched "
+                  f"(start `mam-runner run --labels ...` there, or drop --require-online)", file=sys.stderr)
+            return ExitCode.NO_RUNNER
         record = registry.register(session=target, contract=contract, queue=terms)
         try:
             save_brief(registry, record["job_id"], text)

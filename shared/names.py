@@ -126,13 +126,13 @@ def validate_labels(values: object, what: str = "labels") -> tuple[str, ...]:
     if not isinstance(values, (list, tuple, frozenset, set)):
         raise UsageError(f"{what} must be a list of labels")
     if len(values) > MAX_LABELS:
-        raise UsageError(f"{what}: {len(values)} labels, at most {MAX_LABELS} are allowed (§14)")
+        raise UsageError(f"{what} is invalid: {len(values)} labels, at most {MAX_LABELS} are allowed (§14)")
     for value in values:
         problem = label_problem(value)
         if problem is not None:
             raise UsageError(f"label {str(value)[:40]!r} is invalid: {problem} (§14)")
     if len(set(values)) != len(values):
-        raise UsageError(f"{what} list a label twice")
+        raise UsageError(f"{what} is invalid: a label is listed twice")
     return tuple(sorted(values))
 
 

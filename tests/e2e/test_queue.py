@@ -187,12 +187,12 @@ def test_s14_bad_labels_refused_by_both_clis_one_line_nothing_registered(nats_br
     for labels in ("GPU", "a,,b", too_many, "x" * 33):
         result = orch(hub, "dispatch", "--labels", labels, "--brief", "x")
         assert result.returncode == 64, result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1 and "label" in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "is invalid" in result.stderr
         runner = subprocess.run([*MAM_RUNNER, "run", "--session", "r1", "--exec", "true", "--labels", labels,
                                  "--workspace", str(tmp_path / "r1")], env=clean_env(), capture_output=True,
                                 text=True, timeout=PATIENCE_S)
         assert runner.returncode == 64, runner.stderr
-        assert len(runner.stderr.strip().splitlines()) == 1 and "label" in runner.stderr
+        assert len(runner.stderr.strip().splitlines()) == 1 and "is invalid" in runner.stderr
     both = orch(hub, "dispatch", "--labels", "x", "--session", "s", "--brief", "x")
     assert both.returncode == 64 and "not both" in both.stderr
     assert orch(hub, "dispatch", "--labels", "x", "--retries", "11", "--brief", "x").returncode == 64
@@ -230,6 +230,9 @@ def test_s14_hostile_presence_never_kills_a_waiting_dispatch(broker, runners, tm
 
 def test_s14_no_runner_has_the_labels_warning_then_queue_timeout_exit_2(broker, tmp_path):
     hub = hub_workspace(broker, tmp_path)
+    required = orch(hub, "dispatch", "--labels", "nowhere", "--require-online", "--brief", "x")
+    assert required.returncode == 5 and "no runner with labels=nowhere is online" in required.stderr
+    assert hub_records(hub) == []
     result = orch(hub, "dispatch", "--labels", "nowhere", "--queue-timeout", "2", "--brief", "x")
     assert result.returncode == 2, result.stderr
     assert "WARNING: job" in result.stderr and "no runner has ever announced labels=nowhere" in result.stderr

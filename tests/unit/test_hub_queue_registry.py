@@ -5,22 +5,29 @@ from the records, dead owners left out), `queue_timeout`, retries
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 import time
 
 import pytest
+from harness.workspace import TEST_SECRET
+from test_hub_watch import RecordingClient, deliver
 
 from mam.orchestrator import queuewait
 from mam.orchestrator.queue import Fleet, RunnerView
 from mam.orchestrator.queuewait import PresenceFeed, close_queue_timeout, place, requeue, retry_attempt, retry_reason
+from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared import crypto, names, render, wire
 from mam.shared.codes import JobStatus
-from mam.shared.errors import UsageError
+from mam.shared.config import BrokerConfig
+from mam.shared.errors import ExitCode, UsageError
+from mam.shared.mqtt import Message
 from mam.shared.records import QueueTerms, Refusal, moved
 from mam.shared.registry import Registry
 
 KEYS = crypto.derive_keys("k" * 40)
+KEYS_W = crypto.derive_keys(TEST_SECRET)
 
 
 @pytest.fixture
@@ -184,3 +191,28 @@ def test_s14_presence_feed_refuses_hostile_presence_and_tells_a_lost_runner() ->
     replaced = wire.Presence.build("r1", "b" * 32, "online", host="h", version="1", max_jobs=1)
     feed.handle(topic, wire.encode(crypto.sign(replaced.to_dict(), KEYS.sign_key)))
     assert feed.lost("r1", "a" * 32) and not feed.lost("r1", "b" * 32)
+
+
+def test_s14_an_idle_close_of_a_lost_runner_is_runner_lost_and_presence_reaches_the_hook(reg) -> None:
+    rec = reg.register(session="gpu-box")
+    client = RecordingClient()
+    deliver(client, rec, 1, "started")
+    presence_topic = names.presence_topic("gpu-box", client.config.topic_root)
+    client.messages.put(Message(presence_topic, b"{}", True))
+    watcher = Watcher(reg, rec["job_id"], client=client, keys=KEYS_W,  # type: ignore[arg-type]
+                      options=WatchOptions(remote=True, ack_timeout_s=5, idle_timeout_s=0.3), out=io.StringIO())
+    seen: list[str] = []
+    watcher.on_other = lambda topic, raw: seen.append(topic)
+    watcher.runner_lost = lambda: True
+    assert watcher.run() == ExitCode.TIMEOUT
+    assert seen == [presence_topic]
+    after = reg.get(rec["job_id"])
+    assert (after["status"], after["close_reason"]) == ("error", "runner_lost")
+    assert [topic.rsplit("/", 1)[1] for topic, _p, _r in client.published] == ["dispatch", "control"]
+
+
+def test_s14_watch_of_a_job_that_timed_out_in_the_queue_exits_2(reg) -> None:
+    record = labelled(reg)
+    close_queue_timeout(reg, record["job_id"])
+    watcher = Watcher(reg, record["job_id"], config=BrokerConfig(), out=io.StringIO())
+    assert watcher.run() == ExitCode.TIMEOUT
