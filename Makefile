@@ -35,6 +35,7 @@ TYPECHECK := .typecheck
 lint: $(STAMP)
 	@mkdir -p $(TYPECHECK)/mam
 	@for pkg in shared runner orchestrator; do ln -sfn ../../$$pkg $(TYPECHECK)/mam/$$pkg; done
+	@ln -sfn ../../api/__init__.py $(TYPECHECK)/mam/__init__.py
 	$(VENV)/bin/ruff check .
 	cd $(TYPECHECK) && ../$(VENV)/bin/mypy --config-file ../pyproject.toml -p mam
 

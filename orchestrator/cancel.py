@@ -9,9 +9,9 @@ import sys
 from mam.orchestrator.control import cancel_owed, clear_dispatch, publish_cancel
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.shared import names
-from mam.shared.codes import TERMINAL_STATUSES
+from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.errors import BrokerError, TransitionRefused
-from mam.shared.records import JobRecord
+from mam.shared.records import JobRecord, moved
 
 
 def _print_result(record: JobRecord, changed: bool) -> None:
@@ -48,6 +48,17 @@ def cancel(job_id: str, *, workspace: Workspace = None, reason: str = "operator"
     registry = hub.registry
     record = registry.get(job_id)
     changed = False
+    if record["status"] == JobStatus.QUEUED:  # §14: nothing was published, so no control either
+        with registry.transaction(job_id) as txn:
+            if txn.record["status"] == JobStatus.QUEUED:  # else it left the queue meanwhile: cancel it as published
+                record = moved(txn.record, JobStatus.CANCELLED, close_reason=CloseReason.CANCELLED)
+                txn.update(record, source="operator", reason=reason)
+                changed = True
+        if changed:
+            print(f"job {job_id} (attempt {record['attempt_id']}): cancelled while queued", file=sys.stderr)
+            _print_result(record, True)
+            return 0
+        record = registry.get(job_id)
     if record["status"] not in TERMINAL_STATUSES or cancel_owed(record):
         keys = hub.keys()
         client = hub.connect("cancel", record)

@@ -11,12 +11,14 @@ import typer
 
 from mam.orchestrator.cancel import cancel
 from mam.orchestrator.dispatch import dispatch_cli
+from mam.orchestrator.follow import watch_cli
 from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.redispatch import redispatch_cli
 from mam.orchestrator.roster_cli import runner_app
 from mam.orchestrator.runners import runners_cli
-from mam.orchestrator.watch import watch_cli
+from mam.orchestrator.service import serve_cli
+from mam.orchestrator.thin import service_runs, thin_dispatch_cli
 from mam.shared import broker, clikit
 from mam.shared.config import describe
 from mam.shared.errors import MamError
@@ -177,8 +179,12 @@ def watch_cmd(
 
 @app.command("dispatch")
 def dispatch_cmd(
-    session: str = typer.Option(..., "--session", metavar="NAME",
-                                help="The runner session to run the job (letters, digits, '-', '_')."),
+    session: str = typer.Option(None, "--session", metavar="NAME",
+                                help="The one runner session to run the job (letters, digits, '-', '_'; "
+                                     "remote:NAME accepted)."),
+    labels: str = typer.Option(None, "--labels", metavar="A,B",
+                               help="Instead of --session: any online runner whose labels include all of "
+                                    "these (§14)."),
     brief: str = typer.Option(None, "--brief", metavar="TEXT", help="The brief (UTF-8, at most 512 KiB)."),
     brief_file: str = typer.Option(None, "--brief-file", metavar="PATH",
                                    help="Read the brief from PATH ('-' = stdin)."),
@@ -194,23 +200,38 @@ def dispatch_cmd(
     require_online: bool = typer.Option(False, "--require-online",
                                         help="Exit 5 (nothing dispatched) unless the session has a signed "
                                              "online presence."),
+    priority: int = typer.Option(0, "--priority", metavar="N", help="Higher leaves the queue first (§14)."),
+    queue_timeout: int = typer.Option(None, "--queue-timeout", metavar="S",
+                                      help="Seconds queued before closing queue_timeout, exit 2 (default 86400)."),
+    retries: int = typer.Option(0, "--retries", metavar="N", help="Retry a failed attempt up to N times, 0..10."),
+    retry_on: str = typer.Option(None, "--retry-on", metavar="LIST",
+                                 help="Which ends retry: agent_blocked,deadline_timeout,runner_lost,error "
+                                      "(default the first three)."),
     detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
     workspace: str = clikit.workspace_option(),
 ) -> int:
-    """Dispatch a job to a runner session and watch it until it ends (PROTOCOL §5, §10).
+    """Queue a job for a runner session or any runner with some labels, publish it
+    when one has a free slot, and watch it until it ends (PROTOCOL §5, §10, §14).
 
     The brief travels sealed (AES-256-GCM) in a signed retained dispatch; the
-    hub keeps a 0600 copy in .mam/logs/<job>/brief.txt for redispatch.
+    hub keeps a 0600 copy in .mam/logs/<job>/brief.txt for redispatch and retries.
     Exit codes: 0 completed, 1 error (incl. agent_blocked), 2 idle or wall
-    timeout, 3 broker unreachable, 4 cancelled, 5 no online runner
-    (--require-online), 64 bad arguments, 130 detached with Ctrl-C.
+    timeout or queue_timeout, 3 broker unreachable, 4 cancelled, 5 no online
+    runner (--require-online), 64 bad arguments, 130 detached with Ctrl-C.
     """
     clikit.setup_logging()
+    if not require_online and service_runs(workspace):  # the thin CLI: the service publishes and watches (§14)
+        return thin_dispatch_cli(session=session, brief=brief, brief_file=brief_file, heartbeat_s=heartbeat,
+                                 heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout,
+                                 idle_timeout_s=idle_timeout, timeout_s=timeout, detach=detach, as_json=as_json,
+                                 workspace=workspace, labels=labels, priority=priority,
+                                 queue_timeout_s=queue_timeout, retries=retries, retry_on=retry_on)
     return dispatch_cli(session=session, brief=brief, brief_file=brief_file, heartbeat_s=heartbeat,
                         heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout, idle_timeout_s=idle_timeout,
                         timeout_s=timeout, require_online=require_online, detach=detach, as_json=as_json,
-                        workspace=workspace)
+                        workspace=workspace, labels=labels, priority=priority, queue_timeout_s=queue_timeout,
+                        retries=retries, retry_on=retry_on)
 
 
 @app.command("cancel")
@@ -276,6 +297,20 @@ def gc_cmd(
     if reclear_:
         return reclear_cli(workspace=workspace)
     return gc_cli(older_than_days=older_than_days, workspace=workspace, dry_run=dry_run)
+
+
+@app.command("serve")
+def serve_cmd(
+    workspace: str = clikit.workspace_option(),
+) -> int:
+    """Run the hub service: one process and one broker connection for every job of this
+    registry (PROTOCOL §14). It tracks every queued, pending and running job, whichever
+    command registered it, publishes queued jobs when a runner has a free slot, applies the
+    clocks of §10 and mirrors events. SIGTERM/SIGINT stop it; the jobs go on, and the
+    next start picks them up. Exit 64: another service runs for this registry (its pid is named).
+    """
+    clikit.setup_logging()
+    return serve_cli(workspace=workspace)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from mam.shared.registry import Registry
 log = logging.getLogger("mam.fleet")
 
 # The hub's own closes: the runner may not know the job ended (§10).
-HUB_CLOSES = frozenset({CloseReason.DEADLINE_TIMEOUT, CloseReason.AGENT_BLOCKED})
+HUB_CLOSES = frozenset({CloseReason.DEADLINE_TIMEOUT, CloseReason.AGENT_BLOCKED, CloseReason.RUNNER_LOST})
 
 
 def publish_cancel(client: MqttClient, record: JobRecord, keys: DispatchKeys, reason: str,

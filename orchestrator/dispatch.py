@@ -2,7 +2,10 @@
 retained (PROTOCOL §5), then watch (§10); `mam-orch dispatch`.
 
 `build_dispatch` is pure (record + brief + keys -> signed wire dict) so the
-runner's tests and the hub share one way of making a dispatch.
+runner's tests and the hub share one way of making a dispatch. A job is
+registered `queued` (§14); `publish_queued` is the one step that publishes a
+queued job to the runner the queue chose (the dispatch process without a
+service, `queuewait`, and the service both use it); retries follow §14.
 """
 
 from __future__ import annotations
@@ -17,17 +20,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from mam.orchestrator import roster
 from mam.orchestrator.control import close_remote
 from mam.orchestrator.hub import Workspace, open_hub
-from mam.orchestrator.runners import read_presence
+from mam.orchestrator.queuewait import PresenceFeed, mark_published, retry_attempt, retry_reason, wait_queued
+from mam.orchestrator.runners import collect_presence, read_presence
 from mam.orchestrator.watch import Detached, Watcher, WatchOptions, detach_hint, reattach_hint
 from mam.shared import config, crypto, names, wire
-from mam.shared.codes import PresenceStatus
+from mam.shared.codes import DEFAULT_RETRY_ON, TERMINAL_STATUSES, CloseReason, JobStatus, PresenceStatus
 from mam.shared.crypto import MAX_BRIEF_BYTES, DispatchKeys
 from mam.shared.errors import BrokerUnavailable, ExitCode, ProtocolError, UsageError
 from mam.shared.fsio import atomic_write
 from mam.shared.mqtt import MqttClient
-from mam.shared.records import JobRecord
+from mam.shared.records import JobRecord, QueueTerms, describe_target
 from mam.shared.registry import Registry
 
 HUB_NAME_MAX_CHARS = 255
@@ -61,8 +66,9 @@ def check_brief(brief: str) -> str:
 
 
 def build_dispatch(record: Mapping[str, Any], brief: str, keys: DispatchKeys, *, origin: str | None = None,
-                   issued_at: datetime | None = None) -> dict[str, Any]:
-    """The signed dispatch of §5 for the record's current attempt.
+                   issued_at: datetime | None = None, root: Path | None = None) -> dict[str, Any]:
+    """The signed dispatch of §5 for the record's current attempt: v2 (§16) when the hub
+    registry at `root` has an active roster entry for the session, else v1.
 
     Args:
         record: the hub record (job_id, session, attempt_id, dispatch_token,
@@ -71,12 +77,17 @@ def build_dispatch(record: Mapping[str, Any], brief: str, keys: DispatchKeys, *,
         keys: `DispatchKeys` from MAM_DISPATCH_SECRET.
         origin: the hub's name (default `hub_name()`).
         issued_at: aware datetime (default now); `expires_at` = issued_at + ack_timeout_sec.
+        root: the hub registry's root, whose roster decides v1 or v2 (None: v1).
     Returns:
         the wire dict, `sig` included.
     Raises:
-        UsageError: a bad brief or record field.
+        UsageError: a bad brief or record field, or a revoked session (§16).
     """
     check_brief(brief)
+    if root is not None:
+        v2 = roster.build_dispatch_v2(root, record, brief, origin=origin or hub_name(), issued_at=issued_at)
+        if v2 is not None:
+            return v2
     sealed = crypto.seal(keys.seal_key, job_id=record["job_id"], attempt_id=record["attempt_id"],
                          dispatch_token=record["dispatch_token"], auth_token=record["auth_token"],
                          brief=brief)
@@ -212,7 +223,7 @@ def hub_contract(workspace: Workspace, *, heartbeat_s: int | None = None, heartb
     return contract
 
 
-def _print_started(record: JobRecord, as_json: bool, verb: str) -> None:
+def print_started(record: JobRecord, as_json: bool, verb: str) -> None:
     """The --detach answer on stdout: the job id (JSON unless a human reads a TTY)."""
     if as_json or not sys.stdout.isatty():
         print(json.dumps({"job_id": record["job_id"], "session": record["session"],
@@ -222,84 +233,183 @@ def _print_started(record: JobRecord, as_json: bool, verb: str) -> None:
         print(record["job_id"], flush=True)
 
 
-def publish_and_watch(registry: Registry, record: JobRecord, brief: str, keys: DispatchKeys, client: MqttClient, *,
-                      detach: bool, as_json: bool, verb: str = "dispatched", workspace: Workspace = None) -> int:
-    """From a registered (or redispatched) pending attempt to its end, on one
-    connection (§5, §10): store the brief, subscribe to the job's events and
-    state, publish the sealed signed retained dispatch, then watch.
+def send_dispatch(registry: Registry, record: JobRecord, keys: DispatchKeys, client: MqttClient) -> JobRecord:
+    """Seal, sign and publish retained the dispatch of a `pending` attempt with its
+    stored brief (§5). If it does not reach the broker the record is closed
+    `agent_blocked` (no job stays pending) and the error propagates.
 
-    If anything fails before the dispatch is on the broker, the record is
-    closed `agent_blocked` (so no job stays pending) and the error propagates.
+    Raises:
+        BrokerError, UsageError (no usable stored brief), RegistryError.
+    """
+    job_id = record["job_id"]
+    sent = False
+    try:
+        publish_dispatch(client, build_dispatch(record, load_brief(registry, job_id), keys, root=registry.root))
+        sent = True
+    finally:
+        if not sent:
+            closed = close_remote(registry, client if client.connected.is_set() else None, keys,
+                                  job_id, CloseReason.AGENT_BLOCKED)
+            print(f"job {job_id} was not dispatched; its record is closed {closed.get('close_reason')}",
+                  file=sys.stderr)
+    return record
+
+
+def publish_queued(registry: Registry, job_id: str, session: str, keys: DispatchKeys,
+                   client: MqttClient) -> JobRecord:
+    """Publish a `queued` job to the runner the queue chose (§14): `queued` → `pending`
+    for `session` (source `hub_queue`; the ack and wall clocks start now), then the
+    sealed, signed, retained dispatch (§5) with the stored brief.
+
+    Returns:
+        the `pending` record.
+    Raises:
+        Refusal(`not_allowed`): the job is no longer queued (nothing published).
+        BrokerError (the record is then closed `agent_blocked`), RegistryError.
+    """
+    return send_dispatch(registry, mark_published(registry, job_id, session), keys, client)
+
+
+def parse_retry_on(text: str | None) -> tuple[str, ...]:
+    """`--retry-on a,b` as a tuple (checked by `QueueTerms.checked`); None: the §14 default."""
+    if text is None:
+        return tuple(DEFAULT_RETRY_ON)
+    return tuple(item.strip() for item in text.split(","))
+
+
+def queue_terms(session: str | None, labels: str | None, *, priority: int, queue_timeout_s: int | None,
+                retries: int, retry_on: str | None) -> QueueTerms:
+    """The job's §14 terms from the dispatch options (`--session remote:NAME` accepted).
+
+    Raises:
+        UsageError: both or neither of --session/--labels, or a bad value (one line).
+    """
+    if session is not None and labels is not None:
+        raise UsageError("give either --session NAME or --labels a,b, not both (§14)")
+    if session is None and labels is None:
+        raise UsageError("give --session NAME (one runner) or --labels a,b (any runner with them)")
+    bare = names.validate_session(names.strip_remote(session)) if session is not None else None
+    terms = QueueTerms(target_session=bare, target_labels=names.parse_labels(labels) if labels is not None else (),
+                       priority=priority, retries=retries, retry_on=parse_retry_on(retry_on), owner_pid=os.getpid())
+    if queue_timeout_s is not None:
+        terms = terms._replace(queue_timeout_sec=queue_timeout_s)
+    return terms.checked()
+
+
+def _leave_queue(registry: Registry, record: JobRecord, client: MqttClient, feed: PresenceFeed,
+                 watcher: Watcher) -> tuple[JobRecord, bool]:
+    """Wait for the job to leave the queue (§14); (record, True) when this process placed it.
+    A session that never announced a presence keeps v1: the dispatch is published now and
+    waits retained for its runner (the ack clock runs)."""
+    job_id, session = record["job_id"], record.get("target", {}).get("session")
+    if isinstance(session, str) and not feed.read_one(client, session, watcher.handle):
+        log.info("session %s has announced no presence: dispatching now (v1)", session)
+        return mark_published(registry, job_id, session), True
+    placement = wait_queued(registry, job_id, client, feed, watcher.handle)
+    return placement.record, placement.placed
+
+
+def queued_hint(job_id: str, workspace: Workspace) -> str:
+    """What Ctrl-C prints while a job waits in the queue."""
+    where = f" --workspace {workspace}" if workspace is not None else ""
+    return (f"detached from job {job_id}; it stays queued, published by `mam-orch serve` once one runs. "
+            f"Cancel: mam-orch cancel {job_id}{where}")
+
+
+def follow_queued(registry: Registry, record: JobRecord, keys: DispatchKeys, client: MqttClient, *,
+                  detach: bool, as_json: bool, workspace: Workspace = None, verb: str = "dispatched") -> int:
+    """Without a service (§14): wait for the queued job to be placed, publish it, watch
+    it (§10), and retry a failed attempt while `retries` allow (§14 Retries).
 
     Args:
-        record: the attempt to publish (from `Registry.register` / `redispatch`).
-        brief: the checked brief; client: a connected `MqttClient` (not closed here).
-        detach: return 0 right after the publish; as_json: JSON on stdout even on a TTY.
+        record: the queued attempt (from `Registry.register` or `queuewait.requeue`).
         verb: "dispatched" or "redispatched", for the messages.
-        workspace: the `--workspace` given, for the re-attach hints.
     Returns:
-        the exit code of §9 (130 when detached with Ctrl-C; 3 with the record
-        left open when the broker stayed unreachable after the publish, §14).
+        the exit code of §9 of the last attempt (2 for `queue_timeout`; 0 with --detach
+        once published; 130 when detached with Ctrl-C).
     Raises:
         BrokerError (exit 3), RegistryError, UsageError.
     """
     job_id = record["job_id"]
-    watcher = Watcher(registry, job_id, client=client, keys=keys,
-                      options=WatchOptions(remote=True, ack_only_before_first=True))
-    if as_json:
-        watcher.human = False
-    published = False
-    try:
-        signed = build_dispatch(record, brief, keys)
-        save_brief(registry, job_id, brief)
+    feed = PresenceFeed(keys, client.config.topic_root, registry.root)
+    feed.subscribe(client)
+    while True:
+        watcher = Watcher(registry, job_id, client=client, keys=keys,
+                          options=WatchOptions(remote=True, ack_only_before_first=True))
+        watcher.human = watcher.human and not as_json
+        watcher.on_other = feed.handle  # presence while it runs (§14 runner_lost)
         if not watcher.subscribe():
             raise BrokerUnavailable(f"job {job_id}: cannot subscribe to its events and state")
-        publish_dispatch(client, signed)
-        published = True
-    except BaseException:
-        if not published:
-            closed = close_remote(registry, client if client.connected.is_set() else None, keys,
-                                  job_id, "agent_blocked")
-            print(f"job {job_id} was not {verb}; its record is closed {closed.get('close_reason')}",
-                  file=sys.stderr)
-        raise
-    print(f"{verb} job {job_id} to {record['session']} (attempt {record['attempt_id']})", file=sys.stderr,
-          flush=True)
-    if detach:
-        _print_started(registry.get(job_id), as_json, verb)
-        return 0
-    try:
-        code = watcher.run()
-    except Detached:
-        print(detach_hint(job_id, workspace), file=sys.stderr)
-        return ExitCode.DETACHED
-    hint = reattach_hint(registry, job_id, workspace) if code == ExitCode.BROKER else None
-    if hint is not None:
-        print(hint, file=sys.stderr)
-    return code
+        try:
+            placed, mine = _leave_queue(registry, record, client, feed, watcher)
+        except KeyboardInterrupt:
+            print(queued_hint(job_id, workspace), file=sys.stderr)
+            return ExitCode.DETACHED
+        if placed["status"] in TERMINAL_STATUSES:
+            print(f"job {job_id} left the queue {placed['status']} ({placed.get('close_reason')}); "
+                  f"target {describe_target(placed)}", file=sys.stderr)
+            if placed.get("close_reason") == CloseReason.QUEUE_TIMEOUT:
+                return ExitCode.TIMEOUT
+            return watcher.run()
+        if mine:
+            send_dispatch(registry, placed, keys, client)
+        session, runner_id = placed["session"], feed.runner_id(placed["session"])
+        watcher.runner_lost = lambda: feed.lost(session, runner_id)
+        print(f"{verb} job {job_id} to {session} (attempt {placed['attempt_id']})", file=sys.stderr, flush=True)
+        if detach:
+            print_started(registry.get(job_id), as_json, verb)
+            return 0
+        try:
+            code = watcher.run()
+        except Detached:
+            print(detach_hint(job_id, workspace), file=sys.stderr)
+            return ExitCode.DETACHED
+        ended = registry.get(job_id)
+        reason = retry_reason(ended)
+        retry = retry_attempt(registry, job_id, reason, client, keys) if reason is not None else None
+        if retry is None:
+            hint = reattach_hint(registry, job_id, workspace) if code == ExitCode.BROKER else None
+            if hint is not None:
+                print(hint, file=sys.stderr)
+            return code
+        print(f"job {job_id}: attempt {ended['attempt_id']} ended {reason} on {session}; retry "
+              f"{retry.get('retried')} of {retry.get('retries')}: attempt {retry['attempt_id']} queued",
+              file=sys.stderr, flush=True)
+        record = retry
 
 
-def dispatch_cli(*, session: str, brief: str | None, brief_file: str | None, heartbeat_s: int | None,
+def _labels_online(client: MqttClient, keys: DispatchKeys, labels: tuple[str, ...]) -> bool:
+    """Some runner with a signed `online` presence carries every one of `labels` (§7, §14)."""
+    rows, refused = collect_presence(client, keys)
+    for line in refused:
+        print(line, file=sys.stderr)
+    return any(row["status"] == PresenceStatus.ONLINE and set(labels) <= set(row["labels"]) for row in rows)
+
+
+def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | None, heartbeat_s: int | None,
                  heartbeat_misses: int | None, ack_timeout_s: int | None, idle_timeout_s: int | None,
                  timeout_s: int | None, require_online: bool, detach: bool, as_json: bool,
-                 workspace: Workspace, stdin: BinaryIO | None = None) -> int:
-    """`mam-orch dispatch` (§5, §9, §10).
+                 workspace: Workspace, stdin: BinaryIO | None = None, labels: str | None = None,
+                 priority: int = 0, queue_timeout_s: int | None = None, retries: int = 0,
+                 retry_on: str | None = None) -> int:
+    """`mam-orch dispatch` (§5, §9, §10, §14).
 
-    Order: validate everything (session, one brief source, the brief, the
-    contract, MAM_DISPATCH_SECRET, the broker settings) with nothing written;
-    connect (unreachable: exit 3, nothing registered); with `require_online`
-    read the session's retained presence and exit 5 unless it is a signed
-    `online` presence (`draining` takes nothing new, so it does not count);
-    register (transport remote, agent_session remote:<session>); then
-    `publish_and_watch`.
+    Order: validate everything (the target: `--session NAME` (or `remote:NAME`) or
+    `--labels a,b`; one brief source, the brief, the contract, the §14 terms,
+    MAM_DISPATCH_SECRET, the broker settings) with nothing written; connect
+    (unreachable: exit 3, nothing registered); with `require_online` read the
+    session's retained presence (with labels: every runner's) and exit 5 unless it
+    is a signed `online` presence (carrying the labels);
+    register the job `queued` and store its brief; then `follow_queued`.
 
     Returns:
-        the exit code of §9: 0 completed, 1 error/agent_blocked, 2 timeout,
-        3 broker, 4 cancelled, 5 no online runner, 130 detached.
+        the exit code of §9: 0 completed, 1 error/agent_blocked, 2 timeout or
+        queue_timeout, 3 broker, 4 cancelled, 5 no online runner, 130 detached.
     Raises:
         UsageError / ConfigError (exit 64), EnvFileError (exit 1), BrokerError (exit 3).
     """
-    names.validate_session(session)
+    terms = queue_terms(session, labels, priority=priority, queue_timeout_s=queue_timeout_s, retries=retries,
+                        retry_on=retry_on)
     text = read_brief(brief, brief_file, stdin)
     hub = open_hub(workspace)
     registry = hub.registry
@@ -308,15 +418,30 @@ def dispatch_cli(*, session: str, brief: str | None, brief_file: str | None, hea
     keys = hub.keys()
     client = hub.connect()
     try:
-        if require_online:
-            presence = read_presence(client, keys, session)
+        target = terms.target_session
+        if require_online and target is not None:
+            presence = read_presence(client, keys, target)
             if presence is None or presence["status"] != PresenceStatus.ONLINE:
                 state = "has no signed presence" if presence is None else f"is {presence['status']}"
-                print(f"ERROR: session {session} {state}; nothing dispatched (start `mam-runner run "
-                      f"--session {session}` there, or drop --require-online)", file=sys.stderr)
+                print(f"ERROR: session {target} {state}; nothing dispatched (start `mam-runner run "
+                      f"--session {target}` there, or drop --require-online)", file=sys.stderr)
                 return ExitCode.NO_RUNNER
-        record = registry.register(session=session, contract=contract)
-        return publish_and_watch(registry, record, text, keys, client, detach=detach, as_json=as_json,
+        elif require_online and not _labels_online(client, keys, terms.target_labels):
+            print(f"ERROR: no runner with labels={','.join(terms.target_labels)} is online; nothing dispatched "
+                  f"(start `mam-runner run --labels ...` there, or drop --require-online)", file=sys.stderr)
+            return ExitCode.NO_RUNNER
+        record = registry.register(session=target, contract=contract, queue=terms)
+        try:
+            save_brief(registry, record["job_id"], text)
+        except BaseException:
+            close_remote(registry, None, None, record["job_id"], CloseReason.CANCELLED)
+            raise
+        try:
+            return follow_queued(registry, record, keys, client, detach=detach, as_json=as_json,
                                  workspace=workspace)
+        except Exception:
+            if registry.get(record["job_id"])["status"] == JobStatus.QUEUED:  # nobody would publish it
+                close_remote(registry, None, None, record["job_id"], CloseReason.AGENT_BLOCKED)
+            raise
     finally:
         client.close()

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import BinaryIO
 
 from mam.orchestrator.control import publish_cancel
-from mam.orchestrator.dispatch import load_brief, publish_and_watch, read_brief
+from mam.orchestrator.dispatch import follow_queued, load_brief, read_brief, save_brief
 from mam.orchestrator.hub import Workspace, open_hub
+from mam.orchestrator.queuewait import requeue
 from mam.shared import names
 from mam.shared.codes import OPEN_STATUSES, JobStatus
 from mam.shared.records import Refusal
@@ -24,7 +25,8 @@ def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None
     `--brief`/`--brief-file` gives a new one. Then: connect (unreachable:
     exit 3, record unchanged), publish a signed cancel for the old attempt
     (its runner may have missed the hub's close), attempt + 1 with a new dispatch_token and
-    auth_token, status pending, and `publish_and_watch` as a dispatch does.
+    auth_token, status `queued` (§14; `--session` makes that runner the target), and
+    `follow_queued` as a dispatch does.
 
     Returns:
         the exit code of §9 (0 with --detach once the dispatch is published).
@@ -34,7 +36,7 @@ def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None
     """
     names.validate_job_id(job_id)
     if session is not None:
-        names.validate_session(session)
+        session = names.validate_session(names.strip_remote(session))
     hub = open_hub(workspace)
     registry = hub.registry
     record = registry.get(job_id)
@@ -52,9 +54,11 @@ def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None
     try:
         # The old attempt must not outlive the new one: its runner may never have heard the
         # hub's close (a broker outage), so cancel it again before attempt + 1 goes out (§6, §10).
-        publish_cancel(client, record, keys, "redispatch", hub.root)
-        new = registry.redispatch(job_id, source="operator", session=session, reason="operator redispatch")
-        return publish_and_watch(registry, new, text, keys, client, detach=detach, as_json=as_json,
-                                 verb="redispatched", workspace=workspace)
+        if record["status"] != JobStatus.QUEUED:  # a queued attempt was never published
+            publish_cancel(client, record, keys, "redispatch", hub.root)
+        new = requeue(registry, job_id, session=session)
+        save_brief(registry, job_id, text)
+        return follow_queued(registry, new, keys, client, detach=detach, as_json=as_json, workspace=workspace,
+                             verb="redispatched")
     finally:
         client.close()

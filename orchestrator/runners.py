@@ -20,10 +20,11 @@ from typing import Any
 
 from mam.orchestrator import roster
 from mam.orchestrator.hub import Workspace, open_hub
+from mam.orchestrator.queue import RunnerView
 from mam.shared import crypto, names, render, wire
 from mam.shared.codes import PresenceStatus
 from mam.shared.crypto import DispatchKeys
-from mam.shared.errors import ProtocolError, RegistryError
+from mam.shared.errors import ProtocolError, RegistryError, SignatureError
 from mam.shared.fsio import atomic_write, read_json_object
 from mam.shared.mqtt import MqttClient
 from mam.shared.records import utc_now
@@ -55,7 +56,7 @@ def verify_presence(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str,
     """Decode and verify one retained presence (§7; against the roster of `roster_root`, §16) into a row.
 
     Returns:
-        {"session", "status", "host", "running", "max_jobs", "last_seen", "runner_id", "version"};
+        {"session", "status", "host", "running", "max_jobs", "labels", "last_seen", "runner_id", "version"};
         status is "stale" for an online/draining presence not refreshed for PRESENCE_STALE_S.
     Raises:
         DecodeError: not a §7 presence; SignatureError: `sig` missing or wrong;
@@ -74,7 +75,39 @@ def verify_presence(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str,
         status = STALE  # not refreshed: a dead host, or an old presence replayed
     return {"session": presence.session, "status": status, "host": presence.host,
             "running": list(presence.running), "max_jobs": presence.max_jobs,
+            "labels": list(presence.labels or ()),
             "last_seen": presence.timestamp, "runner_id": presence.runner_id, "version": presence.version}
+
+
+def presence_view(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str, received_at: float,
+                  roster_root: Path | None = None) -> RunnerView:
+    """One presence message as the queue's `RunnerView` (§7, §14): a presence whose
+    signature does not verify is kept with `verified=False` (so the hub can say why a
+    job waits), never matched.
+
+    Args:
+        received_at: when it was received (monotonic s); `seen_at` is that minus the
+            presence's age by its `timestamp` (a retained presence may be old).
+        roster_root: verify against this hub registry's roster (§16); None: v1 only.
+    Raises:
+        DecodeError: not a §7 presence (hostile labels included); ProtocolError: another session than its topic.
+    """
+    presence = wire.decode(raw, "presence")
+    if names.parse_presence_topic(topic, topic_root) != presence.session:
+        raise ProtocolError(f"presence for session {presence.session!r} published on {topic}")
+    try:
+        if roster_root is None:
+            crypto.verify(presence.to_dict(), keys.sign_key)
+        else:
+            roster.check_presence(roster_root, presence, keys)
+        verified = True
+    except SignatureError as exc:
+        log.debug("presence of %s does not verify: %s", presence.session, exc)
+        verified = False
+    return RunnerView(session=presence.session, runner_id=presence.runner_id, status=presence.status,
+                      labels=frozenset(presence.labels or ()), max_jobs=presence.max_jobs,
+                      running=frozenset(presence.running), verified=verified,
+                      seen_at=received_at - max(0.0, _presence_age_s(presence.timestamp)))
 
 
 def _presence_age_s(timestamp: str) -> float:
@@ -216,7 +249,7 @@ def read_presence(client: MqttClient, keys: DispatchKeys, session: str, *,
 
 def runners_cli(*, workspace: Workspace = None, as_json: bool = False) -> int:
     """`mam-orch runners`: every runner's verified retained presence (§7):
-    session, online / draining / offline, running jobs, last seen. A table on
+    session, online / draining / offline, labels (§14), running jobs, last seen. A table on
     a TTY, JSON lines otherwise (or with --json); refusals on stderr, and one
     WARNING line when the list may be incomplete (`incomplete_reasons`).
 
@@ -246,7 +279,7 @@ def runners_cli(*, workspace: Workspace = None, as_json: bool = False) -> int:
     elif not rows:
         print("(no runners)")
     else:
-        print(render.table(["SESSION", "STATUS", "RUNNING", "MAX", "HOST", "LAST SEEN"],
-                           [[r["session"], r["status"], ",".join(r["running"]) or "-", r["max_jobs"],
-                             r["host"], r["last_seen"]] for r in rows]), end="")
+        print(render.table(["SESSION", "STATUS", "LABELS", "RUNNING", "MAX", "HOST", "LAST SEEN"],
+                           [[r["session"], r["status"], ",".join(r["labels"]) or "-", ",".join(r["running"]) or "-",
+                             r["max_jobs"], r["host"], r["last_seen"]] for r in rows]), end="")
     return 0

@@ -24,6 +24,7 @@ import queue
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -38,13 +39,13 @@ from mam.orchestrator.acceptance import (
     accept,
 )
 from mam.orchestrator.control import clear_dispatch, clear_retained, close_remote
-from mam.orchestrator.hub import DAY_S, Workspace, open_hub
+from mam.orchestrator.hub import DAY_S, Workspace
 from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S, BrokerLink, mirror_state, note_late_terminal
 from mam.shared import names, wire
 from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.config import BrokerConfig, env_float
 from mam.shared.crypto import DispatchKeys
-from mam.shared.errors import BrokerError, BrokerUnavailable, ConfigError, ExitCode, TransitionRefused, UsageError
+from mam.shared.errors import BrokerError, BrokerUnavailable, ExitCode, TransitionRefused
 from mam.shared.mqtt import MqttClient
 from mam.shared.records import HUB_DECISIONS, JobRecord, utc_now
 from mam.shared.registry import Registry
@@ -65,7 +66,6 @@ CONFIRM_MARGIN_S = 5.0
 MIN_WAIT_S = 0.01
 # A re-attached watch of a job the hub closed reads the retained messages this long (§14).
 LATE_READ_S = 2.0
-MAX_OPTION_S = 366 * DAY_S  # a watch option beyond a year is a mistake
 CLOCK_CHARS = slice(11, 19)  # HH:MM:SS of a §3 timestamp, for the human view
 TOPIC_KINDS: dict[str, Kind] = {"events": "event", "state": "state"}
 
@@ -86,6 +86,17 @@ class WatchOptions:
     idle_timeout_s: float | None = None
     timeout_s: float | None = None
     ack_only_before_first: bool = False
+
+
+def render_event(payload: dict[str, Any], human: bool) -> str:
+    """One accepted event as `watch` prints it: a JSON line, or a human line for a TTY."""
+    if not human:
+        return json.dumps(payload, sort_keys=True) + "\n"
+    data = payload.get("data", {})
+    stamp = str(payload.get("timestamp", ""))[CLOCK_CHARS]
+    extra = f" (exit {data['exit_code']})" if "exit_code" in data else ""
+    return (f"{stamp} {payload['job_id']} #{payload['seq']:<4} {payload['event']:<20} "
+            f"{payload.get('detail', '')}{extra}\n")
 
 
 class Detached(Exception):
@@ -141,18 +152,19 @@ class Watcher:
         self._terminal_state_at = 0.0
         self._owns_client = False
         self._subscribed = False
+        self.ack_s = self.idle_s = 0.0  # the clocks (§10), set by start_clocks
+        self.wall_deadline = self.first_deadline = self.last_alive = self.next_poll = 0.0
+        self.started_status = ""
+        self.attempt_id = 0
+        # §14 hooks of the dispatch process: messages on other topics (presence), and
+        # whether the runner was lost (an idle close is then `runner_lost`)
+        self.on_other: Callable[[str, bytes], object] | None = None
+        self.runner_lost: Callable[[], bool] | None = None
 
     # ---------------------------------------------------------------- output
 
     def _emit(self, payload: dict[str, Any]) -> None:
-        if self.human:
-            data = payload.get("data", {})
-            stamp = str(payload.get("timestamp", ""))[CLOCK_CHARS]
-            extra = f" (exit {data['exit_code']})" if "exit_code" in data else ""
-            self.out.write(f"{stamp} {payload['job_id']} #{payload['seq']:<4} {payload['event']:<20} "
-                           f"{payload.get('detail', '')}{extra}\n")
-        else:
-            self.out.write(json.dumps(payload, sort_keys=True) + "\n")
+        self.out.write(render_event(payload, self.human))
         self.out.flush()
 
     def _refuse(self, reason: str, detail: str = "", *, quiet: bool = False) -> None:
@@ -164,18 +176,27 @@ class Watcher:
     # ------------------------------------------------------------ acceptance
 
     def handle(self, topic: str, raw: bytes) -> bool:
-        """Judge one message by §3.2 (`acceptance.accept`) and act on the verdict.
+        """Judge one message by §3.2 (`acceptance.accept`) and act on the verdict;
+        an accepted one renews the idle clock (§10).
 
         Returns:
             True when it renewed liveness (§10).
         Raises:
             RegistryError: the hub record cannot be read or written.
         """
+        renewed = self._judge(topic, raw)
+        if renewed:
+            self.last_alive = time.monotonic()
+        return renewed
+
+    def _judge(self, topic: str, raw: bytes) -> bool:
         if len(raw) == 0:
             return False  # §3.2 rule 1, before anything is read
         parsed = names.parse_job_topic(topic, self.config.topic_root)
         kind = TOPIC_KINDS.get(parsed[1] if parsed else "")
         if kind is None:
+            if self.on_other is not None:
+                self.on_other(topic, raw)
             return False
         if self.options.remote:
             verdict = self._accept_and_mirror(raw, kind)
@@ -267,28 +288,41 @@ class Watcher:
         except TransitionRefused as exc:
             log.info("job %s: terminal state not mirrored: %s", self.job_id, exc)
 
-    def _confirm_cancel(self) -> None:
-        """§6: the hub clears the retained cancel once the job is over on both
-        sides. Wait up to the runner's cancel grace + 5 s for its terminal event
-        or state, then clear the control; without a confirmation it stays
-        retained for a runner that reconnects (and `mam-orch gc` clears it later)."""
+    def confirm_deadline(self, now: float) -> float:
+        """§6: how long the hub waits for the runner to confirm a cancel: its cancel
+        grace (MAM_CANCEL_GRACE_S) + 5 s from `now` (monotonic)."""
+        return now + env_float("MAM_CANCEL_GRACE_S", CANCEL_GRACE_S) + CONFIRM_MARGIN_S
+
+    def finish_confirm(self) -> None:
+        """§6: clear the retained cancel once the runner confirmed the end (its
+        terminal event or state); without a confirmation it stays retained for a
+        runner that reconnects (and `mam-orch gc` clears it later)."""
         client = self.client
-        if not self.options.remote or client is None:
-            return
-        deadline = time.monotonic() + env_float("MAM_CANCEL_GRACE_S", CANCEL_GRACE_S) + CONFIRM_MARGIN_S
-        while not self.runner_ended and time.monotonic() < deadline:
-            try:
-                message = client.messages.get(timeout=max(MIN_WAIT_S, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            self.handle(message.topic, message.payload)
-        if not self.runner_ended:
+        if not self.runner_ended or client is None:
             log.info("job %s: no confirmation from the runner yet; the cancel stays retained", self.job_id)
             return
         try:
             clear_retained(client, names.control_topic(self.job_id, self.config.topic_root))
         except BrokerError as exc:
             log.warning("job %s: the retained cancel was not cleared: %s", self.job_id, exc)
+
+    def _confirm_cancel(self) -> None:
+        """§6: wait up to `confirm_deadline` for the runner's terminal, then `finish_confirm`."""
+        client = self.client
+        if not self.options.remote or client is None:
+            return
+        deadline = self.confirm_deadline(time.monotonic())
+        while not self.runner_ended and time.monotonic() < deadline:
+            try:
+                message = client.messages.get(timeout=max(MIN_WAIT_S, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            self.handle(message.topic, message.payload)
+        self.finish_confirm()
+
+    def refresh(self) -> None:
+        """Take the hub record's word when it is terminal (a cancel from another shell)."""
+        self._resolve_from_record()
 
     def _resolve_from_record(self) -> None:
         status = self.registry.get(self.job_id)["status"]
@@ -356,6 +390,22 @@ class Watcher:
             print(f"job {self.job_id}: the hub closed it, but its runner later reported {late} "
                   f"(late_outcome; the record keeps its status)", file=sys.stderr)
 
+    def _wait_unqueued(self) -> JobRecord:
+        """§14: a queued job has no clock yet; wait until whoever queued it publishes (or closes) it.
+
+        Raises:
+            Detached: on KeyboardInterrupt.
+        """
+        log.info("job %s is queued; waiting for its dispatch", self.job_id)
+        try:
+            while True:
+                record = self.registry.get(self.job_id)
+                if record["status"] != JobStatus.QUEUED:
+                    return record
+                time.sleep(REGISTRY_POLL_S)
+        except KeyboardInterrupt:
+            raise Detached(self.job_id) from None
+
     def _finish_from_disk(self, why: str) -> int:
         """Disk fallback (§10): the hub's own record decides; else exit 3."""
         status = self.registry.get(self.job_id)["status"]
@@ -376,83 +426,136 @@ class Watcher:
             return ExitCode.BROKER
         return ExitCode.ERROR if close_reason == CloseReason.AGENT_BLOCKED else ExitCode.TIMEOUT
 
+    # ---------------------------------------------------------------- clocks
+
+    def start_clocks(self, now: float, record: JobRecord | None = None) -> None:
+        """Start the §10 clocks at `now` (monotonic): the ack window (plus idle for a
+        standalone watch), an idle window for a job already running, and the wall
+        clock from the attempt's creation. The service calls it when it takes a job
+        over or publishes its dispatch (§14: ack_timeout starts at that publish)."""
+        record = record if record is not None else self.registry.get(self.job_id)
+        opts = self.options
+        self.ack_s = float(opts.ack_timeout_s if opts.ack_timeout_s is not None else record["ack_timeout_sec"])
+        self.idle_s = float(opts.idle_timeout_s if opts.idle_timeout_s is not None else record["idle_timeout_sec"])
+        wall_s = float(opts.timeout_s if opts.timeout_s is not None else record["timeout_sec"])
+        self.wall_deadline = _wall_deadline(record, wall_s)
+        self.first_deadline = now + (self.ack_s if opts.ack_only_before_first else self.ack_s + self.idle_s)
+        self.started_status = record["status"]
+        self.attempt_id = int(record["attempt_id"])
+        if self.started_status == JobStatus.RUNNING:
+            self.first_deadline = now + self.idle_s  # re-attached to a running job: no ack phase
+        self.last_alive = now
+        self.next_poll = now
+
+    def broker_back(self, now: float, outage: float) -> None:
+        """§14: the hub's connection is back after `outage` s; the clocks stood
+        still, and every job gets a full idle window from now."""
+        self.first_deadline = max(self.first_deadline + outage, now + self.idle_s)
+        self.last_alive = now
+        log.info("job %s: broker connection back after %.1f s; the idle clock restarts", self.job_id, outage)
+
+    def next_wake(self, down_since: float | None) -> float:
+        """The monotonic time at which `tick` may next decide something."""
+        if down_since is not None:  # only the wall clock runs while the broker is away
+            return min(self.wall_deadline, self.next_poll)
+        deadline = min(self.wall_deadline, (self.last_alive + self.idle_s) if self.accepted_any
+                       else self.first_deadline)
+        if self._terminal_state is not None:
+            deadline = min(deadline, self._terminal_state_at + STATE_GRACE_S)
+        return min(deadline, self.next_poll)
+
+    def tick(self, now: float, *, down_since: float | None = None, poll: bool = True) -> int | None:
+        """Apply §10 at `now` (monotonic): the exit code of §9 once the job is over
+        (its terminal seen or the hub closed it), else None.
+
+        Args:
+            down_since: when the hub's connection went down (None: up); only the
+                wall clock runs meanwhile (§14).
+            poll: re-read the hub record every `REGISTRY_POLL_S` (a cancel from
+                another shell); the service watches the registry itself.
+        """
+        if self.terminal is not None:
+            return _exit_of(self.terminal)
+        if down_since is not None and now >= self.wall_deadline:
+            return self._close(CloseReason.DEADLINE_TIMEOUT)
+        if poll and now >= self.next_poll:
+            self.next_poll = now + REGISTRY_POLL_S
+            self._resolve_from_record()  # e.g. `mam-orch cancel` from another shell
+            if self.terminal is not None:
+                return _exit_of(self.terminal)
+        elif not poll:
+            self.next_poll = now + DAY_S
+        pending_state = self._terminal_state
+        if pending_state is not None:
+            if now < self._terminal_state_at + STATE_GRACE_S:
+                return None
+            self._settle_state(pending_state)
+            return _exit_of(self.terminal)
+        if down_since is not None:
+            return None
+        deadline = min(self.wall_deadline, (self.last_alive + self.idle_s) if self.accepted_any
+                       else self.first_deadline)
+        if now < deadline:
+            return None
+        if now >= self.wall_deadline:
+            return self._close(CloseReason.DEADLINE_TIMEOUT)
+        if not self.accepted_any and self.started_status == JobStatus.PENDING and \
+                self.registry.get(self.job_id)["status"] == JobStatus.PENDING:
+            return self._close(CloseReason.AGENT_BLOCKED)
+        lost = self.runner_lost is not None and self.runner_lost()
+        return self._close(CloseReason.RUNNER_LOST if lost else CloseReason.DEADLINE_TIMEOUT)
+
+    # ---------------------------------------------------------------- loop
+
     def run(self) -> int:
-        """Watch until the job ends; returns the exit code of §9.
+        """Watch until the job ends on this watch's own connection; returns the exit code of §9.
 
         Raises:
             Detached: on KeyboardInterrupt (the job keeps running).
             RegistryError: the hub record cannot be read.
         """
         record = self.registry.get(self.job_id)
+        if record["status"] == JobStatus.QUEUED:
+            record = self._wait_unqueued()
+        if record.get("close_reason") == CloseReason.QUEUE_TIMEOUT:
+            return ExitCode.TIMEOUT
         if record["status"] in TERMINAL_STATUSES:
             if self.options.remote and record.get("close_reason") in HUB_DECISIONS and not record.get("late_outcome"):
                 self._read_late_terminal()
             return self._finish_from_disk("already terminal")
-        opts = self.options
-        ack_s = float(opts.ack_timeout_s if opts.ack_timeout_s is not None else record["ack_timeout_sec"])
-        idle_s = float(opts.idle_timeout_s if opts.idle_timeout_s is not None else record["idle_timeout_sec"])
-        wall_s = float(opts.timeout_s if opts.timeout_s is not None else record["timeout_sec"])
         try:
             if not self._subscribed and not self.subscribe():
                 return self._finish_from_disk("broker unreachable")
             client = self.client
             if client is None:  # subscribe() connected one
                 return self._finish_from_disk("broker unreachable")
-            start = time.monotonic()
-            wall_deadline = _wall_deadline(record, wall_s)
-            first_deadline = start + (ack_s if opts.ack_only_before_first else ack_s + idle_s)
-            if record["status"] == JobStatus.RUNNING:
-                first_deadline = start + idle_s  # re-attached to a running job: no ack phase
-            last_alive = start
-            next_poll = start
+            self.start_clocks(time.monotonic(), record)
             link = BrokerLink(client)
-            give_up_s = max(idle_s, env_float("MAM_HUB_OUTAGE_GIVE_UP_S", OUTAGE_GIVE_UP_S))
-            while self.terminal is None:
+            give_up_s = max(self.idle_s, env_float("MAM_HUB_OUTAGE_GIVE_UP_S", OUTAGE_GIVE_UP_S))
+            while True:
                 now = time.monotonic()
                 outage = link.look(now)
                 if outage is not None:  # §14: the clocks stood still; a full idle window from now
-                    first_deadline = max(first_deadline + outage, now + idle_s)
-                    last_alive = now
-                    log.info("job %s: broker connection back after %.1f s; the idle clock restarts",
-                             self.job_id, outage)
+                    self.broker_back(now, outage)
+                code = self.tick(now, down_since=link.down_since)
+                if code is not None:
+                    break
+                wake = self.next_wake(link.down_since)
                 if link.down_since is not None:
-                    if now >= wall_deadline:
-                        return self._close(CloseReason.DEADLINE_TIMEOUT)
                     if now >= link.down_since + give_up_s:
                         log.error("job %s: the broker was unreachable for %.0f s; giving up, the job "
                                   "stays %s", self.job_id, now - link.down_since,
                                   self.registry.get(self.job_id)["status"])
                         return ExitCode.BROKER
-                if now >= next_poll:
-                    next_poll = now + REGISTRY_POLL_S
-                    self._resolve_from_record()  # e.g. `mam-orch cancel` from another shell
-                    if self.terminal is not None:
-                        break
-                pending_state = self._terminal_state
-                if pending_state is not None and now >= self._terminal_state_at + STATE_GRACE_S:
-                    self._settle_state(pending_state)
-                    break
-                deadline = min(wall_deadline, (last_alive + idle_s) if self.accepted_any else first_deadline)
-                if pending_state is not None:
-                    deadline = min(deadline, self._terminal_state_at + STATE_GRACE_S)
-                if link.down_since is not None:  # only the wall clock runs while the broker is away
-                    deadline = min(wall_deadline, link.down_since + give_up_s)
-                if now >= deadline and pending_state is None and link.down_since is None:
-                    if now >= wall_deadline:
-                        return self._close(CloseReason.DEADLINE_TIMEOUT)
-                    if not self.accepted_any and record["status"] == JobStatus.PENDING and \
-                            self.registry.get(self.job_id)["status"] == JobStatus.PENDING:
-                        return self._close(CloseReason.AGENT_BLOCKED)
-                    return self._close(CloseReason.DEADLINE_TIMEOUT)
+                    wake = min(wake, link.down_since + give_up_s)
                 try:
-                    message = client.messages.get(timeout=max(MIN_WAIT_S, min(deadline, next_poll) - now))
+                    message = client.messages.get(timeout=max(MIN_WAIT_S, wake - now))
                 except queue.Empty:
                     continue
-                if self.handle(message.topic, message.payload):
-                    last_alive = time.monotonic()
+                self.handle(message.topic, message.payload)
             if self.terminal == JobStatus.CANCELLED:
                 self._confirm_cancel()
-            return _exit_of(self.terminal)
+            return code
         except KeyboardInterrupt:
             raise Detached(self.job_id) from None
         finally:
@@ -483,39 +586,3 @@ def reattach_hint(registry: Registry, job_id: str, workspace: Workspace = None) 
         return None
     return (f"job {job_id} is still {status} (the broker is unreachable; nothing was decided). "
             f"Re-attach: mam-orch watch {job_id}{_where(workspace)}")
-
-
-def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s: float | None,
-              ack_timeout_s: float | None, timeout_s: float | None) -> int:
-    """`mam-orch watch`: returns the exit code of §9 (130 when detached with Ctrl-C).
-
-    Raises:
-        UsageError, EnvFileError, ConfigError, RegistryError.
-    """
-    names.validate_job_id(job_id)
-    for name, value in (("--idle-timeout", idle_timeout_s), ("--ack-timeout", ack_timeout_s),
-                        ("--timeout", timeout_s)):
-        if value is not None and not 0 < value <= MAX_OPTION_S:
-            raise UsageError(f"{name} {value:g} is invalid: expected seconds > 0")
-    hub = open_hub(workspace)
-    record = hub.registry.get(job_id)
-    remote = remote or record.get("transport") == "remote" and record.get("role") == "hub"
-    cfg = hub.broker_config(record)
-    keys = None
-    if remote:
-        try:
-            keys = hub.keys()
-        except ConfigError as exc:
-            log.warning("%s; a close will not publish a cancel", exc)
-    watcher = Watcher(hub.registry, job_id, config=cfg, keys=keys,
-                      options=WatchOptions(remote=remote, ack_timeout_s=ack_timeout_s,
-                                           idle_timeout_s=idle_timeout_s, timeout_s=timeout_s))
-    try:
-        code = watcher.run()
-    except Detached:
-        print(detach_hint(job_id, workspace), file=sys.stderr)
-        return ExitCode.DETACHED
-    hint = reattach_hint(hub.registry, job_id, workspace) if code == ExitCode.BROKER else None
-    if hint is not None:
-        print(hint, file=sys.stderr)
-    return code

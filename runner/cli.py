@@ -84,6 +84,9 @@ def run_cmd(
                                 help="Agents' working directory (default: <workspace>/work/<job_id>/)."),
     max_jobs: int = typer.Option(1, "--max-jobs", metavar="N", help="Concurrent jobs, 1..64 (§11)."),
     once: bool = typer.Option(False, "--once", help="Exit after one job."),
+    labels: str = typer.Option(None, "--labels", metavar="A,B",
+                               help="Labels this runner announces, e.g. gpu,cuda12 (§14; default "
+                                    "MAM_RUNNER_LABELS): lowercase letters, digits, '_.:-', at most 16."),
     replace: bool = typer.Option(False, "--replace",
                                  help="Start even if another runner is online under this session (§7), "
                                       "e.g. after a kill -9 before the broker noticed."),
@@ -100,7 +103,7 @@ def run_cmd(
     from mam.runner.service import run_cli  # lazy: keeps paho/psutil out of `mam-runner publish`
 
     return run_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
-                   max_jobs=max_jobs, once=once, replace=replace)
+                   max_jobs=max_jobs, once=once, replace=replace, labels=labels)
 
 
 @app.command("enroll")

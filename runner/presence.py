@@ -43,6 +43,7 @@ class Presence:
         keys: the `DispatchKeys` whose sign key signs every presence (§5), or None (v2 only).
         v2: this runner's v2 keys: presence is then signed with its own Ed25519 key (§16).
         max_jobs: the slot count announced; topic_root: MAM_TOPIC_ROOT.
+        labels: the labels announced (§14; none: the field is left out, as a v1 runner's).
 
     Attributes:
         announced: True once `online` was published (only then may `offline` be).
@@ -51,12 +52,13 @@ class Presence:
     """
 
     def __init__(self, *, session: str, runner_id: str, keys: DispatchKeys | None, max_jobs: int,
-                 topic_root: str, v2: V2Trust | None = None) -> None:
+                 topic_root: str, v2: V2Trust | None = None, labels: Sequence[str] = ()) -> None:
         self.session = session
         self.runner_id = runner_id
         self.keys = keys
         self.v2 = v2
         self.max_jobs = max_jobs
+        self.labels = tuple(sorted(labels))
         self.topic = names.presence_topic(session, topic_root)
         self.announced = False
         self.published_at = 0.0
@@ -67,7 +69,8 @@ class Presence:
         """The signed presence message (§7) with `running` (job ids, sorted)."""
         presence = wire.Presence.build(self.session, self.runner_id, status,
                                        host=(socket.gethostname() or "unknown")[:HOST_MAX_CHARS],
-                                       version=__version__, max_jobs=self.max_jobs, running=list(running))
+                                       version=__version__, max_jobs=self.max_jobs, running=list(running),
+                                       labels=self.labels)
         return wire.encode(trust.sign_presence(presence.to_dict(), self.keys, self.v2))
 
     def will(self) -> Will:

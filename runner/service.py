@@ -105,7 +105,8 @@ class Runner:
         self.runner_id = names.new_runner_id()
         self.client: Transport | None = None
         self.presence = Presence(session=options.session, runner_id=self.runner_id, keys=keys,
-                                 max_jobs=options.max_jobs, topic_root=config.topic_root, v2=v2)
+                                 max_jobs=options.max_jobs, topic_root=config.topic_root, v2=v2,
+                                 labels=options.labels)
         self.tombstones = Tombstones()
         self._registry: Registry | None = None
         self._supervisor: Supervisor | None = None
@@ -573,7 +574,7 @@ class Runner:
 
 
 def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None, max_jobs: int,
-            once: bool, replace: bool) -> int:
+            once: bool, replace: bool, labels: str | None = None) -> int:
     """`mam-runner run`: validate, resolve config and keys, serve.
 
     Returns:
@@ -583,7 +584,7 @@ def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str 
         `.mam/` cannot be written), BrokerUnavailable (3).
     """
     options = options_from_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
-                               max_jobs=max_jobs, once=once, replace=replace)
+                               max_jobs=max_jobs, once=once, replace=replace, labels=labels)
     v1, v2 = trust.load(options.root)  # before anything talks to the network (§5, §16)
     cfg = shared_config.broker_config(workspace=options.root)
     return Runner(options, config=cfg, keys=v1, v2=v2).serve()

@@ -45,6 +45,7 @@ CLOCK_SKEW = Seconds("MAM_CLOCK_SKEW_S", DEFAULT_CLOCK_SKEW_S, 0.0, 86400.0)
 PRESENCE_WAIT = Seconds("MAM_PRESENCE_WAIT_S", DEFAULT_PRESENCE_WAIT_S, 0.0, 60.0)
 PRESENCE_REFRESH = Seconds("MAM_PRESENCE_REFRESH_S", DEFAULT_PRESENCE_REFRESH_S, 1.0, 60.0)
 AGENT_LINGER = Seconds("MAM_AGENT_LINGER_S", DEFAULT_AGENT_LINGER_S, 0.0, 86400.0)
+LABELS_ENV = "MAM_RUNNER_LABELS"
 HEARTBEAT_DRAIN = Seconds("MAM_HEARTBEAT_DRAIN_S", heartbeat.DEFAULT_DRAIN_S, 0.0, heartbeat.DRAIN_HIGH_S)
 
 
@@ -84,6 +85,7 @@ class RunnerOptions:
         presence_refresh_s: republish presence at least this often (§7; hub: stale after 3 periods).
         agent_linger_s: how long an agent may run on after publishing its own terminal event.
         heartbeat_drain_s: how long a heartbeat timer may take to exit before a terminal event (§12).
+        labels: the labels its presence announces, sorted (§14; `--labels`, else MAM_RUNNER_LABELS).
     """
 
     session: str
@@ -99,6 +101,19 @@ class RunnerOptions:
     presence_refresh_s: float = DEFAULT_PRESENCE_REFRESH_S
     agent_linger_s: float = DEFAULT_AGENT_LINGER_S
     heartbeat_drain_s: float = heartbeat.DEFAULT_DRAIN_S
+    labels: tuple[str, ...] = ()
+
+
+def read_labels(labels: str | None, values: Mapping[str, str]) -> tuple[str, ...]:
+    """`--labels a,b`, else MAM_RUNNER_LABELS, else none, validated and sorted (§14).
+
+    Raises:
+        UsageError: a bad label, an empty item, more than 16, a label twice (one line).
+    """
+    if labels is not None:
+        return names.parse_labels(labels, "--labels")
+    from_env = values.get(LABELS_ENV, "")
+    return names.parse_labels(from_env, LABELS_ENV) if from_env.strip() else ()
 
 
 def _workdir(workdir: str | None) -> Path | None:
@@ -118,13 +133,13 @@ def _workdir(workdir: str | None) -> Path | None:
 
 
 def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None,
-                     max_jobs: int, once: bool, replace: bool,
+                     max_jobs: int, once: bool, replace: bool, labels: str | None = None,
                      environ: Mapping[str, str] | None = None) -> RunnerOptions:
     """Validate `mam-runner run` arguments before any network or registry write.
 
     Args:
         session: session name; exec_cmd: the `--exec` string; workspace: `--workspace`;
-        workdir: `--workdir` (created if missing); max_jobs: 1..64.
+        workdir: `--workdir` (created if missing); max_jobs: 1..64; labels: `--labels a,b` (§14).
         environ: the process environment (default os.environ).
     Returns:
         RunnerOptions.
@@ -139,6 +154,8 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
     resolve_executable(argv[0], env.get("PATH"))
     if isinstance(max_jobs, bool) or not isinstance(max_jobs, int) or not 1 <= max_jobs <= MAX_JOBS_LIMIT:
         raise UsageError(f"--max-jobs {max_jobs!r} is invalid: expected 1..{MAX_JOBS_LIMIT}")
+    if labels is not None:
+        names.parse_labels(labels, "--labels")  # a bad flag is refused before anything is read
     root = config.resolve_root(workspace, env)
     work = _workdir(workdir)
     values = config.load_env(env)
@@ -148,7 +165,8 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
                          presence_wait_s=read_seconds(values, PRESENCE_WAIT),
                          presence_refresh_s=read_seconds(values, PRESENCE_REFRESH),
                          agent_linger_s=read_seconds(values, AGENT_LINGER),
-                         heartbeat_drain_s=read_seconds(values, HEARTBEAT_DRAIN))
+                         heartbeat_drain_s=read_seconds(values, HEARTBEAT_DRAIN),
+                         labels=read_labels(labels, values))
 
 
-__all__ = ["MAX_JOBS_LIMIT", "RunnerOptions", "Seconds", "options_from_cli", "read_seconds"]
+__all__ = ["MAX_JOBS_LIMIT", "RunnerOptions", "Seconds", "options_from_cli", "read_labels", "read_seconds"]

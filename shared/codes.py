@@ -1,5 +1,5 @@
 """The protocol's words, defined once: job statuses, event names, close
-reasons, presence statuses and control actions (PROTOCOL §3, §4, §6, §7, §8, §10).
+reasons, presence statuses and control actions (PROTOCOL §3, §4, §6, §7, §8, §10, §14).
 
 Each is a `StrEnum`, so a member equals its wire string (`JobStatus.RUNNING
 == "running"`) and JSON-encodes as that string. This module imports nothing
@@ -22,8 +22,10 @@ class EventName(StrEnum):
 
 
 class JobStatus(StrEnum):
-    """A job's `status`, in the retained state (§4) and in a registry record (§8)."""
+    """A job's `status`, in the retained state (§4) and in a registry record (§8);
+    `queued` is a hub record's only (§14), never on the wire."""
 
+    QUEUED = "queued"
     PENDING = "pending"
     RUNNING = "running"
     COMPLETED = "completed"
@@ -32,11 +34,28 @@ class JobStatus(StrEnum):
 
 
 class CloseReason(StrEnum):
-    """Why the hub closed a job itself (§6, §10)."""
+    """Why the hub closed a job itself (§6, §10, §14)."""
 
     DEADLINE_TIMEOUT = "deadline_timeout"
     AGENT_BLOCKED = "agent_blocked"
     CANCELLED = "cancelled"
+    QUEUE_TIMEOUT = "queue_timeout"  # §14: queued for queue_timeout_sec, never published
+    RUNNER_LOST = "runner_lost"  # §14: the idle rule, while the runner's presence went offline or changed id
+
+
+class RetryOn(StrEnum):
+    """What `retry_on` may name (§14): hub close reasons, or the runner's own `error`."""
+
+    AGENT_BLOCKED = "agent_blocked"
+    DEADLINE_TIMEOUT = "deadline_timeout"
+    RUNNER_LOST = "runner_lost"
+    ERROR = "error"
+
+
+class QueueSource(StrEnum):
+    """The registry source of the hub queue's own transitions (§14)."""
+
+    HUB_QUEUE = "hub_queue"
 
 
 class PresenceStatus(StrEnum):
@@ -55,15 +74,23 @@ class ControlAction(StrEnum):
 
 TERMINAL_EVENTS = frozenset({EventName.COMPLETED, EventName.ERROR})
 TERMINAL_STATUSES = frozenset({JobStatus.COMPLETED, JobStatus.ERROR, JobStatus.CANCELLED})
-OPEN_STATUSES = frozenset({JobStatus.PENDING, JobStatus.RUNNING})
+OPEN_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.PENDING, JobStatus.RUNNING})
+# The open statuses in which a dispatch was published (a runner may hold the attempt).
+PUBLISHED_STATUSES = frozenset({JobStatus.PENDING, JobStatus.RUNNING})
 # The status an accepted event moves a record to (§8); other events leave it.
 EVENT_STATUS = {EventName.STARTED: JobStatus.RUNNING, EventName.COMPLETED: JobStatus.COMPLETED,
                 EventName.ERROR: JobStatus.ERROR}
 # The status a hub close gives a record (§10).
 CLOSE_STATUS = {CloseReason.DEADLINE_TIMEOUT: JobStatus.ERROR, CloseReason.AGENT_BLOCKED: JobStatus.ERROR,
-                CloseReason.CANCELLED: JobStatus.CANCELLED}
+                CloseReason.CANCELLED: JobStatus.CANCELLED, CloseReason.QUEUE_TIMEOUT: JobStatus.ERROR,
+                CloseReason.RUNNER_LOST: JobStatus.ERROR}
+# The close reasons that end a job `error` (an operator-source close may name them, §8).
+ERROR_CLOSES = frozenset(reason for reason, status in CLOSE_STATUS.items() if status == JobStatus.ERROR)
+DEFAULT_RETRY_ON = (RetryOn.AGENT_BLOCKED, RetryOn.DEADLINE_TIMEOUT, RetryOn.RUNNER_LOST)
 # Allowed values, in wire order, for validation and error messages.
 EVENT_NAMES = tuple(EventName)
-JOB_STATUSES = tuple(JobStatus)
+JOB_STATUSES = tuple(status for status in JobStatus if status != JobStatus.QUEUED)  # the wire's (§4)
+RECORD_STATUSES = tuple(JobStatus)  # a hub record's (§8, §14)
+RETRY_ON_CHOICES = tuple(RetryOn)
 PRESENCE_STATUSES = tuple(PresenceStatus)
 CONTROL_ACTIONS = tuple(ControlAction)

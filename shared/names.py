@@ -22,6 +22,10 @@ TOKEN_RE = re.compile(r"^[0-9a-f]{32}$")
 RUNNER_ID_RE = TOKEN_RE
 REMOTE_PREFIX = "remote:"
 SESSION_MAX_LEN = 63
+LABEL_RE = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,31}$")
+MAX_LABELS = 16
+"""At most this many labels per runner and per job (§14)."""
+LABEL_SHOWN_CHARS = 40  # a refused label is shown cut to this length (it may be hostile)
 
 # Characters singled out by §1 because NATS maps them (`/` -> `.`) or treats
 # them as wildcards (`*`, `>`); MQTT treats `+` and `#` as wildcards.
@@ -104,6 +108,53 @@ def validate_attempt(value: object) -> int:
     return value
 
 
+def label_problem(value: object) -> str | None:
+    """Why `value` is not a label of §14 (`^[a-z0-9][a-z0-9_.:-]{0,31}$`), or None."""
+    if not isinstance(value, str):
+        return f"expected a string, got {type(value).__name__}"
+    if not LABEL_RE.fullmatch(value):
+        return ("expected 1-32 characters: lowercase letters, digits, '_', '.', ':' and '-', "
+                "starting with a letter or digit")
+    return None
+
+
+def validate_labels(values: object, what: str = "labels") -> tuple[str, ...]:
+    """`values` (a list of labels) sorted, if each is a §14 label, at most 16 and none twice.
+
+    Raises:
+        UsageError: one line naming the bad label or the count.
+    """
+    if not isinstance(values, (list, tuple, frozenset, set)):
+        raise UsageError(f"{what} must be a list of labels")
+    if len(values) > MAX_LABELS:
+        raise UsageError(f"{what} is invalid: {len(values)} labels, at most {MAX_LABELS} are allowed (§14)")
+    for value in values:
+        problem = label_problem(value)
+        if problem is not None:
+            raise UsageError(f"label {str(value)[:LABEL_SHOWN_CHARS]!r} is invalid: {problem} (§14)")
+    if len(set(values)) != len(values):
+        raise UsageError(f"{what} is invalid: a label is listed twice")
+    return tuple(sorted(values))
+
+
+def parse_labels(text: str, what: str = "--labels") -> tuple[str, ...]:
+    """`gpu,cuda12` as sorted labels (§14); empty items are refused.
+
+    Raises:
+        UsageError: an empty list or item, a bad label, more than 16, a label twice.
+    """
+    items = [item.strip() for item in text.split(",")]
+    if not text.strip() or any(not item for item in items):
+        raise UsageError(f"{what} {text!r} is invalid: expected labels separated by commas, e.g. gpu,cuda12")
+    return validate_labels(items, what)
+
+
+def strip_remote(session: str) -> str:
+    """The bare session of `remote:<session>` (the seed's form, §14), else `session` as given."""
+    return session[len(REMOTE_PREFIX):] if isinstance(session, str) and session.startswith(REMOTE_PREFIX) \
+        else session
+
+
 def agent_session_label(session: str) -> str:
     """The hub record's `agent_session` for a remote session: `remote:<session>` (§1)."""
     return REMOTE_PREFIX + validate_session(session)
@@ -172,6 +223,16 @@ def all_jobs_filter(root: str | None = None) -> str:
     return f"{topic_root(root)}/jobs/#"
 
 
+def all_events_filter(root: str | None = None) -> str:
+    """Subscription filter for every job's events: `ROOT/jobs/+/events` (the hub service, §14)."""
+    return f"{topic_root(root)}/jobs/+/events"
+
+
+def all_states_filter(root: str | None = None) -> str:
+    """Subscription filter for every job's retained state: `ROOT/jobs/+/state` (the hub service, §14)."""
+    return f"{topic_root(root)}/jobs/+/state"
+
+
 def presence_topic(session: str, root: str | None = None) -> str:
     """Retained presence and Last Will of one runner session (§2, §7)."""
     return f"{topic_root(root)}/runners/{validate_session(session)}"
@@ -227,6 +288,11 @@ def runners_seen_path(root: Path) -> Path:
 def lock_path(root: Path) -> Path:
     """`<root>/.mam/jobs/.lock`, the registry lock (§8)."""
     return jobs_dir(root) / ".lock"
+
+
+def hub_lock_path(root: Path) -> Path:
+    """`<root>/.mam/hub.lock`: held (flock) by the one `mam-orch serve` of a registry; holds its pid (§14)."""
+    return mam_dir(root) / "hub.lock"
 
 
 def logs_dir(root: Path) -> Path:

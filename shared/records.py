@@ -16,14 +16,16 @@ import json
 import re
 from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, NotRequired, TypedDict, cast
+from typing import Any, NamedTuple, NotRequired, TypedDict, cast
 
 from mam.shared import names, wire
 from mam.shared.codes import (
+    DEFAULT_RETRY_ON,
     EVENT_NAMES,
     EVENT_STATUS,
-    JOB_STATUSES,
-    OPEN_STATUSES,
+    PUBLISHED_STATUSES,
+    RECORD_STATUSES,
+    RETRY_ON_CHOICES,
     TERMINAL_STATUSES,
     CloseReason,
     EventName,
@@ -36,14 +38,15 @@ RECORD_VERSION = 1
 WORKER_SOURCES = frozenset({"publisher", "runner", "remote_mirror"})
 OPERATOR_SOURCES = frozenset({"operator", "registry_cli", "delegate_wrapper"})
 # worker edges of the state machine; redispatch is its own operation
+# (a queued attempt was never published: no worker holds its tokens, §14)
 WORKER_EDGES = frozenset({(JobStatus.PENDING, JobStatus.RUNNING)} | {
-    (old, new) for old in OPEN_STATUSES for new in TERMINAL_STATUSES})
+    (old, new) for old in PUBLISHED_STATUSES for new in TERMINAL_STATUSES})
 SECRET_FIELDS = ("auth_token", "dispatch_token")
 # Redacted like the secrets: earlier attempts' auth tokens (kept to tell a stale attempt from a forgery, §3.2).
 EARLIER_TOKENS = "earlier_auth_tokens"
 MAX_EARLIER_TOKENS = 16  # attempts older than this many redispatches are judged as forgeries
 # The close reasons of the hub's own decisions: a terminal after them is a late terminal (§14).
-HUB_DECISIONS = frozenset({CloseReason.DEADLINE_TIMEOUT, CloseReason.AGENT_BLOCKED})
+HUB_DECISIONS = frozenset({CloseReason.DEADLINE_TIMEOUT, CloseReason.AGENT_BLOCKED, CloseReason.RUNNER_LOST})
 RECORD_MAX_BYTES = 1 << 20  # a record is a few hundred bytes; anything this big is hostile
 RECORD_NAME_RE = re.compile(r"^[0-9a-f]{8}\.json$")
 
@@ -82,6 +85,96 @@ class JobRecord(TypedDict):
     earlier_auth_tokens: NotRequired[list[str]]  # earlier attempts' tokens, newest last (§3.2 rule 5)
     seen_seq: NotRequired[int]  # highest seq of any event or state accepted of this attempt (gap lines)
     late_outcome: NotRequired[str]  # the runner's terminal after the hub closed the job (§14)
+    target: NotRequired[dict[str, Any]]  # {"session": NAME} or {"labels": [..]} (§14)
+    priority: NotRequired[int]  # §14: higher leaves the queue first
+    queue_timeout_sec: NotRequired[int]  # §14: queued longer than this closes `queue_timeout`
+    retries: NotRequired[int]  # §14: attempts after the first, 0-10
+    retry_on: NotRequired[list[str]]  # §14: the close reasons that retry
+    queued_at: NotRequired[str]  # when the current attempt was queued (§14)
+    avoid_session: NotRequired[str]  # the previous attempt's runner, chosen last for a label target
+    attempt_history: NotRequired[list[dict[str, Any]]]  # earlier attempts: attempt_id, session, status, reason
+    retried: NotRequired[int]  # §14: retries made so far
+    queue_owner_pid: NotRequired[int]  # the hub process that waits for this queued job (no service)
+
+
+MAX_RETRIES = 10
+MAX_QUEUE_TIMEOUT_SEC = 366 * 86400  # a year: anything longer is a mistake
+DEFAULT_QUEUE_TIMEOUT_SEC = 86400
+MAX_PRIORITY = 1_000_000
+
+
+class QueueTerms(NamedTuple):
+    """A hub job's §14 terms, stored in its record (not on the wire: the §5 contract
+    a v1 runner checks keeps its five fields).
+
+    Attributes:
+        target_session: the one runner, or None for a label target.
+        target_labels: the labels a runner must carry (sorted; empty with a session).
+        priority: higher first; queue_timeout_sec: seconds queued before `queue_timeout`.
+        retries: 0-10; retry_on: subset of `RETRY_ON_CHOICES`.
+        owner_pid: the hub process that waits to publish it (None: a service's).
+    """
+
+    target_session: str | None = None
+    target_labels: tuple[str, ...] = ()
+    priority: int = 0
+    queue_timeout_sec: int = DEFAULT_QUEUE_TIMEOUT_SEC
+    retries: int = 0
+    retry_on: tuple[str, ...] = tuple(DEFAULT_RETRY_ON)
+    owner_pid: int | None = None  # the hub process that will publish it (a dispatch without a service)
+
+    def checked(self) -> QueueTerms:
+        """These terms, validated (labels sorted).
+
+        Raises:
+            UsageError: one line naming the bad value.
+        """
+        if self.target_session is None and not self.target_labels:
+            raise UsageError("a job needs a target: give --session NAME or --labels a,b")
+        if self.target_session is not None and self.target_labels:
+            raise UsageError("give either --session or --labels, not both (§14)")
+        if self.target_session is not None:
+            names.validate_session(self.target_session)
+        labels = names.validate_labels(list(self.target_labels))
+        _check_int("--priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
+        _check_int("--queue-timeout", self.queue_timeout_sec, 1, MAX_QUEUE_TIMEOUT_SEC)
+        _check_int("--retries", self.retries, 0, MAX_RETRIES)
+        bad = [reason for reason in self.retry_on if reason not in RETRY_ON_CHOICES]
+        if bad or not self.retry_on or len(set(self.retry_on)) != len(self.retry_on):
+            raise UsageError(f"--retry-on {','.join(map(str, self.retry_on))!r} is invalid: expected "
+                             f"a subset of {','.join(RETRY_ON_CHOICES)}, each once")
+        return self._replace(target_labels=labels, retry_on=tuple(str(r) for r in self.retry_on))
+
+    def fields(self) -> dict[str, Any]:
+        """The record fields of these terms."""
+        target: dict[str, Any] = ({"session": self.target_session} if self.target_session is not None
+                                  else {"labels": list(self.target_labels)})
+        fields = {"target": target, "priority": self.priority, "queue_timeout_sec": self.queue_timeout_sec,
+                  "retries": self.retries, "retry_on": list(self.retry_on), "retried": 0}
+        if self.owner_pid is not None:
+            fields["queue_owner_pid"] = self.owner_pid
+        return fields
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UsageError(f"{name} {value!r} is invalid: expected an integer {low}..{high}")
+
+
+def target_of(record: Mapping[str, Any]) -> tuple[str | None, tuple[str, ...]]:
+    """A record's target (session, labels); a v1 record's is its session."""
+    target = record.get("target")
+    if isinstance(target, Mapping) and isinstance(target.get("labels"), list):
+        return None, tuple(str(label) for label in target["labels"])
+    if isinstance(target, Mapping) and isinstance(target.get("session"), str):
+        return target["session"], ()
+    return record.get("session") or None, ()
+
+
+def describe_target(record: Mapping[str, Any]) -> str:
+    """`labels=a,b` or `session=NAME`, for messages and `show`."""
+    session, labels = target_of(record)
+    return f"labels={','.join(labels)}" if labels else f"session={session}"
 
 
 def utc_now() -> str:
@@ -136,7 +229,7 @@ def check_record(obj: object, job_id: str) -> str | None:
         return "not a JSON object"
     if obj.get("job_id") != job_id:
         return "job_id does not match the file name"
-    if obj.get("status") not in JOB_STATUSES:
+    if obj.get("status") not in RECORD_STATUSES:
         return f"unknown status {obj.get('status')!r}"
     for key in ("attempt_id", "last_seq", "transition_seq"):
         value = obj.get(key)
@@ -177,15 +270,17 @@ def validate_broker(broker: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
-def new_record(*, job_id: str, session: str, role: str, attempt_id: int, dispatch_token: str,
+def new_record(*, job_id: str, session: str | None, role: str, attempt_id: int, dispatch_token: str,
                auth_token: str, contract: wire.Contract, broker: dict[str, Any] | None,
-               origin: str | None) -> JobRecord:
-    """A fresh `pending` record of `contract` (§8), created and updated now."""
+               origin: str | None, queue: QueueTerms | None = None) -> JobRecord:
+    """A fresh record of `contract` (§8), created and updated now: `pending`, or
+    `queued` with `queue`'s terms (§14; `session` "" until a label target is placed)."""
     now = utc_now()
     terms = contract.to_dict()  # the five §5 fields, idle resolved
-    return {
-        "record_version": RECORD_VERSION, "job_id": job_id, "status": "pending", "role": role,
-        "session": session, "agent_session": names.agent_session_label(session), "transport": "remote",
+    record: JobRecord = {
+        "record_version": RECORD_VERSION, "job_id": job_id, "status": "pending" if queue is None else "queued",
+        "role": role, "session": session or "",
+        "agent_session": names.agent_session_label(session) if session else "", "transport": "remote",
         "attempt_id": attempt_id, "dispatch_token": dispatch_token, "auth_token": auth_token,
         "last_seq": 0, "transition_seq": 0, "created_at": now, "updated_at": now,
         "close_reason": None, "exit_code": None, "broker": broker, "origin": origin,
@@ -193,6 +288,10 @@ def new_record(*, job_id: str, session: str, role: str, attempt_id: int, dispatc
         "heartbeat_misses": terms["heartbeat_misses"], "ack_timeout_sec": terms["ack_timeout_sec"],
         "idle_timeout_sec": terms["idle_timeout_sec"], "timeout_sec": terms["timeout_sec"],
     }
+    if queue is not None:
+        record.update(queue.fields())  # type: ignore[typeddict-item]  # the NotRequired §14 fields
+        record["queued_at"] = now
+    return record
 
 
 def touched(record: JobRecord) -> JobRecord:
@@ -337,17 +436,41 @@ class Transaction:
         return new
 
 
-def next_attempt(record: JobRecord) -> JobRecord:
-    """A copy of `record` as its next attempt (§8 redispatch): `pending`, attempt + 1,
-    fresh tokens, seq restarted; the old auth token joins `earlier_auth_tokens`
-    (so the hub can still tell that attempt's late messages from forgeries, §3.2)."""
-    new = moved(record, JobStatus.PENDING)
+def next_attempt(record: JobRecord, status: str = JobStatus.PENDING) -> JobRecord:
+    """A copy of `record` as its next attempt (§8 redispatch, §14 retry): `status`
+    (`pending`, or `queued` for a retry), attempt + 1, fresh tokens, seq restarted;
+    the old auth token joins `earlier_auth_tokens` (so the hub can still tell that
+    attempt's late messages from forgeries, §3.2) and the old attempt's runner
+    and outcome join `attempt_history` (`show`)."""
+    new = moved(record, status)
+    history = [*record.get("attempt_history", []), {
+        "attempt_id": record["attempt_id"], "session": record["session"], "status": record["status"],
+        "close_reason": record.get("close_reason"), "exit_code": record.get("exit_code")}]
+    new["attempt_history"] = history[-MAX_EARLIER_TOKENS:]
+    if status == JobStatus.QUEUED:
+        new["queued_at"] = new["updated_at"]
     earlier = [*record.get("earlier_auth_tokens", []), record["auth_token"]][-MAX_EARLIER_TOKENS:]
     new.update({"attempt_id": record["attempt_id"] + 1, "dispatch_token": names.new_dispatch_token(),
                 "auth_token": names.new_auth_token(), "last_seq": 0, "close_reason": None,
                 "exit_code": None, "cancel_requested_at": None, "attempt_created_at": new["updated_at"],
                 "earlier_auth_tokens": earlier, "seen_seq": 0})
     new.pop("late_outcome", None)
+    return new
+
+
+def published(record: JobRecord, session: str, published_at: str) -> JobRecord:
+    """A copy of a `queued` record moved to `pending` for `session` (§14: the hub
+    published its dispatch); its wall clock (§10) starts at `published_at`.
+
+    Raises:
+        Refusal(`not_allowed`): the record is not queued. UsageError: a bad session.
+    """
+    if record["status"] != JobStatus.QUEUED:
+        raise Refusal(record["job_id"], "not_allowed",
+                      f"refused queue publish: the job is {record['status']}, not queued")
+    new = moved(record, JobStatus.PENDING)
+    new.update({"session": session, "agent_session": names.agent_session_label(session),
+                "attempt_created_at": published_at})
     return new
 
 

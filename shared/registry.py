@@ -19,8 +19,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from mam.shared import names
-from mam.shared.codes import CLOSE_STATUS, JOB_STATUSES, OPEN_STATUSES, TERMINAL_STATUSES, CloseReason, JobStatus
+from mam.shared import codes, names
+from mam.shared.codes import CLOSE_STATUS, OPEN_STATUSES, TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.config import resolve_root
 from mam.shared.errors import RegistryError, UsageError
 from mam.shared.flock import FileLock
@@ -36,6 +36,7 @@ from mam.shared.records import (
     Contract,
     JobNotFound,
     JobRecord,
+    QueueTerms,
     Refusal,
     StaleTransition,
     Transaction,
@@ -194,8 +195,8 @@ class Registry:
         Raises:
             UsageError: `status` is not one of §8's states.
         """
-        if status is not None and status not in JOB_STATUSES:
-            raise UsageError(f"status {status!r} is invalid: expected one of {', '.join(JOB_STATUSES)}")
+        if status is not None and status not in codes.RECORD_STATUSES:
+            raise UsageError(f"status {status!r} is invalid: expected one of {', '.join(codes.RECORD_STATUSES)}")
         folder = names.jobs_dir(self.root)
         try:
             entries = sorted(os.listdir(folder))
@@ -291,7 +292,7 @@ class Registry:
         job_id = record["job_id"]
         self._ensure_dirs(job_id)
         append_line(self.audit_path(job_id), {
-            "event": event, "timestamp": record["created_at"], "source": source, "status": "pending",
+            "event": event, "timestamp": record["created_at"], "source": source, "status": record["status"],
             "attempt_id": record["attempt_id"], "session": record["session"], "transition_seq": 0,
         }, what=f"job {job_id}")
         self._write(record, status_changed=True)
@@ -338,8 +339,9 @@ class Registry:
 
     # ------------------------------------------------------------ creating
 
-    def register(self, *, session: str, contract: Contract | None = None, broker: Mapping[str, Any] | None = None,
-                 job_id: str | None = None, source: str = "operator") -> JobRecord:
+    def register(self, *, session: str | None, contract: Contract | None = None,
+                 broker: Mapping[str, Any] | None = None, job_id: str | None = None,
+                 source: str = "operator", queue: QueueTerms | None = None) -> JobRecord:
         """Register a new hub job: status `pending`, attempt 1, fresh
         `dispatch_token` and `auth_token`, the contract fields (§8, §1).
 
@@ -348,7 +350,7 @@ class Registry:
             contract: the §5 contract (default `Contract()`).
             broker: per-job broker overrides (no passwords).
             job_id: a given id (refused if it exists), else a fresh one.
-            source: an operator source.
+            source: an operator source; queue: §14 terms: the record is `queued` (session None: labels).
         Returns:
             the new record (with secrets).
         Raises:
@@ -356,7 +358,9 @@ class Registry:
             Refusal(`not_allowed`): the given job id already exists.
             RegistryError: the write failed.
         """
-        names.validate_session(session)
+        queue = queue.checked() if queue is not None else None
+        if session is not None or queue is None:
+            names.validate_session(session)
         require_source(source, OPERATOR_SOURCES, "register")
         contract = contract or Contract()
         broker_block = validate_broker(broker)
@@ -370,7 +374,7 @@ class Registry:
                 chosen = names.new_job_id()
             record = new_record(job_id=chosen, session=session, role="hub", attempt_id=1,
                                 dispatch_token=names.new_dispatch_token(), auth_token=names.new_auth_token(),
-                                contract=contract, broker=broker_block, origin=None)
+                                contract=contract, broker=broker_block, origin=None, queue=queue)
             self._create(record, source, "registered")
         return record
 
@@ -488,8 +492,8 @@ class Registry:
             UsageError: unknown status, source or close reason.
             StaleTransition, Refusal(`after_terminal` / `not_allowed`), JobNotFound, RegistryError.
         """
-        if to_status not in JOB_STATUSES:
-            raise UsageError(f"status {to_status!r} is invalid: expected one of {', '.join(JOB_STATUSES)}")
+        if to_status not in codes.RECORD_STATUSES:
+            raise UsageError(f"status {to_status!r} is invalid: expected one of {', '.join(codes.RECORD_STATUSES)}")
         worker = source in WORKER_SOURCES
         require_source(source, WORKER_SOURCES | OPERATOR_SOURCES, "transition")
         if close_reason is not None and close_reason not in CLOSE_STATUS:
@@ -509,8 +513,7 @@ class Registry:
                     raise Refusal(job_id, "after_terminal",
                                   f"refused {source} request: the job is already {current}")
                 allowed = to_status == JobStatus.CANCELLED or (
-                    to_status == JobStatus.ERROR and close_reason in (CloseReason.DEADLINE_TIMEOUT,
-                                                                      CloseReason.AGENT_BLOCKED))
+                    to_status == JobStatus.ERROR and close_reason in codes.ERROR_CLOSES)
                 if not allowed:
                     raise Refusal(job_id, "not_allowed",
                                   f"refused {source} request: operators may cancel, close and redispatch, "

@@ -46,10 +46,29 @@ def jobs_table(records: Sequence[Mapping[str, Any]]) -> str:
     return table([h for h, _ in JOB_COLUMNS], [[r.get(k) for _, k in JOB_COLUMNS] for r in records])
 
 
+def _outcome(status: Any, close_reason: Any) -> str:
+    return f"{status} ({close_reason})" if close_reason else str(status)
+
+
+def attempts(record: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every attempt of a job, oldest first (§8 redispatch, §14 retries): attempt_id,
+    the runner session ("-" while a label target is queued) and its outcome."""
+    rows = [{"attempt_id": old.get("attempt_id"), "session": old.get("session") or "-",
+             "outcome": _outcome(old.get("status"), old.get("close_reason"))}
+            for old in record.get("attempt_history", []) if isinstance(old, Mapping)]
+    rows.append({"attempt_id": record.get("attempt_id"), "session": record.get("session") or "-",
+                 "outcome": _outcome(record.get("status"), record.get("close_reason"))})
+    return rows
+
+
 def show_text(record: Mapping[str, Any], trail: Sequence[Mapping[str, Any]]) -> str:
-    """The `show` view: the record as `key: value` lines, then the audit trail."""
+    """The `show` view: the record as `key: value` lines, its attempts, then the audit trail."""
     width = max(len(k) for k in record) if record else 0
     lines = [f"{k.ljust(width)}  {_cell(record[k])}" for k in sorted(record)]
+    lines.append("")
+    lines.append("attempts:")
+    lines += [f"  {_cell(row['attempt_id'])}  {_cell(row['session'])}  {_cell(row['outcome'])}"
+              for row in attempts(record)]
     lines.append("")
     lines.append(f"audit trail ({len(trail)} lines):")
     for entry in trail:
@@ -93,8 +112,9 @@ def cli_jobs(*, workspace: str | os.PathLike[str] | None, status: str | None, as
 
 def cli_show(*, workspace: str | os.PathLike[str] | None, job_id: str, as_json: bool,
              stream: TextIO | None = None) -> int:
-    """`mam-orch show` / `mam-runner show`: one record and its audit trail (§8),
-    secrets redacted; human view on a TTY, one JSON object otherwise.
+    """`mam-orch show` / `mam-runner show`: one record, its attempts (each with its
+    runner and outcome, §14) and its audit trail (§8), secrets redacted; human view
+    on a TTY, one JSON object {"record", "audit", "attempts"} otherwise.
 
     Returns:
         0.
@@ -107,7 +127,7 @@ def cli_show(*, workspace: str | os.PathLike[str] | None, job_id: str, as_json: 
     record = redact(registry.get(job_id))
     trail = redact(registry.audit(job_id))
     if as_json or not out.isatty():
-        out.write(json.dumps({"record": record, "audit": trail}, sort_keys=True) + "\n")
+        out.write(json.dumps({"record": record, "audit": trail, "attempts": attempts(record)}, sort_keys=True) + "\n")
     else:
         out.write(show_text(record, trail))
     return 0

@@ -11,10 +11,11 @@ applies the rules to a parsed payload, in the §3.2 order.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from mam.shared import names
 from mam.shared.codes import (
     CONTROL_ACTIONS,
     EVENT_NAMES,
@@ -23,6 +24,7 @@ from mam.shared.codes import (
     TERMINAL_EVENTS,
     TERMINAL_STATUSES,
 )
+from mam.shared.errors import UsageError
 from mam.shared.wirefields import (
     MAX_DETAIL_CHARS,
     MAX_NAME_CHARS,
@@ -303,10 +305,15 @@ class Presence:
     kind: str = "presence"
     schema_version: int = SCHEMA_VERSION
     sig_alg: str | None = None  # §16: "ed25519" on v2
+    labels: tuple[str, ...] | None = None  # §14; None (absent on the wire): an older runner, no labels
+    # §14: receivers ignore unknown presence fields, but keep them: the signature covers them
+    extras: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.running, list):
             object.__setattr__(self, "running", tuple(self.running))
+        if isinstance(self.labels, list):
+            object.__setattr__(self, "labels", tuple(self.labels))
         run_check(self._check)
 
     def _check(self) -> None:
@@ -326,22 +333,33 @@ class Presence:
             check_job_id(job_id, f"running[{index}]")
         if len(set(self.running)) != len(self.running):
             raise Invalid("running lists a job id twice")
+        if self.labels is not None:
+            if not isinstance(self.labels, tuple):
+                raise Invalid(f"labels must be an array, got {type_name(self.labels)} {show(self.labels)}")
+            try:
+                names.validate_labels(self.labels)
+            except UsageError as exc:
+                raise Invalid(str(exc)) from None
         check_timestamp(self.timestamp, "timestamp")
         if self.sig is not None:
             check_sig(self.sig, self.sig_alg)
 
     @classmethod
     def build(cls, session: str, runner_id: str, status: str, *, host: str, version: str, max_jobs: int,
-              running: Iterable[str] = (), timestamp: datetime | str | None = None) -> Presence:
+              running: Iterable[str] = (), timestamp: datetime | str | None = None,
+              labels: Iterable[str] = ()) -> Presence:
         """An unsigned presence (sign with `crypto.sign`), §7.
 
         Args:
             status: online, draining or offline; running: job ids in progress.
+            labels: §14 labels, sent sorted; none: the field is left out (a v1 hub refuses it).
         Raises:
             UsageError: a field breaks §7.
         """
+        sorted_labels = tuple(sorted(labels))
         return build(cls, session=session, runner_id=runner_id, status=status, host=host, version=version,
-                     max_jobs=max_jobs, running=tuple(running), timestamp=ts_arg(timestamp))
+                     max_jobs=max_jobs, running=tuple(running), timestamp=ts_arg(timestamp),
+                     labels=sorted_labels or None)
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> Presence:
@@ -356,6 +374,10 @@ class Presence:
                                "running": list(self.running), "timestamp": self.timestamp}
         if self.sig_alg is not None:
             out["sig_alg"] = self.sig_alg
+        if self.labels is not None:
+            out["labels"] = list(self.labels)
+        if self.extras:
+            out.update({key: value for key, value in self.extras.items() if key not in out and key != "sig"})
         if self.sig is not None:
             out["sig"] = self.sig
         return out
@@ -383,9 +405,13 @@ def _control_from(obj: dict[str, Any]) -> Control:
 
 
 def _presence_from(obj: dict[str, Any]) -> Presence:
-    check_fields(obj, PRESENCE_FIELDS, optional=V2_SIGNED_FIELDS)
+    # §14: `labels` is optional, and unknown fields are ignored (kept only for the signature);
+    # §16: `sig_alg` is a known optional field, never an extra
+    known = PRESENCE_FIELDS | V2_SIGNED_FIELDS | {"labels"}
+    extras = {key: obj.pop(key) for key in list(obj) if key not in known}
+    check_fields(obj, PRESENCE_FIELDS | ({"labels"} if "labels" in obj else frozenset()), optional=V2_SIGNED_FIELDS)
     if obj["sig"] is None:
         raise Invalid("sig must be a string, got null")
     if not isinstance(obj["running"], list):
         raise Invalid(f"running must be an array, got {type_name(obj['running'])} {show(obj['running'])}")
-    return Presence(**obj)
+    return Presence(**obj, extras=extras or None)

@@ -232,7 +232,8 @@ def test_s10_s8_runner_kill9_deadline_then_redispatch_elsewhere_and_stragglers_r
     killed_at = datetime.now(UTC).replace(microsecond=0)  # the registry's timestamps have whole seconds
     assert run.wait(PATIENCE_S) == 2, run.log()
     record = fleet.hub_record(job_id)
-    assert record["status"] == "error" and record["close_reason"] == "deadline_timeout"
+    # §14: the idle close of an attempt whose runner's presence went offline (its Last Will) is runner_lost
+    assert record["status"] == "error" and record["close_reason"] == "runner_lost"
     # §10: the hub closed it within the idle timeout (3 × 1 s) + 5 s of the death, by its own
     # clock (the close's audit timestamp), not counting how long a busy machine takes to exit
     closed = [line for line in Registry(fleet.hub_ws).audit(job_id) if line.get("close_reason")]

@@ -1,0 +1,265 @@
+"""The hub queue of PROTOCOL §14 as pure code: no I/O, no broker, no clock.
+
+`Fleet` is the hub's view of every runner, fed by presence (§7): its last
+`RunnerView`, the dispatches the hub published to it that have no accepted
+`started` yet (in flight), and the order in which runners were handed jobs.
+`plan(queued, fleet, now, stale_after_s)` says which queued jobs to publish
+now and to whom (§14 Matching); `why_waiting` says in one line why a job
+still waits (issue 11 item 6). Callers pass monotonic seconds as `now`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from mam.shared.codes import PresenceStatus
+
+NEVER_HANDED = 0
+"""The hand-off rank of a runner never handed a job: before every other (§14)."""
+
+NO_SIGNATURE_HINT = ("the runner's MAM_DISPATCH_SECRET differs from the hub's; copy the hub's .mam.env")
+"""What to do when a presence does not verify with this hub's key."""
+
+
+@dataclass(frozen=True)
+class RunnerView:
+    """One runner as its last presence shows it (§7, §14).
+
+    Attributes:
+        session: the runner's session name (§1); runner_id: its id (32 hex).
+        status: `online`, `draining` or `offline` (§7).
+        labels: the labels it announced (§14; empty for older runners).
+        max_jobs: its slot count; running: the job ids it runs.
+        verified: the presence signature verifies with this hub's sign key (§5).
+        seen_at: when the hub received that presence (monotonic s).
+    """
+
+    session: str
+    runner_id: str
+    status: str
+    labels: frozenset[str]
+    max_jobs: int
+    running: frozenset[str]
+    verified: bool
+    seen_at: float
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    """One `queued` job (§14).
+
+    Attributes:
+        job_id: the job (§1); target_session: the one runner it names, or None.
+        target_labels: the labels a runner must all carry (empty: any runner).
+        priority: higher leaves the queue first; queued_at: seconds on any one clock
+            shared by the jobs compared (e.g. the record's `queued_at`), earlier first.
+        avoid_session: the previous attempt's runner (retries): chosen only
+            when no other candidate exists.
+    """
+
+    job_id: str
+    target_session: str | None
+    target_labels: frozenset[str]
+    priority: int
+    queued_at: float
+    avoid_session: str | None = None
+
+    @property
+    def target(self) -> tuple[str | None, frozenset[str]]:
+        """The job's target as one comparable key (jobs leave in order per target)."""
+        return (self.target_session, self.target_labels)
+
+
+def queue_order(job: QueuedJob) -> tuple[int, float, str]:
+    """The order jobs leave the queue in: priority descending, then queued_at ascending (§14)."""
+    return (-job.priority, job.queued_at, job.job_id)
+
+
+def describe_target(job: QueuedJob) -> str:
+    """`session=NAME`, `labels=a,b` or `any runner` for messages."""
+    if job.target_session is not None:
+        return f"session={job.target_session}"
+    if job.target_labels:
+        return "labels=" + ",".join(sorted(job.target_labels))
+    return "any runner"
+
+
+class Fleet:
+    """The hub's view of all runners, fed by presence (§7, §14).
+
+    Nothing here reads a clock: every time is the caller's monotonic `now`.
+    """
+
+    def __init__(self) -> None:
+        self._views: dict[str, RunnerView] = {}
+        self._inflight: dict[str, set[str]] = {}
+        self._handed: dict[str, int] = {}
+        self._hand_count = NEVER_HANDED
+        self._labels: set[str] = set()
+
+    def update(self, view: RunnerView) -> None:
+        """Store a runner's latest presence; its labels join `known_labels` (verified or not)."""
+        self._views[view.session] = view
+        self._labels.update(view.labels)
+
+    def inflight(self, session: str, job_id: str) -> None:
+        """The hub published a dispatch for `job_id` to `session` (no `started` yet):
+        it takes a slot, and `session` becomes the most recently handed runner."""
+        self._inflight.setdefault(session, set()).add(job_id)
+        self.handed(session)
+
+    def handed(self, session: str) -> None:
+        """`session` was handed a job now (the most recently handed, §14), in flight or not
+        (a hub rebuilding its view from its records replays their publish order)."""
+        self._hand_count += 1
+        self._handed[session] = self._hand_count
+
+    def started(self, session: str, job_id: str) -> None:
+        """The hub accepted `started` (or a terminal, or gave up) for `job_id`: no longer in flight."""
+        pending = self._inflight.get(session)
+        if pending is not None:
+            pending.discard(job_id)
+            if not pending:
+                del self._inflight[session]
+
+    def view(self, session: str) -> RunnerView | None:
+        """The runner's last presence, or None when none was seen."""
+        return self._views.get(session)
+
+    def views(self) -> list[RunnerView]:
+        """Every runner seen, by session name."""
+        return [self._views[name] for name in sorted(self._views)]
+
+    def inflight_count(self, session: str) -> int:
+        """Dispatches published to `session` with no accepted `started`, not already in its `running`."""
+        view = self._views.get(session)
+        pending = self._inflight.get(session, set())
+        return len(pending - view.running) if view is not None else len(pending)
+
+    def handed_rank(self, session: str) -> int:
+        """When `session` was last handed a job, as a rank (0: never; larger: more recently)."""
+        return self._handed.get(session, NEVER_HANDED)
+
+    def available(self, session: str, now: float, stale_after_s: float) -> bool:
+        """The runner's last presence is verified, `online` and not stale (§14 Matching)."""
+        view = self._views.get(session)
+        return (view is not None and view.verified and view.status == PresenceStatus.ONLINE
+                and now - view.seen_at <= stale_after_s)
+
+    def free_slots(self, session: str, now: float, stale_after_s: float) -> int:
+        """`max_jobs − |running| − in flight`, or 0 when the runner is not available (§14).
+
+        Args:
+            session: the runner; now: monotonic s; stale_after_s: a presence
+                older than this (s) is stale (its runner is not a candidate).
+        """
+        if not self.available(session, now, stale_after_s):
+            return 0
+        view = self._views[session]
+        return max(0, view.max_jobs - len(view.running) - self.inflight_count(session))
+
+    def known_labels(self) -> frozenset[str]:
+        """The union of every label any presence ever announced."""
+        return frozenset(self._labels)
+
+
+def matches(view: RunnerView, job: QueuedJob) -> bool:
+    """The runner fits the job's target: its session, and labels ⊇ the job's (§14)."""
+    if job.target_session is not None and view.session != job.target_session:
+        return False
+    return job.target_labels <= view.labels
+
+
+def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: float
+         ) -> list[tuple[str, str]]:
+    """The queued jobs to publish now, each with its runner (§14 Matching).
+
+    Candidates are verified, online, fresh runners whose labels ⊇ the job's and
+    with free slots left after the jobs this call already assigned (no runner
+    is ever over-committed). Among them: not the job's `avoid_session` unless it
+    is the only one, then most free slots, then least recently handed a job,
+    then session name. Jobs go in (priority desc, queued_at asc) order; once a
+    job of a target finds no candidate, later jobs of that target wait too,
+    while other targets go on. `fleet` is not changed: call `fleet.inflight`
+    for each pair actually published.
+
+    Args:
+        queued: the `queued` jobs, any order; fleet: the runners; now: monotonic s;
+        stale_after_s: the presence age (s) past which a runner is no candidate.
+
+    Returns:
+        `[(job_id, session)]` in the order to publish.
+    """
+    free = {view.session: fleet.free_slots(view.session, now, stale_after_s) for view in fleet.views()}
+    handed = {view.session: fleet.handed_rank(view.session) for view in fleet.views()}
+    rank = max(handed.values(), default=NEVER_HANDED)
+    blocked: set[tuple[str | None, frozenset[str]]] = set()
+    picked: list[tuple[str, str]] = []
+    for job in sorted(queued, key=queue_order):
+        if job.target in blocked:
+            continue
+        candidates = [view.session for view in fleet.views() if free[view.session] > 0 and matches(view, job)]
+        if not candidates:
+            blocked.add(job.target)
+            continue
+        session = min(candidates, key=lambda name: (name == job.avoid_session, -free[name], handed[name], name))
+        free[session] -= 1
+        rank += 1
+        handed[session] = rank
+        picked.append((job.job_id, session))
+    return picked
+
+
+def _ahead(job: QueuedJob, queued: Iterable[QueuedJob]) -> int:
+    """How many other queued jobs of the same target leave before `job`."""
+    mine = queue_order(job)
+    return sum(1 for other in queued
+               if other.job_id != job.job_id and other.target == job.target and queue_order(other) < mine)
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def why_waiting(job: QueuedJob, fleet: Fleet, queued: Sequence[QueuedJob], now: float,
+                stale_after_s: float) -> str:
+    """One human line saying why `job` is still queued (issue 11 item 6, §14).
+
+    Args:
+        job: the waiting job; fleet: the runners; queued: every queued job (for
+        the count ahead); now: monotonic s; stale_after_s: as for `plan`.
+
+    Returns:
+        e.g. "queued behind 3 jobs for labels=gpu (2 runners match, 0 free slots)".
+    """
+    target = describe_target(job)
+    missing = job.target_labels - fleet.known_labels()
+    if missing:
+        return (f"no runner has ever announced labels={','.join(sorted(missing))} "
+                f"(job {job.job_id} waits for {target})")
+    matching = [view for view in fleet.views() if matches(view, job)]
+    if job.target_session is not None and not matching:
+        return f"runner {job.target_session} has not announced itself (no presence seen); job {job.job_id} waits"
+    unverified = [view.session for view in matching if not view.verified]
+    if unverified and len(unverified) == len(matching):
+        return (f"runner {', '.join(unverified)} is online but its presence signature does not verify "
+                f"with this hub's key ({NO_SIGNATURE_HINT})")
+    if not matching:
+        return f"no runner matches {target} (job {job.job_id} waits)"
+    available = [view for view in matching if fleet.available(view.session, now, stale_after_s)]
+    free = sum(fleet.free_slots(view.session, now, stale_after_s) for view in available)
+    ahead = _ahead(job, queued)
+    if not available:
+        states = ", ".join(f"{view.session} {_state(view, now, stale_after_s)}" for view in matching)
+        return f"queued behind {_plural(ahead, 'job')} for {target}: no matching runner is online ({states})"
+    return (f"queued behind {_plural(ahead, 'job')} for {target} "
+            f"({_plural(len(available), 'runner')} match, {_plural(free, 'free slot')})")
+
+
+def _state(view: RunnerView, now: float, stale_after_s: float) -> str:
+    if not view.verified:
+        return "unverified"
+    if view.status == PresenceStatus.ONLINE and now - view.seen_at > stale_after_s:
+        return "stale"
+    return view.status

@@ -1,0 +1,380 @@
+"""`mam-orch serve`: the hub service of PROTOCOL §14 "One hub process".
+
+One process per registry (`hublock.HubLock`, `.mam/hub.lock`), one broker
+connection subscribed to `jobs/+/events`, `jobs/+/state` and `runners/+`. It
+owns every `queued`, `pending` and `running` hub record, whichever command
+registered it: each open job is one `watch.Watcher` (the same §3.2 judging,
+mirroring and §10 clocks as `watch`/`dispatch`, fed by `handle` and `tick`),
+queued jobs leave through `queue.plan` on every presence and every new queued
+record. The registry folder is scanned every `SCAN_S` (changed files only), so
+records registered by other commands are picked up at once.
+
+Restart: open records are reloaded first, then the subscription brings the
+retained states (§4); every clock starts with a full window. While the
+connection is down only the wall clocks run (§14 "Broker outages"). SIGTERM
+and SIGINT stop it cleanly: jobs go on, the lock is released.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import TextIO
+
+from mam.orchestrator import queue as hubqueue
+from mam.orchestrator.dispatch import publish_queued
+from mam.orchestrator.hub import DAY_S, Hub, Workspace, open_hub
+from mam.orchestrator.hublock import HubLock
+from mam.orchestrator.mirror import BrokerLink
+from mam.orchestrator.queuewait import PresenceFeed, close_queue_timeout, queued_job, retry_attempt, retry_reason
+from mam.orchestrator.runners import PRESENCE_STALE_S
+from mam.orchestrator.watch import Watcher, WatchOptions
+from mam.shared import names
+from mam.shared.codes import PUBLISHED_STATUSES, JobStatus
+from mam.shared.errors import MamError
+from mam.shared.mqtt import MqttClient
+from mam.shared.records import RECORD_NAME_RE, JobRecord
+
+log = logging.getLogger("mam.serve")
+
+SCAN_S = 0.2  # the registry folder is scanned this often for new and changed records
+TICK_S = 0.1  # the §10 clocks of every job are looked at this often
+MAX_TICK_DEFER_S = 2.0  # how long a backlog of received messages may hold the clocks back
+
+
+class _Discard:
+    """Where the service's watchers print accepted events: nowhere (they are in the audit log)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        return None
+
+    def isatty(self) -> bool:
+        return False
+
+
+@dataclass
+class ServiceStats:
+    """What the service did, for its log line at exit and the benchmark."""
+
+    messages: int = 0
+    refused_topics: int = 0
+    handler_errors: int = 0
+    published: int = 0
+    closed: dict[str, int] = field(default_factory=dict)
+
+
+class HubService:
+    """The hub service of one registry (§14).
+
+    Args:
+        hub: the `Hub` (registry, broker settings, keys).
+        out: where accepted events go (default: nowhere; they are in the audit log).
+    """
+
+    def __init__(self, hub: Hub, *, out: TextIO | None = None) -> None:
+        self.hub = hub
+        self.registry = hub.registry
+        self.keys = hub.keys()
+        self.config = hub.broker_config()
+        self.out: TextIO = out if out is not None else _Discard()  # type: ignore[assignment]
+        self.lock = HubLock(self.registry.root)
+        self.client: MqttClient | None = None
+        self.watchers: dict[str, Watcher] = {}
+        self.confirming: dict[str, float] = {}  # cancelled jobs waiting for the runner's end (§6): deadline
+        self.confirm_watchers: dict[str, Watcher] = {}
+        self.queued: dict[str, hubqueue.QueuedJob] = {}
+        self.queue_deadlines: dict[str, float] = {}  # job id -> wall time of its queue_timeout (§14)
+        self._explained: set[str] = set()  # queued jobs whose waiting was logged
+        self.feed = PresenceFeed(self.keys, self.config.topic_root, self.registry.root)
+        self.fleet = self.feed.fleet
+        self.sessions: dict[str, str] = {}  # job id -> the session its dispatch went to
+        self.stats = ServiceStats()
+        self._mtimes: dict[str, int] = {}
+        self._stop = False
+        self.ready = threading.Event()  # set once it holds the lock and subscribed
+
+    # ------------------------------------------------------------ records
+
+    def _watcher(self, record: JobRecord, now: float) -> Watcher:
+        watcher = Watcher(self.registry, record["job_id"], client=self.client, keys=self.keys, out=self.out,
+                          options=WatchOptions(remote=True, ack_only_before_first=True))
+        watcher.start_clocks(now, record)
+        session, runner_id = record["session"], self.feed.runner_id(record["session"])
+        watcher.runner_lost = lambda: self.feed.lost(session, runner_id)  # §14 runner_lost
+        return watcher
+
+    def consider(self, job_id: str, now: float) -> None:
+        """Read one record and track it when it is an open hub job (§14 ownership)."""
+        try:
+            record = self.registry.get(job_id)
+        except MamError as exc:
+            log.warning("job %s: cannot read its record: %s", job_id, exc)
+            return
+        if record.get("role") != "hub":
+            return
+        status = record["status"]
+        watcher = self.watchers.get(job_id)
+        if watcher is not None:
+            if status == JobStatus.QUEUED:  # another process queued a retry: back to the queue
+                del self.watchers[job_id]
+                self._enqueue(record)
+            elif status not in PUBLISHED_STATUSES:
+                watcher.refresh()  # e.g. `mam-orch cancel` from another shell: the next tick ends it
+            elif record["attempt_id"] != watcher.attempt_id:
+                self.watchers[job_id] = self._watcher(record, now)  # a new attempt (redispatch, retry)
+            return
+        if status in PUBLISHED_STATUSES:
+            self.watchers[job_id] = self._watcher(record, now)
+            self.sessions[job_id] = record["session"]
+            log.info("job %s: tracking (%s, attempt %s)", job_id, status, record["attempt_id"])
+        elif status == JobStatus.QUEUED:
+            self._enqueue(record)
+        else:
+            self.queued.pop(job_id, None)
+            self.queue_deadlines.pop(job_id, None)
+            self._explained.discard(job_id)
+
+    def _enqueue(self, record: JobRecord) -> None:
+        job_id = record["job_id"]
+        if job_id in self.queued:
+            return
+        job = self.queued[job_id] = queued_job(record)
+        self.queue_deadlines[job_id] = job.queued_at + int(record.get("queue_timeout_sec", DAY_S))
+        log.info("job %s: queued", job_id)
+
+    def scan(self, now: float) -> None:
+        """Look at every record file whose mtime changed since the last scan."""
+        folder = names.jobs_dir(self.registry.root)
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            return
+        for entry in entries:
+            if not RECORD_NAME_RE.match(entry.name):
+                continue
+            try:
+                mtime = entry.stat().st_mtime_ns
+            except OSError:
+                continue
+            if self._mtimes.get(entry.name) == mtime:
+                continue
+            self._mtimes[entry.name] = mtime
+            self.consider(entry.name[:-len(".json")], now)
+
+    # ------------------------------------------------------------ messages
+
+    def on_message(self, topic: str, raw: bytes, now: float) -> None:
+        """Route one message: a presence feeds the fleet, a job's event or state its watcher.
+        Nothing a message holds may end the service: errors are logged in one line."""
+        self.stats.messages += 1
+        root = self.config.topic_root
+        session = names.parse_presence_topic(topic, root)
+        if session is not None:
+            self.on_presence(session, raw, now)
+            return
+        parsed = names.parse_job_topic(topic, root)
+        if parsed is None or parsed[1] not in ("events", "state"):
+            self.stats.refused_topics += 1
+            return
+        job_id = parsed[0]
+        watcher = self.watchers.get(job_id) or self.confirm_watchers.get(job_id)
+        if watcher is None and self.registry.record_path(job_id).exists():
+            self.consider(job_id, now)  # registered a moment ago, before the next scan
+            watcher = self.watchers.get(job_id)
+        if watcher is None:
+            return
+        try:
+            started_before = watcher.accepted_any
+            watcher.handle(topic, raw)
+            if watcher.accepted_any and not started_before:
+                self.fleet.started(self.sessions.get(job_id, ""), job_id)
+        except MamError as exc:
+            self.stats.handler_errors += 1
+            log.warning("job %s: message on %s not handled: %s", job_id, topic, exc)
+
+    def on_presence(self, session: str, raw: bytes, now: float) -> None:
+        """A runner's presence (§7): update the fleet, then publish what the queue allows (§14)."""
+        self.feed.handle(names.presence_topic(session, self.config.topic_root), raw)
+        self.plan(now)
+
+    # ------------------------------------------------------------ the queue
+
+    def plan(self, now: float) -> None:
+        """Publish every queued job `queue.plan` assigns now (§14 Matching)."""
+        if not self.queued:
+            return
+        waiting = list(self.queued.values())
+        for job_id, session in hubqueue.plan(waiting, self.fleet, now, PRESENCE_STALE_S):
+            self.queued.pop(job_id, None)
+            self.queue_deadlines.pop(job_id, None)
+            self._explained.discard(job_id)
+            self.publish(job_id, session, now)
+        for job in self.queued.values():
+            if job.job_id not in self._explained:  # issue 11 item 6: say once, in one line, why it waits
+                self._explained.add(job.job_id)
+                log.info("%s", hubqueue.why_waiting(job, self.fleet, waiting, now, PRESENCE_STALE_S))
+
+    def expire_queued(self) -> None:
+        """§14: a job queued longer than its queue_timeout_sec closes `queue_timeout`."""
+        now_wall = time.time()
+        for job_id, deadline in list(self.queue_deadlines.items()):
+            if now_wall < deadline:
+                continue
+            self.queued.pop(job_id, None)
+            del self.queue_deadlines[job_id]
+            try:
+                record = close_queue_timeout(self.registry, job_id)
+            except MamError as exc:
+                log.warning("job %s: queue timeout not recorded: %s", job_id, exc)
+                continue
+            log.info("job %s: %s (%s)", job_id, record["status"], record.get("close_reason"))
+
+    def retry(self, job_id: str, now: float) -> None:
+        """§14 Retries: an attempt that ended for a reason in `retry_on` with retries left
+        is cancelled and queued again as attempt + 1 (the dispatch process's own rule)."""
+        try:
+            record = self.registry.get(job_id)
+            reason = retry_reason(record)
+            if reason is None:
+                return
+            new = retry_attempt(self.registry, job_id, reason, self.client, self.keys)
+        except MamError as exc:
+            log.warning("job %s: not retried: %s", job_id, exc)
+            return
+        if new is not None:
+            log.info("job %s: attempt %s ended %s; attempt %s queued", job_id, record["attempt_id"], reason,
+                     new["attempt_id"])
+            self._enqueue(new)
+            self.plan(now)
+
+    def publish(self, job_id: str, session: str, now: float) -> None:
+        """queued → pending: publish the job's dispatch to `session`; the ack clock starts now (§14)."""
+        client = self.client
+        if client is None:
+            return
+        try:
+            record = publish_queued(self.registry, job_id, session, self.keys, client)
+        except MamError as exc:
+            log.warning("job %s: not published to %s: %s", job_id, session, exc)
+            self.consider(job_id, now)  # still queued: it goes back to the queue
+            return
+        self.stats.published += 1
+        self.fleet.inflight(session, job_id)
+        self.sessions[job_id] = session
+        self.watchers[job_id] = self._watcher(record, time.monotonic())
+        log.info("job %s: published to %s (attempt %s)", job_id, session, record["attempt_id"])
+
+    # ------------------------------------------------------------ clocks
+
+    def tick(self, now: float, down_since: float | None) -> None:
+        """Apply §10 to every tracked job; end the ones that ended."""
+        for job_id, watcher in list(self.watchers.items()):
+            try:
+                code = watcher.tick(now, down_since=down_since, poll=False)
+            except MamError as exc:
+                self.stats.handler_errors += 1
+                log.warning("job %s: clocks not applied: %s", job_id, exc)
+                continue
+            if code is None:
+                continue
+            del self.watchers[job_id]
+            self.fleet.started(self.sessions.pop(job_id, ""), job_id)
+            outcome = str(watcher.terminal or "closed")
+            self.stats.closed[outcome] = self.stats.closed.get(outcome, 0) + 1
+            log.info("job %s: ended (%s, exit %d)", job_id, outcome, code)
+            if watcher.terminal == JobStatus.CANCELLED:
+                self.confirming[job_id] = watcher.confirm_deadline(now)
+                self.confirm_watchers[job_id] = watcher
+            else:
+                self.retry(job_id, now)
+        for job_id, deadline in list(self.confirming.items()):
+            watcher = self.confirm_watchers[job_id]
+            if watcher.runner_ended or now >= deadline:
+                del self.confirming[job_id], self.confirm_watchers[job_id]
+                watcher.finish_confirm()
+
+    def broker_back(self, now: float, outage: float) -> None:
+        """§14: every job gets a full idle window after the service's reconnect."""
+        for watcher in self.watchers.values():
+            watcher.broker_back(now, outage)
+
+    # ------------------------------------------------------------ life
+
+    def stop(self, signum: int = signal.SIGTERM, frame: FrameType | None = None) -> None:
+        """Ask the loop to end (a signal handler): the jobs go on, the lock is released."""
+        self._stop = True
+
+    def run(self) -> int:
+        """Lock, connect, reload, subscribe, serve until stopped; returns the exit code.
+
+        Raises:
+            UsageError: another service holds the lock (exit 64).
+            BrokerUnavailable: the broker is unreachable at start (exit 3).
+        """
+        self.lock.acquire()
+        try:
+            client = self.client = self.hub.connect("serve")
+            try:
+                return self._serve(client)
+            finally:
+                client.close()
+        finally:
+            self.lock.release()
+
+    def _serve(self, client: MqttClient) -> int:
+        now = time.monotonic()
+        self.scan(now)  # open records first: the retained states then find their watchers
+        root = self.config.topic_root
+        client.subscribe([(names.all_events_filter(root), 1), (names.all_states_filter(root), 1),
+                          (names.all_presence_filter(root), 1)])
+        log.info("hub service pid %d serving %s: %d open jobs, %d queued", os.getpid(), self.registry.root,
+                 len(self.watchers), len(self.queued))
+        link = BrokerLink(client)
+        self.ready.set()
+        next_scan = next_tick = now
+        while not self._stop:
+            now = time.monotonic()
+            outage = link.look(now)
+            if outage is not None:
+                self.broker_back(now, outage)
+            if now >= next_scan:
+                next_scan = now + SCAN_S
+                self.scan(now)
+                self.expire_queued()
+                self.plan(now)
+            # §10: a message already received renews its job even if not judged yet, so the
+            # clocks wait for the local backlog to be handled (at most MAX_TICK_DEFER_S)
+            if now >= next_tick and (client.messages.empty() or now >= next_tick + MAX_TICK_DEFER_S):
+                next_tick = now + TICK_S
+                self.tick(now, link.down_since)
+            try:
+                message = client.messages.get(timeout=max(0.0, min(next_scan, next_tick) - time.monotonic()))
+            except queue.Empty:
+                continue
+            self.on_message(message.topic, message.payload, time.monotonic())
+        log.info("hub service stopping: %d jobs go on without it (%d messages handled)",
+                 len(self.watchers), self.stats.messages)
+        return 0
+
+
+def serve_cli(*, workspace: Workspace) -> int:
+    """`mam-orch serve`: run the hub service until SIGTERM/SIGINT (§14).
+
+    Raises:
+        UsageError (exit 64: another service runs), ConfigError, BrokerUnavailable (exit 3).
+    """
+    service = HubService(open_hub(workspace))
+    signal.signal(signal.SIGTERM, service.stop)
+    signal.signal(signal.SIGINT, service.stop)
+    print(f"mam-orch serve: pid {os.getpid()}, registry {service.registry.root}", file=sys.stderr, flush=True)
+    return service.run()

@@ -1,0 +1,243 @@
+"""The hub queue, routing by labels and retries (PROTOCOL §14; issue 11 items 2-4
+and 6) over a real broker, real runners and real `mam-orch dispatch` processes
+(no service: each dispatch waits for its own queued job).
+
+- More jobs than slots with `--labels x --ack-timeout 5`: all complete, none
+  `agent_blocked`, never more than `--max-jobs` agents at once on a runner,
+  each job run exactly once.
+- A runner killed with kill -9 (daemon, timer and agent: the host is gone)
+  mid-job with `--retries 1`: `runner_lost`, attempt 2 on the other matching
+  runner completes; attempt 1's late terminal is refused.
+- Refusals: bad and oversized label lists on both CLIs (exit 64, one line,
+  nothing registered); hostile presences on the wire (a waiting dispatch never
+  dies); a label no runner has (a warning, then `queue_timeout`, exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+from harness import runnersim
+from harness.runnersim import MAM_ORCH, MAM_RUNNER, hub_env, hub_workspace, orch, runner_log
+from harness.waiting import PATIENCE_S, wait_until
+from harness.workspace import clean_env
+
+from mam.shared import crypto, names, wire
+from mam.shared.config import dispatch_secret
+from mam.shared.mqtt import MqttClient
+from mam.shared.registry import Registry
+
+pytestmark = [pytest.mark.broker, pytest.mark.e2e]
+
+JOBS = 30  # more than the 6 slots: the queue, not the runners, holds the rest
+RUNNERS = ("qa", "qb", "qc")
+SLOTS = 2
+AGENT_S = 3
+MARK = 'echo "{0} $MAM_JOB_ID $(date +%s%N)" >> "$MARKS"'
+BRIEF = "\n".join([MARK.format("start"), f"sleep {AGENT_S}", MARK.format("end")]) + "\n"
+
+
+def dispatch(hub: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([*MAM_ORCH, "dispatch", *args, "--json", "--workspace", str(hub)], env=hub_env(),
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen[str], timeout_s: float = PATIENCE_S) -> tuple[int, str]:
+    try:
+        _out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _out, err = proc.communicate()
+        raise AssertionError(f"dispatch did not end:\n{err}") from None
+    return proc.returncode, err
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL every process carrying TEST_TAG=tag (a runner, its timers and agents)."""
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("TEST_TAG") == tag and proc.pid != os.getpid():
+                proc.kill()
+        except (psutil.Error, OSError):
+            continue
+
+
+def hub_records(hub: Path) -> list[dict]:
+    registry = Registry(hub)
+    return [registry.get(path.stem) for path in runnersim.job_records(hub)]
+
+
+def overlap(intervals: list[tuple[int, int]]) -> int:
+    """The most intervals open at one instant."""
+    edges = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.fixture
+def runners(tmp_path):
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(session: str, *args: str, **env: str) -> subprocess.Popen[bytes]:
+        proc = runnersim.start_runner(broker_of[0], tmp_path / session, session, *args, TEST_TAG=session, **env)
+        started.append(proc)
+        return proc
+
+    broker_of: list = []
+    yield broker_of, start
+    for proc in started:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in started:
+        try:
+            proc.wait(PATIENCE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    for session in RUNNERS:
+        kill_tagged(session)
+
+
+@pytest.mark.timeout(240)
+def test_s14_more_jobs_than_slots_all_complete_once_never_over_max_jobs(nats_broker, runners, tmp_path):
+    broker_of, start = runners
+    broker_of.append(nats_broker)
+    hub = hub_workspace(nats_broker, tmp_path)
+    marks = {session: tmp_path / f"{session}.marks" for session in RUNNERS}
+    for session in RUNNERS:
+        start(session, "--labels", "x,extra", "--max-jobs", str(SLOTS), MARKS=str(marks[session]))
+    procs = [dispatch(hub, "--labels", "x", "--ack-timeout", "5", "--brief", BRIEF) for _ in range(JOBS)]
+    results = [finish(proc, 4 * PATIENCE_S) for proc in procs]
+    assert [code for code, _ in results] == [0] * JOBS, "\n".join(err for code, err in results if code)
+    records = hub_records(hub)
+    assert len(records) == JOBS
+    assert {(r["status"], r["attempt_id"], r["close_reason"]) for r in records} == {("completed", 1, None)}
+    ran: dict[str, list[str]] = {}
+    for session in RUNNERS:
+        lines = [line.split() for line in marks[session].read_text().splitlines()] if marks[session].exists() else []
+        starts = {job: int(stamp) for what, job, stamp in lines if what == "start"}
+        ends = {job: int(stamp) for what, job, stamp in lines if what == "end"}
+        assert len(starts) == len([1 for what, *_ in lines if what == "start"]), "a job started twice"
+        assert overlap([(starts[job], ends[job]) for job in starts]) <= SLOTS, lines
+        for job in starts:
+            ran.setdefault(job, []).append(session)
+            assert Registry(tmp_path / session).get(job)["status"] == "completed"
+    assert sorted(ran) == sorted(r["job_id"] for r in records)
+    assert all(len(where) == 1 for where in ran.values()), ran
+    assert {r["session"] for r in records} <= set(RUNNERS)
+    assert len({r["session"] for r in records}) == len(RUNNERS)  # spread over every matching runner
+    for record in records:
+        trail = Registry(hub).audit(record["job_id"])
+        assert [(line["from"], line["to"], line["source"]) for line in trail if line["event"] == "status_changed"][:1] \
+            == [("queued", "pending", "hub_queue")]
+
+
+@pytest.mark.timeout(180)
+def test_s14_kill9_runner_mid_job_retries_on_another_runner_late_attempt_refused(broker, runners, tmp_path):
+    broker_of, start = runners
+    broker_of.append(broker)
+    hub = hub_workspace(broker, tmp_path)
+    for session in RUNNERS[:2]:
+        start(session, "--labels", "x")
+    job = dispatch(hub, "--labels", "x", "--retries", "1", "--heartbeat", "1", "--heartbeat-misses", "3",
+                   "--ack-timeout", str(int(PATIENCE_S)), "--brief", "sleep 4\n")
+    registry = Registry(hub)
+    wait_until(lambda: [r for r in hub_records(hub) if r["status"] == "running"], PATIENCE_S, "attempt 1 running")
+    (first,) = hub_records(hub)
+    job_id, lost = first["job_id"], first["session"]
+    other = next(session for session in RUNNERS[:2] if session != lost)
+    kill_tagged(lost)  # the host is gone: daemon, heartbeat timer and agent
+    wait_until(lambda: registry.get(job_id)["attempt_id"] == 2 and registry.get(job_id)["status"] == "running",
+               PATIENCE_S, "attempt 2 running")
+    # attempt 1's late terminal, from the dead runner's own registry: refused by the hub
+    late = subprocess.run([*MAM_RUNNER, "publish", "--job", job_id, "--event", "completed", "--detail", "late",
+                           "--workspace", str(tmp_path / lost)], env=clean_env(), capture_output=True, text=True,
+                          timeout=PATIENCE_S)
+    assert late.returncode == 0, late.stderr  # the dead runner's record knows nothing of attempt 2
+    code, err = finish(job, 2 * PATIENCE_S)
+    assert code == 0, err
+    record = registry.get(job_id)
+    assert (record["status"], record["attempt_id"], record["session"]) == ("completed", 2, other)
+    (history,) = record["attempt_history"]
+    assert (history["attempt_id"], history["session"], history["close_reason"]) == (1, lost, "runner_lost")
+    trail = registry.audit(job_id)
+    assert [(line["attempt_id"], line["reason"]) for line in trail if line["event"] == "retry"] == [(1, "runner_lost")]
+    late_lines = [line for line in trail if line.get("event") == "completed" and line["data"]["attempt_id"] == 1]
+    assert late_lines == []
+    assert "retry 1 of 1: attempt 2 queued" in err
+    shown = orch(hub, "show", job_id)
+    attempts = json.loads(shown.stdout)["attempts"]
+    assert [(a["attempt_id"], a["session"], a["outcome"]) for a in attempts] == [
+        (1, lost, "error (runner_lost)"), (2, other, "completed")]
+    assert "took job" in runner_log(tmp_path / other)
+
+
+def test_s14_bad_labels_refused_by_both_clis_one_line_nothing_registered(nats_broker, tmp_path):
+    hub = hub_workspace(nats_broker, tmp_path)
+    too_many = ",".join(f"l{n}" for n in range(17))
+    for labels in ("GPU", "a,,b", too_many, "x" * 33):
+        result = orch(hub, "dispatch", "--labels", labels, "--brief", "x")
+        assert result.returncode == 64, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "is invalid" in result.stderr
+        runner = subprocess.run([*MAM_RUNNER, "run", "--session", "r1", "--exec", "true", "--labels", labels,
+                                 "--workspace", str(tmp_path / "r1")], env=clean_env(), capture_output=True,
+                                text=True, timeout=PATIENCE_S)
+        assert runner.returncode == 64, runner.stderr
+        assert len(runner.stderr.strip().splitlines()) == 1 and "is invalid" in runner.stderr
+    both = orch(hub, "dispatch", "--labels", "x", "--session", "s", "--brief", "x")
+    assert both.returncode == 64 and "not both" in both.stderr
+    assert orch(hub, "dispatch", "--labels", "x", "--retries", "11", "--brief", "x").returncode == 64
+    assert orch(hub, "dispatch", "--labels", "x", "--retry-on", "sometimes", "--brief", "x").returncode == 64
+    assert runnersim.job_records(hub) == []
+
+
+@pytest.mark.timeout(120)
+def test_s14_hostile_presence_never_kills_a_waiting_dispatch(broker, runners, tmp_path):
+    broker_of, start = runners
+    broker_of.append(broker)
+    hub = hub_workspace(broker, tmp_path)
+    job = dispatch(hub, "--labels", "x", "--brief", "true\n")
+    registry = Registry(hub)
+    wait_until(lambda: [r for r in hub_records(hub) if r["status"] == "queued"], PATIENCE_S, "the job queued")
+    keys = crypto.derive_keys(dispatch_secret(environ={}, workspace=hub))
+    root = broker.topic_root
+    good = wire.Presence.build("evil", "b" * 32, "online", host="h", version="1", max_jobs=1).to_dict()
+    hostile = [dict(good, labels=labels) for labels in (["X"], ["x"] * 17, ["x\n"], "x", [7], ["x" * 40])]
+    with MqttClient(broker.config(), "evil") as client:
+        for doc in hostile:
+            client.publish(names.presence_topic("evil", root), json.dumps(crypto.sign(doc, keys.sign_key)).encode())
+        client.publish(names.presence_topic("evil", root), b"\xff not json")
+        unsigned = dict(good, labels=["x"], sig="0" * 64)  # matches, but does not verify: never a candidate
+        client.publish(names.presence_topic("evil", root), json.dumps(unsigned).encode())
+    assert job.poll() is None
+    start("qa", "--labels", "x")
+    code, err = finish(job)
+    assert code == 0, err
+    (record,) = hub_records(hub)
+    assert (record["status"], record["session"]) == ("completed", "qa")
+    assert "refused presence" in err
+    assert registry.get(record["job_id"])["attempt_id"] == 1
+
+
+def test_s14_no_runner_has_the_labels_warning_then_queue_timeout_exit_2(broker, tmp_path):
+    hub = hub_workspace(broker, tmp_path)
+    required = orch(hub, "dispatch", "--labels", "nowhere", "--require-online", "--brief", "x")
+    assert required.returncode == 5 and "no runner with labels=nowhere is online" in required.stderr
+    assert hub_records(hub) == []
+    result = orch(hub, "dispatch", "--labels", "nowhere", "--queue-timeout", "2", "--brief", "x")
+    assert result.returncode == 2, result.stderr
+    assert "WARNING: job" in result.stderr and "no runner has ever announced labels=nowhere" in result.stderr
+    (record,) = hub_records(hub)
+    assert (record["status"], record["close_reason"]) == ("error", "queue_timeout")
+    trail = Registry(hub).audit(record["job_id"])
+    assert [(line["from"], line["to"], line["source"]) for line in trail if line["event"] == "status_changed"] == [
+        ("queued", "error", "hub_queue")]

@@ -1,0 +1,218 @@
+"""PROTOCOL §14 on the hub registry, no broker: `queued` records and their terms,
+the placement under the registry lock (`queuewait.place`: in-flight dispatches
+from the records, dead owners left out), `queue_timeout`, retries
+(`retry_reason`, `retry_attempt`), `requeue` and `show`'s attempts."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import time
+
+import pytest
+from harness.workspace import TEST_SECRET
+from test_hub_watch import RecordingClient, deliver
+
+from mam.orchestrator import queuewait
+from mam.orchestrator.queue import Fleet, RunnerView
+from mam.orchestrator.queuewait import PresenceFeed, close_queue_timeout, place, requeue, retry_attempt, retry_reason
+from mam.orchestrator.watch import Watcher, WatchOptions
+from mam.shared import crypto, names, render, wire
+from mam.shared.codes import JobStatus
+from mam.shared.config import BrokerConfig
+from mam.shared.errors import ExitCode, UsageError
+from mam.shared.mqtt import Message
+from mam.shared.records import QueueTerms, Refusal, moved
+from mam.shared.registry import Registry
+
+KEYS = crypto.derive_keys("k" * 40)
+KEYS_W = crypto.derive_keys(TEST_SECRET)
+
+
+@pytest.fixture
+def reg(tmp_path) -> Registry:
+    return Registry(tmp_path)
+
+
+def fleet_of(*sessions: str, max_jobs: int = 1, labels: tuple[str, ...] = ("x",)) -> Fleet:
+    fleet = Fleet()
+    for session in sessions:
+        fleet.update(RunnerView(session=session, runner_id="a" * 32, status="online", labels=frozenset(labels),
+                                max_jobs=max_jobs, running=frozenset(), verified=True, seen_at=time.monotonic()))
+    return fleet
+
+
+def labelled(reg: Registry, *, priority: int = 0, retries: int = 0, retry_on: tuple[str, ...] | None = None,
+             owner: int | None = None) -> dict:
+    terms = QueueTerms(target_labels=("x",), priority=priority, retries=retries, owner_pid=owner)
+    if retry_on is not None:
+        terms = terms._replace(retry_on=retry_on)
+    return reg.register(session=None, queue=terms)
+
+
+def test_s14_register_queued_with_terms_and_a_registered_line(reg) -> None:
+    record = labelled(reg, priority=3, retries=2)
+    assert (record["status"], record["session"], record["agent_session"]) == ("queued", "", "")
+    assert record["target"] == {"labels": ["x"]} and record["priority"] == 3 and record["retries"] == 2
+    assert record["retry_on"] == ["agent_blocked", "deadline_timeout", "runner_lost"]
+    assert record["queue_timeout_sec"] == 86400 and reg.get(record["job_id"])["status"] == "queued"
+    (line,) = reg.audit(record["job_id"])
+    assert (line["event"], line["status"]) == ("registered", "queued")
+    assert reg.list("queued")[0] == [reg.get(record["job_id"])]
+
+
+@pytest.mark.parametrize("terms, message", [
+    (QueueTerms(), "give --session NAME or --labels"),
+    (QueueTerms(target_session="a", target_labels=("x",)), "not both"),
+    (QueueTerms(target_labels=("X",)), "label 'X' is invalid"),
+    (QueueTerms(target_labels=("x",), retries=11), "--retries 11"),
+    (QueueTerms(target_labels=("x",), retry_on=("error", "bogus")), "--retry-on"),
+    (QueueTerms(target_labels=("x",), retry_on=()), "--retry-on"),
+    (QueueTerms(target_labels=("x",), queue_timeout_sec=0), "--queue-timeout 0"),
+])
+def test_s14_bad_terms_are_refused_before_anything_is_written(reg, terms, message) -> None:
+    with pytest.raises(UsageError, match=message):
+        reg.register(session=terms.target_session, queue=terms)
+    assert reg.list()[0] == []
+
+
+def test_s14_place_publishes_in_order_and_never_over_commits_across_processes(reg) -> None:
+    first = labelled(reg, owner=None)
+    urgent = labelled(reg, priority=5)
+    fleet = fleet_of("r1")
+    # the urgent job goes first: `first` waits although its own process plans
+    assert place(reg, first["job_id"], fleet).placed is False
+    placed = place(reg, urgent["job_id"], fleet)
+    assert placed.placed and placed.record["status"] == "pending" and placed.record["session"] == "r1"
+    # r1's only slot holds an in-flight dispatch (pending, published now): no second one
+    assert place(reg, first["job_id"], fleet).placed is False
+    trail = reg.audit(urgent["job_id"])
+    assert [(line["from"], line["to"], line["source"]) for line in trail if line["event"] == "status_changed"] == [
+        ("queued", "pending", "hub_queue")]
+    # a pending dispatch older than its ack timeout + skew no longer holds the slot
+    with reg.transaction(urgent["job_id"]) as txn:
+        stale = dict(txn.record, attempt_created_at="2000-01-01T00:00:00Z")
+        txn.update(stale, source="operator", reason="test")  # type: ignore[arg-type]
+    assert place(reg, first["job_id"], fleet).placed
+
+
+def test_s14_a_queued_job_whose_owner_died_blocks_nobody(reg) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = labelled(reg, priority=9, owner=int(dead.stdout))
+    mine = labelled(reg)
+    assert place(reg, mine["job_id"], fleet_of("r1")).placed
+    assert reg.get(orphan["job_id"])["status"] == "queued"
+
+
+def test_s14_place_leaves_a_job_that_left_the_queue_alone(reg) -> None:
+    record = labelled(reg)
+    reg.close(record["job_id"], "cancelled", source="operator")
+    result = place(reg, record["job_id"], fleet_of("r1"))
+    assert (result.placed, result.record["status"]) == (False, "cancelled")
+    with pytest.raises(Refusal):
+        queuewait.mark_published(reg, record["job_id"], "r1")
+
+
+def test_s14_queue_timeout_closes_only_a_queued_job(reg) -> None:
+    record = labelled(reg)
+    closed = close_queue_timeout(reg, record["job_id"])
+    assert (closed["status"], closed["close_reason"]) == ("error", "queue_timeout")
+    assert close_queue_timeout(reg, record["job_id"]) == reg.get(record["job_id"])
+    assert retry_reason(reg.get(record["job_id"])) is None  # never retried
+
+
+def _ended(reg: Registry, job_id: str, close_reason: str | None) -> None:
+    queuewait.mark_published(reg, job_id, "r1")
+    with reg.transaction(job_id) as txn:
+        txn.update(moved(txn.record, JobStatus.ERROR, close_reason=close_reason), source="operator", reason="t")
+
+
+def test_s14_retry_reasons_follow_retry_on_and_the_count(reg) -> None:
+    record = labelled(reg, retries=1)
+    _ended(reg, record["job_id"], "runner_lost")
+    assert retry_reason(reg.get(record["job_id"])) == "runner_lost"
+    other = labelled(reg, retries=1)
+    _ended(reg, other["job_id"], None)  # the runner's own error: not in the default retry_on
+    assert retry_reason(reg.get(other["job_id"])) is None
+    third = labelled(reg, retries=1, retry_on=("error",))
+    _ended(reg, third["job_id"], None)
+    assert retry_reason(reg.get(third["job_id"])) == "error"
+    never = labelled(reg, retries=0)
+    _ended(reg, never["job_id"], "agent_blocked")
+    assert retry_reason(reg.get(never["job_id"])) is None
+
+
+def test_s14_retry_attempt_queues_attempt_2_with_fresh_tokens_avoiding_the_runner(reg) -> None:
+    record = labelled(reg, retries=1)
+    job_id = record["job_id"]
+    _ended(reg, job_id, "deadline_timeout")
+    old = reg.get(job_id)
+    new = retry_attempt(reg, job_id, "deadline_timeout", None, None)
+    assert new is not None and (new["status"], new["attempt_id"], new["retried"]) == ("queued", 2, 1)
+    assert new["avoid_session"] == "r1" and new["auth_token"] != old["auth_token"]
+    assert new["dispatch_token"] != old["dispatch_token"] and new["last_seq"] == 0
+    assert old["auth_token"] in new["earlier_auth_tokens"]
+    (retry,) = [line for line in reg.audit(job_id) if line["event"] == "retry"]
+    assert (retry["attempt_id"], retry["reason"], retry["next_attempt"]) == (1, "deadline_timeout", 2)
+    assert retry_reason(new) is None  # still queued
+    assert retry_attempt(reg, job_id, "deadline_timeout", None, None) is None  # nothing to retry now
+    # the next plan prefers another runner, and takes r1 only when it is the only one
+    assert place(reg, job_id, fleet_of("r1", "r2")).record["session"] == "r2"
+    rows = render.attempts(reg.get(job_id))
+    assert [(r["attempt_id"], r["session"], r["outcome"]) for r in rows] == [
+        (1, "r1", "error (deadline_timeout)"), (2, "r2", "pending")]
+
+
+def test_s8_s14_requeue_is_the_operators_redispatch_through_the_queue(reg) -> None:
+    record = labelled(reg)
+    job_id = record["job_id"]
+    with pytest.raises(Refusal, match="cancel it first"):
+        requeue(reg, job_id)
+    reg.close(job_id, "cancelled", source="operator")
+    new = requeue(reg, job_id, session="gpu-box")
+    assert (new["status"], new["attempt_id"], new["target"]) == ("queued", 2, {"session": "gpu-box"})
+    assert place(reg, job_id, fleet_of("r1")).placed is False  # r1 is not gpu-box
+    assert place(reg, job_id, fleet_of("gpu-box")).record["session"] == "gpu-box"
+
+
+def test_s14_presence_feed_refuses_hostile_presence_and_tells_a_lost_runner() -> None:
+    feed = PresenceFeed(KEYS, "python/mqtt")
+    topic = names.presence_topic("r1", "python/mqtt")
+    good = wire.Presence.build("r1", "a" * 32, "online", host="h", version="1", max_jobs=1, labels=["x"])
+    assert feed.handle(topic, wire.encode(crypto.sign(good.to_dict(), KEYS.sign_key)))
+    assert feed.fleet.known_labels() == frozenset({"x"}) and not feed.lost("r1", "a" * 32)
+    for raw in (b"\xff", b"[]", b'{"kind": "presence", "labels": ["X"]}', b""):
+        assert feed.handle(topic, raw)  # presence topic: taken (and refused), never raised
+    assert feed.handle("python/mqtt/jobs/0badcafe/events", b"{}") is False
+    offline = wire.Presence.build("r1", "a" * 32, "offline", host="h", version="1", max_jobs=1, labels=["x"])
+    feed.handle(topic, wire.encode(crypto.sign(offline.to_dict(), KEYS.sign_key)))
+    assert feed.lost("r1", "a" * 32)
+    replaced = wire.Presence.build("r1", "b" * 32, "online", host="h", version="1", max_jobs=1)
+    feed.handle(topic, wire.encode(crypto.sign(replaced.to_dict(), KEYS.sign_key)))
+    assert feed.lost("r1", "a" * 32) and not feed.lost("r1", "b" * 32)
+
+
+def test_s14_an_idle_close_of_a_lost_runner_is_runner_lost_and_presence_reaches_the_hook(reg) -> None:
+    rec = reg.register(session="gpu-box")
+    client = RecordingClient()
+    deliver(client, rec, 1, "started")
+    presence_topic = names.presence_topic("gpu-box", client.config.topic_root)
+    client.messages.put(Message(presence_topic, b"{}", True))
+    watcher = Watcher(reg, rec["job_id"], client=client, keys=KEYS_W,  # type: ignore[arg-type]
+                      options=WatchOptions(remote=True, ack_timeout_s=5, idle_timeout_s=0.3), out=io.StringIO())
+    seen: list[str] = []
+    watcher.on_other = lambda topic, raw: seen.append(topic)
+    watcher.runner_lost = lambda: True
+    assert watcher.run() == ExitCode.TIMEOUT
+    assert seen == [presence_topic]
+    after = reg.get(rec["job_id"])
+    assert (after["status"], after["close_reason"]) == ("error", "runner_lost")
+    assert [topic.rsplit("/", 1)[1] for topic, _p, _r in client.published] == ["dispatch", "control"]
+
+
+def test_s14_watch_of_a_job_that_timed_out_in_the_queue_exits_2(reg) -> None:
+    record = labelled(reg)
+    close_queue_timeout(reg, record["job_id"])
+    watcher = Watcher(reg, record["job_id"], config=BrokerConfig(), out=io.StringIO())
+    assert watcher.run() == ExitCode.TIMEOUT

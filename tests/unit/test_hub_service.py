@@ -1,0 +1,133 @@
+"""The hub service's parts without a broker (PROTOCOL §14 "One hub process"):
+the lock (a second service is refused naming the first's pid), the audit-log
+follower of the thin CLI, and one `Watcher` driven by `handle` + `tick` as the
+service drives it (the same §10 clocks as a watch's own loop)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import threading
+import time
+
+import pytest
+from harness.workspace import TEST_SECRET
+
+from mam.orchestrator.follow import AuditTail, exit_code_of, settled
+from mam.orchestrator.hub import open_hub
+from mam.orchestrator.hublock import HubLock, service_pid
+from mam.orchestrator.service import HubService
+from mam.orchestrator.watch import Watcher, WatchOptions
+from mam.shared import crypto, names, wire
+from mam.shared.config import BrokerConfig, write_env_file
+from mam.shared.errors import ExitCode, UsageError
+from mam.shared.mqtt import Message
+from mam.shared.registry import Contract, Registry
+
+KEYS = crypto.derive_keys(TEST_SECRET)
+TS = "2026-06-20T14:49:30Z"
+
+
+class RecordingClient:
+    """The slice of `MqttClient` the hub uses: publish, subscribe, messages, connected."""
+
+    def __init__(self) -> None:
+        self.config = BrokerConfig()
+        self.messages: queue.Queue[Message] = queue.Queue()
+        self.connected = threading.Event()
+        self.connected.set()
+        self.published: list[tuple[str, bytes, bool]] = []
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        self.published.append((topic, payload, retain))
+
+
+def started(record) -> bytes:
+    body = {"schema_version": 1, "seq": 1, "job_id": record["job_id"], "event": "started", "timestamp": TS,
+            "detail": "", "data": {"attempt_id": record["attempt_id"], "dispatch_token": record["dispatch_token"]}}
+    return wire.encode(crypto.sign_event(body, record["auth_token"]))
+
+
+def test_s14_a_second_hub_lock_is_refused_naming_the_holders_pid(tmp_path):
+    assert service_pid(tmp_path) is None  # nothing made, nothing held
+    first = HubLock(tmp_path)
+    first.acquire()
+    try:
+        assert service_pid(tmp_path) == os.getpid()
+        with pytest.raises(UsageError, match=f"pid {os.getpid()}"):
+            HubLock(tmp_path).acquire()
+    finally:
+        first.release()
+    assert service_pid(tmp_path) is None
+    again = HubLock(tmp_path)
+    again.acquire()  # released: the next service takes it
+    again.release()
+
+
+def test_s14_the_audit_tail_returns_whole_lines_only(tmp_path):
+    path = tmp_path / "events.ndjson"
+    tail = AuditTail(path)
+    assert tail.read() == []  # no file yet
+    path.write_bytes(b'{"a": 1}\n{"b"')
+    assert tail.read() == [{"a": 1}]
+    with open(path, "ab") as file:
+        file.write(b': 2}\nnot json\n[1]\n')
+    assert tail.read() == [{"b": 2}]
+
+
+@pytest.mark.parametrize(("status", "close_reason", "code"), [
+    ("completed", None, ExitCode.COMPLETED), ("cancelled", "cancelled", ExitCode.CANCELLED),
+    ("error", None, ExitCode.ERROR), ("error", "agent_blocked", ExitCode.ERROR),
+    ("error", "deadline_timeout", ExitCode.TIMEOUT), ("error", "queue_timeout", ExitCode.TIMEOUT),
+    ("error", "runner_lost", ExitCode.TIMEOUT)])
+def test_s9_the_thin_cli_exits_as_a_watch_would(status, close_reason, code):
+    assert exit_code_of({"status": status, "close_reason": close_reason}) == code  # type: ignore[typeddict-item]
+
+
+def test_s14_an_attempt_about_to_be_retried_is_not_settled(tmp_path):
+    record = {"status": "error", "close_reason": "runner_lost", "retries": 1, "retried": 0,
+              "retry_on": ["runner_lost"]}
+    assert not settled(record)  # type: ignore[arg-type]
+    assert settled({**record, "retried": 1})  # type: ignore[arg-type]
+
+
+def test_s10_handle_and_tick_drive_one_job_as_the_service_does(tmp_path):
+    reg = Registry(tmp_path)
+    record = reg.register(session="gpu-box", contract=Contract(heartbeat_sec=1, heartbeat_misses=2))
+    client = RecordingClient()
+    watcher = Watcher(reg, record["job_id"], client=client, keys=KEYS, out=io.StringIO(),
+                      options=WatchOptions(remote=True, ack_only_before_first=True))
+    start = time.monotonic()
+    watcher.start_clocks(start, record)
+    assert watcher.tick(start, poll=False) is None
+    assert watcher.handle(names.events_topic(record["job_id"], client.config.topic_root), started(record))
+    assert reg.get(record["job_id"])["status"] == "running"
+    assert watcher.tick(time.monotonic() + 1.0, poll=False) is None  # inside the idle window (2 s)
+    assert watcher.tick(time.monotonic() + 60.0, poll=False) == ExitCode.TIMEOUT  # silence: closed
+    assert reg.get(record["job_id"])["close_reason"] == "deadline_timeout"
+
+
+def test_s14_the_service_survives_hostile_messages_on_every_topic(tmp_path):
+    reg = Registry(tmp_path)
+    record = reg.register(session="gpu-box", contract=Contract(heartbeat_sec=1, heartbeat_misses=2))
+    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
+    service = HubService(open_hub(tmp_path))
+    service.client = RecordingClient()  # type: ignore[assignment]
+    now = time.monotonic()
+    service.scan(now)
+    assert record["job_id"] in service.watchers
+    root = service.config.topic_root
+    hostile = [b"", b"\xff\x00", b"{", b"[]", b"null", json.dumps({"seq": -1}).encode(), b"x" * 100_000]
+    topics = [names.events_topic(record["job_id"], root), names.state_topic(record["job_id"], root),
+              names.events_topic("0badf00d", root), names.presence_topic("evil", root), f"{root}/jobs/x/events",
+              f"{root}/elsewhere", names.dispatch_topic(record["job_id"], root)]
+    for topic in topics:
+        for payload in hostile:
+            service.on_message(topic, payload, now)
+    service.tick(now, None)
+    assert reg.get(record["job_id"])["status"] == "pending"  # nothing forged got in
+    service.on_message(names.events_topic(record["job_id"], root), started(record), now)
+    assert reg.get(record["job_id"])["status"] == "running"  # and it still works
+
