@@ -11,6 +11,7 @@ or it is below the count of the previous run (kept in `.mam/runners-seen.json`).
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import sys
 import time
@@ -47,6 +48,8 @@ QUEUE_LIMIT_COUNTS = frozenset({MOSQUITTO_DEFAULT_QUEUED, MOSQUITTO_DEFAULT_QUEU
 SEEN_MAX_BYTES = 4096
 READ_PRESENCE_QUIET_S = 1.0  # one session: its retained presence comes at once, or not at all
 STALE = "stale"
+
+log = logging.getLogger("mam.runners")
 
 Row = dict[str, Any]
 

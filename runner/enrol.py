@@ -40,7 +40,7 @@ def enroll(*, session: str, labels: str | None, workspace: Workspace, force: boo
             `force`, or a file cannot be written.
     """
     names.validate_session(session)
-    names.validate_labels(labels or "")
+    keys.labels_of(labels or "")  # refused before any key is written
     root = _root(workspace)
     made = keys.create_runner_keys(root, force=force)
     request = EnrolRequest.build(session, labels or "", made.ed25519_public, made.x25519_public)

@@ -287,6 +287,17 @@ ENROL_FIELDS = frozenset({"kind", "session", "labels", "ed25519_public", "x25519
 MAX_ENROL_REQUEST_CHARS = 4096
 
 
+def labels_of(value: object) -> tuple[str, ...]:
+    """Labels (§14) from a comma-separated string (empty: none) or a JSON list.
+
+    Raises:
+        UsageError: a bad label, more than 16, a label twice.
+    """
+    if isinstance(value, str):
+        return names.parse_labels(value) if value.strip() else ()
+    return names.validate_labels(value)
+
+
 @dataclass(frozen=True)
 class EnrolRequest:
     """What `mam-runner enroll` prints and `mam-orch runner add` reads (§16): public parts only."""
@@ -299,7 +310,7 @@ class EnrolRequest:
     @classmethod
     def build(cls, session: object, labels: object, ed25519_text: object, x25519_text: object) -> EnrolRequest:
         """Validated and normalised. Raises `UsageError` naming the bad part."""
-        return cls(session=names.validate_session(session), labels=names.validate_labels(labels),
+        return cls(session=names.validate_session(session), labels=labels_of(labels),
                    ed25519_public=public_text(ed25519_public(ed25519_text, "ed25519_public")),
                    x25519_public=public_text(x25519_public(x25519_text, "x25519_public")))
 

@@ -398,30 +398,3 @@ def roster_dir(root: Path) -> Path:
 def roster_path(root: Path, session: str) -> Path:
     """`<root>/.mam/runners/<session>.json`: one enrolled runner (§16)."""
     return roster_dir(root) / f"{validate_session(session)}.json"
-
-
-LABEL_RE = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,31}$")
-MAX_LABELS = 16
-
-
-def validate_labels(values: object) -> tuple[str, ...]:
-    """Sorted, distinct runner labels (§14: `^[a-z0-9][a-z0-9_.:-]{0,31}$`, at most 16), else `UsageError`.
-
-    Args:
-        values: a comma-separated string, or a list or tuple of label strings.
-    """
-    items = values.split(",") if isinstance(values, str) else values
-    if not isinstance(items, (list, tuple)):
-        raise UsageError(f"labels {values!r} are invalid: expected a list of labels")
-    labels: set[str] = set()
-    for item in items:
-        label = item.strip() if isinstance(item, str) else item
-        if label == "":
-            continue
-        if not isinstance(label, str) or not LABEL_RE.fullmatch(label):
-            raise UsageError(f"label {label!r} is invalid: lowercase letters, digits and '_.:-', 1-32 characters, "
-                             "starting with a letter or digit (§14)")
-        labels.add(label)
-    if len(labels) > MAX_LABELS:
-        raise UsageError(f"{len(labels)} labels given, at most {MAX_LABELS} are allowed (§14)")
-    return tuple(sorted(labels))

@@ -120,9 +120,11 @@ def test_s16_trusted_hub_keys(tmp_path):
 # ------------------------------------------------------------ enrol request
 
 def test_s16_enrol_request_round_trip_one_line():
-    made = request(labels="linux,gpu,gpu")
+    made = request(labels="linux,gpu")
     line = made.line()
     assert "\n" not in line and EnrolRequest.parse(line) == made and made.labels == ("gpu", "linux")
+    with pytest.raises(UsageError, match="listed twice"):  # one label rule for run, dispatch and enroll (§14)
+        request(labels="linux,gpu,gpu")
 
 
 @pytest.mark.parametrize("text", [
