@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,8 @@ DEBOOTSTRAP_TIMEOUT_S = 900.0
 BUILD_TIMEOUT_S = 900.0
 DOCKERD_STOP_TIMEOUT_S = 30.0
 CLIENT_TIMEOUT_S = 120
+PING_TIMEOUT_S = 2.0
+PING_REPLY_BYTES = 64
 
 
 def unavailable_reason() -> str | None:
@@ -97,12 +100,18 @@ class Engine:
         self.client = None
 
     def _ping(self) -> bool:
+        """True (and `self.client` set) once the engine answers GET /_ping on `SOCKET`."""
         try:
-            client = docker.DockerClient(base_url="unix://" + SOCKET, timeout=CLIENT_TIMEOUT_S)
-            client.ping()
-        except Exception:  # DockerException, ConnectionError: nothing answers yet
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(PING_TIMEOUT_S)
+                sock.connect(SOCKET)
+                sock.sendall(b"GET /_ping HTTP/1.0\r\n\r\n")
+                status_line = sock.recv(PING_REPLY_BYTES).split(b"\r\n", 1)[0]
+                if not (status_line.startswith(b"HTTP/1.") and b" 200" in status_line):
+                    return False
+        except OSError:  # no socket yet, refused, or the daemon is still starting
             return False
-        self.client = client
+        self.client = docker.DockerClient(base_url="unix://" + SOCKET, timeout=CLIENT_TIMEOUT_S)
         return True
 
     def start(self) -> Engine:
@@ -167,10 +176,11 @@ def ensure_base_image(client) -> None:
     if _has_image(client, BASE_IMAGE):
         return
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=BUILD_DIR, prefix="rootfs-") as root:
+    with (tempfile.TemporaryDirectory(dir=BUILD_DIR, prefix="rootfs-") as root,
+          open(BUILD_DIR / "debootstrap.log", "wb") as log):
         subprocess.run(["debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}", SUITE, root,
-                        debian_mirror()], check=True, timeout=DEBOOTSTRAP_TIMEOUT_S,
-                       stdout=open(BUILD_DIR / "debootstrap.log", "wb"), stderr=subprocess.STDOUT)
+                        debian_mirror()], check=True, timeout=DEBOOTSTRAP_TIMEOUT_S, stdout=log,
+                       stderr=subprocess.STDOUT)
         tar = subprocess.Popen(["tar", "-C", root, "-c", "."], stdout=subprocess.PIPE)
         subprocess.run(["docker", "import", "-", BASE_IMAGE], stdin=tar.stdout, check=True,
                        timeout=BUILD_TIMEOUT_S, stdout=subprocess.DEVNULL)
