@@ -22,6 +22,7 @@ Build logs and the debootstrap tree live in build/docker/ (git-ignored).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -144,10 +145,10 @@ class Engine:
                 self.proc.wait()
 
 
-def debian_mirror() -> str:
+def debian_mirror(etc_apt: Path = Path("/etc/apt")) -> str:
     """The Debian archive URI that apt uses for the bookworm suite (deb822 or one-line sources)."""
-    files = [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*.sources")),
-             *sorted(Path("/etc/apt/sources.list.d").glob("*.list"))]
+    files = [etc_apt / "sources.list", *sorted((etc_apt / "sources.list.d").glob("*.sources")),
+             *sorted((etc_apt / "sources.list.d").glob("*.list"))]
     for path in files:
         if not path.is_file():
             continue
@@ -157,7 +158,7 @@ def debian_mirror() -> str:
             if SUITE in fields.get("Suites", "").split() and "deb" in fields.get("Types", "").split():
                 return fields.get("URIs", "").split()[0]
         for line in text.splitlines() if path.suffix != ".sources" else []:
-            words = [w for w in line.split() if not w.startswith("[")]
+            words = re.sub(r"\[[^\]]*\]", " ", line).split()  # drop "[arch=… signed-by=…]"
             if len(words) >= 3 and words[0] == "deb" and words[2] == SUITE:
                 return words[1]
     return FALLBACK_MIRROR
