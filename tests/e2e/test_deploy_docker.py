@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import subprocess
 from collections.abc import Iterator
 
@@ -35,12 +36,13 @@ NATS_PORT = 4222
 PROBE_PORT = 9009  # a listener the test starts in the hub and in a runner
 SHORT_JOB_S = 2
 MID_JOB_S = 6
+KILLED_JOB_S = 600  # never ends by itself: the kill always lands mid-job
 LONG_IDLE_S = 120  # --idle-timeout of jobs that must outlive a network cut or a restart
 CANCELLED = 4  # §9 exit code of a cancelled job
 
 
 @pytest.fixture(scope="session")
-def docker_client():
+def docker_engine() -> Iterator[docker_env.Engine]:
     """A Docker engine with the e2e images (started and stopped here when none answers)."""
     reason = docker_env.unavailable_reason()
     if reason:
@@ -48,9 +50,14 @@ def docker_client():
     engine = docker_env.Engine().start()
     try:
         docker_env.build_images(engine.client)
-        yield engine.client
+        yield engine
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="session")
+def docker_client(docker_engine):
+    return docker_engine.client
 
 
 @pytest.fixture(scope="session")
@@ -103,20 +110,21 @@ def test_compose_file_validates_with_the_installed_compose(compose):
     """One file for compose v1 (docker-compose 1.29) and v2: no top-level `name:`; `config` accepts it."""
     env = {name: "x" for name in ("MAM_BROKER_PASS", "MAM_OBSERVER_PASS", "MAM_HOME_PASS", "MAM_SYS_PASS",
                                   "MAM_DISPATCH_SECRET")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MAM_")}
     result = subprocess.run([*compose, "-p", "mam-e2e-config", "-f", str(COMPOSE_FILE), "config"],
-                            capture_output=True, text=True, env={"PATH": "/usr/bin:/bin:/usr/local/bin", **env},
-                            timeout=PATIENCE_S)
+                            capture_output=True, text=True, env={**clean, **env}, timeout=PATIENCE_S)
     assert result.returncode == 0, result.stderr
     assert "image: nats:2.12-alpine" in result.stdout  # MAM_BROKER_IMAGE's default
     assert not any(line.startswith("name:") for line in COMPOSE_FILE.read_text().splitlines())
 
 
-def test_every_address_stays_inside_the_tailnet_range(fleet, docker_client):
-    """Containers and networks of the project, and the engine's bridge, are inside 100.64.0.0/10."""
+def test_every_address_stays_inside_the_tailnet_range(fleet, docker_engine, docker_client):
+    """Containers and network of the project, and the bridge of a dockerd started here, are
+    inside 100.64.0.0/10 (an engine that was already running keeps its own settings)."""
     for container in fleet.containers():
         for settings in container.attrs["NetworkSettings"]["Networks"].values():
             assert in_tailnet_range(settings["IPAddress"]), (container.name, settings["IPAddress"])
-    for name in (fleet.network_name, "bridge"):
+    for name in (fleet.network_name, *(["bridge"] if docker_engine.proc is not None else [])):
         subnets = [c["Subnet"] for c in docker_client.networks.get(name).attrs["IPAM"]["Config"]]
         assert subnets and all(in_tailnet_range(s) for s in subnets), (name, subnets)
     assert ipaddress.ip_address(fleet.ip("broker")) in ipaddress.ip_network(fleet.subnet)
@@ -173,13 +181,14 @@ def test_cancel_stops_the_agent_tree(fleet):
 def test_docker_kill_of_a_runner_then_redispatch_elsewhere(fleet):
     """`docker kill` mid-job: the hub closes the job (not completed); `redispatch --session
     runner-c` runs the next attempt there to completion (§8)."""
-    exec_id, job_id = _dispatch_in_background(fleet, "runner-b", _counted(MID_JOB_S))
+    exec_id, job_id = _dispatch_in_background(fleet, "runner-b", _counted(KILLED_JOB_S))
     fleet.container("runner-b").kill()
     try:
         verdict = _exit_code(fleet, exec_id)
         record = fleet.record(job_id)
         assert verdict != 0 and record["status"] == "error", record
-        code, events, out = fleet.orch("redispatch", job_id, "--session", "runner-c")
+        code, events, out = fleet.orch("redispatch", job_id, "--session", "runner-c",
+                                       "--brief", _counted(SHORT_JOB_S))
         assert code == 0, out
         assert events[-1]["event"] == "completed" and events[-1]["data"]["session"] == "runner-c", out
         assert fleet.record(job_id)["attempt_id"] == 2
