@@ -23,10 +23,12 @@ from collections.abc import Iterator
 
 import pytest
 from harness import docker_env
-from harness.docker_fleet import COMPOSE_FILE, DOMAIN, RUNNERS, DockerFleet, in_tailnet_range
+from harness.docker_fleet import COMPOSE_FILE, DOMAIN, RUNNERS, STOP_TIMEOUT_S, DockerFleet, in_tailnet_range
 from harness.waiting import PATIENCE_S, wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+# The first run debootstraps the base image (about a minute) inside the first test's setup.
+MODULE_TIMEOUT_S = 900
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(MODULE_TIMEOUT_S)]
 
 BROKER = f"broker.{DOMAIN}"
 MQTT_PORT = 1883
@@ -36,7 +38,7 @@ NATS_PORT = 4222
 PROBE_PORT = 9009  # a listener the test starts in the hub and in a runner
 SHORT_JOB_S = 2
 MID_JOB_S = 6
-KILLED_JOB_S = 600  # never ends by itself: the kill always lands mid-job
+KILLED_JOB_S = 600  # never ends by itself: the kill or cancel always lands mid-job
 LONG_IDLE_S = 120  # --idle-timeout of jobs that must outlive a network cut or a restart
 CANCELLED = 4  # §9 exit code of a cancelled job
 
@@ -165,8 +167,8 @@ def test_happy_path_on_each_runner(fleet):
 def test_cancel_stops_the_agent_tree(fleet):
     """§6: the hub's cancel reaches runner-a, which kills the agent and its grandchild; exit 4."""
     pids = "/tmp/sleep-agent.pids"
-    exec_id, job_id = _dispatch_in_background(
-        fleet, "runner-a", f"SLEEP_AGENT_PIDFILE={pids} /agents/sleep-agent 600", "--idle-timeout", str(LONG_IDLE_S))
+    brief = f"SLEEP_AGENT_PIDFILE={pids} /agents/sleep-agent {KILLED_JOB_S}"
+    exec_id, job_id = _dispatch_in_background(fleet, "runner-a", brief, "--idle-timeout", str(LONG_IDLE_S))
     wait_until(lambda: fleet.sh("runner-a", f"test -s {pids}")[0] == 0, PATIENCE_S, "the agent's pid file")
     tree = fleet.sh("runner-a", f"cat {pids}")[1].split()
     assert len(tree) == 2
@@ -221,7 +223,7 @@ def test_broker_restart_mid_job(fleet):
     """The broker container restarts while runner-c runs a job: the hub's dispatch still ends 0."""
     exec_id, job_id = _dispatch_in_background(fleet, "runner-c", _counted(MID_JOB_S),
                                               "--idle-timeout", str(LONG_IDLE_S))
-    fleet.container("broker").restart(timeout=1)
+    fleet.container("broker").restart(timeout=STOP_TIMEOUT_S)
     assert _exit_code(fleet, exec_id) == 0
     assert fleet.record(job_id)["status"] == "completed"
     assert _runs(fleet, "runner-c", job_id) == 1
@@ -232,7 +234,7 @@ def test_hub_restart_then_watch_resolves_the_job(fleet):
     """The hub container restarts mid-job (its dispatch dies with it); `mam-orch watch` then
     resolves the job from the retained state and events (§8, §14)."""
     _, job_id = _dispatch_in_background(fleet, "runner-b", _counted(MID_JOB_S), "--idle-timeout", str(LONG_IDLE_S))
-    fleet.container("hub").restart(timeout=1)
+    fleet.container("hub").restart(timeout=STOP_TIMEOUT_S)
     code, events, out = fleet.orch("watch", job_id)
     assert code == 0, out
     assert events[-1]["event"] == "completed", out
