@@ -142,6 +142,7 @@ def test_tailnet_policy_holds_between_containers(fleet):
                        (f"hub.{DOMAIN}", PROBE_PORT), (f"runner-b.{DOMAIN}", PROBE_PORT)):
         assert fleet.probe("runner-a", host, port) == errno.EHOSTUNREACH, (host, port)
     assert fleet.probe("observer", BROKER, WS_PORT) == 0
+    assert fleet.observer_connects(BROKER, WS_PORT)  # a dashboard's MQTT-over-WebSocket session
     for host, port in ((BROKER, MQTT_PORT), (BROKER, MONITOR_PORT), (f"runner-b.{DOMAIN}", PROBE_PORT)):
         assert fleet.probe("observer", host, port) == errno.EHOSTUNREACH, (host, port)
     # the ports are really open: the broker's node (hub + broker) reaches the monitoring port

@@ -61,6 +61,7 @@ DEBOOTSTRAP_TIMEOUT_S = 900.0
 BUILD_TIMEOUT_S = 900.0
 DOCKERD_STOP_TIMEOUT_S = 30.0
 CLIENT_TIMEOUT_S = 120
+WHEEL_EPOCH_S = 315532800  # 1980-01-01, the earliest time a zip entry can carry
 PING_TIMEOUT_S = 2.0
 PING_REPLY_BYTES = 64
 
@@ -196,8 +197,10 @@ def build_wheelhouse() -> None:
     for old in WHEELHOUSE.glob("mam_fleet-*.whl"):
         old.unlink()
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    # a fixed zip timestamp: the same checkout gives the same wheel, and docker's layer cache holds
     subprocess.run([*pip, "wheel", "--no-deps", "-w", str(WHEELHOUSE), str(REPO)], check=True,
-                   timeout=BUILD_TIMEOUT_S, capture_output=True)
+                   timeout=BUILD_TIMEOUT_S, capture_output=True,
+                   env={**os.environ, "SOURCE_DATE_EPOCH": str(WHEEL_EPOCH_S)})
     wheel = next(WHEELHOUSE.glob("mam_fleet-*.whl"))
     subprocess.run([*pip, "download", "--only-binary=:all:", "-d", str(WHEELHOUSE), str(wheel)], check=True,
                    timeout=BUILD_TIMEOUT_S, capture_output=True)

@@ -42,6 +42,22 @@ STOP_TIMEOUT_S = 1
 PROBE_TIMEOUT_S = 5
 
 
+OBSERVER_CONNECT = """
+import os, threading
+import paho.mqtt.client as mqtt
+done, ok = threading.Event(), []
+client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, transport="websockets")
+client.ws_set_options(path="/mqtt")
+client.username_pw_set("mam_observer", os.environ["PW"])
+client.on_connect = lambda c, u, flags, rc, props: (ok.append(not rc.is_failure), done.set())
+client.connect(os.environ["HOST"], int(os.environ["PORT"]))
+client.loop_start()
+done.wait(float(os.environ["WAIT"]))
+client.loop_stop()
+print("connected" if ok and ok[0] else "refused")
+"""
+
+
 def free_prefix(client) -> str:
     """The first three octets of a /24 of 100.96.0.0/11 that no docker network uses."""
     used = []
@@ -186,6 +202,13 @@ class DockerFleet:
             " print(s.connect_ex((sys.argv[1], int(sys.argv[2]))))"), host, str(port), str(PROBE_TIMEOUT_S)])
         assert code == 0, out
         return int(out.decode().strip())
+
+    def observer_connects(self, host: str, port: int) -> bool:
+        """True when the observer container completes an MQTT-over-WebSocket CONNECT (path /mqtt)
+        to `host:port` as mam_observer, like a dashboard (the password travels in the environment)."""
+        code, out = self.container("observer").exec_run(["python3", "-c", OBSERVER_CONNECT], environment={
+            "HOST": host, "PORT": str(port), "PW": self.env["MAM_OBSERVER_PASS"], "WAIT": str(PROBE_TIMEOUT_S)})
+        return code == 0 and out.decode().strip() == "connected"
 
     def listen(self, service: str, port: int) -> None:
         """A TCP listener on every address of `service` (until the container stops)."""
