@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-under-load unit lint demo bench system-deps clean
+.PHONY: test test-under-load unit lint demo bench system-deps e2e-docker clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -16,12 +16,16 @@ $(STAMP): $(PY) pyproject.toml
 
 # Debian packages the broker and multi-host tests use. Installed only when
 # running as root with apt-get; elsewhere those tests skip and say why.
+# docker.io, docker-compose and debootstrap: the docker e2e (tests/harness/docker_env.py).
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  missing=""; \
 	  command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || missing="$$missing mosquitto"; \
 	  command -v ip >/dev/null || missing="$$missing iproute2"; \
 	  command -v iptables >/dev/null || missing="$$missing iptables"; \
+	  command -v dockerd >/dev/null || [ -x /usr/sbin/dockerd ] || missing="$$missing docker.io"; \
+	  command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
+	  command -v debootstrap >/dev/null || [ -x /usr/sbin/debootstrap ] || missing="$$missing debootstrap"; \
 	  if [ -n "$$missing" ]; then \
 	    echo "installing Debian packages:$$missing"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
@@ -47,6 +51,12 @@ test: $(STAMP) system-deps lint
 test-under-load: $(STAMP) system-deps lint
 	tests/load.sh $(PY) -m pytest tests
 
+# The multi-host e2e in docker-compose (as root): starts dockerd when none answers
+# (addresses inside 100.64.0.0/10) and stops it after, builds the images offline
+# (the debootstrapped base image is kept in the engine), runs the scenarios.
+e2e-docker: $(STAMP) system-deps
+	$(PY) -m pytest -p no:cacheprovider tests/unit/test_tailnet_policy.py tests/e2e/test_deploy_docker.py
+
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
@@ -57,4 +67,4 @@ bench: $(STAMP)
 	$(PY) -m pytest bench -p no:cacheprovider --timeout=600 -s
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis $(TYPECHECK)
+	rm -rf $(VENV) .pytest_cache .hypothesis $(TYPECHECK) build/docker deploy/docker/wheelhouse
