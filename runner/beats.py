@@ -55,7 +55,7 @@ class Beats:
 
         beats = Beats(registry, client, drain_s=1.0)
         beats.add(job_id, attempt_id=1, dispatch_token=token, interval_s=30, timeout_s=3600)
-        beats.remove(job_id)       # its supervisor ended
+        beats.remove(job_id, 1)    # its supervisor ended
         beats.stop()               # the daemon stops (joins the thread)
 
     No side effects in the constructor; the thread starts with the first `add`.
@@ -99,11 +99,14 @@ class Beats:
                 self._thread.start()
             self._cond.notify_all()
 
-    def remove(self, job_id: str) -> None:
-        """Beat no more for `job_id` (a beat in flight finishes under the job's heartbeat lock)."""
+    def remove(self, job_id: str, attempt_id: int | None = None) -> None:
+        """Beat no more for `job_id` (only for `attempt_id` when given); a beat in flight
+        finishes under the job's heartbeat lock."""
         with self._cond:
-            self._jobs.pop(job_id, None)
-            self._cond.notify_all()
+            job = self._jobs.get(job_id)
+            if job is not None and attempt_id in (None, job.attempt_id):
+                del self._jobs[job_id]
+                self._cond.notify_all()
 
     def stop(self) -> None:
         """Stop beating for every job and join the thread (idempotent)."""

@@ -182,7 +182,7 @@ class Supervisor:
             except Exception as again:  # a supervisor thread never dies with an exception
                 log.error("job %s: no terminal event published: %s: %s", job.job_id, type(again).__name__, again)
         finally:
-            self.beats.remove(job.job_id)
+            self.beats.remove(job.job_id, job.attempt_id)
             try:
                 self._remove_job_files(job.job_id)
             finally:

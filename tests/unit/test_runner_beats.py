@@ -179,7 +179,9 @@ def test_s12_a_removed_job_gets_no_more_beats_and_stop_is_idempotent(tmp_path, b
     beats = Beats(registry, client, drain_s=DRAIN_S)
     beats.add(JOBS[0], attempt_id=1, dispatch_token=TOKEN, interval_s=BEAT_S, timeout_s=LONG_S)
     wait_until(lambda: beats_of(broker, JOBS[0]), PATIENCE_S, "a first beat")
-    beats.remove(JOBS[0])
+    beats.remove(JOBS[0], attempt_id=2)  # another attempt's supervisor ended: not this one
+    assert beats.jobs == [JOBS[0]]
+    beats.remove(JOBS[0], attempt_id=1)
     seen = len(beats_of(broker, JOBS[0]))
     assert beats.jobs == []
     beats.stop()
