@@ -100,8 +100,9 @@ class Beats:
             self._cond.notify_all()
 
     def remove(self, job_id: str, attempt_id: int | None = None) -> None:
-        """Beat no more for `job_id` (only for `attempt_id` when given); a beat in flight
-        finishes under the job's heartbeat lock."""
+        """Beat no more for `job_id` (only for `attempt_id` when given): a beat in flight
+        finishes under the job's heartbeat lock, a later one is not made. The supervisor
+        calls it before its terminal, so no beat takes a seq the terminal meant to take."""
         with self._cond:
             job = self._jobs.get(job_id)
             if job is not None and attempt_id in (None, job.attempt_id):
@@ -176,6 +177,9 @@ class Beats:
             return reason
         root = self.registry.root
         with heartbeat.lifecycle_lock(root, job.job_id):
+            with self._cond:  # removed while this beat waited for the lock: its terminal may be under way
+                if self._jobs.get(job.job_id) is not job:
+                    return "removed"
             try:
                 with self.registry.lock():
                     # under the seq lock: a beat takes its seq before a terminal's barrier or not at all

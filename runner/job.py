@@ -360,6 +360,7 @@ class Supervisor:
         every DISK_RETRY_S until the disk takes it (the same seq: the hub drops the resend
         as a duplicate, §3.2 rule 6) or the runner stops.
         """
+        self.beats.remove(job.job_id, job.attempt_id)  # §12: no beat from here on, even if the barrier fails
         try:
             published = self._record_terminal_event(job, terminal)
         except TransitionRefused as exc:
