@@ -18,6 +18,7 @@ import argparse
 import cProfile
 import functools
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -149,8 +150,6 @@ def main() -> int:
     if args.cprofile:
         merged = profilers[0]
         merged.create_stats()
-        import pstats  # only with --cprofile
-
         stats = pstats.Stats(merged)
         for prof in profilers[1:]:
             prof.create_stats()
