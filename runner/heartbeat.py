@@ -120,7 +120,8 @@ def default_watch_pid() -> int:
 # ------------------------------------------------------------------ files
 
 def _write_json_0600(path: Path, obj: dict[str, Any]) -> None:
-    atomic_write(path, json.dumps(obj, sort_keys=True).encode(), what=path.name)
+    # not fsynced: barrier and pid file speak to live timers; a power loss leaves none
+    atomic_write(path, json.dumps(obj, sort_keys=True).encode(), what=path.name, durable=False)
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

@@ -2,7 +2,7 @@
 `timeout_sec`, §6 cancel, §12 heartbeat).
 
 Order: record `agent.pid` (orphans.py), clear the retained dispatch, publish
-`started`, start the heartbeat timer watching the daemon, write the agent's
+`started`, add the job to the daemon's heartbeats (`beats`), write the agent's
 per-job `broker.env` (0600, MQTT_* and MAM_TOPIC_ROOT, never the dispatch
 secret; MAM_ENV_FILE points to it, §13), run the agent, and wait until one
 `StopReason`. Then stop what is left of its tree and only then publish the
@@ -25,15 +25,16 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from mam.runner import heartbeat, orphans, publish
+from mam.runner import orphans, publish
 from mam.runner.agent import AgentProcess, AgentStartError, ExitStatus, agent_env
+from mam.runner.beats import Beats
 from mam.runner.fastpath import SOCKET_ENV
 from mam.runner.process_tree import AgentIdentity, stop_orphan
 from mam.runner.settings import RunnerOptions
 from mam.shared import crypto, names, wire
 from mam.shared.codes import EVENT_STATUS, TERMINAL_STATUSES, EventName, JobStatus
 from mam.shared.config import BrokerConfig, write_env_file
-from mam.shared.errors import BrokerError, MamError, RegistryError, TransitionRefused
+from mam.shared.errors import BrokerError, RegistryError, TransitionRefused
 from mam.shared.registry import Refusal, Registry
 from mam.shared.transport import Transport
 
@@ -141,6 +142,8 @@ class Supervisor:
         on_end: called with the job id when a supervisor thread ends (always, last).
         stopping: set when the runner stops now: a terminal event still waiting for
             disk space is then left to the restart's recovery (default: never set).
+
+    `beats` beats for every running job (§12, one thread); the runner stops it last.
     """
 
     def __init__(self, *, options: RunnerOptions, runner_id: str, registry: Registry, client: Transport,
@@ -155,6 +158,7 @@ class Supervisor:
         self.on_end = on_end
         self.stopping = stopping or threading.Event()
         self.socket_path: Path | None = None  # the daemon's local publish socket (§17), set once it listens
+        self.beats = Beats(registry, client, drain_s=options.heartbeat_drain_s)  # §12: one thread, every job
 
     def start(self, job: Job) -> None:
         """Start the job's supervisor thread."""
@@ -178,6 +182,7 @@ class Supervisor:
             except Exception as again:  # a supervisor thread never dies with an exception
                 log.error("job %s: no terminal event published: %s: %s", job.job_id, type(again).__name__, again)
         finally:
+            self.beats.remove(job.job_id, job.attempt_id)
             try:
                 self._remove_job_files(job.job_id)
             finally:
@@ -207,13 +212,9 @@ class Supervisor:
             log.warning("job %s: retained dispatch not cleared (%s); the registry refuses its replay", job.job_id,
                         exc)
         self._send(job.job_id, started)
-        try:
-            heartbeat.start_timer(self.registry, job.job_id, attempt_id=job.attempt_id,
-                                  dispatch_token=job.dispatch_token, interval_s=float(job.heartbeat_s),
-                                  watch=heartbeat.WatchedProcess.of(os.getpid()), timeout_s=float(job.timeout_s),
-                                  drain_s=self.options.heartbeat_drain_s)
-        except (RegistryError, MamError) as exc:
-            log.warning("job %s: heartbeat timer not started: %s", job.job_id, exc)
+        # §12 from the daemon: one thread beats for every job (no timer process per job, §17)
+        self.beats.add(job.job_id, attempt_id=job.attempt_id, dispatch_token=job.dispatch_token,
+                       interval_s=float(job.heartbeat_s), timeout_s=float(job.timeout_s))
         if job.cancel.is_set():  # cancelled before the agent started
             self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_CANCELLED, None, JobStatus.CANCELLED))
             return
@@ -359,6 +360,7 @@ class Supervisor:
         every DISK_RETRY_S until the disk takes it (the same seq: the hub drops the resend
         as a duplicate, §3.2 rule 6) or the runner stops.
         """
+        self.beats.remove(job.job_id, job.attempt_id)  # §12: no beat from here on, even if the barrier fails
         try:
             published = self._record_terminal_event(job, terminal)
         except TransitionRefused as exc:

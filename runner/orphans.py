@@ -96,7 +96,10 @@ def write_agent_file(registry: Registry, job_id: str, attempt_id: int, runner_id
         obj.update(identity.to_dict())
     path = agent_file(registry, job_id)
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(obj, sort_keys=True).encode("utf-8") + b"\n", what=f"job {job_id}")
+    # not fsynced: it names live processes, read after a runner's death (kill -9 keeps the page
+    # cache); a power loss, which could lose it, leaves no runner and no agent to find
+    atomic_write(path, json.dumps(obj, sort_keys=True).encode("utf-8") + b"\n", what=f"job {job_id}",
+                 durable=False)
 
 
 def read_agent_file(path: Path) -> dict[str, Any] | None:

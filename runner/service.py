@@ -303,6 +303,8 @@ class Runner:
             if job.thread is not None:
                 job.thread.join()
         self._reap_ended()
+        if self._supervisor is not None:
+            self._supervisor.beats.stop()
         if self._socket is not None:
             self._socket.stop()
         if self._resender is not None:

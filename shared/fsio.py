@@ -14,7 +14,7 @@ import errno
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,8 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes, *, what: str, error: type[MamError] = RegistryError) -> None:
+def atomic_write(path: Path, data: bytes, *, what: str, error: type[MamError] = RegistryError,
+                 durable: bool = True) -> None:
     """Write `data` to `path` with mode 0600: temp file in the same folder,
     flush, fsync, `os.replace`, fsync of the folder (§8).
 
@@ -43,6 +44,8 @@ def atomic_write(path: Path, data: bytes, *, what: str, error: type[MamError] = 
         data: the whole new content.
         what: names the file in the error message ("job 0a1b2c3d").
         error: the `MamError` subclass raised on failure.
+        durable: False skips both fsyncs, for views rebuilt from a durable file (a reader
+            still sees the old or the new content, never a mix; a power loss may lose the write).
     Raises:
         error: the write failed; `path` is unchanged and no temp file is left.
     """
@@ -53,10 +56,12 @@ def atomic_write(path: Path, data: bytes, *, what: str, error: type[MamError] = 
             os.fchmod(handle.fileno(), 0o600)
             handle.write(data)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
         tmp = None
-        _fsync_dir(path.parent)
+        if durable:
+            _fsync_dir(path.parent)
     except OSError as exc:
         raise error(
             f"{what}: cannot write {path} ({errno_name(exc)}: {exc.strerror or exc}); "
@@ -101,15 +106,25 @@ def json_line(obj: Any) -> bytes:
 
 
 def append_line(path: Path, obj: Mapping[str, Any], *, what: str) -> None:
-    """Append `obj` as one JSON line to `path` (0600) and fsync it (§8).
-
-    A torn last line left by a crash is closed with a newline first, so the
-    new line stays readable. On failure the file is cut back to its old size.
+    """Append `obj` as one JSON line to `path` (0600) and fsync it (§8); see `append_lines`.
 
     Raises:
         RegistryError: the append failed.
     """
-    data = json_line(obj)
+    append_lines(path, [obj], what=what)
+
+
+def append_lines(path: Path, objs: Sequence[Mapping[str, Any]], *, what: str) -> None:
+    """Append each of `objs` as one JSON line to `path` (0600) with ONE write and
+    ONE fsync (§8): a transaction's lines cost one fsync, not one each.
+
+    A torn last line left by a crash is closed with a newline first, so the
+    new lines stay readable. On failure the file is cut back to its old size.
+
+    Raises:
+        RegistryError: the append failed.
+    """
+    data = b"".join(json_line(obj) for obj in objs)
     fd = -1
     size = None
     try:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
-import uuid
 from pathlib import Path
 
 from mam.shared.errors import UsageError
@@ -34,21 +32,29 @@ _SESSION_FORBIDDEN = {".": "'.'", "/": "'/'", "+": "'+'", "#": "'#'", "*": "'*'"
 
 def new_job_id() -> str:
     """A fresh job id, 8 hex characters (§1)."""
+    import secrets  # lazy: secrets loads hmac + OpenSSL, ~5 ms of every `mam-runner publish` (fast path)
+
     return secrets.token_hex(4)
 
 
 def new_dispatch_token() -> str:
     """A fresh dispatch token, uuid4 hex (§1)."""
+    import uuid  # lazy: not on the `mam-runner publish` fast path
+
     return uuid.uuid4().hex
 
 
 def new_runner_id() -> str:
     """A fresh runner id, uuid4 hex (§1)."""
+    import uuid  # lazy: not on the `mam-runner publish` fast path
+
     return uuid.uuid4().hex
 
 
 def new_auth_token() -> str:
     """A fresh per-job HMAC key, `secrets.token_urlsafe(32)` (§3.1)."""
+    import secrets  # lazy: not on the `mam-runner publish` fast path
+
     return secrets.token_urlsafe(32)
 
 

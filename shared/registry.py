@@ -24,7 +24,7 @@ from mam.shared.codes import CLOSE_STATUS, OPEN_STATUSES, TERMINAL_STATUSES, Clo
 from mam.shared.config import resolve_root
 from mam.shared.errors import RegistryError, UsageError
 from mam.shared.flock import FileLock
-from mam.shared.fsio import append_line, atomic_write, errno_name, read_capped
+from mam.shared.fsio import append_line, append_lines, atomic_write, errno_name, read_capped
 from mam.shared.records import (
     OPERATOR_SOURCES,
     RECORD_MAX_BYTES,
@@ -263,7 +263,7 @@ class Registry:
     def _write_side(self, job_id: str, name: str, obj: dict[str, Any]) -> None:
         # meta/status are views of the record; the record is the truth, so a failure here only warns
         try:
-            atomic_write(self.logs_dir(job_id) / name, dumps(obj), what=f"job {job_id}")
+            atomic_write(self.logs_dir(job_id) / name, dumps(obj), what=f"job {job_id}", durable=False)
         except RegistryError as exc:
             log.warning("%s", exc)
 
@@ -304,8 +304,7 @@ class Registry:
         record and an audit line whose transition_seq the record never reached."""
         job_id = new["job_id"]
         self._ensure_dirs(job_id)
-        for line in extra_lines:
-            append_line(self.audit_path(job_id), line, what=f"job {job_id}")
+        lines = list(extra_lines)
         changed = old["status"] != new["status"] or old["attempt_id"] != new["attempt_id"]
         if changed:
             status_line: dict[str, Any] = {
@@ -316,7 +315,9 @@ class Registry:
                 status_line["close_reason"] = new["close_reason"]
             if new.get("exit_code") is not None:
                 status_line["exit_code"] = new["exit_code"]
-            append_line(self.audit_path(job_id), status_line, what=f"job {job_id}")
+            lines.append(status_line)
+        if lines:  # one write, one fsync for the whole transaction
+            append_lines(self.audit_path(job_id), lines, what=f"job {job_id}")
         self._write(new, status_changed=changed)
 
     @contextlib.contextmanager
@@ -334,8 +335,7 @@ class Registry:
                 self._commit(txn.record, txn.new, source=txn.source, reason=txn.reason, extra_lines=txn.lines)
             elif txn.lines:
                 self._ensure_dirs(job_id)
-                for line in txn.lines:
-                    append_line(self.audit_path(job_id), line, what=f"job {job_id}")
+                append_lines(self.audit_path(job_id), txn.lines, what=f"job {job_id}")
 
     # ------------------------------------------------------------ creating
 

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import psutil
 import pytest
 from harness.procs import all_gone, heartbeat_beats, kill_all
-from harness.waiting import PATIENCE_S, QUIET_S, wait_until
+from harness.waiting import PATIENCE_S, POLL_INTERVAL_S, QUIET_S, wait_until
 from harness.workspace import TEST_SECRET, clean_env, write_env_for
 
 from mam.orchestrator.control import clear_dispatch, publish_cancel
@@ -476,36 +477,45 @@ def test_s7_sigterm_drains_then_second_signal_cancels(nats_broker, tmp_path, hub
         kill_all(pids)
 
 
-def test_s7_kill9_last_will_offline_and_heartbeat_stops(nats_broker, tmp_path, hub, wire_obs, runners):
-    """§7 Last Will and §12: after kill -9 of the runner the broker publishes the signed
-    `offline` presence (at once when the socket closes, at the latest keepalive 5 s × 1.5),
-    and the heartbeat timer that watched the runner's pid stops within one period."""
+def test_s7_kill9_last_will_offline_and_heartbeat_stops(broker, tmp_path, runners):
+    """§7 Last Will and §12 from the daemon (§17), on both brokers: a daemon job's beats come
+    from the daemon itself (no timer process, no timer pid file), each with the attempt's
+    identity; after kill -9 of the runner the broker publishes the signed `offline` presence,
+    and for one period and a margin after it no beat arrives and none is recorded."""
+    observer, hub = Wire(broker), Hub(broker, tmp_path)
     pidfile = tmp_path / "pids"
     ws = tmp_path / "runner"
-    runner = start_runner(runners, nats_broker, ws, exec_cmd=SLEEP_AGENT, SLEEP_AGENT_PIDFILE=str(pidfile))
-    runner_id = runner.wait_serving()
-    record, _ = hub.dispatch("3600")
-    job_id = record["job_id"]
-    pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(),
-                                       what="the sleep-agent pids")]
+    runner = start_runner(runners, broker, ws, exec_cmd=SLEEP_AGENT, SLEEP_AGENT_PIDFILE=str(pidfile))
+    pids: list[int] = []
     try:
-        wait_until(lambda: any(e["data"].get("heartbeat") for e in wire_obs.events(job_id)),
-                   what="a heartbeat beat")
-        timer = json.loads(names.heartbeat_path(ws, job_id, "pid").read_text())["pid"]
+        runner_id = runner.wait_serving()
+        record, _ = hub.dispatch("3600")
+        job_id = record["job_id"]
+        pids = [int(p) for p in wait_until(lambda: pidfile.exists() and pidfile.read_text().split(),
+                                           what="the sleep-agent pids")]
+        wait_until(lambda: len(heartbeat_beats(observer.events(job_id))) >= 2, what="two heartbeat beats")
+        for beat in heartbeat_beats(observer.events(job_id)):
+            verify_signed(beat, record)
+        # one process beats: the daemon; every process it started belongs to the agent's tree
+        agent_tree = {pids[0], *(c.pid for c in psutil.Process(pids[0]).children(recursive=True))}
+        assert {c.pid for c in psutil.Process(runner.proc.pid).children(recursive=True)} <= agent_tree
+        assert not names.heartbeat_path(ws, job_id, "pid").exists()
         runner.proc.kill()
         runner.wait()
-        at_death = len(heartbeat_beats(runner.registry.audit(job_id)))
-        wait_until(lambda: all_gone([timer]), what="the heartbeat timer to stop")
-        # §12 "within one period": the timer checks the watched runner before every beat, so at
-        # most the beat whose check came before the death follows it (an ordering, not a stopwatch)
-        assert len(heartbeat_beats(runner.registry.audit(job_id))) <= at_death + 1
-        will = wire_obs.wait_presence("offline", runner_id)
+        at_death = runner.registry.get(job_id)["last_seq"]
+        will = observer.wait_presence("offline", runner_id)
         crypto.verify(will, hub.keys.sign_key)
-        beats = len(wire_obs.events(job_id))
+        period_s = FAST.heartbeat_sec
+        quiet_until = time.monotonic() + period_s + QUIET_S  # an absence check: one period and a margin
+        while time.monotonic() < quiet_until:
+            assert max(e["seq"] for e in observer.events(job_id)) <= at_death, "a beat after the runner died"
+            time.sleep(POLL_INTERVAL_S)
+        assert runner.registry.get(job_id)["last_seq"] == at_death  # nothing recorded after the death
         assert runner.status(job_id) == "running"  # nobody published a terminal event
-        assert len(wire_obs.events(job_id)) == beats
     finally:
         kill_all(pids)
+        observer.close()
+        hub.close()
 
 
 def test_s7_second_runner_same_session_refused_unless_replace(nats_broker, tmp_path, wire_obs, runners):

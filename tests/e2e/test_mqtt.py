@@ -9,6 +9,7 @@ import ipaddress
 import logging
 import queue
 import signal
+import socket
 import time
 
 import pytest
@@ -32,6 +33,13 @@ ASYNC_LOST_PUBACK_S = 0.5  # no broker: this PUBACK never comes
 
 def _next(client: mqtt.MqttClient, timeout_s: float = PATIENCE_S) -> mqtt.Message:
     return client.messages.get(timeout=timeout_s)
+
+
+def _no_delay(client: mqtt.MqttClient) -> bool:
+    """True when the client's TCP socket (under a websocket too) has TCP_NODELAY set."""
+    sock = client._paho().socket()
+    raw = getattr(sock, "_socket", sock)
+    return bool(raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
 
 
 def _drain_until(client: mqtt.MqttClient, payload: bytes, timeout_s: float = PATIENCE_S) -> list[bytes]:
@@ -84,6 +92,15 @@ def test_retained_state_reaches_late_subscriber_and_clears(broker):
             later.messages.get_nowait()
 
 
+def test_speed_packets_leave_at_once_tcp_nodelay(broker):
+    """Issue 10 "Speed": paho leaves Nagle on, so a packet sent while the previous one awaits
+    its TCP ACK (the runner's SUBSCRIBE of the §17 state read right after the dispatch's PUBACK,
+    a state after its event) waited for the broker's delayed ACK (~40 ms a take). Every
+    connection sets TCP_NODELAY."""
+    with mqtt.MqttClient(broker.config(), "runner") as client:
+        assert _no_delay(client)
+
+
 def test_reconnect_after_broker_crash_resubscribes_and_logs(broker, caplog):
     """§10 broker loss: after SIGKILL and restart the client reconnects by itself,
     logs `reconnected`, sets `reconnected`, and its subscription works again."""
@@ -97,6 +114,7 @@ def test_reconnect_after_broker_crash_resubscribes_and_logs(broker, caplog):
         broker.restart()
         wait_until(sub.reconnected.is_set, what="the client to reconnect")
         assert sub.connected.is_set() and sub.reconnect_count == 1
+        assert _no_delay(sub)  # the new socket too
         assert any("reconnected" in r.getMessage() for r in caplog.records)
 
         def delivered() -> bool:  # the re-SUBSCRIBE may still be in flight: publish until it lands
@@ -268,6 +286,7 @@ def test_nats_mqtt_over_websocket(nats_broker):
     config = nats_broker.config(transport="websockets", port=nats_broker.ws_port, ws_path="/mqtt")
     topic = names.events_topic(JOB, nats_broker.topic_root)
     with mqtt.MqttClient(config, "dashboard") as client:
+        assert _no_delay(client)
         client.subscribe([(topic, 1)])
         client.publish(topic, b"over-ws")
         assert _next(client).payload == b"over-ws"

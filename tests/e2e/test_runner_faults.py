@@ -380,6 +380,6 @@ def test_fault8_a_replacement_runner_never_runs_an_attempt_again_after_a_broker_
         assert marker.read_text() == "x\n", f"trial {trial}: the attempt ran twice"
         assert record_status(ws2, job_id) is None
         second.stop()
-        kill_all(tagged_pids(tag))  # r1's agent and timer outlived its group (their own groups)
+        kill_all(tagged_pids(tag))  # r1's agent outlived its group (its own group)
     print(f"\n{broker.name}: {TAKE_TRIALS} trials, dispatch back after the crash {resurrected}, "
           f"refused taken {refused}, ran twice 0")

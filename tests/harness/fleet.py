@@ -18,7 +18,7 @@ modes (DESIGN.md "Test strategy", multi-host e2e; PROTOCOL §5-§12):
 
 Every workspace has its own `.mam.env` (same MAM_DISPATCH_SECRET, broker
 `hub` or 127.0.0.1, MQTT_KEEPALIVE 5). Every process gets FLEET_TAG=<tag> in
-its environment, which agents and heartbeat timers inherit: `close()` kills
+its environment, which agents (and `publish --heartbeat` timers) inherit: `close()` kills
 process groups it started and then every process still carrying the tag
 (orphaned agents of a SIGKILLed runner included).
 

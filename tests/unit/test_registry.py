@@ -664,3 +664,19 @@ def test_s8_transaction_refuses_a_stale_worker_before_anything_is_queued(reg):
     with pytest.raises(UsageError, match="event"), reg.transaction(jid) as txn:
         txn.take_seq("state", **ident(rec))
     assert snapshot(reg, jid) == before
+
+
+def test_s8_speed_an_event_with_a_status_change_costs_three_fsyncs(reg, monkeypatch):
+    """Issue 10 "Speed": `started` on a runner = one audit write for the event line and its
+    `status_changed` line (ONE fsync) + the record (file + folder fsync); the `status.json`
+    view is replaced without fsync. Both lines are on disk, in order."""
+    rec = reg.mirror(job_id="918b0612", session="gpu-box", attempt_id=1, dispatch_token="0" * 32,
+                     auth_token="a" * 43, contract=Contract(), origin="hub", source="runner")
+    real_fsync, calls = os.fsync, []
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(fd), real_fsync(fd))[1])
+    reg.record_event("918b0612", attempt_id=1, dispatch_token="0" * 32, event="started",
+                     build=payload_for("918b0612", rec, "started"), source="runner")
+    assert len(calls) == 3
+    lines = reg.audit("918b0612")
+    assert [line["event"] for line in lines[-2:]] == ["started", "status_changed"]
+    assert json.loads((reg.logs_dir("918b0612") / "status.json").read_text())["status"] == "running"

@@ -6,7 +6,9 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import tempfile
 import threading
+from typing import Any
 
 import pytest
 from harness.fake_mqtt import FakeBroker
@@ -134,3 +136,57 @@ def test_fault9_a_terminal_the_disk_refuses_goes_on_the_wire_then_to_disk_with_t
     record = registry.get(JOB)
     assert (record["status"], record["last_seq"], record["exit_code"]) == ("error", 2, 3)
     assert [wire.decode(p.payload, "event").seq for p in broker.on_topic(events)] == [2, 2]  # resent, same seq
+
+
+def test_fault9_s12_no_beat_takes_the_seq_of_a_terminal_the_disk_refused(tmp_path, monkeypatch):
+    """The daemon beats for the job every 20 ms (§12, `beats`) when the disk fills up: the
+    terminal goes on the wire with the next seq; once space returns the record takes that same
+    seq for the terminal, never for a beat (the supervisor stops the job's beats first)."""
+    broker = FakeBroker()
+    config = BrokerConfig(hosts=("fake-broker",), topic_root="unit/mam")
+    client = broker.client(config).connect()
+    registry = Registry(tmp_path / "ws")
+    auth_token, token = names.new_auth_token(), names.new_dispatch_token()
+    registry.mirror(job_id=JOB, session="gpu-box", attempt_id=1, dispatch_token=token, auth_token=auth_token,
+                    contract=wire.Contract(), origin="hub", source="runner")
+    publish.record(registry, publish.PublishRequest(JOB, "started", attempt_id=1, dispatch_token=token),
+                   source="runner")
+    options = RunnerOptions(session="gpu-box", argv=("true",), root=registry.root)
+    supervisor = Supervisor(options=options, runner_id="0" * 32, registry=registry, client=client, config=config,
+                            environ={}, on_end=lambda _job_id: None)
+    job = Job(job_id=JOB, attempt_id=1, dispatch_token=token, brief="", heartbeat_s=30, timeout_s=60)
+    supervisor.beats.add(JOB, attempt_id=1, dispatch_token=token, interval_s=0.02, timeout_s=60)
+    wait_until(lambda: registry.get(JOB)["last_seq"] >= 2, PATIENCE_S, "a first beat")
+    full = threading.Event()
+    real_fsync, real_mkstemp = os.fsync, tempfile.mkstemp
+
+    def fsync(fd: int) -> None:
+        if full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    def mkstemp(*args: Any, **kwargs: Any) -> Any:  # every atomic write, fsynced or not (the barrier)
+        if full.is_set():
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_mkstemp(*args, **kwargs)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    full.set()
+    thread = threading.Thread(target=supervisor.publish_terminal, args=(job, Terminal("error", "exit 3", 3)),
+                              daemon=True)
+    thread.start()
+    events = names.events_topic(JOB, config.topic_root)
+    sent = wait_until(lambda: [p for p in broker.on_topic(events) if b'"error"' in p.payload], PATIENCE_S,
+                      "the terminal on the wire")[0]
+    terminal = wire.decode(sent.payload, "event")
+    full.clear()  # space returns; the beats of before would now take the terminal's seq
+    thread.join(PATIENCE_S)
+    supervisor.beats.stop()
+    record = registry.get(JOB)
+    assert (record["status"], record["last_seq"]) == ("error", terminal.seq)
+    audit = [line for line in registry.audit(JOB) if "seq" in line]
+    assert audit[-1]["event"] == "error" and audit[-1]["seq"] == terminal.seq  # no beat after the terminal
+    # (a beat whose record write the full disk refused may have left its audit line: one step ahead, §8)
+    assert all(wire.decode(p.payload, "event").seq < terminal.seq for p in broker.on_topic(events)
+               if b'"heartbeat"' in p.payload)
