@@ -50,7 +50,7 @@ BROKER_SECRET_VARS = ("MAM_BROKER_PASS", "MAM_OBSERVER_PASS", "MAM_HOME_PASS", "
 BROKER_ENV_NAME = "nats.env"
 #: The compose file init writes next to the config(s); compose v1 (1.29) and v2 read it.
 COMPOSE_NAME = "nats-compose.yaml"
-#: The image the compose file runs unless MAM_NATS_IMAGE says otherwise.
+#: The image the compose file runs unless MAM_BROKER_IMAGE says otherwise.
 DEFAULT_NATS_IMAGE = "nats:2.12-alpine"
 #: Project names given to compose with -p (its volumes are named after them).
 COMPOSE_PROJECT, CLUSTER_COMPOSE_PROJECT = "mam-broker", "mam-nats"
@@ -182,7 +182,7 @@ def render_compose(configs: Sequence[str], *, cluster: bool = False, tls: bool =
     for service, conf in services.items():
         volume = f"{service}-data"
         volumes.append(volume)
-        out += [f"  {service}:", f"    image: {_yaml('${MAM_NATS_IMAGE:-' + DEFAULT_NATS_IMAGE + '}')}",
+        out += [f"  {service}:", f"    image: {_yaml('${MAM_BROKER_IMAGE:-' + DEFAULT_NATS_IMAGE + '}')}",
                 f"    hostname: {_yaml(service)}",
                 '    command: ["-c", "/etc/nats/nats.conf"]', "    restart: unless-stopped", "    environment:"]
         out += [f"      {var}: {_yaml('${' + var + ':?set in ' + BROKER_ENV_NAME + '}')}" for var in secret_vars]
