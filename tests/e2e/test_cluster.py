@@ -59,6 +59,8 @@ def cluster_fleet(tmp_path: Path) -> Iterator[ClusterFleet]:
     try:
         yield handle
     finally:
+        for session, runner in handle.runners.items():  # kept next to the nodes' logs
+            (tmp_path / f"runner-{session}.log").write_text(runner.log())
         handle.close()
     assert not handle.tagged_pids(), "a process of the fleet outlived close()"
 
