@@ -69,6 +69,10 @@ def init_cmd(
     port: int = typer.Option(None, "--port", metavar="P", help="MQTT port (default 1883, 8883 with --tls)."),
     tls: bool = typer.Option(False, "--tls", help="Clients use TLS; render the TLS variant of nats.conf."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files."),
+    store_dir: str = typer.Option(None, "--store-dir", metavar="DIR",
+                                  help="JetStream store of the broker (default /data, the container volume)."),
+    cluster: bool = typer.Option(False, "--cluster", help="Three-node NATS cluster: --broker h1,h2,h3 and "
+                                                          "--broker-config DIR (node-1..3.conf)."),
 ) -> int:
     """Write .mam.env with fresh credentials and MAM_DISPATCH_SECRET (mode 0600).
 
@@ -76,7 +80,7 @@ def init_cmd(
     are never printed: only the paths written and the next steps.
     """
     result = init_workspace(workspace, broker_config=broker_config, force=force,
-                            broker_host=broker, port=port, tls=tls)
+                            broker_host=broker, port=port, tls=tls, store_dir=store_dir, cluster=cluster)
     for note in result.notes:
         typer.echo(note)
     return 0

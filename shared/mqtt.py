@@ -14,7 +14,8 @@ re-entrant).
 
 PROTOCOL §13 timing: CONNACK within 10 s, PUBACK within 5 s, up to 3
 attempts with a delay of `min(0.5 × 2^(attempt-1), 8.0)` s; §10 "Broker
-loss": reconnect with backoff and re-subscribe.
+loss": reconnect with backoff and re-subscribe, to the next host of a
+fail-over list (a NATS cluster, docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -56,19 +57,16 @@ CLOSE_TIMEOUT_S = 5.0
 MIN_CONNECT_TIMEOUT_S = 0.1
 # A SUBACK return code of 0x80 or more refuses that filter (MQTT 3.1.1 §3.9.3).
 SUBACK_FAILURE = 0x80
+# Pause before a refused re-subscribe after a reconnect is sent again (a cluster electing leaders).
+RESUBSCRIBE_DELAY_S = 1.0
 
 Will = tuple[str, bytes, int, bool]
 
 
 @dataclass(frozen=True)
 class Message:
-    """One received MQTT message.
-
-    Attributes:
-        topic: the MQTT topic (str; NATS subjects appear with '/' again).
-        payload: the raw payload bytes; zero-length means a cleared retained topic (§2).
-        retain: True when the broker delivered it as a retained message.
-    """
+    """One received MQTT message: its topic (NATS subjects appear with '/' again), raw payload
+    (zero-length: a cleared retained topic, §2) and whether it was delivered as retained."""
 
     topic: str
     payload: bytes
@@ -79,14 +77,8 @@ class Message:
 
 
 def new_client_id(prefix: str, role: str) -> str:
-    """A fresh MQTT client id `<prefix>-<role>-<random>` (§13).
-
-    Args:
-        prefix: MQTT_CLIENT_ID_PREFIX (e.g. "hermes").
-        role: what the process is ("hub", "runner", "publish", "observer").
-    Returns:
-        the id; the random part is 8 hex characters so two processes never collide.
-    """
+    """A fresh MQTT client id `<prefix>-<role>-<random>` (§13): prefix MQTT_CLIENT_ID_PREFIX,
+    role "hub", "runner", "publish" or "observer"; 8 random hex characters, so ids never collide."""
     return f"{prefix}-{role}-{secrets.token_hex(4)}"
 
 
@@ -186,6 +178,7 @@ class MqttClient:
         self._state_lock = threading.Lock()  # guards the fields below; never held across paho calls
         self._cond = threading.Condition(self._state_lock)
         self._filters: dict[str, int] = {}
+        self._resubscribing: dict[int, list[tuple[str, int]]] = {}  # mid -> filters re-sent after a reconnect
         self._acked: set[int] = set()
         self._subacked: dict[int, list[int]] = {}
         self._unsubacked: set[int] = set()
@@ -241,12 +234,20 @@ class MqttClient:
                 log.info("reconnected to %s as %s", _endpoint(self._host, self.config.port),
                          self.client_id)
                 if filters:  # §10: re-subscribe; a queued SUBSCRIBE packet, no waiting here
-                    client.subscribe(filters)
+                    self._resubscribe(client, filters)
             self.connected.set()
             if not first:
                 self.reconnected.set()
         except Exception:  # a callback must never kill paho's network thread
             log.exception("on_connect failed")
+
+    def _next_host(self, client: paho.Client, userdata: Any = None) -> None:
+        """Fail-over (§13): after a lost connection or failed attempt (`on_connect_fail`) paho
+        retries the next host of `config.hosts`; its `host` setter refuses then, hence `_host`."""
+        hosts = self.config.hosts
+        if len(hosts) > 1 and not self._closed:
+            self._host = hosts[(hosts.index(self._host) + 1) % len(hosts)] if self._host in hosts else hosts[0]
+            client._host = self._host
 
     def _on_disconnect(self, client: paho.Client, userdata: Any, flags: Any, reason: Any,
                        properties: Any = None) -> None:
@@ -262,6 +263,8 @@ class MqttClient:
             if was_connected and not self._closed:
                 log.warning("connection to %s lost (%s); reconnecting",
                             _endpoint(self._host, self.config.port), reason)
+            if self._connect_count:
+                self._next_host(client)
         except Exception:
             log.exception("on_disconnect failed")
 
@@ -282,8 +285,25 @@ class MqttClient:
                       properties: Any = None) -> None:
         codes = [int(getattr(r, "value", r)) for r in reasons]
         with self._cond:
-            self._subacked[mid] = codes
-            self._cond.notify_all()
+            again = self._resubscribing.pop(mid, None)
+            if again is None:
+                self._subacked[mid] = codes
+                self._cond.notify_all()
+        refused = [item for item, code in zip(again or [], codes, strict=False) if code >= SUBACK_FAILURE]
+        if refused:  # e.g. a NATS node whose JetStream has no leader yet: try again, paced
+            log.warning("re-subscribe to %s refused; again in %g s", refused[0][0], RESUBSCRIBE_DELAY_S)
+            timer = threading.Timer(RESUBSCRIBE_DELAY_S, self._resubscribe, (client, refused))
+            timer.daemon = True
+            timer.start()
+
+    def _resubscribe(self, client: paho.Client, filters: list[tuple[str, int]]) -> None:
+        """Send remembered `filters` again (§10) unless closed; `_on_subscribe` checks the SUBACK."""
+        with self._cond:
+            filters = [item for item in filters if item[0] in self._filters]
+        if filters and not self._closed and client is self._client:
+            _, mid = client.subscribe(filters)
+            with self._cond:
+                self._resubscribing[mid or 0] = filters
 
     def _on_unsubscribe(self, client: paho.Client, userdata: Any, mid: int, reasons: Any = None,
                         properties: Any = None) -> None:
@@ -313,6 +333,7 @@ class MqttClient:
         client.reconnect_delay_set(RECONNECT_MIN_DELAY_S, RECONNECT_MAX_DELAY_S)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
+        client.on_connect_fail = self._next_host
         client.on_message = self._on_message
         client.on_publish = self._on_publish
         client.on_subscribe = self._on_subscribe
@@ -326,9 +347,8 @@ class MqttClient:
         Args:
             timeout_s: the CONNACK deadline per host, in seconds (§13: 10).
         Returns:
-            self, connected; paho then reconnects by itself with backoff (1-8 s) to
-            the same host (fail-over along `hosts` happens here, at connect time;
-            a caller that wants to fail over later closes and connects a new client).
+            self, connected; paho then reconnects by itself with backoff (1-8 s),
+            each attempt to the next host of `hosts` (`_next_host`).
         Raises:
             BrokerUnavailable: no host accepted; the one-line message names every
                 host:port tried and why (never the password).
@@ -416,12 +436,9 @@ class MqttClient:
 
     def subscribe(self, filters: Sequence[tuple[str, int]], *,
                   timeout_s: float = SUBACK_TIMEOUT_S) -> None:
-        """Subscribe to topic filters and wait for the SUBACK; remembered and
-        re-subscribed after every reconnect (§10).
+        """Subscribe to (topic filter, QoS) pairs and wait `timeout_s` for the SUBACK; they are
+        remembered and re-subscribed after every reconnect, until a SUBACK accepts them (§10).
 
-        Args:
-            filters: (topic filter, QoS) pairs.
-            timeout_s: SUBACK deadline in seconds.
         Raises:
             BrokerError: the broker refused a filter (e.g. no permission).
             BrokerUnavailable: no SUBACK within the deadline (the filters stay
@@ -484,17 +501,11 @@ class MqttClient:
 
     def publish(self, topic: str, payload: bytes, *, qos: int = QOS_AT_LEAST_ONCE,
                 retain: bool = False, timeout_s: float = PUBACK_TIMEOUT_S) -> None:
-        """Publish one message and wait until the broker acknowledged it (PUBACK for QoS 1).
+        """Publish one message to `topic` (built by `mam.shared.names`) and wait `timeout_s`
+        (§13: 5) until the broker acknowledged it (PUBACK for QoS 1). b"" with `retain` clears
+        a retained topic (§2). While the connection is down, paho keeps the message and sends
+        it after the reconnect; this call waits for that.
 
-        While the connection is down, paho keeps the message and sends it after
-        the reconnect; this call waits for that up to `timeout_s`.
-
-        Args:
-            topic: the MQTT topic (build it with `mam.shared.names`).
-            payload: bytes; b"" with retain=True clears a retained topic (§2).
-            qos: 0, 1 or 2.
-            retain: ask the broker to keep it as the topic's retained message.
-            timeout_s: PUBACK deadline in seconds (§13: 5).
         Raises:
             PublishTimeout: no acknowledgement within `timeout_s`.
             BrokerError: paho refused to queue the message.
@@ -506,9 +517,7 @@ class MqttClient:
         """Queue one message like `publish` and return at once; the returned call waits for
         its PUBACK (the deadline counts from now) and raises like `publish`. Lets a caller do
         other work (disk) while the broker acknowledges; the wire order is the call order.
-
-        Raises:
-            BrokerError: paho refused to queue the message (the waiter raises the rest).
+        Raises BrokerError when paho refused to queue the message (the waiter raises the rest).
         """
         return self._publish(topic, payload, qos, retain, timeout_s, fail_on_disconnect=False)
 

@@ -1,7 +1,8 @@
 """The nats-server configurations shipped in deploy/nats/, embedded as the ONE
 source of every nats config mam-fleet writes (PROTOCOL §2, §13; docs/deployment.md):
-`mam-orch init` fills them for a production broker, `mam-orch broker up` and the
-test brokers render the embedded broker from `NATS_CONF` (`mam.shared.brokerconf`).
+`mam-orch init` fills them for a production broker (`cluster_node` turns one into
+a node of a three-node cluster: routes, `mqtt { stream_replicas: 3 }`), `mam-orch
+broker up` and the test brokers render the embedded broker from `NATS_CONF`.
 
 An installed wheel has no deploy/ folder, hence the copies below; a test asserts
 they are byte-identical to deploy/nats/nats.conf and nats-tls.conf. Everything a
@@ -13,11 +14,23 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from mam.shared.errors import ConfigError, UsageError
 
 ConfValue = str | int | bool | list[str] | tuple[str, ...]
+
+#: A cluster (deploy/nats/cluster, `mam-orch init --cluster`): three nodes, one per host.
+CLUSTER_SIZE = 3
+CLUSTER_NAME = "mam"
+CLUSTER_PORT = 6222  # route listener (TCP), on every node
+ROUTE_USER = "mam_route"
+#: Replicas of the MQTT streams (sessions, retained messages, QoS 1 queues) in a cluster.
+CLUSTER_STREAM_REPLICAS = 3
+#: Environment variables a node reads: the route password and one route URL per node
+#: (the URLs carry that password, so they live in nats.env, never in the config).
+ROUTE_PASS_VAR = "MAM_ROUTE_PASS"
+ROUTE_URL_VARS = tuple(f"MAM_ROUTE_{n}" for n in range(1, CLUSTER_SIZE + 1))
 
 _VAR_LINE = re.compile(r"^(?P<name>MAM_[A-Z_]+):[ \t]*(?P<value>.*)$", re.M)
 
@@ -63,6 +76,59 @@ def set_conf_variables(text: str, values: Mapping[str, ConfValue]) -> str:
         rendered = f"{name}: {_conf_value(value)}"
         out = pattern.sub(lambda _m: rendered, out)
     return out
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def route_urls(hosts: Sequence[str], password: str, port: int = CLUSTER_PORT) -> dict[str, str]:
+    """The route URL variables of nats.env (`MAM_ROUTE_1..3`), one per cluster node.
+
+    Args:
+        hosts: the nodes' host names, as the other nodes reach them.
+        password: the route password (URL-safe characters only: `broker_password()`).
+        port: the route port of every node.
+    Raises:
+        UsageError: not exactly CLUSTER_SIZE hosts, or a password that needs URL quoting.
+    """
+    if len(hosts) != CLUSTER_SIZE:
+        raise UsageError(f"a cluster needs {CLUSTER_SIZE} hosts, got {len(hosts)}: {','.join(hosts)}")
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", password):
+        raise UsageError("a route password must be URL-safe (letters, digits, '-', '_')")
+    return {var: f"nats-route://{ROUTE_USER}:{password}@{_host_port(host, port)}"
+            for var, host in zip(ROUTE_URL_VARS, hosts, strict=True)}
+
+
+def cluster_node(text: str, *, host: str, port: int = CLUSTER_PORT) -> str:
+    """A rendered single-node config (`NATS_CONF`/`NATS_TLS_CONF` with its variables set)
+    made a node of the cluster: MQTT streams replicated `CLUSTER_STREAM_REPLICAS` times, and
+    a `cluster` block that routes to every node (`$MAM_ROUTE_1..3`, route user `mam_route`
+    with `$MAM_ROUTE_PASS`) and advertises `host:port`. Accounts and users stay the template's.
+
+    Raises:
+        ConfigError: the template has no single top-level `mqtt {` block.
+    """
+    lines = text.splitlines(keepends=True)
+    starts = [n for n, line in enumerate(lines) if line == "mqtt {\n"]
+    if len(starts) != 1:
+        raise ConfigError(f"the nats template has {len(starts)} 'mqtt {{' blocks (expected 1)")
+    lines.insert(starts[0] + 1, "  # every MQTT stream (sessions, retained, QoS 1) on all three nodes\n"
+                                f"  stream_replicas: {CLUSTER_STREAM_REPLICAS}\n")
+    routes = ", ".join(f"${var}" for var in ROUTE_URL_VARS)
+    block = f"""
+# Cluster (mam-orch init --cluster): routes between the {CLUSTER_SIZE} nodes, plain TCP inside the
+# tailnet. The route URLs carry the route password, so they come from nats.env.
+cluster {{
+  name: {json.dumps(CLUSTER_NAME)}
+  host: $MAM_LISTEN
+  port: {int(port)}
+  advertise: {json.dumps(_host_port(host, port))}
+  authorization {{ user: {json.dumps(ROUTE_USER)}, password: ${ROUTE_PASS_VAR} }}
+  routes: [{routes}]
+}}
+"""
+    return "".join(lines) + block
 
 
 # Byte-identical copies of deploy/nats/nats.conf and deploy/nats/nats-tls.conf

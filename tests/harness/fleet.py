@@ -253,6 +253,9 @@ class Fleet:
         netns.NetnsUnavailable: mode "netns" where namespaces cannot be built.
     """
 
+    hosts: tuple[str, ...] = HOSTS
+    """The hosts of mode "netns" (harness/cluster.py adds the cluster's nodes)."""
+
     def __init__(self, mode: str, base: Path, *, topic_root: str = "python/mqtt",
                  broker_kind: str = "nats") -> None:
         if mode not in MODES:
@@ -274,7 +277,7 @@ class Fleet:
         try:
             if mode == "netns":
                 Tailnet.sweep_stale()
-                self.net = Tailnet(HOSTS)
+                self.net = Tailnet(self.hosts)
                 self.broker_host, self.mqtt_port = "hub", NETNS_MQTT_PORT
                 nats_port, ws_port = 4222, 8080
                 listen = "0.0.0.0"

@@ -1,0 +1,80 @@
+"""§13 fail-over along MQTT_BROKER and §10 re-subscribe in `mam.shared.mqtt.MqttClient`,
+driven through its paho callbacks with a stand-in paho client (no network, no broker).
+The same behaviour against a real three-node cluster: tests/e2e/test_cluster.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from harness.waiting import PATIENCE_S, wait_until
+
+from mam.shared import mqtt
+from mam.shared.config import BrokerConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+SUBACK_OK = 1  # granted QoS 1
+
+
+class StandIn:
+    """What MqttClient touches on paho's client from its callbacks: `_host`, `subscribe`."""
+
+    def __init__(self, host: str) -> None:
+        self._host = host
+        self.subscribed: list[list[tuple[str, int]]] = []
+
+    def subscribe(self, filters: list[tuple[str, int]]) -> tuple[int, int]:
+        self.subscribed.append(list(filters))
+        return 0, len(self.subscribed)
+
+
+def connected_client(hosts: tuple[str, ...]) -> tuple[mqtt.MqttClient, Any]:
+    """A client that is connected (once) to hosts[0], as `connect()` leaves it."""
+    client = mqtt.MqttClient(BrokerConfig(hosts=hosts), "test")
+    paho = StandIn(hosts[0])
+    client._client, client._host, client._connect_count = paho, hosts[0], 1  # type: ignore[assignment]
+    client.connected.set()
+    return client, paho
+
+
+def test_s13_a_lost_connection_and_each_failed_attempt_move_to_the_next_host_round_robin():
+    client, paho = connected_client(("nats-1", "nats-2", "nats-3"))
+    client._on_disconnect(paho, None, None, "connection lost")
+    assert (paho._host, client.host) == ("nats-2", "nats-2")
+    client._next_host(paho, None)  # paho's on_connect_fail: nats-2 refused the TCP connection
+    assert paho._host == "nats-3"
+    client._on_disconnect(paho, None, None, "closed before CONNACK")  # a node without JetStream leaders
+    assert paho._host == "nats-1"
+
+
+def test_s13_one_host_first_connect_and_close_do_not_rotate():
+    single, paho = connected_client(("hub",))
+    single._on_disconnect(paho, None, None, "connection lost")
+    assert paho._host == "hub"
+    fresh = mqtt.MqttClient(BrokerConfig(hosts=("a", "b")), "test")
+    other = StandIn("a")
+    fresh._host = "a"
+    fresh._on_disconnect(other, None, None, "refused")  # connect() itself walks the list
+    assert other._host == "a"
+    closing, paho2 = connected_client(("a", "b"))
+    closing._closed = True
+    closing._on_disconnect(paho2, None, None, "closed by us")
+    assert paho2._host == "a"
+
+
+def test_s10_a_refused_resubscribe_after_a_reconnect_is_sent_again_until_accepted():
+    client, paho = connected_client(("nats-1", "nats-2"))
+    client._filters = {"root/jobs/+/dispatch": 1, "root/runners/x": 1}
+    client._resubscribe(paho, list(client._filters.items()))
+    client._on_subscribe(paho, None, 1, [SUBACK_OK, mqtt.SUBACK_FAILURE])
+    wait_until(lambda: len(paho.subscribed) == 2, PATIENCE_S, "the refused filter to be sent again")
+    assert paho.subscribed[1] == [("root/runners/x", 1)]
+    client._on_subscribe(paho, None, 2, [SUBACK_OK])
+    assert client._resubscribing == {} and client._subacked == {}
+
+
+def test_s10_a_filter_unsubscribed_meanwhile_is_not_sent_again():
+    client, paho = connected_client(("nats-1", "nats-2"))
+    client._resubscribe(paho, [("gone/#", 1)])
+    assert paho.subscribed == []
