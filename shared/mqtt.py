@@ -24,8 +24,6 @@ import contextlib
 import logging
 import queue
 import secrets
-import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -35,6 +33,7 @@ from typing import Any
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
+from mam.shared import mqttsock
 from mam.shared.config import BrokerConfig
 from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
 
@@ -87,63 +86,6 @@ def retry_delay_s(attempt: int) -> float:
     return min(RETRY_BASE_DELAY_S * 2.0 ** (attempt - 1), RETRY_MAX_DELAY_S)
 
 
-def _endpoint(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-class _TlsContext(ssl.SSLContext):
-    """An SSLContext that remembers the sockets it wraps: paho drops the socket of a
-    failed TLS handshake without closing it, so we close it ourselves."""
-
-    wrapped: list[ssl.SSLSocket]
-
-    def wrap_socket(self, *args: Any, **kwargs: Any) -> ssl.SSLSocket:
-        sock = super().wrap_socket(*args, **kwargs)
-        self.wrapped.append(sock)
-        return sock
-
-    def close_wrapped(self) -> None:
-        for sock in self.wrapped:
-            try:
-                sock.close()
-            except OSError:
-                pass
-        self.wrapped.clear()
-
-
-def _tls_context(config: BrokerConfig) -> _TlsContext:
-    """A client TLS context: system or given CA, optional client cert (mTLS), TLS 1.2 minimum,
-    host name checked."""
-    context = _TlsContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.wrapped = []
-    if config.ca_certs:
-        context.load_verify_locations(cafile=config.ca_certs)
-    else:
-        context.load_default_certs()
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    if config.certfile:
-        context.load_cert_chain(config.certfile, config.keyfile or None)
-    return context
-
-
-def _no_delay(client: paho.Client, userdata: Any, sock: Any) -> None:
-    """TCP_NODELAY on each new socket (paho leaves Nagle on): else a packet sent while the previous one
-    awaits its TCP ACK (a SUBSCRIBE after a PUBACK) waits for the broker's delayed ACK, ~40 ms."""
-    with contextlib.suppress(OSError, AttributeError):  # a websocket wraps the TCP socket
-        getattr(sock, "_socket", sock).setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _reason_of(exc: BaseException) -> str:
-    """A short reason for a failed connect, never including credentials."""
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, (TimeoutError, ssl.SSLError, OSError)) and getattr(exc, "strerror", None):
-        return str(exc.strerror).lower()
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    return type(exc).__name__
-
-
 class MqttClient:
     """A connected MQTT client for one role (hub, runner, publisher, observer).
 
@@ -189,7 +131,7 @@ class MqttClient:
         self._client: paho.Client | None = None
         self._host = ""
         self._closed = False
-        self._tls: _TlsContext | None = None
+        self._tls: mqttsock.TlsContext | None = None
 
     # ------------------------------------------------------------ state
 
@@ -197,6 +139,11 @@ class MqttClient:
     def host(self) -> str:
         """The broker host of the current (or last) connection."""
         return self._host
+
+    @property
+    def endpoint(self) -> str:
+        """`host:port` of the current (or last) connection, for messages."""
+        return mqttsock.endpoint(self._host, self.config.port)
 
     @property
     def reconnect_count(self) -> int:
@@ -231,7 +178,7 @@ class MqttClient:
                 filters = list(self._filters.items())
                 self._cond.notify_all()
             if not first:
-                log.info("reconnected to %s as %s", _endpoint(self._host, self.config.port),
+                log.info("reconnected to %s as %s", self.endpoint,
                          self.client_id)
                 if filters:  # §10: re-subscribe; a queued SUBSCRIBE packet, no waiting here
                     self._resubscribe(client, filters)
@@ -262,7 +209,7 @@ class MqttClient:
                 self._cond.notify_all()
             if was_connected and not self._closed:
                 log.warning("connection to %s lost (%s); reconnecting",
-                            _endpoint(self._host, self.config.port), reason)
+                            self.endpoint, reason)
             if self._connect_count:
                 self._next_host(client)
         except Exception:
@@ -325,7 +272,7 @@ class MqttClient:
             client.username_pw_set(cfg.username, cfg.password or None)
         self._tls = None
         if cfg.tls:
-            self._tls = _tls_context(cfg)
+            self._tls = mqttsock.tls_context(cfg)
             client.tls_set_context(self._tls)
         if self.will is not None:
             topic, payload, qos, retain = self.will
@@ -338,7 +285,7 @@ class MqttClient:
         client.on_publish = self._on_publish
         client.on_subscribe = self._on_subscribe
         client.on_unsubscribe = self._on_unsubscribe
-        client.on_socket_open = _no_delay
+        client.on_socket_open = mqttsock.no_delay
         return client
 
     def connect(self, timeout_s: float = CONNACK_TIMEOUT_S) -> MqttClient:
@@ -363,7 +310,7 @@ class MqttClient:
             reason = self._try_host(host, timeout_s)
             if reason is None:
                 return self
-            failures.append(f"{_endpoint(host, self.config.port)} ({reason})")
+            failures.append(f"{mqttsock.endpoint(host, self.config.port)} ({reason})")
         raise BrokerUnavailable("cannot connect to the MQTT broker: " + "; ".join(failures))
 
     def _try_host(self, host: str, timeout_s: float) -> str | None:
@@ -380,7 +327,7 @@ class MqttClient:
             _close_socket(client)
             if self._tls is not None:
                 self._tls.close_wrapped()
-            return _reason_of(exc)
+            return mqttsock.reason_of(exc)
         if self._tls is not None:
             self._tls.wrapped.clear()  # the connected socket now belongs to paho
         self._client = client
@@ -452,7 +399,7 @@ class MqttClient:
             self._filters.update(items)
         rc, mid = client.subscribe(items)
         if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
-            raise BrokerUnavailable(f"cannot subscribe on {_endpoint(self._host, self.config.port)}: "
+            raise BrokerUnavailable(f"cannot subscribe on {self.endpoint}: "
                                     f"{paho.error_string(rc)}")
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -460,7 +407,7 @@ class MqttClient:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise BrokerUnavailable(
-                        f"no SUBACK from {_endpoint(self._host, self.config.port)} within {timeout_s:g} s")
+                        f"no SUBACK from {self.endpoint} within {timeout_s:g} s")
                 self._cond.wait(remaining)
             codes = self._subacked.pop(mid)
         refused = [topic for (topic, _), code in zip(items, codes, strict=False) if code >= SUBACK_FAILURE]
@@ -487,7 +434,7 @@ class MqttClient:
                 self._filters.pop(topic, None)
         rc, mid = client.unsubscribe(items)
         if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
-            raise BrokerUnavailable(f"cannot unsubscribe on {_endpoint(self._host, self.config.port)}: "
+            raise BrokerUnavailable(f"cannot unsubscribe on {self.endpoint}: "
                                     f"{paho.error_string(rc)}")
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -495,7 +442,7 @@ class MqttClient:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise BrokerUnavailable(
-                        f"no UNSUBACK from {_endpoint(self._host, self.config.port)} within {timeout_s:g} s")
+                        f"no UNSUBACK from {self.endpoint} within {timeout_s:g} s")
                 self._cond.wait(remaining)
             self._unsubacked.discard(mid)
 
@@ -529,7 +476,7 @@ class MqttClient:
         if info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
             raise BrokerError(f"cannot publish to {topic}: {paho.error_string(info.rc)}")
         if info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN and fail_on_disconnect:
-            raise BrokerUnavailable(f"connection to {_endpoint(self._host, self.config.port)} lost "
+            raise BrokerUnavailable(f"connection to {self.endpoint} lost "
                                     f"before publishing to {topic}")
         deadline = time.monotonic() + timeout_s
 
@@ -537,12 +484,12 @@ class MqttClient:
             with self._cond:
                 while info.mid not in self._acked:
                     if fail_on_disconnect and self._disconnects != start_disconnects:
-                        raise BrokerUnavailable(f"connection to {_endpoint(self._host, self.config.port)} "
+                        raise BrokerUnavailable(f"connection to {self.endpoint} "
                                                 f"lost while publishing to {topic}")
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise PublishTimeout(f"no PUBACK for {topic} from "
-                                             f"{_endpoint(self._host, self.config.port)} within {timeout_s:g} s")
+                                             f"{self.endpoint} within {timeout_s:g} s")
                     self._cond.wait(remaining)
                 self._acked.discard(info.mid)
         return wait_acked
