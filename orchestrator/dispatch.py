@@ -223,7 +223,8 @@ def _print_started(record: JobRecord, as_json: bool, verb: str) -> None:
 
 
 def publish_and_watch(registry: Registry, record: JobRecord, brief: str, keys: DispatchKeys, client: MqttClient, *,
-                      detach: bool, as_json: bool, verb: str = "dispatched", workspace: Workspace = None) -> int:
+                      detach: bool, as_json: bool, verb: str = "dispatched", workspace: Workspace = None,
+                      show_log: bool = True) -> int:
     """From a registered (or redispatched) pending attempt to its end, on one
     connection (§5, §10): store the brief, subscribe to the job's events and
     state, publish the sealed signed retained dispatch, then watch.
@@ -237,6 +238,7 @@ def publish_and_watch(registry: Registry, record: JobRecord, brief: str, keys: D
         detach: return 0 right after the publish; as_json: JSON on stdout even on a TTY.
         verb: "dispatched" or "redispatched", for the messages.
         workspace: the `--workspace` given, for the re-attach hints.
+        show_log: show the agent's output under the events in the human view (§15; `--no-log`).
     Returns:
         the exit code of §9 (130 when detached with Ctrl-C; 3 with the record
         left open when the broker stayed unreachable after the publish, §14).
@@ -244,7 +246,7 @@ def publish_and_watch(registry: Registry, record: JobRecord, brief: str, keys: D
         BrokerError (exit 3), RegistryError, UsageError.
     """
     job_id = record["job_id"]
-    watcher = Watcher(registry, job_id, client=client, keys=keys,
+    watcher = Watcher(registry, job_id, client=client, keys=keys, show_log=show_log,
                       options=WatchOptions(remote=True, ack_only_before_first=True))
     if as_json:
         watcher.human = False
@@ -282,7 +284,7 @@ def publish_and_watch(registry: Registry, record: JobRecord, brief: str, keys: D
 def dispatch_cli(*, session: str, brief: str | None, brief_file: str | None, heartbeat_s: int | None,
                  heartbeat_misses: int | None, ack_timeout_s: int | None, idle_timeout_s: int | None,
                  timeout_s: int | None, require_online: bool, detach: bool, as_json: bool,
-                 workspace: Workspace, stdin: BinaryIO | None = None) -> int:
+                 workspace: Workspace, stdin: BinaryIO | None = None, show_log: bool = True) -> int:
     """`mam-orch dispatch` (§5, §9, §10).
 
     Order: validate everything (session, one brief source, the brief, the
@@ -317,6 +319,6 @@ def dispatch_cli(*, session: str, brief: str | None, brief_file: str | None, hea
                 return ExitCode.NO_RUNNER
         record = registry.register(session=session, contract=contract)
         return publish_and_watch(registry, record, text, keys, client, detach=detach, as_json=as_json,
-                                 workspace=workspace)
+                                 workspace=workspace, show_log=show_log)
     finally:
         client.close()

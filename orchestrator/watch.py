@@ -39,6 +39,7 @@ from mam.orchestrator.acceptance import (
 )
 from mam.orchestrator.control import clear_dispatch, clear_retained, close_remote
 from mam.orchestrator.hub import DAY_S, Workspace, open_hub
+from mam.orchestrator.logs import LogRouter, OutputView, await_chunks
 from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S, BrokerLink, mirror_state, note_late_terminal
 from mam.shared import names, wire
 from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
@@ -118,7 +119,7 @@ class Watcher:
 
     def __init__(self, registry: Registry, job_id: str, *, client: MqttClient | None = None,
                  config: BrokerConfig | None = None, options: WatchOptions = WatchOptions(),
-                 keys: DispatchKeys | None = None, out: TextIO | None = None) -> None:
+                 keys: DispatchKeys | None = None, out: TextIO | None = None, show_log: bool = True) -> None:
         self.registry = registry
         self.job_id = names.validate_job_id(job_id)
         self.client = client
@@ -141,8 +142,15 @@ class Watcher:
         self._terminal_state_at = 0.0
         self._owns_client = False
         self._subscribed = False
+        self.logs = LogRouter(registry, job_id=self.job_id)  # §15: the hub's copy of the output
+        self.output = OutputView(self.out) if show_log else None  # ... shown under the events (human view)
+        self.log_chunks: object = None  # `data.log_chunks` of the terminal event
 
     # ---------------------------------------------------------------- output
+
+    def _show(self, parts: list[bytes]) -> None:
+        if parts and self.output is not None and self.human:
+            self.output.show(parts)
 
     def _emit(self, payload: dict[str, Any]) -> None:
         if self.human:
@@ -174,6 +182,9 @@ class Watcher:
         if len(raw) == 0:
             return False  # §3.2 rule 1, before anything is read
         parsed = names.parse_job_topic(topic, self.config.topic_root)
+        if parsed is not None and parsed[1] == "log":  # §15: output, not liveness
+            self._show(self.logs.handle(raw))
+            return False
         kind = TOPIC_KINDS.get(parsed[1] if parsed else "")
         if kind is None:
             return False
@@ -205,6 +216,7 @@ class Watcher:
         self.accepted_any = True
         self._emit(message.to_dict())
         if message.terminal:
+            self.log_chunks = message.data.get("log_chunks")
             self.terminal = JobStatus.COMPLETED if message.event == "completed" else JobStatus.ERROR
             if self.options.remote:
                 self._resolve_from_record()
@@ -314,7 +326,8 @@ class Watcher:
             self._owns_client = True
         try:
             self.client.subscribe([(names.events_topic(self.job_id, self.config.topic_root), 1),
-                                   (names.state_topic(self.job_id, self.config.topic_root), 1)])
+                                   (names.state_topic(self.job_id, self.config.topic_root), 1),
+                                   (names.log_topic(self.job_id, self.config.topic_root), 1)])
         except Exception as exc:  # noqa: BLE001 - any broker failure here is "unreachable"
             log.error("cannot subscribe: %s", exc)
             return False
@@ -450,6 +463,9 @@ class Watcher:
                     continue
                 if self.handle(message.topic, message.payload):
                     last_alive = time.monotonic()
+            self._show(await_chunks(self.logs, self.job_id, self.log_chunks, client.messages, self.handle))
+            if self.output is not None and self.human:
+                self.output.flush()
             if self.terminal == JobStatus.CANCELLED:
                 self._confirm_cancel()
             return _exit_of(self.terminal)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from mam.runner import heartbeat
+from mam.runner import heartbeat, logstream
 from mam.runner.agent import resolve_executable, split_exec
 from mam.shared import config, names
 from mam.shared.errors import ConfigError, UsageError
@@ -84,6 +84,7 @@ class RunnerOptions:
         presence_refresh_s: republish presence at least this often (§7; hub: stale after 3 periods).
         agent_linger_s: how long an agent may run on after publishing its own terminal event.
         heartbeat_drain_s: how long a heartbeat timer may take to exit before a terminal event (§12).
+        log_rate_bps: MAM_LOG_RATE_BPS, the agent's output sent to the hub per second at most (§15).
     """
 
     session: str
@@ -99,6 +100,7 @@ class RunnerOptions:
     presence_refresh_s: float = DEFAULT_PRESENCE_REFRESH_S
     agent_linger_s: float = DEFAULT_AGENT_LINGER_S
     heartbeat_drain_s: float = heartbeat.DEFAULT_DRAIN_S
+    log_rate_bps: int = logstream.DEFAULT_RATE_BPS
 
 
 def _workdir(workdir: str | None) -> Path | None:
@@ -148,7 +150,8 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
                          presence_wait_s=read_seconds(values, PRESENCE_WAIT),
                          presence_refresh_s=read_seconds(values, PRESENCE_REFRESH),
                          agent_linger_s=read_seconds(values, AGENT_LINGER),
-                         heartbeat_drain_s=read_seconds(values, HEARTBEAT_DRAIN))
+                         heartbeat_drain_s=read_seconds(values, HEARTBEAT_DRAIN),
+                         log_rate_bps=logstream.rate_from_env(values))
 
 
 __all__ = ["MAX_JOBS_LIMIT", "RunnerOptions", "Seconds", "options_from_cli", "read_seconds"]
