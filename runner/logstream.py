@@ -59,6 +59,9 @@ FINISH_WAIT_S = 10.0
 """How long the terminal event waits for the output's PUBACKs while the broker is up, seconds."""
 RETRY_S = 0.5
 """Pause after a failed publish or while the connection is down, seconds."""
+RECONNECT_SETTLE_S = 2.0
+"""After the connection comes back, the sender waits this long before re-sending, seconds: the hub's
+own client reconnects and subscribes again in the same moment (clean sessions keep nothing)."""
 KEEP_SENDING_S = 600.0
 """After the job ended, unsent chunks are retried this long (the outbox's KEEP_TERMINAL_S), seconds."""
 MASK = b"***"
@@ -239,6 +242,7 @@ class LogStream:
         self._finishing, self._read_done, self._sent_all = threading.Event(), threading.Event(), threading.Event()
         self._stop, self._wake = threading.Event(), threading.Event()
         self._give_up_at = float("inf")
+        self._was_down = False
 
     def start(self) -> None:
         for target, kind in ((self._read, "log-read"), (self._send, "log-send")):
@@ -343,6 +347,7 @@ class LogStream:
                           len(self._queue), KEEP_SENDING_S, names.log_outbox_dir(self.root))
                 return
             if not self.client.connected.is_set() or not self._publish(item):
+                self._was_down = True
                 self._stop.wait(RETRY_S)
                 continue
             with self._lock:
@@ -352,6 +357,9 @@ class LogStream:
                     self._sent_all.set()
 
     def _publish(self, item: _Pending) -> bool:
+        if self._was_down:  # back after an outage: let the hub subscribe again first
+            self._was_down = False
+            self._stop.wait(RECONNECT_SETTLE_S)
         try:
             raw = item.raw if item.path is None else read_capped(item.path, wirelog.MAX_LOG_MESSAGE_BYTES)
             assert raw is not None

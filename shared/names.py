@@ -172,6 +172,11 @@ def all_controls_filter(root: str | None = None) -> str:
     return f"{topic_root(root)}/jobs/+/control"
 
 
+def all_logs_filter(root: str | None = None) -> str:
+    """Subscription filter for every job's output chunks: `ROOT/jobs/+/log` (§15)."""
+    return f"{topic_root(root)}/jobs/+/log"
+
+
 def all_jobs_filter(root: str | None = None) -> str:
     """Subscription filter for everything about every job: `ROOT/jobs/#`."""
     return f"{topic_root(root)}/jobs/#"
