@@ -12,12 +12,15 @@ import os
 import pytest
 from harness.fake_mqtt import FakeBroker
 from harness.waiting import PATIENCE_S, wait_until
+from test_hub_watch import RecordingClient, deliver
 
 from mam.orchestrator.logs import MAX_AHEAD_CHUNKS, MAX_BUFFERED_CHUNKS, LogRouter, OutputView
+from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.runner.logstream import FLUSH_AFTER_S, Chunker, LogStream, Masker, RateLimit, rate_from_env, secret_forms
 from mam.shared import crypto, names, wirelog
 from mam.shared.config import BrokerConfig
 from mam.shared.errors import ConfigError, DecodeError, SignatureError
+from mam.shared.mqtt import Message
 from mam.shared.registry import Registry
 
 pytestmark = pytest.mark.timeout(60)
@@ -265,3 +268,31 @@ def test_s15_output_view_prints_whole_lines_with_control_characters_escaped():
     assert out.getvalue() == "  | one\n  | two\\x1b[2J\n"
     view.flush()
     assert out.getvalue().endswith("  | partial\n")
+
+
+# ------------------------------------------------------------------ dispatch/watch view
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("human", [True, False])
+def test_s15_watch_shows_output_under_the_events_on_a_terminal_and_json_stays_events(hub, human):
+    reg, rec = hub
+    client = RecordingClient()
+    out = Tty() if human else io.StringIO()
+    watcher = Watcher(reg, rec["job_id"], client=client, options=WatchOptions(remote=True), out=out)
+    deliver(client, rec, 1, "started")
+    client.messages.put(Message(names.log_topic(rec["job_id"], client.config.topic_root),
+                                chunk(rec, 1, b"second\nlast, no newline"), False))
+    deliver(client, rec, 2, "completed", log_chunks=2)
+    client.messages.put(Message(names.log_topic(rec["job_id"], client.config.topic_root),
+                                chunk(rec, 0, b"hello \x1b[31mred\n"), False))
+    assert watcher.run() == 0
+    assert names.hub_log_path(reg.root, rec["job_id"], 1).read_bytes() == b"hello \x1b[31mred\nsecond\nlast, no newline"
+    if human:
+        assert out.getvalue().splitlines()[-3:] == ["  | hello \\x1b[31mred", "  | second", "  | last, no newline"]
+    else:
+        assert [json.loads(line)["event"] for line in out.getvalue().splitlines()] == ["started", "completed"]
