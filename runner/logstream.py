@@ -374,6 +374,15 @@ class LogStream:
         return True
 
 
+def _leftover_key(path: Path) -> tuple[str, int, int] | None:
+    """(job_id, attempt_id, chunk) of a log outbox file name, or None."""
+    parts = path.name.split(".")
+    if len(parts) != 4 or parts[3] != "json" or not names.JOB_ID_RE.fullmatch(parts[0]) \
+            or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    return parts[0], int(parts[1]), int(parts[2])
+
+
 class LogStreams:
     """The output streams of one runner's jobs (§15), used by `job.Supervisor`.
 
@@ -422,6 +431,35 @@ class LogStreams:
                 self._finished.pop(next(iter(self._finished)))
             self._finished[job_id] = done
         return dict(done)
+
+    def resend_leftovers(self) -> None:
+        """Chunks a stopped runner left in the log outbox: sent once the connection is up (in job,
+        attempt, chunk order, on a daemon thread), or removed when older than KEEP_SENDING_S (§17)."""
+        threading.Thread(target=self._resend_leftovers, name="log-leftovers", daemon=True).start()
+
+    def _resend_leftovers(self) -> None:
+        folder = names.log_outbox_dir(self.root)
+        try:
+            found = sorted((key, p) for p in folder.iterdir() if (key := _leftover_key(p)) is not None)
+        except OSError:
+            return
+        if not found or not self.client.connected.wait(KEEP_SENDING_S):
+            return
+        sent = 0
+        for key, path in found:
+            try:
+                if time.time() - path.stat().st_mtime > KEEP_SENDING_S:
+                    path.unlink()
+                    continue
+                raw = read_capped(path, wirelog.MAX_LOG_MESSAGE_BYTES)
+                self.client.publish(names.log_topic(key[0], self.client.config.topic_root), raw, retain=False)
+                path.unlink(missing_ok=True)
+                sent += 1
+            except (OSError, MamError) as exc:  # the next start tries again
+                log.warning("log outbox: re-send stopped at %s: %s", path.name, exc)
+                break
+        if sent:
+            log.info("log outbox: re-sent %d output chunk(s) left by a stopped runner", sent)
 
     def stop_all(self) -> None:
         with self._lock:

@@ -16,7 +16,16 @@ from test_hub_watch import RecordingClient, deliver
 
 from mam.orchestrator.logs import MAX_AHEAD_CHUNKS, MAX_BUFFERED_CHUNKS, LogRouter, OutputView
 from mam.orchestrator.watch import Watcher, WatchOptions
-from mam.runner.logstream import FLUSH_AFTER_S, Chunker, LogStream, Masker, RateLimit, rate_from_env, secret_forms
+from mam.runner.logstream import (
+    FLUSH_AFTER_S,
+    Chunker,
+    LogStream,
+    LogStreams,
+    Masker,
+    RateLimit,
+    rate_from_env,
+    secret_forms,
+)
 from mam.shared import crypto, names, wirelog
 from mam.shared.config import BrokerConfig
 from mam.shared.errors import ConfigError, DecodeError, SignatureError
@@ -296,3 +305,18 @@ def test_s15_watch_shows_output_under_the_events_on_a_terminal_and_json_stays_ev
         assert out.getvalue().splitlines()[-3:] == ["  | hello \\x1b[31mred", "  | second", "  | last, no newline"]
     else:
         assert [json.loads(line)["event"] for line in out.getvalue().splitlines()] == ["started", "completed"]
+
+
+def test_s17_chunks_a_stopped_runner_left_are_sent_at_start(tmp_path, hub):
+    reg, rec = hub
+    root = tmp_path / "runner"
+    left = names.log_outbox_entry_path(root, rec["job_id"], 1, 0)
+    left.parent.mkdir(parents=True)
+    left.write_bytes(chunk(rec, 0, b"left behind\n"))
+    (left.parent / "junk.txt").write_text("not a chunk")
+    broker = FakeBroker()
+    client = broker.client(BrokerConfig())
+    client.connect()
+    LogStreams(root=root, client=client, config=BrokerConfig(), environ={}).resend_leftovers()
+    wait_until(lambda: not left.exists(), PATIENCE_S, "the leftover chunk sent")
+    assert LogRouter(reg).handle(broker.published[0].payload) == [b"left behind\n"]
