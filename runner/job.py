@@ -182,6 +182,7 @@ class Supervisor:
                 log.error("job %s: no terminal event published: %s: %s", job.job_id, type(again).__name__, again)
         finally:
             try:
+                self.logstreams.finish(job.job_id)  # §15: a stream no terminal event of ours ended (lingered)
                 self._remove_job_files(job.job_id)
             finally:
                 self.on_end(job.job_id)

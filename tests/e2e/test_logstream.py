@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -131,6 +132,10 @@ def test_s15_a_broker_outage_in_the_middle_loses_no_output(broker, tmp_path):
     terminal, copy, original, hub = run_job(broker, tmp_path, "slow", "300", rate=None, during=outage)
     assert copy == original and copy.count(b"slow line") == 300
     assert gaps(hub, terminal["job_id"]) == []
+    for follow in ([], ["--follow"]):  # `mam-orch logs` prints the copy; --follow ends with the job (exit 0)
+        shown = subprocess.run([*MAM_ORCH, "logs", terminal["job_id"], *follow, "--workspace", str(hub)],
+                               env=hub_env(), capture_output=True, timeout=PATIENCE_S)
+        assert (shown.returncode, shown.stdout) == (0, copy), shown.stderr
 
 
 def test_s15_a_50_mb_burst_hits_the_rate_cap_and_dropped_says_how_much(broker, tmp_path):
