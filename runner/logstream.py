@@ -8,7 +8,7 @@ a secret is held back until more output or the end), applies the rate cap
 (`RateLimit`, MAM_LOG_RATE_BPS, excess counted in `dropped`), cuts chunks
 (`Chunker`: 64 KiB, or 0.5 s after the first unsent byte), seals and signs them
 (`wirelog.build_chunk`) and writes each to the log outbox
-`.mam/outbox/log/` (§17: kept until PUBACK). A sender thread publishes them in
+`.mam/outbox-log/` (§17: kept until PUBACK). A sender thread publishes them in
 order on `ROOT/jobs/<id>/log` (QoS 1, not retained), retrying through outages.
 The outbox is capped (OUTBOX_MAX_BYTES per job, beyond: dropped), so no queue
 grows without bound. `finish` (the §12 barrier, before `completed`/`error`)

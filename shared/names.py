@@ -298,12 +298,12 @@ def parse_outbox_name(name: str) -> tuple[str, int, int, bool] | None:
 # ------------------------------------------------------------ output stream (§15)
 
 def log_outbox_dir(root: Path) -> Path:
-    """`<root>/.mam/outbox/log`: the runner's sealed log chunks not yet acknowledged (§15, §17)."""
-    return outbox_dir(root) / "log"
+    """`<root>/.mam/outbox-log`: the runner's sealed log chunks not yet acknowledged (§15, §17)."""
+    return mam_dir(root) / "outbox-log"
 
 
 def log_outbox_entry_path(root: Path, job_id: str, attempt_id: int, chunk: int) -> Path:
-    """`<root>/.mam/outbox/log/<job_id>.<attempt_id>.<chunk>.json`: one sealed chunk (§15, §17)."""
+    """`<root>/.mam/outbox-log/<job_id>.<attempt_id>.<chunk>.json`: one sealed chunk (§15, §17)."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
         raise UsageError(f"chunk {chunk!r} is invalid: expected an integer >= 0")
     return log_outbox_dir(root) / f"{validate_job_id(job_id)}.{validate_attempt(attempt_id)}.{chunk}.json"
