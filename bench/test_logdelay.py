@@ -27,6 +27,10 @@ LINES = 60
 BENCH_TIMEOUT_S = 300
 TARGET_P95_S = 1.0
 READ_BYTES = 65536
+POLL_S = 0.5
+"""select() timeout while reading the dispatch's terminal, seconds."""
+TEARDOWN_S = 30
+"""Part of the test's timeout kept for stopping the processes, seconds."""
 AGENT = """
 import random, sys, time
 rng = random.Random(12)
@@ -53,9 +57,9 @@ def test_output_delay_agent_line_to_dispatch_terminal(tmp_path):
     delays: list[float] = []
     pending = b""
     try:
-        deadline = time.monotonic() + BENCH_TIMEOUT_S - 30
+        deadline = time.monotonic() + BENCH_TIMEOUT_S - TEARDOWN_S
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.5)
+            ready, _, _ = select.select([master], [], [], POLL_S)
             if not ready:
                 if dispatch.poll() is not None:
                     break

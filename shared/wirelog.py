@@ -38,6 +38,8 @@ from mam.shared.wirejson import canonical_json, parse_object
 KIND = "log"
 MAX_CHUNK_BYTES = 64 * 1024
 """Largest plaintext of one chunk, bytes (§15)."""
+MAX_CIPHERTEXT_CHARS = (MAX_CHUNK_BYTES + GCM_TAG_BYTES + 2) // 3 * 4
+"""base64url length (with padding) of the largest chunk's ciphertext and tag, characters."""
 LOG_FIELDS = frozenset({"schema_version", "kind", "job_id", "attempt_id", "chunk", "dropped", "sealed", "sig"})
 
 
@@ -95,7 +97,7 @@ def _from(obj: Mapping[str, Any]) -> LogChunk:
         raise Invalid("sealed must be an object")
     opened = Sealed.from_dict(sealed)
     # a chunk's ciphertext is its plaintext plus the tag: nothing larger is ever sent
-    if len(opened.ciphertext) > (MAX_CHUNK_BYTES + GCM_TAG_BYTES) * 4 // 3 + 4:
+    if len(opened.ciphertext) > MAX_CIPHERTEXT_CHARS:
         raise Invalid(f"sealed.ciphertext holds more than {MAX_CHUNK_BYTES} bytes of output")
     return LogChunk(job_id=check_job_id(obj["job_id"]), attempt_id=check_int(obj["attempt_id"], "attempt_id"),
                     chunk=check_int(obj["chunk"], "chunk", low=0, high=MAX_SAFE_INT),

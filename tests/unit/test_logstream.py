@@ -239,10 +239,13 @@ def test_s15_hub_refuses_bad_chunks_quietly_and_writes_nothing(hub, caplog):
     resigned = dict(good, chunk=1)  # signed again, but the seal is bound to chunk 0
     resigned["sig"] = crypto.log_sig(resigned, rec["auth_token"])
     hostile = chunk(rec, MAX_AHEAD_CHUNKS + 1, b"far")
+    big = base64.urlsafe_b64encode(bytes(70 * KIB)).decode()  # more than a chunk holds, under the message cap
+    oversized = dict(good, sealed=dict(good["sealed"], ciphertext=big))
+    oversized["sig"] = crypto.log_sig(oversized, rec["auth_token"])
     bad = [b"not json", b"{}", json.dumps(dict(good, schema_version=2)).encode(), b"x" * (200 * KIB),
            json.dumps(dict(good, chunk=-1)).encode(), json.dumps(dict(good, chunk=2**60)).encode(),
            json.dumps(dict(good, extra=1)).encode(), json.dumps(forged).encode(), json.dumps(resigned).encode(),
-           chunk(rec, 0, b"x", token="another-token-of-someone-else"), hostile,
+           chunk(rec, 0, b"x", token="another-token-of-someone-else"), hostile, json.dumps(oversized).encode(),
            chunk(rec, 0, b"old attempt", attempt=2), b""]
     for raw in bad:
         assert router.handle(raw) == []
@@ -266,6 +269,12 @@ def test_s15_chunk_message_rules():
                             plaintext=b"x" * (CHUNK + 1))
     with pytest.raises(DecodeError, match="malformed: kind"):
         wirelog.decode_chunk(json.dumps(dict(json.loads(raw), kind="event")).encode())
+    body = json.loads(raw)
+    with pytest.raises(DecodeError, match="sealed.ciphertext holds more than 65536 bytes"):
+        wirelog.decode_chunk(json.dumps(dict(body, sealed=dict(
+            body["sealed"], ciphertext=base64.urlsafe_b64encode(bytes(70 * KIB)).decode()))))
+    with pytest.raises(DecodeError, match="malformed: chunk"):
+        wirelog.decode_chunk(json.dumps(dict(body, chunk=2**60)))
     assert names.log_topic("918b0612", "r") == "r/jobs/918b0612/log"
 
 
