@@ -14,6 +14,7 @@ from mam.orchestrator.dispatch import dispatch_cli
 from mam.orchestrator.follow import watch_cli
 from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
 from mam.orchestrator.init import init_workspace
+from mam.orchestrator.logs import logs_cli
 from mam.orchestrator.redispatch import redispatch_cli
 from mam.orchestrator.roster_cli import runner_app
 from mam.orchestrator.runners import runners_cli
@@ -213,6 +214,7 @@ def dispatch_cmd(
                                       "(default the first three)."),
     detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
+    no_log: bool = typer.Option(False, "--no-log", help="Do not show the agent's output under the events."),
     workspace: str = clikit.workspace_option(),
 ) -> int:
     """Queue a job for a runner session or any runner with some labels, publish it
@@ -235,7 +237,25 @@ def dispatch_cmd(
                         heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout, idle_timeout_s=idle_timeout,
                         timeout_s=timeout, require_online=require_online, detach=detach, as_json=as_json,
                         workspace=workspace, labels=labels, priority=priority, queue_timeout_s=queue_timeout,
-                        retries=retries, retry_on=retry_on)
+                        retries=retries, retry_on=retry_on, show_log=not no_log)
+
+
+@app.command("logs")
+def logs_cmd(
+    job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
+    follow: bool = typer.Option(False, "--follow", "-f",
+                                help="Keep printing until the job ends; exit as `watch` does."),
+    attempt: int = typer.Option(None, "--attempt", metavar="N", help="Which attempt (default: the current one)."),
+    workspace: str = clikit.workspace_option(),
+) -> int:
+    """Print the agent's output as the hub received it (.mam/logs/<job>/agent.<attempt>.log).
+
+    The hub's copy is written by `dispatch`, `watch` or the hub service while
+    they run; the runner keeps the whole output in its own agent.log.
+    Example: mam-orch logs 918b0612 --follow
+    """
+    clikit.setup_logging()
+    return logs_cli(job_id, workspace=workspace, follow=follow, attempt=attempt)
 
 
 @app.command("cancel")

@@ -22,10 +22,11 @@ from typing import Any, BinaryIO
 
 from mam.orchestrator import roster
 from mam.orchestrator.control import close_remote
+from mam.orchestrator.hints import detach_hint, queued_hint, reattach_hint
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.queuewait import PresenceFeed, mark_published, retry_attempt, retry_reason, wait_queued
 from mam.orchestrator.runners import collect_presence, read_presence
-from mam.orchestrator.watch import Detached, Watcher, WatchOptions, detach_hint, reattach_hint
+from mam.orchestrator.watch import Detached, Watcher, WatchOptions
 from mam.shared import config, crypto, names, wire
 from mam.shared.codes import DEFAULT_RETRY_ON, TERMINAL_STATUSES, CloseReason, JobStatus, PresenceStatus
 from mam.shared.crypto import MAX_BRIEF_BYTES, DispatchKeys
@@ -309,21 +310,16 @@ def _leave_queue(registry: Registry, record: JobRecord, client: MqttClient, feed
     return placement.record, placement.placed
 
 
-def queued_hint(job_id: str, workspace: Workspace) -> str:
-    """What Ctrl-C prints while a job waits in the queue."""
-    where = f" --workspace {workspace}" if workspace is not None else ""
-    return (f"detached from job {job_id}; it stays queued, published by `mam-orch serve` once one runs. "
-            f"Cancel: mam-orch cancel {job_id}{where}")
-
-
 def follow_queued(registry: Registry, record: JobRecord, keys: DispatchKeys, client: MqttClient, *,
-                  detach: bool, as_json: bool, workspace: Workspace = None, verb: str = "dispatched") -> int:
+                  detach: bool, as_json: bool, workspace: Workspace = None, verb: str = "dispatched",
+                  show_log: bool = True) -> int:
     """Without a service (§14): wait for the queued job to be placed, publish it, watch
     it (§10), and retry a failed attempt while `retries` allow (§14 Retries).
 
     Args:
         record: the queued attempt (from `Registry.register` or `queuewait.requeue`).
         verb: "dispatched" or "redispatched", for the messages.
+        show_log: show the agent's output under the events in the human view (§15; `--no-log`).
     Returns:
         the exit code of §9 of the last attempt (2 for `queue_timeout`; 0 with --detach
         once published; 130 when detached with Ctrl-C).
@@ -334,7 +330,7 @@ def follow_queued(registry: Registry, record: JobRecord, keys: DispatchKeys, cli
     feed = PresenceFeed(keys, client.config.topic_root, registry.root)
     feed.subscribe(client)
     while True:
-        watcher = Watcher(registry, job_id, client=client, keys=keys,
+        watcher = Watcher(registry, job_id, client=client, keys=keys, show_log=show_log,
                           options=WatchOptions(remote=True, ack_only_before_first=True))
         watcher.human = watcher.human and not as_json
         watcher.on_other = feed.handle  # presence while it runs (§14 runner_lost)
@@ -391,7 +387,7 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
                  timeout_s: int | None, require_online: bool, detach: bool, as_json: bool,
                  workspace: Workspace, stdin: BinaryIO | None = None, labels: str | None = None,
                  priority: int = 0, queue_timeout_s: int | None = None, retries: int = 0,
-                 retry_on: str | None = None) -> int:
+                 retry_on: str | None = None, show_log: bool = True) -> int:
     """`mam-orch dispatch` (§5, §9, §10, §14).
 
     Order: validate everything (the target: `--session NAME` (or `remote:NAME`) or
@@ -438,7 +434,7 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
             raise
         try:
             return follow_queued(registry, record, keys, client, detach=detach, as_json=as_json,
-                                 workspace=workspace)
+                                 workspace=workspace, show_log=show_log)
         except Exception:
             if registry.get(record["job_id"])["status"] == JobStatus.QUEUED:  # nobody would publish it
                 close_remote(registry, None, None, record["job_id"], CloseReason.AGENT_BLOCKED)

@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from mam.orchestrator.hints import detach_hint, reattach_hint
 from mam.orchestrator.hub import DAY_S, Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.queuewait import retry_reason
-from mam.orchestrator.watch import Detached, Watcher, WatchOptions, detach_hint, reattach_hint, render_event
+from mam.orchestrator.watch import Detached, Watcher, WatchOptions, render_event
 from mam.shared import names
 from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.errors import ConfigError, ExitCode, UsageError

@@ -107,7 +107,7 @@ class HubService:
 
     def _watcher(self, record: JobRecord, now: float) -> Watcher:
         watcher = Watcher(self.registry, record["job_id"], client=self.client, keys=self.keys, out=self.out,
-                          options=WatchOptions(remote=True, ack_only_before_first=True))
+                          options=WatchOptions(remote=True, ack_only_before_first=True), show_log=False)
         watcher.start_clocks(now, record)
         session, runner_id = record["session"], self.feed.runner_id(record["session"])
         watcher.runner_lost = lambda: self.feed.lost(session, runner_id)  # §14 runner_lost
@@ -183,7 +183,7 @@ class HubService:
             self.on_presence(session, raw, now)
             return
         parsed = names.parse_job_topic(topic, root)
-        if parsed is None or parsed[1] not in ("events", "state"):
+        if parsed is None or parsed[1] not in ("events", "state", "log"):  # log: the hub's copy (§15)
             self.stats.refused_topics += 1
             return
         job_id = parsed[0]
@@ -336,7 +336,7 @@ class HubService:
         self.scan(now)  # open records first: the retained states then find their watchers
         root = self.config.topic_root
         client.subscribe([(names.all_events_filter(root), 1), (names.all_states_filter(root), 1),
-                          (names.all_presence_filter(root), 1)])
+                          (names.all_logs_filter(root), 1), (names.all_presence_filter(root), 1)])
         log.info("hub service pid %d serving %s: %d open jobs, %d queued", os.getpid(), self.registry.root,
                  len(self.watchers), len(self.queued))
         link = BrokerLink(client)

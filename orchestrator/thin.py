@@ -15,9 +15,10 @@ from typing import BinaryIO
 
 from mam.orchestrator.dispatch import hub_contract, print_started, queue_terms, read_brief, save_brief
 from mam.orchestrator.follow import follow_service
+from mam.orchestrator.hints import detach_hint, reattach_hint
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
-from mam.orchestrator.watch import Detached, detach_hint, reattach_hint
+from mam.orchestrator.watch import Detached
 from mam.shared import wire
 from mam.shared.errors import ExitCode
 from mam.shared.records import QueueTerms, describe_target

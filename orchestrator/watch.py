@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -39,7 +37,8 @@ from mam.orchestrator.acceptance import (
     accept,
 )
 from mam.orchestrator.control import clear_dispatch, clear_retained, close_remote
-from mam.orchestrator.hub import DAY_S, Workspace
+from mam.orchestrator.hub import DAY_S
+from mam.orchestrator.logs import LogRouter, OutputView, await_chunks
 from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S, BrokerLink, mirror_state, note_late_terminal
 from mam.shared import names, wire
 from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
@@ -129,7 +128,7 @@ class Watcher:
 
     def __init__(self, registry: Registry, job_id: str, *, client: MqttClient | None = None,
                  config: BrokerConfig | None = None, options: WatchOptions = WatchOptions(),
-                 keys: DispatchKeys | None = None, out: TextIO | None = None) -> None:
+                 keys: DispatchKeys | None = None, out: TextIO | None = None, show_log: bool = True) -> None:
         self.registry = registry
         self.job_id = names.validate_job_id(job_id)
         self.client = client
@@ -160,8 +159,15 @@ class Watcher:
         # whether the runner was lost (an idle close is then `runner_lost`)
         self.on_other: Callable[[str, bytes], object] | None = None
         self.runner_lost: Callable[[], bool] | None = None
+        self.logs = LogRouter(registry, job_id=self.job_id)  # §15: the hub's copy of the output
+        self.output = OutputView(self.out) if show_log else None  # ... shown under the events (human view)
+        self.log_chunks: object = None  # `data.log_chunks` of the terminal event
 
     # ---------------------------------------------------------------- output
+
+    def _show(self, parts: list[bytes]) -> None:
+        if parts and self.output is not None and self.human:
+            self.output.show(parts)
 
     def _emit(self, payload: dict[str, Any]) -> None:
         self.out.write(render_event(payload, self.human))
@@ -193,6 +199,9 @@ class Watcher:
         if len(raw) == 0:
             return False  # §3.2 rule 1, before anything is read
         parsed = names.parse_job_topic(topic, self.config.topic_root)
+        if parsed is not None and parsed[1] == "log":  # §15: output, not liveness
+            self._show(self.logs.handle(raw))
+            return False
         kind = TOPIC_KINDS.get(parsed[1] if parsed else "")
         if kind is None:
             if self.on_other is not None:
@@ -226,6 +235,7 @@ class Watcher:
         self.accepted_any = True
         self._emit(message.to_dict())
         if message.terminal:
+            self.log_chunks = message.data.get("log_chunks")
             self.terminal = JobStatus.COMPLETED if message.event == "completed" else JobStatus.ERROR
             if self.options.remote:
                 self._resolve_from_record()
@@ -348,7 +358,8 @@ class Watcher:
             self._owns_client = True
         try:
             self.client.subscribe([(names.events_topic(self.job_id, self.config.topic_root), 1),
-                                   (names.state_topic(self.job_id, self.config.topic_root), 1)])
+                                   (names.state_topic(self.job_id, self.config.topic_root), 1),
+                                   (names.log_topic(self.job_id, self.config.topic_root), 1)])
         except Exception as exc:  # noqa: BLE001 - any broker failure here is "unreachable"
             log.error("cannot subscribe: %s", exc)
             return False
@@ -553,6 +564,9 @@ class Watcher:
                 except queue.Empty:
                     continue
                 self.handle(message.topic, message.payload)
+            self._show(await_chunks(self.logs, self.job_id, self.log_chunks, client.messages, self.handle))
+            if self.output is not None and self.human:
+                self.output.flush()
             if self.terminal == JobStatus.CANCELLED:
                 self._confirm_cancel()
             return code
@@ -566,23 +580,3 @@ class Watcher:
 def _exit_of(status: str | None) -> int:
     """The §9 exit code of a terminal status (1 for anything else)."""
     return STATUS_EXIT.get(status or "", ExitCode.ERROR)
-
-
-def _where(workspace: Workspace) -> str:
-    return f" --workspace {shlex.quote(os.fspath(workspace))}" if workspace is not None else ""
-
-
-def detach_hint(job_id: str, workspace: Workspace = None) -> str:
-    """What Ctrl-C prints (§10): how to re-attach or cancel."""
-    return (f"detached from job {job_id}; it keeps running. Re-attach: mam-orch watch {job_id}{_where(workspace)}  "
-            f"Cancel: mam-orch cancel {job_id}{_where(workspace)}")
-
-
-def reattach_hint(registry: Registry, job_id: str, workspace: Workspace = None) -> str | None:
-    """What a watch that gave up on the broker (exit 3) prints when the job is
-    still open (§14): its status and how to re-attach; None when it is closed."""
-    status = registry.get(job_id)["status"]
-    if status in TERMINAL_STATUSES:
-        return None
-    return (f"job {job_id} is still {status} (the broker is unreachable; nothing was decided). "
-            f"Re-attach: mam-orch watch {job_id}{_where(workspace)}")

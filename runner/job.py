@@ -29,6 +29,7 @@ from mam.runner import orphans, publish
 from mam.runner.agent import AgentProcess, AgentStartError, ExitStatus, agent_env
 from mam.runner.beats import Beats
 from mam.runner.fastpath import SOCKET_ENV
+from mam.runner.logstream import LogStreams
 from mam.runner.process_tree import AgentIdentity, stop_orphan
 from mam.runner.settings import RunnerOptions
 from mam.shared import crypto, names, wire
@@ -159,6 +160,8 @@ class Supervisor:
         self.stopping = stopping or threading.Event()
         self.socket_path: Path | None = None  # the daemon's local publish socket (§17), set once it listens
         self.beats = Beats(registry, client, drain_s=options.heartbeat_drain_s)  # §12: one thread, every job
+        self.logstreams = LogStreams(root=options.root, client=client, config=config,  # §15
+                                     rate_bps=options.log_rate_bps, environ=environ)
 
     def start(self, job: Job) -> None:
         """Start the job's supervisor thread."""
@@ -184,6 +187,7 @@ class Supervisor:
         finally:
             self.beats.remove(job.job_id, job.attempt_id)
             try:
+                self.logstreams.finish(job.job_id)  # §15: a stream no terminal event of ours ended (lingered)
                 self._remove_job_files(job.job_id)
             finally:
                 self.on_end(job.job_id)
@@ -230,9 +234,11 @@ class Supervisor:
 
     def _run_agent(self, job: Job, agent: AgentProcess, env_file: Path) -> None:
         workdir = self.options.workdir or (self.options.root / "work" / job.job_id)
+        log_path = self.registry.logs_dir(job.job_id) / "agent.log"
+        self.logstreams.start(self.registry, job.job_id, job.attempt_id, log_path)  # §15, from its current end
         try:
             agent.start(list(self.options.argv), env=self._agent_env(job, env_file), cwd=workdir,
-                        stdin_text=job.brief, log_path=self.registry.logs_dir(job.job_id) / "agent.log")
+                        stdin_text=job.brief, log_path=log_path)
         except (AgentStartError, RegistryError, OSError) as exc:
             log.error("job %s: agent not started: %s", job.job_id, exc)
             self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_NOT_STARTED, EXIT_NOT_STARTED))
@@ -377,7 +383,8 @@ class Supervisor:
     def _record_terminal_event(self, job: Job, terminal: Terminal) -> publish.Published:
         return publish.record(self.registry, publish.PublishRequest(
             job_id=job.job_id, event=terminal.event, detail=terminal.detail, attempt_id=job.attempt_id,
-            dispatch_token=job.dispatch_token), source="runner", exit_code=terminal.exit_code,
+            dispatch_token=job.dispatch_token, data=self.logstreams.finish(job.job_id)),  # §15 barrier
+            source="runner", exit_code=terminal.exit_code,
             status=terminal.status, drain_s=self.options.heartbeat_drain_s)
 
     @staticmethod

@@ -230,6 +230,7 @@ class Runner:
         self._supervisor = Supervisor(options=self.options, runner_id=self.runner_id, registry=registry,
                                       client=client, config=self.config, environ=self.environ,
                                       on_end=self._ended.put, stopping=self._stop)
+        self._supervisor.logstreams.resend_leftovers()  # §15, §17: output chunks a stopped runner left
         # Before subscribing: a retained cancel for an orphan then finds it adopted (in `_jobs`).
         for record, orphan in orphans.orphans_at_start(registry, runner_id=self.runner_id,
                                                        session=self.options.session):

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from mam.runner import heartbeat
+from mam.runner import heartbeat, logstream
 from mam.runner.agent import resolve_executable, split_exec
 from mam.shared import config, names
 from mam.shared.errors import ConfigError, UsageError
@@ -86,6 +86,7 @@ class RunnerOptions:
         agent_linger_s: how long an agent may run on after publishing its own terminal event.
         heartbeat_drain_s: how long a heartbeat timer may take to exit before a terminal event (§12).
         labels: the labels its presence announces, sorted (§14; `--labels`, else MAM_RUNNER_LABELS).
+        log_rate_bps: MAM_LOG_RATE_BPS, the agent's output sent to the hub per second at most (§15).
     """
 
     session: str
@@ -102,6 +103,7 @@ class RunnerOptions:
     agent_linger_s: float = DEFAULT_AGENT_LINGER_S
     heartbeat_drain_s: float = heartbeat.DEFAULT_DRAIN_S
     labels: tuple[str, ...] = ()
+    log_rate_bps: int = logstream.DEFAULT_RATE_BPS
 
 
 def read_labels(labels: str | None, values: Mapping[str, str]) -> tuple[str, ...]:
@@ -166,7 +168,8 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
                          presence_refresh_s=read_seconds(values, PRESENCE_REFRESH),
                          agent_linger_s=read_seconds(values, AGENT_LINGER),
                          heartbeat_drain_s=read_seconds(values, HEARTBEAT_DRAIN),
-                         labels=read_labels(labels, values))
+                         labels=read_labels(labels, values),
+                         log_rate_bps=logstream.rate_from_env(values))
 
 
 __all__ = ["MAX_JOBS_LIMIT", "RunnerOptions", "Seconds", "options_from_cli", "read_labels", "read_seconds"]

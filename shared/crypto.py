@@ -6,6 +6,8 @@
   key derived from `MAM_DISPATCH_SECRET` (`derive_keys`, `sign`, `verify`; §5-§7).
 - The dispatch's `sealed` part is AES-256-GCM over the job's `auth_token` and
   brief, bound to `job_id:attempt_id:dispatch_token` (`seal`, `open_sealed`; §5).
+- Log chunks (§15) are sealed under `log_key(auth_token)` (`seal_bytes`,
+  `open_bytes`) and signed like events over the message without `sig` (`log_sig`).
 
 Every comparison uses `hmac.compare_digest`. No error message, repr or log line
 of this module contains a key, a secret, an auth_token or a brief.
@@ -38,6 +40,7 @@ MIN_SECRET_CHARS = MIN_SECRET_LEN  # 32 (§5)
 KEY_BYTES = 32
 SEAL_INFO = b"mam-fleet/v1/seal"
 SIGN_INFO = b"mam-fleet/v1/sign"
+LOG_INFO = b"mam-fleet/v1/log"
 # §5: the brief is UTF-8 text of at most 512 KiB; dispatch refuses larger ones.
 MAX_BRIEF_BYTES = 512 * 1024
 HMAC_FAILED = "HMAC verify failed"
@@ -328,3 +331,63 @@ def open_sealed(seal_key: bytes, sealed: Sealed | Mapping[str, Any], *, job_id: 
                           dispatch_token=dispatch_token)
     except (ValueError, TypeError, KeyError, UnicodeError, RecursionError):
         raise SignatureError(SEAL_FAILED) from None
+
+
+# ------------------------------------------------------------ log chunks (§15)
+
+def log_key(auth_token: str) -> bytes:
+    """The §15 chunk key: HKDF-SHA256(auth_token UTF-8, no salt, info `b"mam-fleet/v1/log"`), 32 bytes.
+
+    Raises:
+        ConfigError: `auth_token` is empty or not a string.
+    """
+    if not isinstance(auth_token, str) or not auth_token:
+        raise ConfigError("auth_token is empty: the job record holds no log key")
+    return _hkdf(auth_token.encode("utf-8"), LOG_INFO)
+
+
+def seal_bytes(key: bytes, plaintext: bytes, associated: bytes, nonce: bytes | None = None) -> dict[str, str]:
+    """AES-256-GCM of raw bytes (§15): {"alg": "A256GCM", "nonce", "ciphertext"} in base64url.
+
+    Args:
+        key: `log_key(...)`; plaintext: the bytes; associated: the bound associated data.
+        nonce: 12 bytes; None means a fresh random one (only tests pass one).
+    """
+    checked = _check_key(key, "log key")
+    if nonce is None:
+        nonce = os.urandom(SEAL_NONCE_BYTES)
+    if len(nonce) != SEAL_NONCE_BYTES:
+        raise ValueError(f"nonce must be {SEAL_NONCE_BYTES} bytes")
+    return {"alg": SEAL_ALG, "nonce": b64url_encode(nonce),
+            "ciphertext": b64url_encode(_encrypt(checked, nonce, plaintext, associated))}
+
+
+def open_bytes(key: bytes, sealed: Sealed | Mapping[str, Any], associated: bytes) -> bytes:
+    """Open what `seal_bytes` sealed (§15).
+
+    Raises:
+        SignatureError: "seal does not open" (wrong key or associated data, tampering, bad base64).
+    """
+    checked = _check_key(key, "log key")
+    try:
+        parts = sealed.to_dict() if hasattr(sealed, "to_dict") else dict(sealed)
+        if parts.get("alg") != SEAL_ALG:
+            raise ValueError("alg")
+        nonce = b64url_decode(parts["nonce"])
+        if len(nonce) != SEAL_NONCE_BYTES:
+            raise ValueError("nonce")
+        return _decrypt(checked, nonce, b64url_decode(parts["ciphertext"]), associated)
+    except (ValueError, TypeError, KeyError):
+        raise SignatureError(SEAL_FAILED) from None
+
+
+def log_sig(payload: Payload, auth_token: str) -> str:
+    """`sig` of a log chunk (§15): the §3.1 event HMAC over the message without `sig`."""
+    return event_hmac(_unsigned(payload), auth_token)
+
+
+def verify_log_sig(payload: Payload, auth_token: str) -> None:
+    """Check a log chunk's `sig` (§15). Raises SignatureError "HMAC verify failed"."""
+    got = _plain(payload).get("sig")
+    if got is None or not isinstance(auth_token, str) or not auth_token or not _same(log_sig(payload, auth_token), got):
+        raise SignatureError(HMAC_FAILED)

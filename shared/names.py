@@ -188,8 +188,8 @@ def topic_root(root: str | None = None) -> str:
 
 
 def job_topic(job_id: str, leaf: str, root: str | None = None) -> str:
-    """`ROOT/jobs/<job_id>/<leaf>` for leaf in dispatch, events, state, control (§2)."""
-    if leaf not in ("dispatch", "events", "state", "control"):
+    """`ROOT/jobs/<job_id>/<leaf>` for leaf in dispatch, events, state, control, log (§2)."""
+    if leaf not in ("dispatch", "events", "state", "control", "log"):
         raise ValueError(f"unknown job topic leaf {leaf!r}")
     return f"{topic_root(root)}/jobs/{validate_job_id(job_id)}/{leaf}"
 
@@ -214,6 +214,11 @@ def control_topic(job_id: str, root: str | None = None) -> str:
     return job_topic(job_id, "control", root)
 
 
+def log_topic(job_id: str, root: str | None = None) -> str:
+    """Sealed chunks of the agent's output, not retained (§2, §15)."""
+    return job_topic(job_id, "log", root)
+
+
 def all_dispatches_filter(root: str | None = None) -> str:
     """Subscription filter for every job's dispatch: `ROOT/jobs/+/dispatch` (§11)."""
     return f"{topic_root(root)}/jobs/+/dispatch"
@@ -222,6 +227,11 @@ def all_dispatches_filter(root: str | None = None) -> str:
 def all_controls_filter(root: str | None = None) -> str:
     """Subscription filter for every job's control: `ROOT/jobs/+/control` (§6)."""
     return f"{topic_root(root)}/jobs/+/control"
+
+
+def all_logs_filter(root: str | None = None) -> str:
+    """Subscription filter for every job's output chunks: `ROOT/jobs/+/log` (§15)."""
+    return f"{topic_root(root)}/jobs/+/log"
 
 
 def all_jobs_filter(root: str | None = None) -> str:
@@ -404,3 +414,25 @@ def roster_dir(root: Path) -> Path:
 def roster_path(root: Path, session: str) -> Path:
     """`<root>/.mam/runners/<session>.json`: one enrolled runner (§16)."""
     return roster_dir(root) / f"{validate_session(session)}.json"
+# ------------------------------------------------------------ output stream (§15)
+
+def log_outbox_dir(root: Path) -> Path:
+    """`<root>/.mam/outbox-log`: the runner's sealed log chunks not yet acknowledged (§15, §17)."""
+    return mam_dir(root) / "outbox-log"
+
+
+def log_outbox_entry_path(root: Path, job_id: str, attempt_id: int, chunk: int) -> Path:
+    """`<root>/.mam/outbox-log/<job_id>.<attempt_id>.<chunk>.json`: one sealed chunk (§15, §17)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise UsageError(f"chunk {chunk!r} is invalid: expected an integer >= 0")
+    return log_outbox_dir(root) / f"{validate_job_id(job_id)}.{validate_attempt(attempt_id)}.{chunk}.json"
+
+
+def hub_log_path(root: Path, job_id: str, attempt_id: int) -> Path:
+    """`<root>/.mam/logs/<job_id>/agent.<attempt_id>.log`: the hub's copy of an attempt's output (§15)."""
+    return job_logs_dir(root, job_id) / f"agent.{validate_attempt(attempt_id)}.log"
+
+
+def hub_log_state_path(root: Path, job_id: str, attempt_id: int) -> Path:
+    """`<root>/.mam/logs/<job_id>/agent.<attempt_id>.log.json`: the next chunk expected, bytes dropped (§15)."""
+    return job_logs_dir(root, job_id) / f"agent.{validate_attempt(attempt_id)}.log.json"

@@ -41,6 +41,8 @@ MAX_DETAIL_CHARS = 1024
 MAX_DISPATCH_BYTES = 1024 * 1024
 # Events, states, controls and presence are small; 64 KiB leaves room for free metrics.
 MAX_MESSAGE_BYTES = 64 * 1024
+# §15 log chunks: 64 KiB of output, sealed (+16-byte tag) and base64url (4/3), plus the envelope.
+MAX_LOG_MESSAGE_BYTES = 96 * 1024
 # Nesting bound of a whole payload (top object = 1, data = 2): free metrics may nest a little.
 MAX_DEPTH = 10
 # Integers a JSON peer in any language reads exactly (2**53 - 1).

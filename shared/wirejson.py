@@ -14,7 +14,15 @@ from types import MappingProxyType
 from typing import Any, NoReturn
 
 from mam.shared.errors import DecodeError
-from mam.shared.wirefields import MAX_DEPTH, MAX_DISPATCH_BYTES, MAX_MESSAGE_BYTES, Invalid, show, type_name
+from mam.shared.wirefields import (
+    MAX_DEPTH,
+    MAX_DISPATCH_BYTES,
+    MAX_LOG_MESSAGE_BYTES,
+    MAX_MESSAGE_BYTES,
+    Invalid,
+    show,
+    type_name,
+)
 
 MAX_PAYLOAD_BYTES: Mapping[str, int] = MappingProxyType({
     "event": MAX_MESSAGE_BYTES,
@@ -22,6 +30,7 @@ MAX_PAYLOAD_BYTES: Mapping[str, int] = MappingProxyType({
     "dispatch": MAX_DISPATCH_BYTES,
     "control": MAX_MESSAGE_BYTES,
     "presence": MAX_MESSAGE_BYTES,
+    "log": MAX_LOG_MESSAGE_BYTES,
 })
 # How much of a json error text a refusal shows.
 _SHOW_ERROR_CHARS = 80

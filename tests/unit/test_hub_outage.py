@@ -18,7 +18,8 @@ from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import TEST_SECRET
 
 from mam.orchestrator.acceptance import Refused, Seen, accept
-from mam.orchestrator.watch import Watcher, WatchOptions, reattach_hint
+from mam.orchestrator.hints import reattach_hint
+from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared import crypto, names, wire
 from mam.shared.config import BrokerConfig
 from mam.shared.errors import ExitCode

@@ -1,0 +1,287 @@
+"""The hub's copy of the agents' output (PROTOCOL §15) and `mam-orch logs`.
+
+`LogRouter.handle(raw) -> list[bytes]` takes one message of `ROOT/jobs/<id>/log`,
+and returns the new output in order: chunks of the job's current attempt are
+verified and opened (`wirelog`), written to `.mam/logs/<id>/agent.<attempt>.log`
+in chunk order (`JobLog`: out-of-order chunks wait, MAX_BUFFERED_CHUNKS at most;
+duplicates are ignored; a missing chunk becomes a `log_gap` audit line); other
+attempts' chunks are refused quietly (debug), malformed or forged ones with a
+warning; nothing raises on bad input. `watch`/`dispatch` and the hub service use
+it. `OutputView` prints output lines under the event lines of a terminal view;
+`logs_cli` prints the copy (and follows it until the job ends).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from mam.orchestrator.hub import Workspace, open_hub
+from mam.shared import crypto, names, wirelog
+from mam.shared.codes import TERMINAL_STATUSES, JobStatus
+from mam.shared.errors import DecodeError, ExitCode, MamError, RegistryError, SignatureError, UsageError
+from mam.shared.fsio import atomic_write, read_json_object
+from mam.shared.records import utc_now
+from mam.shared.registry import Registry
+from mam.shared.transport import Inbox
+
+log = logging.getLogger("mam.logs")
+
+MAX_BUFFERED_CHUNKS = 64
+"""Out-of-order chunks held at most (4 MiB of output); beyond, the oldest gap is recorded and skipped."""
+MAX_AHEAD_CHUNKS = 4096
+"""A chunk further than this ahead of the next expected one is refused (a hostile number)."""
+STATE_MAX_BYTES = 4096
+FOLLOW_POLL_S = 0.2
+"""How often `logs --follow` looks at the copy and the record, seconds."""
+READ_BYTES = 1 << 20
+SETTLE_S = 2.0
+"""After the terminal event, how long a watch waits for the output chunks it announced, seconds
+(brokers do not order messages across topics)."""
+STATUS_EXIT: dict[str, ExitCode] = {JobStatus.COMPLETED: ExitCode.COMPLETED, JobStatus.ERROR: ExitCode.ERROR,
+               JobStatus.CANCELLED: ExitCode.CANCELLED}
+
+
+@dataclass
+class JobLog:
+    """One attempt's copy on the hub (§15): the next chunk expected and what waits for it."""
+
+    registry: Registry
+    job_id: str
+    attempt_id: int
+    auth_token: str
+    next: int = 0
+    dropped: int = 0
+    _waiting: dict[int, tuple[bytes, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.path = names.hub_log_path(self.registry.root, self.job_id, self.attempt_id)
+        self._state = names.hub_log_state_path(self.registry.root, self.job_id, self.attempt_id)
+        self._key = crypto.log_key(self.auth_token)
+        try:
+            saved = read_json_object(self._state, STATE_MAX_BYTES)
+            self.next, self.dropped = int(saved["next"]), int(saved["dropped"])
+        except (OSError, MamError, KeyError, TypeError, ValueError):
+            pass  # a first chunk, or a copy started by an older hub
+
+    def accept(self, chunk: wirelog.LogChunk) -> list[bytes]:
+        """Verify, open and place one chunk; the output now in order (maybe none).
+
+        Raises:
+            SignatureError: a forged or tampered chunk; UsageError: a chunk number far ahead.
+        """
+        number = chunk.chunk
+        if number < self.next or number in self._waiting:
+            return []  # a duplicate (QoS 1 redelivery, a runner's re-send)
+        if number > self.next + MAX_AHEAD_CHUNKS:
+            raise UsageError(f"chunk {number} is more than {MAX_AHEAD_CHUNKS} ahead of chunk {self.next}")
+        self._waiting[number] = (wirelog.open_chunk(chunk, self.auth_token, self._key), chunk.dropped)
+        if len(self._waiting) > MAX_BUFFERED_CHUNKS:
+            self._skip_gap()
+        return self._drain()
+
+    def close(self) -> list[bytes]:
+        """The job ended: every chunk still waiting is written after its gap is recorded."""
+        out = []
+        while self._waiting:
+            self._skip_gap()
+            out += self._drain()
+        return out
+
+    def _skip_gap(self) -> None:
+        first = min(self._waiting)
+        self.registry.append_audit(self.job_id, {"event": "log_gap", "timestamp": utc_now(),
+                                                 "attempt_id": self.attempt_id, "expected": self.next,
+                                                 "got": first, "source": "hub"})
+        log.warning("job %s: output chunks %d..%d missing (log_gap)", self.job_id, self.next, first - 1)
+        self.next = first
+
+    def _drain(self) -> list[bytes]:
+        out = []
+        while self.next in self._waiting:
+            data, dropped = self._waiting.pop(self.next)
+            out.append(data)
+            self.next += 1
+            self.dropped = max(self.dropped, dropped)
+        if out:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with open(self.path, "ab") as handle:
+                handle.write(b"".join(out))
+            self.path.chmod(0o600)
+            atomic_write(self._state, json.dumps({"next": self.next, "dropped": self.dropped}).encode(),
+                         what=f"job {self.job_id} log state")
+        return out
+
+
+class LogRouter:
+    """Routes §15 chunks to each job's current-attempt `JobLog`.
+
+    Args:
+        registry: the hub registry (records hold the auth_token and attempt).
+        job_id: accept only this job's chunks (a watch); None accepts every job (the service).
+    """
+
+    def __init__(self, registry: Registry, *, job_id: str | None = None) -> None:
+        self.registry = registry
+        self.job_id = job_id
+        self._logs: dict[str, JobLog] = {}
+
+    def handle(self, raw: bytes) -> list[bytes]:
+        """One message of a log topic: the new output of its job, in order. Never raises on bad input.
+
+        Raises:
+            RegistryError: the hub's own disk fails (writing the copy or the audit line).
+        """
+        if len(raw) == 0:
+            return []
+        try:
+            chunk = wirelog.decode_chunk(raw)
+        except DecodeError as exc:
+            log.warning("refused log chunk: %s", exc.reason)
+            return []
+        if self.job_id is not None and chunk.job_id != self.job_id:
+            log.debug("refused log chunk: unexpected_job %s", chunk.job_id)
+            return []
+        job = self._current(chunk.job_id, chunk.attempt_id)
+        if job is None:
+            return []
+        try:
+            return job.accept(chunk)
+        except (SignatureError, UsageError) as exc:
+            log.warning("job %s: refused log chunk %d: %s", chunk.job_id, chunk.chunk, exc)
+            return []
+        except OSError as exc:
+            raise RegistryError(f"job {chunk.job_id}: output copy {job.path} not written: "
+                                f"{exc.strerror or exc}") from None
+
+    def _current(self, job_id: str, attempt_id: int) -> JobLog | None:
+        try:
+            record = self.registry.get(job_id)
+        except RegistryError:
+            log.debug("refused log chunk: no record of job %s", job_id)
+            return None
+        if attempt_id != record.get("attempt_id"):
+            log.debug("job %s: refused log chunk of attempt %d (stale_attempt)", job_id, attempt_id)
+            return None
+        job = self._logs.get(job_id)
+        if job is None or job.attempt_id != attempt_id:
+            token = record.get("auth_token")
+            if not isinstance(token, str) or not token:
+                return None
+            job = self._logs[job_id] = JobLog(self.registry, job_id, attempt_id, token)
+        return job
+
+    def received(self, job_id: str) -> int:
+        """How many chunks of the job's current attempt are written (the next one expected)."""
+        job = self._logs.get(job_id)
+        return job.next if job is not None else 0
+
+    def dropped(self, job_id: str) -> int:
+        job = self._logs.get(job_id)
+        return job.dropped if job is not None else 0
+
+    def close(self, job_id: str) -> list[bytes]:
+        """The job ended: write what waits behind a gap; forget the job."""
+        job = self._logs.pop(job_id, None)
+        return job.close() if job is not None else []
+
+
+class OutputView:
+    """The agent's output lines under the event lines of a terminal view: whole lines only
+    (a partial line waits for its end or `flush`), control characters shown escaped."""
+
+    PREFIX = "  | "
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self._partial = b""
+
+    def show(self, parts: list[bytes]) -> None:
+        data = self._partial + b"".join(parts)
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        self._write(lines)
+
+    def flush(self) -> None:
+        if self._partial:
+            self._write([self._partial])
+        self._partial = b""
+
+    def _write(self, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        for line in lines:
+            text = line.decode("utf-8", "replace").rstrip("\r")
+            shown = "".join(ch if ch.isprintable() or ch == "\t" else f"\\x{ord(ch):02x}" for ch in text)
+            self.out.write(f"{self.PREFIX}{shown}\n")
+        self.out.flush()
+
+
+def await_chunks(router: LogRouter, job_id: str, announced: object, messages: Inbox,
+                 handle: Callable[[str, bytes], object], settle_s: float = SETTLE_S) -> list[bytes]:
+    """After the terminal event: handle messages until the `data.log_chunks` it announced are
+    written (at most `settle_s`), then close the job's copy; the output that waited behind a gap."""
+    want = announced if isinstance(announced, int) and not isinstance(announced, bool) else 0
+    deadline = time.monotonic() + settle_s
+    while router.received(job_id) < want and (left := deadline - time.monotonic()) > 0:
+        try:
+            message = messages.get(timeout=left)
+        except queue.Empty:
+            break
+        handle(message.topic, message.payload)
+    return router.close(job_id)
+
+
+def _print_new(path: Path, offset: int, out: TextIO) -> int:
+    """Copy the file's bytes from `offset` to `out`; the new offset."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            while data := handle.read(READ_BYTES):
+                out.buffer.write(data) if hasattr(out, "buffer") else out.write(data.decode("utf-8", "replace"))
+                offset += len(data)
+    except FileNotFoundError:
+        return offset
+    out.flush()
+    return offset
+
+
+def logs_cli(job_id: str, *, workspace: Workspace, follow: bool, attempt: int | None,
+             out: TextIO | None = None) -> int:
+    """`mam-orch logs`: print the hub's copy of a job's output (§15); with `follow`, keep
+    printing until the job ends, then exit as `watch` does (§9).
+
+    Raises:
+        UsageError: a bad job id or attempt; RegistryError: no record.
+    """
+    names.validate_job_id(job_id)
+    stream = out if out is not None else sys.stdout
+    hub = open_hub(workspace)
+    record = hub.registry.get(job_id)
+    current = int(record["attempt_id"])
+    chosen = current if attempt is None else names.validate_attempt(attempt)
+    if chosen > current:
+        raise UsageError(f"job {job_id} has no attempt {chosen} (its current attempt is {current})")
+    path = names.hub_log_path(hub.registry.root, job_id, chosen)
+    if not path.exists() and not follow:
+        print(f"job {job_id}: no output of attempt {chosen} on the hub yet ({path}); the runner keeps the "
+              f"whole output in its own .mam/logs/{job_id}/agent.log", file=sys.stderr)
+    offset = _print_new(path, 0, stream)
+    if not follow:
+        return ExitCode.COMPLETED
+    while True:
+        status = hub.registry.get(job_id)["status"]
+        offset = _print_new(path, offset, stream)
+        if status in TERMINAL_STATUSES or chosen != current:
+            return STATUS_EXIT.get(status, ExitCode.ERROR) if chosen == current else ExitCode.COMPLETED
+        time.sleep(FOLLOW_POLL_S)
+
+
+__all__ = ["JobLog", "await_chunks", "LogRouter", "MAX_AHEAD_CHUNKS", "MAX_BUFFERED_CHUNKS", "OutputView", "logs_cli"]
