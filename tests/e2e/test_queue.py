@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -84,33 +86,49 @@ def overlap(intervals: list[tuple[int, int]]) -> int:
     return most
 
 
-@pytest.fixture
-def runners(tmp_path):
-    started: list[subprocess.Popen[bytes]] = []
+class Runners:
+    """Runners started by one test, each tagged TEST_TAG=<unique per test>-<session> (other runs
+    of this file on the same machine use other tags: a teardown never kills their runners)."""
 
-    def start(session: str, *args: str, **env: str) -> subprocess.Popen[bytes]:
-        proc = runnersim.start_runner(broker_of[0], tmp_path / session, session, *args, TEST_TAG=session, **env)
-        started.append(proc)
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.run_id = secrets.token_hex(4)
+        self.broker: Any = None
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def tag(self, session: str) -> str:
+        return f"queue-{self.run_id}-{session}"
+
+    def start(self, session: str, *args: str, **env: str) -> subprocess.Popen[bytes]:
+        proc = runnersim.start_runner(self.broker, self.tmp_path / session, session, *args,
+                                      TEST_TAG=self.tag(session), **env)
+        self.started.append(proc)
         return proc
 
-    broker_of: list = []
-    yield broker_of, start
-    for proc in started:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in started:
-        try:
-            proc.wait(PATIENCE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    for session in RUNNERS:
-        kill_tagged(session)
+    def close(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.started:
+            try:
+                proc.wait(PATIENCE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for session in RUNNERS:
+            kill_tagged(self.tag(session))
+
+
+@pytest.fixture
+def runners(tmp_path):
+    group = Runners(tmp_path)
+    yield group
+    group.close()
 
 
 @pytest.mark.timeout(240)
 def test_s14_more_jobs_than_slots_all_complete_once_never_over_max_jobs(nats_broker, runners, tmp_path):
-    broker_of, start = runners
-    broker_of.append(nats_broker)
+    runners.broker = nats_broker
+    start = runners.start
     hub = hub_workspace(nats_broker, tmp_path)
     marks = {session: tmp_path / f"{session}.marks" for session in RUNNERS}
     procs = [dispatch(hub, "--labels", "x", "--ack-timeout", "5", "--brief", BRIEF) for _ in range(JOBS)]
@@ -147,8 +165,8 @@ def test_s14_more_jobs_than_slots_all_complete_once_never_over_max_jobs(nats_bro
 
 @pytest.mark.timeout(180)
 def test_s14_kill9_runner_mid_job_retries_on_another_runner_late_attempt_refused(broker, runners, tmp_path):
-    broker_of, start = runners
-    broker_of.append(broker)
+    runners.broker = broker
+    start = runners.start
     hub = hub_workspace(broker, tmp_path)
     for session in RUNNERS[:2]:
         start(session, "--labels", "x")
@@ -159,7 +177,7 @@ def test_s14_kill9_runner_mid_job_retries_on_another_runner_late_attempt_refused
     (first,) = hub_records(hub)
     job_id, lost = first["job_id"], first["session"]
     other = next(session for session in RUNNERS[:2] if session != lost)
-    kill_tagged(lost)  # the host is gone: daemon, heartbeat timer and agent
+    kill_tagged(runners.tag(lost))  # the host is gone: daemon, heartbeat timer and agent
     wait_until(lambda: registry.get(job_id)["attempt_id"] == 2 and registry.get(job_id)["status"] == "running",
                PATIENCE_S, "attempt 2 running")
     # attempt 1's late terminal, from the dead runner's own registry: refused by the hub
@@ -206,8 +224,8 @@ def test_s14_bad_labels_refused_by_both_clis_one_line_nothing_registered(nats_br
 
 @pytest.mark.timeout(120)
 def test_s14_hostile_presence_never_kills_a_waiting_dispatch(broker, runners, tmp_path):
-    broker_of, start = runners
-    broker_of.append(broker)
+    runners.broker = broker
+    start = runners.start
     hub = hub_workspace(broker, tmp_path)
     job = dispatch(hub, "--labels", "x", "--brief", "true\n")
     registry = Registry(hub)
