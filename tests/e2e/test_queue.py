@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -84,38 +86,58 @@ def overlap(intervals: list[tuple[int, int]]) -> int:
     return most
 
 
-@pytest.fixture
-def runners(tmp_path):
-    started: list[subprocess.Popen[bytes]] = []
+class Runners:
+    """Runners started by one test, each tagged TEST_TAG=<unique per test>-<session> (other runs
+    of this file on the same machine use other tags: a teardown never kills their runners)."""
 
-    def start(session: str, *args: str, **env: str) -> subprocess.Popen[bytes]:
-        proc = runnersim.start_runner(broker_of[0], tmp_path / session, session, *args, TEST_TAG=session, **env)
-        started.append(proc)
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.run_id = secrets.token_hex(4)
+        self.broker: Any = None
+        self.started: list[subprocess.Popen[bytes]] = []
+
+    def tag(self, session: str) -> str:
+        return f"queue-{self.run_id}-{session}"
+
+    def start(self, session: str, *args: str, **env: str) -> subprocess.Popen[bytes]:
+        proc = runnersim.start_runner(self.broker, self.tmp_path / session, session, *args,
+                                      TEST_TAG=self.tag(session), **env)
+        self.started.append(proc)
         return proc
 
-    broker_of: list = []
-    yield broker_of, start
-    for proc in started:
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in started:
-        try:
-            proc.wait(PATIENCE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    for session in RUNNERS:
-        kill_tagged(session)
+    def close(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.started:
+            try:
+                proc.wait(PATIENCE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for session in RUNNERS:
+            kill_tagged(self.tag(session))
+
+
+@pytest.fixture
+def runners(tmp_path):
+    group = Runners(tmp_path)
+    yield group
+    group.close()
 
 
 @pytest.mark.timeout(240)
 def test_s14_more_jobs_than_slots_all_complete_once_never_over_max_jobs(nats_broker, runners, tmp_path):
-    broker_of, start = runners
-    broker_of.append(nats_broker)
+    runners.broker = nats_broker
+    start = runners.start
     hub = hub_workspace(nats_broker, tmp_path)
     marks = {session: tmp_path / f"{session}.marks" for session in RUNNERS}
+    procs = [dispatch(hub, "--labels", "x", "--ack-timeout", "5", "--brief", BRIEF) for _ in range(JOBS)]
+    # the runners come once every job waits: the ack clock of the first ones must not run while
+    # 30 interpreters start on 2 cores (it starts at the publish, §14, but the runner needs CPU)
+    wait_until(lambda: len([r for r in hub_records(hub) if r["status"] == "queued"]) == JOBS, 2 * PATIENCE_S,
+               "every job queued")
     for session in RUNNERS:
         start(session, "--labels", "x,extra", "--max-jobs", str(SLOTS), MARKS=str(marks[session]))
-    procs = [dispatch(hub, "--labels", "x", "--ack-timeout", "5", "--brief", BRIEF) for _ in range(JOBS)]
     results = [finish(proc, 4 * PATIENCE_S) for proc in procs]
     assert [code for code, _ in results] == [0] * JOBS, "\n".join(err for code, err in results if code)
     records = hub_records(hub)
@@ -143,8 +165,8 @@ def test_s14_more_jobs_than_slots_all_complete_once_never_over_max_jobs(nats_bro
 
 @pytest.mark.timeout(180)
 def test_s14_kill9_runner_mid_job_retries_on_another_runner_late_attempt_refused(broker, runners, tmp_path):
-    broker_of, start = runners
-    broker_of.append(broker)
+    runners.broker = broker
+    start = runners.start
     hub = hub_workspace(broker, tmp_path)
     for session in RUNNERS[:2]:
         start(session, "--labels", "x")
@@ -155,7 +177,7 @@ def test_s14_kill9_runner_mid_job_retries_on_another_runner_late_attempt_refused
     (first,) = hub_records(hub)
     job_id, lost = first["job_id"], first["session"]
     other = next(session for session in RUNNERS[:2] if session != lost)
-    kill_tagged(lost)  # the host is gone: daemon, heartbeat timer and agent
+    kill_tagged(runners.tag(lost))  # the host is gone: daemon, heartbeat timer and agent
     wait_until(lambda: registry.get(job_id)["attempt_id"] == 2 and registry.get(job_id)["status"] == "running",
                PATIENCE_S, "attempt 2 running")
     # attempt 1's late terminal, from the dead runner's own registry: refused by the hub
@@ -202,29 +224,37 @@ def test_s14_bad_labels_refused_by_both_clis_one_line_nothing_registered(nats_br
 
 @pytest.mark.timeout(120)
 def test_s14_hostile_presence_never_kills_a_waiting_dispatch(broker, runners, tmp_path):
-    broker_of, start = runners
-    broker_of.append(broker)
+    runners.broker = broker
+    start = runners.start
     hub = hub_workspace(broker, tmp_path)
     job = dispatch(hub, "--labels", "x", "--brief", "true\n")
     registry = Registry(hub)
     wait_until(lambda: [r for r in hub_records(hub) if r["status"] == "queued"], PATIENCE_S, "the job queued")
     keys = crypto.derive_keys(dispatch_secret(environ={}, workspace=hub))
     root = broker.topic_root
-    good = wire.Presence.build("evil", "b" * 32, "online", host="h", version="1", max_jobs=1).to_dict()
-    hostile = [dict(good, labels=labels) for labels in (["X"], ["x"] * 17, ["x\n"], "x", [7], ["x" * 40])]
+    hostile: list[bytes] = []  # retained, one topic each: the dispatch reads them whenever it subscribes
+    for n, labels in enumerate((["X"], ["x"] * 17, ["x\n"], "x", [7], ["x" * 40])):
+        doc = wire.Presence.build(f"evil{n}", "b" * 32, "online", host="h", version="1", max_jobs=1).to_dict()
+        hostile.append(json.dumps(crypto.sign(dict(doc, labels=labels), keys.sign_key)).encode())
+    hostile.append(b"\xff not json")
+    doc = wire.Presence.build(f"evil{len(hostile)}", "b" * 32, "online", host="h", version="1", max_jobs=1,
+                              labels=["x"]).to_dict()
+    hostile.append(json.dumps(dict(doc, sig="0" * 64)).encode())  # matches, but does not verify: no candidate
+    topics = [names.presence_topic(f"evil{n}", root) for n in range(len(hostile))]
     with MqttClient(broker.config(), "evil") as client:
-        for doc in hostile:
-            client.publish(names.presence_topic("evil", root), json.dumps(crypto.sign(doc, keys.sign_key)).encode())
-        client.publish(names.presence_topic("evil", root), b"\xff not json")
-        unsigned = dict(good, labels=["x"], sig="0" * 64)  # matches, but does not verify: never a candidate
-        client.publish(names.presence_topic("evil", root), json.dumps(unsigned).encode())
-    assert job.poll() is None
-    start("qa", "--labels", "x")
-    code, err = finish(job)
+        try:
+            for topic, payload in zip(topics, hostile):
+                client.publish(topic, payload, retain=True)
+            assert job.poll() is None
+            start("qa", "--labels", "x")
+            code, err = finish(job)
+        finally:
+            for topic in topics:
+                client.publish(topic, b"", retain=True)
     assert code == 0, err
     (record,) = hub_records(hub)
     assert (record["status"], record["session"]) == ("completed", "qa")
-    assert "refused presence" in err
+    assert err.count("refused presence") >= len(hostile) - 1  # the unsigned one is kept, unverified
     assert registry.get(record["job_id"])["attempt_id"] == 1
 
 
