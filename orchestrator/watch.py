@@ -42,7 +42,7 @@ from mam.orchestrator.control import clear_dispatch, clear_retained, close_remot
 from mam.orchestrator.hub import DAY_S, Workspace
 from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S, BrokerLink, mirror_state, note_late_terminal
 from mam.shared import names, wire
-from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
+from mam.shared.codes import EVENT_STATUS, TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.config import BrokerConfig, env_float
 from mam.shared.crypto import DispatchKeys
 from mam.shared.errors import BrokerError, BrokerUnavailable, ExitCode, TransitionRefused
@@ -79,6 +79,9 @@ class WatchOptions:
         ack_timeout_s: the `started` deadline; idle_timeout_s: K × N; timeout_s: wall clock.
         ack_only_before_first: the dispatch's rule (ack alone before the first event);
             a standalone watch allows ack + idle (it did not publish the dispatch).
+        lazy_progress: the service's rule (docs/registry.md "Durability"): an accepted
+            event that changes no status and skips no seq is appended without fsync and
+            its seq stays in memory; status changes, gaps and terminals stay durable.
     """
 
     remote: bool = False
@@ -86,6 +89,7 @@ class WatchOptions:
     idle_timeout_s: float | None = None
     timeout_s: float | None = None
     ack_only_before_first: bool = False
+    lazy_progress: bool = False
 
 
 def render_event(payload: dict[str, Any], human: bool) -> str:
@@ -160,6 +164,8 @@ class Watcher:
         # whether the runner was lost (an idle close is then `runner_lost`)
         self.on_other: Callable[[str, bytes], object] | None = None
         self.runner_lost: Callable[[], bool] | None = None
+        # the service clears retained dispatches in bulk after a batch (`HubService.flush_clears`)
+        self.on_clear: Callable[[str], object] | None = None
 
     # ---------------------------------------------------------------- output
 
@@ -239,7 +245,11 @@ class Watcher:
         with self.registry.transaction(self.job_id) as txn:
             seen = Seen(self.highest_event, self.terminal, self.highest_any).merged(Seen.of_record(txn.record))
             verdict = accept(raw, kind=kind, job_id=self.job_id, record=txn.record, seen=seen)
-            if isinstance(verdict, Accepted) and isinstance(verdict.message, wire.Event):
+            if isinstance(verdict, Accepted) and isinstance(verdict.message, wire.Event) \
+                    and self.options.lazy_progress and verdict.gap is None \
+                    and verdict.message.event not in EVENT_STATUS:
+                self.registry.append_audit(self.job_id, verdict.message.to_dict(), durable=False)
+            elif isinstance(verdict, Accepted) and isinstance(verdict.message, wire.Event):
                 txn.store_event(verdict.message.to_dict(), source="remote_mirror", gap=verdict.gap)
             elif isinstance(verdict, Accepted) and isinstance(verdict.message, wire.State):
                 moved_to_running = mirror_state(txn, verdict.message, verdict.gap)
@@ -252,6 +262,9 @@ class Watcher:
     def _clear_dispatch(self) -> None:
         """§17: the attempt started, so its retained dispatch goes (a crashed broker
         may bring a cleared one back; the runners refuse it as `taken`)."""
+        if self.on_clear is not None:
+            self.on_clear(self.job_id)
+            return
         client = self.client
         if client is None or not client.connected.is_set():
             return

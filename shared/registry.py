@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,7 +25,7 @@ from mam.shared.codes import CLOSE_STATUS, OPEN_STATUSES, TERMINAL_STATUSES, Clo
 from mam.shared.config import resolve_root
 from mam.shared.errors import RegistryError, UsageError
 from mam.shared.flock import FileLock
-from mam.shared.fsio import append_line, append_lines, atomic_write, errno_name, read_capped
+from mam.shared.fsio import append_line, append_lines, atomic_write, errno_name, read_capped, sync_paths
 from mam.shared.records import (
     OPERATOR_SOURCES,
     RECORD_MAX_BYTES,
@@ -78,6 +79,10 @@ class Registry:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
         self._lock = FileLock(names.lock_path(self.root))
+        self._made: set[str] = set()  # "" (the base folders) and job ids whose folders exist
+        self._paths: dict[str, Path] = {}
+        self._group: set[Path] | None = None  # files written inside `group()`, fsynced at its end
+        self._group_thread = 0
 
     @classmethod
     def at(cls, workspace: str | os.PathLike[str] | None = None) -> Registry:
@@ -90,8 +95,11 @@ class Registry:
     # -------------------------------------------------------------- paths
 
     def record_path(self, job_id: str) -> Path:
-        """`<root>/.mam/jobs/<job_id>.json`."""
-        return names.record_path(self.root, job_id)
+        """`<root>/.mam/jobs/<job_id>.json` (remembered: the hub service reads thousands a second)."""
+        path = self._paths.get(job_id)
+        if path is None:
+            path = self._paths[job_id] = names.record_path(self.root, job_id)
+        return path
 
     def logs_dir(self, job_id: str) -> Path:
         """`<root>/.mam/logs/<job_id>`."""
@@ -102,6 +110,11 @@ class Registry:
         return self.logs_dir(job_id) / "events.ndjson"
 
     def _ensure_dirs(self, job_id: str | None = None) -> None:
+        # A folder made (or found) once by this object is not made again: the hub
+        # service takes the lock and appends thousands of times a second (docs/registry.md).
+        key = job_id or ""
+        if key in self._made:
+            return
         try:
             folders = [names.mam_dir(self.root), names.jobs_dir(self.root)]
             if job_id is not None:
@@ -111,6 +124,7 @@ class Registry:
         except OSError as exc:
             raise RegistryError(f"cannot create the registry folders under {names.mam_dir(self.root)} "
                                 f"({errno_name(exc)}: {exc.strerror or exc})") from exc
+        self._made.add(key)
 
     # --------------------------------------------------------------- lock
 
@@ -127,6 +141,37 @@ class Registry:
             self._ensure_dirs()
         with self._lock.hold():
             yield
+
+    @contextlib.contextmanager
+    def group(self) -> Iterator[None]:
+        """Hold the lock; every commit inside writes its files (audit lines, records)
+        without fsync, and the group fsyncs them all at its end, together
+        (`fsio.sync_paths`): the hub service's pass over its backlog (docs/registry.md
+        "Durability"). Readers see each commit at once; a power loss inside the group
+        may lose its writes. Nested or in another thread: plain lock.
+
+        Raises:
+            RegistryError: as `lock`, or an fsync failed at the end.
+        """
+        with self.lock():
+            if self._group is not None:
+                yield
+                return
+            self._group, self._group_thread = set(), threading.get_ident()
+            try:
+                yield
+            finally:
+                files, self._group = self._group, None
+                if files:
+                    sync_paths(files, what=f"registry {self.root}")
+
+    def _deferred(self, path: Path) -> bool:
+        """True (and `path` noted) inside this thread's `group()`: the caller skips its fsync."""
+        group = self._group
+        if group is None or self._group_thread != threading.get_ident():
+            return False
+        group.add(path)
+        return True
 
     # ------------------------------------------------------------ reading
 
@@ -253,7 +298,8 @@ class Registry:
 
     def _write(self, record: JobRecord, *, status_changed: bool = False) -> None:
         job_id = record["job_id"]
-        atomic_write(self.record_path(job_id), dumps(record), what=f"job {job_id}")
+        path = self.record_path(job_id)
+        atomic_write(path, dumps(record), what=f"job {job_id}", durable=not self._deferred(path))
         if status_changed:
             self._write_side(job_id, "status.json", {
                 "job_id": job_id, "status": record["status"], "attempt_id": record["attempt_id"],
@@ -273,10 +319,11 @@ class Registry:
         meta["contract"] = Contract.of_record(record).to_dict()
         self._write_side(record["job_id"], "meta.json", meta)
 
-    def append_audit(self, job_id: str, obj: Mapping[str, Any]) -> None:
+    def append_audit(self, job_id: str, obj: Mapping[str, Any], *, durable: bool = True) -> None:
         """Append `obj` (a JSON object; a `timestamp` is added if missing) as
         one fsynced line to the job's `events.ndjson` (§8), under the lock.
-        Used for `seq_gap` lines and refusals.
+        Used for `seq_gap` lines and refusals; `durable=False` (no fsync) only for
+        the hub service's lines that change no status (docs/registry.md "Durability").
 
         Raises:
             UsageError: bad job id. RegistryError: the append failed.
@@ -286,7 +333,7 @@ class Registry:
         line.setdefault("timestamp", utc_now())
         with self.lock():
             self._ensure_dirs(job_id)
-            append_line(self.audit_path(job_id), line, what=f"job {job_id}")
+            append_lines(self.audit_path(job_id), [line], what=f"job {job_id}", sync=durable)
 
     def _create(self, record: JobRecord, source: str, event: str) -> None:
         job_id = record["job_id"]
@@ -316,8 +363,9 @@ class Registry:
             if new.get("exit_code") is not None:
                 status_line["exit_code"] = new["exit_code"]
             lines.append(status_line)
-        if lines:  # one write, one fsync for the whole transaction
-            append_lines(self.audit_path(job_id), lines, what=f"job {job_id}")
+        if lines:  # one write, one fsync for the whole transaction (or the group's)
+            audit = self.audit_path(job_id)
+            append_lines(audit, lines, what=f"job {job_id}", sync=not self._deferred(audit))
         self._write(new, status_changed=changed)
 
     @contextlib.contextmanager
@@ -335,7 +383,8 @@ class Registry:
                 self._commit(txn.record, txn.new, source=txn.source, reason=txn.reason, extra_lines=txn.lines)
             elif txn.lines:
                 self._ensure_dirs(job_id)
-                append_lines(self.audit_path(job_id), txn.lines, what=f"job {job_id}")
+                audit = self.audit_path(job_id)
+                append_lines(audit, txn.lines, what=f"job {job_id}", sync=not self._deferred(audit))
 
     # ------------------------------------------------------------ creating
 
