@@ -61,7 +61,7 @@ def test_serve_tracks_1000_beating_jobs(nats, tmp_path):
     jobs = [registry.register(session=f"sim-{n % SIM_PROCESSES}", contract=contract)["job_id"] for n in range(JOBS)]
     log_path = tmp_path / "serve.stderr"
     with open(log_path, "wb") as err:
-        serve = subprocess.Popen([*(MAM_ORCH if not os.environ.get("PROF") else [sys.executable, "-m", "cProfile", "-o", os.environ["PROF"], "-m", "mam.orchestrator.cli"]), "serve", "--workspace", str(hub)], env=clean_env(MAM_LOG_LEVEL="WARNING", MAM_DEBUG_BACKLOG="1"),
+        serve = subprocess.Popen([*MAM_ORCH, "serve", "--workspace", str(hub)], env=clean_env(MAM_LOG_LEVEL="WARNING"),
                                  stdout=subprocess.DEVNULL, stderr=err)
     sims: list[subprocess.Popen[bytes]] = []
     try:

@@ -429,8 +429,6 @@ class HubService:
             if now >= next_tick:
                 next_tick = now + TICK_S
                 self.receive(client)  # §14: what was received before the clocks look counts
-                if os.environ.get("MAM_DEBUG_BACKLOG") and int(now) != int(now - TICK_S):
-                    log.warning("DEBUG backlog %d unjudged jobs %d handled %d", len(self.backlog), len(self.unjudged), self.stats.messages)
                 self.tick(now, link.down_since)
             message = self.next_message(client, max(0.0, min(next_scan, next_tick) - time.monotonic()))
             if message is not None:

@@ -211,3 +211,47 @@ def read_json_object(path: str | os.PathLike[str], max_bytes: int) -> dict[str, 
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
     return obj
+
+
+def read_json_lines(path: Path, *, what: str) -> list[dict[str, Any]]:
+    """Every line of `path` as a dict, oldest first ([] when it does not exist); a line
+    that is not a JSON object (a torn write) becomes `{"event": "unreadable_line", "line": n}`.
+
+    Raises:
+        RegistryError: the file exists but cannot be read.
+    """
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise RegistryError(f"{what}: cannot read {path} ({errno_name(exc)}: {exc.strerror or exc})") from exc
+    out: list[dict[str, Any]] = []
+    for n, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            obj = None
+        out.append(obj if isinstance(obj, dict) else {"event": "unreadable_line", "line": n})
+    return out
+
+
+def move_aside(path: Path, stamp: str) -> Path:
+    """Rename a corrupt `path` to `<name>.corrupt-<stamp>` (never over an earlier copy).
+
+    Raises:
+        RegistryError: the rename failed.
+    """
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while aside.exists():
+        aside = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        n += 1
+    try:
+        os.rename(path, aside)
+    except OSError as exc:
+        raise RegistryError(f"record {path} is corrupt and cannot be moved aside "
+                            f"({errno_name(exc)}: {exc.strerror or exc})") from exc
+    return aside

@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,8 +23,15 @@ from mam.shared import codes, names
 from mam.shared.codes import CLOSE_STATUS, OPEN_STATUSES, TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.config import resolve_root
 from mam.shared.errors import RegistryError, UsageError
-from mam.shared.flock import FileLock
-from mam.shared.fsio import append_line, append_lines, atomic_write, errno_name, read_capped, sync_paths
+from mam.shared.fsio import (
+    append_line,
+    append_lines,
+    atomic_write,
+    errno_name,
+    move_aside,
+    read_capped,
+    read_json_lines,
+)
 from mam.shared.records import (
     OPERATOR_SOURCES,
     RECORD_MAX_BYTES,
@@ -54,6 +60,7 @@ from mam.shared.records import (
     utc_now,
     validate_broker,
 )
+from mam.shared.regfiles import RegistryFiles
 
 # Names other modules import from here (kept for the runner and the tests).
 __all__ = [
@@ -67,7 +74,7 @@ log = logging.getLogger("mam.registry")
 
 # ----------------------------------------------------------------- registry
 
-class Registry:
+class Registry(RegistryFiles):
     """The job registry of one host rooted at `root` (§8).
 
     No side effects in the constructor: folders are made (0700) on the first
@@ -76,14 +83,6 @@ class Registry:
     several calls in `with registry.lock():` (the §12 barrier is written so).
     """
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root)
-        self._lock = FileLock(names.lock_path(self.root))
-        self._made: set[str] = set()  # "" (the base folders) and job ids whose folders exist
-        self._paths: dict[str, Path] = {}
-        self._group: set[Path] | None = None  # files written inside `group()`, fsynced at its end
-        self._group_thread = 0
-
     @classmethod
     def at(cls, workspace: str | os.PathLike[str] | None = None) -> Registry:
         """The registry of the root that §8 picks (`config.resolve_root`)."""
@@ -91,87 +90,6 @@ class Registry:
 
     def __repr__(self) -> str:
         return f"Registry({str(self.root)!r})"
-
-    # -------------------------------------------------------------- paths
-
-    def record_path(self, job_id: str) -> Path:
-        """`<root>/.mam/jobs/<job_id>.json` (remembered: the hub service reads thousands a second)."""
-        path = self._paths.get(job_id)
-        if path is None:
-            path = self._paths[job_id] = names.record_path(self.root, job_id)
-        return path
-
-    def logs_dir(self, job_id: str) -> Path:
-        """`<root>/.mam/logs/<job_id>`."""
-        return names.job_logs_dir(self.root, job_id)
-
-    def audit_path(self, job_id: str) -> Path:
-        """`<root>/.mam/logs/<job_id>/events.ndjson`."""
-        return self.logs_dir(job_id) / "events.ndjson"
-
-    def _ensure_dirs(self, job_id: str | None = None) -> None:
-        # A folder made (or found) once by this object is not made again: the hub
-        # service takes the lock and appends thousands of times a second (docs/registry.md).
-        key = job_id or ""
-        if key in self._made:
-            return
-        try:
-            folders = [names.mam_dir(self.root), names.jobs_dir(self.root)]
-            if job_id is not None:
-                folders += [self.logs_dir(job_id).parent, self.logs_dir(job_id)]
-            for folder in folders:  # one by one, so every level gets 0700, not just the last
-                folder.mkdir(mode=0o700, parents=folder == folders[0], exist_ok=True)
-        except OSError as exc:
-            raise RegistryError(f"cannot create the registry folders under {names.mam_dir(self.root)} "
-                                f"({errno_name(exc)}: {exc.strerror or exc})") from exc
-        self._made.add(key)
-
-    # --------------------------------------------------------------- lock
-
-    @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
-        """Hold the registry lock (`fcntl.flock` on `.mam/jobs/.lock`, §8), made
-        0700 folders first. Re-entrant within one thread of one process; callers
-        may group several calls in `with registry.lock():` (the §12 barrier does).
-
-        Raises:
-            RegistryError: the folders cannot be made, or the lock file opened or locked.
-        """
-        if not self._lock.held:
-            self._ensure_dirs()
-        with self._lock.hold():
-            yield
-
-    @contextlib.contextmanager
-    def group(self) -> Iterator[None]:
-        """Hold the lock; every commit inside writes its files (audit lines, records)
-        without fsync, and the group fsyncs them all at its end, together
-        (`fsio.sync_paths`): the hub service's pass over its backlog (docs/registry.md
-        "Durability"). Readers see each commit at once; a power loss inside the group
-        may lose its writes. Nested or in another thread: plain lock.
-
-        Raises:
-            RegistryError: as `lock`, or an fsync failed at the end.
-        """
-        with self.lock():
-            if self._group is not None:
-                yield
-                return
-            self._group, self._group_thread = set(), threading.get_ident()
-            try:
-                yield
-            finally:
-                files, self._group = self._group, None
-                if files:
-                    sync_paths(files, what=f"registry {self.root}")
-
-    def _deferred(self, path: Path) -> bool:
-        """True (and `path` noted) inside this thread's `group()`: the caller skips its fsync."""
-        group = self._group
-        if group is None or self._group_thread != threading.get_ident():
-            return False
-        group.add(path)
-        return True
 
     # ------------------------------------------------------------ reading
 
@@ -216,17 +134,7 @@ class Registry:
         return as_record(obj, job_id)
 
     def _quarantine(self, path: Path) -> Path:
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
-        aside = path.with_name(f"{path.name}.corrupt-{stamp}")
-        n = 1
-        while aside.exists():  # never overwrite an earlier corrupt copy
-            aside = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
-            n += 1
-        try:
-            os.rename(path, aside)
-        except OSError as exc:
-            raise RegistryError(f"record {path} is corrupt and cannot be moved aside "
-                                f"({errno_name(exc)}: {exc.strerror or exc})") from exc
+        aside = move_aside(path, datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ"))
         log.error("record %s is corrupt; kept aside as %s", path, aside.name)
         return aside
 
@@ -275,24 +183,7 @@ class Registry:
         Raises:
             RegistryError: the file exists but cannot be read.
         """
-        path = self.audit_path(job_id)
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise RegistryError(f"job {job_id}: cannot read {path} "
-                                f"({errno_name(exc)}: {exc.strerror or exc})") from exc
-        out: builtins.list[dict[str, Any]] = []
-        for n, line in enumerate(raw.split(b"\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                obj = None
-            out.append(obj if isinstance(obj, dict) else {"event": "unreadable_line", "line": n})
-        return out
+        return read_json_lines(self.audit_path(job_id), what=f"job {job_id}")
 
     # ------------------------------------------------------------ writing
 
@@ -305,13 +196,6 @@ class Registry:
                 "job_id": job_id, "status": record["status"], "attempt_id": record["attempt_id"],
                 "transition_seq": record["transition_seq"], "close_reason": record.get("close_reason"),
                 "exit_code": record.get("exit_code"), "updated_at": record["updated_at"]})
-
-    def _write_side(self, job_id: str, name: str, obj: dict[str, Any]) -> None:
-        # meta/status are views of the record; the record is the truth, so a failure here only warns
-        try:
-            atomic_write(self.logs_dir(job_id) / name, dumps(obj), what=f"job {job_id}", durable=False)
-        except RegistryError as exc:
-            log.warning("%s", exc)
 
     def _write_meta(self, record: JobRecord) -> None:
         meta: dict[str, Any] = {k: record.get(k) for k in ("job_id", "session", "agent_session", "role",
