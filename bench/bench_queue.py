@@ -278,7 +278,7 @@ def celery_rate(tmp_path: Path) -> str:
                                        str(RUNNERS * SLOTS), "--loglevel", "WARNING", "--without-gossip",
                                        "--without-mingle", "--without-heartbeat"], cwd=folder, env=env,
                                       stdout=subprocess.DEVNULL, stderr=err)
-        result = subprocess.run([sys.executable, "-c", CELERY_CLIENT, str(JOBS)], cwd=folder, env=env,
+        result = subprocess.run([sys.executable, "-c", CELERY_CLIENT, str(JOBS), str(CELERY_START_S), str(RUN_TIMEOUT_S)], cwd=folder, env=env,
                                 capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         if result.returncode != 0:
             return f"failed ({result.stderr.strip().splitlines()[-1:]})"
@@ -291,11 +291,11 @@ CELERY_CLIENT = '''
 import sys, time
 from benchapp import app, trivial
 n = int(sys.argv[1])
-trivial.delay(-1).get(timeout=%d)  # the worker is up
+trivial.delay(-1).get(timeout=float(sys.argv[2]))  # the worker is up
 start = time.perf_counter()
 results = [trivial.delay(i) for i in range(n)]
-values = [r.get(timeout=%d) for r in results]
+values = [r.get(timeout=float(sys.argv[3])) for r in results]
 elapsed = time.perf_counter() - start
 assert values == list(range(n))
 print(f"{n / elapsed:.1f} jobs/s ({n} jobs in {elapsed:.1f} s, 0 lost)")
-''' % (CELERY_START_S, RUN_TIMEOUT_S)
+'''

@@ -9,8 +9,12 @@ queued jobs leave through `queue.plan` on every presence and every new queued
 record. The registry folder is scanned every `SCAN_S` (changed files only), so
 records registered by other commands are picked up at once.
 
-Restart: open records are reloaded first, then the subscription brings the
-retained states (§4); every clock starts with a full window. While the
+Scale (docs/registry.md "Durability"): messages are handled in passes, each one
+`Registry.group()` (one lock hold, its fsyncs together at its end); progress
+lines are not fsynced; a job with a received, unjudged message is never closed.
+
+Restart: open records are reloaded first (seqs from the audit log's tail), then
+the subscription brings the retained states (§4); every clock starts with a full window. While the
 connection is down only the wall clocks run (§14 "Broker outages"). SIGTERM
 and SIGINT stop it cleanly: jobs go on, the lock is released.
 """

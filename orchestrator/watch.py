@@ -79,9 +79,8 @@ class WatchOptions:
         ack_timeout_s: the `started` deadline; idle_timeout_s: K × N; timeout_s: wall clock.
         ack_only_before_first: the dispatch's rule (ack alone before the first event);
             a standalone watch allows ack + idle (it did not publish the dispatch).
-        lazy_progress: the service's rule (docs/registry.md "Durability"): an accepted
-            event that changes no status and skips no seq is appended without fsync and
-            its seq stays in memory; status changes, gaps and terminals stay durable.
+        lazy_progress: the service's rule (docs/registry.md "Durability"): an accepted event that
+            changes no status and skips no seq is appended without fsync, its seq kept in memory.
     """
 
     remote: bool = False
@@ -164,7 +163,7 @@ class Watcher:
         # whether the runner was lost (an idle close is then `runner_lost`)
         self.on_other: Callable[[str, bytes], object] | None = None
         self.runner_lost: Callable[[], bool] | None = None
-        # the service clears retained dispatches in bulk after a batch (`HubService.flush_clears`)
+        # the service clears retained dispatches in bulk after a pass (`HubService.flush_clears`)
         self.on_clear: Callable[[str], object] | None = None
 
     # ---------------------------------------------------------------- output
