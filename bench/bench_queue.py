@@ -278,7 +278,8 @@ def celery_rate(tmp_path: Path) -> str:
                                        str(RUNNERS * SLOTS), "--loglevel", "WARNING", "--without-gossip",
                                        "--without-mingle", "--without-heartbeat"], cwd=folder, env=env,
                                       stdout=subprocess.DEVNULL, stderr=err)
-        result = subprocess.run([sys.executable, "-c", CELERY_CLIENT, str(JOBS), str(CELERY_START_S), str(RUN_TIMEOUT_S)], cwd=folder, env=env,
+        argv = [sys.executable, "-c", CELERY_CLIENT, str(JOBS), str(CELERY_START_S), str(RUN_TIMEOUT_S)]
+        result = subprocess.run(argv, cwd=folder, env=env,
                                 capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         if result.returncode != 0:
             return f"failed ({result.stderr.strip().splitlines()[-1:]})"
