@@ -49,6 +49,7 @@ FLOOR_HANDOFF_S = 0.25
 JOBS = int(os.environ.get("MAM_BENCH_JOBS", "1000"))
 RUNNERS, SLOTS = 4, 4
 FLOOR_JOBS_PER_S = 20.0
+PRESENCE_PROBE_S = 0.3  # how long one look for the retained presence waits
 RUN_TIMEOUT_S = 240.0  # a run that has not ended by then failed
 POLL_S = 0.2  # how often the bench looks at the hub registry for ended jobs
 CELERY_START_S = 60.0
@@ -133,7 +134,7 @@ def start_runner(broker: Any, workspace: Path, session: str, slots: int) -> subp
                                  str(slots), "--labels", LABEL, "--workspace", str(workspace)],
                                 env=clean_env(MAM_LOG_LEVEL="WARNING"), stdout=subprocess.DEVNULL, stderr=err)
     topic = names.presence_topic(session, broker.topic_root)
-    wait_until(lambda: proc.poll() is not None or b'"online"' in (retained(broker, topic, 0.3) or b""),
+    wait_until(lambda: proc.poll() is not None or b'"online"' in (retained(broker, topic, PRESENCE_PROBE_S) or b""),
                what=f"{session} online")
     assert proc.poll() is None, (workspace.parent / f"{workspace.name}.stderr").read_text()
     return proc
