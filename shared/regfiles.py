@@ -21,6 +21,8 @@ from mam.shared.records import dumps
 
 log = logging.getLogger("mam.registry")
 
+REMEMBERED_JOBS = 20_000  # job ids whose paths and folders are remembered; then forgotten all at once
+
 
 class RegistryFiles:
     """Paths, folders, lock and group commit of the registry rooted at `root` (§8)."""
@@ -39,6 +41,8 @@ class RegistryFiles:
         """`<root>/.mam/jobs/<job_id>.json` (remembered: the hub service reads thousands a second)."""
         path = self._paths.get(job_id)
         if path is None:
+            if len(self._paths) >= REMEMBERED_JOBS:
+                self._paths.clear()
             path = self._paths[job_id] = names.record_path(self.root, job_id)
         return path
 
@@ -65,6 +69,8 @@ class RegistryFiles:
         except OSError as exc:
             raise RegistryError(f"cannot create the registry folders under {names.mam_dir(self.root)} "
                                 f"({errno_name(exc)}: {exc.strerror or exc})") from exc
+        if len(self._made) >= REMEMBERED_JOBS:
+            self._made.clear()
         self._made.add(key)
 
     # --------------------------------------------------------------- lock
