@@ -25,7 +25,7 @@ log = logging.getLogger("mam.watch")
 OUTAGE_GIVE_UP_S = 60.0
 # How much of an audit log's end `audit_seq` reads: far more than the lines a job
 # writes between two status changes of a restart window (a heartbeat line is ~300 bytes).
-AUDIT_TAIL_BYTES = 64 * 1024
+AUDIT_TAIL_BYTES = 16 * 1024
 
 
 class BrokerLink:

@@ -112,11 +112,12 @@ class HubService:
 
     # ------------------------------------------------------------ records
 
-    def _watcher(self, record: JobRecord, now: float) -> Watcher:
+    def _watcher(self, record: JobRecord, now: float, *, fresh: bool = False) -> Watcher:
         watcher = Watcher(self.registry, record["job_id"], client=self.client, keys=self.keys, out=self.out,
                           options=WatchOptions(remote=True, ack_only_before_first=True, lazy_progress=True))
         watcher.start_clocks(now, record)
-        watcher.highest_event = watcher.highest_any = audit_seq(self.registry, record)  # lazy seqs, restart
+        if not fresh:  # taken over (a restart): its lazy progress seqs are in the audit log
+            watcher.highest_event = watcher.highest_any = audit_seq(self.registry, record)
         watcher.on_clear = self.clears.append
         session, runner_id = record["session"], self.feed.runner_id(record["session"])
         watcher.runner_lost = lambda: self.feed.lost(session, runner_id)  # §14 runner_lost
@@ -355,7 +356,7 @@ class HubService:
         self.stats.published += 1
         self.fleet.inflight(session, job_id)
         self.sessions[job_id] = session
-        self.watchers[job_id] = self._watcher(record, time.monotonic())
+        self.watchers[job_id] = self._watcher(record, time.monotonic(), fresh=True)
         log.info("job %s: published to %s (attempt %s)", job_id, session, record["attempt_id"])
 
     # ------------------------------------------------------------ clocks
