@@ -26,6 +26,7 @@ system-deps:
 	  command -v dockerd >/dev/null || [ -x /usr/sbin/dockerd ] || missing="$$missing docker.io"; \
 	  command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
 	  command -v debootstrap >/dev/null || [ -x /usr/sbin/debootstrap ] || missing="$$missing debootstrap"; \
+	  command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	  if [ -n "$$missing" ]; then \
 	    echo "installing Debian packages:$$missing"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
@@ -63,7 +64,9 @@ unit: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-bench: $(STAMP)
+# bench/bench_queue.py runs Celery + Redis side by side (the `bench` extra, redis-server).
+bench: $(STAMP) system-deps
+	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m pytest bench -p no:cacheprovider --timeout=600 -s
 
 clean:

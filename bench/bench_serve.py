@@ -4,7 +4,9 @@
 The hub side is the real service process. The runners are `SIM_PROCESSES`
 simulator processes (`serve_sim.py`), each publishing, for its share of the
 jobs, signed events and states as a real runner does: `started`, a heartbeat
-every `BEAT_S` for `BEAT_WINDOW_S`, then `completed`. Printed next to the floors:
+every `BEAT_S` for `BEAT_WINDOW_S`, then `completed`, the jobs one after another
+over `END_SPREAD_S` (`MAM_BENCH_SERVE_SPREAD_S`, default 10; 0: all in the same second)
+while the others beat on. Printed next to the floors:
 RSS (≤ 200 MB), average CPU over the beating window (≤ 1 core), false
 `deadline_timeout`s (0), and terminal mirror latency (≤ 1 s: from the
 simulator's terminal publish to the hub's status.json write).
@@ -35,7 +37,8 @@ from mam.shared.registry import Registry
 JOBS = int(os.environ.get("MAM_BENCH_SERVE_JOBS", "1000"))
 SIM_PROCESSES = 4
 BEAT_S = 1.0
-BEAT_WINDOW_S = 20.0  # seconds of heartbeats per job, the window CPU is averaged over
+BEAT_WINDOW_S = 20.0  # seconds every job beats; CPU is averaged over it and the ending spread
+END_SPREAD_S = float(os.environ.get("MAM_BENCH_SERVE_SPREAD_S", "10"))  # the jobs end one after another over this long
 HEARTBEAT_MISSES = 4  # the idle window K × N = 4 s: a service lagging that long closes jobs falsely
 ACK_TIMEOUT_S = 600
 FLOOR_RSS_MB, FLOOR_CPU_CORES, FLOOR_FALSE_TIMEOUTS, FLOOR_MIRROR_S = 200.0, 1.0, 0, 1.0
@@ -67,7 +70,8 @@ def test_serve_tracks_1000_beating_jobs(nats, tmp_path):
         wait_until(lambda: serve.poll() is not None or service_pid(hub) == serve.pid, what="the service up")
         assert serve.poll() is None, log_path.read_text()
         sims = [subprocess.Popen([sys.executable, str(SIM_SCRIPT), str(hub), str(k), str(SIM_PROCESSES),
-                                  str(tmp_path / f"sim{k}.json"), str(BEAT_S), str(BEAT_WINDOW_S)], env=hub_env())
+                                  str(tmp_path / f"sim{k}.json"), str(BEAT_S), str(BEAT_WINDOW_S), str(END_SPREAD_S)],
+                                 env=hub_env())
                 for k in range(SIM_PROCESSES)]
         cpu0, wall0 = proc.cpu_times(), time.monotonic()
         rss_peak = 0
@@ -87,7 +91,7 @@ def test_serve_tracks_1000_beating_jobs(nats, tmp_path):
         cores = ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (wall1 - wall0)
         rss_mb = rss_peak / BYTES_PER_MB
         p99, worst = (percentile(latencies, 99), max(latencies)) if latencies else (math.inf, math.inf)
-        print(f"\nserve with {JOBS} jobs beating every {BEAT_S:g} s ({load_note()}):\n"
+        print(f"\nserve with {JOBS} jobs beating every {BEAT_S:g} s, ending over {END_SPREAD_S:g} s ({load_note()}):\n"
               f"  RSS peak          {rss_mb:7.1f} MB   (floor <= {FLOOR_RSS_MB:g} MB)\n"
               f"  CPU average       {cores:7.2f} cores (floor <= {FLOOR_CPU_CORES:g})\n"
               f"  false timeouts    {false_timeouts:7d}      (floor {FLOOR_FALSE_TIMEOUTS})\n"

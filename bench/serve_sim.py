@@ -2,9 +2,11 @@
 share of the hub's jobs, a signed `started` (+ state), a heartbeat every
 BEAT_S (+ state) for BEAT_WINDOW_S, then `completed` (+ state), signed with
 each job's auth_token (§3.1) as a real runner does, and writes the wall time of
-each terminal publish to a JSON file.
+each terminal publish to a JSON file. The jobs end one after another over
+END_SPREAD_S (a fleet's jobs do not all end in the same millisecond); the
+others beat on meanwhile, so every terminal is mirrored under the full load.
 
-Usage: python serve_sim.py HUB_ROOT SHARD SHARDS OUT_JSON BEAT_S BEAT_WINDOW_S
+Usage: python serve_sim.py HUB_ROOT SHARD SHARDS OUT_JSON BEAT_S BEAT_WINDOW_S END_SPREAD_S
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def signed(kind: str, rec: dict[str, Any], seq: int, event: str, status: str,
     return wire.encode(crypto.sign_event(body.to_dict(), rec["auth_token"]))
 
 
-def main(hub_root: str, shard: int, shards: int, out_path: str, beat_s: float, window_s: float) -> None:
+def main(hub_root: str, shard: int, shards: int, out_path: str, beat_s: float, window_s: float,
+         spread_s: float) -> None:
     records, _ = Registry(Path(hub_root)).list()
     mine = [r for i, r in enumerate(records) if i % shards == shard]
     cfg = config.broker_config(workspace=hub_root)
@@ -51,18 +54,24 @@ def main(hub_root: str, shard: int, shards: int, out_path: str, beat_s: float, w
         for rec in mine:
             send(rec, 1, "started", "running")
         start = time.monotonic()
+        ends = {rec["job_id"]: start + window_s + spread_s * k / max(1, len(mine)) for k, rec in enumerate(mine)}
         seq = 1
-        while time.monotonic() - start < window_s:
+        beating = list(mine)
+        while beating:
             time.sleep(max(0.0, start + seq * beat_s - time.monotonic()))
             seq += 1
-            for rec in mine:
-                send(rec, seq, "progress", "running", {"heartbeat": True})
-        for rec in mine:
-            sent_at[rec["job_id"]] = time.time()
-            send(rec, seq + 1, "completed", "completed", {"exit_code": 0})
+            now = time.monotonic()
+            for rec in beating:
+                if now < ends[rec["job_id"]]:
+                    send(rec, seq, "progress", "running", {"heartbeat": True})
+                else:
+                    sent_at[rec["job_id"]] = time.time()
+                    send(rec, seq, "completed", "completed", {"exit_code": 0})
+            beating = [rec for rec in beating if rec["job_id"] not in sent_at]
         time.sleep(DRAIN_S)
     Path(out_path).write_text(json.dumps(sent_at))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5]), float(sys.argv[6]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5]), float(sys.argv[6]),
+         float(sys.argv[7]))

@@ -8,18 +8,24 @@ connection as the idle clocks see it (§14 "Broker outages are nobody's silence"
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 from mam.shared import wire
-from mam.shared.codes import TERMINAL_STATUSES, JobStatus
+from mam.shared.codes import EVENT_NAMES, TERMINAL_STATUSES, JobStatus
 from mam.shared.mqtt import MqttClient
-from mam.shared.records import Transaction, late_terminal, moved, touched, utc_now
+from mam.shared.records import JobRecord, Transaction, late_terminal, moved, touched, utc_now
+from mam.shared.registry import Registry
 
 log = logging.getLogger("mam.watch")
 
 # §14: a watch gives up (exit 3, record left open) after the broker was unreachable this
 # long, and never before a job's idle window (K × N); MAM_HUB_OUTAGE_GIVE_UP_S overrides.
 OUTAGE_GIVE_UP_S = 60.0
+# How much of an audit log's end `audit_seq` reads: far more than the lines a job
+# writes between two status changes of a restart window (a heartbeat line is ~300 bytes).
+AUDIT_TAIL_BYTES = 16 * 1024
 
 
 class BrokerLink:
@@ -91,3 +97,33 @@ def note_late_terminal(txn: Transaction, message: wire.Event | wire.State) -> No
     txn.update(new, source="remote_mirror", reason="late terminal")
     log.warning("job %s: the runner reported %s after the hub closed it %s (late_outcome)",
                 txn.job_id, new.get("late_outcome"), txn.record.get("close_reason"))
+
+
+def audit_seq(registry: Registry, record: JobRecord) -> int:
+    """The highest seq of an event of the record's current attempt in the last
+    `AUDIT_TAIL_BYTES` of its audit log, or the record's `last_seq` if higher.
+
+    The service appends progress lines without rewriting the record (docs/registry.md
+    "Durability"); a restarted service starts from here, so the first retained
+    state after its restart (§4) is not taken for a `seq_gap` (§3.2 rule 6).
+    """
+    best = int(record.get("last_seq", 0))
+    try:
+        with open(registry.audit_path(record["job_id"]), "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, size - AUDIT_TAIL_BYTES))
+            tail = handle.read(AUDIT_TAIL_BYTES)
+    except OSError:
+        return best
+    for raw in reversed(tail.split(b"\n")):  # accepted event seqs only grow: the last one is the highest
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue  # the cut first line, a torn one, or an empty one
+        if not isinstance(line, dict) or line.get("event") not in EVENT_NAMES:
+            continue
+        data, seq = line.get("data"), line.get("seq")
+        if isinstance(data, dict) and data.get("attempt_id") == record["attempt_id"] \
+                and isinstance(seq, int) and not isinstance(seq, bool):
+            return max(best, seq)
+    return best

@@ -41,7 +41,7 @@ from mam.orchestrator.hub import DAY_S
 from mam.orchestrator.logs import LogRouter, OutputView, await_chunks
 from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S, BrokerLink, mirror_state, note_late_terminal
 from mam.shared import names, wire
-from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
+from mam.shared.codes import EVENT_STATUS, TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.config import BrokerConfig, env_float
 from mam.shared.crypto import DispatchKeys
 from mam.shared.errors import BrokerError, BrokerUnavailable, ExitCode, TransitionRefused
@@ -78,6 +78,8 @@ class WatchOptions:
         ack_timeout_s: the `started` deadline; idle_timeout_s: K × N; timeout_s: wall clock.
         ack_only_before_first: the dispatch's rule (ack alone before the first event);
             a standalone watch allows ack + idle (it did not publish the dispatch).
+        lazy_progress: the service's rule (docs/registry.md "Durability"): an accepted event that
+            changes no status and skips no seq is appended without fsync, its seq kept in memory.
     """
 
     remote: bool = False
@@ -85,6 +87,7 @@ class WatchOptions:
     idle_timeout_s: float | None = None
     timeout_s: float | None = None
     ack_only_before_first: bool = False
+    lazy_progress: bool = False
 
 
 def render_event(payload: dict[str, Any], human: bool) -> str:
@@ -162,6 +165,8 @@ class Watcher:
         self.logs = LogRouter(registry, job_id=self.job_id)  # §15: the hub's copy of the output
         self.output = OutputView(self.out) if show_log else None  # ... shown under the events (human view)
         self.log_chunks: object = None  # `data.log_chunks` of the terminal event
+        # the service clears retained dispatches in bulk after a pass (`HubService.flush_clears`)
+        self.on_clear: Callable[[str], object] | None = None
 
     # ---------------------------------------------------------------- output
 
@@ -249,7 +254,11 @@ class Watcher:
         with self.registry.transaction(self.job_id) as txn:
             seen = Seen(self.highest_event, self.terminal, self.highest_any).merged(Seen.of_record(txn.record))
             verdict = accept(raw, kind=kind, job_id=self.job_id, record=txn.record, seen=seen)
-            if isinstance(verdict, Accepted) and isinstance(verdict.message, wire.Event):
+            if isinstance(verdict, Accepted) and isinstance(verdict.message, wire.Event) \
+                    and self.options.lazy_progress and verdict.gap is None \
+                    and verdict.message.event not in EVENT_STATUS:
+                self.registry.append_audit(self.job_id, verdict.message.to_dict(), durable=False)
+            elif isinstance(verdict, Accepted) and isinstance(verdict.message, wire.Event):
                 txn.store_event(verdict.message.to_dict(), source="remote_mirror", gap=verdict.gap)
             elif isinstance(verdict, Accepted) and isinstance(verdict.message, wire.State):
                 moved_to_running = mirror_state(txn, verdict.message, verdict.gap)
@@ -262,6 +271,9 @@ class Watcher:
     def _clear_dispatch(self) -> None:
         """§17: the attempt started, so its retained dispatch goes (a crashed broker
         may bring a cleared one back; the runners refuse it as `taken`)."""
+        if self.on_clear is not None:
+            self.on_clear(self.job_id)
+            return
         client = self.client
         if client is None or not client.connected.is_set():
             return

@@ -14,7 +14,8 @@ import errno
 import json
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,37 @@ def atomic_write(path: Path, data: bytes, *, what: str, error: type[MamError] = 
                 os.unlink(tmp)
 
 
+SYNC_THREADS = 16  # fsyncs issued at once by `sync_paths`: the file system commits them together
+
+
+def _fsync_path(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return  # replaced or removed since: its successor was synced by whoever wrote it
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_paths(files: Iterable[Path], *, what: str) -> None:
+    """fsync every file of `files`, many at once (the file system groups them into few
+    journal commits), then each of their folders (the renames): the group commit of
+    `Registry.group`.
+
+    Raises:
+        RegistryError: an fsync failed.
+    """
+    files = sorted(set(files))
+    try:
+        with ThreadPoolExecutor(min(SYNC_THREADS, max(1, len(files)))) as pool:
+            list(pool.map(_fsync_path, files))
+            list(pool.map(_fsync_path, sorted({path.parent for path in files})))
+    except OSError as exc:
+        raise RegistryError(f"{what}: cannot fsync ({errno_name(exc)}: {exc.strerror or exc})") from exc
+
+
 WRITE_PROBE_PREFIX = ".write-probe."
 """The probe file `check_writable` creates and removes (the pid follows)."""
 
@@ -114,9 +146,11 @@ def append_line(path: Path, obj: Mapping[str, Any], *, what: str) -> None:
     append_lines(path, [obj], what=what)
 
 
-def append_lines(path: Path, objs: Sequence[Mapping[str, Any]], *, what: str) -> None:
+def append_lines(path: Path, objs: Sequence[Mapping[str, Any]], *, what: str, sync: bool = True) -> None:
     """Append each of `objs` as one JSON line to `path` (0600) with ONE write and
-    ONE fsync (§8): a transaction's lines cost one fsync, not one each.
+    ONE fsync (§8): a transaction's lines cost one fsync, not one each. `sync=False`
+    skips the fsync (the hub's lines that change no status, docs/registry.md): the
+    line survives the process, not a power loss.
 
     A torn last line left by a crash is closed with a newline first, so the
     new lines stay readable. On failure the file is cut back to its old size.
@@ -136,7 +170,8 @@ def append_lines(path: Path, objs: Sequence[Mapping[str, Any]], *, what: str) ->
         while view:
             written = os.write(fd, view)
             view = view[written:]
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     except OSError as exc:
         if fd >= 0 and size is not None:
             with contextlib.suppress(OSError):
@@ -176,3 +211,47 @@ def read_json_object(path: str | os.PathLike[str], max_bytes: int) -> dict[str, 
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
     return obj
+
+
+def read_json_lines(path: Path, *, what: str) -> list[dict[str, Any]]:
+    """Every line of `path` as a dict, oldest first ([] when it does not exist); a line
+    that is not a JSON object (a torn write) becomes `{"event": "unreadable_line", "line": n}`.
+
+    Raises:
+        RegistryError: the file exists but cannot be read.
+    """
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise RegistryError(f"{what}: cannot read {path} ({errno_name(exc)}: {exc.strerror or exc})") from exc
+    out: list[dict[str, Any]] = []
+    for n, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            obj = None
+        out.append(obj if isinstance(obj, dict) else {"event": "unreadable_line", "line": n})
+    return out
+
+
+def move_aside(path: Path, stamp: str) -> Path:
+    """Rename a corrupt `path` to `<name>.corrupt-<stamp>` (never over an earlier copy).
+
+    Raises:
+        RegistryError: the rename failed.
+    """
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while aside.exists():
+        aside = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        n += 1
+    try:
+        os.rename(path, aside)
+    except OSError as exc:
+        raise RegistryError(f"record {path} is corrupt and cannot be moved aside "
+                            f"({errno_name(exc)}: {exc.strerror or exc})") from exc
+    return aside

@@ -23,8 +23,15 @@ from mam.shared import codes, names
 from mam.shared.codes import CLOSE_STATUS, OPEN_STATUSES, TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.config import resolve_root
 from mam.shared.errors import RegistryError, UsageError
-from mam.shared.flock import FileLock
-from mam.shared.fsio import append_line, append_lines, atomic_write, errno_name, read_capped
+from mam.shared.fsio import (
+    append_line,
+    append_lines,
+    atomic_write,
+    errno_name,
+    move_aside,
+    read_capped,
+    read_json_lines,
+)
 from mam.shared.records import (
     OPERATOR_SOURCES,
     RECORD_MAX_BYTES,
@@ -53,6 +60,7 @@ from mam.shared.records import (
     utc_now,
     validate_broker,
 )
+from mam.shared.regfiles import RegistryFiles
 
 # Names other modules import from here (kept for the runner and the tests).
 __all__ = [
@@ -66,7 +74,7 @@ log = logging.getLogger("mam.registry")
 
 # ----------------------------------------------------------------- registry
 
-class Registry:
+class Registry(RegistryFiles):
     """The job registry of one host rooted at `root` (§8).
 
     No side effects in the constructor: folders are made (0700) on the first
@@ -75,10 +83,6 @@ class Registry:
     several calls in `with registry.lock():` (the §12 barrier is written so).
     """
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root)
-        self._lock = FileLock(names.lock_path(self.root))
-
     @classmethod
     def at(cls, workspace: str | os.PathLike[str] | None = None) -> Registry:
         """The registry of the root that §8 picks (`config.resolve_root`)."""
@@ -86,47 +90,6 @@ class Registry:
 
     def __repr__(self) -> str:
         return f"Registry({str(self.root)!r})"
-
-    # -------------------------------------------------------------- paths
-
-    def record_path(self, job_id: str) -> Path:
-        """`<root>/.mam/jobs/<job_id>.json`."""
-        return names.record_path(self.root, job_id)
-
-    def logs_dir(self, job_id: str) -> Path:
-        """`<root>/.mam/logs/<job_id>`."""
-        return names.job_logs_dir(self.root, job_id)
-
-    def audit_path(self, job_id: str) -> Path:
-        """`<root>/.mam/logs/<job_id>/events.ndjson`."""
-        return self.logs_dir(job_id) / "events.ndjson"
-
-    def _ensure_dirs(self, job_id: str | None = None) -> None:
-        try:
-            folders = [names.mam_dir(self.root), names.jobs_dir(self.root)]
-            if job_id is not None:
-                folders += [self.logs_dir(job_id).parent, self.logs_dir(job_id)]
-            for folder in folders:  # one by one, so every level gets 0700, not just the last
-                folder.mkdir(mode=0o700, parents=folder == folders[0], exist_ok=True)
-        except OSError as exc:
-            raise RegistryError(f"cannot create the registry folders under {names.mam_dir(self.root)} "
-                                f"({errno_name(exc)}: {exc.strerror or exc})") from exc
-
-    # --------------------------------------------------------------- lock
-
-    @contextlib.contextmanager
-    def lock(self) -> Iterator[None]:
-        """Hold the registry lock (`fcntl.flock` on `.mam/jobs/.lock`, §8), made
-        0700 folders first. Re-entrant within one thread of one process; callers
-        may group several calls in `with registry.lock():` (the §12 barrier does).
-
-        Raises:
-            RegistryError: the folders cannot be made, or the lock file opened or locked.
-        """
-        if not self._lock.held:
-            self._ensure_dirs()
-        with self._lock.hold():
-            yield
 
     # ------------------------------------------------------------ reading
 
@@ -171,17 +134,7 @@ class Registry:
         return as_record(obj, job_id)
 
     def _quarantine(self, path: Path) -> Path:
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
-        aside = path.with_name(f"{path.name}.corrupt-{stamp}")
-        n = 1
-        while aside.exists():  # never overwrite an earlier corrupt copy
-            aside = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
-            n += 1
-        try:
-            os.rename(path, aside)
-        except OSError as exc:
-            raise RegistryError(f"record {path} is corrupt and cannot be moved aside "
-                                f"({errno_name(exc)}: {exc.strerror or exc})") from exc
+        aside = move_aside(path, datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ"))
         log.error("record %s is corrupt; kept aside as %s", path, aside.name)
         return aside
 
@@ -230,42 +183,19 @@ class Registry:
         Raises:
             RegistryError: the file exists but cannot be read.
         """
-        path = self.audit_path(job_id)
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise RegistryError(f"job {job_id}: cannot read {path} "
-                                f"({errno_name(exc)}: {exc.strerror or exc})") from exc
-        out: builtins.list[dict[str, Any]] = []
-        for n, line in enumerate(raw.split(b"\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
-                obj = None
-            out.append(obj if isinstance(obj, dict) else {"event": "unreadable_line", "line": n})
-        return out
+        return read_json_lines(self.audit_path(job_id), what=f"job {job_id}")
 
     # ------------------------------------------------------------ writing
 
     def _write(self, record: JobRecord, *, status_changed: bool = False) -> None:
         job_id = record["job_id"]
-        atomic_write(self.record_path(job_id), dumps(record), what=f"job {job_id}")
+        path = self.record_path(job_id)
+        atomic_write(path, dumps(record), what=f"job {job_id}", durable=not self._deferred(path))
         if status_changed:
             self._write_side(job_id, "status.json", {
                 "job_id": job_id, "status": record["status"], "attempt_id": record["attempt_id"],
                 "transition_seq": record["transition_seq"], "close_reason": record.get("close_reason"),
                 "exit_code": record.get("exit_code"), "updated_at": record["updated_at"]})
-
-    def _write_side(self, job_id: str, name: str, obj: dict[str, Any]) -> None:
-        # meta/status are views of the record; the record is the truth, so a failure here only warns
-        try:
-            atomic_write(self.logs_dir(job_id) / name, dumps(obj), what=f"job {job_id}", durable=False)
-        except RegistryError as exc:
-            log.warning("%s", exc)
 
     def _write_meta(self, record: JobRecord) -> None:
         meta: dict[str, Any] = {k: record.get(k) for k in ("job_id", "session", "agent_session", "role",
@@ -273,10 +203,11 @@ class Registry:
         meta["contract"] = Contract.of_record(record).to_dict()
         self._write_side(record["job_id"], "meta.json", meta)
 
-    def append_audit(self, job_id: str, obj: Mapping[str, Any]) -> None:
+    def append_audit(self, job_id: str, obj: Mapping[str, Any], *, durable: bool = True) -> None:
         """Append `obj` (a JSON object; a `timestamp` is added if missing) as
         one fsynced line to the job's `events.ndjson` (§8), under the lock.
-        Used for `seq_gap` lines and refusals.
+        Used for `seq_gap` lines and refusals; `durable=False` (no fsync) only for
+        the hub service's lines that change no status (docs/registry.md "Durability").
 
         Raises:
             UsageError: bad job id. RegistryError: the append failed.
@@ -286,7 +217,7 @@ class Registry:
         line.setdefault("timestamp", utc_now())
         with self.lock():
             self._ensure_dirs(job_id)
-            append_line(self.audit_path(job_id), line, what=f"job {job_id}")
+            append_lines(self.audit_path(job_id), [line], what=f"job {job_id}", sync=durable)
 
     def _create(self, record: JobRecord, source: str, event: str) -> None:
         job_id = record["job_id"]
@@ -316,8 +247,9 @@ class Registry:
             if new.get("exit_code") is not None:
                 status_line["exit_code"] = new["exit_code"]
             lines.append(status_line)
-        if lines:  # one write, one fsync for the whole transaction
-            append_lines(self.audit_path(job_id), lines, what=f"job {job_id}")
+        if lines:  # one write, one fsync for the whole transaction (or the group's)
+            audit = self.audit_path(job_id)
+            append_lines(audit, lines, what=f"job {job_id}", sync=not self._deferred(audit))
         self._write(new, status_changed=changed)
 
     @contextlib.contextmanager
@@ -335,7 +267,8 @@ class Registry:
                 self._commit(txn.record, txn.new, source=txn.source, reason=txn.reason, extra_lines=txn.lines)
             elif txn.lines:
                 self._ensure_dirs(job_id)
-                append_lines(self.audit_path(job_id), txn.lines, what=f"job {job_id}")
+                audit = self.audit_path(job_id)
+                append_lines(audit, txn.lines, what=f"job {job_id}", sync=not self._deferred(audit))
 
     # ------------------------------------------------------------ creating
 

@@ -1,0 +1,157 @@
+"""The hub service at scale (PROTOCOL §14 "One hub process", §8, §10; issue 11
+"Speed and scale"): what the service makes durable and when (docs/registry.md
+"Durability"), and that a message it received but has not judged yet keeps its
+job from being closed (§14 "nobody's silence"). No broker: the service's parts
+are driven directly."""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import pytest
+from harness.workspace import TEST_SECRET
+
+from mam.orchestrator.hub import open_hub
+from mam.orchestrator.mirror import audit_seq
+from mam.orchestrator.service import HubService
+from mam.orchestrator.watch import Watcher, WatchOptions
+from mam.shared import crypto, names, wire
+from mam.shared.config import BrokerConfig, write_env_file
+from mam.shared.mqtt import Message
+from mam.shared.registry import Contract, Registry
+
+KEYS = crypto.derive_keys(TEST_SECRET)
+TS = "2026-06-20T14:49:30Z"
+SERVICE = WatchOptions(remote=True, ack_only_before_first=True, lazy_progress=True)
+IDLE_PAST_S = 60.0  # far past any idle window of these tests
+
+
+class RecordingClient:
+    """The slice of `MqttClient` the hub uses: publish, messages, connected."""
+
+    def __init__(self) -> None:
+        self.config = BrokerConfig()
+        self.messages: queue.Queue[Message] = queue.Queue()
+        self.connected = threading.Event()
+        self.connected.set()
+        self.published: list[tuple[str, bytes, bool]] = []
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        self.published.append((topic, payload, retain))
+
+
+def signed(record: Any, kind: str, seq: int, event: str, status: str = "running",
+           data: dict[str, Any] | None = None) -> bytes:
+    """One signed event or state of `record`'s current attempt (§3.1, §4)."""
+    ident = {"attempt_id": record["attempt_id"], "dispatch_token": record["dispatch_token"]}
+    body: dict[str, Any] = {"schema_version": 1, "seq": seq, "job_id": record["job_id"], "timestamp": TS,
+                            "detail": "", "data": {**ident, **(data or {})}}
+    if kind == "event":
+        body["event"] = event
+    else:
+        body.update({"event": "state", "status": status, "last_event": event})
+    return wire.encode(crypto.sign_event(body, record["auth_token"]))
+
+
+def topic(record: Any, kind: str) -> str:
+    job_id, root = record["job_id"], BrokerConfig().topic_root
+    return names.events_topic(job_id, root) if kind == "event" else names.state_topic(job_id, root)
+
+
+@pytest.fixture
+def counted_fsyncs(monkeypatch):
+    calls: list[int] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    return calls
+
+
+def test_s14_service_progress_is_appended_without_fsync_and_status_changes_stay_durable(tmp_path, counted_fsyncs):
+    reg = Registry(tmp_path)
+    record = reg.register(session="gpu-box", contract=Contract(heartbeat_sec=1, heartbeat_misses=2))
+    watcher = Watcher(reg, record["job_id"], client=RecordingClient(), keys=KEYS, out=io.StringIO(), options=SERVICE)
+    watcher.start_clocks(time.monotonic(), record)
+    assert watcher.handle(topic(record, "event"), signed(record, "event", 1, "started"))
+    assert counted_fsyncs, "a status change (started) is fsynced"
+    counted_fsyncs.clear()
+    before = os.stat(reg.record_path(record["job_id"])).st_mtime_ns
+    for seq in (2, 3):
+        assert watcher.handle(topic(record, "event"), signed(record, "event", seq, "progress",
+                                                               data={"heartbeat": True}))
+        watcher.handle(topic(record, "state"), signed(record, "state", seq, "progress"))
+    assert counted_fsyncs == []  # heartbeats: no fsync, no record rewrite
+    assert os.stat(reg.record_path(record["job_id"])).st_mtime_ns == before
+    assert [line["seq"] for line in reg.audit(record["job_id"]) if line.get("event") == "progress"] == [2, 3]
+    assert not watcher.handle(topic(record, "event"), signed(record, "event", 3, "progress"))  # duplicate: memory
+    assert watcher.refusals == ["duplicate"]
+    assert watcher.handle(topic(record, "event"), signed(record, "event", 4, "completed", data={"exit_code": 0}))
+    after = reg.get(record["job_id"])
+    assert after["status"] == "completed" and after["last_seq"] == 4 and counted_fsyncs
+
+
+def test_s14_a_restarted_service_takes_the_lazy_seqs_from_the_audit_log_no_false_gap(tmp_path):
+    reg = Registry(tmp_path)
+    record = reg.register(session="gpu-box", contract=Contract(heartbeat_sec=1, heartbeat_misses=2))
+    first = Watcher(reg, record["job_id"], client=RecordingClient(), keys=KEYS, out=io.StringIO(), options=SERVICE)
+    first.start_clocks(time.monotonic(), record)
+    first.handle(topic(record, "event"), signed(record, "event", 1, "started"))
+    for seq in range(2, 6):
+        first.handle(topic(record, "event"), signed(record, "event", seq, "progress", data={"heartbeat": True}))
+    assert reg.get(record["job_id"])["last_seq"] == 1  # the record still says started
+    assert audit_seq(reg, reg.get(record["job_id"])) == 5
+    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
+    service = HubService(open_hub(tmp_path))  # the restart: a new process, the same registry
+    service.client = RecordingClient()  # type: ignore[assignment]
+    service.scan(time.monotonic())
+    service.on_message(topic(record, "state"), signed(record, "state", 5, "progress"), time.monotonic())
+    service.on_message(topic(record, "event"), signed(record, "event", 5, "progress"), time.monotonic())
+    audit = reg.audit(record["job_id"])
+    assert not [line for line in audit if line.get("event") == "seq_gap"]  # no false gap after the restart
+    assert [line["seq"] for line in audit if line.get("event") == "progress"] == [2, 3, 4, 5]  # 5 not twice
+
+
+def test_s14_a_received_unjudged_message_keeps_its_job_open_while_the_service_is_behind(tmp_path):
+    reg = Registry(tmp_path)
+    record = reg.register(session="gpu-box", contract=Contract(heartbeat_sec=1, heartbeat_misses=2))
+    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
+    service = HubService(open_hub(tmp_path))
+    client = service.client = RecordingClient()  # type: ignore[assignment]
+    now = time.monotonic()
+    service.scan(now)
+    service.on_message(topic(record, "event"), signed(record, "event", 1, "started"), now)
+    client.messages.put(Message(topic(record, "event"), signed(record, "event", 2, "progress"), False))
+    service.receive(client)  # the loop's tick: everything received so far is counted per job
+    service.tick(now + IDLE_PAST_S, None)  # the service fell far behind: its clocks are late
+    assert reg.get(record["job_id"])["status"] == "running"  # the job spoke: not closed
+    message = service.next_message(client, 0.0)
+    assert message is not None and not service.unjudged
+    service.on_message(message.topic, message.payload, time.monotonic())
+    service.tick(time.monotonic(), None)
+    assert reg.get(record["job_id"])["status"] == "running"
+    service.tick(time.monotonic() + IDLE_PAST_S, None)  # and real silence still closes it (§10)
+    assert reg.get(record["job_id"])["close_reason"] == "deadline_timeout"
+
+
+def test_s8_a_registry_group_fsyncs_its_files_together_at_its_end(tmp_path, counted_fsyncs):
+    reg = Registry(tmp_path)
+    records = [reg.register(session="gpu-box") for _ in range(3)]
+    counted_fsyncs.clear()
+    with reg.group():
+        for record in records:
+            with reg.transaction(record["job_id"]) as txn:
+                txn.store_event({"event": "started", "seq": 1, "job_id": record["job_id"], "timestamp": TS,
+                                 "data": {}}, source="remote_mirror")
+            assert reg.get(record["job_id"])["status"] == "running"  # readers see it at once
+        assert counted_fsyncs == []  # nothing fsynced inside the group
+    # at its end: every record and audit log, then their folders (jobs/ and each logs/<id>/)
+    assert len(counted_fsyncs) == 2 * len(records) + 1 + len(records)
+    assert all(reg.get(record["job_id"])["status"] == "running" for record in records)
