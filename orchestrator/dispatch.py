@@ -351,6 +351,7 @@ def follow_queued(registry: Registry, record: JobRecord, keys: DispatchKeys, cli
             send_dispatch(registry, placed, keys, client)
         session, runner_id = placed["session"], feed.runner_id(placed["session"])
         watcher.runner_lost = lambda: feed.lost(session, runner_id)
+        watcher.on_other = lambda topic, raw: _presence_while_running(feed, topic, raw, session, job_id)
         print(f"{verb} job {job_id} to {session} (attempt {placed['attempt_id']})", file=sys.stderr, flush=True)
         if detach:
             print_started(registry.get(job_id), as_json, verb)
@@ -372,6 +373,15 @@ def follow_queued(registry: Registry, record: JobRecord, keys: DispatchKeys, cli
               f"{retry.get('retried')} of {retry.get('retries')}: attempt {retry['attempt_id']} queued",
               file=sys.stderr, flush=True)
         record = retry
+
+
+def _presence_while_running(feed: PresenceFeed, topic: str, raw: bytes, session: str, job_id: str) -> None:
+    """A presence while the attempt is out: the fleet (§14 runner_lost), and a refusal of
+    this job's dispatch the runner tells in its presence, said once (issue 11 item 6)."""
+    feed.handle(topic, raw)
+    line = feed.refusal(session, job_id)
+    if line is not None:
+        print(f"WARNING: {line}", file=sys.stderr, flush=True)
 
 
 def _labels_online(client: MqttClient, keys: DispatchKeys, labels: tuple[str, ...]) -> bool:

@@ -33,6 +33,8 @@ class RunnerView:
         max_jobs: its slot count; running: the job ids it runs.
         verified: the presence signature verifies with this hub's sign key (§5).
         seen_at: when the hub received that presence (monotonic s).
+        last_refusal: (job_id, "reason: detail") of the last dispatch it refused, from its
+            presence (issue 11 item 6), or None.
     """
 
     session: str
@@ -43,6 +45,7 @@ class RunnerView:
     running: frozenset[str]
     verified: bool
     seen_at: float
+    last_refusal: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)

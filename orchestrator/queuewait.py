@@ -166,7 +166,17 @@ class PresenceFeed:
         self.keys = keys
         self.topic_root = topic_root
         self.roster_root = roster_root
+        self._told: set[str] = set()  # job ids whose refusal was said
         self.fleet = Fleet()
+
+    def refusal(self, session: str, job_id: str) -> str | None:
+        """The line saying that runner `session` refused `job_id`'s dispatch, from its verified
+        presence (`last_refusal`, issue 11 item 6), the first time only; else None."""
+        view = self.fleet.view(session)
+        if view is None or view.last_refusal is None or view.last_refusal[0] != job_id or job_id in self._told:
+            return None
+        self._told.add(job_id)
+        return f"runner {session} refused the dispatch of job {job_id}: {view.last_refusal[1]}"
 
     def subscribe(self, client: MqttClient) -> None:
         """Subscribe to `ROOT/runners/+`.

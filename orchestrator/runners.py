@@ -50,6 +50,7 @@ READ_PRESENCE_QUIET_S = 1.0  # one session: its retained presence comes at once,
 STALE = "stale"
 
 log = logging.getLogger("mam.runners")
+REFUSAL_SHOWN_CHARS = 240  # a runner's refusal line, as the hub shows it
 
 Row = dict[str, Any]
 
@@ -110,7 +111,21 @@ def presence_view(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str, r
     return RunnerView(session=presence.session, runner_id=presence.runner_id, status=presence.status,
                       labels=frozenset(presence.labels or ()), max_jobs=presence.max_jobs,
                       running=frozenset(presence.running), verified=verified,
-                      seen_at=received_at - max(0.0, _presence_age_s(presence.timestamp)))
+                      seen_at=received_at - max(0.0, _presence_age_s(presence.timestamp)),
+                      last_refusal=last_refusal(presence) if verified else None)
+
+
+def last_refusal(presence: wire.Presence) -> tuple[str, str] | None:
+    """The runner's `last_refusal` extra field (§14: unknown presence fields are ignored by
+    hubs that do not know it) as (job_id, "reason: detail"); None when absent or malformed."""
+    value = (presence.extras or {}).get("last_refusal")
+    if not isinstance(value, dict):
+        return None
+    job_id, reason, detail = value.get("job_id"), value.get("reason"), value.get("detail", "")
+    if not (isinstance(job_id, str) and names.JOB_ID_RE.fullmatch(job_id) and isinstance(reason, str)
+            and isinstance(detail, str)):
+        return None
+    return job_id, render.printable(f"{reason}: {detail}"[:REFUSAL_SHOWN_CHARS])
 
 
 def _presence_age_s(timestamp: str) -> float:

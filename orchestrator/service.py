@@ -291,6 +291,12 @@ class HubService:
     def on_presence(self, session: str, raw: bytes, now: float) -> None:
         """A runner's presence (§7): update the fleet, then publish what the queue allows (§14)."""
         self.feed.handle(names.presence_topic(session, self.config.topic_root), raw)
+        view = self.fleet.view(session)
+        refused = view.last_refusal[0] if view is not None and view.last_refusal is not None else None
+        if refused in self.watchers:
+            line = self.feed.refusal(session, refused)
+            if line is not None:
+                log.warning("%s", line)
         self.plan(now)
 
     # ------------------------------------------------------------ the queue

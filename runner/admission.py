@@ -46,6 +46,9 @@ class RefuseReason(StrEnum):
 # authentic, and will never become takeable. A forged or broken one leaves the kept one alone.
 _FORGETTING = frozenset({RefuseReason.HUB_RECORD, RefuseReason.EXPIRED, RefuseReason.REPLAYED,
                          RefuseReason.CANCELLED, RefuseReason.TAKEN})
+# Refusals of a dispatch whose signature verified go into presence (`last_refusal`, §14): a
+# forged or malformed one does not, so nobody can make a runner republish at will.
+TOLD_REFUSALS = _FORGETTING | {RefuseReason.SEAL}
 
 
 @dataclass(frozen=True)
@@ -273,6 +276,6 @@ class Tombstones:
         return len(self._attempts)
 
 
-__all__ = ["MAX_CANCEL_TOMBSTONES", "Ignore", "Refuse", "RefuseReason", "RunnerState", "Take", "Tombstones",
-           "Verdict", "Wait", "admit_dispatch", "check_control", "check_taken", "hub_registry_message",
+__all__ = ["MAX_CANCEL_TOMBSTONES", "TOLD_REFUSALS", "Ignore", "Refuse", "RefuseReason", "RunnerState", "Take",
+           "Tombstones", "Verdict", "Wait", "admit_dispatch", "check_control", "check_taken", "hub_registry_message",
            "waiting_attempt"]

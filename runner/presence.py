@@ -26,6 +26,7 @@ from mam.shared.mqtt import QOS_AT_LEAST_ONCE
 from mam.shared.transport import Transport, Will
 
 log = logging.getLogger("mam.daemon")
+REFUSAL_DETAIL_CHARS = 200  # the refusal line carried in presence, cut to this length
 
 HOST_MAX_CHARS = 255
 """Longest `host` in a presence (§7)."""
@@ -64,6 +65,12 @@ class Presence:
         self.published_at = 0.0
         self.replaced = False
         self.status = ""
+        self.last_refusal: dict[str, str] | None = None  # issue 11 item 6: the hub can say why
+
+    def note_refusal(self, job_id: str, reason: str, detail: str) -> None:
+        """Remember the last dispatch refused (§5) so the next presence tells the hub
+        (`last_refusal: {job_id, reason, detail}`, signed with the presence, §14)."""
+        self.last_refusal = {"job_id": job_id, "reason": reason, "detail": detail[:REFUSAL_DETAIL_CHARS]}
 
     def payload(self, status: str, running: Sequence[str]) -> bytes:
         """The signed presence message (§7) with `running` (job ids, sorted)."""
@@ -71,7 +78,10 @@ class Presence:
                                        host=(socket.gethostname() or "unknown")[:HOST_MAX_CHARS],
                                        version=__version__, max_jobs=self.max_jobs, running=list(running),
                                        labels=self.labels)
-        return wire.encode(trust.sign_presence(presence.to_dict(), self.keys, self.v2))
+        message = presence.to_dict()
+        if self.last_refusal is not None:  # an extra field: hubs that do not know it ignore it (§14)
+            message["last_refusal"] = self.last_refusal
+        return wire.encode(trust.sign_presence(message, self.keys, self.v2))
 
     def will(self) -> Will:
         """The Last Will: a signed, retained `offline`, pre-signed at connect (§7)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 from mam.runner import orphans, publish, trust
 from mam.runner.admission import (
+    TOLD_REFUSALS,
     Ignore,
     Refuse,
     RefuseReason,
@@ -55,13 +56,11 @@ from mam.shared.transport import Received, Transport, TransportFactory, Will
 
 log = logging.getLogger("mam.daemon")
 
-MESSAGE_WAIT_S = 0.1
-"""Longest wait for a message before the next `on_tick`."""
+MESSAGE_WAIT_S = 0.1  # longest wait for a message before the next `on_tick`
 SHUTDOWN_REASON = "runner_shutdown"
 TAKEN_CHECK_WAIT_S = 2.0
-"""Longest wait for each of the SUBACK and UNSUBACK of a job's state topic read before a take
-(§17); on a healthy broker each answer takes one round trip, so a take waits this only when
-the broker does not answer (the dispatch then stays retained)."""
+"""Longest wait for each SUBACK/UNSUBACK of the state read before a take (§17); only a broker that
+does not answer makes a take wait this (the dispatch then stays retained)."""
 
 SignalHandler = Callable[[int, FrameType | None], Any] | int | None
 
@@ -336,6 +335,13 @@ class Runner:
     def _closing_once(self) -> bool:
         return self.options.once and self._taken > 0
 
+    def _refused(self, job_id: str, reason: str, text: str, *, tell: bool, level: int = logging.WARNING) -> None:
+        """Log a refused dispatch (§5); with `tell`, carry it in a presence published now (§14)."""
+        log.log(level, "refused dispatch %s: %s", job_id, text)
+        if tell:
+            self.presence.note_refusal(job_id, reason, text)
+            self._publish_presence()
+
     def _publish_presence(self, status: str | None = None) -> None:
         """Publish the retained presence; status None = what the daemon is now."""
         assert self.client is not None
@@ -392,8 +398,8 @@ class Runner:
                                   attempt_id=dispatch.attempt_id, dispatch_token=dispatch.dispatch_token,
                                   auth_token=take.auth_token, contract=contract, origin=dispatch.origin,
                                   source="runner")
-        except Refusal as exc:
-            log.warning("refused dispatch %s: %s", dispatch.job_id, f"{exc.reason}: {exc}")
+        except Refusal as exc:  # the registry's §8 rules: the dispatch itself verified
+            self._refused(dispatch.job_id, str(exc.reason), f"{exc.reason}: {exc}", tell=True)
             return
         job = Job(job_id=dispatch.job_id, attempt_id=dispatch.attempt_id, dispatch_token=dispatch.dispatch_token,
                   brief=take.brief, heartbeat_s=contract.heartbeat_sec, timeout_s=contract.timeout_sec)
@@ -465,8 +471,8 @@ class Runner:
                      self.options.max_jobs)
             self._pending[topic] = payload
         elif isinstance(verdict, Refuse):
-            level = logging.ERROR if verdict.reason is RefuseReason.HUB_RECORD else logging.WARNING
-            log.log(level, "refused dispatch %s: %s", verdict.job_id, verdict.text)
+            self._refused(verdict.job_id, verdict.reason, verdict.text, tell=verdict.reason in TOLD_REFUSALS,
+                          level=logging.ERROR if verdict.reason is RefuseReason.HUB_RECORD else logging.WARNING)
             if verdict.forget:
                 self._pending.pop(topic, None)
         else:
@@ -578,10 +584,8 @@ class Runner:
 
 def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None, max_jobs: int,
             once: bool, replace: bool, labels: str | None = None) -> int:
-    """`mam-runner run`: validate, resolve config and keys, serve.
+    """`mam-runner run`: validate, resolve config and keys, serve; returns the exit code (0 clean exit).
 
-    Returns:
-        the exit code (0 clean exit).
     Raises:
         UsageError / ConfigError (exit 64), EnvFileError (1), RegistryError (1: the workspace's
         `.mam/` cannot be written), BrokerUnavailable (3).

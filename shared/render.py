@@ -20,12 +20,14 @@ JOB_COLUMNS = (("JOB", "job_id"), ("STATUS", "status"), ("SESSION", "session"), 
                ("EXIT", "exit_code"), ("LATE", "late_outcome"), ("UPDATED", "updated_at"))
 
 
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    text = str(value)
-    # a record edited by hand must not inject terminal control sequences
+def printable(text: str) -> str:
+    """`text` with every non-printable character as `?`: what a record edited by hand or a
+    remote peer sent must not inject terminal control sequences."""
     return "".join(c if c.isprintable() else "?" for c in text)
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else printable(str(value))
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:

@@ -271,3 +271,20 @@ def test_s14_no_runner_has_the_labels_warning_then_queue_timeout_exit_2(broker, 
     trail = Registry(hub).audit(record["job_id"])
     assert [(line["from"], line["to"], line["source"]) for line in trail if line["event"] == "status_changed"] == [
         ("queued", "error", "hub_queue")]
+
+
+@pytest.mark.timeout(180)
+def test_s14_item6_a_runner_refusal_is_said_on_the_hub(nats_broker, tmp_path):
+    """Issue 11 item 6: a runner that refuses an authentic dispatch says so in its signed
+    presence (`last_refusal`), and the waiting `dispatch` prints it in one line. Here the
+    runner was started in the hub's own workspace, so it refuses as `hub_record` (§5)."""
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner = runnersim.start_runner(nats_broker, hub, "same-ws")
+    try:
+        code, err = finish(dispatch(hub, "--session", "same-ws", "--brief", "true", "--ack-timeout", "3"))
+    finally:
+        runner.terminate()
+        runner.wait(timeout=PATIENCE_S)
+    said = [line for line in err.splitlines() if "refused the dispatch" in line]
+    assert len(said) == 1 and "runner same-ws" in said[0] and "hub_record" in said[0], err
+    assert code == 1, err  # then the ack clock closes it agent_blocked, as before
