@@ -33,6 +33,7 @@ class RunnerView:
         max_jobs: its slot count; running: the job ids it runs.
         verified: the presence signature verifies with this hub's sign key (§5).
         seen_at: when the hub received that presence (monotonic s).
+        host, version: what the presence says of the runner's machine and software (for views).
     """
 
     session: str
@@ -43,6 +44,8 @@ class RunnerView:
     running: frozenset[str]
     verified: bool
     seen_at: float
+    host: str = ""
+    version: str = ""
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,8 @@ def presence_view(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str, r
     return RunnerView(session=presence.session, runner_id=presence.runner_id, status=presence.status,
                       labels=frozenset(presence.labels or ()), max_jobs=presence.max_jobs,
                       running=frozenset(presence.running), verified=verified,
-                      seen_at=received_at - max(0.0, _presence_age_s(presence.timestamp)))
+                      seen_at=received_at - max(0.0, _presence_age_s(presence.timestamp)),
+                      host=presence.host, version=presence.version)
 
 
 def _presence_age_s(timestamp: str) -> float:

@@ -23,7 +23,7 @@ from mam.shared.render import cli_jobs, cli_show
 try:  # typer >= 0.2x vendors click; older versions depend on it
     from typer._click.exceptions import ClickException
 except ImportError:  # pragma: no cover
-    from click.exceptions import ClickException  # type: ignore[import-not-found, no-redef]  # typer < 0.2x only
+    from click.exceptions import ClickException  # type: ignore[import-not-found, no-redef, assignment, unused-ignore]  # typer < 0.2x only; click may be there for uvicorn
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEFAULT_LOG_LEVEL = "INFO"
