@@ -14,7 +14,7 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q -e '.[test,docker]'
 	touch $(STAMP)
 
-# Debian packages the broker and multi-host tests use. Installed only when
+# Debian packages the broker, multi-host and dashboard (browser) tests use. Installed only when
 # running as root with apt-get; elsewhere those tests skip and say why.
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -22,6 +22,7 @@ system-deps:
 	  command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ] || missing="$$missing mosquitto"; \
 	  command -v ip >/dev/null || missing="$$missing iproute2"; \
 	  command -v iptables >/dev/null || missing="$$missing iptables"; \
+	  [ -x /usr/bin/chromium ] || missing="$$missing chromium"; \
 	  if [ -n "$$missing" ]; then \
 	    echo "installing Debian packages:$$missing"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
