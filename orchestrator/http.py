@@ -53,6 +53,7 @@ from mam.shared.records import JobNotFound
 log = logging.getLogger("mam.http")
 
 TOKEN_ENV = "MAM_API_TOKEN"
+BEARER = "Bearer "
 DEFAULT_BIND = "127.0.0.1:8765"
 MAX_BODY_BYTES = 1024 * 1024  # a request body larger than this is refused 413 (a brief is at most 512 KiB)
 FEED_POLL_S = 0.25  # the live feed looks for changes this often (the dashboard updates within 1 s)
@@ -60,7 +61,9 @@ SSE_KEEPALIVE_S = 15.0  # an idle event stream gets a comment line this often
 SSE_RETRY_MS = 1000  # how soon a browser reconnects a dropped event stream
 SSE_QUEUE_MAX = 1000  # messages buffered per stream client; a client this far behind is dropped
 START_TIMEOUT_S = 10.0  # how long uvicorn may take to bind
-STOP_GRACE_S = 1.0  # open streams get this long to end at shutdown
+STOP_GRACE_S = 1  # open streams get this long (s) to end at shutdown
+START_POLL_S = 0.02  # how often start() looks whether uvicorn listens
+MAX_PORT = 65535
 STATIC = Path(__file__).resolve().parent / "static"
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -73,7 +76,7 @@ def parse_bind(text: str) -> tuple[str, int]:
     """
     host, sep, port = text.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= MAX_PORT:
         raise UsageError(f"--http {text!r} is invalid: expected HOST:PORT, e.g. {DEFAULT_BIND}")
     return host, int(port)
 
@@ -122,7 +125,8 @@ class Api:
         self.service = service
         self.token = token
         self.metrics = HubMetrics(service)
-        self.feed = LiveFeed(service, on_finish=self.metrics.finished, on_event=self.metrics.event)
+        self.feed = LiveFeed(service, on_finish=self.metrics.finished, on_event=self.metrics.event,
+                             on_unqueued=self.metrics.unqueued)
         self.clients: set[asyncio.Queue[dict[str, Any] | None]] = set()
         self.closing = threading.Event()
 
@@ -132,7 +136,7 @@ class Api:
         if self.token is None:
             return True
         given = request.headers.get("authorization", "")
-        given = given[len("Bearer "):] if given.startswith("Bearer ") else ""
+        given = given.removeprefix(BEARER) if given.startswith(BEARER) else ""
         if not given and query:
             given = request.query_params.get("token", "")
         return hmac.compare_digest(given.encode(), self.token.encode())
@@ -331,7 +335,7 @@ class HttpServer:
         self.token = api_token(self.host)
         self.app = create_app(service, self.token)
         config = uvicorn.Config(self.app, host=self.host, port=self.port, log_config=None, access_log=False,
-                                lifespan="on", timeout_graceful_shutdown=int(STOP_GRACE_S) or 1,
+                                lifespan="on", timeout_graceful_shutdown=STOP_GRACE_S,
                                 log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread: threading.Thread | None = None
@@ -351,7 +355,7 @@ class HttpServer:
         self.thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(FEED_POLL_S / 10)
+            time.sleep(START_POLL_S)
         if not self.server.started:
             self.server.should_exit = True
             raise UsageError(f"--http {self.host}:{self.port}: cannot listen there (in use, or not an address "

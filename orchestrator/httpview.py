@@ -23,7 +23,7 @@ from mam.orchestrator.follow import AuditTail, is_event_line
 from mam.orchestrator.runners import PRESENCE_STALE_S, STALE
 from mam.orchestrator.service import HubService
 from mam.shared import names
-from mam.shared.codes import TERMINAL_STATUSES, PresenceStatus
+from mam.shared.codes import TERMINAL_STATUSES, JobStatus, PresenceStatus
 from mam.shared.errors import MamError
 from mam.shared.records import RECORD_NAME_RE, JobRecord, describe_target, redact
 
@@ -137,6 +137,7 @@ class _Tracked:
     audit: AuditTail
     log_offset: int = 0
     attempt: int = 1
+    unqueued: int = 0  # the last attempt seen out of the queue
 
 
 @dataclass
@@ -145,12 +146,14 @@ class LiveFeed:
 
     Jobs present at the first poll are shown from then on (their past is in the
     REST views); jobs seen later from their start. `on_finish(row)` is called
-    once per job seen going terminal, `on_event(line)` per accepted event (metrics).
+    once per job seen going terminal, `on_event(line, record)` per accepted event and
+    `on_unqueued(record)` per attempt seen leaving the queue (metrics).
     """
 
     service: HubService
     on_finish: Callable[[Row], None] | None = None
-    on_event: Callable[[Row], None] | None = None
+    on_event: Callable[[Row, JobRecord], None] | None = None
+    on_unqueued: Callable[[JobRecord], None] | None = None
     jobs: dict[str, _Tracked] = field(default_factory=dict)
     log_bytes: int = 0  # agent output read by the feed since it started (metrics)
     _runners_key: object = None
@@ -209,17 +212,18 @@ class LiveFeed:
             if not self._started:  # present at start: from now on
                 tail.read()
                 tracked.log_offset = self._log_size(job_id, record["attempt_id"])
+                tracked.unqueued = record["attempt_id"]
             self.jobs[job_id] = tracked
         last_event = tracked.row.get("last_event")
         for line in tracked.audit.read():
             if is_event_line(line, job_id):
                 last_event = str(line.get("event"))
                 if self.on_event is not None:
-                    self.on_event(line)
+                    self.on_event(line, record)
                 out.append({"type": "event", "job_id": job_id, "event": redact(line)})
         if record["attempt_id"] != tracked.attempt:
             tracked.attempt, tracked.log_offset = record["attempt_id"], 0
-        self._poll_log(job_id, tracked, out)
+        self._poll_log(job_id, tracked, out, final=record["status"] in TERMINAL_STATUSES)
         row = job_row(record, last_event)
         changed = {k: v for k, v in row.items() if k != "duration_s"} != {
             k: v for k, v in tracked.row.items() if k != "duration_s"}
@@ -227,6 +231,10 @@ class LiveFeed:
         tracked.mtime, tracked.row = mtime, row
         if changed:
             out.append({"type": "job", "job": row})
+            if tracked.unqueued != record["attempt_id"] and row["status"] != JobStatus.QUEUED:
+                tracked.unqueued = record["attempt_id"]
+                if self.on_unqueued is not None:
+                    self.on_unqueued(record)
             if self._started and was_open and row["status"] in TERMINAL_STATUSES and self.on_finish is not None:
                 self.on_finish(row)
 
@@ -236,7 +244,7 @@ class LiveFeed:
         except OSError:
             return 0
 
-    def _poll_log(self, job_id: str, tracked: _Tracked, out: list[Row]) -> None:
+    def _poll_log(self, job_id: str, tracked: _Tracked, out: list[Row], *, final: bool) -> None:
         path = names.hub_agent_log_path(self.service.registry.root, job_id, tracked.attempt)
         try:
             with open(path, "rb") as file:
@@ -246,7 +254,7 @@ class LiveFeed:
             return
         if not data:
             return
-        cut = data.rfind(b"\n") + 1 if len(data) < LOG_CHUNK_MAX_BYTES else len(data)
+        cut = data.rfind(b"\n") + 1 if len(data) < LOG_CHUNK_MAX_BYTES and not final else len(data)
         if cut == 0:
             return  # a partial line: wait for its end (or for LOG_CHUNK_MAX_BYTES of it)
         data = data[:cut]

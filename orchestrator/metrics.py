@@ -22,15 +22,16 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mam.orchestrator.httpview import Row, runner_rows
+from mam.orchestrator.httpview import Row, iso_epoch, runner_rows
 from mam.orchestrator.service import HubService
 from mam.shared import names
 from mam.shared.codes import JobStatus, PresenceStatus
-from mam.shared.records import RECORD_NAME_RE
+from mam.shared.records import RECORD_NAME_RE, JobRecord
 
 NO_REASON = "none"  # the close_reason label of a job its runner ended (no hub close)
 RUNNER_STATUSES = (PresenceStatus.ONLINE, PresenceStatus.DRAINING, PresenceStatus.OFFLINE, "stale", "unverified")
 DURATION_BUCKETS_S = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
+WAIT_BUCKETS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0, 6 * 3600.0)
 AGENT_LOG_PREFIX = "agent."
 
 
@@ -130,13 +131,27 @@ class HubMetrics:
         self.registry.register(HubCollector(service, self.events))
         self.duration = Histogram("mam_job_duration_seconds", "Job duration, creation to end",
                                   labelnames=["outcome"], buckets=DURATION_BUCKETS_S, registry=self.registry)
+        self.queue_wait = Histogram("mam_queue_wait_seconds", "Queued to dispatch published (1 s resolution)",
+                                    buckets=WAIT_BUCKETS_S, registry=self.registry)
+        self.start_latency = Histogram("mam_dispatch_started_seconds",
+                                       "Dispatch published to the runner's started (1 s resolution, two clocks)",
+                                       buckets=WAIT_BUCKETS_S, registry=self.registry)
 
     def finished(self, row: Row) -> None:
         """A job went terminal while the service watched (the live feed's `on_finish`)."""
         if row.get("duration_s") is not None:
             self.duration.labels(outcome=row["status"]).observe(float(row["duration_s"]))
 
-    def event(self, line: Row) -> None:
+    def event(self, line: Row, record: JobRecord) -> None:
         """An accepted event line of the audit log (the live feed)."""
         self.events[str(line.get("event"))] += 1
+        published, started = iso_epoch(record.get("attempt_created_at")), iso_epoch(line.get("timestamp"))
+        if line.get("event") == "started" and published is not None and started is not None:
+            self.start_latency.observe(max(0.0, started - published))
+
+    def unqueued(self, record: JobRecord) -> None:
+        """An attempt left the queue (the live feed): observe how long it waited."""
+        queued, published = iso_epoch(record.get("queued_at")), iso_epoch(record.get("attempt_created_at"))
+        if queued is not None and published is not None:
+            self.queue_wait.observe(max(0.0, published - queued))
 
