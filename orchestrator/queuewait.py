@@ -265,7 +265,8 @@ def wait_queued(registry: Registry, job_id: str, client: MqttClient, feed: Prese
                 print(f"{warn}job {job_id}: {line}", file=out, flush=True)
                 last_line, printed_at = line, now
         try:
-            message = client.messages.get(timeout=max(MIN_WAIT_S, min(next_plan, deadline, settle_at) - now))
+            wake = min(next_plan, deadline) if settled else min(next_plan, deadline, settle_at)
+            message = client.messages.get(timeout=max(MIN_WAIT_S, wake - now))
         except queue.Empty:
             continue
         if feed.handle(message.topic, message.payload):

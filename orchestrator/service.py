@@ -97,6 +97,7 @@ class HubService:
         self.confirm_watchers: dict[str, Watcher] = {}
         self.queued: dict[str, hubqueue.QueuedJob] = {}
         self.queue_deadlines: dict[str, float] = {}  # job id -> wall time of its queue_timeout (§14)
+        self._explained: set[str] = set()  # queued jobs whose waiting was logged
         self.feed = PresenceFeed(self.keys, self.config.topic_root)
         self.fleet = self.feed.fleet
         self.sessions: dict[str, str] = {}  # job id -> the session its dispatch went to
@@ -145,6 +146,7 @@ class HubService:
         else:
             self.queued.pop(job_id, None)
             self.queue_deadlines.pop(job_id, None)
+            self._explained.discard(job_id)
 
     def _enqueue(self, record: JobRecord) -> None:
         job_id = record["job_id"]
@@ -218,10 +220,16 @@ class HubService:
         """Publish every queued job `queue.plan` assigns now (§14 Matching)."""
         if not self.queued:
             return
-        for job_id, session in hubqueue.plan(list(self.queued.values()), self.fleet, now, PRESENCE_STALE_S):
+        waiting = list(self.queued.values())
+        for job_id, session in hubqueue.plan(waiting, self.fleet, now, PRESENCE_STALE_S):
             self.queued.pop(job_id, None)
             self.queue_deadlines.pop(job_id, None)
+            self._explained.discard(job_id)
             self.publish(job_id, session, now)
+        for job in self.queued.values():
+            if job.job_id not in self._explained:  # issue 11 item 6: say once, in one line, why it waits
+                self._explained.add(job.job_id)
+                log.info("%s", hubqueue.why_waiting(job, self.fleet, waiting, now, PRESENCE_STALE_S))
 
     def expire_queued(self) -> None:
         """§14: a job queued longer than its queue_timeout_sec closes `queue_timeout`."""

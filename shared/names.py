@@ -25,6 +25,7 @@ SESSION_MAX_LEN = 63
 LABEL_RE = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,31}$")
 MAX_LABELS = 16
 """At most this many labels per runner and per job (§14)."""
+LABEL_SHOWN_CHARS = 40  # a refused label is shown cut to this length (it may be hostile)
 
 # Characters singled out by §1 because NATS maps them (`/` -> `.`) or treats
 # them as wildcards (`*`, `>`); MQTT treats `+` and `#` as wildcards.
@@ -130,7 +131,7 @@ def validate_labels(values: object, what: str = "labels") -> tuple[str, ...]:
     for value in values:
         problem = label_problem(value)
         if problem is not None:
-            raise UsageError(f"label {str(value)[:40]!r} is invalid: {problem} (§14)")
+            raise UsageError(f"label {str(value)[:LABEL_SHOWN_CHARS]!r} is invalid: {problem} (§14)")
     if len(set(values)) != len(values):
         raise UsageError(f"{what} is invalid: a label is listed twice")
     return tuple(sorted(values))

@@ -11,7 +11,7 @@ applies the rules to a parsed payload, in the §3.2 order.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -301,6 +301,8 @@ class Presence:
     kind: str = "presence"
     schema_version: int = SCHEMA_VERSION
     labels: tuple[str, ...] | None = None  # §14; None (absent on the wire): an older runner, no labels
+    # §14: receivers ignore unknown presence fields, but keep them: the signature covers them
+    extras: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.running, list):
@@ -367,6 +369,8 @@ class Presence:
                                "running": list(self.running), "timestamp": self.timestamp}
         if self.labels is not None:
             out["labels"] = list(self.labels)
+        if self.extras:
+            out.update({key: value for key, value in self.extras.items() if key not in out and key != "sig"})
         if self.sig is not None:
             out["sig"] = self.sig
         return out
@@ -394,9 +398,11 @@ def _control_from(obj: dict[str, Any]) -> Control:
 
 
 def _presence_from(obj: dict[str, Any]) -> Presence:
-    check_fields(obj, PRESENCE_FIELDS | ({"labels"} if "labels" in obj else frozenset()))  # §14: optional
+    # §14: `labels` is optional, and unknown fields are ignored (kept only for the signature)
+    extras = {key: obj.pop(key) for key in list(obj) if key not in PRESENCE_FIELDS and key != "labels"}
+    check_fields(obj, PRESENCE_FIELDS | ({"labels"} if "labels" in obj else frozenset()))
     if obj["sig"] is None:
         raise Invalid("sig must be a string, got null")
     if not isinstance(obj["running"], list):
         raise Invalid(f"running must be an array, got {type_name(obj['running'])} {show(obj['running'])}")
-    return Presence(**obj)
+    return Presence(**obj, extras=extras or None)

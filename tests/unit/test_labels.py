@@ -49,6 +49,13 @@ def test_s14_presence_labels_are_signed_and_optional() -> None:
     assert view.verified and view.labels == frozenset({"gpu", "x"}) and abs(view.seen_at - 5.0) < 5.0
 
 
+def test_s14_a_signed_presence_with_an_unknown_field_verifies() -> None:
+    signed = crypto.sign(dict(presence(("gpu",)), last_refusal={"job_id": "918b0612"}), KEYS.sign_key)
+    view = presence_view(TOPIC, json.dumps(signed).encode(), KEYS, ROOT, 0.0)
+    assert view.verified and view.labels == frozenset({"gpu"})
+    assert verify_presence(TOPIC, json.dumps(signed).encode(), KEYS, ROOT)["labels"] == ["gpu"]
+
+
 @pytest.mark.parametrize("labels", [["GPU"], "gpu", [1], ["x"] * 2, [f"l{n}" for n in range(17)], ["a\nb"],
                                     [None], [["gpu"]], ["x" * 1000]])
 def test_s14_hostile_presence_labels_are_refused_by_decode(labels: object) -> None:

@@ -336,11 +336,17 @@ def test_s3_s7_missing_field_refused(kind, path):
     ("state", "extra"), ("state", "session"),
     ("dispatch", "brief"), ("dispatch", "auth_token"), ("dispatch", "contract.extra"), ("dispatch", "sealed.tag"),
     ("control", "extra"), ("control", "session"),
-    ("presence", "extra"), ("presence", "attempt_id"),
 ])
 def test_s3_s7_unknown_field_refused(kind, path):
     reason = refused(dumps(mutated(kind, path, 1)), kind).reason
     assert reason == f"malformed: unknown field '{path}'"
+
+
+@pytest.mark.parametrize("path", ["extra", "attempt_id", "last_refusal"])
+def test_s14_unknown_presence_field_ignored_but_kept_for_the_signature(path):
+    presence = wire.decode(dumps(mutated("presence", path, {"job_id": "918b0612"})), "presence")
+    assert presence.to_dict()[path] == {"job_id": "918b0612"}  # re-encoded as signed
+    assert presence == wire.decode(dumps(PRESENCE), "presence")  # otherwise the same presence
 
 
 def test_s3_event_is_not_a_state_and_back():
