@@ -360,8 +360,7 @@ class HttpServer:
             self.server.should_exit = True
             raise UsageError(f"--http {self.host}:{self.port}: cannot listen there (in use, or not an address "
                              f"of this machine)")
-        auth = f"bearer token {TOKEN_ENV} required" if self.token else "no token (loopback only)"
-        log.info("http: dashboard and API on %s (%s)", self.url, auth)
+        auth = f"bearer token {TOKEN_ENV} required" if self.token else "loopback only, no token"
         print(f"mam-orch serve: dashboard and API on {self.url}/ ({auth})", file=sys.stderr, flush=True)
 
     def _run(self) -> None:

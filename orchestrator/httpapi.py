@@ -64,7 +64,8 @@ def dispatch_request(service: HubService, body: object) -> dict[str, Any]:
     if retry_on is not None and not (isinstance(retry_on, list) and all(isinstance(x, str) for x in retry_on)):
         raise UsageError("field 'retry_on' is invalid: expected a list of strings")
     ints = {name: _int(body, name) for name in INT_FIELDS}
-    terms = QueueTerms(target_session=names.validate_session(names.strip_remote(session)) if session else None,
+    target = names.validate_session(names.strip_remote(session)) if session is not None else None
+    terms = QueueTerms(target_session=target,
                        target_labels=names.validate_labels(labels) if labels is not None else (),
                        priority=ints["priority"] or 0, retries=ints["retries"] or 0,
                        retry_on=parse_retry_on(",".join(retry_on) if retry_on is not None else None), owner_pid=None)

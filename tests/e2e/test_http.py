@@ -5,6 +5,7 @@ happened; a non-loopback address without MAM_API_TOKEN is refused; a token is en
 
 from __future__ import annotations
 
+import socket
 import subprocess
 
 import pytest
@@ -106,12 +107,19 @@ def test_s14_metrics_after_a_scripted_run_equal_what_happened(nats_broker, tmp_p
         runner.wait(PATIENCE_S)
 
 
-def test_s14_http_non_loopback_needs_a_token_and_a_token_is_enforced(nats_broker, tmp_path):
+def test_s14_http_non_loopback_needs_a_token_a_busy_port_exits_64_a_token_is_enforced(nats_broker, tmp_path):
     hub = hub_workspace(nats_broker, tmp_path)
     refused = subprocess.run([*MAM_ORCH, "serve", "--workspace", str(hub), "--http", f"0.0.0.0:{free_port()}"],
                              env=hub_env(), capture_output=True, text=True, timeout=PATIENCE_S)
     assert refused.returncode == 64
     assert "MAM_API_TOKEN" in refused.stderr and len(refused.stderr.strip().splitlines()) <= 2
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = subprocess.run([*MAM_ORCH, "serve", "--workspace", str(hub), "--http",
+                               f"127.0.0.1:{taken.getsockname()[1]}"], env=hub_env(), capture_output=True, text=True,
+                              timeout=PATIENCE_S)
+    assert busy.returncode == 64 and "cannot listen there" in busy.stderr, busy.stderr
     serve = Serve(hub, ("MAM_API_TOKEN", TOKEN))
     try:
         assert "bearer token MAM_API_TOKEN required" in serve.log() and TOKEN not in serve.log()

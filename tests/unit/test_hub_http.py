@@ -119,6 +119,7 @@ def test_s14_http_dispatch_queues_through_the_dispatch_path_and_the_queue_says_w
     (json.dumps({"brief": "x"}).encode(), "either 'session'"),
     (json.dumps({"brief": "x", "session": "a", "labels": ["b"]}).encode(), "either 'session'"),
     (json.dumps({"brief": "x", "session": "gpu.box"}).encode(), "is invalid"),
+    (json.dumps({"brief": "x", "session": ""}).encode(), "is invalid"),
     (json.dumps({"brief": "x", "labels": ["GPU!"]}).encode(), "is invalid"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "retries": "3"}).encode(), "expected an integer"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "retries": 11}).encode(), "retries"),
