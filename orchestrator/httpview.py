@@ -128,6 +128,13 @@ def read_log(root: Path, job_id: str, attempt: int, offset: int | None) -> Row:
             "next_offset": start + len(data), "text": data.decode("utf-8", errors="replace")}
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 @dataclass
 class _Tracked:
     """One job as the feed last saw it."""
@@ -209,8 +216,8 @@ class LiveFeed:
         if tracked is None:
             tail = AuditTail(registry.audit_path(job_id))
             tracked = _Tracked(mtime=-1, row={}, audit=tail, attempt=record["attempt_id"])
-            if not self._started:  # present at start: from now on
-                tail.read()
+            if not self._started:  # present at start: from now on (whole lines are appended)
+                tail.offset = _size(tail.path)
                 tracked.log_offset = self._log_size(job_id, record["attempt_id"])
                 tracked.unqueued = record["attempt_id"]
             self.jobs[job_id] = tracked
@@ -239,10 +246,7 @@ class LiveFeed:
                 self.on_finish(row)
 
     def _log_size(self, job_id: str, attempt: int) -> int:
-        try:
-            return names.hub_agent_log_path(self.service.registry.root, job_id, attempt).stat().st_size
-        except OSError:
-            return 0
+        return _size(names.hub_agent_log_path(self.service.registry.root, job_id, attempt))
 
     def _poll_log(self, job_id: str, tracked: _Tracked, out: list[Row], *, final: bool) -> None:
         path = names.hub_agent_log_path(self.service.registry.root, job_id, tracked.attempt)

@@ -97,6 +97,8 @@ function renderJob() {
   document.getElementById("job-facts").textContent = "target " + job.target + " · runner " + (job.session || "-") +
     " · attempt " + job.attempt_id + " · duration " + duration(job) + (job.close_reason ? " · closed " + job.close_reason : "") +
     (job.exit_code !== null && job.exit_code !== undefined ? " · agent exit " + job.exit_code : "");
+  const waiting = state.queue.find((q) => q.job_id === job.job_id);
+  if (job.status === "queued" && waiting) document.getElementById("job-facts").textContent += " · " + waiting.why_waiting;
   fill("attempts", detail.attempts.map((a) => row([a.attempt_id, a.session, a.status, a.reason, a.log || ""])), "", 5);
   fill("events", state.events.map((e) => row([e.seq, e.event, e.timestamp, e.detail])), "no event yet", 4);
 }
@@ -137,13 +139,15 @@ function appendLog(text) {
   if (atEnd) pre.scrollTop = pre.scrollHeight;
 }
 
+function render() { if (state.job) renderJob(); else renderFleet(); }
+
 function connect() {
   const source = new EventSource("/api/events" + (token ? "?token=" + encodeURIComponent(token) : ""));
   const conn = document.getElementById("conn");
   source.onopen = () => { conn.textContent = "live"; };
   source.onerror = () => { conn.textContent = "reconnecting…"; };
-  source.addEventListener("runners", (e) => { state.runners = JSON.parse(e.data).runners; renderFleet(); });
-  source.addEventListener("queue", (e) => { state.queue = JSON.parse(e.data).queue; renderFleet(); });
+  source.addEventListener("runners", (e) => { state.runners = JSON.parse(e.data).runners; render(); });
+  source.addEventListener("queue", (e) => { state.queue = JSON.parse(e.data).queue; render(); });
   source.addEventListener("job", (e) => {
     const job = JSON.parse(e.data).job;
     state.jobs.set(job.job_id, job);
@@ -169,5 +173,5 @@ Promise.all([api("/api/runners"), api("/api/queue"), api("/api/jobs")]).then(([r
   route();
 }).catch((err) => { document.getElementById("conn").textContent = "error: " + err; });
 window.addEventListener("hashchange", route);
-setInterval(() => { if (state.job) renderJob(); else renderFleet(); }, 1000);
+setInterval(render, 1000);
 connect();

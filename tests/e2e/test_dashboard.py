@@ -53,6 +53,8 @@ def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_br
             viewport=VIEWPORT)
         try:
             page = context.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
             page.set_default_timeout(WAIT_MS)
             page.goto(serve.url + "/")
             page.evaluate("window.__sameDocument = true")  # gone if the page ever reloads
@@ -83,6 +85,7 @@ def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_br
             page.evaluate("location.hash = ''")
             sync_api.expect(row_of(page, "recent", job_id)).to_contain_text("completed")
             assert page.evaluate("window.__sameDocument") is True
+            assert errors == []  # no script error on the page
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             target = os.environ.get("MAM_DASHBOARD_SCREENSHOT")
             if target:
