@@ -106,7 +106,7 @@ def job_detail(service: HubService, job_id: str) -> Row:
     attempts = [dict(item) for item in record.get("attempt_history", [])]
     attempts.append({"attempt_id": record["attempt_id"], "session": record.get("session") or "",
                      "status": record["status"], "reason": record.get("close_reason"),
-                     "log": str(names.hub_agent_log_path(registry.root, job_id, record["attempt_id"]))})
+                     "log": str(names.hub_log_path(registry.root, job_id, record["attempt_id"]))})
     events = [line.get("event") for line in audit if is_event_line(line, job_id)]
     return {"record": redact(record), "job": job_row(record, events[-1] if events else None),
             "attempts": attempts, "audit": redact(audit)}
@@ -115,7 +115,7 @@ def job_detail(service: HubService, job_id: str) -> Row:
 def read_log(root: Path, job_id: str, attempt: int, offset: int | None) -> Row:
     """A piece of the hub's copy of one attempt's agent output (§15): from `offset`
     (at most LOG_READ_MAX_BYTES), or its last LOG_TAIL_BYTES; an absent file reads as empty."""
-    path = names.hub_agent_log_path(root, job_id, attempt)
+    path = names.hub_log_path(root, job_id, attempt)
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -246,10 +246,10 @@ class LiveFeed:
                 self.on_finish(row)
 
     def _log_size(self, job_id: str, attempt: int) -> int:
-        return _size(names.hub_agent_log_path(self.service.registry.root, job_id, attempt))
+        return _size(names.hub_log_path(self.service.registry.root, job_id, attempt))
 
     def _poll_log(self, job_id: str, tracked: _Tracked, out: list[Row], *, final: bool) -> None:
-        path = names.hub_agent_log_path(self.service.registry.root, job_id, tracked.attempt)
+        path = names.hub_log_path(self.service.registry.root, job_id, tracked.attempt)
         try:
             with open(path, "rb") as file:
                 file.seek(tracked.log_offset)

@@ -26,13 +26,16 @@ from mam.orchestrator.httpview import Row, iso_epoch, runner_rows
 from mam.orchestrator.service import HubService
 from mam.shared import names
 from mam.shared.codes import JobStatus, PresenceStatus
+from mam.shared.fsio import read_json_object
 from mam.shared.records import RECORD_NAME_RE, JobRecord
 
 NO_REASON = "none"  # the close_reason label of a job its runner ended (no hub close)
 RUNNER_STATUSES = (PresenceStatus.ONLINE, PresenceStatus.DRAINING, PresenceStatus.OFFLINE, "stale", "unverified")
 DURATION_BUCKETS_S = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 WAIT_BUCKETS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0, 6 * 3600.0)
-AGENT_LOG_PREFIX = "agent."
+AGENT_LOG_PREFIX = "agent."  # the hub's copies: agent.<attempt>.log and its state agent.<attempt>.log.json (§15)
+LOG_SUFFIX, LOG_STATE_SUFFIX = ".log", ".log.json"
+LOG_STATE_MAX_BYTES = 4096
 
 
 class HubCollector(Collector):
@@ -62,8 +65,11 @@ class HubCollector(Collector):
         yield from self._queue()
         yield from self._runners()
         yield from self._messages()
+        received, dropped = agent_log_bytes(self.service.registry.root)
         yield CounterMetricFamily("mam_log_received_bytes", "Agent output bytes in the hub's copies (§15)",
-                                  value=agent_log_bytes(self.service.registry.root))
+                                  value=received)
+        yield CounterMetricFamily("mam_log_dropped_bytes", "Agent output bytes runners dropped at the rate cap (§15)",
+                                  value=dropped)
 
     def _queue(self) -> Iterator[Metric]:
         queued = list(self.service.queued.values())
@@ -106,20 +112,29 @@ class HubCollector(Collector):
                                   value=self.events.get("heartbeat", 0))
 
 
-def agent_log_bytes(root: Path) -> int:
-    """The size of every hub copy of agent output, `.mam/logs/*/agent.*.log` (§15)."""
-    total = 0
+def agent_log_bytes(root: Path) -> tuple[int, int]:
+    """Bytes in every hub copy of agent output (`.mam/logs/*/agent.*.log`, §15), and the bytes
+    the runners said they dropped (`dropped` of each copy's `agent.*.log.json` state)."""
+    received = dropped = 0
     try:
         folders = [entry for entry in os.scandir(names.logs_dir(root)) if RECORD_NAME_RE.match(entry.name + ".json")]
     except OSError:
-        return 0
+        return 0, 0
     for folder in folders:
         try:
-            total += sum(entry.stat().st_size for entry in os.scandir(folder.path)
-                         if entry.name.startswith(AGENT_LOG_PREFIX) and entry.name.endswith(".log"))
+            entries = [entry for entry in os.scandir(folder.path) if entry.name.startswith(AGENT_LOG_PREFIX)]
         except OSError:
             continue
-    return total
+        for entry in entries:
+            try:
+                if entry.name.endswith(LOG_SUFFIX):
+                    received += entry.stat().st_size
+                elif entry.name.endswith(LOG_STATE_SUFFIX):
+                    value = read_json_object(entry.path, LOG_STATE_MAX_BYTES).get("dropped", 0)
+                    dropped += value if isinstance(value, int) and not isinstance(value, bool) else 0
+            except (OSError, ValueError):
+                continue
+    return received, dropped
 
 
 class HubMetrics:

@@ -305,8 +305,8 @@ def job_logs_dir(root: Path, job_id: str) -> Path:
     return logs_dir(root) / validate_job_id(job_id)
 
 
-def hub_agent_log_path(root: Path, job_id: str, attempt_id: int) -> Path:
-    """`<root>/.mam/logs/<job_id>/agent.<attempt>.log`: the hub's copy of one attempt's agent output (§15)."""
+def hub_log_path(root: Path, job_id: str, attempt_id: int) -> Path:
+    """`<root>/.mam/logs/<job_id>/agent.<attempt_id>.log`: the hub's copy of an attempt's output (§15)."""
     return job_logs_dir(root, job_id) / f"agent.{validate_attempt(attempt_id)}.log"
 
 

@@ -73,7 +73,7 @@ def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_br
 
             page.locator(f"#running a:text('{job_id}')").click()  # the job page: a hash change, no reload
             sync_api.expect(page.locator("#job-status")).to_have_text("running")
-            log_path = names.hub_agent_log_path(hub, job_id, 1)
+            log_path = names.hub_log_path(hub, job_id, 1)
             log_path.parent.mkdir(parents=True, exist_ok=True)
             with open(log_path, "ab") as log:
                 log.write(b"dashboard-output\nstep two of the agent\n")

@@ -173,7 +173,7 @@ def test_s15_http_job_log_reads_the_hubs_copy_whole_tail_or_from_an_offset(servi
     job_id = record["job_id"]
     empty = api.get(f"/api/jobs/{job_id}/log").json()
     assert (empty["exists"], empty["text"]) == (False, "")
-    path = names.hub_agent_log_path(service.registry.root, job_id, 1)
+    path = names.hub_log_path(service.registry.root, job_id, 1)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"line one\nline two\n\xff\n")
     whole = api.get(f"/api/jobs/{job_id}/log").json()
@@ -240,7 +240,14 @@ def test_s14_http_metrics_parse_and_count_jobs_runners_and_refusals(service, api
         txn.update({**txn.record, "status": "completed", "exit_code": 0}, source="remote_mirror", reason=None)
     dispatch(api)
     service.scan(time.monotonic())
-    service.on_message(names.events_topic(done["job_id"], service.config.topic_root), b"{", time.monotonic())
+    pending = service.registry.register(session="gpu-box")
+    service.scan(time.monotonic())
+    forged = started({**pending, "auth_token": "f" * len(pending["auth_token"])})
+    service.on_message(names.events_topic(pending["job_id"], service.config.topic_root), forged, time.monotonic())
+    copy = names.hub_log_path(service.registry.root, done["job_id"], 1)
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_bytes(b"x" * 20)
+    copy.with_name(copy.name + ".json").write_text(json.dumps({"next": 3, "dropped": 500}))  # the §15 writer's state
     text = api.get("/metrics").text
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
@@ -252,6 +259,10 @@ def test_s14_http_metrics_parse_and_count_jobs_runners_and_refusals(service, api
     assert samples[("mam_runners", (("status", "unverified"),))] == 1
     assert samples[("mam_runner_slots", (("session", "gpu-box"), ("state", "free")))] == 2
     assert samples[("mam_retries_total", ())] == 0
+    assert samples[("mam_log_received_bytes_total", ())] == 20
+    assert samples[("mam_log_dropped_bytes_total", ())] == 500
+    assert samples[("mam_messages_refused_total", (("reason", "HMAC verify failed"),))] == 1
+    assert samples[("mam_jobs", (("status", "pending"),))] == 1
 
 
 def test_s15_live_feed_sends_runner_queue_job_event_and_log_changes(service):
@@ -265,7 +276,7 @@ def test_s15_live_feed_sends_runner_queue_job_event_and_log_changes(service):
     assert {"runners", "job"} <= {item["type"] for item in items}
     service.on_message(names.events_topic(record["job_id"], service.config.topic_root), started(record),
                        time.monotonic())
-    log_path = names.hub_agent_log_path(service.registry.root, record["job_id"], 1)
+    log_path = names.hub_log_path(service.registry.root, record["job_id"], 1)
     log_path.write_bytes(b"hello from the agent\npartial")
     items = feed.poll()
     kinds = [item["type"] for item in items]
@@ -276,4 +287,4 @@ def test_s15_live_feed_sends_runner_queue_job_event_and_log_changes(service):
 
 
 def test_s14_registry_helpers_stay_in_names():
-    assert names.hub_agent_log_path(Registry("/x").root, "0badf00d", 2).name == "agent.2.log"
+    assert names.hub_log_path(Registry("/x").root, "0badf00d", 2).name == "agent.2.log"
