@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2 as httpx  # the httpx API; starlette.testclient wants this package too
 
 from harness.brokers import free_port
 from harness.runnersim import MAM_ORCH, hub_env
