@@ -14,7 +14,7 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q -e '.[test,docker]'
 	touch $(STAMP)
 
-# Debian packages the broker and multi-host tests use. Installed only when
+# Debian packages the broker, multi-host and dashboard (browser) tests use. Installed only when
 # running as root with apt-get; elsewhere those tests skip and say why.
 # docker.io, docker-compose and debootstrap: the docker e2e (tests/harness/docker_env.py).
 system-deps:
@@ -27,6 +27,7 @@ system-deps:
 	  command -v docker-compose >/dev/null || missing="$$missing docker-compose"; \
 	  command -v debootstrap >/dev/null || [ -x /usr/sbin/debootstrap ] || missing="$$missing debootstrap"; \
 	  command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	  [ -x /usr/bin/chromium ] || missing="$$missing chromium"; \
 	  if [ -n "$$missing" ]; then \
 	    echo "installing Debian packages:$$missing"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \

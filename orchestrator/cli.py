@@ -13,6 +13,7 @@ from mam.orchestrator.cancel import cancel
 from mam.orchestrator.dispatch import dispatch_cli
 from mam.orchestrator.follow import watch_cli
 from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
+from mam.orchestrator.http import serve_http_cli
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.logs import logs_cli
 from mam.orchestrator.redispatch import redispatch_cli
@@ -326,15 +327,21 @@ def gc_cmd(
 @app.command("serve")
 def serve_cmd(
     workspace: str = clikit.workspace_option(),
+    http: str = typer.Option(None, "--http", metavar="HOST:PORT",
+                             help="Also serve the dashboard, the HTTP API and /metrics here, e.g. 127.0.0.1:8765 "
+                                  "(an address other than loopback needs MAM_API_TOKEN)."),
 ) -> int:
     """Run the hub service: one process and one broker connection for every job of this
     registry (PROTOCOL §14). It tracks every queued, pending and running job, whichever
     command registered it, publishes queued jobs when a runner has a free slot, applies the
     clocks of §10 and mirrors events. SIGTERM/SIGINT stop it; the jobs go on, and the
-    next start picks them up. Exit 64: another service runs for this registry (its pid is named).
+    next start picks them up. Exit 64: another service runs for this registry (its pid is named),
+    or --http cannot listen (or needs MAM_API_TOKEN).
+
+    Example: mam-orch serve --http 127.0.0.1:8765, then open http://127.0.0.1:8765/
     """
     clikit.setup_logging()
-    return serve_cli(workspace=workspace)
+    return serve_http_cli(workspace=workspace, bind=http) if http else serve_cli(workspace=workspace)
 
 
 def main() -> None:

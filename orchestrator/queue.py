@@ -35,6 +35,7 @@ class RunnerView:
         seen_at: when the hub received that presence (monotonic s).
         last_refusal: (job_id, "reason: detail") of the last dispatch it refused, from its
             presence (issue 11 item 6), or None.
+        host, version: what the presence says of the runner's machine and software (for views).
     """
 
     session: str
@@ -46,6 +47,8 @@ class RunnerView:
     verified: bool
     seen_at: float
     last_refusal: tuple[str, str] | None = None
+    host: str = ""
+    version: str = ""
 
 
 @dataclass(frozen=True)

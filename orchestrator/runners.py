@@ -112,6 +112,7 @@ def presence_view(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str, r
                       labels=frozenset(presence.labels or ()), max_jobs=presence.max_jobs,
                       running=frozenset(presence.running), verified=verified,
                       seen_at=received_at - max(0.0, _presence_age_s(presence.timestamp)),
+                      host=presence.host, version=presence.version,
                       last_refusal=last_refusal(presence) if verified else None)
 
 

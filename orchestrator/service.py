@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import TextIO
@@ -75,6 +76,8 @@ class ServiceStats:
     handler_errors: int = 0
     published: int = 0
     closed: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)  # messages that renewed a job, by kind (events, state)
+    refused: dict[str, int] = field(default_factory=dict)  # refused job messages by §3.2 reason (metrics)
 
 
 class HubService:
@@ -109,6 +112,7 @@ class HubService:
         self.clears: list[str] = []  # jobs whose retained dispatch goes after this batch (§17)
         self._stop = False
         self.ready = threading.Event()  # set once it holds the lock and subscribed
+        self.on_ready: Callable[[], None] | None = None  # called then, in the service's thread (`serve --http`)
 
     # ------------------------------------------------------------ records
 
@@ -239,8 +243,11 @@ class HubService:
         if watcher is None:
             return
         try:
-            started_before = watcher.accepted_any
-            watcher.handle(topic, raw)
+            started_before, refused_before = watcher.accepted_any, len(watcher.refusals)
+            if watcher.handle(topic, raw):
+                self.stats.accepted[parsed[1]] = self.stats.accepted.get(parsed[1], 0) + 1
+            for reason in watcher.refusals[refused_before:]:
+                self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
             if watcher.accepted_any and not started_before:
                 self.fleet.started(self.sessions.get(job_id, ""), job_id)
         except MamError as exc:
@@ -434,6 +441,8 @@ class HubService:
         log.info("hub service pid %d serving %s: %d open jobs, %d queued", os.getpid(), self.registry.root,
                  len(self.watchers), len(self.queued))
         link = BrokerLink(client)
+        if self.on_ready is not None:
+            self.on_ready()
         self.ready.set()
         next_scan = next_tick = now
         while not self._stop:
@@ -464,7 +473,11 @@ def serve_cli(*, workspace: Workspace) -> int:
     Raises:
         UsageError (exit 64: another service runs), ConfigError, BrokerUnavailable (exit 3).
     """
-    service = HubService(open_hub(workspace))
+    return run_service(HubService(open_hub(workspace)))
+
+
+def run_service(service: HubService) -> int:
+    """Run `service` in this (main) thread until SIGTERM/SIGINT; returns the exit code."""
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)
     print(f"mam-orch serve: pid {os.getpid()}, registry {service.registry.root}", file=sys.stderr, flush=True)

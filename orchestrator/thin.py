@@ -21,13 +21,21 @@ from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.watch import Detached
 from mam.shared import wire
 from mam.shared.errors import ExitCode
-from mam.shared.records import QueueTerms, describe_target
+from mam.shared.records import JobRecord, QueueTerms, describe_target
 from mam.shared.registry import Registry
 
 
 def service_runs(workspace: Workspace) -> bool:
     """True when a hub service holds the lock of the registry `workspace` resolves to."""
     return service_pid(open_hub(workspace).root) is not None
+
+
+def register_queued(registry: Registry, *, brief: str, contract: wire.Contract, terms: QueueTerms) -> JobRecord:
+    """Register a checked job `queued` with its brief, for the service to publish (§14):
+    the one way `dispatch` over a service and `POST /api/jobs` queue a job."""
+    record = registry.register(session=terms.target_session, contract=contract, queue=terms)
+    save_brief(registry, record["job_id"], brief)
+    return record
 
 
 def dispatch_via_service(registry: Registry, *, brief: str, contract: wire.Contract, terms: QueueTerms,
@@ -39,10 +47,8 @@ def dispatch_via_service(registry: Registry, *, brief: str, contract: wire.Contr
         the exit code of §9 (0 at once with `detach`; 3 when the service stopped
         before the job ended, with how to go on).
     """
-    session = terms.target_session
-    record = registry.register(session=session, contract=contract, queue=terms)
+    record = register_queued(registry, brief=brief, contract=contract, terms=terms)
     job_id = record["job_id"]
-    save_brief(registry, job_id, brief)
     print(f"queued job {job_id} for {describe_target(record)} (the hub service publishes it)",
           file=sys.stderr, flush=True)
     if detach:

@@ -22,7 +22,7 @@ from mam.shared.render import cli_jobs, cli_show
 
 try:  # typer >= 0.2x vendors click; older versions depend on it
     from typer._click.exceptions import ClickException
-except ImportError:  # pragma: no cover
+except ImportError:  # pragma: no cover - typer < 0.2x only (click itself may be installed, for uvicorn)
     from click.exceptions import ClickException  # type: ignore[import-not-found, no-redef, assignment, unused-ignore]
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

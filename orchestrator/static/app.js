@@ -1,0 +1,177 @@
+// The mam-fleet hub dashboard: REST for the first view, then server-sent events
+// (GET /api/events) keep it live without reloading. No build step, no framework.
+"use strict";
+
+const RECENT_MAX = 50;          // ended jobs shown under "Recent"
+const LOG_VIEW_MAX_CHARS = 200000; // the output tail keeps this much text
+const params = new URLSearchParams(location.search);
+const token = params.get("token") || sessionStorage.getItem("mam_token") || "";
+if (params.get("token")) sessionStorage.setItem("mam_token", token);
+
+const state = { runners: [], queue: [], jobs: new Map(), job: null, events: [], logAttempt: null };
+const TERMINAL = new Set(["completed", "error", "cancelled"]);
+
+function api(path) {
+  const headers = token ? { Authorization: "Bearer " + token } : {};
+  return fetch(path, { headers }).then((r) => r.ok ? r.json() : r.json().then((b) => Promise.reject(b.error)));
+}
+
+function el(tag, text, cls) {
+  const node = document.createElement(tag);
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  if (cls) node.className = cls;
+  return node;
+}
+
+function badge(status) { return el("span", status, "st " + status); }
+
+function jobLink(id) {
+  const a = el("a", id);
+  a.href = "#job/" + id;
+  return a;
+}
+
+function row(cells) {
+  const tr = document.createElement("tr");
+  for (const cell of cells) {
+    const td = document.createElement("td");
+    if (cell instanceof Node) td.appendChild(cell); else td.textContent = cell === null || cell === undefined ? "" : String(cell);
+    tr.appendChild(td);
+  }
+  return tr;
+}
+
+function fill(id, rows, empty, width) {
+  const body = document.querySelector("#" + id + " tbody");
+  body.replaceChildren(...rows);
+  if (!rows.length) {
+    const td = el("td", empty, "empty");
+    td.colSpan = width;
+    const tr = document.createElement("tr");
+    tr.appendChild(td);
+    body.appendChild(tr);
+  }
+}
+
+function age(epochS) {
+  const s = Math.max(0, Date.now() / 1000 - epochS);
+  return s < 60 ? s.toFixed(0) + " s ago" : s < 3600 ? (s / 60).toFixed(0) + " min ago" : (s / 3600).toFixed(1) + " h ago";
+}
+
+function duration(job) {
+  let s = job.duration_s;
+  if (!TERMINAL.has(job.status)) {
+    const start = Date.parse(job.created_at);
+    if (!isNaN(start)) s = (Date.now() - start) / 1000;
+  }
+  if (s === null || s === undefined) return "";
+  return s < 60 ? s.toFixed(1) + " s" : s < 3600 ? (s / 60).toFixed(1) + " min" : (s / 3600).toFixed(1) + " h";
+}
+
+function renderFleet() {
+  fill("runners", state.runners.map((r) => row([r.session, badge(r.status), r.labels.join(", "),
+    r.slots_used + " / " + r.slots_free, r.running.join(", "), r.version, r.host, age(r.last_seen)])),
+    "no runner has announced itself", 8);
+  fill("queue", state.queue.map((q) => row([jobLink(q.job_id), q.target, q.priority, q.why_waiting])),
+    "nothing waits", 4);
+  const jobs = [...state.jobs.values()].sort((a, b) => b.created_at.localeCompare(a.created_at));
+  const open = jobs.filter((j) => j.status === "pending" || j.status === "running");
+  const ended = jobs.filter((j) => TERMINAL.has(j.status)).slice(0, RECENT_MAX);
+  fill("running", open.map((j) => row([jobLink(j.job_id), badge(j.status), j.session, j.attempt_id, duration(j),
+    j.last_event])), "no job runs", 6);
+  fill("recent", ended.map((j) => row([jobLink(j.job_id), badge(j.status), j.session, j.attempt_id, duration(j),
+    j.last_event, j.close_reason || (j.late_outcome ? "late " + j.late_outcome : "")])), "no job ended yet", 7);
+  const online = state.runners.filter((r) => r.status === "online").length;
+  document.getElementById("summary").textContent =
+    online + " runners online · " + state.queue.length + " queued · " + open.length + " running";
+}
+
+function renderJob() {
+  const detail = state.job;
+  if (!detail) return;
+  const job = state.jobs.get(detail.job.job_id) || detail.job;
+  document.getElementById("job-id").textContent = job.job_id;
+  const status = document.getElementById("job-status");
+  status.textContent = job.status;
+  status.className = "st " + job.status;
+  document.getElementById("job-facts").textContent = "target " + job.target + " · runner " + (job.session || "-") +
+    " · attempt " + job.attempt_id + " · duration " + duration(job) + (job.close_reason ? " · closed " + job.close_reason : "") +
+    (job.exit_code !== null && job.exit_code !== undefined ? " · agent exit " + job.exit_code : "");
+  const waiting = state.queue.find((q) => q.job_id === job.job_id);
+  if (job.status === "queued" && waiting) document.getElementById("job-facts").textContent += " · " + waiting.why_waiting;
+  fill("attempts", detail.attempts.map((a) => row([a.attempt_id, a.session, a.status, a.reason, a.log || ""])), "", 5);
+  fill("events", state.events.map((e) => row([e.seq, e.event, e.timestamp, e.detail])), "no event yet", 4);
+}
+
+function showJob(id) {
+  document.getElementById("fleet-view").hidden = true;
+  document.getElementById("job-view").hidden = false;
+  state.job = null;
+  state.events = [];
+  document.getElementById("log").textContent = "";
+  api("/api/jobs/" + id).then((detail) => {
+    state.job = detail;
+    state.jobs.set(id, detail.job);
+    state.events = detail.audit.filter((l) => "schema_version" in l && l.job_id === id);
+    state.logAttempt = detail.job.attempt_id;
+    renderJob();
+    return api("/api/jobs/" + id + "/log");
+  }).then((log) => {
+    document.getElementById("log").textContent = log.text;
+    document.getElementById("log-note").textContent = log.exists ? "(attempt " + log.attempt + ")" : "(no output received yet)";
+  }).catch((err) => { document.getElementById("job-facts").textContent = "error: " + err; });
+}
+
+function route() {
+  const m = location.hash.match(/^#job\/([0-9a-f]{8})$/);
+  if (m) { showJob(m[1]); return; }
+  state.job = null;
+  document.getElementById("fleet-view").hidden = false;
+  document.getElementById("job-view").hidden = true;
+  renderFleet();
+}
+
+function appendLog(text) {
+  const pre = document.getElementById("log");
+  const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
+  pre.textContent = (pre.textContent + text).slice(-LOG_VIEW_MAX_CHARS);
+  document.getElementById("log-note").textContent = "(live)";
+  if (atEnd) pre.scrollTop = pre.scrollHeight;
+}
+
+function render() { if (state.job) renderJob(); else renderFleet(); }
+
+function connect() {
+  const source = new EventSource("/api/events" + (token ? "?token=" + encodeURIComponent(token) : ""));
+  const conn = document.getElementById("conn");
+  source.onopen = () => { conn.textContent = "live"; };
+  source.onerror = () => { conn.textContent = "reconnecting…"; };
+  source.addEventListener("runners", (e) => { state.runners = JSON.parse(e.data).runners; render(); });
+  source.addEventListener("queue", (e) => { state.queue = JSON.parse(e.data).queue; render(); });
+  source.addEventListener("job", (e) => {
+    const job = JSON.parse(e.data).job;
+    state.jobs.set(job.job_id, job);
+    if (state.job && state.job.job.job_id === job.job_id) {
+      if (job.attempt_id !== state.logAttempt) { showJob(job.job_id); return; }
+      renderJob();
+    } else renderFleet();
+  });
+  source.addEventListener("event", (e) => {
+    const msg = JSON.parse(e.data);
+    if (state.job && state.job.job.job_id === msg.job_id) { state.events.push(msg.event); renderJob(); }
+  });
+  source.addEventListener("log", (e) => {
+    const msg = JSON.parse(e.data);
+    if (state.job && state.job.job.job_id === msg.job_id && msg.attempt === state.logAttempt) appendLog(msg.text);
+  });
+}
+
+Promise.all([api("/api/runners"), api("/api/queue"), api("/api/jobs")]).then(([r, q, j]) => {
+  state.runners = r.runners;
+  state.queue = q.queue;
+  for (const job of j.jobs) state.jobs.set(job.job_id, job);
+  route();
+}).catch((err) => { document.getElementById("conn").textContent = "error: " + err; });
+window.addEventListener("hashchange", route);
+setInterval(render, 1000);
+connect();

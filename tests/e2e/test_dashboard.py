@@ -1,0 +1,98 @@
+"""The dashboard of `mam-orch serve --http` in a real browser (issue 12 item 2): Debian's
+chromium driven by Playwright. Broker, service and two runners are real processes; the page
+shows both runners, a job dispatched through the API goes queued → running → completed on
+the page without a reload, and its output tail grows live. Screenshots are saved under the
+test's tmp dir (MAM_DASHBOARD_SCREENSHOT=PATH also writes one there, e.g. docs/dashboard.png).
+
+The hub's copy of the agent output (§15, `.mam/logs/<id>/agent.<attempt>.log`) is written
+here by the test while the job runs, standing in for the hub's log writer."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from harness.httpserve import Serve, gated
+from harness.runnersim import hub_workspace, start_runner
+from harness.waiting import PATIENCE_S
+
+from mam.shared import names
+
+pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(180)]
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+VIEWPORT = {"width": 1280, "height": 860}
+WAIT_MS = int(PATIENCE_S * 1000)
+sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed (test extra)")
+
+
+def browser_missing() -> str | None:
+    if not os.access(CHROMIUM, os.X_OK):
+        return f"no browser: {CHROMIUM} is missing (`make system-deps` as root installs Debian's chromium)"
+    return None
+
+
+def row_of(page, table: str, job_id: str):
+    return page.locator(f"#{table} tbody tr", has_text=job_id)
+
+
+def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_broker, tmp_path):
+    if (why := browser_missing()) is not None:
+        pytest.skip(why)
+    hub = hub_workspace(nats_broker, tmp_path)
+    runners = [start_runner(nats_broker, tmp_path / "gpu", "gpu-box", "--labels", "gpu,linux"),
+               start_runner(nats_broker, tmp_path / "cpu", "cpu-box", "--labels", "linux")]
+    serve = Serve(hub)
+    with sync_api.sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
+            viewport=VIEWPORT)
+        try:
+            page = context.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.set_default_timeout(WAIT_MS)
+            page.goto(serve.url + "/")
+            page.evaluate("window.__sameDocument = true")  # gone if the page ever reloads
+            for session in ("gpu-box", "cpu-box"):
+                sync_api.expect(page.locator("#runners tbody tr", has_text=session)).to_contain_text("online")
+
+            busy = serve.dispatch(gated(tmp_path, "go-1"), session="gpu-box")
+            sync_api.expect(row_of(page, "running", busy)).to_contain_text("running")
+            job_id = serve.dispatch("echo dashboard-output\n" + gated(tmp_path, "go-2"), labels=["gpu"])
+            queued = row_of(page, "queue", job_id)
+            sync_api.expect(queued).to_contain_text("0 free slots")  # queued behind the busy job, and why
+            page.screenshot(path=str(tmp_path / "dashboard-queued.png"), full_page=True)
+            (tmp_path / "go-1").touch()
+            sync_api.expect(row_of(page, "running", job_id)).to_contain_text("running")
+            sync_api.expect(queued).to_have_count(0)
+
+            page.locator(f"#running a:text('{job_id}')").click()  # the job page: a hash change, no reload
+            sync_api.expect(page.locator("#job-status")).to_have_text("running")
+            log_path = names.hub_log_path(hub, job_id, 1)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as log:
+                log.write(b"dashboard-output\nstep two of the agent\n")
+            sync_api.expect(page.locator("#log")).to_contain_text("step two of the agent")
+            (tmp_path / "go-2").touch()
+            sync_api.expect(page.locator("#job-status")).to_have_text("completed")
+            sync_api.expect(page.locator("#events tbody")).to_contain_text("completed")
+
+            page.evaluate("location.hash = ''")
+            sync_api.expect(row_of(page, "recent", job_id)).to_contain_text("completed")
+            assert page.evaluate("window.__sameDocument") is True
+            assert errors == []  # no script error on the page
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            target = os.environ.get("MAM_DASHBOARD_SCREENSHOT")
+            if target:
+                shutil.copyfile(tmp_path / "dashboard-queued.png", Path(target))
+        finally:
+            context.close()
+            assert serve.stop() == 0, serve.log()
+            for proc in runners:
+                proc.terminate()
+                proc.wait(PATIENCE_S)

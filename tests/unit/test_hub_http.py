@@ -1,0 +1,290 @@
+"""The HTTP API of `mam-orch serve --http` without a broker or a server (issue 12 item 2,
+PROTOCOL §14): every endpoint through Starlette's TestClient over a `HubService` with a
+recording client; bad input gets a JSON 4xx with a reason, never a traceback; the
+bearer token; `/metrics` parses as Prometheus text; the live feed's messages."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+
+import pytest
+from harness.workspace import TEST_SECRET
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from mam.orchestrator import http as hubhttp
+from mam.orchestrator.httpview import LiveFeed
+from mam.orchestrator.hub import open_hub
+from mam.orchestrator.queue import RunnerView
+from mam.orchestrator.service import HubService
+from mam.shared import crypto, names, wire
+from mam.shared.config import BrokerConfig, write_env_file
+from mam.shared.crypto import MAX_BRIEF_BYTES
+from mam.shared.errors import ConfigError, UsageError
+from mam.shared.mqtt import Message
+from mam.shared.registry import Contract, Registry
+
+pytestmark = pytest.mark.timeout(60)
+
+KEYS = crypto.derive_keys(TEST_SECRET)
+TOKEN = "api-token-for-tests-0123456789"
+TS = "2026-06-20T14:49:30Z"
+
+
+class RecordingClient:
+    """The slice of `MqttClient` the hub uses: publish, subscribe, messages, connected."""
+
+    def __init__(self) -> None:
+        self.config = BrokerConfig()
+        self.messages: queue.Queue[Message] = queue.Queue()
+        self.connected = threading.Event()
+        self.connected.set()
+        self.published: list[tuple[str, bytes, bool]] = []
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        self.published.append((topic, payload, retain))
+
+
+def started(record) -> bytes:
+    body = {"schema_version": 1, "seq": 1, "job_id": record["job_id"], "event": "started", "timestamp": TS,
+            "detail": "", "data": {"attempt_id": record["attempt_id"], "dispatch_token": record["dispatch_token"]}}
+    return wire.encode(crypto.sign_event(body, record["auth_token"]))
+
+
+@pytest.fixture
+def service(tmp_path):
+    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
+    hub_service = HubService(open_hub(tmp_path))
+    hub_service.client = RecordingClient()  # type: ignore[assignment]
+    return hub_service
+
+
+@pytest.fixture
+def api(service):
+    return TestClient(hubhttp.create_app(service), raise_server_exceptions=False)
+
+
+def runner(session: str, *, status: str = "online", labels=("gpu",), max_jobs: int = 2, running=(),
+           verified: bool = True) -> RunnerView:
+    return RunnerView(session=session, runner_id="a" * 32, status=status, labels=frozenset(labels),
+                      max_jobs=max_jobs, running=frozenset(running), verified=verified, seen_at=time.monotonic(),
+                      host=f"{session}.example", version="0.1.0")
+
+
+def dispatch(api, **body):
+    return api.post("/api/jobs", json={"brief": "echo hi", "labels": ["gpu"], **body})
+
+
+def test_s14_http_runners_show_status_labels_slots_version(service, api):
+    service.fleet.update(runner("gpu-box", running=("0badf00d",)))
+    service.fleet.update(runner("cpu-box", status="draining", labels=()))
+    service.fleet.update(runner("old-box", status="offline"))
+    rows = {row["session"]: row for row in api.get("/api/runners").json()["runners"]}
+    assert rows["gpu-box"]["status"] == "online" and rows["gpu-box"]["labels"] == ["gpu"]
+    assert (rows["gpu-box"]["slots_used"], rows["gpu-box"]["slots_free"]) == (1, 1)
+    assert rows["gpu-box"]["version"] == "0.1.0" and rows["gpu-box"]["host"] == "gpu-box.example"
+    assert rows["cpu-box"]["status"] == "draining" and rows["cpu-box"]["slots_free"] == 0
+    assert rows["old-box"]["status"] == "offline"
+    assert abs(rows["gpu-box"]["last_seen"] - time.time()) < 60
+
+
+def test_s14_http_dispatch_queues_through_the_dispatch_path_and_the_queue_says_why(service, api):
+    response = dispatch(api, priority=3, retries=1, retry_on=["error"], heartbeat_sec=2, timeout_sec=600)
+    assert response.status_code == 201, response.text
+    job_id = response.json()["job_id"]
+    record = service.registry.get(job_id)
+    assert record["status"] == "queued" and record["target"] == {"labels": ["gpu"]}
+    assert (record["priority"], record["retries"], record["retry_on"]) == (3, 1, ["error"])
+    assert (record["heartbeat_sec"], record["timeout_sec"]) == (2, 600)
+    assert "queue_owner_pid" not in record  # the service publishes it
+    assert (names.job_logs_dir(service.registry.root, job_id) / "brief.txt").read_text() == "echo hi"
+    service.scan(time.monotonic())
+    queue = api.get("/api/queue").json()["queue"]
+    assert [row["job_id"] for row in queue] == [job_id]
+    assert "no runner has ever announced labels=gpu" in queue[0]["why_waiting"]
+    jobs = api.get("/api/jobs", params={"status": "queued"}).json()["jobs"]
+    assert [row["job_id"] for row in jobs] == [job_id]
+    assert api.get("/api/jobs", params={"status": "completed"}).json()["jobs"] == []
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    (b"{", "not valid JSON"),
+    (b"\xff\xfe", "not valid JSON"),
+    (b"[1, 2]", "expected a JSON object"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "colour": 1}).encode(), "unknown field 'colour'"),
+    (json.dumps({"labels": ["gpu"]}).encode(), "'brief' is required"),
+    (json.dumps({"brief": "x"}).encode(), "either 'session'"),
+    (json.dumps({"brief": "x", "session": "a", "labels": ["b"]}).encode(), "either 'session'"),
+    (json.dumps({"brief": "x", "session": "gpu.box"}).encode(), "is invalid"),
+    (json.dumps({"brief": "x", "session": ""}).encode(), "is invalid"),
+    (json.dumps({"brief": "x", "labels": ["GPU!"]}).encode(), "is invalid"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "retries": "3"}).encode(), "expected an integer"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "retries": 11}).encode(), "retries"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "retry_on": ["bored"]}).encode(), "--retry-on"),
+    (json.dumps({"brief": "", "labels": ["gpu"]}).encode(), "the brief is empty"),
+])
+def test_s14_http_bad_dispatch_bodies_get_400_with_a_reason(service, api, body, why):
+    response = api.post("/api/jobs", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert why in response.json()["error"]
+    assert "Traceback" not in response.text
+    assert not list(names.jobs_dir(service.registry.root).glob("*.json")) if names.jobs_dir(
+        service.registry.root).exists() else True
+
+
+def test_s14_http_an_oversized_brief_is_400_and_an_oversized_body_413(service, api):
+    response = dispatch(api, brief="x" * (MAX_BRIEF_BYTES + 1))
+    assert response.status_code == 400 and "larger than" in response.json()["error"]
+    response = api.post("/api/jobs", content=b" " * (hubhttp.MAX_BODY_BYTES + 1))
+    assert response.status_code == 413 and "larger than" in response.json()["error"]
+
+
+def test_s14_http_unknown_job_404_bad_id_400_unknown_path_404_wrong_method_405(api):
+    for path in ("/api/jobs/0badf00d", "/api/jobs/0badf00d/log"):
+        response = api.get(path)
+        assert response.status_code == 404 and "0badf00d" in response.json()["error"]
+    assert api.post("/api/jobs/0badf00d/cancel").status_code == 404
+    response = api.get("/api/jobs/NOT-AN-ID")
+    assert response.status_code == 400 and "is invalid" in response.json()["error"]
+    assert api.get("/api/jobs", params={"status": "bogus"}).status_code == 400
+    assert api.get("/api/nothing").json()["error"].startswith("no such path")
+    assert api.delete("/api/jobs").status_code == 405
+
+
+def test_s14_http_job_detail_has_record_attempts_audit_and_no_token(service, api):
+    record = service.registry.register(session="gpu-box", contract=Contract(heartbeat_sec=1, heartbeat_misses=2))
+    service.scan(time.monotonic())
+    service.on_message(names.events_topic(record["job_id"], service.config.topic_root), started(record),
+                       time.monotonic())
+    detail = api.get(f"/api/jobs/{record['job_id']}").json()
+    assert detail["record"]["status"] == "running"
+    assert detail["record"]["auth_token"] == "<set>" and record["auth_token"] not in json.dumps(detail)
+    assert [a["attempt_id"] for a in detail["attempts"]] == [1]
+    assert detail["attempts"][0]["log"].endswith(f"{record['job_id']}/agent.1.log")
+    assert any(line.get("event") == "started" for line in detail["audit"])
+    assert detail["job"]["last_event"] == "started"
+
+
+def test_s15_http_job_log_reads_the_hubs_copy_whole_tail_or_from_an_offset(service, api):
+    record = service.registry.register(session="gpu-box")
+    job_id = record["job_id"]
+    empty = api.get(f"/api/jobs/{job_id}/log").json()
+    assert (empty["exists"], empty["text"]) == (False, "")
+    path = names.hub_log_path(service.registry.root, job_id, 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"line one\nline two\n\xff\n")
+    whole = api.get(f"/api/jobs/{job_id}/log").json()
+    assert whole["text"] == "line one\nline two\n\ufffd\n" and whole["size"] == 20
+    assert api.get(f"/api/jobs/{job_id}/log", params={"offset": 9}).json()["text"].startswith("line two")
+    assert api.get(f"/api/jobs/{job_id}/log", params={"attempt": 2}).status_code == 400
+    assert api.get(f"/api/jobs/{job_id}/log", params={"offset": "-1"}).status_code == 400
+
+
+def test_s14_http_cancel_a_queued_job_on_the_hub_and_a_published_one_tells_the_runner(service, api):
+    queued = dispatch(api).json()["job_id"]
+    response = api.post(f"/api/jobs/{queued}/cancel")
+    assert response.status_code == 200 and response.json()["changed"] is True
+    assert service.registry.get(queued)["status"] == "cancelled"
+    assert service.client.published == []  # nothing was published for it (§14)
+    assert api.post(f"/api/jobs/{queued}/cancel").json() == {"job_id": queued, "status": "cancelled",
+                                                             "attempt_id": 1, "changed": False}
+    pending = service.registry.register(session="gpu-box")["job_id"]
+    assert api.post(f"/api/jobs/{pending}/cancel").json()["status"] == "cancelled"
+    topics = [(topic, retain) for topic, _, retain in service.client.published]
+    root = service.config.topic_root
+    assert (names.dispatch_topic(pending, root), True) in topics
+    assert (names.control_topic(pending, root), True) in topics
+
+
+def test_s14_http_a_token_is_required_when_set_never_echoed(service):
+    api = TestClient(hubhttp.create_app(service, TOKEN), raise_server_exceptions=False)
+    for path in ("/api/runners", "/api/jobs", "/metrics", "/api/events"):
+        response = api.get(path)
+        assert response.status_code == 401, path
+        assert TOKEN not in response.text
+    assert api.get("/api/runners", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert api.get("/api/runners", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert api.get("/api/runners", params={"token": TOKEN}).status_code == 401  # query only for the stream
+    assert api.get("/").status_code == 200  # the page holds no data
+
+
+def test_s14_http_a_non_loopback_bind_needs_a_token_and_binds_are_checked():
+    assert hubhttp.api_token("127.0.0.1", {}) is None and hubhttp.api_token("::1", {}) is None
+    with pytest.raises(ConfigError, match="MAM_API_TOKEN"):
+        hubhttp.api_token("0.0.0.0", {})
+    assert hubhttp.api_token("100.64.0.1", {"MAM_API_TOKEN": TOKEN}) == TOKEN
+    assert hubhttp.parse_bind("[::1]:8765") == ("::1", 8765)
+    for bad in ("8765", "host:", "host:0", "host:70000", ":80", "host:http"):
+        with pytest.raises(UsageError, match="HOST:PORT"):
+            hubhttp.parse_bind(bad)
+
+
+def test_s14_http_an_internal_failure_is_a_json_500_without_traceback(service, api, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("disk on fire /secret/path")
+
+    monkeypatch.setattr(service.registry, "list", broken)
+    response = api.get("/api/jobs")
+    assert response.status_code == 500
+    assert response.json() == {"error": "internal error: RuntimeError"}
+
+
+def test_s14_http_metrics_parse_and_count_jobs_runners_and_refusals(service, api):
+    service.fleet.update(runner("gpu-box"))
+    service.fleet.update(runner("evil-box", verified=False))
+    done = service.registry.register(session="gpu-box")
+    with service.registry.transaction(done["job_id"]) as txn:
+        txn.update({**txn.record, "status": "completed", "exit_code": 0}, source="remote_mirror", reason=None)
+    dispatch(api)
+    service.scan(time.monotonic())
+    pending = service.registry.register(session="gpu-box")
+    service.scan(time.monotonic())
+    forged = started({**pending, "auth_token": "f" * len(pending["auth_token"])})
+    service.on_message(names.events_topic(pending["job_id"], service.config.topic_root), forged, time.monotonic())
+    copy = names.hub_log_path(service.registry.root, done["job_id"], 1)
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.write_bytes(b"x" * 20)
+    copy.with_name(copy.name + ".json").write_text(json.dumps({"next": 3, "dropped": 500}))  # the §15 writer's state
+    text = api.get("/metrics").text
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("mam_jobs", (("status", "queued"),))] == 1
+    assert samples[("mam_jobs", (("status", "completed"),))] == 1
+    assert samples[("mam_jobs_finished_total", (("close_reason", "none"), ("outcome", "completed")))] == 1
+    assert samples[("mam_queue_depth", ())] == 1
+    assert samples[("mam_runners", (("status", "online"),))] == 1
+    assert samples[("mam_runners", (("status", "unverified"),))] == 1
+    assert samples[("mam_runner_slots", (("session", "gpu-box"), ("state", "free")))] == 2
+    assert samples[("mam_retries_total", ())] == 0
+    assert samples[("mam_log_received_bytes_total", ())] == 20
+    assert samples[("mam_log_dropped_bytes_total", ())] == 500
+    assert samples[("mam_messages_refused_total", (("reason", "HMAC verify failed"),))] == 1
+    assert samples[("mam_jobs", (("status", "pending"),))] == 1
+
+
+def test_s15_live_feed_sends_runner_queue_job_event_and_log_changes(service):
+    feed = LiveFeed(service)
+    assert {item["type"] for item in feed.poll()} == {"runners", "queue"}
+    assert feed.poll() == []  # nothing changed
+    service.fleet.update(runner("gpu-box"))
+    record = service.registry.register(session="gpu-box", contract=Contract(heartbeat_sec=1, heartbeat_misses=2))
+    service.scan(time.monotonic())
+    items = feed.poll()
+    assert {"runners", "job"} <= {item["type"] for item in items}
+    service.on_message(names.events_topic(record["job_id"], service.config.topic_root), started(record),
+                       time.monotonic())
+    log_path = names.hub_log_path(service.registry.root, record["job_id"], 1)
+    log_path.write_bytes(b"hello from the agent\npartial")
+    items = feed.poll()
+    kinds = [item["type"] for item in items]
+    assert "event" in kinds and "log" in kinds
+    assert next(item for item in items if item["type"] == "job")["job"]["status"] == "running"
+    assert next(item for item in items if item["type"] == "log")["text"] == "hello from the agent\n"
+    assert record["auth_token"] not in json.dumps(items)
+
+
+def test_s14_registry_helpers_stay_in_names():
+    assert names.hub_log_path(Registry("/x").root, "0badf00d", 2).name == "agent.2.log"
