@@ -226,7 +226,7 @@ def dispatch_cmd(
     timeout or queue_timeout, 3 broker unreachable, 4 cancelled, 5 no online
     runner (--require-online), 64 bad arguments, 130 detached with Ctrl-C.
     """
-    clikit.setup_logging()
+    clikit.setup_logging(False if as_json else None)
     if not require_online and service_runs(workspace):  # the thin CLI: the service publishes and watches (§14)
         return thin_dispatch_cli(session=session, brief=brief, brief_file=brief_file, heartbeat_s=heartbeat,
                                  heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout,

@@ -20,6 +20,7 @@ from mam.orchestrator.control import clear_retained
 from mam.orchestrator.hub import DAY_S, Workspace, open_hub
 from mam.shared import names
 from mam.shared.codes import TERMINAL_STATUSES, JobStatus
+from mam.shared.config import existing_root
 from mam.shared.errors import UsageError
 from mam.shared.mqtt import MqttClient
 from mam.shared.records import JobRecord, utc_now
@@ -52,6 +53,7 @@ def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = No
     """
     if not 0 <= older_than_days <= MAX_RETENTION_DAYS:
         raise UsageError(f"--older-than-days {older_than_days:g} is invalid: expected 0..{MAX_RETENTION_DAYS}")
+    existing_root(workspace)
     hub = open_hub(workspace)
     registry = hub.registry
     records, errors = registry.list()

@@ -23,6 +23,7 @@ from mam.shared import wire
 from mam.shared.errors import ExitCode
 from mam.shared.records import QueueTerms, describe_target
 from mam.shared.registry import Registry
+from mam.shared.render import print_summary
 
 
 def service_runs(workspace: Workspace) -> bool:
@@ -54,6 +55,8 @@ def dispatch_via_service(registry: Registry, *, brief: str, contract: wire.Contr
         print(detach_hint(job_id, workspace), file=sys.stderr)
         return ExitCode.DETACHED
     if code is not None:
+        if not as_json and sys.stdout.isatty():
+            print_summary(registry, job_id)
         return code
     hint = reattach_hint(registry, job_id, workspace) or ""
     print(f"job {job_id}: the service stopped; start `mam-orch serve` again. {hint}", file=sys.stderr)

@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEFAULT_LOG_LEVEL = "INFO"
+HUMAN_LOG_LEVEL = "WARNING"  # a person reads stdout on a terminal: no INFO lines mixed into the view
 
 
 def new_app(name: str, help_text: str) -> typer.Typer:
@@ -92,13 +93,17 @@ def workspace_option() -> Any:
                              "parent with .agents or .git, else the current directory; PROTOCOL §8).")
 
 
-def setup_logging() -> None:
+def setup_logging(human: bool | None = None) -> None:
     """Send logs to stderr (stdout carries JSON lines only, PROTOCOL §9).
 
-    MAM_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR) sets the level; default INFO.
+    MAM_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR) sets the level; default INFO,
+    WARNING when a person reads the human view (`human`, default: stdout is a TTY).
     """
-    level = os.environ.get("MAM_LOG_LEVEL", DEFAULT_LOG_LEVEL).upper()
-    logging.basicConfig(level=level if level in LOG_LEVELS else DEFAULT_LOG_LEVEL,
+    if human is None:
+        human = sys.stdout.isatty()
+    default = HUMAN_LOG_LEVEL if human else DEFAULT_LOG_LEVEL
+    level = os.environ.get("MAM_LOG_LEVEL", default).upper()
+    logging.basicConfig(level=level if level in LOG_LEVELS else default,
                         stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
