@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 from mam.orchestrator.dispatch import hub_contract, print_started, queue_terms, read_brief, save_brief
 from mam.orchestrator.follow import follow_service
-from mam.orchestrator.hints import detach_hint, reattach_hint
+from mam.orchestrator.hints import command, detach_hint, reattach_hint
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.watch import Detached
@@ -59,7 +59,7 @@ def dispatch_via_service(registry: Registry, *, brief: str, contract: wire.Contr
             print_summary(registry, job_id)
         return code
     hint = reattach_hint(registry, job_id, workspace) or ""
-    print(f"job {job_id}: the service stopped; start `mam-orch serve` again. {hint}", file=sys.stderr)
+    print(f"job {job_id}: the service stopped; start `{command('serve', workspace)}` again. {hint}", file=sys.stderr)
     return ExitCode.BROKER
 
 
