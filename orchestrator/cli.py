@@ -19,7 +19,7 @@ from mam.orchestrator.init import init_workspace
 from mam.orchestrator.logs import logs_cli
 from mam.orchestrator.redispatch import redispatch_cli
 from mam.orchestrator.roster_cli import runner_app
-from mam.orchestrator.runners import runners_cli
+from mam.orchestrator.runners import OFFLINE_HIDDEN_DAYS, prune_cli, runners_cli
 from mam.orchestrator.service import serve_cli
 from mam.orchestrator.thin import service_runs, thin_dispatch_cli
 from mam.shared import broker, clikit
@@ -350,15 +350,41 @@ def redispatch_cmd(
                           as_json=as_json, workspace=workspace)
 
 
-@app.command("runners")
+runners_app = clikit.new_app("runners", "List runners from their signed retained presence; prune long-gone ones.",
+                             ("prune",), {"prune": "mam-orch runners prune"}, no_args_is_help=False)
+app.add_typer(runners_app, name="runners")
+
+
+@runners_app.callback(invoke_without_command=True)
 def runners_cmd(
+    ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="JSON lines (default on a pipe)."),
+    show_all: bool = typer.Option(False, "--all", help="Also offline runners last seen more than 7 days ago."),
     workspace: str = clikit.workspace_option(),
 ) -> int:
     """List runners from their signed retained presence: online, draining or offline,
     running jobs, last seen (PROTOCOL §7). Unsigned or forged presence is refused on stderr."""
-    clikit.setup_logging()
-    return runners_cli(workspace=workspace, as_json=as_json)
+    if ctx.invoked_subcommand is not None:
+        return 0
+    clikit.setup_logging(False if as_json else None)
+    return runners_cli(workspace=workspace, as_json=as_json, show_all=show_all)
+
+
+_PRUNE_SESSIONS = typer.Argument(None, metavar="NAME", help="Only these sessions (each must be offline).")
+
+
+@runners_app.command("prune")
+def runners_prune_cmd(
+    sessions: list[str] = _PRUNE_SESSIONS,
+    older_than_days: float = typer.Option(float(OFFLINE_HIDDEN_DAYS), "--older-than-days", metavar="D",
+                                          help="Without NAME: offline runners last seen over D days ago."),
+    as_json: bool = clikit.json_option(),
+    workspace: str = clikit.workspace_option(),
+) -> int:
+    """Clear the retained presence of offline runners last seen more than 7 days ago (or of the
+    named ones); an online, draining or stale runner is refused (exit 1)."""
+    clikit.setup_logging(False if as_json else None)
+    return prune_cli(list(sessions or []), workspace=workspace, older_than_days=older_than_days, as_json=as_json)
 
 
 @app.command("gc")

@@ -33,14 +33,14 @@ HUMAN_LOG_LEVEL = "WARNING"  # a person reads stdout on a terminal: no INFO line
 
 
 def new_app(name: str, help_text: str, order: Sequence[str] = (),
-            examples: Mapping[str, str] | None = None) -> typer.Typer:
+            examples: Mapping[str, str] | None = None, *, no_args_is_help: bool = True) -> typer.Typer:
     """A typer app with our conventions: no rich tracebacks, `-h` as `--help`, commands
     listed in workflow `order` with whole summaries and an example each (`clihelp`)."""
     return typer.Typer(
         name=name,
         help=help_text,
         cls=clihelp.workflow_group(order, examples or {}),
-        no_args_is_help=True,
+        no_args_is_help=no_args_is_help,
         add_completion=False,
         pretty_exceptions_enable=False,
         rich_markup_mode=None,
