@@ -1,6 +1,8 @@
 """Issue 12 item 4: the CLI views people read, without a broker — no logger lines in a
 human view, the summary line (§15 log places), `show`/`jobs` columns, tokens masked in
-JSON lines, and a `--workspace` that does not exist (exit 64)."""
+JSON lines, a `--workspace` that does not exist (exit 64), human views of `gc`,
+`cancel` and `broker` on a terminal, and `--help` (workflow order, whole summaries,
+an example each, no PROTOCOL references)."""
 
 from __future__ import annotations
 
@@ -9,13 +11,15 @@ import subprocess
 import sys
 
 import pytest
+import typer
 
 from mam.orchestrator.cli import app
 from mam.orchestrator.hints import detach_hint
 from mam.orchestrator.watch import render_event
+from mam.runner.cli import app as runner_app
 from mam.shared import clikit, names
 from mam.shared.errors import ExitCode
-from mam.shared.records import JobNotFound, redact
+from mam.shared.records import JobNotFound, QueueTerms, redact
 from mam.shared.registry import Registry
 from mam.shared.render import jobs_table, show_text, summary_lines
 
@@ -109,3 +113,91 @@ def test_no_record_suggests_the_workspace(reg):
 def test_hints_name_the_workspace_when_given(tmp_path):
     assert f"mam-orch watch 0badc0de --workspace {tmp_path}" in detach_hint("0badc0de", str(tmp_path))
     assert "--workspace" not in detach_hint("0badc0de")
+
+
+class Tty:
+    """capsys with stdout made a terminal (the human views)."""
+
+    def __init__(self, capsys, monkeypatch) -> None:
+        self.capsys, self.monkeypatch = capsys, monkeypatch
+
+    def readouterr(self):
+        return self.capsys.readouterr()
+
+    def on(self) -> None:  # sys.stdout is capsys's own only once the test runs
+        self.monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+
+
+@pytest.fixture
+def tty(capsys, monkeypatch):
+    return Tty(capsys, monkeypatch)
+
+
+def test_gc_dry_run_human_view_lists_or_says_nothing_to_clear(reg, tty):
+    tty.on()
+    assert run_cli("gc", "--dry-run", "--workspace", str(reg.root)) == 0
+    assert tty.readouterr().out.startswith("nothing to clear: no job of this hub ended more than 7 days ago")
+    job_id = reg.register(session="gpu-box")["job_id"]
+    reg.close(job_id, "cancelled", source="operator", reason="test")
+    assert run_cli("gc", "--dry-run", "--older-than-days", "0", "--workspace", str(reg.root)) == 0
+    out = tty.readouterr().out.splitlines()
+    assert out[0] == "would clear the retained topics of 1 job:" and out[2].startswith(f"{job_id}  cancelled")
+    assert run_cli("gc", "--dry-run", "--older-than-days", "0", "--json", "--workspace", str(reg.root)) == 0
+    assert json.loads(tty.readouterr().out) == {"job_id": job_id, "status": "cancelled", "cleared": False,
+                                                "updated_at": reg.get(job_id)["updated_at"]}
+
+
+def test_cancel_on_a_terminal_prints_its_line_not_json_unless_asked(reg, tty):
+    tty.on()
+    queued = reg.register(session="gpu-box", queue=QueueTerms(target_session="gpu-box"))["job_id"]
+    assert run_cli("cancel", queued, "--workspace", str(reg.root)) == 0
+    human = tty.readouterr()
+    assert human.out == "" and human.err == f"job {queued} (attempt 1): cancelled while queued\n"
+    other = reg.register(session="gpu-box", queue=QueueTerms(target_session="gpu-box"))["job_id"]
+    assert run_cli("cancel", other, "--json", "--workspace", str(reg.root)) == 0
+    assert json.loads(tty.readouterr().out)["status"] == "cancelled"
+
+
+def test_broker_down_human_view_is_key_value_lines(tmp_path, tty):
+    tty.on()
+    assert run_cli("broker", "down", "--workspace", str(tmp_path)) == 0
+    assert tty.readouterr().out.splitlines()[0].split() == ["status:", "not", "running"]
+
+
+def _help(capsys, *path: str) -> str:
+    assert run_cli(*path, "--help") == 0
+    return capsys.readouterr().out
+
+
+def _leaves(group, prefix=()):
+    for name, cmd in group.commands.items():
+        if hasattr(cmd, "commands"):
+            yield (*prefix, name), cmd
+            yield from _leaves(cmd, (*prefix, name))
+        else:
+            yield (*prefix, name), cmd
+
+
+def test_help_has_no_protocol_refs_an_example_each_and_whole_summaries(capsys):
+    root = typer.main.get_command(app)
+    top = _help(capsys)
+    listed = [line.split()[0] for line in top.split("Commands:\n")[1].splitlines() if line[:3].strip()]
+    assert listed[:8] == ["init", "config", "broker", "serve", "runner", "runners", "dispatch", "watch"]
+    assert "..." not in top.split("Commands:")[1] and "§" not in top and "PROTOCOL" not in top
+    for path, cmd in _leaves(root):
+        text = _help(capsys, *path)
+        assert "§" not in text and "PROTOCOL" not in text, path
+        assert "..." not in text.split("Commands:")[-1] or not hasattr(cmd, "commands"), path
+        assert "Example: mam-orch " in text, path
+
+
+def test_mam_runner_help_is_the_same_kind(capsys):
+    with pytest.raises(SystemExit):
+        clikit.run(runner_app, "mam-runner", ["--help"])
+    top = capsys.readouterr().out
+    assert "§" not in top and "..." not in top.split("Commands:")[1]
+    for name in ("run", "publish", "enroll", "trust-hub", "jobs", "show"):
+        with pytest.raises(SystemExit):
+            clikit.run(runner_app, "mam-runner", [name, "--help"])
+        text = capsys.readouterr().out
+        assert "§" not in text and "PROTOCOL" not in text and "Example: mam-runner " in text, name
