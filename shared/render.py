@@ -70,7 +70,9 @@ def log_places(record: Mapping[str, Any], root: Path | None) -> tuple[str, str]:
     job_id = str(record.get("job_id"))
     session = record.get("session") or "-"
     runner_side = f"{names.runner_agent_log_path(Path('.'), job_id)} in runner {session}'s workspace"
-    if root is None or record.get("role") not in (None, "hub"):
+    if root is not None and record.get("role") not in (None, "hub"):  # `mam-runner show`: this host is the runner
+        return "-", str(names.runner_agent_log_path(root, job_id))
+    if root is None:
         return "-", runner_side
     try:
         hub_side = str(names.hub_log_path(root, job_id, int(record.get("attempt_id") or 1)))

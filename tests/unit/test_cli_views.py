@@ -201,3 +201,9 @@ def test_mam_runner_help_is_the_same_kind(capsys):
             clikit.run(runner_app, "mam-runner", [name, "--help"])
         text = capsys.readouterr().out
         assert "§" not in text and "PROTOCOL" not in text and "Example: mam-runner " in text, name
+
+
+def test_runner_show_names_its_own_agent_log(reg):
+    record = {**ended(reg), "role": "runner"}
+    assert f"runner log: {names.runner_agent_log_path(reg.root, record['job_id'])}" in " ".join(
+        show_text(record, [], reg.root).splitlines()[6].split())
