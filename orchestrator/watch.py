@@ -375,7 +375,8 @@ class Watcher:
         except Exception as exc:  # noqa: BLE001 - any broker failure here is "unreachable"
             log.error("cannot subscribe: %s", exc)
             return False
-        log.debug("job %s: subscribed to its events and state", self.job_id)
+        # on a pipe tests wait on this line; a human view (a TTY) logs WARNING and up only
+        log.info("job %s: subscribed to its events and state", self.job_id)
         return True
 
     def subscribe(self) -> bool:
