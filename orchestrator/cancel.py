@@ -7,19 +7,23 @@ import json
 import sys
 
 from mam.orchestrator.control import cancel_owed, clear_dispatch, publish_cancel
+from mam.orchestrator.hints import command
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.shared import names
+from mam.shared.clikit import human_view
 from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.errors import BrokerError, TransitionRefused
 from mam.shared.records import JobRecord, moved
 
 
-def _print_result(record: JobRecord, changed: bool) -> None:
+def _print_result(record: JobRecord, changed: bool, as_json: bool = False) -> None:
+    if human_view(as_json):  # the one line on stderr already said what happened
+        return
     print(json.dumps({"job_id": record["job_id"], "status": record["status"], "attempt_id": record["attempt_id"],
                       "changed": changed}), flush=True)
 
 
-def cancel(job_id: str, *, workspace: Workspace = None, reason: str = "operator") -> int:
+def cancel(job_id: str, *, workspace: Workspace = None, reason: str = "operator", as_json: bool = False) -> int:
     """`mam-orch cancel` (§6, §8, §10).
 
     Order: the job id and record first (unknown job: one line, exit 1); a job
@@ -35,7 +39,8 @@ def cancel(job_id: str, *, workspace: Workspace = None, reason: str = "operator"
     agent never outlives the hub's decision). A dispatch or watch attached to
     the job sees the record and exits 4.
 
-    Prints one JSON line on stdout: {"job_id", "status", "attempt_id", "changed"}.
+    Prints one line on stderr; on a pipe (or `as_json`) also one JSON line on stdout:
+    {"job_id", "status", "attempt_id", "changed"}.
 
     Returns:
         0.
@@ -56,7 +61,7 @@ def cancel(job_id: str, *, workspace: Workspace = None, reason: str = "operator"
                 changed = True
         if changed:
             print(f"job {job_id} (attempt {record['attempt_id']}): cancelled while queued", file=sys.stderr)
-            _print_result(record, True)
+            _print_result(record, True, as_json)
             return 0
         record = registry.get(job_id)
     if record["status"] not in TERMINAL_STATUSES or cancel_owed(record):
@@ -75,13 +80,13 @@ def cancel(job_id: str, *, workspace: Workspace = None, reason: str = "operator"
                     publish_cancel(client, record, keys, reason, hub.root)
                 except BrokerError as exc:
                     raise BrokerError(f"job {job_id} is {record['status']} on the hub, but its runner was not "
-                                      f"told: {exc}; run `mam-orch cancel {job_id}` again") from None
+                                      f"told: {exc}; run `{command(f'cancel {job_id}', workspace)}` again") from None
                 what = "cancelled" if changed else f"already {record['status']}; sent the cancel to its runner again"
                 print(f"job {job_id} (attempt {record['attempt_id']}): {what}", file=sys.stderr)
-                _print_result(record, changed)
+                _print_result(record, changed, as_json)
                 return 0
         finally:
             client.close()
     print(f"job {job_id} is already {record['status']}; nothing to cancel", file=sys.stderr)
-    _print_result(record, False)
+    _print_result(record, False, as_json)
     return 0

@@ -9,26 +9,51 @@ from typing import Any
 
 import typer
 
+from mam.orchestrator import brokercheck
 from mam.orchestrator.cancel import cancel
 from mam.orchestrator.dispatch import dispatch_cli
 from mam.orchestrator.follow import watch_cli
 from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
 from mam.orchestrator.http import serve_http_cli
+from mam.orchestrator.hints import command
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.logs import logs_cli
 from mam.orchestrator.redispatch import redispatch_cli
 from mam.orchestrator.roster_cli import runner_app
-from mam.orchestrator.runners import runners_cli
+from mam.orchestrator.runners import OFFLINE_HIDDEN_DAYS, prune_cli, runners_cli
 from mam.orchestrator.service import serve_cli
 from mam.orchestrator.thin import service_runs, thin_dispatch_cli
 from mam.shared import broker, clikit
 from mam.shared.config import describe
-from mam.shared.errors import MamError
+from mam.shared.errors import BrokerUnavailable, ExitCode, MamError
+
+# `--help` lists the commands in the order a new operator uses them, one example each
+WORKFLOW = ("init", "config", "broker", "serve", "runner", "runners", "dispatch", "watch", "logs", "jobs", "show",
+            "cancel", "redispatch", "gc")
+EXAMPLES = {
+    "init": "mam-orch init --broker hub.example.net",
+    "config": "mam-orch config --check",
+    "broker": "mam-orch broker up --listen 0.0.0.0",
+    "serve": "mam-orch serve --workspace ~/fleet",
+    "runner": "mam-orch runner list",
+    "runners": "mam-orch runners --all",
+    "dispatch": "mam-orch dispatch --labels gpu --brief 'Fix the flaky test in tests/test_io.py'",
+    "watch": "mam-orch watch 918b0612",
+    "logs": "mam-orch logs 918b0612 --follow",
+    "jobs": "mam-orch jobs --status running",
+    "show": "mam-orch show 918b0612",
+    "cancel": "mam-orch cancel 918b0612",
+    "redispatch": "mam-orch redispatch 918b0612 --session gpu-box-2",
+    "gc": "mam-orch gc --dry-run",
+}
+BROKER_EXAMPLES = {"up": "mam-orch broker up --listen 0.0.0.0", "down": "mam-orch broker down",
+                   "status": "mam-orch broker status"}
 
 app = clikit.new_app(
     "mam-orch",
     "The hub of mam-fleet: dispatch jobs to runners over MQTT, watch them, "
     "cancel and redispatch them, run an embedded broker.",
+    WORKFLOW, EXAMPLES,
 )
 
 
@@ -41,12 +66,23 @@ def _root(version: bool = clikit.version_option("mam-orch")) -> None:
 def config_cmd(
     workspace: str = clikit.workspace_option(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (default on a pipe)."),
-) -> None:
+    check: bool = typer.Option(False, "--check", help="Also connect to the broker and say what answered "
+                                                      "(reachable, auth ok, MQTT version, JetStream); exit 3 "
+                                                      "when no broker host accepted the connection."),
+) -> int:
     """Show the resolved broker settings and where they came from (PROTOCOL §13).
 
     Passwords and MAM_DISPATCH_SECRET are shown only as set or unset.
     """
     info = describe(workspace)
+    if check:
+        clikit.setup_logging(False if as_json else None)
+        found = brokercheck.check(workspace)
+        if clikit.human_view(as_json):
+            typer.echo("\n".join(brokercheck.check_lines(found)))
+        else:
+            typer.echo(json.dumps({**info, "check": found}, sort_keys=True))
+        return 0 if found["healthy"] else ExitCode.BROKER
     if as_json or not sys.stdout.isatty():
         typer.echo(json.dumps(info))
     else:
@@ -58,6 +94,7 @@ def config_cmd(
                    f"{'set' if settings['password_set'] else 'unset'}")
         typer.echo(f"topic root:      {settings['topic_root']}")
         typer.echo(f"dispatch secret: {'set' if info['dispatch_secret_set'] else 'unset'}")
+    return 0
 
 
 @app.command("init")
@@ -91,14 +128,15 @@ def init_cmd(
 clikit.add_registry_commands(app)
 
 
-broker_app = clikit.new_app("broker", "Run the hub's embedded nats-server (MQTT, JetStream, websocket).")
+broker_app = clikit.new_app("broker", "Run the hub's embedded nats-server (MQTT, JetStream, websocket).",
+                            ("up", "status", "down"), BROKER_EXAMPLES)
 app.add_typer(broker_app, name="broker")
 app.add_typer(runner_app, name="runner")  # §16 roster; `runners` (plural, below) lists presence
 
 
-def _print_json(info: dict[str, Any]) -> None:
-
-    typer.echo(json.dumps(info, sort_keys=True))
+def _print_json(info: dict[str, Any], as_json: bool = True) -> None:
+    """One JSON line, or `key: value` lines for a person at a terminal."""
+    clikit.print_view(info, as_json)
 
 
 @broker_app.command("up")
@@ -114,14 +152,16 @@ def broker_up_cmd(
     listen: str = typer.Option("127.0.0.1", "--listen", metavar="HOST",
                                help="Listen address of every listener: an IP address or host name of this "
                                     "machine (0.0.0.0 for runners on other hosts)."),
+    as_json: bool = clikit.json_option(),
 ) -> int:
     """Start nats-server detached and wait until it accepts MQTT; write .mam.env if missing.
     After an unclean stop (a stale pid file), re-clear the retained topics of ended and
     started jobs as `gc --reclear` does (the count is `recleared_jobs`).
 
-    Prints one JSON line (no secrets). Already running: says so, exit 0. Exit 64: a port
-    out of range, two listeners on one port, or a bad --listen (nothing started or
-    written); exit 1: a port in use or the server did not start (nothing left running).
+    Prints what it started (one JSON line on a pipe or with --json; no secrets).
+    Already running: says so, exit 0. Exit 64: a port out of range, two listeners on one
+    port, or a bad --listen (nothing started or written); exit 1: a port in use or the
+    server did not start (nothing left running).
     """
     info = broker.up(workspace, mqtt_port=mqtt_port, port=port, ws_port=ws_port,
                      monitor_port=monitor_port, host=listen)
@@ -131,29 +171,46 @@ def broker_up_cmd(
             info["recleared_jobs"] = len(done)
         except MamError as exc:  # the broker runs: say what is left to do, exit 0
             info["reclear_error"] = str(exc)
-            typer.echo(f"WARNING: re-clearing retained topics failed ({exc}); run `mam-orch gc --reclear`",
-                       err=True)
-    _print_json(info)
+            typer.echo(f"WARNING: re-clearing retained topics failed ({exc}); "
+                       f"run `{command('gc --reclear', workspace)}`", err=True)
+    _print_json(info, as_json)
     return 0
 
 
 @broker_app.command("down")
 def broker_down_cmd(
     workspace: str = clikit.workspace_option(),
+    as_json: bool = clikit.json_option(),
 ) -> int:
     """Stop the broker: SIGTERM, then SIGKILL after 10 s. Not running: exit 0."""
-    _print_json(broker.down(workspace))
+    _print_json(broker.down(workspace), as_json)
     return 0
 
 
 @broker_app.command("status")
 def broker_status_cmd(
     workspace: str = clikit.workspace_option(),
+    as_json: bool = clikit.json_option(),
 ) -> int:
-    """Check the broker natively (version, JetStream, MQTT streams); exit 3 when down, 1 when unhealthy."""
-    info = broker.status(workspace)
-    _print_json(info)
-    return 0 if info["healthy"] else 1
+    """Check the broker: this workspace's own nats-server natively (version, JetStream,
+    MQTT streams), else the configured broker over MQTT (reachable, auth ok).
+
+    Exit 3 when no broker answers, 1 when it answers but is unhealthy.
+    """
+    if broker.running(workspace):
+        info = broker.status(workspace)
+        _print_json(info, as_json)
+        return 0 if info["healthy"] else 1
+    found = brokercheck.check(workspace)  # a broker this hub did not start: ask the configured one
+    if clikit.human_view(as_json):
+        typer.echo("\n".join(["this workspace's embedded broker is not running; the configured broker:",
+                               *brokercheck.check_lines(found)]))
+    else:
+        typer.echo(json.dumps({"running": False, **found}, sort_keys=True))
+    if not found["healthy"]:
+        raise BrokerUnavailable("broker is not running in this workspace and the configured broker does not "
+                                f"accept us (start one: `{command('broker up', workspace)}`)")
+    return 0
 
 
 @app.command("watch")
@@ -227,7 +284,7 @@ def dispatch_cmd(
     timeout or queue_timeout, 3 broker unreachable, 4 cancelled, 5 no online
     runner (--require-online), 64 bad arguments, 130 detached with Ctrl-C.
     """
-    clikit.setup_logging()
+    clikit.setup_logging(False if as_json else None)
     if not require_online and service_runs(workspace):  # the thin CLI: the service publishes and watches (§14)
         return thin_dispatch_cli(session=session, brief=brief, brief_file=brief_file, heartbeat_s=heartbeat,
                                  heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout,
@@ -253,7 +310,6 @@ def logs_cmd(
 
     The hub's copy is written by `dispatch`, `watch` or the hub service while
     they run; the runner keeps the whole output in its own agent.log.
-    Example: mam-orch logs 918b0612 --follow
     """
     clikit.setup_logging()
     return logs_cli(job_id, workspace=workspace, follow=follow, attempt=attempt)
@@ -263,14 +319,15 @@ def logs_cmd(
 def cancel_cmd(
     job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
     workspace: str = clikit.workspace_option(),
+    as_json: bool = clikit.json_option(),
 ) -> int:
     """Cancel a job: record cancelled, retained dispatch cleared, signed retained cancel published (§6).
 
     A job already terminal is reported and left alone (exit 0). Exit 1 for
     an unknown job, 3 when the broker is unreachable (the record is unchanged).
     """
-    clikit.setup_logging()
-    return cancel(job_id, workspace=workspace)
+    clikit.setup_logging(False if as_json else None)
+    return cancel(job_id, workspace=workspace, as_json=as_json)
 
 
 @app.command("redispatch")
@@ -294,15 +351,41 @@ def redispatch_cmd(
                           as_json=as_json, workspace=workspace)
 
 
-@app.command("runners")
+runners_app = clikit.new_app("runners", "List runners from their signed retained presence; prune long-gone ones.",
+                             ("prune",), {"prune": "mam-orch runners prune"}, no_args_is_help=False)
+app.add_typer(runners_app, name="runners")
+
+
+@runners_app.callback(invoke_without_command=True)
 def runners_cmd(
+    ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="JSON lines (default on a pipe)."),
+    show_all: bool = typer.Option(False, "--all", help="Also offline runners last seen more than 7 days ago."),
     workspace: str = clikit.workspace_option(),
 ) -> int:
     """List runners from their signed retained presence: online, draining or offline,
     running jobs, last seen (PROTOCOL §7). Unsigned or forged presence is refused on stderr."""
-    clikit.setup_logging()
-    return runners_cli(workspace=workspace, as_json=as_json)
+    if ctx.invoked_subcommand is not None:
+        return 0
+    clikit.setup_logging(False if as_json else None)
+    return runners_cli(workspace=workspace, as_json=as_json, show_all=show_all)
+
+
+_PRUNE_SESSIONS = typer.Argument(None, metavar="NAME", help="Only these sessions (each must be offline).")
+
+
+@runners_app.command("prune")
+def runners_prune_cmd(
+    sessions: list[str] = _PRUNE_SESSIONS,
+    older_than_days: float = typer.Option(float(OFFLINE_HIDDEN_DAYS), "--older-than-days", metavar="D",
+                                          help="Without NAME: offline runners last seen over D days ago."),
+    as_json: bool = clikit.json_option(),
+    workspace: str = clikit.workspace_option(),
+) -> int:
+    """Clear the retained presence of offline runners last seen more than 7 days ago (or of the
+    named ones); an online, draining or stale runner is refused (exit 1)."""
+    clikit.setup_logging(False if as_json else None)
+    return prune_cli(list(sessions or []), workspace=workspace, older_than_days=older_than_days, as_json=as_json)
 
 
 @app.command("gc")
@@ -314,6 +397,7 @@ def gc_cmd(
                                   help="Instead: clear again the dispatch and control of every ended job and "
                                        "the dispatch of every started one (after a broker crash)."),
     workspace: str = clikit.workspace_option(),
+    as_json: bool = clikit.json_option(),
 ) -> int:
     """Clear the retained dispatch, events, state and control of jobs terminal
     for longer than the retention period (PROTOCOL §2). Records stay on disk.
@@ -321,7 +405,7 @@ def gc_cmd(
     clikit.setup_logging()
     if reclear_:
         return reclear_cli(workspace=workspace)
-    return gc_cli(older_than_days=older_than_days, workspace=workspace, dry_run=dry_run)
+    return gc_cli(older_than_days=older_than_days, workspace=workspace, dry_run=dry_run, as_json=as_json)
 
 
 @app.command("serve")

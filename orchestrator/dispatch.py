@@ -35,6 +35,7 @@ from mam.shared.fsio import atomic_write
 from mam.shared.mqtt import MqttClient
 from mam.shared.records import JobRecord, QueueTerms, describe_target
 from mam.shared.registry import Registry
+from mam.shared.render import print_summary
 
 HUB_NAME_MAX_CHARS = 255
 
@@ -368,6 +369,8 @@ def follow_queued(registry: Registry, record: JobRecord, keys: DispatchKeys, cli
             hint = reattach_hint(registry, job_id, workspace) if code == ExitCode.BROKER else None
             if hint is not None:
                 print(hint, file=sys.stderr)
+            if watcher.human:
+                print_summary(registry, job_id, watcher.out)
             return code
         print(f"job {job_id}: attempt {ended['attempt_id']} ended {reason} on {session}; retry "
               f"{retry.get('retried')} of {retry.get('retries')}: attempt {retry['attempt_id']} queued",

@@ -29,6 +29,7 @@ from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.errors import ConfigError, ExitCode, UsageError
 from mam.shared.records import JobRecord
 from mam.shared.registry import Registry
+from mam.shared.render import print_summary
 
 log = logging.getLogger("mam.watch")
 
@@ -144,6 +145,8 @@ def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s
             print(detach_hint(job_id, workspace), file=sys.stderr)
             return ExitCode.DETACHED
         if code is not None:
+            if sys.stdout.isatty():
+                print_summary(hub.registry, job_id)
             return code
         record = hub.registry.get(job_id)
     remote = remote or record.get("transport") == "remote" and record.get("role") == "hub"
@@ -165,5 +168,7 @@ def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s
     hint = reattach_hint(hub.registry, job_id, workspace) if code == ExitCode.BROKER else None
     if hint is not None:
         print(hint, file=sys.stderr)
+    if watcher.human:
+        print_summary(hub.registry, job_id, watcher.out)
     return code
 

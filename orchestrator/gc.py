@@ -19,10 +19,13 @@ import time
 from mam.orchestrator.control import clear_retained
 from mam.orchestrator.hub import DAY_S, Workspace, open_hub
 from mam.shared import names
+from mam.shared.clikit import human_view
 from mam.shared.codes import TERMINAL_STATUSES, JobStatus
+from mam.shared.config import existing_root
 from mam.shared.errors import UsageError
 from mam.shared.mqtt import MqttClient
 from mam.shared.records import JobRecord, utc_now
+from mam.shared.render import table
 from mam.shared.wire import parse_ts
 
 RETAINED_LEAVES = ("dispatch", "events", "state", "control")
@@ -34,13 +37,25 @@ ENDED_LEAVES = ("dispatch", "control")
 STARTED_LEAVES = ("dispatch",)
 
 
-def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = None, dry_run: bool = False) -> int:
+def _gc_text(rows: list[dict[str, object]], dry_run: bool, older_than_days: float, checked: int) -> str:
+    """The human view of `gc`: what was (or would be) cleared, or that there is nothing to clear."""
+    if not rows:
+        return (f"nothing to clear: no job of this hub ended more than {older_than_days:g} days ago and still "
+                f"has retained topics ({checked} records checked)\n")
+    verb = "would clear" if dry_run else "cleared"
+    head = f"{verb} the retained topics of {len(rows)} job{'s' if len(rows) != 1 else ''}:\n"
+    return head + table(["JOB", "STATUS", "ENDED"], [[r["job_id"], r["status"], r["updated_at"]] for r in rows])
+
+
+def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = None, dry_run: bool = False,
+           as_json: bool = False) -> int:
     """`mam-orch gc`: clear the retained dispatch, terminal event, state and
     control of this hub's jobs terminal for longer than `older_than_days` (§2).
 
     Records and audit logs stay on disk; each cleared job gets a
     `retained_cleared` audit line and is skipped by later runs. Jobs still
-    pending/running are never touched. Prints one JSON line per job cleared.
+    pending/running are never touched. Prints one JSON line per job cleared (a
+    human view on a terminal without `as_json`; it says when there is nothing to clear).
 
     Args:
         older_than_days: retention in days, >= 0 (0: every terminal job).
@@ -52,6 +67,7 @@ def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = No
     """
     if not 0 <= older_than_days <= MAX_RETENTION_DAYS:
         raise UsageError(f"--older-than-days {older_than_days:g} is invalid: expected 0..{MAX_RETENTION_DAYS}")
+    existing_root(workspace)
     hub = open_hub(workspace)
     registry = hub.registry
     records, errors = registry.list()
@@ -78,9 +94,13 @@ def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = No
                                                "topics": list(RETAINED_LEAVES)})
         finally:
             client.close()
-    for record in due:
-        print(json.dumps({"job_id": record["job_id"], "status": record["status"],
-                          "updated_at": record["updated_at"], "cleared": not dry_run}))
+    rows = [{"job_id": record["job_id"], "status": record["status"], "updated_at": record["updated_at"],
+             "cleared": not dry_run} for record in due]
+    if human_view(as_json):
+        print(_gc_text(rows, dry_run, older_than_days, len(records)), end="")
+    else:
+        for row in rows:
+            print(json.dumps(row))
     for exc in errors:
         print(f"ERROR: {exc}", file=sys.stderr)
     return 1 if errors else 0

@@ -15,6 +15,11 @@ def _where(workspace: Workspace) -> str:
     return f" --workspace {shlex.quote(os.fspath(workspace))}" if workspace is not None else ""
 
 
+def command(text: str, workspace: Workspace = None) -> str:
+    """`mam-orch TEXT`, with `--workspace DIR` when one was given: a command a person can paste."""
+    return f"mam-orch {text}{_where(workspace)}"
+
+
 def detach_hint(job_id: str, workspace: Workspace = None) -> str:
     """What Ctrl-C prints (§10): how to re-attach or cancel."""
     return (f"detached from job {job_id}; it keeps running. Re-attach: mam-orch watch {job_id}{_where(workspace)}  "

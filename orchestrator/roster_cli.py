@@ -24,7 +24,11 @@ from mam.shared.keys import EnrolRequest
 KEY_SHOWN_CHARS = 12
 """How much of a public key `runner list` shows in its table (the full key is in --json)."""
 
-runner_app = clikit.new_app("runner", "Enrol, list and revoke runners; rotate the hub key (PROTOCOL §16).")
+runner_app = clikit.new_app(
+    "runner", "Enrol, list and revoke runners; rotate the hub key (PROTOCOL §16).",
+    ("add", "list", "revoke", "rotate-hub-key"),
+    {"add": "mam-orch runner add 'THE_LINE_MAM_RUNNER_ENROLL_PRINTED'", "list": "mam-orch runner list",
+     "revoke": "mam-orch runner revoke gpu-box", "rotate-hub-key": "mam-orch runner rotate-hub-key"})
 
 __all__ = ["runner_app"]
 

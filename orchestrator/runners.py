@@ -20,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from mam.orchestrator import roster
-from mam.orchestrator.hub import Workspace, open_hub
+from mam.orchestrator.control import clear_retained
+from mam.orchestrator.hub import DAY_S, Workspace, open_hub
 from mam.orchestrator.queue import RunnerView
 from mam.shared import crypto, names, render, wire
 from mam.shared.codes import PresenceStatus
 from mam.shared.crypto import DispatchKeys
-from mam.shared.errors import ProtocolError, RegistryError, SignatureError
+from mam.shared.errors import ProtocolError, RegistryError, SignatureError, UsageError
 from mam.shared.fsio import atomic_write, read_json_object
 from mam.shared.mqtt import MqttClient
 from mam.shared.records import utc_now
@@ -48,6 +49,7 @@ QUEUE_LIMIT_COUNTS = frozenset({MOSQUITTO_DEFAULT_QUEUED, MOSQUITTO_DEFAULT_QUEU
 SEEN_MAX_BYTES = 4096
 READ_PRESENCE_QUIET_S = 1.0  # one session: its retained presence comes at once, or not at all
 STALE = "stale"
+OFFLINE_HIDDEN_DAYS = 7  # `runners` hides offline sessions last seen longer ago (`--all` shows them)
 
 log = logging.getLogger("mam.runners")
 REFUSAL_SHOWN_CHARS = 240  # a runner's refusal line, as the hub shows it
@@ -266,11 +268,74 @@ def read_presence(client: MqttClient, keys: DispatchKeys, session: str, *,
     return rows[0] if rows else None
 
 
-def runners_cli(*, workspace: Workspace = None, as_json: bool = False) -> int:
+def old_offline(row: Row, older_than_days: float = OFFLINE_HIDDEN_DAYS, now: float | None = None) -> bool:
+    """An offline presence last seen more than `older_than_days` ago (a session long gone)."""
+    if row["status"] != PresenceStatus.OFFLINE:
+        return False
+    try:
+        seen = wire.parse_ts(str(row["last_seen"])).timestamp()
+    except (ValueError, TypeError):
+        return False
+    return (time.time() if now is None else now) - seen > older_than_days * DAY_S
+
+
+def prune_cli(sessions: list[str], *, workspace: Workspace = None, older_than_days: float = OFFLINE_HIDDEN_DAYS,
+              as_json: bool = False) -> int:
+    """`mam-orch runners prune`: clear the retained presence (§7) of offline sessions last seen
+    more than `older_than_days` ago, or of the named `sessions` (offline ones, any age).
+
+    Returns:
+        0, or 1 when a named session is online, draining or stale (refused, not cleared) or has no presence.
+    Raises:
+        UsageError (64), ConfigError (64), EnvFileError (1), BrokerError (3).
+    """
+    if older_than_days < 0:
+        raise UsageError(f"--older-than-days {older_than_days:g} is invalid: expected >= 0")
+    for session in sessions:
+        names.validate_session(session)
+    hub = open_hub(workspace)
+    keys = hub.keys()
+    client = hub.connect("runners")
+    refused = 0
+    try:
+        burst = receive_presence(client, keys, roster_root=hub.root)
+        rows = burst.sorted_rows()
+        if sessions:
+            by_session = {row["session"]: row for row in rows}
+            due = []
+            for session in sessions:
+                row = by_session.get(session)
+                if row is None or row["status"] != PresenceStatus.OFFLINE:
+                    what = "has no presence" if row is None else f"is {row['status']}"
+                    print(f"ERROR: runner {session} {what}; only an offline presence is cleared", file=sys.stderr)
+                    refused += 1
+                else:
+                    due.append(row)
+        else:
+            due = [row for row in rows if old_offline(row, older_than_days)]
+        for row in due:
+            clear_retained(client, names.presence_topic(row["session"], client.config.topic_root))
+    finally:
+        client.close()
+    if as_json or not sys.stdout.isatty():
+        for row in due:
+            print(json.dumps({"session": row["session"], "last_seen": row["last_seen"], "cleared": True},
+                             sort_keys=True))
+    elif due:
+        print(f"cleared the presence of {len(due)} offline runner{'s' if len(due) != 1 else ''}: "
+              f"{', '.join(row['session'] for row in due)}")
+    else:
+        print(f"nothing to prune: no offline runner last seen more than {older_than_days:g} days ago")
+    return 1 if refused else 0
+
+
+def runners_cli(*, workspace: Workspace = None, as_json: bool = False, show_all: bool = False) -> int:
     """`mam-orch runners`: every runner's verified retained presence (§7):
     session, online / draining / offline, labels (§14), running jobs, last seen. A table on
     a TTY, JSON lines otherwise (or with --json); refusals on stderr, and one
-    WARNING line when the list may be incomplete (`incomplete_reasons`).
+    WARNING line when the list may be incomplete (`incomplete_reasons`). Offline sessions
+    last seen more than OFFLINE_HIDDEN_DAYS ago are left out unless `show_all` (a count
+    of them is said on stderr).
 
     Returns:
         0.
@@ -292,6 +357,11 @@ def runners_cli(*, workspace: Workspace = None, as_json: bool = False) -> int:
         print(f"WARNING: received {burst.received} runner presences; the list may be incomplete: "
               f"{'; '.join(reasons)}", file=sys.stderr)
     _keep_count(hub.root, burst.received)
+    hidden = 0 if show_all else sum(old_offline(row) for row in rows)
+    if hidden:
+        rows = [row for row in rows if not old_offline(row)]
+        print(f"{hidden} offline runner{'s' if hidden != 1 else ''} last seen more than {OFFLINE_HIDDEN_DAYS} days "
+              f"ago not shown (--all shows them; `mam-orch runners prune` clears them)", file=sys.stderr)
     if as_json or not sys.stdout.isatty():
         for row in rows:
             print(json.dumps(row, sort_keys=True))

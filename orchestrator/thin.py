@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 from mam.orchestrator.dispatch import hub_contract, print_started, queue_terms, read_brief, save_brief
 from mam.orchestrator.follow import follow_service
-from mam.orchestrator.hints import detach_hint, reattach_hint
+from mam.orchestrator.hints import command, detach_hint, reattach_hint
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.watch import Detached
@@ -23,6 +23,7 @@ from mam.shared import wire
 from mam.shared.errors import ExitCode
 from mam.shared.records import JobRecord, QueueTerms, describe_target
 from mam.shared.registry import Registry
+from mam.shared.render import print_summary
 
 
 def service_runs(workspace: Workspace) -> bool:
@@ -60,9 +61,11 @@ def dispatch_via_service(registry: Registry, *, brief: str, contract: wire.Contr
         print(detach_hint(job_id, workspace), file=sys.stderr)
         return ExitCode.DETACHED
     if code is not None:
+        if not as_json and sys.stdout.isatty():
+            print_summary(registry, job_id)
         return code
     hint = reattach_hint(registry, job_id, workspace) or ""
-    print(f"job {job_id}: the service stopped; start `mam-orch serve` again. {hint}", file=sys.stderr)
+    print(f"job {job_id}: the service stopped; start `{command('serve', workspace)}` again. {hint}", file=sys.stderr)
     return ExitCode.BROKER
 
 

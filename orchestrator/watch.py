@@ -46,7 +46,7 @@ from mam.shared.config import BrokerConfig, env_float
 from mam.shared.crypto import DispatchKeys
 from mam.shared.errors import BrokerError, BrokerUnavailable, ExitCode, TransitionRefused
 from mam.shared.mqtt import MqttClient
-from mam.shared.records import HUB_DECISIONS, JobRecord, utc_now
+from mam.shared.records import HUB_DECISIONS, JobRecord, redact, utc_now
 from mam.shared.registry import Registry
 
 log = logging.getLogger("mam.watch")
@@ -92,8 +92,8 @@ class WatchOptions:
 
 def render_event(payload: dict[str, Any], human: bool) -> str:
     """One accepted event as `watch` prints it: a JSON line, or a human line for a TTY."""
-    if not human:
-        return json.dumps(payload, sort_keys=True) + "\n"
+    if not human:  # tokens masked as `show` does (a dispatch token in clear helps a forger)
+        return json.dumps(redact(payload), sort_keys=True) + "\n"
     data = payload.get("data", {})
     stamp = str(payload.get("timestamp", ""))[CLOCK_CHARS]
     extra = f" (exit {data['exit_code']})" if "exit_code" in data else ""
@@ -375,6 +375,7 @@ class Watcher:
         except Exception as exc:  # noqa: BLE001 - any broker failure here is "unreachable"
             log.error("cannot subscribe: %s", exc)
             return False
+        # on a pipe tests wait on this line; a human view (a TTY) logs WARNING and up only
         log.info("job %s: subscribed to its events and state", self.job_id)
         return True
 

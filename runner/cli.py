@@ -26,6 +26,13 @@ app = clikit.new_app(
     "mam-runner",
     "The worker side of mam-fleet: take dispatched jobs for a session, run the "
     "agent under a heartbeat, and publish its events.",
+    ("enroll", "trust-hub", "run", "publish", "jobs", "show"),
+    {"enroll": "mam-runner enroll --session gpu-box",
+     "trust-hub": "mam-runner trust-hub -- HUB_PUBLIC_KEY",
+     "run": "mam-runner run --session gpu-box --labels gpu --exec 'claude -p'",
+     "publish": "mam-runner publish --job \"$MAM_JOB_ID\" --event progress --detail 'tests pass'",
+     "jobs": "mam-runner jobs --status running",
+     "show": "mam-runner show 918b0612"},
 )
 
 

@@ -424,6 +424,11 @@ async def _nats_probe(url: str, password: str, timeout_s: float) -> dict[str, An
         await nc.close()
 
 
+def running(workspace: str | None = None) -> bool:
+    """True when this workspace's embedded broker (`broker up`) has a live process."""
+    return _live_process(_read_state(BrokerPaths(resolve_root(workspace)))) is not None
+
+
 def status(workspace: str | None = None, *, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
     """Check the workspace broker natively with nats-py, as the system account's user.
 

@@ -9,14 +9,16 @@ exits with `errors.exit_code_for`.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import typer
 
-from mam.shared import __version__
+from mam.shared import __version__, clihelp
 from mam.shared.errors import EnvFileError, ExitCode, MamError, exit_code_for
 from mam.shared.render import cli_jobs, cli_show
 
@@ -27,14 +29,18 @@ except ImportError:  # pragma: no cover - typer < 0.2x only (click itself may be
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 DEFAULT_LOG_LEVEL = "INFO"
+HUMAN_LOG_LEVEL = "WARNING"  # a person reads stdout on a terminal: no INFO lines mixed into the view
 
 
-def new_app(name: str, help_text: str) -> typer.Typer:
-    """A typer app with our conventions: no rich tracebacks, `-h` as `--help`."""
+def new_app(name: str, help_text: str, order: Sequence[str] = (),
+            examples: Mapping[str, str] | None = None, *, no_args_is_help: bool = True) -> typer.Typer:
+    """A typer app with our conventions: no rich tracebacks, `-h` as `--help`, commands
+    listed in workflow `order` with whole summaries and an example each (`clihelp`)."""
     return typer.Typer(
         name=name,
         help=help_text,
-        no_args_is_help=True,
+        cls=clihelp.workflow_group(order, examples or {}),
+        no_args_is_help=no_args_is_help,
         add_completion=False,
         pretty_exceptions_enable=False,
         rich_markup_mode=None,
@@ -92,14 +98,53 @@ def workspace_option() -> Any:
                              "parent with .agents or .git, else the current directory; PROTOCOL §8).")
 
 
-def setup_logging() -> None:
+def setup_logging(human: bool | None = None) -> None:
     """Send logs to stderr (stdout carries JSON lines only, PROTOCOL §9).
 
-    MAM_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR) sets the level; default INFO.
+    MAM_LOG_LEVEL (DEBUG, INFO, WARNING, ERROR) sets the level; default INFO,
+    WARNING when a person reads the human view (`human`, default: stdout is a TTY).
     """
-    level = os.environ.get("MAM_LOG_LEVEL", DEFAULT_LOG_LEVEL).upper()
-    logging.basicConfig(level=level if level in LOG_LEVELS else DEFAULT_LOG_LEVEL,
+    if human is None:
+        human = sys.stdout.isatty()
+    default = HUMAN_LOG_LEVEL if human else DEFAULT_LOG_LEVEL
+    level = os.environ.get("MAM_LOG_LEVEL", default).upper()
+    logging.basicConfig(level=level if level in LOG_LEVELS else default,
                         stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def human_view(as_json: bool) -> bool:
+    """A person reads stdout (a TTY) and did not ask for `--json`."""
+    return not as_json and sys.stdout.isatty()
+
+
+def key_value_lines(info: Mapping[str, Any]) -> list[str]:
+    """`key: value` lines of a flat result (lists joined with ", ", dicts as k=v)."""
+    width = max((len(str(k)) for k in info), default=0) + 1
+    lines = []
+    for key, value in info.items():
+        if isinstance(value, Mapping):
+            value = " ".join(f"{k}={v}" for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            value = ", ".join(str(v) for v in value) or "-"
+        lines.append(f"{(str(key) + ':').ljust(width)} {'-' if value is None else value}")
+    return lines
+
+
+def print_view(info: Mapping[str, Any], as_json: bool, lines: Sequence[str] | None = None) -> None:
+    """One JSON line (a pipe, or `--json`), else the human `lines` (default `key_value_lines`)."""
+    if human_view(as_json):
+        typer.echo("\n".join(key_value_lines(info) if lines is None else lines))
+    else:
+        typer.echo(json.dumps(info, sort_keys=True))
+
+
+def json_option() -> Any:
+    """`--json`: JSON lines on stdout even on a TTY (a pipe always gets them).
+
+    Returns:
+        a typer OptionInfo, typed Any as `typer.Option` is so it can default a `bool` parameter.
+    """
+    return typer.Option(False, "--json", help="JSON lines on stdout even on a terminal (the default on a pipe).")
 
 
 def fail(message: str, code: int = ExitCode.ERROR) -> NoReturn:

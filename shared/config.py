@@ -105,6 +105,18 @@ def resolve_root(workspace: str | os.PathLike[str] | None = None,
     return root.resolve()
 
 
+def existing_root(workspace: str | os.PathLike[str] | None = None) -> Path:
+    """`resolve_root` for commands that only read a registry: a `--workspace` that is not
+    a directory is a usage error (exit 64), not an empty registry.
+
+    Raises:
+        UsageError: `workspace` was given and is not an existing directory.
+    """
+    if workspace is not None and not Path(workspace).is_dir():
+        raise UsageError(f"--workspace {os.fspath(workspace)!r} is not an existing directory")
+    return resolve_root(workspace)
+
+
 @dataclass(frozen=True)
 class BrokerConfig:
     """Where and how to connect to the MQTT broker (§13).

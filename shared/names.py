@@ -433,6 +433,16 @@ def hub_log_path(root: Path, job_id: str, attempt_id: int) -> Path:
     return job_logs_dir(root, job_id) / f"agent.{validate_attempt(attempt_id)}.log"
 
 
+def brief_path(root: Path, job_id: str) -> Path:
+    """`<root>/.mam/logs/<job_id>/brief.txt`: the hub's 0600 copy of a job's brief (§5)."""
+    return job_logs_dir(root, job_id) / "brief.txt"
+
+
+def runner_agent_log_path(root: Path, job_id: str) -> Path:
+    """`<root>/.mam/logs/<job_id>/agent.log`: the runner's whole output of a job (§11), under the RUNNER's root."""
+    return job_logs_dir(root, job_id) / "agent.log"
+
+
 def hub_log_state_path(root: Path, job_id: str, attempt_id: int) -> Path:
     """`<root>/.mam/logs/<job_id>/agent.<attempt_id>.log.json`: the next chunk expected, bytes dropped (§15)."""
     return job_logs_dir(root, job_id) / f"agent.{validate_attempt(attempt_id)}.log.json"

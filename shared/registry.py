@@ -121,7 +121,8 @@ class Registry(RegistryFiles):
         except FileNotFoundError:
             aside = sorted(path.parent.glob(f"{path.name}.corrupt-*"))
             hint = f" (a corrupt record was kept aside as {aside[-1].name})" if aside else ""
-            raise JobNotFound(f"job {job_id}: no record at {path}{hint}") from None
+            raise JobNotFound(f"job {job_id}: no record at {path}{hint}; is the workspace right? "
+                              f"(give --workspace DIR)") from None
         except OSError as exc:
             raise RegistryError(f"job {job_id}: cannot read {path} "
                                 f"({errno_name(exc)}: {exc.strerror or exc})") from exc

@@ -8,16 +8,93 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
-from mam.shared import names
+from mam.shared import names, wire
+from mam.shared.codes import TERMINAL_STATUSES, JobStatus
+from mam.shared.config import existing_root
 from mam.shared.records import redact
 from mam.shared.registry import Registry
 
-JOB_COLUMNS = (("JOB", "job_id"), ("STATUS", "status"), ("SESSION", "session"), ("ROLE", "role"),
-               ("ATTEMPT", "attempt_id"), ("SEQ", "last_seq"), ("CLOSE", "close_reason"),
-               ("EXIT", "exit_code"), ("LATE", "late_outcome"), ("UPDATED", "updated_at"))
+# the `jobs` table: (header, record key); DURATION and BRIEF are computed (`_job_row`)
+JOB_COLUMNS = (("JOB", "job_id"), ("STATUS", "status"), ("RUNNER", "session"), ("ATTEMPT", "attempt_id"),
+               ("DURATION", "duration"), ("CLOSE", "close_reason"), ("EXIT", "exit_code"),
+               ("LATE", "late_outcome"), ("BRIEF", "brief"))
+BRIEF_READ_MAX_BYTES = 4096  # the views show the brief's first lines only
+BRIEF_CELL_CHARS = 40  # the BRIEF column of `jobs`
+BRIEF_SHOW_LINES = 3  # the brief lines at the top of `show`
+SECONDS_PER_MINUTE = 60
+SECONDS_PER_HOUR = 3600
+
+
+def duration_s(record: Mapping[str, Any], now: float | None = None) -> float | None:
+    """Seconds from the attempt's creation to its end (its last update when terminal, else now)."""
+    try:
+        start = wire.parse_ts(record.get("attempt_created_at") or record["created_at"]).timestamp()
+        end = (wire.parse_ts(record["updated_at"]).timestamp() if record.get("status") in TERMINAL_STATUSES
+               else (time.time() if now is None else now))
+    except (KeyError, ValueError, TypeError):
+        return None
+    return max(0.0, end - start)
+
+
+def format_duration(seconds: float | None) -> str:
+    """`42s`, `3m05s`, `2h01m`; `-` when unknown."""
+    if seconds is None:
+        return "-"
+    whole = int(seconds)
+    if whole < SECONDS_PER_MINUTE:
+        return f"{whole}s"
+    if whole < SECONDS_PER_HOUR:
+        return f"{whole // SECONDS_PER_MINUTE}m{whole % SECONDS_PER_MINUTE:02d}s"
+    return f"{whole // SECONDS_PER_HOUR}h{whole % SECONDS_PER_HOUR // SECONDS_PER_MINUTE:02d}m"
+
+
+def brief_lines(root: Path | None, job_id: str) -> list[str]:
+    """The first lines of the hub's copy of a job's brief (§5); [] when there is none."""
+    if root is None:
+        return []
+    try:
+        with open(names.brief_path(root, job_id), "rb") as handle:
+            raw = handle.read(BRIEF_READ_MAX_BYTES)
+    except (OSError, ValueError):
+        return []
+    return [line for line in raw.decode("utf-8", "replace").splitlines() if line.strip()]
+
+
+def log_places(record: Mapping[str, Any], root: Path | None) -> tuple[str, str]:
+    """Where the full output is on both sides (§15): the hub's copy, the runner's agent.log."""
+    job_id = str(record.get("job_id"))
+    session = record.get("session") or "-"
+    runner_side = f"{names.runner_agent_log_path(Path('.'), job_id)} in runner {session}'s workspace"
+    if root is not None and record.get("role") not in (None, "hub"):  # `mam-runner show`: this host is the runner
+        return "-", str(names.runner_agent_log_path(root, job_id))
+    if root is None:
+        return "-", runner_side
+    try:
+        hub_side = str(names.hub_log_path(root, job_id, int(record.get("attempt_id") or 1)))
+    except (ValueError, TypeError):
+        hub_side = "-"
+    return hub_side, runner_side
+
+
+def summary_lines(record: Mapping[str, Any], root: Path | None) -> str:
+    """The last lines of a human `dispatch`/`watch` view: a cancel said in words, then
+    outcome, duration, runner and where the full output is (§15)."""
+    job_id, status = record.get("job_id"), record.get("status")
+    lines = []
+    if status == JobStatus.CANCELLED:
+        lines.append(f"job {job_id} was cancelled while it was watched (mam-orch cancel or the API)")
+    hub_side, runner_side = log_places(record, root)
+    outcome = _outcome(status, record.get("close_reason") if record.get("close_reason") != status else None)
+    exit_code = record.get("exit_code")
+    lines.append(f"job {job_id} {outcome}{'' if exit_code is None else f' (exit {exit_code})'} after "
+                 f"{format_duration(duration_s(record))} on runner {record.get('session') or '-'}; "
+                 f"full output: hub {hub_side}, runner {runner_side}")
+    return "\n".join(_cell(line) for line in lines) + "\n"
 
 
 def printable(text: str) -> str:
@@ -41,11 +118,29 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def jobs_table(records: Sequence[Mapping[str, Any]]) -> str:
-    """The `jobs` table; `(no jobs)` when empty."""
+def _job_row(record: Mapping[str, Any], root: Path | None) -> list[Any]:
+    brief = brief_lines(root, str(record.get("job_id"))) if record.get("role") in (None, "hub") else []
+    first = brief[0] if brief else None
+    if first is not None and len(first) > BRIEF_CELL_CHARS:
+        first = first[:BRIEF_CELL_CHARS - 1] + "…"
+    computed = {"duration": format_duration(duration_s(record)), "brief": first}
+    return [computed[k] if k in computed else record.get(k) for _, k in JOB_COLUMNS]
+
+
+def print_summary(registry: Registry, job_id: str, out: TextIO | None = None) -> None:
+    """`summary_lines` of a job that ended (nothing while it is still open)."""
+    record = registry.get(job_id)
+    if record["status"] in TERMINAL_STATUSES:
+        stream = out or sys.stdout
+        stream.write(summary_lines(redact(record), registry.root))
+        stream.flush()
+
+
+def jobs_table(records: Sequence[Mapping[str, Any]], root: Path | None = None) -> str:
+    """The `jobs` table (duration, runner and the brief's first line from `root`); `(no jobs)` when empty."""
     if not records:
         return "(no jobs)\n"
-    return table([h for h, _ in JOB_COLUMNS], [[r.get(k) for _, k in JOB_COLUMNS] for r in records])
+    return table([h for h, _ in JOB_COLUMNS], [_job_row(r, root) for r in records])
 
 
 def _outcome(status: Any, close_reason: Any) -> str:
@@ -63,10 +158,33 @@ def attempts(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def show_text(record: Mapping[str, Any], trail: Sequence[Mapping[str, Any]]) -> str:
-    """The `show` view: the record as `key: value` lines, its attempts, then the audit trail."""
+def show_head(record: Mapping[str, Any], root: Path | None) -> list[str]:
+    """The top of `show`: what a person asks first (status, runner, attempts, duration, brief, logs)."""
+    hub_side, runner_side = log_places(record, root)
+    close = record.get("close_reason")
+    head = [("job", record.get("job_id")),
+            ("status", _outcome(record.get("status"), close if close != record.get("status") else None)),
+            ("runner", record.get("session") or "-"),
+            ("attempts", len(attempts(record))),
+            ("duration", format_duration(duration_s(record))),
+            ("hub log", hub_side),
+            ("runner log", runner_side)]
+    lines = [f"{k + ':':<12}{_cell(v)}" for k, v in head]
+    brief = brief_lines(root, str(record.get("job_id")))
+    for n, text in enumerate(brief[:BRIEF_SHOW_LINES]):
+        lines.append(f"{'brief:' if n == 0 else '':<12}{_cell(text)}")
+    if len(brief) > BRIEF_SHOW_LINES:
+        lines.append(f"{'':<12}… ({len(brief) - BRIEF_SHOW_LINES} more lines)")
+    return lines
+
+
+def show_text(record: Mapping[str, Any], trail: Sequence[Mapping[str, Any]], root: Path | None = None) -> str:
+    """The `show` view: the summary (`show_head`), the record as `key: value` lines, its
+    attempts, then the audit trail."""
     width = max(len(k) for k in record) if record else 0
-    lines = [f"{k.ljust(width)}  {_cell(record[k])}" for k in sorted(record)]
+    lines = show_head(record, root)
+    lines += ["", "record:"]
+    lines += [f"  {k.ljust(width)}  {_cell(record[k])}" for k in sorted(record)]
     lines.append("")
     lines.append("attempts:")
     lines += [f"  {_cell(row['attempt_id'])}  {_cell(row['session'])}  {_cell(row['outcome'])}"
@@ -99,14 +217,14 @@ def cli_jobs(*, workspace: str | os.PathLike[str] | None, status: str | None, as
         UsageError: a bad status. RegistryError: the jobs folder cannot be listed.
     """
     out = stream or sys.stdout
-    registry = Registry.at(workspace)
+    registry = Registry(existing_root(workspace))
     records, errors = registry.list(status)
     safe = [redact(r) for r in records]
     if as_json or not out.isatty():
         for record in safe:
             out.write(json.dumps(record, sort_keys=True) + "\n")
     else:
-        out.write(jobs_table(safe))
+        out.write(jobs_table(safe, registry.root))
     for exc in errors:
         print(f"ERROR: {exc}", file=sys.stderr)
     return 1 if errors else 0
@@ -125,11 +243,11 @@ def cli_show(*, workspace: str | os.PathLike[str] | None, job_id: str, as_json: 
     """
     names.validate_job_id(job_id)
     out = stream or sys.stdout
-    registry = Registry.at(workspace)
+    registry = Registry(existing_root(workspace))
     record = redact(registry.get(job_id))
     trail = redact(registry.audit(job_id))
     if as_json or not out.isatty():
         out.write(json.dumps({"record": record, "audit": trail, "attempts": attempts(record)}, sort_keys=True) + "\n")
     else:
-        out.write(show_text(record, trail))
+        out.write(show_text(record, trail, registry.root))
     return 0

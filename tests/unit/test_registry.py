@@ -582,7 +582,7 @@ def test_s8_jobs_and_show_tty_tables_redact_tokens(reg, tmp_path):
     out = Tty()
     cli_jobs(workspace=tmp_path, status=None, as_json=False, stream=out)
     table = out.getvalue()
-    assert table.splitlines()[0].split()[:3] == ["JOB", "STATUS", "SESSION"]
+    assert table.splitlines()[0].split()[:3] == ["JOB", "STATUS", "RUNNER"]
     assert rec["job_id"] in table and "deadline_timeout" in table
     out2 = Tty()
     cli_show(workspace=tmp_path, job_id=rec["job_id"], as_json=False, stream=out2)
@@ -590,6 +590,7 @@ def test_s8_jobs_and_show_tty_tables_redact_tokens(reg, tmp_path):
     for secret in _secrets(reg):
         assert secret not in table and secret not in out2.getvalue()
     empty = Tty()
+    (tmp_path / "none").mkdir()  # an empty workspace (one that does not exist is exit 64: test_cli_views.py)
     cli_jobs(workspace=tmp_path / "none", status=None, as_json=False, stream=empty)
     assert empty.getvalue() == "(no jobs)\n"
 
