@@ -14,8 +14,8 @@ from mam.orchestrator.cancel import cancel
 from mam.orchestrator.dispatch import dispatch_cli
 from mam.orchestrator.follow import watch_cli
 from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
-from mam.orchestrator.http import serve_http_cli
 from mam.orchestrator.hints import command
+from mam.orchestrator.http import serve_http_cli
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.logs import logs_cli
 from mam.orchestrator.redispatch import redispatch_cli
