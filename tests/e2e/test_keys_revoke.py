@@ -64,7 +64,7 @@ def test_s16_revoke_mid_job_closes_runner_lost_cancels_and_retries_elsewhere(bro
     if hub_kind == "serve":
         procs.append(start_service(hub, tmp_path / "serve.stderr"))
     marker = tmp_path / "attempt-1-ran"  # attempt 1 sleeps until cancelled, attempt 2 ends at once
-    brief = f"bash -c 'if [ -e {marker} ]; then exit 0; fi; touch {marker}; sleep {6 * PATIENCE_S:.0f}'\n"
+    brief = f"bash -c 'if [ -e {marker} ]; then exit 0; fi; touch {marker}; sleep {2 * PATIENCE_S:.0f}'\n"
     job = subprocess.Popen([*MAM_ORCH, "dispatch", "--labels", "x", "--retries", "1", "--brief", brief, "--json",
                             "--workspace", str(hub)], env=hub_env(), stdin=subprocess.DEVNULL,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
