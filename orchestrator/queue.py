@@ -109,6 +109,10 @@ class Fleet:
         self._views[view.session] = view
         self._labels.update(view.labels)
 
+    def forget(self, session: str) -> None:
+        """Drop `session`'s presence (a revoked runner, §16): it is no candidate until it speaks again."""
+        self._views.pop(session, None)
+
     def inflight(self, session: str, job_id: str) -> None:
         """The hub published a dispatch for `job_id` to `session` (no `started` yet):
         it takes a slot, and `session` becomes the most recently handed runner."""

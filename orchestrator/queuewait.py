@@ -23,6 +23,7 @@ from typing import NamedTuple, TextIO
 
 from mam.orchestrator.control import publish_cancel
 from mam.orchestrator.queue import Fleet, QueuedJob, matches, plan, why_waiting
+from mam.orchestrator.roster import Revocations
 from mam.orchestrator.runners import CLOCK_SKEW_S, PRESENCE_STALE_S, presence_view
 from mam.shared import names, wire
 from mam.shared.codes import DEFAULT_RETRY_ON, OPEN_STATUSES, PresenceStatus, QueueSource, RetryOn
@@ -168,6 +169,17 @@ class PresenceFeed:
         self.roster_root = roster_root
         self._told: set[str] = set()  # job ids whose refusal was said
         self.fleet = Fleet()
+        self.revocations = Revocations(roster_root) if roster_root is not None else None
+
+    def drop_revoked(self) -> None:
+        """Forget the presence of every revoked runner (§16): nothing is placed on it any more
+        (its new presence is refused by the roster check)."""
+        if self.revocations is None:
+            return
+        for view in self.fleet.views():
+            if self.revocations.revoked_at(view.session) is not None:
+                log.info("runner %s is revoked: no longer a candidate", view.session)
+                self.fleet.forget(view.session)
 
     def refusal(self, session: str, job_id: str) -> str | None:
         """The line saying that runner `session` refused `job_id`'s dispatch, from its verified
@@ -266,6 +278,7 @@ def wait_queued(registry: Registry, job_id: str, client: MqttClient, feed: Prese
             settled, next_plan = True, now
         if now >= next_plan:
             next_plan = now + QUEUE_POLL_S
+            feed.drop_revoked()
             placement = place(registry, job_id, feed.fleet)
             if placement.record["status"] != Status.QUEUED:
                 return placement

@@ -9,12 +9,14 @@ stamps `revoked_at` (the hub refuses the session from its next message on),
 never a crash, and never taken for an enrolment.
 
 The hub's v2 hooks: `check_presence` (presence against the roster),
-`build_dispatch_v2` and `sign_control_v2` (v2 for enrolled sessions, None: v1).
+`build_dispatch_v2` and `sign_control_v2` (v2 for enrolled sessions, None: v1);
+`Revocations` (the revoked sessions, re-read when the roster folder changes).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -34,9 +36,12 @@ from mam.shared.wire import format_ts, parse_ts
 MAX_ROSTER_FILE_BYTES = 16 * 1024
 """A roster entry is a few hundred bytes; a bigger file is not ours."""
 ROSTER_DIR_MODE = 0o700
+REVOCATION_STAT_S = 0.1
+"""`Revocations` looks at the roster folder's mtime at most this often (s): revocation takes
+effect within it, and a service with a thousand jobs does not stat the folder per message."""
 ENTRY_FIELDS = frozenset({"session", "labels", "ed25519_public", "x25519_public", "enrolled_at", "revoked_at"})
 
-__all__ = ["RosterEntry", "add", "build_dispatch_v2", "check_presence", "entries", "get", "revoke",
+__all__ = ["Revocations", "RosterEntry", "add", "build_dispatch_v2", "check_presence", "entries", "get", "revoke",
            "sign_control_v2"]
 
 log = logging.getLogger("mam.roster")
@@ -285,3 +290,38 @@ def sign_control_v2(root: Path, session: str, control: wire.Control, *, hub_key:
     if entry is None:
         return None
     return wirev2.sign(control, hub_key if hub_key is not None else keys.hub_key(root))
+
+
+class Revocations:
+    """The revoked sessions of a hub's roster (§16), re-read when the roster folder's mtime
+    changes (`add`/`revoke` replace a file in it): a running hub needs no restart.
+
+    Args:
+        root: the hub registry's root.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._mtime: int | None = None
+        self._looked_at = float("-inf")
+        self._revoked: dict[str, str] = {}
+
+    def revoked_at(self, session: str) -> str | None:
+        """When `session` was revoked, or None (enrolled, never enrolled, or no roster)."""
+        if not session:
+            return None
+        now = time.monotonic()
+        if now - self._looked_at >= REVOCATION_STAT_S:
+            self._looked_at = now
+            try:
+                mtime: int | None = names.roster_dir(self.root).stat().st_mtime_ns
+            except OSError:
+                mtime = None
+            if mtime != self._mtime:
+                try:
+                    self._revoked = {entry.session: entry.revoked_at for entry in entries(self.root)
+                                     if entry.revoked_at is not None}
+                    self._mtime = mtime
+                except RegistryError as exc:  # keep what was known; retried at the next look
+                    log.warning("roster not re-read: %s", exc)
+        return self._revoked.get(session)

@@ -124,6 +124,8 @@ class HubService:
         if not fresh:  # taken over (a restart): its lazy progress seqs are in the audit log
             watcher.highest_event = watcher.highest_any = audit_seq(self.registry, record)
         watcher.on_clear = self.clears.append
+        if self.feed.revocations is not None:
+            watcher.revocations = self.feed.revocations  # one roster look for every job (§16)
         session, runner_id = record["session"], self.feed.runner_id(record["session"])
         watcher.runner_lost = lambda: self.feed.lost(session, runner_id)  # §14 runner_lost
         return watcher
@@ -312,6 +314,7 @@ class HubService:
         """Publish every queued job `queue.plan` assigns now (§14 Matching)."""
         if not self.queued:
             return
+        self.feed.drop_revoked()  # §16: a revoked runner gets nothing
         waiting = list(self.queued.values())
         for job_id, session in hubqueue.plan(waiting, self.fleet, now, PRESENCE_STALE_S):
             self.queued.pop(job_id, None)

@@ -40,6 +40,7 @@ from mam.orchestrator.control import clear_dispatch, clear_retained, close_remot
 from mam.orchestrator.hub import DAY_S
 from mam.orchestrator.logs import LogRouter, OutputView, await_chunks
 from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S, BrokerLink, mirror_state, note_late_terminal
+from mam.orchestrator.roster import Revocations
 from mam.shared import names, wire
 from mam.shared.codes import EVENT_STATUS, TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.config import BrokerConfig, env_float
@@ -54,12 +55,10 @@ log = logging.getLogger("mam.watch")
 STATUS_EXIT: dict[str, ExitCode] = {JobStatus.COMPLETED: ExitCode.COMPLETED, JobStatus.ERROR: ExitCode.ERROR,
                JobStatus.CANCELLED: ExitCode.CANCELLED}
 REGISTRY_POLL_S = 0.5
-# A terminal state waits this long for its terminal event before it resolves the job:
-# brokers do not order messages across topics (nats-server delivers each subscription
-# on its own), and the event carries what the state lacks (detail, data.exit_code).
+# A terminal state waits this long for its terminal event before it resolves the job: brokers do not order
+# messages across topics (nats delivers each subscription on its own); the event has detail, data.exit_code.
 STATE_GRACE_S = 1.0
-# §6 confirmation: the runner's SIGTERM→SIGKILL grace (MAM_CANCEL_GRACE_S; the runner's
-# default, runner.daemon.DEFAULT_CANCEL_GRACE_S) plus a margin for its terminal publish.
+# §6 confirmation: the runner's SIGTERM→SIGKILL grace (MAM_CANCEL_GRACE_S; runner default) + a publish margin.
 CANCEL_GRACE_S = 10.0
 CONFIRM_MARGIN_S = 5.0
 MIN_WAIT_S = 0.01
@@ -144,8 +143,7 @@ class Watcher:
         self.keys = keys
         self.out = out if out is not None else sys.stdout
         self.human = hasattr(self.out, "isatty") and self.out.isatty()
-        self.highest_event = 0
-        self.highest_any = 0
+        self.highest_event = self.highest_any = 0
         self.accepted_any = False
         self.terminal: str | None = None
         self.refusals: list[str] = []
@@ -156,8 +154,9 @@ class Watcher:
         self._subscribed = False
         self.ack_s = self.idle_s = 0.0  # the clocks (§10), set by start_clocks
         self.wall_deadline = self.first_deadline = self.last_alive = self.next_poll = 0.0
-        self.started_status = ""
+        self.started_status = self.session = ""  # session: whose revocation closes the job (§16)
         self.attempt_id = 0
+        self.revocations = Revocations(registry.root)  # the service shares one among its watchers
         # §14 hooks of the dispatch process: messages on other topics (presence), and
         # whether the runner was lost (an idle close is then `runner_lost`)
         self.on_other: Callable[[str, bytes], object] | None = None
@@ -211,6 +210,10 @@ class Watcher:
         if kind is None:
             if self.on_other is not None:
                 self.on_other(topic, raw)
+            return False
+        revoked_at = self.revocations.revoked_at(self.session)
+        if revoked_at is not None:  # §16: a revoked runner's events and states are refused
+            self._refuse("runner revoked", f"{self.session} at {revoked_at}")
             return False
         if self.options.remote:
             verdict = self._accept_and_mirror(raw, kind)
@@ -464,7 +467,7 @@ class Watcher:
         wall_s = float(opts.timeout_s if opts.timeout_s is not None else record["timeout_sec"])
         self.wall_deadline = _wall_deadline(record, wall_s)
         self.first_deadline = now + (self.ack_s if opts.ack_only_before_first else self.ack_s + self.idle_s)
-        self.started_status = record["status"]
+        self.started_status, self.session = record["status"], record.get("session") or ""
         self.attempt_id = int(record["attempt_id"])
         if self.started_status == JobStatus.RUNNING:
             self.first_deadline = now + self.idle_s  # re-attached to a running job: no ack phase
@@ -500,6 +503,8 @@ class Watcher:
         """
         if self.terminal is not None:
             return _exit_of(self.terminal)
+        if self.revocations.revoked_at(self.session) is not None:  # §16: closed and cancelled at once
+            return self._close(CloseReason.RUNNER_LOST)
         if down_since is not None and now >= self.wall_deadline:
             return self._close(CloseReason.DEADLINE_TIMEOUT)
         if poll and now >= self.next_poll:

@@ -4,7 +4,8 @@ v2 runner hosts). It forges a dispatch for runner B: B, a real `mam-runner run`
 with v2 keys, refuses it and runs nothing, while a dispatch the hub signs, sealed
 to B, runs (so the refusals are the signature's doing, not a deaf runner). It
 publishes presence as B: the hub's `runners` refuses it (logged), and B neither
-believes it nor drains. A revoked B's own presence is refused by the hub."""
+believes it nor drains. A revoked B's own presence is refused by the hub. A reads
+B's dispatch and cannot open its seal; its replay after the hub's cancel is refused."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from harness.runnersim import AGENTS, MAM_RUNNER, hub_workspace, orch, retained, runner_log
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env, write_env_for
 
 from mam.orchestrator import roster
 from mam.shared import crypto, keys, mqtt, names, wire, wirev2
+from mam.shared.errors import SignatureError
 from mam.shared.keys import EnrolRequest
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
@@ -159,3 +162,40 @@ def test_s16_presence_forged_as_b_refused_by_hub_and_b(broker, tmp_path):
         runner_b.send_signal(signal.SIGTERM)
         code = runner_b.wait(PATIENCE_S)
     assert code == 0, runner_log(b_ws)
+
+
+def test_s16_runner_a_reads_b_dispatch_cannot_open_seal_and_replay_after_cancel_refused(broker, tmp_path):
+    """A subscribes to every dispatch: B's seal opens with none of A's keys (no brief, no auth
+    token in the clear); after the hub cancelled the job, A's replay of the captured dispatch is refused."""
+    hub_root = tmp_path / "hub"
+    hub_key = keys.hub_key(hub_root)
+    b_ws = tmp_path / "runner-b"
+    b_identity = enrol_b(broker, b_ws, keys.public_text(hub_key))
+    runner_b = start_v2_runner(broker, b_ws)
+    a_keys = keys.create_runner_keys(tmp_path / "runner-a")
+    job_id, runs = "0000ca11", tmp_path / "runs"
+    brief = f"echo ran >> {runs}\nsleep {4 * PATIENCE_S:.0f}\n"
+    root = broker.topic_root
+    try:
+        with mqtt.MqttClient(broker.config(), "attacker") as attacker, mqtt.MqttClient(broker.config(), "hub") as hub:
+            attacker.subscribe([(names.all_dispatches_filter(root), 1)])
+            hub.publish(names.dispatch_topic(job_id, root),
+                        dispatch_for_b(hub_key, b_identity.x25519_public, job_id, brief), retain=True)
+            captured = attacker.messages.get(timeout=PATIENCE_S).payload
+            dispatch = wire.decode(captured, "dispatch")
+            assert str(runs).encode() not in captured  # the brief is not in the clear
+            for private in (a_keys.x25519, X25519PrivateKey.generate()):
+                with pytest.raises(SignatureError, match="seal does not open"):
+                    wirev2.open_sealed(private, dispatch.sealed, job_id=job_id, attempt_id=1,
+                                       dispatch_token=dispatch.dispatch_token)
+            wait_until(lambda: runs.exists(), what="B to run the hub's dispatch")
+            cancel = wirev2.sign(wire.Control.cancel(job_id, 1, "operator"), hub_key)
+            hub.publish(names.control_topic(job_id, root), wire.encode(cancel), retain=True)
+            wait_until(lambda: f"cancel of job {job_id} attempt 1" in runner_log(b_ws), what="B to take the cancel")
+            attacker.publish(names.dispatch_topic(job_id, root), captured, retain=True)  # replayed after the cancel
+            wait_until(lambda: f"refused dispatch {job_id}: " in runner_log(b_ws), what="B's refusal of the replay")
+    finally:
+        runner_b.send_signal(signal.SIGTERM)
+        code = runner_b.wait(PATIENCE_S)
+    assert code == 0, runner_log(b_ws)
+    assert runs.read_text() == "ran\n", runner_log(b_ws)  # run once, never again
