@@ -46,7 +46,7 @@ lint: $(STAMP)
 	cd $(TYPECHECK) && ../$(VENV)/bin/mypy --config-file ../pyproject.toml -p mam
 
 test: $(STAMP) system-deps lint
-	$(PY) -m pytest tests
+	$(PY) -m pytest --durations=25 tests
 
 # The same suite while two CPU hogs (`yes > /dev/null`) compete for the CPUs:
 # no test may depend on how fast the machine is. tests/load.sh kills them afterwards.
