@@ -6,11 +6,10 @@ bearer token; `/metrics` parses as Prometheus text; the live feed's messages."""
 from __future__ import annotations
 
 import json
-import queue
-import threading
 import time
 
 import pytest
+from harness.hubclient import RecordingClient, started
 from harness.workspace import TEST_SECRET
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
@@ -20,38 +19,16 @@ from mam.orchestrator.httpview import LiveFeed
 from mam.orchestrator.hub import open_hub
 from mam.orchestrator.queue import RunnerView
 from mam.orchestrator.service import HubService
-from mam.shared import crypto, names, wire
-from mam.shared.config import BrokerConfig, write_env_file
+from mam.shared import crypto, names
+from mam.shared.config import write_env_file
 from mam.shared.crypto import MAX_BRIEF_BYTES
 from mam.shared.errors import ConfigError, UsageError
-from mam.shared.mqtt import Message
 from mam.shared.registry import Contract, Registry
 
 pytestmark = pytest.mark.timeout(60)
 
 KEYS = crypto.derive_keys(TEST_SECRET)
 TOKEN = "api-token-for-tests-0123456789"
-TS = "2026-06-20T14:49:30Z"
-
-
-class RecordingClient:
-    """The slice of `MqttClient` the hub uses: publish, subscribe, messages, connected."""
-
-    def __init__(self) -> None:
-        self.config = BrokerConfig()
-        self.messages: queue.Queue[Message] = queue.Queue()
-        self.connected = threading.Event()
-        self.connected.set()
-        self.published: list[tuple[str, bytes, bool]] = []
-
-    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
-        self.published.append((topic, payload, retain))
-
-
-def started(record) -> bytes:
-    body = {"schema_version": 1, "seq": 1, "job_id": record["job_id"], "event": "started", "timestamp": TS,
-            "detail": "", "data": {"attempt_id": record["attempt_id"], "dispatch_token": record["dispatch_token"]}}
-    return wire.encode(crypto.sign_event(body, record["auth_token"]))
 
 
 @pytest.fixture

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import io
 import os
-import queue
-import threading
 import time
 from typing import Any
 
 import pytest
+from harness.hubclient import TS, RecordingClient
 from harness.workspace import TEST_SECRET
 
 from mam.orchestrator.hub import open_hub
@@ -26,23 +25,8 @@ from mam.shared.mqtt import Message
 from mam.shared.registry import Contract, Registry
 
 KEYS = crypto.derive_keys(TEST_SECRET)
-TS = "2026-06-20T14:49:30Z"
 SERVICE = WatchOptions(remote=True, ack_only_before_first=True, lazy_progress=True)
 IDLE_PAST_S = 60.0  # far past any idle window of these tests
-
-
-class RecordingClient:
-    """The slice of `MqttClient` the hub uses: publish, messages, connected."""
-
-    def __init__(self) -> None:
-        self.config = BrokerConfig()
-        self.messages: queue.Queue[Message] = queue.Queue()
-        self.connected = threading.Event()
-        self.connected.set()
-        self.published: list[tuple[str, bytes, bool]] = []
-
-    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
-        self.published.append((topic, payload, retain))
 
 
 def signed(record: Any, kind: str, seq: int, event: str, status: str = "running",

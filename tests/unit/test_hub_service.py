@@ -8,11 +8,10 @@ from __future__ import annotations
 import io
 import json
 import os
-import queue
-import threading
 import time
 
 import pytest
+from harness.hubclient import RecordingClient, started
 from harness.workspace import TEST_SECRET
 
 from mam.orchestrator.follow import AuditTail, exit_code_of, settled
@@ -20,34 +19,12 @@ from mam.orchestrator.hub import open_hub
 from mam.orchestrator.hublock import HubLock, service_pid
 from mam.orchestrator.service import HubService
 from mam.orchestrator.watch import Watcher, WatchOptions
-from mam.shared import crypto, names, wire
-from mam.shared.config import BrokerConfig, write_env_file
+from mam.shared import crypto, names
+from mam.shared.config import write_env_file
 from mam.shared.errors import ExitCode, UsageError
-from mam.shared.mqtt import Message
 from mam.shared.registry import Contract, Registry
 
 KEYS = crypto.derive_keys(TEST_SECRET)
-TS = "2026-06-20T14:49:30Z"
-
-
-class RecordingClient:
-    """The slice of `MqttClient` the hub uses: publish, subscribe, messages, connected."""
-
-    def __init__(self) -> None:
-        self.config = BrokerConfig()
-        self.messages: queue.Queue[Message] = queue.Queue()
-        self.connected = threading.Event()
-        self.connected.set()
-        self.published: list[tuple[str, bytes, bool]] = []
-
-    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
-        self.published.append((topic, payload, retain))
-
-
-def started(record) -> bytes:
-    body = {"schema_version": 1, "seq": 1, "job_id": record["job_id"], "event": "started", "timestamp": TS,
-            "detail": "", "data": {"attempt_id": record["attempt_id"], "dispatch_token": record["dispatch_token"]}}
-    return wire.encode(crypto.sign_event(body, record["auth_token"]))
 
 
 def test_s14_a_second_hub_lock_is_refused_naming_the_holders_pid(tmp_path):
