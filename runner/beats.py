@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mam.runner import heartbeat, publish
-from mam.shared.codes import TERMINAL_STATUSES, EventName
+from mam.shared.codes import EventName
 from mam.shared.errors import BrokerError, RegistryError, TransitionRefused
 from mam.shared.registry import Registry
 from mam.shared.transport import Transport
@@ -156,15 +156,7 @@ class Beats:
         """Why `job` gets no more beats (§12), or None."""
         if self.clock() >= job.deadline:
             return "timeout_sec reached"
-        try:
-            record = self.registry.get(job.job_id)
-        except RegistryError as exc:
-            return f"record unreadable ({exc})"
-        if record["attempt_id"] != job.attempt_id or record["dispatch_token"] != job.dispatch_token:
-            return f"attempt {record['attempt_id']} replaced attempt {job.attempt_id}"
-        if record["status"] in TERMINAL_STATUSES:
-            return f"job is {record['status']}"
-        return None
+        return heartbeat.record_stop_reason(self.registry, job.job_id, job.attempt_id, job.dispatch_token)
 
     def beat(self, job: _Beating) -> str | None:
         """One beat of `job`, disk first then the wire, under its heartbeat lock (§12).

@@ -139,6 +139,20 @@ def barrier_attempt(root: Path, job_id: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
+def record_stop_reason(registry: Registry, job_id: str, attempt_id: int, dispatch_token: str) -> str | None:
+    """Why the record says an attempt gets no more beats (§12): unreadable, replaced by a newer
+    attempt, or terminal; None when it may beat on. Shared by the daemon's beats and the timer."""
+    try:
+        record = registry.get(job_id)
+    except RegistryError as exc:
+        return f"record unreadable ({exc})"
+    if record["attempt_id"] != attempt_id or record["dispatch_token"] != dispatch_token:
+        return f"attempt {record['attempt_id']} replaced attempt {attempt_id}"
+    if record["status"] in TERMINAL_STATUSES:
+        return f"job is {record['status']}"
+    return None
+
+
 @contextlib.contextmanager
 def lifecycle_lock(root: Path, job_id: str) -> Iterator[None]:
     """Hold `<job>.heartbeat.lock` (§12): start, replace and stop are serialised."""

@@ -18,11 +18,11 @@ import threading
 import time
 
 from mam.runner import publish as pub
-from mam.runner.heartbeat import HEARTBEAT_DETAIL, WatchedProcess, barrier_attempt, read_json
+from mam.runner.heartbeat import HEARTBEAT_DETAIL, WatchedProcess, barrier_attempt, read_json, record_stop_reason
 from mam.shared import mqtt, names
-from mam.shared.codes import TERMINAL_STATUSES, EventName
+from mam.shared.codes import EventName
 from mam.shared.config import BrokerConfig
-from mam.shared.errors import BrokerError, RegistryError, TransitionRefused
+from mam.shared.errors import BrokerError, TransitionRefused
 from mam.shared.registry import Registry
 
 log = logging.getLogger("mam.heartbeat")
@@ -47,14 +47,9 @@ class _Timer:
             return f"watched process {self.watch.pid} is gone"
         if time.monotonic() >= self.deadline:
             return "timeout_sec reached"
-        try:
-            record = self.registry.get(self.job_id)
-        except RegistryError as exc:
-            return f"record unreadable ({exc})"
-        if record["attempt_id"] != self.attempt_id or record["dispatch_token"] != self.dispatch_token:
-            return f"attempt {record['attempt_id']} replaced attempt {self.attempt_id}"
-        if record["status"] in TERMINAL_STATUSES:
-            return f"job is {record['status']}"
+        reason = record_stop_reason(self.registry, self.job_id, self.attempt_id, self.dispatch_token)
+        if reason is not None:
+            return reason
         if barrier_attempt(self.registry.root, self.job_id) >= self.attempt_id:
             return "terminal barrier raised"
         return None
