@@ -28,14 +28,15 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from mam.runner import publish
 from mam.runner.fastpath import CONNECT_TIMEOUT_S, unix_address
 from mam.shared import names
+from mam.shared.codes import TERMINAL_EVENTS
 from mam.shared.errors import MamError, ProtocolError, RegistryError, UsageError
 from mam.shared.registry import Registry
 
@@ -104,14 +105,18 @@ class PublishServer:
         registry: this host's registry.
         held: True for a job this daemon runs (other jobs are refused).
         send: sends one `Published` on the daemon's connection (called on the sender thread).
+        before_terminal: called with the job id before an agent's terminal event is recorded: sends
+            the job's remaining output (§15) and returns data for the event (`log_chunks`...).
     """
 
     def __init__(self, registry: Registry, *, held: Callable[[str], bool],
-                 send: Callable[[publish.Published], None]) -> None:
+                 send: Callable[[publish.Published], None],
+                 before_terminal: Callable[[str], Mapping[str, int]] | None = None) -> None:
         self.registry = registry
         self.path = names.runner_socket_path(registry.root)
         self.held = held
         self.send = send
+        self.before_terminal = before_terminal
         self._listener: socket.socket | None = None
         self._inode: int | None = None
         self._stop = threading.Event()
@@ -271,6 +276,9 @@ class PublishServer:
         if not self.held(request.job_id):
             return {"ok": False, "reason": f"job {request.job_id} is not running under this runner"}
         try:
+            if request.event in TERMINAL_EVENTS and self.before_terminal is not None:
+                # §15: the agent's output goes before its own terminal event, as before ours
+                request = replace(request, data={**request.data, **self.before_terminal(request.job_id)})
             published = publish.record(self.registry, request)
         except (ProtocolError, RegistryError, MamError, OSError) as exc:
             return {"ok": False, "reason": str(exc)}

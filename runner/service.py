@@ -234,12 +234,12 @@ class Runner:
         for record, orphan in orphans.orphans_at_start(registry, runner_id=self.runner_id,
                                                        session=self.options.session):
             self._adopt_orphan(record, orphan)
-        # Subscribe before announcing `online`: a dispatch published when the hub sees us must reach
-        # us live. Controls first, each filter with its own SUBACK: retained cancels then normally
-        # arrive before retained dispatches, so a replayed dispatch of a cancelled attempt is refused.
+        # Subscribe before announcing `online` (a dispatch sent once the hub sees us must reach us live);
+        # controls first, each with its own SUBACK: a replayed dispatch of a cancelled attempt is refused.
         client.subscribe([(names.all_controls_filter(self.config.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
         client.subscribe([(names.all_dispatches_filter(self.config.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
-        self._socket = PublishServer(registry, held=lambda job_id: job_id in self.running, send=self._send)
+        self._socket = PublishServer(registry, held=lambda job_id: job_id in self.running, send=self._send,
+                                     before_terminal=self._supervisor.logstreams.finish)  # §15
         self._supervisor.socket_path = self._socket.start()  # listening before `online` (§17)
         self._publish_presence(PresenceStatus.ONLINE)
         self._resender = Resender(Outbox(self.options.root), client, self._record)

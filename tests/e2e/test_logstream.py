@@ -5,6 +5,8 @@
   except each secret form is `***`.
 - A broker outage in the middle loses nothing: chunks wait in the runner's log
   outbox and go out after the reconnect (§17).
+- An agent that publishes its own `completed` (through the runner's socket):
+  its output still goes before that terminal event.
 - A 50 MB burst hits MAM_LOG_RATE_BPS: `data.log_dropped` of the terminal event
   says how much, and the hub's copy plus the dropped bytes is the whole output.
 """
@@ -80,7 +82,7 @@ def masked(data: bytes) -> bytes:
 
 
 def run_job(broker, tmp_path: Path, mode: str, *args: str, rate: str | None = FAST,
-            during=None) -> tuple[dict, bytes, bytes, Path]:
+            during=None, then: str = "") -> tuple[dict, bytes, bytes, Path]:
     """Dispatch the generator to a real runner; (terminal event, hub copy, runner agent.log, hub)."""
     gen = tmp_path / "gen.py"
     gen.write_text(GENERATOR.format(secret=SECRET))
@@ -88,7 +90,7 @@ def run_job(broker, tmp_path: Path, mode: str, *args: str, rate: str | None = FA
     runner_ws = tmp_path / "runner"
     extra = {"MAM_DISPATCH_SECRET": SECRET, **({"MAM_LOG_RATE_BPS": rate} if rate else {})}
     runner = runnersim.start_runner(broker, runner_ws, SESSION, **extra)
-    brief = f"{sys.executable} {gen} {mode} {' '.join(args)}"
+    brief = f"{sys.executable} {gen} {mode} {' '.join(args)}" + (f"\n{then}" if then else "")
     dispatch = WatchProcess([*MAM_ORCH, "dispatch", "--session", SESSION, "--brief", brief, "--json",
                              "--ack-timeout", str(int(PATIENCE_S)), "--workspace", str(hub)], hub_env())
     try:
@@ -144,3 +146,17 @@ def test_s15_a_50_mb_burst_hits_the_rate_cap_and_dropped_says_how_much(broker, t
     assert len(original) >= 50 * 1000 * 1000
     assert dropped > 40 * 1000 * 1000 and len(copy) + dropped == len(original)
     assert original.startswith(copy[:1024])
+
+
+def test_s15_an_agents_own_terminal_event_waits_for_its_output(broker, tmp_path):
+    """§15 "the terminal event follows the last chunk", also when the agent publishes it:
+    the runner's socket sends the job's remaining output first (§17)."""
+    terminal, copy, original, hub = run_job(
+        broker, tmp_path, "slow", "100", rate=None,
+        then='eval "$MAM_PUBLISH_CMD --event completed --detail by-the-agent"')
+    assert terminal["detail"] == "by-the-agent" and "log_chunks" in terminal["data"], terminal
+    # everything written before the terminal event is at the hub; after it comes only what the
+    # publish command itself prints (its JSON result line), which no terminal can wait for
+    assert original.startswith(copy) and copy.count(b"slow line") == 100
+    assert b"slow line" not in original[len(copy):]
+    assert gaps(hub, terminal["job_id"]) == []
