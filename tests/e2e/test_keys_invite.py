@@ -1,4 +1,4 @@
-"""PROTOCOL §16 enrolment by invite over a real nats-server: `mam-orch runner invite`
+"""PROTOCOL §16 enrolment by invite over real brokers (nats-server and mosquitto): `mam-orch runner invite`
 prints a code and waits, `mam-runner enroll --invite CODE` on a fresh host completes
 the exchange (the roster entry on the hub, the hub's key trusted on the runner), and a
 v2 dispatch then runs on that runner. A code used twice, a code past its TTL and a
@@ -61,9 +61,9 @@ def enroll(workspace: Path, code: str, *extra: str) -> subprocess.CompletedProce
                           env=clean_env(), capture_output=True, text=True, timeout=2 * PATIENCE_S)
 
 
-def test_s16_invite_enrols_runner_then_v2_dispatch_runs_there(nats_broker, tmp_path):
-    hub = hub_workspace(nats_broker, tmp_path)
-    host = runner_host(nats_broker, tmp_path / "gpu-box")
+def test_s16_invite_enrols_runner_then_v2_dispatch_runs_there(broker, tmp_path):
+    hub = hub_workspace(broker, tmp_path)
+    host = runner_host(broker, tmp_path / "gpu-box")
     waiting = Invite(hub, "gpu-box", "--labels", "x", "--ttl", "2m")
     try:
         done = enroll(host, waiting.code, "--timeout", str(PATIENCE_S))
@@ -86,8 +86,8 @@ def test_s16_invite_enrols_runner_then_v2_dispatch_runs_there(nats_broker, tmp_p
                                    str(AGENTS / "shell-agent"), "--workspace", str(host)], env=clean_env(),
                                   stdout=subprocess.DEVNULL, stderr=err)
     try:
-        topic = names.presence_topic("gpu-box", nats_broker.topic_root)
-        wait_until(lambda: runner.poll() is not None or b'"online"' in (retained(nats_broker, topic, 0.3) or b""),
+        topic = names.presence_topic("gpu-box", broker.topic_root)
+        wait_until(lambda: runner.poll() is not None or b'"online"' in (retained(broker, topic, 0.3) or b""),
                    what="the invited runner's online presence")
         marker = tmp_path / "ran-on-invited-runner"
         job = orch(hub, "dispatch", "--labels", "x", "--brief", f"touch {marker}\n", "--json",
@@ -100,12 +100,12 @@ def test_s16_invite_enrols_runner_then_v2_dispatch_runs_there(nats_broker, tmp_p
         runner.wait(PATIENCE_S)
 
 
-def test_s16_invite_reused_expired_or_wrong_refused_with_one_line(nats_broker, tmp_path):
-    hub = hub_workspace(nats_broker, tmp_path)
-    cfg = nats_broker.config()
+def test_s16_invite_reused_expired_or_wrong_refused_with_one_line(broker, tmp_path):
+    hub = hub_workspace(broker, tmp_path)
+    cfg = broker.config()
     flags = ("--hub", cfg.host, "--port", str(cfg.port), "--timeout", str(PATIENCE_S))
     # runner hosts whose .mam.env points at a closed port: --hub/--port take precedence
-    hosts = [runner_host(nats_broker, tmp_path / f"host-{n}", MQTT_PORT="1") for n in range(4)]
+    hosts = [runner_host(broker, tmp_path / f"host-{n}", MQTT_PORT="1") for n in range(4)]
 
     expiring = Invite(hub, "short", "--ttl", "1s")
     assert expiring.proc.wait(PATIENCE_S) == 1
