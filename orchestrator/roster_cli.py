@@ -15,9 +15,9 @@ from pathlib import Path
 
 import typer
 
-from mam.orchestrator import roster
+from mam.orchestrator import invites, roster
 from mam.orchestrator.roster import RosterEntry
-from mam.shared import clikit, config, keys
+from mam.shared import clikit, config, invite, keys, names
 from mam.shared.errors import UsageError
 from mam.shared.keys import EnrolRequest
 
@@ -26,8 +26,9 @@ KEY_SHOWN_CHARS = 12
 
 runner_app = clikit.new_app(
     "runner", "Enrol, list and revoke runners; rotate the hub key (PROTOCOL §16).",
-    ("add", "list", "revoke", "rotate-hub-key"),
-    {"add": "mam-orch runner add 'THE_LINE_MAM_RUNNER_ENROLL_PRINTED'", "list": "mam-orch runner list",
+    ("invite", "add", "list", "revoke", "rotate-hub-key"),
+    {"invite": "mam-orch runner invite --session gpu-box --labels gpu --ttl 15m",
+     "add": "mam-orch runner add 'THE_LINE_MAM_RUNNER_ENROLL_PRINTED'", "list": "mam-orch runner list",
      "revoke": "mam-orch runner revoke gpu-box", "rotate-hub-key": "mam-orch runner rotate-hub-key"})
 
 __all__ = ["runner_app"]
@@ -66,6 +67,35 @@ def _request(request: str | None, session: str | None, ed25519: str | None, x255
         raise UsageError("give the enrolment REQUEST printed by `mam-runner enroll`, or --session, --ed25519 "
                          "and --x25519")
     return EnrolRequest.build(session, labels or "", ed25519, x25519)
+
+
+@runner_app.command("invite")
+def invite_cmd(
+    session: str = typer.Option(..., "--session", metavar="NAME", help="The session the runner will serve (§1)."),
+    labels: str = typer.Option(None, "--labels", metavar="L1,L2", help="Its labels, comma-separated (§14)."),
+    ttl: str = typer.Option("15m", "--ttl", metavar="DURATION", help="How long the code is valid: 90s, 15m, 2h."),
+    replace_keys: bool = typer.Option(False, "--replace", help="Let the invite replace an enrolled session's keys."),
+    workspace: str = clikit.workspace_option(),
+) -> int:
+    """Print a single-use enrolment code, then wait (until --ttl) for the runner host to run
+    `mam-runner enroll --invite CODE` and enrol it: the code authenticates the runner's public
+    keys to the hub and the hub's key to the runner, over the broker (PROTOCOL §16). Only this
+    command answers invites (not `mam-orch serve`). Exit 0 enrolled; 1 the TTL passed unused;
+    3 broker unreachable; 64 bad arguments."""
+    root = _root(workspace)
+    names.validate_session(session)
+    wanted = keys.labels_of(labels or "")
+    ttl_s = invite.parse_ttl(ttl)
+    code, stored = invite.create(root, session, wanted, ttl_s)
+    cfg = config.broker_config(workspace=root, warn=False)
+
+    def ready() -> None:
+        typer.echo(code.code)  # the only time the code is shown
+        sys.stdout.flush()
+        typer.echo(f"on the runner host, within {ttl}: mam-runner enroll --invite <the code above> "
+                   f"--hub {cfg.host} --port {cfg.port}; waiting until {stored.expires_at} ...", err=True)
+
+    return invites.wait_for_enrolment(root, code, stored, replace_keys=replace_keys, on_ready=ready)
 
 
 @runner_app.command("add")

@@ -21,6 +21,8 @@ from mam.shared.errors import BrokerError, ExitCode, MamError, ProtocolError, Re
 
 MAX_PUBLISH_ATTEMPTS = 10
 """Highest `--attempts` of `mam-runner publish` (§13)."""
+INVITE_ANSWER_TIMEOUT_S = 30.0
+"""Default `--timeout` of `mam-runner enroll --invite`: how long to wait for the hub's answer (s)."""
 
 app = clikit.new_app(
     "mam-runner",
@@ -115,14 +117,35 @@ def run_cmd(
 
 @app.command("enroll")
 def enroll_cmd(
-    session: str = typer.Option(..., "--session", metavar="NAME", help="The session this runner serves (§1)."),
+    session: str = typer.Option(None, "--session", metavar="NAME", help="The session this runner serves (§1)."),
     labels: str = typer.Option(None, "--labels", metavar="L1,L2", help="Its labels, comma-separated (§14)."),
     force: bool = typer.Option(False, "--force", help="Make new keys even if this host has some."),
+    invite: str = typer.Option(None, "--invite", metavar="CODE",
+                               help="Enrol over the broker with the code `mam-orch runner invite` printed."),
+    hub: str = typer.Option(None, "--hub", metavar="HOST", help="With --invite: the broker host (default .mam.env)."),
+    port: int = typer.Option(None, "--port", metavar="P", help="With --invite: the broker port (default .mam.env)."),
+    timeout: float = typer.Option(INVITE_ANSWER_TIMEOUT_S, "--timeout", metavar="S",
+                                  help="With --invite: how long to wait for the hub's answer (s)."),
     workspace: str = clikit.workspace_option(),
 ) -> int:
     """Make this host's Ed25519 and X25519 keys (0600, .mam/keys/) and print the one-line
     enrolment request for `mam-orch runner add` on the hub (PROTOCOL §16). The request holds
-    public keys only. Exit 64: bad arguments, or keys exist (without --force)."""
+    public keys only. With --invite CODE the exchange happens over the broker instead: the hub's
+    waiting `mam-orch runner invite` enrols the keys (existing ones are reused unless --force)
+    and this host stores the hub's public key. Exit 64: bad arguments, or keys exist (without
+    --force); 1: the hub refused the invite or did not answer; 3: broker unreachable."""
+    if invite is not None:
+        from mam.runner.enrolinvite import enroll_by_invite  # lazy: keeps cryptography out of `mam-runner publish`
+
+        if labels is not None:
+            raise UsageError("--labels is set by the hub with an invite (mam-orch runner invite --labels)")
+        identity, trusted = enroll_by_invite(invite, workspace=workspace, session=session, hub=hub, port=port,
+                                             force=force, timeout_s=timeout)
+        typer.echo(f"enrolled as {identity.session} (labels: {','.join(identity.labels) or 'none'}); this runner "
+                   f"now trusts {len(trusted)} hub key(s): {' '.join(trusted)}")
+        return 0
+    if session is None or hub is not None or port is not None:
+        raise UsageError("give --session NAME (manual enrolment), or --invite CODE [--hub HOST --port P]")
     from mam.runner.enrol import enroll  # lazy: keeps cryptography out of `mam-runner publish`
 
     request = enroll(session=session, labels=labels, workspace=workspace, force=force)

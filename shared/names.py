@@ -414,6 +414,29 @@ def roster_dir(root: Path) -> Path:
 def roster_path(root: Path, session: str) -> Path:
     """`<root>/.mam/runners/<session>.json`: one enrolled runner (§16)."""
     return roster_dir(root) / f"{validate_session(session)}.json"
+def invites_dir(root: Path) -> Path:
+    """`<root>/.mam/invites`: the hub's pending and used invite codes, as hashes (§16 enrolment by invite)."""
+    return mam_dir(root) / "invites"
+
+
+def invite_path(root: Path, invite_id: str) -> Path:
+    """`<root>/.mam/invites/<invite_id>.json`: one invite's session, labels, expiry and use (§16)."""
+    return invites_dir(root) / f"{validate_token(invite_id, 'invite id')}.json"
+
+
+def enrol_topic(session: str, leaf: str, root: str | None = None) -> str:
+    """`ROOT/enrol/<session>/<leaf>`, leaf `request` (runner to hub) or `answer` (hub to runner), not
+    retained (§16 enrolment by invite)."""
+    if leaf not in ("request", "answer"):
+        raise ValueError(f"unknown enrol topic leaf {leaf!r}")
+    return f"{topic_root(root)}/enrol/{validate_session(session)}/{leaf}"
+
+
+def all_enrol_requests_filter(root: str | None = None) -> str:
+    """Subscription filter for every session's enrolment request: `ROOT/enrol/+/request` (§16)."""
+    return f"{topic_root(root)}/enrol/+/request"
+
+
 # ------------------------------------------------------------ output stream (§15)
 
 def log_outbox_dir(root: Path) -> Path:

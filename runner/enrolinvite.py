@@ -1,0 +1,96 @@
+"""`mam-runner enroll --invite CODE` (PROTOCOL §16, enrolment by invite): make (or reuse)
+this host's keys, send their public parts to the hub's waiting `mam-orch runner invite`
+over the broker under the code's MAC, check the hub's answer under the same MAC, then
+store the hub's public keys (`hub-trusted.pub`, as `trust-hub` does) and the identity
+(session, the labels the hub gave). A refusal or a wrong answer writes nothing but keys.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from pathlib import Path
+
+from mam.runner.enrol import trust_hub
+from mam.shared import config, invite, keys, mqtt, names
+from mam.shared.errors import ConfigError, ProtocolError, SignatureError, UsageError
+from mam.shared.fsio import atomic_write, json_line
+from mam.shared.invite import InviteCode
+from mam.shared.keys import EnrolRequest
+from mam.shared.wirejson import canonical_json
+
+DEFAULT_ANSWER_TIMEOUT_S = 30.0
+"""How long the runner waits for the hub's answer (s)."""
+MAX_PORT = 65535
+
+__all__ = ["DEFAULT_ANSWER_TIMEOUT_S", "enroll_by_invite"]
+
+
+def _broker(root: Path, hub: str | None, port: int | None) -> config.BrokerConfig:
+    cfg = config.broker_config(workspace=root, warn=False)
+    if port is not None and not 1 <= port <= MAX_PORT:
+        raise UsageError(f"--port {port} is invalid: expected 1..{MAX_PORT}")
+    return cfg.with_overrides(hosts=(hub,) if hub else cfg.hosts, port=port if port is not None else cfg.port)
+
+
+def enroll_by_invite(code_text: str, *, workspace: str | os.PathLike[str] | None, session: str | None = None,
+                     hub: str | None = None, port: int | None = None, force: bool = False,
+                     timeout_s: float = DEFAULT_ANSWER_TIMEOUT_S) -> tuple[EnrolRequest, list[str]]:
+    """Enrol this host with the hub's invite code (§16).
+
+    Args:
+        code_text: the code `mam-orch runner invite` printed.
+        session: if given, must be the code's session.
+        hub, port: the broker (default: `.mam.env` / environment, §13).
+        force: make new keys even if this host has some (default: reuse them).
+    Returns:
+        (the recorded identity, the hub public keys now trusted).
+    Raises:
+        UsageError: a bad code or option (nothing written); ProtocolError: the hub refused,
+        or no answer within `timeout_s`; SignatureError: an answer not MAC'd with the code;
+        BrokerUnavailable: the broker is unreachable.
+    """
+    code = InviteCode.parse(code_text)
+    if session is not None and session != code.session:
+        raise UsageError(f"--session {session!r} is not the invite's session {code.session!r}")
+    if timeout_s <= 0:
+        raise UsageError(f"--timeout {timeout_s:g} is invalid: expected more than 0 s")
+    root = config.resolve_root(workspace)
+    if not root.is_dir():
+        raise UsageError(f"workspace {str(root)!r} does not exist")
+    cfg = _broker(root, hub, port)
+    made = None if force else keys.load_runner_keys(root)
+    made = made or keys.create_runner_keys(root, force=force)
+    req = invite.request(code, made)
+    with mqtt.MqttClient(cfg, "enrol") as client:
+        client.subscribe([(names.enrol_topic(code.session, "answer", cfg.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
+        client.publish(names.enrol_topic(code.session, "request", cfg.topic_root), canonical_json(req))
+        labels, publics = _await_answer(client, code, req, timeout_s, cfg.host)
+    trusted = trust_hub(publics, workspace=root)
+    identity = EnrolRequest.build(code.session, labels, made.ed25519_public, made.x25519_public)
+    atomic_write(names.runner_identity_path(root), json_line(identity.to_dict()), what="runner identity",
+                 error=ConfigError)
+    return identity, trusted
+
+
+def _await_answer(client: mqtt.MqttClient, code: InviteCode, req: dict[str, object], timeout_s: float,
+                  host: str) -> tuple[tuple[str, ...], list[str]]:
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            message = client.messages.get(timeout=left)
+        except queue.Empty:
+            break
+        try:
+            obj = invite.parse_message(message.payload)
+        except UsageError:
+            continue
+        if not invite.matches(dict(req), obj):
+            continue
+        try:
+            return invite.check_answer(code, dict(req), obj)
+        except SignatureError:  # not from the hub holding the code: keep waiting for the real answer
+            continue
+    raise ProtocolError(f"no answer from the hub within {timeout_s:g} s on {host}: is `mam-orch runner invite` "
+                        "still waiting there (an invite answers once, until its TTL)?")

@@ -1,0 +1,169 @@
+"""PROTOCOL §16 enrolment by invite, without a broker: the code's format, its stored
+file (a hash, never the code), the request and answer MACs keyed by HKDF(code), expiry,
+single use, and the hub's handling of one request (`orchestrator.invites._handle`)."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from mam.orchestrator import invites, roster
+from mam.shared import invite, keys, names
+from mam.shared.errors import ProtocolError, SignatureError, UsageError
+from mam.shared.invite import InviteCode
+from mam.shared.wirejson import canonical_json
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = "t/root"
+
+
+class Published:
+    """Stands in for the hub's MQTT client: `_handle` only publishes answers."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict[str, object]]] = []
+
+    def publish(self, topic: str, payload: bytes) -> None:
+        self.sent.append((topic, json.loads(payload)))
+
+
+def test_s16_invite_code_format_128_random_bits_and_round_trip():
+    code = InviteCode.new("gpu-box")
+    assert re.fullmatch(r"mam1\.gpu-box\.[A-Za-z0-9_-]{22}", code.code)
+    assert InviteCode.parse(f"  {code.code}\n") == code
+    assert InviteCode.new("gpu-box").code != code.code
+    assert re.fullmatch(r"[0-9a-f]{32}", code.invite_id) and len(code.key) == 32
+    assert code.code not in repr(code)
+    other = InviteCode.new("gpu-box")
+    assert other.key != code.key and other.invite_id != code.invite_id
+
+
+@pytest.mark.parametrize("bad", ["", "mam1.gpu-box", "mam2.gpu-box.AAAAAAAAAAAAAAAAAAAAAA",
+                                 "mam1.gpu.box.AAAAAAAAAAAAAAAAAAAAAA", "mam1.gpu-box.AAAA", None])
+def test_s16_bad_invite_code_is_one_line_without_echo(bad):
+    with pytest.raises(UsageError) as info:
+        InviteCode.parse(bad)
+    message = str(info.value)
+    assert "\n" not in message and "invite code is invalid" in message
+    assert not bad or bad not in message
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("15m", 900.0), ("90s", 90.0), ("2h", 7200.0), ("1d", 86400.0),
+                                               ("30", 30.0)])
+def test_s16_invite_ttl(text, seconds):
+    assert invite.parse_ttl(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["", "15x", "-1m", "0", "8d"])
+def test_s16_bad_invite_ttl_refused(bad):
+    with pytest.raises(UsageError, match="--ttl"):
+        invite.parse_ttl(bad)
+
+
+def test_s16_invite_file_holds_a_hash_not_the_code_0600(tmp_path):
+    code, stored = invite.create(tmp_path, "gpu-box", ("gpu",), 60.0)
+    path = names.invite_path(tmp_path, code.invite_id)
+    text = path.read_text()
+    assert code.code not in text and code.code.rsplit(".", 1)[1] not in text
+    assert path.stat().st_mode & 0o777 == 0o600 and names.invites_dir(tmp_path).stat().st_mode & 0o777 == 0o700
+    assert invite.load(tmp_path, code.invite_id) == stored
+    assert invite.problem(stored) is None
+
+
+def test_s16_invite_expired_used_unknown_refused(tmp_path):
+    code, stored = invite.create(tmp_path, "gpu-box", (), 1.0)
+    later = datetime.now(UTC) + timedelta(seconds=2)
+    assert "expired at" in (invite.problem(stored, later) or "")
+    used = invite.consume(tmp_path, stored)
+    assert "already used" in (invite.problem(invite.load(tmp_path, code.invite_id)) or "")
+    assert used.used_at is not None
+    assert "unknown invite code" in (invite.problem(invite.load(tmp_path, InviteCode.new("x").invite_id)) or "")
+
+
+def test_s16_request_mac_keyed_by_the_code(tmp_path):
+    code = InviteCode.new("gpu-box")
+    runner = keys.create_runner_keys(tmp_path)
+    req = invite.parse_message(canonical_json(invite.request(code, runner)))
+    asked = invite.check_request(code, req)
+    assert (asked.session, asked.ed25519_public, asked.x25519_public) == \
+        ("gpu-box", runner.ed25519_public, runner.x25519_public)
+    assert code.code not in json.dumps(req)
+    wrong = InviteCode(code.session, code.code[:-1] + ("A" if code.code[-1] != "A" else "B"))
+    with pytest.raises(UsageError, match="not a request for this invite"):  # another id
+        invite.check_request(wrong, req)
+    swapped = {**req, "ed25519_public": keys.public_text(keys.create_runner_keys(tmp_path / "a").ed25519)}
+    with pytest.raises(SignatureError, match="MAC does not verify"):  # keys swapped in flight
+        invite.check_request(code, swapped)
+
+
+def test_s16_answer_mac_and_refusal(tmp_path):
+    code = InviteCode.new("gpu-box")
+    req = invite.request(code, keys.create_runner_keys(tmp_path))
+    hub = keys.public_text(keys.hub_key(tmp_path / "hub"))
+    labels, publics = invite.check_answer(code, req, invite.answer(code, req, ("gpu",), [hub]))
+    assert labels == ("gpu",) and publics == [hub]
+    forged = invite.answer(InviteCode.new(code.session), req, (), [hub])
+    with pytest.raises(SignatureError, match="MAC does not verify"):
+        invite.check_answer(code, req, {**forged, "invite_id": code.invite_id})
+    with pytest.raises(ProtocolError, match="the hub refused the invite: nope"):
+        invite.check_answer(code, req, invite.refusal(req, "nope"))
+    assert invite.matches(req, invite.refusal(req, "nope"))
+    assert not invite.matches(req, {**invite.refusal(req, "nope"), "nonce": "0" * 32})
+
+
+def _handle(root, code, req):
+    client, err = Published(), io.StringIO()
+    outcome = invites._handle(root, code, canonical_json(req), invites.hub_publics(root), False, client, ROOT, err)
+    return outcome, client.sent, err.getvalue()
+
+
+def test_s16_hub_enrols_once_then_refuses_reuse_and_wrong_codes(tmp_path):
+    hub_root = tmp_path / "hub"
+    code, _ = invite.create(hub_root, "gpu-box", ("gpu",), 60.0)
+    runner = keys.create_runner_keys(tmp_path / "runner")
+    req = invite.request(code, runner)
+    outcome, sent, err = _handle(hub_root, code, req)
+    assert outcome == 0 and "enrolled runner gpu-box (labels: gpu) by invite" in err
+    [(topic, answer)] = sent
+    assert topic == names.enrol_topic("gpu-box", "answer", ROOT)
+    assert invite.check_answer(code, req, answer)[0] == ("gpu",)
+    entry = roster.get(hub_root, "gpu-box")
+    assert entry is not None and entry.ed25519_public == runner.ed25519_public and entry.labels == ("gpu",)
+    # the same code again (a replayed or second request): refused, one line, roster unchanged
+    outcome, sent, err = _handle(hub_root, code, invite.request(code, keys.create_runner_keys(tmp_path / "r2")))
+    assert outcome is None and err.count("\n") == 1 and "already used" in err
+    assert sent[0][1]["kind"] == invite.REFUSED_KIND and "already used" in sent[0][1]["reason"]
+    assert roster.get(hub_root, "gpu-box") == entry
+    # a code this hub never made
+    outcome, sent, err = _handle(hub_root, code, invite.request(InviteCode.new("gpu-box"), runner))
+    assert outcome is None and "unknown invite code" in err and sent[0][1]["kind"] == invite.REFUSED_KIND
+    assert code.code not in err
+
+
+def test_s16_hub_refuses_a_request_with_our_id_but_a_wrong_mac(tmp_path):
+    hub_root = tmp_path / "hub"
+    code, _ = invite.create(hub_root, "gpu-box", (), 60.0)
+    runner = keys.create_runner_keys(tmp_path / "runner")
+    forged = {**invite.request(InviteCode.new("gpu-box"), runner), "invite_id": code.invite_id}
+    outcome, sent, err = _handle(hub_root, code, forged)
+    assert outcome is None and "wrong invite code" in err and roster.get(hub_root, "gpu-box") is None
+    assert invite.problem(invite.load(hub_root, code.invite_id)) is None  # still usable by the real runner
+    outcome, _, _ = _handle(hub_root, code, invite.request(code, runner))
+    assert outcome == 0
+
+
+def test_s16_hub_leaves_another_pending_invite_alone_and_ignores_junk(tmp_path):
+    hub_root = tmp_path / "hub"
+    mine, _ = invite.create(hub_root, "a", (), 60.0)
+    theirs, _ = invite.create(hub_root, "b", (), 60.0)
+    outcome, sent, _ = _handle(hub_root, mine, invite.request(theirs, keys.create_runner_keys(tmp_path / "r")))
+    assert outcome is None and sent == []
+    client, err = Published(), io.StringIO()
+    for junk in (b"not json", b"{}", b"x" * (invite.MAX_MESSAGE_BYTES + 1)):
+        assert invites._handle(hub_root, mine, junk, [], False, client, ROOT, err) is None
+    assert client.sent == [] and err.getvalue().count("\n") == 3
