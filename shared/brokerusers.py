@@ -31,7 +31,7 @@ PUBLISH_LEAVES = ("events", "state", "log")
 SUBSCRIBE_LEAVES = ("dispatch", "control", "state")
 RESERVED_USERS = frozenset({AGENT_USER, OBSERVER_USER, "sys", "home"})
 
-__all__ = ["BEGIN_MARK", "END_MARK", "nats_user_entry", "reload_nats", "runner_topics", "runner_user",
+__all__ = ["BEGIN_MARK", "END_MARK", "mosquitto_acl_block", "nats_user_entry", "reload_nats", "runner_topics", "runner_user",
            "runner_users", "users_block", "with_runner_user", "with_users_block", "without_runner_user"]
 
 
@@ -54,6 +54,16 @@ def runner_topics(session: str, topic_root: str | None = None) -> tuple[list[str
     publish = [f"{root}/jobs/+/{leaf}" for leaf in PUBLISH_LEAVES] + [own]
     subscribe = [f"{root}/jobs/+/{leaf}" for leaf in SUBSCRIBE_LEAVES] + [own]
     return publish, subscribe
+
+
+def mosquitto_acl_block(session: str, topic_root: str | None = None) -> str:
+    """The `user` block of deploy/mosquitto/acl for runner `session` (its presence comes from
+    the file's `pattern readwrite <root>/runners/%u` line)."""
+    root = names.topic_root(topic_root)
+    rights = (("write", "events"), ("readwrite", "state"), ("write", "log"), ("read", "dispatch"),
+              ("read", "control"))
+    return "".join([f"user {runner_user(session)}\n", *(f"topic {access} {root}/jobs/+/{leaf}\n"
+                                                       for access, leaf in rights)])
 
 
 def _subjects(filters: list[str]) -> str:

@@ -1,14 +1,18 @@
-"""PROTOCOL §16, issue 13 item 5: least privilege at the broker. A real nats-server from the
-venv runs the config `mam-orch init --broker-config` wrote; `mam-orch runner add` gives
-runners A and B their own broker users (passwords in 0600 files, never on stdout) and
-edits that config, `nats-server --signal reload` (the command `runner add|revoke` print)
-applies it. With A's user: a dispatch or a control it publishes reaches no subscriber,
-B's presence cannot be subscribed to (SUBACK 0x80), and a real v2 runner A completes a
-hub job. After `runner revoke A` and the reload, A's user cannot connect; B's still can."""
+"""PROTOCOL §16, issue 13 item 5: least privilege at the broker. nats: a real nats-server
+from the venv runs the config `mam-orch init --broker-config` wrote; `mam-orch runner add`
+gives runners A and B their own broker users (passwords in 0600 files, never on stdout)
+and edits that config, `nats-server --signal reload` (the command `runner add|revoke`
+print) applies it. mosquitto: the shipped deploy/mosquitto files, the operator adds each
+runner's `user` block (`brokerusers.mosquitto_acl_block`) and password, then SIGHUP.
+With A's user: a dispatch or a control it publishes reaches no subscriber, B's presence
+cannot be subscribed to (nats: SUBACK 0x80; mosquitto: nothing delivered), and a real v2
+runner A completes a hub job. After `runner revoke A` and the reload, A's user cannot
+connect; B's still can."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,12 +20,14 @@ from pathlib import Path
 import pytest
 from harness.brokers import free_port
 from harness.runnersim import AGENTS, MAM_ORCH, MAM_RUNNER, hub_env, orch, retained, runner_log
-from harness.shipped import NATS_BIN, receive, start_broker, stop_broker
+from harness.shipped import MOSQUITTO_BIN, MOSQUITTO_PASSWD, NATS_BIN, Broker, receive, start_broker, stop_broker
+from harness.shipped import pki as pki  # noqa: F401 - fixture
+from harness.shipped import start_mosquitto
 from harness.waiting import PATIENCE_S, wait_until
-from harness.workspace import clean_env
+from harness.workspace import TEST_SECRET, clean_env
 
 from mam.orchestrator import init as mam_init
-from mam.shared import keys, names, wire, wirev2
+from mam.shared import brokerusers, keys, names, wire, wirev2
 from mam.shared.config import BrokerConfig, broker_config, read_env_file, write_env_file
 from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
 from mam.shared.mqtt import Message, MqttClient
@@ -39,7 +45,9 @@ class Hub:
 
     root: Path
     cfg: BrokerConfig
-    pid: int
+    proc: subprocess.Popen[bytes]
+    kind: str
+    mosquitto: Broker | None = None
 
     @property
     def topic_root(self) -> str:
@@ -49,9 +57,31 @@ class Hub:
         return self.cfg
 
     def reload(self) -> None:
-        """What `runner add|revoke` told the operator to run."""
-        subprocess.run([str(NATS_BIN), "--signal", f"reload={self.pid}"], check=True, capture_output=True,
-                       timeout=PATIENCE_S)
+        """nats: what `runner add|revoke` told the operator to run; mosquitto: SIGHUP."""
+        if self.kind == "nats":
+            subprocess.run([str(NATS_BIN), "--signal", f"reload={self.proc.pid}"], check=True,
+                           capture_output=True, timeout=PATIENCE_S)
+        else:
+            self.proc.send_signal(signal.SIGHUP)
+
+    def by_hand(self, session: str, *, add: bool) -> None:
+        """mosquitto: what docs/security.md tells the operator to do (nats: `runner add|revoke` did it)."""
+        if self.mosquitto is None:
+            return
+        auth = self.mosquitto.folder / "auth"  # type: ignore[operator]
+        acl, block = auth / "acl", brokerusers.mosquitto_acl_block(session, self.topic_root)
+        if add:
+            password = read_env_file(names.runner_credentials_path(self.root, session))["MQTT_PASSWORD"]
+            acl.write_text(acl.read_text() + "\n" + block)
+            subprocess.run([MOSQUITTO_PASSWD, "-b", str(auth / "passwd"), session, password], check=True,
+                           capture_output=True, timeout=PATIENCE_S)
+        else:
+            acl.write_text(acl.read_text().replace("\n" + block, ""))
+            subprocess.run([MOSQUITTO_PASSWD, "-D", str(auth / "passwd"), session], check=True,
+                           capture_output=True, timeout=PATIENCE_S)
+        if os.geteuid() == 0:  # mosquitto runs as the mosquitto user and reads them after the HUP
+            for path in (acl, auth / "passwd"):
+                os.chown(path, auth.stat().st_uid, auth.stat().st_gid)
 
 
 def as_runner(hub: Hub, session: str) -> BrokerConfig:
@@ -80,11 +110,12 @@ def add_runner(hub: Hub, workspace: Path, session: str) -> None:
     assert creds.stat().st_mode & 0o777 == 0o600
     assert read_env_file(creds)["MQTT_PASSWORD"] not in added.stdout + added.stderr
     assert f"broker user {session}: its password is in {creds}" in added.stdout
-    assert "nats-server --signal reload=<pid>" in added.stdout, added.stdout
+    expected = "nats-server --signal reload=<pid>" if hub.kind == "nats" else "no broker config managed here"
+    assert expected in added.stdout, added.stdout
+    hub.by_hand(session, add=True)
 
 
-@pytest.fixture
-def hub(tmp_path) -> Hub:
+def nats_hub(tmp_path: Path) -> Hub:
     root, folder = tmp_path / "hub", tmp_path / "broker"
     for path in (root / ".git", folder):
         path.mkdir(parents=True)
@@ -96,12 +127,32 @@ def hub(tmp_path) -> Hub:
         "MAM_LISTEN": "127.0.0.1", "MAM_WS_PORT": free_port(), "MAM_NATS_PORT": free_port()}))
     env = {"PATH": os.environ.get("PATH", ""), **read_env_file(folder / mam_init.BROKER_ENV_NAME)}
     proc = start_broker("nats-server", [str(NATS_BIN), "-c", str(conf)], env, folder / "nats.log", [port])
-    cfg = broker_config(workspace=root, warn=False)
-    wait_until(lambda: can_connect(cfg), what="nats-server to accept the hub")
+    return Hub(root, broker_config(workspace=root, warn=False), proc, "nats")
+
+
+def mosquitto_hub(tmp_path: Path, pki) -> Hub:
+    plain, _tls = start_mosquitto(tmp_path / "mosq", pki)
+    root = tmp_path / "hub"
+    (root / ".git").mkdir(parents=True)
+    cfg = plain.config()
+    write_env_file(root / ".mam.env", {"MQTT_BROKER": "127.0.0.1", "MQTT_PORT": str(cfg.port),
+                                       "MQTT_USERNAME": cfg.username, "MQTT_PASSWORD": cfg.password,
+                                       "MQTT_KEEPALIVE": "5", "MAM_TOPIC_ROOT": cfg.topic_root,
+                                       "MAM_DISPATCH_SECRET": TEST_SECRET})
+    assert plain.proc is not None
+    return Hub(root, broker_config(workspace=root, warn=False), plain.proc, "mosquitto", plain)
+
+
+@pytest.fixture(params=["nats", "mosquitto"])
+def hub(request, tmp_path) -> Hub:
+    if request.param == "mosquitto" and not MOSQUITTO_BIN.exists():
+        pytest.skip("mosquitto is not installed (/usr/sbin/mosquitto)")
+    made = nats_hub(tmp_path) if request.param == "nats" else mosquitto_hub(tmp_path, request.getfixturevalue("pki"))
     try:
-        yield Hub(root, cfg, proc.pid)
+        wait_until(lambda: can_connect(made.cfg), what=f"{made.kind} to accept the hub")
+        yield made
     finally:
-        stop_broker(proc)
+        stop_broker(made.proc, made.mosquitto.folder if made.mosquitto else None)
 
 
 def test_s16_runner_broker_user_least_privilege_and_revocation(hub: Hub, tmp_path):
@@ -123,12 +174,23 @@ def test_s16_runner_broker_user_least_privilege_and_revocation(hub: Hub, tmp_pat
                 attacker.publish(topic, payload, qos=1, retain=True, timeout_s=PUBACK_WAIT_S)
             except PublishTimeout:
                 pass  # not acknowledged is refused too
-        with pytest.raises(BrokerError, match="refused the subscription"):
+        try:
             attacker.subscribe([(names.presence_topic(SESSION_B, root), 1)])
+            assert hub.kind == "mosquitto"  # mosquitto grants it and then delivers nothing
+        except BrokerError as exc:
+            assert "refused the subscription" in str(exc)
+            assert hub.kind == "nats"
+        attacker.subscribe([(names.control_topic(job, root), 1)])
+        watcher.publish(names.presence_topic(SESSION_B, root), b"b presence", qos=1, retain=True)
+        watcher.publish(names.control_topic(job, root), b"hub control", qos=1)
         attacker.publish(names.state_topic(job, root), b"marker", qos=1)  # what a runner may do arrives
         seen: list[Message] = []
         receive(watcher, lambda m: m.payload == b"marker", seen=seen)
-        assert [m.topic for m in seen] == [names.state_topic(job, root)]
+        assert b"forged dispatch" not in [m.payload for m in seen]
+        assert [m for m in seen if m.topic == names.control_topic(job, root)][0].payload == b"hub control"
+        got: list[Message] = []
+        receive(attacker, lambda m: m.payload == b"hub control", seen=got)
+        assert [m.payload for m in got] == [b"hub control"]  # never B's presence
     assert retained(hub, names.dispatch_topic(job, root)) is None
     assert retained(hub, names.control_topic(job, root)) is None
 
@@ -155,9 +217,12 @@ def test_s16_runner_broker_user_least_privilege_and_revocation(hub: Hub, tmp_pat
 
     revoked = orch(hub.root, "runner", "revoke", SESSION_A)
     assert revoked.returncode == 0, revoked.stderr
-    assert f"removed broker user {SESSION_A}" in revoked.stdout
-    assert "nats-server --signal reload=<pid>" in revoked.stdout
+    expected = ("nats-server --signal reload=<pid>" if hub.kind == "nats"
+                else f"remove the broker user {SESSION_A} from your broker")
+    assert expected in revoked.stdout, revoked.stdout
+    assert hub.kind != "nats" or f"removed broker user {SESSION_A}" in revoked.stdout
     assert not names.runner_credentials_path(hub.root, SESSION_A).exists()
+    hub.by_hand(SESSION_A, add=False)
     hub.reload()
     wait_until(lambda: not can_connect(a_cfg), what="A's broker user to be refused after the reload")
     assert can_connect(b_cfg)
