@@ -31,8 +31,8 @@ PUBLISH_LEAVES = ("events", "state", "log")
 SUBSCRIBE_LEAVES = ("dispatch", "control", "state")
 RESERVED_USERS = frozenset({AGENT_USER, OBSERVER_USER, "sys", "home"})
 
-__all__ = ["BEGIN_MARK", "END_MARK", "mosquitto_acl_block", "nats_user_entry", "reload_nats", "runner_topics", "runner_user",
-           "runner_users", "users_block", "with_runner_user", "with_users_block", "without_runner_user"]
+__all__ = ["BEGIN_MARK", "END_MARK", "mosquitto_acl_block", "nats_user_entry", "reload_nats", "runner_topics",
+           "runner_user", "runner_users", "users_block", "with_runner_user", "with_users_block", "without_runner_user"]
 
 
 def runner_user(session: str) -> str:
