@@ -20,9 +20,17 @@ from pathlib import Path
 import pytest
 from harness.brokers import free_port
 from harness.runnersim import AGENTS, MAM_ORCH, MAM_RUNNER, hub_env, orch, retained, runner_log
-from harness.shipped import MOSQUITTO_BIN, MOSQUITTO_PASSWD, NATS_BIN, Broker, receive, start_broker, stop_broker
+from harness.shipped import (
+    MOSQUITTO_BIN,
+    MOSQUITTO_PASSWD,
+    NATS_BIN,
+    Broker,
+    receive,
+    start_broker,
+    start_mosquitto,
+    stop_broker,
+)
 from harness.shipped import pki as pki  # noqa: F401 - fixture
-from harness.shipped import start_mosquitto
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import TEST_SECRET, clean_env
 
