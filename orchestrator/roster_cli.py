@@ -82,7 +82,9 @@ def add_cmd(
 ) -> int:
     """Enrol a runner's public keys in the roster (.mam/runners/<session>.json) and print what
     its host needs: the hub's public key (as a `mam-runner trust-hub` command) and the broker
-    settings, without secrets (PROTOCOL §16). Exit 64: a bad request or key."""
+    settings, without secrets; its own broker user's password goes once into a 0600 file
+    (.mam/runner-credentials/<session>.env) and the user into the managed broker config
+    (PROTOCOL §16). Exit 64: a bad request or key."""
     root = _root(workspace)
     enrol = _request(request, session, ed25519, x25519, labels)
     runneruser.check_session(enrol.session)  # a session that cannot be a broker user: nothing written
