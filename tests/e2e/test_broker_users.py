@@ -7,7 +7,8 @@ runner's `user` block (`brokerusers.mosquitto_acl_block`) and password, then SIG
 With A's user: a dispatch or a control it publishes reaches no subscriber, B's presence
 cannot be subscribed to (nats: SUBACK 0x80; mosquitto: nothing delivered), and a real v2
 runner A completes a hub job. After `runner revoke A` and the reload, A's user cannot
-connect; B's still can."""
+connect; B's still can. The embedded broker (`broker up`) is reloaded by `runner add|revoke`
+themselves and keeps its runner users when `up` regenerates its config."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import TEST_SECRET, clean_env
 
 from mam.orchestrator import init as mam_init
+from mam.shared import broker as embedded
 from mam.shared import brokerusers, keys, names, wire, wirev2
 from mam.shared.config import BrokerConfig, broker_config, read_env_file, write_env_file
 from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
@@ -53,7 +55,7 @@ class Hub:
 
     root: Path
     cfg: BrokerConfig
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | None
     kind: str
     mosquitto: Broker | None = None
 
@@ -66,6 +68,7 @@ class Hub:
 
     def reload(self) -> None:
         """nats: what `runner add|revoke` told the operator to run; mosquitto: SIGHUP."""
+        assert self.proc is not None
         if self.kind == "nats":
             subprocess.run([str(NATS_BIN), "--signal", f"reload={self.proc.pid}"], check=True,
                            capture_output=True, timeout=PATIENCE_S)
@@ -160,6 +163,7 @@ def hub(request, tmp_path) -> Hub:
         wait_until(lambda: can_connect(made.cfg), what=f"{made.kind} to accept the hub")
         yield made
     finally:
+        assert made.proc is not None
         stop_broker(made.proc, made.mosquitto.folder if made.mosquitto else None)
 
 
@@ -234,3 +238,29 @@ def test_s16_runner_broker_user_least_privilege_and_revocation(hub: Hub, tmp_pat
     hub.reload()
     wait_until(lambda: not can_connect(a_cfg), what="A's broker user to be refused after the reload")
     assert can_connect(b_cfg)
+
+
+def test_s16_embedded_broker_runner_user_added_kept_across_up_and_revoked_with_automatic_reload(tmp_path):
+    """`mam-orch broker up`'s broker: `runner add|revoke` reload it themselves (SIGHUP to the pid of
+    its state file), and a `down` + `up` (which regenerates nats.conf) keeps the runner users."""
+    root = tmp_path / "hub"
+    (root / ".git").mkdir(parents=True)
+    info = embedded.up(str(root), mqtt_port=free_port(), port=free_port(), ws_port=free_port(),
+                       ready_timeout_s=PATIENCE_S)
+    try:
+        hub = Hub(root, broker_config(workspace=root, warn=False), None, "embedded")
+        made = keys.create_runner_keys(tmp_path / "runner-a")
+        added = orch(root, "runner", "add", "--session", SESSION_A, "--ed25519", made.ed25519_public,
+                     "--x25519", made.x25519_public)
+        assert f"reloaded nats-server (pid {info['pid']})" in added.stdout, added.stdout + added.stderr
+        a_cfg = as_runner(hub, SESSION_A)
+        wait_until(lambda: can_connect(a_cfg), what="A's user after the automatic reload")
+        embedded.down(str(root))
+        info = embedded.up(str(root), mqtt_port=info["mqtt_port"], port=info["port"], ws_port=info["ws_port"],
+                           ready_timeout_s=PATIENCE_S)
+        assert can_connect(a_cfg)  # the regenerated config kept A
+        revoked = orch(root, "runner", "revoke", SESSION_A)
+        assert f"reloaded nats-server (pid {info['pid']})" in revoked.stdout, revoked.stdout + revoked.stderr
+        wait_until(lambda: not can_connect(a_cfg), what="A's user to be refused after the automatic reload")
+    finally:
+        embedded.down(str(root))

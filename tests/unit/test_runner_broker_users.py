@@ -1,6 +1,6 @@
 """PROTOCOL §16 / issue 13 item 5: the per-runner broker users in a nats config
 (`mam.shared.brokerusers`) and `mam-orch runner add|revoke` on a managed config
-(`mam.orchestrator.runneruser`). The broker itself: tests/e2e/test_broker_users.py."""
+(`mam.orchestrator.runneruser`). The brokers themselves: tests/e2e/test_broker_users.py."""
 
 from __future__ import annotations
 
