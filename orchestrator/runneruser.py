@@ -89,8 +89,9 @@ def grant(root: Path, session: str) -> Grant:
     managed = _managed(root)
     text = None
     if managed is not None:  # check the config before the password is written anywhere
-        text = brokerusers.with_runner_user(managed.config.read_text(encoding="utf-8"), session, password,
-                                            cfg.topic_root)
+        current = managed.config.read_text(encoding="utf-8")
+        if brokerusers.BEGIN_MARK in current:
+            text = brokerusers.with_runner_user(current, session, password, cfg.topic_root)
     path = names.runner_credentials_path(root, session)
     path.parent.mkdir(mode=CREDENTIALS_DIR_MODE, parents=True, exist_ok=True)
     write_env_file(path, {"MQTT_USERNAME": user, "MQTT_PASSWORD": password},
@@ -99,8 +100,10 @@ def grant(root: Path, session: str) -> Grant:
     lines = [f"broker user {user}: its password is in {path} (mode 0600): put both lines in the runner's "
              ".mam.env, then delete the file"]
     if managed is None or text is None:
-        lines.append("no broker config managed here (mam-orch init --broker-config or broker up): add the user "
-                     "to your broker as docs/security.md shows (nats users entry, or mosquitto_passwd and acl)")
+        where = (f"{managed.config} predates per-runner users (no '# BEGIN runner users' line)" if managed
+                 else "no broker config managed here (mam-orch init --broker-config or broker up)")
+        lines.append(f"{where}: add the user to your broker as docs/security.md shows (nats users entry, "
+                     "or mosquitto_passwd and acl)")
     else:
         lines += _apply(managed, text)
     return Grant(user, path, tuple(lines))
@@ -114,6 +117,6 @@ def withdraw(root: Path, session: str) -> list[str]:
     if managed is None:
         return [f"no broker config managed here: remove the broker user {user} from your broker and reload it"]
     text = managed.config.read_text(encoding="utf-8")
-    if user not in brokerusers.runner_users(text):
+    if brokerusers.BEGIN_MARK not in text or user not in brokerusers.runner_users(text):
         return [f"broker user {user} is not in {managed.config}"]
     return [f"removed broker user {user}", *_apply(managed, brokerusers.without_runner_user(text, session))]

@@ -81,3 +81,15 @@ def test_s16_grant_without_a_managed_config_says_what_to_add(tmp_path):
     granted = runneruser.grant(root, "a-box")
     assert granted.credentials.exists() and "docs/security.md" in granted.lines[-1]
     assert "remove the broker user a-box" in runneruser.withdraw(root, "a-box")[0]
+
+
+def test_s16_config_from_before_runner_users_is_not_edited_and_says_so(tmp_path):
+    root = tmp_path / "hub"
+    root.mkdir()
+    conf = tmp_path / "nats.conf"
+    mam_init.init_workspace(root, broker_config=conf, environ={})
+    old = conf.read_text().replace(brokerusers.BEGIN_MARK, "").replace(brokerusers.END_MARK, "")
+    conf.write_text(old)
+    granted = runneruser.grant(root, "a-box")
+    assert "predates per-runner users" in granted.lines[-1] and conf.read_text() == old
+    assert runneruser.withdraw(root, "a-box") == [f"broker user a-box is not in {conf}"]
