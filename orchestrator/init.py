@@ -64,6 +64,7 @@ NODE_NAME = "mam-nats-{n}"
 NODE_SERVICE = "nats-{n}"
 #: The hosts of the shipped deploy/nats/cluster files (tailnet machine names; init --cluster --broker sets yours).
 CLUSTER_EXAMPLE_HOSTS = ("mam-nats-1", "mam-nats-2", "mam-nats-3")
+MAM_DIR_MODE = 0o700  # the workspace's .mam/ (it holds the broker record and keys)
 
 __all__ = ["AGENT_USER", "BROKER_ENV_NAME", "BROKER_SECRET_VARS", "COMPOSE_NAME", "NATS_CONF", "NATS_TLS_CONF",
            "OBSERVER_USER", "InitResult", "broker_password", "conf_variables", "init_workspace",
@@ -333,6 +334,10 @@ def init_workspace(workspace: str | os.PathLike[str] | None = None, *,
                              f"{_compose(folder, project, service)}")
                 notes.append(f"  or natively: {_native(folder, conf)}")
         else:
+            names.mam_dir(root).mkdir(mode=MAM_DIR_MODE, parents=True, exist_ok=True)
+            record = {"config": str(folder / next(iter(configs))), "topic_root": root_topic}
+            atomic_write(names.broker_record_path(root), (json.dumps(record) + "\n").encode("utf-8"),
+                         what="broker record", error=ConfigError)  # `runner add|revoke` edit its runner users
             notes.append(f"start the broker: {_compose(folder, project)}")
             notes.append(f"  or natively: {_native(folder, next(iter(configs)))}")
         notes.append(f"JetStream store: {store}{'/<node>' if cluster else ''}"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import typer
 
-from mam.orchestrator import invites, roster
+from mam.orchestrator import invites, roster, runneruser
 from mam.orchestrator.roster import RosterEntry
 from mam.shared import clikit, config, invite, keys, names
 from mam.shared.errors import UsageError
@@ -112,23 +112,31 @@ def add_cmd(
 ) -> int:
     """Enrol a runner's public keys in the roster (.mam/runners/<session>.json) and print what
     its host needs: the hub's public key (as a `mam-runner trust-hub` command) and the broker
-    settings, without secrets (PROTOCOL §16). Exit 64: a bad request or key."""
+    settings, without secrets; its own broker user's password goes once into a 0600 file
+    (.mam/runner-credentials/<session>.env) and the user into the managed broker config
+    (PROTOCOL §16). Exit 64: a bad request or key."""
     root = _root(workspace)
-    entry, what = roster.add(root, _request(request, session, ed25519, x25519, labels), replace_keys=replace_keys)
+    enrol = _request(request, session, ed25519, x25519, labels)
+    runneruser.check_session(enrol.session)  # a session that cannot be a broker user: nothing written
+    entry, what = roster.add(root, enrol, replace_keys=replace_keys)
     hub = _hub_publics(root)
-    broker = _broker_lines(root)
+    broker = [line for line in _broker_lines(root) if not line.startswith("MQTT_USERNAME=")]
+    granted = runneruser.grant(root, entry.session)  # its own broker user (§16), password in a 0600 file
     if as_json:
         typer.echo(json.dumps({"session": entry.session, "result": what, "labels": list(entry.labels),
-                               "hub_ed25519_public": hub, "broker": broker}, sort_keys=True))
+                               "hub_ed25519_public": hub, "broker": broker, "broker_user": granted.user,
+                               "credentials_file": str(granted.credentials), "notes": list(granted.lines)},
+                              sort_keys=True))
         return 0
     shown = ",".join(entry.labels) or "none"
     typer.echo(f"{what} runner {entry.session} (labels: {shown}) in .mam/runners/{entry.session}.json")
     typer.echo("on the runner host, run:")
     typer.echo(f"  mam-runner trust-hub -- {' '.join(hub)}")
-    typer.echo("and give its .mam.env these settings (the broker password is not shown; hand it over "
-               "separately):")
+    typer.echo("and give its .mam.env these settings:")
     for line in broker:
         typer.echo(f"  {line}")
+    for line in granted.lines:
+        typer.echo(line)
     return 0
 
 
@@ -165,8 +173,11 @@ def revoke_cmd(
 ) -> int:
     """Revoke a runner: from the hub's next message on its presence is refused and nothing is
     dispatched to it (PROTOCOL §16). Exit 1: not enrolled."""
-    entry = roster.revoke(_root(workspace), session)
+    root = _root(workspace)
+    entry = roster.revoke(root, session)
     typer.echo(f"revoked runner {entry.session} at {entry.revoked_at}")
+    for line in runneruser.withdraw(root, entry.session):  # its broker user too (§16)
+        typer.echo(line)
     return 0
 
 

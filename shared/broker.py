@@ -34,7 +34,7 @@ from typing import Any
 import nats
 import psutil
 
-from mam.shared import names
+from mam.shared import brokerusers, names
 from mam.shared.brokerconf import (
     ACCOUNT,
     AGENT_USER,
@@ -316,7 +316,11 @@ def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int 
     settings = NatsSettings(store_dir=paths.store, host=host, port=port, mqtt_port=mqtt_port,
                             ws_port=ws_port or None, monitor_port=monitor_port,
                             topic_root=topic_root)
-    write_private(paths.config, render_nats_config(settings, creds))
+    text = render_nats_config(settings, creds)
+    previous = paths.config.read_text(encoding="utf-8") if paths.config.exists() else ""
+    if brokerusers.BEGIN_MARK in previous:  # keep the runner users `mam-orch runner add` put there (§16)
+        text = brokerusers.with_users_block(text, brokerusers.users_block(previous))
+    write_private(paths.config, text)
     child = start_nats_server(paths.config, paths.log, detach=True)
     new_state = {"pid": child.pid, "create_time": psutil.Process(child.pid).create_time(),
                  "host": host, "port": port, "mqtt_port": mqtt_port, "ws_port": ws_port or None,
@@ -422,6 +426,12 @@ async def _nats_probe(url: str, password: str, timeout_s: float) -> dict[str, An
                 "mqtt_streams": streams}
     finally:
         await nc.close()
+
+
+def running_pid(workspace: str | None = None) -> int | None:
+    """The pid of this workspace's embedded broker (`broker up`) while it runs, else None."""
+    proc = _live_process(_read_state(BrokerPaths(resolve_root(workspace))))
+    return proc.pid if proc is not None else None
 
 
 def running(workspace: str | None = None) -> bool:

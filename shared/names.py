@@ -414,6 +414,20 @@ def roster_dir(root: Path) -> Path:
 def roster_path(root: Path, session: str) -> Path:
     """`<root>/.mam/runners/<session>.json`: one enrolled runner (§16)."""
     return roster_dir(root) / f"{validate_session(session)}.json"
+
+
+def broker_record_path(root: Path) -> Path:
+    """`<root>/.mam/broker-config.json`: the nats config `mam-orch init` wrote, whose runner users
+    `mam-orch runner add|revoke` manage (§16)."""
+    return mam_dir(root) / "broker-config.json"
+
+
+def runner_credentials_path(root: Path, session: str) -> Path:
+    """`<root>/.mam/runner-credentials/<session>.env` (0600): a runner's own broker user and
+    password, written once by `mam-orch runner add` for the operator to hand over (§16)."""
+    return mam_dir(root) / "runner-credentials" / f"{validate_session(session)}.env"
+
+
 def invites_dir(root: Path) -> Path:
     """`<root>/.mam/invites`: the hub's pending and used invite codes, as hashes (§16 enrolment by invite)."""
     return mam_dir(root) / "invites"

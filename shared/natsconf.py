@@ -219,6 +219,10 @@ accounts {
           publish:   { deny:  [">"] }
           subscribe: { allow: $MAM_SUBJECTS }
         } }
+      # Runners with their own user (docs/security.md): `mam-orch runner add|revoke`
+      # keep one line per runner between these two markers.
+      # BEGIN runner users
+      # END runner users
     ]
   }
   # Other home services; accounts are isolated, so HOME sees nothing of MAM.
@@ -340,6 +344,10 @@ accounts {
           publish:   { deny:  [">"] }
           subscribe: { allow: $MAM_SUBJECTS }
         } }
+      # Runners with their own user (docs/security.md): `mam-orch runner add|revoke`
+      # keep one line per runner between these two markers.
+      # BEGIN runner users
+      # END runner users
     ]
   }
   # Other home services; accounts are isolated, so HOME sees nothing of MAM.

@@ -1,0 +1,122 @@
+"""A runner's own broker user on the hub (PROTOCOL §16, docs/security.md): `grant`
+(`mam-orch runner add`) makes a password, writes the user and password once into a
+0600 file for the operator to hand over, and adds the user to the nats config the hub
+manages; `withdraw` (`mam-orch runner revoke`) removes it. Both reload the server.
+
+The managed config is the one `mam-orch init --broker-config` recorded in
+`.mam/broker-config.json` (its pid is unknown here: the reload command is printed), else
+the embedded broker's `.mam/broker/nats.conf` (`mam-orch broker up`; reloaded with SIGHUP
+to the pid of its state file). Without either, the lines say what to add by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from mam.orchestrator.init import broker_password
+from mam.shared import broker, brokerusers, names
+from mam.shared.config import broker_config, write_env_file
+from mam.shared.errors import ConfigError
+from mam.shared.fsio import atomic_write, read_json_object
+
+CREDENTIALS_DIR_MODE = 0o700
+MAX_RECORD_BYTES = 4096
+"""`.mam/broker-config.json` is one short JSON object."""
+
+__all__ = ["Grant", "check_session", "grant", "withdraw"]
+
+
+@dataclass(frozen=True)
+class Managed:
+    """The nats config whose runner users the hub edits, and the server's pid if known."""
+
+    config: Path
+    pid: int | None
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What `grant` did: the user, the credentials file, and lines for the operator."""
+
+    user: str
+    credentials: Path
+    lines: tuple[str, ...]
+
+
+def _managed(root: Path) -> Managed | None:
+    record_path = names.broker_record_path(root)
+    if record_path.exists():
+        try:
+            record = read_json_object(record_path, MAX_RECORD_BYTES)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{record_path}: unreadable broker record ({exc})") from None
+        config = record.get("config")
+        if not isinstance(config, str) or not config:
+            raise ConfigError(f"{record_path}: no \"config\" path (run `mam-orch init --broker-config` again)")
+        return Managed(Path(config), None)
+    embedded = broker.BrokerPaths(root).config
+    if embedded.exists():
+        return Managed(embedded, broker.running_pid(str(root)))
+    return None
+
+
+def _apply(managed: Managed, text: str) -> list[str]:
+    """Write the new config and reload the server; the lines to print."""
+    atomic_write(managed.config, text.encode("utf-8"), what=managed.config.name, error=ConfigError)
+    if managed.pid is None:
+        return [f"updated {managed.config}; reload the broker: nats-server --signal reload=<pid> "
+                "(with docker compose, restart the service: the config is a bind-mounted file)"]
+    brokerusers.reload_nats(managed.pid)
+    return [f"updated {managed.config} and reloaded nats-server (pid {managed.pid})"]
+
+
+def check_session(session: str) -> str:
+    """The broker user of `session`; UsageError for one that cannot be a broker user."""
+    return brokerusers.runner_user(session)
+
+
+def grant(root: Path, session: str) -> Grant:
+    """Give runner `session` its own broker user with a fresh password (replacing an earlier one).
+
+    Raises:
+        UsageError: a session that cannot be a broker user; ConfigError: a file cannot be written,
+        or the managed config has no runner-users block.
+    """
+    user = brokerusers.runner_user(session)
+    password = broker_password()
+    cfg = broker_config(workspace=root, warn=False)
+    managed = _managed(root)
+    text = None
+    if managed is not None:  # check the config before the password is written anywhere
+        current = managed.config.read_text(encoding="utf-8")
+        if brokerusers.BEGIN_MARK in current:
+            text = brokerusers.with_runner_user(current, session, password, cfg.topic_root)
+    path = names.runner_credentials_path(root, session)
+    path.parent.mkdir(mode=CREDENTIALS_DIR_MODE, parents=True, exist_ok=True)
+    write_env_file(path, {"MQTT_USERNAME": user, "MQTT_PASSWORD": password},
+                   header=f"Broker user of runner {session} (mam-orch runner add): put these two lines in its "
+                          ".mam.env, then delete this file.", overwrite=True)
+    lines = [f"broker user {user}: its password is in {path} (mode 0600): put both lines in the runner's "
+             ".mam.env, then delete the file"]
+    if managed is None or text is None:
+        where = (f"{managed.config} predates per-runner users (no '# BEGIN runner users' line)" if managed
+                 else "no broker config managed here (mam-orch init --broker-config or broker up)")
+        lines.append(f"{where}: add the user to your broker as docs/security.md shows (nats users entry, "
+                     "or mosquitto_passwd and acl)")
+    else:
+        lines += _apply(managed, text)
+    return Grant(user, path, tuple(lines))
+
+
+def withdraw(root: Path, session: str) -> list[str]:
+    """Remove runner `session`'s broker user and reload; the lines to print."""
+    user = brokerusers.runner_user(session)
+    names.runner_credentials_path(root, session).unlink(missing_ok=True)
+    managed = _managed(root)
+    if managed is None:
+        return [f"no broker config managed here: remove the broker user {user} from your broker and reload it"]
+    text = managed.config.read_text(encoding="utf-8")
+    if brokerusers.BEGIN_MARK not in text or user not in brokerusers.runner_users(text):
+        return [f"broker user {user} is not in {managed.config}"]
+    return [f"removed broker user {user}", *_apply(managed, brokerusers.without_runner_user(text, session))]

@@ -1,0 +1,95 @@
+"""PROTOCOL §16 / issue 13 item 5: the per-runner broker users in a nats config
+(`mam.shared.brokerusers`) and `mam-orch runner add|revoke` on a managed config
+(`mam.orchestrator.runneruser`). The brokers themselves: tests/e2e/test_broker_users.py."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from mam.orchestrator import init as mam_init
+from mam.orchestrator import runneruser
+from mam.shared import broker, brokerusers, names
+from mam.shared.errors import ConfigError, UsageError
+
+pytestmark = pytest.mark.timeout(30)
+
+PASSWORD = "Runner-password-0123456789"
+
+
+def test_s16_runner_user_entry_grants_only_the_runner_subjects():
+    line = brokerusers.nats_user_entry("gpu-box", PASSWORD, "python/mqtt")
+    assert line.endswith("  # runner gpu-box\n") and line.count("\n") == 1
+    assert '"python.mqtt.jobs.*.events", "python.mqtt.jobs.*.state", "python.mqtt.jobs.*.log", ' \
+           '"python.mqtt.runners.gpu-box"] }, subscribe: { allow: ["python.mqtt.jobs.*.dispatch", ' \
+           '"python.mqtt.jobs.*.control", "python.mqtt.jobs.*.state", "python.mqtt.runners.gpu-box"]' in line
+    assert "dispatch\", \"python.mqtt.runners" not in line.split("subscribe")[0]  # never publishes a dispatch
+
+
+@pytest.mark.parametrize("session", ["mam_agent", "mam_observer", "sys", "a.b", ""])
+def test_s16_session_that_cannot_be_a_broker_user_is_refused(session):
+    with pytest.raises(UsageError):
+        brokerusers.runner_user(session)
+
+
+def test_s16_add_replace_and_remove_runner_users_in_the_shipped_template():
+    text = mam_init.render_nats_conf()
+    one = brokerusers.with_runner_user(text, "a-box", PASSWORD)
+    two = brokerusers.with_runner_user(one, "b-box", PASSWORD)
+    again = brokerusers.with_runner_user(two, "a-box", "Other-password-0123456789")
+    assert brokerusers.runner_users(again) == ["b-box", "a-box"] and PASSWORD in again
+    assert brokerusers.without_runner_user(brokerusers.without_runner_user(again, "a-box"), "b-box") == text
+    assert again.replace(brokerusers.users_block(again), "") == text
+
+
+def test_s16_config_without_markers_is_refused_with_one_line():
+    with pytest.raises(ConfigError, match="BEGIN runner users"):
+        brokerusers.with_runner_user("accounts {}\n", "a-box", PASSWORD)
+
+
+def test_s16_embedded_broker_keeps_runner_users_across_up(tmp_path):
+    """`broker up` regenerates nats.conf: the users `runner add` put there stay."""
+    settings = broker.NatsSettings(store_dir=tmp_path / "js")
+    text = broker.render_nats_config(settings, broker.BrokerCredentials.fresh())
+    kept = brokerusers.with_runner_user(text, "a-box", PASSWORD)
+    fresh = broker.render_nats_config(settings, broker.BrokerCredentials.fresh())
+    assert brokerusers.runner_users(brokerusers.with_users_block(fresh, brokerusers.users_block(kept))) == ["a-box"]
+
+
+def test_s16_grant_and_withdraw_edit_the_config_init_recorded(tmp_path):
+    root = tmp_path / "hub"
+    root.mkdir()
+    conf = tmp_path / "nats.conf"
+    mam_init.init_workspace(root, broker_config=conf, environ={})
+    assert json.loads(names.broker_record_path(root).read_text())["config"] == str(conf)
+    granted = runneruser.grant(root, "a-box")
+    password = granted.credentials.read_text().split("MQTT_PASSWORD=")[1].split()[0]
+    assert os.stat(granted.credentials).st_mode & 0o777 == 0o600
+    assert password in conf.read_text() and not any(password in line for line in granted.lines)
+    assert brokerusers.runner_users(conf.read_text()) == ["a-box"]
+    lines = runneruser.withdraw(root, "a-box")
+    assert lines[0] == "removed broker user a-box" and "reload=<pid>" in lines[1]
+    assert brokerusers.runner_users(conf.read_text()) == [] and not granted.credentials.exists()
+
+
+def test_s16_grant_without_a_managed_config_says_what_to_add(tmp_path):
+    root = tmp_path / "hub"
+    root.mkdir()
+    mam_init.init_workspace(root, environ={})
+    granted = runneruser.grant(root, "a-box")
+    assert granted.credentials.exists() and "docs/security.md" in granted.lines[-1]
+    assert "remove the broker user a-box" in runneruser.withdraw(root, "a-box")[0]
+
+
+def test_s16_config_from_before_runner_users_is_not_edited_and_says_so(tmp_path):
+    root = tmp_path / "hub"
+    root.mkdir()
+    conf = tmp_path / "nats.conf"
+    mam_init.init_workspace(root, broker_config=conf, environ={})
+    old = conf.read_text().replace(brokerusers.BEGIN_MARK, "").replace(brokerusers.END_MARK, "")
+    conf.write_text(old)
+    granted = runneruser.grant(root, "a-box")
+    assert "predates per-runner users" in granted.lines[-1] and conf.read_text() == old
+    assert runneruser.withdraw(root, "a-box") == [f"broker user a-box is not in {conf}"]
