@@ -228,13 +228,14 @@ class LiveFeed:
                 if self.on_event is not None:
                     self.on_event(line, record)
                 out.append({"type": "event", "job_id": job_id, "event": redact(line)})
-        if record["attempt_id"] != tracked.attempt:
+        new_attempt = record["attempt_id"] != tracked.attempt  # a retry: its end is a new finish
+        if new_attempt:
             tracked.attempt, tracked.log_offset = record["attempt_id"], 0
         self._poll_log(job_id, tracked, out, final=record["status"] in TERMINAL_STATUSES)
         row = job_row(record, last_event)
         changed = {k: v for k, v in row.items() if k != "duration_s"} != {
             k: v for k, v in tracked.row.items() if k != "duration_s"}
-        was_open = tracked.row.get("status") not in TERMINAL_STATUSES
+        was_open = new_attempt or tracked.row.get("status") not in TERMINAL_STATUSES
         tracked.mtime, tracked.row = mtime, row
         if changed:
             out.append({"type": "job", "job": row})

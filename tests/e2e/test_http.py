@@ -92,11 +92,14 @@ def test_s14_metrics_after_a_scripted_run_equal_what_happened(nats_broker, tmp_p
             ("mam_job_duration_seconds_count", (("outcome", "completed"),)): 3,
         }
 
-        def matches() -> bool:
+        def mismatched() -> dict:
             samples = metric_samples(serve.http.get("/metrics").text)
-            return all(samples.get(key) == value for key, value in expected.items())
+            return {key: (samples.get(key), value) for key, value in expected.items() if samples.get(key) != value}
 
-        wait_until(matches, what="the metrics to equal the scripted run")
+        try:
+            wait_until(lambda: not mismatched(), what="the metrics to equal the scripted run")
+        except AssertionError:
+            raise AssertionError(f"metrics (got, expected) differ from the scripted run: {mismatched()}") from None
         samples = metric_samples(serve.http.get("/metrics").text)
         assert samples[("mam_messages_accepted_total", (("kind", "events"),))] >= 14
         assert 5 <= samples[("mam_queue_wait_seconds_count", ())] <= 6  # the retry's first attempt may pass unseen

@@ -265,3 +265,21 @@ def test_s15_live_feed_sends_runner_queue_job_event_and_log_changes(service):
 
 def test_s14_registry_helpers_stay_in_names():
     assert names.hub_log_path(Registry("/x").root, "0badf00d", 2).name == "agent.2.log"
+
+
+def test_s14_live_feed_counts_a_retry_that_ends_between_two_polls_as_a_new_finish(service):
+    """A retried job whose attempt 2 ends before the feed polls again (the feed saw attempt 1
+    `error`, now sees `completed`) finishes twice: the metrics count both outcomes (§14 Retries)."""
+    finished: list[str] = []
+    feed = LiveFeed(service, on_finish=lambda row: finished.append(row["status"]))
+    feed.poll()
+    record = service.registry.register(session="gpu-box", contract=Contract(heartbeat_sec=1, heartbeat_misses=2))
+    feed.poll()
+    service.registry.close(record["job_id"], "agent_blocked")
+    feed.poll()
+    again = service.registry.redispatch(record["job_id"], session="gpu-box")
+    identity = {"attempt_id": again["attempt_id"], "dispatch_token": again["dispatch_token"]}
+    service.registry.transition(record["job_id"], "running", source="runner", **identity)
+    service.registry.transition(record["job_id"], "completed", source="runner", exit_code=0, **identity)
+    feed.poll()
+    assert finished == ["error", "completed"]
