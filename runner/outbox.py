@@ -12,8 +12,8 @@ reconnect (a broker that crashed before saving retained messages gets them
 back; same seq, so receivers drop the duplicate, §3.2 rule 6).
 
 Re-send (`resend`, by the daemon's `Resender`: pending entries at start and
-after every reconnect, kept ones after every reconnect, and every SWEEP_S the
-pending ones older than SETTLE_S): per job in (attempt, seq) order every
+after every reconnect, kept ones after every reconnect and again KEPT_AGAIN_S
+later, and every SWEEP_S the pending ones older than SETTLE_S): per job in (attempt, seq) order every
 event; a state only when it is the newest of the job's current attempt
 (terminal, or the record's `last_seq`), so a re-sent state never replaces a
 newer retained one. The first broker failure ends the pass until the next.
@@ -57,6 +57,12 @@ SWEEP_S = 5.0
 """How often the daemon looks for entries a `publish` process could not send, seconds."""
 SETTLE_S = 10.0
 """A pending entry younger than this is still its writer's to send; a sweep leaves it, seconds."""
+KEPT_AGAIN_S = (5.0, 15.0, 45.0)
+"""After a reconnect the kept terminal entries are re-published at once and again these many
+seconds later. A NATS cluster electing JetStream leaders after losing a node PUBACKs a retained
+message it could not store ("unable to store retained message", nats-server 2.15), while a hub
+that reconnected with a clean session may not be subscribed yet: the event and its retained
+state are then lost to it, and only a later re-publish reaches it (docs/deployment.md)."""
 STOP_WAIT_S = 10.0
 """How long `Resender.stop` waits for a pass in flight (one PUBACK deadline and more), seconds."""
 ENTRY_MAX_BYTES = 2 * wire.MAX_MESSAGE_BYTES + 1024
@@ -311,25 +317,29 @@ def _safe_record(record_of: RecordOf, job_id: str) -> Mapping[str, Any] | None:
 
 class Resender:
     """The daemon's re-send loop on its own thread (§17): every pending entry at start; after
-    every `wake()` (a reconnect) the kept terminal entries too; and every SWEEP_S the pending
-    entries older than SETTLE_S.
+    every `wake()` (a reconnect) the kept terminal entries too, and the kept ones again
+    `kept_again_s` later; and every SWEEP_S the pending entries older than SETTLE_S.
 
     Args:
         outbox: the runner's `Outbox`; client: the daemon's connection; record_of: as `Outbox.resend`.
+        sweep_s, settle_s: SWEEP_S and SETTLE_S, seconds.
+        kept_again_s: delays after a reconnect of the further kept passes (KEPT_AGAIN_S), seconds.
     """
 
     def __init__(self, outbox: Outbox, client: Transport, record_of: RecordOf, *, sweep_s: float = SWEEP_S,
-                 settle_s: float = SETTLE_S) -> None:
+                 settle_s: float = SETTLE_S, kept_again_s: tuple[float, ...] = KEPT_AGAIN_S) -> None:
         self.outbox = outbox
         self.client = client
         self.record_of = record_of
         self.sweep_s = sweep_s
         self.settle_s = settle_s
+        self.kept_again_s = kept_again_s
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._now_due = True  # a pass over every pending entry, however young
         self._kept_due = False  # ... and the kept terminal entries (after a reconnect)
+        self._kept_at: list[float] = []  # monotonic times of the further kept passes after the last reconnect
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -341,6 +351,8 @@ class Resender:
         """Ask for a full pass (kept terminal entries included) now: the connection came back."""
         with self._lock:
             self._now_due = self._kept_due = True
+            now = time.monotonic()
+            self._kept_at = [now + delay_s for delay_s in self.kept_again_s]
         self._wake.set()
 
     def stop(self) -> None:
@@ -354,12 +366,17 @@ class Resender:
         while not self._stop.is_set():
             self._wake.clear()
             with self._lock:
-                now, kept = self._now_due, self._kept_due
+                clock = time.monotonic()
+                again = [at for at in self._kept_at if at > clock]
+                now, kept = self._now_due, self._kept_due or len(again) < len(self._kept_at)
                 self._now_due = self._kept_due = False
+                self._kept_at = again
             if not self._pass(now, kept):
                 with self._lock:  # retried at the next sweep or wake
                     self._now_due, self._kept_due = self._now_due or now, self._kept_due or kept
-            self._wake.wait(self.sweep_s)
+            with self._lock:
+                wait_s = min([self.sweep_s, *(at - time.monotonic() for at in self._kept_at)])
+            self._wake.wait(max(0.0, wait_s))
 
     def _pass(self, now: bool, kept: bool) -> bool:
         """One pass; False when it could not finish (no connection, broker failure)."""

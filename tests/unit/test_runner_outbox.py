@@ -253,6 +253,24 @@ def test_s17_resender_at_start_leaves_kept_terminals_a_reconnect_republishes_the
         resender.stop()
 
 
+def test_s17_a_reconnect_republishes_kept_terminals_at_once_and_again_later(tmp_path):
+    """A NATS cluster electing leaders PUBACKs a retained message it could not store, while the
+    hub may not be subscribed yet: the kept terminal goes out again after `kept_again_s`."""
+    registry = mirrored(tmp_path)
+    publish.send_on(connected(FakeBroker()), record(registry, "completed", exit_code=0))
+    broker = FakeBroker()
+    resender = Resender(Outbox(tmp_path), connected(broker), registry.get, sweep_s=60.0, kept_again_s=(0.2,))
+    resender.start()
+    once = [("events", 1, True), ("state", 1, True)]
+    try:
+        wait_until(lambda: resender._now_due is False, 5.0, "the first pass")
+        resender.wake()
+        wait_until(lambda: sent(broker) == once * 2 and not resender._kept_at, 5.0, "the later re-publish")
+    finally:
+        resender.stop()
+    assert sent(broker) == once * 2  # at the reconnect and once more, not every sweep
+
+
 def test_s17_the_daemon_resends_at_start_and_republishes_kept_terminals_after_a_reconnect(tmp_path):
     """What a `publish` left (exit 2) goes out when the runner starts; after a reconnect the
     acknowledged terminal is published again with the same seq (fault 10)."""
