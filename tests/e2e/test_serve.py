@@ -10,6 +10,8 @@ import json
 import os
 import signal
 import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -95,38 +97,54 @@ def test_s14_a_second_serve_exits_64_naming_the_first_pid(nats_broker, tmp_path)
     assert service_pid(hub) is None  # SIGTERM released the lock
 
 
-def test_s14_serve_tracks_a_detached_job_running_then_completed(nats_broker, tmp_path):
+@dataclass
+class HeldJob:
+    """A hub workspace with its service, a runner on `box-a`, and a detached job there that
+    runs until `release()` (`serve` may be replaced by a restart)."""
+
+    hub: Path
+    runner: subprocess.Popen[bytes]
+    serve: subprocess.Popen[bytes]
+    job_id: str
+    marker: Path
+
+    def release(self) -> None:
+        self.marker.touch()
+
+
+@contextlib.contextmanager
+def held_job(nats_broker, tmp_path: Path) -> Iterator[HeldJob]:
+    """`HeldJob` in `tmp_path`; stops the service and the runner on the way out."""
     hub = hub_workspace(nats_broker, tmp_path)
     runner = start_runner(nats_broker, tmp_path / "runner", "box-a")
-    serve = start_serve(hub)
+    held = HeldJob(hub, runner, start_serve(hub), "", tmp_path / "go")
     try:
-        marker = tmp_path / "go"
-        job_id = detach(hub, "box-a", f"bash -c 'while [ ! -e {marker} ]; do sleep 0.1; done'")
+        held.job_id = detach(hub, "box-a", f"bash -c 'while [ ! -e {held.marker} ]; do sleep 0.1; done'")
+        yield held
+    finally:
+        stop(held.serve, held.runner)
+
+
+def test_s14_serve_tracks_a_detached_job_running_then_completed(nats_broker, tmp_path):
+    with held_job(nats_broker, tmp_path) as held:
+        hub, job_id = held.hub, held.job_id
         wait_until(lambda: jobs_status(hub, job_id) == "running", what="running in `jobs` without a watch")
-        marker.touch()
+        held.release()
         wait_until(lambda: status_of(hub, job_id) == "completed", what="completed, mirrored by the service")
         assert jobs_status(hub, job_id) == "completed"
-    finally:
-        stop(serve, runner)
     assert "Traceback" not in serve_log(hub), serve_log(hub)
 
 
 def test_s14_sigterm_leaves_jobs_running_and_the_next_start_picks_them_up(nats_broker, tmp_path):
-    hub = hub_workspace(nats_broker, tmp_path)
-    runner = start_runner(nats_broker, tmp_path / "runner", "box-a")
-    serve = start_serve(hub)
-    try:
-        marker = tmp_path / "go"
-        job_id = detach(hub, "box-a", f"bash -c 'while [ ! -e {marker} ]; do sleep 0.1; done'")
+    with held_job(nats_broker, tmp_path) as held:
+        hub, job_id = held.hub, held.job_id
         wait_until(lambda: status_of(hub, job_id) == "running", what="running")
-        serve.send_signal(signal.SIGTERM)
-        assert serve.wait(PATIENCE_S) == 0, serve_log(hub)
+        held.serve.send_signal(signal.SIGTERM)
+        assert held.serve.wait(PATIENCE_S) == 0, serve_log(hub)
         assert service_pid(hub) is None
-        marker.touch()  # the job ends while no service runs
-        serve = start_serve(hub)
+        held.release()  # the job ends while no service runs
+        held.serve = start_serve(hub)
         wait_until(lambda: status_of(hub, job_id) == "completed", what="completed after the restart")
-    finally:
-        stop(serve, runner)
     assert runner_log(tmp_path / "runner")  # the runner kept running
 
 
@@ -135,13 +153,9 @@ HOSTILE = [b"", b"\x00\xff" * 10, b"{", b"[]", b'{"schema_version": 1, "seq": -1
 
 
 def test_s14_hostile_messages_on_every_subscribed_topic_do_not_kill_serve(nats_broker, tmp_path):
-    hub = hub_workspace(nats_broker, tmp_path)
-    runner = start_runner(nats_broker, tmp_path / "runner", "box-a")
-    serve = start_serve(hub)
     root = nats_broker.topic_root
-    try:
-        marker = tmp_path / "go"
-        job_id = detach(hub, "box-a", f"bash -c 'while [ ! -e {marker} ]; do sleep 0.1; done'")
+    with held_job(nats_broker, tmp_path) as held:
+        hub, job_id, serve = held.hub, held.job_id, held.serve
         wait_until(lambda: status_of(hub, job_id) == "running", what="running")
         topics = [names.events_topic(job_id, root), names.state_topic(job_id, root),
                   names.events_topic("0badf00d", root), names.state_topic("0badf00d", root),
@@ -152,11 +166,9 @@ def test_s14_hostile_messages_on_every_subscribed_topic_do_not_kill_serve(nats_b
             for topic in topics:
                 for payload in HOSTILE:
                     client.publish(topic, payload)
-        marker.touch()
+        held.release()
         wait_until(lambda: status_of(hub, job_id) == "completed", what="completed despite the noise")
         assert serve.poll() is None, serve_log(hub)
-    finally:
-        stop(serve, runner)
     assert "Traceback" not in serve_log(hub), serve_log(hub)
 
 

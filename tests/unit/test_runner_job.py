@@ -8,6 +8,7 @@ import os
 import signal
 import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -84,6 +85,24 @@ def test_s6_an_orphan_job_comes_from_its_record():
     assert not orphan_job(record, None).cancel.is_set()
 
 
+def started_job(tmp_path: Path) -> tuple[FakeBroker, BrokerConfig, Registry, Supervisor, Job]:
+    """A job this runner took and published `started` for (seq 1), its Supervisor on a fake broker."""
+    broker = FakeBroker()
+    config = BrokerConfig(hosts=("fake-broker",), topic_root="unit/mam")
+    client = broker.client(config).connect()
+    registry = Registry(tmp_path / "ws")
+    token = names.new_dispatch_token()
+    registry.mirror(job_id=JOB, session="gpu-box", attempt_id=1, dispatch_token=token,
+                    auth_token=names.new_auth_token(), contract=wire.Contract(), origin="hub", source="runner")
+    publish.record(registry, publish.PublishRequest(JOB, "started", attempt_id=1, dispatch_token=token),
+                   source="runner")
+    options = RunnerOptions(session="gpu-box", argv=("true",), root=registry.root)
+    supervisor = Supervisor(options=options, runner_id="0" * 32, registry=registry, client=client, config=config,
+                            environ={}, on_end=lambda _job_id: None)
+    return broker, config, registry, supervisor, Job(job_id=JOB, attempt_id=1, dispatch_token=token, brief="",
+                                                     heartbeat_s=30, timeout_s=60)
+
+
 # ------------------------------------------------------------ issue 10 fault 9: a disk that refuses the terminal
 
 
@@ -91,19 +110,8 @@ def test_fault9_a_terminal_the_disk_refuses_goes_on_the_wire_then_to_disk_with_t
     """Every fsync fails with ENOSPC while `full` is set (a full disk, as the registry sees it):
     the terminal is sent on the wire at once, signed with the attempt's token; when the disk
     takes writes again the record ends `error` with that seq; nothing raises out of the thread."""
-    broker = FakeBroker()
-    config = BrokerConfig(hosts=("fake-broker",), topic_root="unit/mam")
-    client = broker.client(config).connect()
-    registry = Registry(tmp_path / "ws")
-    auth_token, token = names.new_auth_token(), names.new_dispatch_token()
-    registry.mirror(job_id=JOB, session="gpu-box", attempt_id=1, dispatch_token=token, auth_token=auth_token,
-                    contract=wire.Contract(), origin="hub", source="runner")
-    publish.record(registry, publish.PublishRequest(JOB, "started", attempt_id=1, dispatch_token=token),
-                   source="runner")
-    options = RunnerOptions(session="gpu-box", argv=("true",), root=registry.root)
-    supervisor = Supervisor(options=options, runner_id="0" * 32, registry=registry, client=client, config=config,
-                            environ={}, on_end=lambda _job_id: None)
-    job = Job(job_id=JOB, attempt_id=1, dispatch_token=token, brief="", heartbeat_s=30, timeout_s=60)
+    broker, config, registry, supervisor, job = started_job(tmp_path)
+    auth_token = registry.get(JOB)["auth_token"]
     full = threading.Event()
     real_fsync = os.fsync
 
@@ -142,19 +150,8 @@ def test_fault9_s12_no_beat_takes_the_seq_of_a_terminal_the_disk_refused(tmp_pat
     """The daemon beats for the job every 20 ms (§12, `beats`) when the disk fills up: the
     terminal goes on the wire with the next seq; once space returns the record takes that same
     seq for the terminal, never for a beat (the supervisor stops the job's beats first)."""
-    broker = FakeBroker()
-    config = BrokerConfig(hosts=("fake-broker",), topic_root="unit/mam")
-    client = broker.client(config).connect()
-    registry = Registry(tmp_path / "ws")
-    auth_token, token = names.new_auth_token(), names.new_dispatch_token()
-    registry.mirror(job_id=JOB, session="gpu-box", attempt_id=1, dispatch_token=token, auth_token=auth_token,
-                    contract=wire.Contract(), origin="hub", source="runner")
-    publish.record(registry, publish.PublishRequest(JOB, "started", attempt_id=1, dispatch_token=token),
-                   source="runner")
-    options = RunnerOptions(session="gpu-box", argv=("true",), root=registry.root)
-    supervisor = Supervisor(options=options, runner_id="0" * 32, registry=registry, client=client, config=config,
-                            environ={}, on_end=lambda _job_id: None)
-    job = Job(job_id=JOB, attempt_id=1, dispatch_token=token, brief="", heartbeat_s=30, timeout_s=60)
+    broker, config, registry, supervisor, job = started_job(tmp_path)
+    token = job.dispatch_token
     supervisor.beats.add(JOB, attempt_id=1, dispatch_token=token, interval_s=0.02, timeout_s=60)
     wait_until(lambda: registry.get(JOB)["last_seq"] >= 2, PATIENCE_S, "a first beat")
     full = threading.Event()
