@@ -11,7 +11,9 @@ and dropped. The hub keeps `mam_agent`.
 In a nats config the users live on one line each between the `# BEGIN runner users`
 and `# END runner users` markers of the shipped template (`natsconf.NATS_CONF`), so
 `with_runner_user` / `without_runner_user` edit that block and nothing else; nats-server
-picks a change up on SIGHUP (`nats-server --signal reload=<pid>`).
+picks a change up on SIGHUP (`nats-server --signal reload=<pid>`). A runner user's
+password is written there as a bcrypt hash (nats-server verifies `$2…` passwords with
+bcrypt), so the config never holds it: only the runner's `.mam.env` does.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+
+import bcrypt
 
 from mam.shared import names
 from mam.shared.brokerconf import AGENT_USER, OBSERVER_USER, check_secret, topic_to_subject
@@ -30,6 +34,11 @@ ENTRY_TAG = "  # runner "
 PUBLISH_LEAVES = ("events", "state", "log")
 SUBSCRIBE_LEAVES = ("dispatch", "control", "state")
 RESERVED_USERS = frozenset({AGENT_USER, OBSERVER_USER, "sys", "home"})
+BCRYPT_ROUNDS = 11
+"""bcrypt cost of a runner user's password hash: what `nats server passwd` uses (about 0.1 s per
+check, paid by nats-server once per runner CONNECT)."""
+BCRYPT_MAX_BYTES = 72
+"""bcrypt reads at most this many bytes of a password (the `bcrypt` package refuses longer ones)."""
 
 __all__ = ["BEGIN_MARK", "END_MARK", "mosquitto_acl_block", "nats_user_entry", "reload_nats", "runner_topics",
            "runner_user", "runner_users", "users_block", "with_runner_user", "with_users_block", "without_runner_user"]
@@ -71,11 +80,20 @@ def _subjects(filters: list[str]) -> str:
 
 
 def nats_user_entry(session: str, password: str, topic_root: str | None = None) -> str:
-    """One line of the nats `users` list for runner `session` (ends with "\\n")."""
+    """One line of the nats `users` list for runner `session` (ends with "\\n"), with the bcrypt
+    hash of `password`, never the password itself (§16).
+
+    Raises:
+        UsageError: a session that cannot be a broker user.
+        ConfigError: a password `check_secret` refuses, or longer than bcrypt's 72 bytes.
+    """
     user = runner_user(session)
     check_secret("the runner's broker password", password)
+    if len(password.encode()) > BCRYPT_MAX_BYTES:
+        raise ConfigError(f"the runner's broker password must be at most {BCRYPT_MAX_BYTES} bytes (bcrypt)")
+    hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=BCRYPT_ROUNDS)).decode("ascii")
     publish, subscribe = runner_topics(session, topic_root)
-    return (f'      {{ user: "{user}", password: "{password}", allowed_connection_types: ["MQTT", "MQTT_WS"], '
+    return (f'      {{ user: "{user}", password: "{hashed}", allowed_connection_types: ["MQTT", "MQTT_WS"], '
             f"permissions: {{ publish: {{ allow: {_subjects(publish)} }}, "
             f"subscribe: {{ allow: {_subjects(subscribe)} }} }} }}{ENTRY_TAG}{user}\n")
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
+import bcrypt
 import pytest
 
 from mam.orchestrator import init as mam_init
@@ -39,9 +41,17 @@ def test_s16_add_replace_and_remove_runner_users_in_the_shipped_template():
     one = brokerusers.with_runner_user(text, "a-box", PASSWORD)
     two = brokerusers.with_runner_user(one, "b-box", PASSWORD)
     again = brokerusers.with_runner_user(two, "a-box", "Other-password-0123456789")
-    assert brokerusers.runner_users(again) == ["b-box", "a-box"] and PASSWORD in again
+    assert brokerusers.runner_users(again) == ["b-box", "a-box"] and PASSWORD not in again
     assert brokerusers.without_runner_user(brokerusers.without_runner_user(again, "a-box"), "b-box") == text
     assert again.replace(brokerusers.users_block(again), "") == text
+
+
+@pytest.mark.parametrize("password", ["short", 'with"quote-0123456789', "x" * 73, "$2b$11$" + "a" * 53])
+def test_s16_a_runner_password_the_config_cannot_hold_is_refused_with_one_line(password):
+    """Too short, a quote (config injection), over bcrypt's 72 bytes, a `$` (never read as a hash)."""
+    with pytest.raises(ConfigError) as refused:
+        brokerusers.nats_user_entry("gpu-box", password)
+    assert "\n" not in str(refused.value) and password not in str(refused.value)
 
 
 def test_s16_config_without_markers_is_refused_with_one_line():
@@ -67,7 +77,9 @@ def test_s16_grant_and_withdraw_edit_the_config_init_recorded(tmp_path):
     granted = runneruser.grant(root, "a-box")
     password = granted.credentials.read_text().split("MQTT_PASSWORD=")[1].split()[0]
     assert os.stat(granted.credentials).st_mode & 0o777 == 0o600
-    assert password in conf.read_text() and not any(password in line for line in granted.lines)
+    assert password not in conf.read_text() and not any(password in line for line in granted.lines)
+    hashed = re.search(r'user: "a-box", password: "(\$2b\$[^"]+)"', conf.read_text())
+    assert hashed and bcrypt.checkpw(password.encode(), hashed[1].encode())  # what nats-server checks
     assert brokerusers.runner_users(conf.read_text()) == ["a-box"]
     lines = runneruser.withdraw(root, "a-box")
     assert lines[0] == "removed broker user a-box" and "reload=<pid>" in lines[1]
