@@ -6,7 +6,9 @@ it subscribes to every session's enrolment requests, enrols the runner whose req
 carries its code's MAC (`roster.add`, the invite marked used first) and answers with the
 hub's public keys under the same MAC; a request naming a used, expired or unknown code
 is refused with one line on both sides; one naming another waiting invite is left to
-its own process. The code is printed once by the caller and never logged.
+its own process. The code is printed once by the caller and never logged. Where the hub
+manages the broker config, the enrolled runner also gets its own broker user
+(`runneruser.add_user`), its password sealed to the runner's X25519 key in the answer.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from mam.orchestrator import hub, roster
+from mam.orchestrator import hub, roster, runneruser
 from mam.orchestrator.roster import RosterEntry
 from mam.shared import config, invite, keys, mqtt, names
 from mam.shared.errors import BrokerError, MamError, RegistryError, UsageError
@@ -111,10 +113,25 @@ def _handle(root: Path, code: InviteCode, raw: bytes, publics: list[str], replac
         _say(err, f"refused enrolment request for {req['session']}: {exc}")
         _send(client, answer_topic, invite.refusal(req, str(exc)), err)
         return None
-    _send(client, answer_topic, invite.answer(code, req, entry.labels, publics), err)
+    broker = _broker_user(root, entry.session, err)
+    _send(client, answer_topic, invite.answer(code, req, entry.labels, publics, broker), err)
     _say(err, f"{what} runner {entry.session} (labels: {','.join(entry.labels) or 'none'}) by invite, "
-              f"in .mam/runners/{entry.session}.json; it now trusts this hub's key")
+              f"in .mam/runners/{entry.session}.json; it now trusts this hub's key"
+              + (f" and connects as broker user {broker[0]}" if broker else ""))
     return 0
+
+
+def _broker_user(root: Path, session: str, err: TextIO) -> tuple[str, str] | None:
+    """The enrolled runner's own broker (user, password) when a managed config took it, else
+    None (it keeps the shared user; the lines say what to do). Never raises on a config error."""
+    try:
+        added = runneruser.add_user(root, session)
+    except MamError as exc:
+        _say(err, f"no broker user for {session}: {exc}")
+        return None
+    for line in added.lines:
+        _say(err, line)
+    return (added.user, added.password) if added.applied else None
 
 
 def _send(client: Any, topic: str, obj: dict[str, Any], err: TextIO) -> None:

@@ -11,7 +11,7 @@ to the pid of its state file). Without either, the lines say what to add by hand
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mam.orchestrator.init import broker_password
@@ -24,7 +24,7 @@ CREDENTIALS_DIR_MODE = 0o700
 MAX_RECORD_BYTES = 4096
 """`.mam/broker-config.json` is one short JSON object."""
 
-__all__ = ["Grant", "check_session", "grant", "withdraw"]
+__all__ = ["AddedUser", "Grant", "add_user", "check_session", "grant", "withdraw"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,17 @@ class Managed:
 
     config: Path
     pid: int | None
+
+
+@dataclass(frozen=True)
+class AddedUser:
+    """A runner's broker user as `add_user` made it: the password (hidden from the repr) and the
+    lines for the operator; `applied`: a managed config holds the user now."""
+
+    user: str
+    password: str = field(repr=False)
+    lines: tuple[str, ...] = ()
+    applied: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,37 +87,47 @@ def check_session(session: str) -> str:
     return brokerusers.runner_user(session)
 
 
+def add_user(root: Path, session: str) -> AddedUser:
+    """Make runner `session` a broker user with a fresh password in the managed config (replacing
+    an earlier one) and reload the broker; without a managed config, only say what to add.
+
+    Returns:
+        the user, its password (never printed) and the lines for the operator; `applied` is
+        False when no managed config took the user.
+    Raises:
+        UsageError: a session that cannot be a broker user; ConfigError: the config cannot be written.
+    """
+    user = brokerusers.runner_user(session)
+    password = broker_password()
+    managed = _managed(root)
+    if managed is not None:
+        current = managed.config.read_text(encoding="utf-8")
+        if brokerusers.BEGIN_MARK in current:
+            cfg = broker_config(workspace=root, warn=False)
+            text = brokerusers.with_runner_user(current, session, password, cfg.topic_root)
+            return AddedUser(user, password, tuple(_apply(managed, text)), applied=True)
+    where = (f"{managed.config} predates per-runner users (no '# BEGIN runner users' line)" if managed
+             else "no broker config managed here (mam-orch init --broker-config or broker up)")
+    return AddedUser(user, password, (f"{where}: add the user to your broker as docs/security.md shows (nats "
+                                      "users entry, or mosquitto_passwd and acl)",), applied=False)
+
+
 def grant(root: Path, session: str) -> Grant:
-    """Give runner `session` its own broker user with a fresh password (replacing an earlier one).
+    """Give runner `session` its own broker user (`add_user`) and write user and password once
+    into `.mam/runner-credentials/<session>.env` (0600) for the operator to hand over.
 
     Raises:
         UsageError: a session that cannot be a broker user; ConfigError: a file cannot be written,
         or the managed config has no runner-users block.
     """
-    user = brokerusers.runner_user(session)
-    password = broker_password()
-    cfg = broker_config(workspace=root, warn=False)
-    managed = _managed(root)
-    text = None
-    if managed is not None:  # check the config before the password is written anywhere
-        current = managed.config.read_text(encoding="utf-8")
-        if brokerusers.BEGIN_MARK in current:
-            text = brokerusers.with_runner_user(current, session, password, cfg.topic_root)
+    added = add_user(root, session)
     path = names.runner_credentials_path(root, session)
     path.parent.mkdir(mode=CREDENTIALS_DIR_MODE, parents=True, exist_ok=True)
-    write_env_file(path, {"MQTT_USERNAME": user, "MQTT_PASSWORD": password},
+    write_env_file(path, {"MQTT_USERNAME": added.user, "MQTT_PASSWORD": added.password},
                    header=f"Broker user of runner {session} (mam-orch runner add): put these two lines in its "
                           ".mam.env, then delete this file.", overwrite=True)
-    lines = [f"broker user {user}: its password is in {path} (mode 0600): put both lines in the runner's "
-             ".mam.env, then delete the file"]
-    if managed is None or text is None:
-        where = (f"{managed.config} predates per-runner users (no '# BEGIN runner users' line)" if managed
-                 else "no broker config managed here (mam-orch init --broker-config or broker up)")
-        lines.append(f"{where}: add the user to your broker as docs/security.md shows (nats users entry, "
-                     "or mosquitto_passwd and acl)")
-    else:
-        lines += _apply(managed, text)
-    return Grant(user, path, tuple(lines))
+    return Grant(added.user, path, (f"broker user {added.user}: its password is in {path} (mode 0600): put both "
+                                    "lines in the runner's .mam.env, then delete the file", *added.lines))
 
 
 def withdraw(root: Path, session: str) -> list[str]:

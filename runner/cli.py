@@ -7,6 +7,7 @@ typer is even imported (the console script's entry is `fastpath.main`)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from mam.runner import fastpath
@@ -139,10 +140,18 @@ def enroll_cmd(
 
         if labels is not None:
             raise UsageError("--labels is set by the hub with an invite (mam-orch runner invite --labels)")
-        identity, trusted = enroll_by_invite(invite, workspace=workspace, session=session, hub=hub, port=port,
-                                             force=force, timeout_s=timeout)
+        enrolled = enroll_by_invite(invite, workspace=workspace, session=session, hub=hub, port=port,
+                                    force=force, timeout_s=timeout)
+        identity, trusted = enrolled.identity, enrolled.trusted
         typer.echo(f"enrolled as {identity.session} (labels: {','.join(identity.labels) or 'none'}); this runner "
                    f"now trusts {len(trusted)} hub key(s): {' '.join(trusted)}")
+        if enrolled.env_file is not None:
+            typer.echo(f"broker user {enrolled.broker_user}: MQTT_USERNAME and MQTT_PASSWORD set in "
+                       f"{enrolled.env_file} (mode 0600)")
+            overridden = [name for name in ("MQTT_USERNAME", "MQTT_PASSWORD") if os.environ.get(name)]
+            if overridden:
+                typer.echo(f"warning: {' and '.join(overridden)} set in the environment override that file",
+                           err=True)
         return 0
     if session is None or hub is not None or port is not None:
         raise UsageError("give --session NAME (manual enrolment), or --invite CODE [--hub HOST --port P]")

@@ -3,6 +3,9 @@ this host's keys, send their public parts to the hub's waiting `mam-orch runner 
 over the broker under the code's MAC, check the hub's answer under the same MAC, then
 store the hub's public keys (`hub-trusted.pub`, as `trust-hub` does) and the identity
 (session, the labels the hub gave). A refusal or a wrong answer writes nothing but keys.
+When the answer carries this runner's own broker user (the hub manages the broker), its
+password is opened with this host's X25519 key and MQTT_USERNAME / MQTT_PASSWORD are
+set in the `.mam.env` the runner reads (0600; python-dotenv's `set_key` keeps the rest).
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ from __future__ import annotations
 import os
 import queue
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+from dotenv import set_key
 
 from mam.runner.enrol import trust_hub
 from mam.shared import config, invite, keys, mqtt, names
@@ -23,8 +29,20 @@ from mam.shared.wirejson import canonical_json
 DEFAULT_ANSWER_TIMEOUT_S = 30.0
 """How long the runner waits for the hub's answer (s)."""
 MAX_PORT = 65535
+ENV_FILE_MODE = 0o600
 
-__all__ = ["DEFAULT_ANSWER_TIMEOUT_S", "enroll_by_invite"]
+__all__ = ["DEFAULT_ANSWER_TIMEOUT_S", "Enrolled", "enroll_by_invite"]
+
+
+@dataclass(frozen=True)
+class Enrolled:
+    """What `enroll_by_invite` stored: the identity, the hub keys now trusted, and where this
+    runner's own broker user was written (None: the hub gave none; it keeps its broker user)."""
+
+    identity: EnrolRequest
+    trusted: list[str]
+    broker_user: str | None = None
+    env_file: Path | None = None
 
 
 def _broker(root: Path, hub: str | None, port: int | None) -> config.BrokerConfig:
@@ -36,7 +54,7 @@ def _broker(root: Path, hub: str | None, port: int | None) -> config.BrokerConfi
 
 def enroll_by_invite(code_text: str, *, workspace: str | os.PathLike[str] | None, session: str | None = None,
                      hub: str | None = None, port: int | None = None, force: bool = False,
-                     timeout_s: float = DEFAULT_ANSWER_TIMEOUT_S) -> tuple[EnrolRequest, list[str]]:
+                     timeout_s: float = DEFAULT_ANSWER_TIMEOUT_S) -> Enrolled:
     """Enrol this host with the hub's invite code (§16).
 
     Args:
@@ -45,11 +63,12 @@ def enroll_by_invite(code_text: str, *, workspace: str | os.PathLike[str] | None
         hub, port: the broker (default: `.mam.env` / environment, §13).
         force: make new keys even if this host has some (default: reuse them).
     Returns:
-        (the recorded identity, the hub public keys now trusted).
+        an `Enrolled`.
     Raises:
         UsageError: a bad code or option (nothing written); ProtocolError: the hub refused,
-        or no answer within `timeout_s`; SignatureError: an answer not MAC'd with the code;
-        BrokerUnavailable: the broker is unreachable.
+        or no answer within `timeout_s`; SignatureError: an answer not MAC'd with the code,
+        or a broker password that does not open with this host's key (nothing written);
+        BrokerUnavailable: the broker is unreachable; ConfigError: a file cannot be written.
     """
     code = InviteCode.parse(code_text)
     if session is not None and session != code.session:
@@ -66,16 +85,36 @@ def enroll_by_invite(code_text: str, *, workspace: str | os.PathLike[str] | None
     with mqtt.MqttClient(cfg, "enrol") as client:
         client.subscribe([(names.enrol_topic(code.session, "answer", cfg.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
         client.publish(names.enrol_topic(code.session, "request", cfg.topic_root), canonical_json(req))
-        labels, publics = _await_answer(client, code, req, timeout_s, cfg.host)
-    trusted = trust_hub(publics, workspace=root)
-    identity = EnrolRequest.build(code.session, labels, made.ed25519_public, made.x25519_public)
+        answer = _await_answer(client, code, req, timeout_s, cfg.host)
+    password = None
+    if answer.broker_user is not None:  # opened before anything is written
+        password = invite.open_password(made.x25519, answer.sealed_password, invite_id=code.invite_id,
+                                        nonce=req["nonce"], username=answer.broker_user)
+    trusted = trust_hub(answer.hub_publics, workspace=root)
+    identity = EnrolRequest.build(code.session, answer.labels, made.ed25519_public, made.x25519_public)
     atomic_write(names.runner_identity_path(root), json_line(identity.to_dict()), what="runner identity",
                  error=ConfigError)
-    return identity, trusted
+    if answer.broker_user is None or password is None:
+        return Enrolled(identity, trusted)
+    env_file = _write_broker_user(root, answer.broker_user, password)
+    return Enrolled(identity, trusted, answer.broker_user, env_file)
+
+
+def _write_broker_user(root: Path, user: str, password: str) -> Path:
+    """Set MQTT_USERNAME and MQTT_PASSWORD in the `.mam.env` this runner reads (§13; created in
+    the workspace when there is none), mode 0600. Raises `ConfigError`."""
+    path = config.find_env_file(workspace=root) or root / config.ENV_FILE_NAME
+    try:
+        for key, value in (("MQTT_USERNAME", user), ("MQTT_PASSWORD", password)):
+            set_key(path, key, value, quote_mode="never")
+        os.chmod(path, ENV_FILE_MODE)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot write the broker user ({exc.strerror or exc})") from None
+    return path
 
 
 def _await_answer(client: mqtt.MqttClient, code: InviteCode, req: dict[str, object], timeout_s: float,
-                  host: str) -> tuple[tuple[str, ...], list[str]]:
+                  host: str) -> invite.Answer:
     deadline = time.monotonic() + timeout_s
     while (left := deadline - time.monotonic()) > 0:
         try:

@@ -11,6 +11,11 @@ messages of the exchange over the broker, each authenticated by the code.
   authenticates the runner's public keys to the hub and the hub's key to the runner.
 - A refusal (`kind: enrol_refused`) carries no MAC: the hub may not know the code
   (a wrong one); the runner writes nothing on a refusal, it only reports it.
+- Where the hub manages the broker config, the answer also carries the runner's own
+  broker user (`broker`: `username` and `password`, the password sealed to the
+  runner's X25519 key: X25519 + HKDF-SHA256 (info "mam-fleet/v2/invite-broker") +
+  AES-256-GCM, associated data the canonical JSON of invite id, nonce and username), so
+  the runner stops connecting as the shared `mam_agent` (docs/security.md).
 
 Topics: `names.enrol_topic(session, "request" | "answer")`, never retained. Nothing here
 logs or puts the code or the key in an error message.
@@ -23,17 +28,21 @@ import hmac
 import json
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from mam.shared import keys, names
 from mam.shared.errors import ConfigError, ProtocolError, SignatureError, UsageError
 from mam.shared.fsio import atomic_write, json_line, read_json_object
+from mam.shared.wirefields import b64url_decode, b64url_encode
 from mam.shared.wirejson import canonical_json
 
 CODE_PREFIX = "mam1"
@@ -59,15 +68,27 @@ REFUSED_KIND = "enrol_refused"
 REQUEST_FIELDS = frozenset({"kind", "session", "invite_id", "nonce", "ed25519_public", "x25519_public", "mac"})
 ANSWER_FIELDS = frozenset({"kind", "session", "invite_id", "nonce", "labels", "hub_ed25519_public", "mac"})
 REFUSED_FIELDS = frozenset({"kind", "session", "invite_id", "nonce", "reason"})
+BROKER_FIELD = "broker"
+"""The answer's optional field: the runner's own broker user, its password sealed (§16)."""
+BROKER_FIELDS = frozenset({"username", "password"})
+SEALED_FIELDS = frozenset({"alg", "epk", "nonce", "ciphertext"})
+BROKER_SEAL_ALG = "X25519-A256GCM"
+BROKER_SEAL_INFO = b"mam-fleet/v2/invite-broker"
+GCM_NONCE_BYTES = 12
+MAX_SEALED_PASSWORD_BYTES = 512
+"""A sealed broker password is its length plus 16 bytes of tag; a bigger one is refused."""
+_BAD_SEAL = "the broker password in the hub's answer does not open with this host's X25519 key"
 MAX_REASON_CHARS = 200
 _CODE_RE = re.compile(r"^mam1\.([A-Za-z0-9][A-Za-z0-9_-]{0,62})\.([A-Za-z0-9_-]{22})$")
+_USER_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _TTL_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhd]?)$")
 _TTL_UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _BAD_CODE = (f"invite code is invalid: expected {CODE_PREFIX}.<session>.<{CODE_RANDOM_CHARS} characters> "
              "as `mam-orch runner invite` printed it")
 
-__all__ = ["Invite", "InviteCode", "answer", "check_answer", "check_request", "consume", "create", "load",
-           "matches", "parse_message", "parse_ttl", "problem", "refusal", "request"]
+__all__ = ["Answer", "Invite", "InviteCode", "answer", "check_answer", "check_request", "consume", "create", "load",
+           "matches", "open_password", "parse_message", "parse_ttl", "problem", "refusal", "request",
+           "seal_password"]
 
 
 @dataclass(frozen=True)
@@ -143,7 +164,8 @@ def parse_message(raw: bytes) -> dict[str, Any]:
     except ValueError:
         raise UsageError("enrolment message refused: not JSON") from None
     expected = {REQUEST_KIND: REQUEST_FIELDS, ANSWER_KIND: ANSWER_FIELDS, REFUSED_KIND: REFUSED_FIELDS}
-    if not isinstance(obj, dict) or obj.get("kind") not in expected or set(obj) != expected[obj["kind"]]:
+    if not isinstance(obj, dict) or obj.get("kind") not in expected or \
+            set(obj) - ({BROKER_FIELD} if obj["kind"] == ANSWER_KIND else set()) != expected[obj["kind"]]:
         raise UsageError("enrolment message refused: not an enrol_invite, enrol_answer or enrol_refused object")
     names.validate_token(obj["invite_id"], "invite id")
     names.validate_session(obj["session"])
@@ -173,12 +195,65 @@ def check_request(code: InviteCode, obj: dict[str, Any]) -> keys.EnrolRequest:
     return keys.EnrolRequest.build(code.session, "", obj["ed25519_public"], obj["x25519_public"])
 
 
-def answer(code: InviteCode, req: dict[str, Any], labels: tuple[str, ...], hub_publics: list[str]) -> dict[str, Any]:
-    """The hub's answer to a verified request: the labels and the hub's public keys, MAC'd."""
+def answer(code: InviteCode, req: dict[str, Any], labels: tuple[str, ...], hub_publics: list[str],
+           broker: tuple[str, str] | None = None) -> dict[str, Any]:
+    """The hub's answer to a verified request: the labels and the hub's public keys, MAC'd.
+
+    Args:
+        broker: the runner's own broker (username, password), or None; the password is
+            sealed to the request's X25519 key (`seal_password`), never sent in clear.
+    """
     obj: dict[str, Any] = {"kind": ANSWER_KIND, "session": code.session, "invite_id": code.invite_id,
                            "nonce": req["nonce"], "labels": list(labels), "hub_ed25519_public": list(hub_publics)}
+    if broker is not None:
+        username, password = broker
+        obj[BROKER_FIELD] = {"username": username, "password": seal_password(
+            keys.x25519_public(req["x25519_public"]).public_bytes_raw(), password, invite_id=code.invite_id,
+            nonce=req["nonce"], username=username)}
     obj["mac"] = _mac(code.key, obj)
     return obj
+
+
+def _broker_key(shared_secret: bytes, epk: bytes, runner_public: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=epk + runner_public,
+                info=BROKER_SEAL_INFO).derive(shared_secret)
+
+
+def _broker_aad(invite_id: str, nonce: str, username: str) -> bytes:
+    return canonical_json({"invite_id": invite_id, "nonce": nonce, "username": username})
+
+
+def seal_password(runner_x25519: bytes, password: str, *, invite_id: str, nonce: str,
+                  username: str) -> dict[str, str]:
+    """Seal a broker password to a runner's raw X25519 public key (32 bytes), bound to one
+    answer (invite id, nonce) and user. Returns {"alg", "epk", "nonce", "ciphertext"}, base64url."""
+    ephemeral = X25519PrivateKey.generate()
+    epk = ephemeral.public_key().public_bytes_raw()
+    key = _broker_key(ephemeral.exchange(X25519PublicKey.from_public_bytes(runner_x25519)), epk, runner_x25519)
+    gcm_nonce = secrets.token_bytes(GCM_NONCE_BYTES)
+    ciphertext = AESGCM(key).encrypt(gcm_nonce, password.encode("utf-8"), _broker_aad(invite_id, nonce, username))
+    return {"alg": BROKER_SEAL_ALG, "epk": b64url_encode(epk), "nonce": b64url_encode(gcm_nonce),
+            "ciphertext": b64url_encode(ciphertext)}
+
+
+def open_password(private: X25519PrivateKey, sealed: object, *, invite_id: str, nonce: str, username: str) -> str:
+    """The broker password `seal_password` sealed to this runner.
+
+    Raises:
+        SignatureError: one line: not a seal, another runner's, another answer's, tampered, oversized.
+    """
+    try:
+        if not isinstance(sealed, dict) or set(sealed) != SEALED_FIELDS or sealed["alg"] != BROKER_SEAL_ALG:
+            raise ValueError("shape")
+        epk, gcm_nonce = b64url_decode(sealed["epk"]), b64url_decode(sealed["nonce"])
+        ciphertext = b64url_decode(sealed["ciphertext"])
+        if len(epk) != KEY_BYTES or len(gcm_nonce) != GCM_NONCE_BYTES or len(ciphertext) > MAX_SEALED_PASSWORD_BYTES:
+            raise ValueError("size")
+        shared = private.exchange(X25519PublicKey.from_public_bytes(epk))
+        key = _broker_key(shared, epk, private.public_key().public_bytes_raw())
+        return AESGCM(key).decrypt(gcm_nonce, ciphertext, _broker_aad(invite_id, nonce, username)).decode("utf-8")
+    except (ValueError, TypeError, KeyError, UnicodeError, InvalidTag):
+        raise SignatureError(_BAD_SEAL) from None
 
 
 def refusal(req: dict[str, Any], reason: str) -> dict[str, Any]:
@@ -187,12 +262,23 @@ def refusal(req: dict[str, Any], reason: str) -> dict[str, Any]:
             "reason": reason[:MAX_REASON_CHARS]}
 
 
-def check_answer(code: InviteCode, req: dict[str, Any], obj: dict[str, Any]) -> tuple[tuple[str, ...], list[str]]:
-    """The labels and hub public keys of an answer to `req`.
+@dataclass(frozen=True)
+class Answer:
+    """What a verified answer gives the runner: its labels, the hub's public keys, and its own
+    broker user (username and the still sealed password), or None. The repr hides the seal."""
+
+    labels: tuple[str, ...]
+    hub_publics: list[str]
+    broker_user: str | None = None
+    sealed_password: dict[str, Any] | None = field(default=None, repr=False)
+
+
+def check_answer(code: InviteCode, req: dict[str, Any], obj: dict[str, Any]) -> Answer:
+    """The labels, hub public keys and broker user of an answer to `req`.
 
     Raises:
         ProtocolError: the hub refused (its reason); SignatureError: the MAC does not verify
-            (not from the hub holding this code); UsageError: a bad label or key.
+            (not from the hub holding this code); UsageError: a bad label, key or broker user.
     """
     if obj.get("kind") == REFUSED_KIND:
         reason = obj["reason"] if isinstance(obj["reason"], str) else "no reason"
@@ -202,7 +288,14 @@ def check_answer(code: InviteCode, req: dict[str, Any], obj: dict[str, Any]) -> 
     if not isinstance(hub, list) or not isinstance(obj["labels"], list):
         raise UsageError("the hub's answer is invalid: labels and hub_ed25519_public must be arrays")
     publics = [keys.public_text(keys.ed25519_public(text, "hub public key")) for text in hub]
-    return keys.labels_of(obj["labels"]), publics
+    broker = obj.get(BROKER_FIELD)
+    if broker is None:
+        return Answer(keys.labels_of(obj["labels"]), publics)
+    if not isinstance(broker, dict) or set(broker) != BROKER_FIELDS or not isinstance(broker["password"], dict) \
+            or not isinstance(broker["username"], str) or not _USER_RE.fullmatch(broker["username"]):
+        raise UsageError("the hub's answer is invalid: broker must be an object with a username (1-64 letters, "
+                         "digits, '_' or '-') and a sealed password")
+    return Answer(keys.labels_of(obj["labels"]), publics, broker["username"], broker["password"])
 
 
 def matches(req: dict[str, Any], obj: dict[str, Any]) -> bool:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from harness.brokers import free_port
+from harness.invitesim import Invite, enroll, runner_host
 from harness.runnersim import AGENTS, MAM_ORCH, MAM_RUNNER, hub_env, orch, retained, runner_log
 from harness.shipped import (
     MOSQUITTO_BIN,
@@ -263,4 +264,50 @@ def test_s16_embedded_broker_runner_user_added_kept_across_up_and_revoked_with_a
         assert f"reloaded nats-server (pid {info['pid']})" in revoked.stdout, revoked.stdout + revoked.stderr
         wait_until(lambda: not can_connect(a_cfg), what="A's user to be refused after the automatic reload")
     finally:
+        embedded.down(str(root))
+
+
+def test_s16_invited_runner_gets_its_own_broker_user_and_runs_a_job_with_it(tmp_path):
+    """Enrolment by invite on a hub that manages its broker (`broker up`): the answer carries the
+    runner's own user with its password sealed to the runner's key; `enroll` puts it in the
+    runner's `.mam.env` (0600), and the runner then serves a job as that user, not `mam_agent`."""
+    root = tmp_path / "hub"
+    (root / ".git").mkdir(parents=True)
+    info = embedded.up(str(root), mqtt_port=free_port(), port=free_port(), ws_port=free_port(),
+                       ready_timeout_s=PATIENCE_S)
+    runner = None
+    try:
+        hub = Hub(root, broker_config(workspace=root, warn=False), None, "embedded")
+        host = runner_host(hub, tmp_path / SESSION_A)
+        waiting = Invite(root, SESSION_A, "--labels", "x", "--ttl", "2m")
+        try:
+            done = enroll(host, waiting.code, "--timeout", str(PATIENCE_S))
+            assert done.returncode == 0, done.stderr
+            assert waiting.proc.wait(PATIENCE_S) == 0, waiting.stderr()
+        finally:
+            waiting.stop()
+        assert f"reloaded nats-server (pid {info['pid']})" in waiting.stderr()
+        env_file = host / ".mam.env"
+        settings = read_env_file(env_file)
+        assert settings["MQTT_USERNAME"] == SESSION_A and os.stat(env_file).st_mode & 0o777 == 0o600
+        assert f"broker user {SESSION_A}: MQTT_USERNAME and MQTT_PASSWORD set in {env_file}" in done.stdout
+        for text in (done.stdout, done.stderr, waiting.stderr(), embedded.BrokerPaths(str(root)).config.read_text()):
+            assert settings["MQTT_PASSWORD"] not in text
+        assert settings["MQTT_BROKER"] == hub.cfg.host  # the rest of the file is kept
+        with open(tmp_path / "runner.stderr", "wb") as err:
+            runner = subprocess.Popen([*MAM_RUNNER, "run", "--session", SESSION_A, "--labels", "x", "--exec",
+                                       str(AGENTS / "shell-agent"), "--workspace", str(host)], env=clean_env(),
+                                      stdout=subprocess.DEVNULL, stderr=err)
+        topic = names.presence_topic(SESSION_A, hub.topic_root)
+        wait_until(lambda: runner.poll() is not None or b'"online"' in (retained(hub, topic, 0.3) or b""),
+                   what="the invited runner online as its own broker user")
+        job = orch(root, "dispatch", "--labels", "x", "--brief", "echo on-my-own-user\n", "--json",
+                   timeout_s=2 * PATIENCE_S)
+        assert job.returncode == 0, job.stderr + runner_log(host)
+        own = replace(hub.cfg, username=SESSION_A, password=settings["MQTT_PASSWORD"], client_id_prefix="probe")
+        assert can_connect(own) and not can_connect(replace(own, password="Wrong-password-0123456789"))
+    finally:
+        if runner is not None:
+            runner.terminate()
+            runner.wait(PATIENCE_S)
         embedded.down(str(root))

@@ -8,12 +8,12 @@ says so after its `--timeout`."""
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import pytest
-from harness.runnersim import AGENTS, MAM_ORCH, MAM_RUNNER, hub_env, hub_workspace, orch, retained, runner_log
+from harness.invitesim import Invite, enroll, runner_host
+from harness.runnersim import AGENTS, MAM_RUNNER, hub_workspace, orch, retained, runner_log
 from harness.waiting import PATIENCE_S, wait_until
-from harness.workspace import clean_env, write_env_for
+from harness.workspace import clean_env
 
 from mam.orchestrator import roster
 from mam.shared import keys, names
@@ -23,42 +23,6 @@ pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(6 * PATIE
 
 NO_ANSWER_TIMEOUT_S = 1.0
 """The runner's `--timeout` where nobody answers: absence is all it shows, so short is safe (s)."""
-
-
-class Invite:
-    """A running `mam-orch runner invite`: its code (read from its first stdout line) and stderr file."""
-
-    def __init__(self, hub: Path, session: str, *extra: str) -> None:
-        self.err_path = hub.parent / f"invite-{session}.stderr"
-        with open(self.err_path, "wb") as err:
-            self.proc = subprocess.Popen([*MAM_ORCH, "runner", "invite", "--session", session, *extra,
-                                          "--workspace", str(hub)], env=hub_env(), stdin=subprocess.DEVNULL,
-                                         stdout=subprocess.PIPE, stderr=err, text=True)
-        assert self.proc.stdout is not None
-        self.code = self.proc.stdout.readline().strip()  # printed once subscribed
-        assert self.code.startswith(f"mam1.{session}."), self.stderr()
-
-    def stderr(self) -> str:
-        return self.err_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        self.proc.wait(PATIENCE_S)
-        assert self.proc.stdout is not None
-        self.proc.stdout.close()
-
-
-def runner_host(broker, workspace: Path, **env: str) -> Path:
-    """A fresh runner host: a workspace with the broker settings, no keys, no v1 secret."""
-    (workspace / ".git").mkdir(parents=True, exist_ok=True)
-    write_env_for(broker, workspace, MAM_DISPATCH_SECRET="", **env)
-    return workspace
-
-
-def enroll(workspace: Path, code: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*MAM_RUNNER, "enroll", "--invite", code, "--workspace", str(workspace), *extra],
-                          env=clean_env(), capture_output=True, text=True, timeout=2 * PATIENCE_S)
 
 
 def test_s16_invite_enrols_runner_then_v2_dispatch_runs_there(broker, tmp_path):

@@ -11,8 +11,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
+from mam.orchestrator import init as mam_init
 from mam.orchestrator import invites, roster
-from mam.shared import invite, keys, names
+from mam.shared import brokerusers, invite, keys, names
 from mam.shared.errors import ProtocolError, SignatureError, UsageError
 from mam.shared.invite import InviteCode
 from mam.shared.wirejson import canonical_json
@@ -105,8 +106,8 @@ def test_s16_answer_mac_and_refusal(tmp_path):
     code = InviteCode.new("gpu-box")
     req = invite.request(code, keys.create_runner_keys(tmp_path))
     hub = keys.public_text(keys.hub_key(tmp_path / "hub"))
-    labels, publics = invite.check_answer(code, req, invite.answer(code, req, ("gpu",), [hub]))
-    assert labels == ("gpu",) and publics == [hub]
+    got = invite.check_answer(code, req, invite.answer(code, req, ("gpu",), [hub]))
+    assert (got.labels, got.hub_publics, got.broker_user) == (("gpu",), [hub], None)
     forged = invite.answer(InviteCode.new(code.session), req, (), [hub])
     with pytest.raises(SignatureError, match="MAC does not verify"):
         invite.check_answer(code, req, {**forged, "invite_id": code.invite_id})
@@ -131,7 +132,7 @@ def test_s16_hub_enrols_once_then_refuses_reuse_and_wrong_codes(tmp_path):
     assert outcome == 0 and "enrolled runner gpu-box (labels: gpu) by invite" in err
     [(topic, answer)] = sent
     assert topic == names.enrol_topic("gpu-box", "answer", ROOT)
-    assert invite.check_answer(code, req, answer)[0] == ("gpu",)
+    assert invite.check_answer(code, req, answer).labels == ("gpu",)
     entry = roster.get(hub_root, "gpu-box")
     assert entry is not None and entry.ed25519_public == runner.ed25519_public and entry.labels == ("gpu",)
     # the same code again (a replayed or second request): refused, one line, roster unchanged
@@ -167,3 +168,85 @@ def test_s16_hub_leaves_another_pending_invite_alone_and_ignores_junk(tmp_path):
     for junk in (b"not json", b"{}", b"x" * (invite.MAX_MESSAGE_BYTES + 1)):
         assert invites._handle(hub_root, mine, junk, [], False, client, ROOT, err) is None
     assert client.sent == [] and err.getvalue().count("\n") == 3
+
+
+# ------------------------------------------------------------ the runner's own broker user (§16)
+
+PASSWORD = "Runner-password-0123456789abcdef"
+
+
+def test_s16_answer_carries_the_broker_password_sealed_to_the_runner_only(tmp_path):
+    code = InviteCode.new("gpu-box")
+    runner = keys.create_runner_keys(tmp_path / "runner")
+    req = invite.request(code, runner)
+    hub = keys.public_text(keys.hub_key(tmp_path / "hub"))
+    answer = invite.answer(code, req, ("gpu",), [hub], ("gpu-box", PASSWORD))
+    assert PASSWORD not in json.dumps(answer)
+    got = invite.check_answer(code, req, invite.parse_message(canonical_json(answer)))
+    assert got.broker_user == "gpu-box" and PASSWORD not in repr(got)
+    opened = invite.open_password(runner.x25519, got.sealed_password, invite_id=code.invite_id, nonce=req["nonce"],
+                                  username="gpu-box")
+    assert opened == PASSWORD
+    other = keys.create_runner_keys(tmp_path / "other").x25519
+    for private, nonce, user in ((other, req["nonce"], "gpu-box"), (runner.x25519, "0" * 32, "gpu-box"),
+                                 (runner.x25519, req["nonce"], "cpu-box")):  # another runner, answer, user
+        with pytest.raises(SignatureError, match="does not open with this host's X25519 key"):
+            invite.open_password(private, got.sealed_password, invite_id=code.invite_id, nonce=nonce, username=user)
+    swapped = {**answer, "broker": {**answer["broker"], "username": "cpu-box"}}  # the MAC covers the user
+    with pytest.raises(SignatureError, match="MAC does not verify"):
+        invite.check_answer(code, req, swapped)
+
+
+@pytest.mark.parametrize("sealed", [
+    None, "text", {}, {"alg": "X25519-A256GCM", "epk": "AA==", "nonce": "AA==", "ciphertext": "AA=="},
+    {"alg": "none", "epk": "", "nonce": "", "ciphertext": ""},
+    {"alg": "X25519-A256GCM", "epk": keys.b64(b"\x00" * 32), "nonce": keys.b64(b"\x00" * 12),
+     "ciphertext": keys.b64(b"\x00" * 32)},  # a low-order epk
+    {"alg": "X25519-A256GCM", "epk": keys.b64(b"\x09" + b"\x00" * 31), "nonce": keys.b64(b"\x00" * 12),
+     "ciphertext": keys.b64(b"\x00" * 100_000)},  # oversized
+])
+def test_s16_a_malformed_or_hostile_sealed_password_is_one_line(tmp_path, sealed):
+    private = keys.create_runner_keys(tmp_path).x25519
+    with pytest.raises(SignatureError) as refused:
+        invite.open_password(private, sealed, invite_id="0" * 32, nonce="0" * 32, username="gpu-box")
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("broker", ["gpu-box", {"username": "gpu-box"}, {"username": "../x", "password": {}},
+                                    {"username": "a" * 65, "password": {}}, {"username": 7, "password": {}},
+                                    {"username": "gpu-box", "password": "clear-text"}])
+def test_s16_an_answer_with_a_bad_broker_field_is_refused_in_one_line(tmp_path, broker):
+    code = InviteCode.new("gpu-box")
+    req = invite.request(code, keys.create_runner_keys(tmp_path))
+    answer = invite.answer(code, req, (), [keys.public_text(keys.hub_key(tmp_path / "hub"))])
+    answer = {**answer, "broker": broker}
+    answer["mac"] = invite._mac(code.key, answer)  # even from the hub holding the code
+    with pytest.raises(UsageError) as refused:
+        invite.check_answer(code, req, answer)
+    assert "\n" not in str(refused.value) and "../x" not in str(refused.value)
+
+
+def test_s16_hub_with_a_managed_broker_config_gives_the_invited_runner_its_own_broker_user(tmp_path):
+    hub_root = tmp_path / "hub"
+    hub_root.mkdir()
+    conf = tmp_path / "nats.conf"
+    mam_init.init_workspace(hub_root, broker_config=conf, environ={})
+    code, _ = invite.create(hub_root, "gpu-box", (), 60.0)
+    runner = keys.create_runner_keys(tmp_path / "runner")
+    req = invite.request(code, runner)
+    outcome, [(_, answer)], err = _handle(hub_root, code, req)
+    assert outcome == 0 and "connects as broker user gpu-box" in err and "reload" in err
+    got = invite.check_answer(code, req, answer)
+    password = invite.open_password(runner.x25519, got.sealed_password, invite_id=code.invite_id,
+                                    nonce=req["nonce"], username="gpu-box")
+    assert brokerusers.runner_users(conf.read_text()) == ["gpu-box"]
+    assert password not in conf.read_text() and password not in err
+    assert not names.runner_credentials_path(hub_root, "gpu-box").exists()  # nothing left to hand over
+
+
+def test_s16_hub_without_a_managed_broker_config_answers_without_a_broker_user(tmp_path):
+    hub_root = tmp_path / "hub"
+    code, _ = invite.create(hub_root, "gpu-box", (), 60.0)
+    req = invite.request(code, keys.create_runner_keys(tmp_path / "runner"))
+    outcome, [(_, answer)], err = _handle(hub_root, code, req)
+    assert outcome == 0 and "broker" not in answer and "no broker config managed here" in err
