@@ -13,7 +13,9 @@ import pytest
 
 from mam.orchestrator import init as mam_init
 from mam.orchestrator import invites, roster
+from mam.runner import enrolinvite
 from mam.shared import brokerusers, invite, keys, names
+from mam.shared.config import read_env_file
 from mam.shared.errors import ProtocolError, SignatureError, UsageError
 from mam.shared.invite import InviteCode
 from mam.shared.wirejson import canonical_json
@@ -250,3 +252,20 @@ def test_s16_hub_without_a_managed_broker_config_answers_without_a_broker_user(t
     req = invite.request(code, keys.create_runner_keys(tmp_path / "runner"))
     outcome, [(_, answer)], err = _handle(hub_root, code, req)
     assert outcome == 0 and "broker" not in answer and "no broker config managed here" in err
+
+
+def test_s16_enroll_sets_the_broker_user_in_the_env_file_it_reads_keeping_the_rest_0600(tmp_path, monkeypatch):
+    monkeypatch.delenv("MAM_ENV_FILE", raising=False)
+    env_file = tmp_path / ".mam.env"
+    env_file.write_text("MQTT_BROKER=hub.example\nMQTT_USERNAME=mam_agent\nMQTT_PASSWORD=Shared-password-0123\n")
+    env_file.chmod(0o644)
+    assert enrolinvite._write_broker_user(tmp_path, "gpu-box", PASSWORD) == env_file
+    assert read_env_file(env_file) == {"MQTT_BROKER": "hub.example", "MQTT_USERNAME": "gpu-box",
+                                       "MQTT_PASSWORD": PASSWORD}
+    assert env_file.stat().st_mode & 0o777 == 0o600
+    elsewhere = tmp_path / "conf" / "runner.env"  # MAM_ENV_FILE names the file the runner reads (§13)
+    elsewhere.parent.mkdir()
+    elsewhere.write_text("")
+    monkeypatch.setenv("MAM_ENV_FILE", str(elsewhere))
+    assert enrolinvite._write_broker_user(tmp_path, "gpu-box", PASSWORD) == elsewhere
+    assert read_env_file(elsewhere)["MQTT_USERNAME"] == "gpu-box" and elsewhere.stat().st_mode & 0o777 == 0o600
