@@ -113,17 +113,20 @@ def _handle(root: Path, code: InviteCode, raw: bytes, publics: list[str], replac
         _say(err, f"refused enrolment request for {req['session']}: {exc}")
         _send(client, answer_topic, invite.refusal(req, str(exc)), err)
         return None
-    broker = _broker_user(root, entry.session, err)
+    added = _broker_user(root, entry.session, err)
+    broker = (added.user, added.password) if added is not None else None
     _send(client, answer_topic, invite.answer(code, req, entry.labels, publics, broker), err)
     _say(err, f"{what} runner {entry.session} (labels: {','.join(entry.labels) or 'none'}) by invite, "
               f"in .mam/runners/{entry.session}.json; it now trusts this hub's key"
-              + (f" and connects as broker user {broker[0]}" if broker else ""))
+              + (f" and connects as broker user {added.user}" if added else ""))
+    if added is not None and not added.reloaded:
+        _say(err, f"reload the broker (above) before runner {entry.session} starts: it cannot connect until then")
     return 0
 
 
-def _broker_user(root: Path, session: str, err: TextIO) -> tuple[str, str] | None:
-    """The enrolled runner's own broker (user, password) when a managed config took it, else
-    None (it keeps the shared user; the lines say what to do). Never raises on a config error."""
+def _broker_user(root: Path, session: str, err: TextIO) -> runneruser.AddedUser | None:
+    """The enrolled runner's own broker user when a managed config took it, else None (it keeps
+    the shared user; the lines say what to do). A config error is one line, never a crash."""
     try:
         added = runneruser.add_user(root, session)
     except MamError as exc:
@@ -131,7 +134,7 @@ def _broker_user(root: Path, session: str, err: TextIO) -> tuple[str, str] | Non
         return None
     for line in added.lines:
         _say(err, line)
-    return (added.user, added.password) if added.applied else None
+    return added if added.applied else None
 
 
 def _send(client: Any, topic: str, obj: dict[str, Any], err: TextIO) -> None:

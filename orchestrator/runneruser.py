@@ -38,12 +38,14 @@ class Managed:
 @dataclass(frozen=True)
 class AddedUser:
     """A runner's broker user as `add_user` made it: the password (hidden from the repr) and the
-    lines for the operator; `applied`: a managed config holds the user now."""
+    lines for the operator; `applied`: a managed config holds the user now; `reloaded`: and the
+    broker was told to re-read it (else the operator reloads it)."""
 
     user: str
     password: str = field(repr=False)
     lines: tuple[str, ...] = ()
     applied: bool = False
+    reloaded: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,47 +89,58 @@ def check_session(session: str) -> str:
     return brokerusers.runner_user(session)
 
 
-def add_user(root: Path, session: str) -> AddedUser:
-    """Make runner `session` a broker user with a fresh password in the managed config (replacing
-    an earlier one) and reload the broker; without a managed config, only say what to add.
+def add_user(root: Path, session: str, password: str | None = None) -> AddedUser:
+    """Make runner `session` a broker user in the managed config (replacing an earlier one) and
+    reload the broker; without a managed config, only say what to add.
 
+    Args:
+        password: the user's password (default: a fresh one).
     Returns:
         the user, its password (never printed) and the lines for the operator; `applied` is
-        False when no managed config took the user.
+        False when no managed config took the user, `reloaded` when the broker was signalled.
     Raises:
-        UsageError: a session that cannot be a broker user; ConfigError: the config cannot be written.
+        UsageError: a session that cannot be a broker user; ConfigError: the config cannot be
+        read or written.
     """
     user = brokerusers.runner_user(session)
-    password = broker_password()
+    password = password or broker_password()
     managed = _managed(root)
+    current = None
     if managed is not None:
-        current = managed.config.read_text(encoding="utf-8")
-        if brokerusers.BEGIN_MARK in current:
-            cfg = broker_config(workspace=root, warn=False)
-            text = brokerusers.with_runner_user(current, session, password, cfg.topic_root)
-            return AddedUser(user, password, tuple(_apply(managed, text)), applied=True)
+        try:
+            current = managed.config.read_text(encoding="utf-8")
+        except (OSError, UnicodeError) as exc:
+            raise ConfigError(f"{managed.config}: cannot read the broker config ({exc})") from None
+    if managed is not None and current is not None and brokerusers.BEGIN_MARK in current:
+        cfg = broker_config(workspace=root, warn=False)
+        text = brokerusers.with_runner_user(current, session, password, cfg.topic_root)
+        return AddedUser(user, password, tuple(_apply(managed, text)), applied=True,
+                         reloaded=managed.pid is not None)
     where = (f"{managed.config} predates per-runner users (no '# BEGIN runner users' line)" if managed
              else "no broker config managed here (mam-orch init --broker-config or broker up)")
     return AddedUser(user, password, (f"{where}: add the user to your broker as docs/security.md shows (nats "
-                                      "users entry, or mosquitto_passwd and acl)",), applied=False)
+                                      "users entry, or mosquitto_passwd and acl)",))
 
 
 def grant(root: Path, session: str) -> Grant:
-    """Give runner `session` its own broker user (`add_user`) and write user and password once
-    into `.mam/runner-credentials/<session>.env` (0600) for the operator to hand over.
+    """Give runner `session` its own broker user (`add_user`), its user and password written
+    first, once, into `.mam/runner-credentials/<session>.env` (0600) for the operator to hand over.
 
+    Returns:
+        a `Grant`; its lines say what to do by hand when no managed config took the user.
     Raises:
-        UsageError: a session that cannot be a broker user; ConfigError: a file cannot be written,
-        or the managed config has no runner-users block.
+        UsageError: a session that cannot be a broker user; ConfigError: a file cannot be read or written.
     """
-    added = add_user(root, session)
+    user = brokerusers.runner_user(session)
+    password = broker_password()
     path = names.runner_credentials_path(root, session)
     path.parent.mkdir(mode=CREDENTIALS_DIR_MODE, parents=True, exist_ok=True)
-    write_env_file(path, {"MQTT_USERNAME": added.user, "MQTT_PASSWORD": added.password},
+    write_env_file(path, {"MQTT_USERNAME": user, "MQTT_PASSWORD": password},
                    header=f"Broker user of runner {session} (mam-orch runner add): put these two lines in its "
                           ".mam.env, then delete this file.", overwrite=True)
-    return Grant(added.user, path, (f"broker user {added.user}: its password is in {path} (mode 0600): put both "
-                                    "lines in the runner's .mam.env, then delete the file", *added.lines))
+    added = add_user(root, session, password)
+    return Grant(user, path, (f"broker user {user}: its password is in {path} (mode 0600): put both lines in "
+                              "the runner's .mam.env, then delete the file", *added.lines))
 
 
 def withdraw(root: Path, session: str) -> list[str]:

@@ -5,18 +5,19 @@ store the hub's public keys (`hub-trusted.pub`, as `trust-hub` does) and the ide
 (session, the labels the hub gave). A refusal or a wrong answer writes nothing but keys.
 When the answer carries this runner's own broker user (the hub manages the broker), its
 password is opened with this host's X25519 key and MQTT_USERNAME / MQTT_PASSWORD are
-set in the `.mam.env` the runner reads (0600; python-dotenv's `set_key` keeps the rest).
+set in the `.mam.env` the runner reads (one atomic write, 0600; the other lines kept).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dotenv import set_key
+from dotenv.parser import parse_stream
 
 from mam.runner.enrol import trust_hub
 from mam.shared import config, invite, keys, mqtt, names
@@ -29,7 +30,6 @@ from mam.shared.wirejson import canonical_json
 DEFAULT_ANSWER_TIMEOUT_S = 30.0
 """How long the runner waits for the hub's answer (s)."""
 MAX_PORT = 65535
-ENV_FILE_MODE = 0o600
 
 __all__ = ["DEFAULT_ANSWER_TIMEOUT_S", "Enrolled", "enroll_by_invite"]
 
@@ -101,15 +101,22 @@ def enroll_by_invite(code_text: str, *, workspace: str | os.PathLike[str] | None
 
 
 def _write_broker_user(root: Path, user: str, password: str) -> Path:
-    """Set MQTT_USERNAME and MQTT_PASSWORD in the `.mam.env` this runner reads (§13; created in
-    the workspace when there is none), mode 0600. Raises `ConfigError`."""
-    path = config.find_env_file(workspace=root) or root / config.ENV_FILE_NAME
+    """Set MQTT_USERNAME and MQTT_PASSWORD in the env file this runner reads (§13: MAM_ENV_FILE,
+    even when it does not exist yet; else the `.mam.env` found, else the workspace's), in one
+    atomic write of mode 0600 that keeps every other line (python-dotenv's parser). Raises `ConfigError`."""
+    explicit = os.environ.get("MAM_ENV_FILE")
+    path = Path(explicit).expanduser() if explicit else \
+        config.find_env_file(workspace=root) or root / config.ENV_FILE_NAME
     try:
-        for key, value in (("MQTT_USERNAME", user), ("MQTT_PASSWORD", password)):
-            set_key(path, key, value, quote_mode="never")
-        os.chmod(path, ENV_FILE_MODE)
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot write the broker user ({exc.strerror or exc})") from None
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"{path}: cannot read it to set the broker user ({exc})") from None
+    values = {"MQTT_USERNAME": user, "MQTT_PASSWORD": password}
+    kept = [binding.original.string for binding in parse_stream(io.StringIO(text)) if binding.key not in values]
+    if kept and not kept[-1].endswith("\n"):
+        kept[-1] += "\n"
+    lines = [*kept, *(f"{key}={value}\n" for key, value in values.items())]
+    atomic_write(path, "".join(lines).encode("utf-8"), what=str(path), error=ConfigError)
     return path
 
 

@@ -124,6 +124,11 @@ def check_secret(name: str, value: str) -> str:
     return value
 
 
+def is_user_name(value: object) -> bool:
+    """True for a broker user name: 1-64 letters, digits, '_' or '-'."""
+    return isinstance(value, str) and _USER_NAME.fullmatch(value) is not None
+
+
 def check_user(name: str, value: str) -> str:
     """Refuse a user name that is not 1-64 letters, digits, '_' or '-'.
 

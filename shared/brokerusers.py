@@ -1,9 +1,11 @@
 """Least privilege at the broker (PROTOCOL §16, docs/security.md): one broker user per
 enrolled runner, named after its session (so mosquitto's `%u` is the session).
 
-A runner's user may publish only `jobs/+/events`, `jobs/+/state`, `jobs/+/log` and its
-own `runners/<session>`; it may subscribe only to `jobs/+/dispatch`, `jobs/+/control`,
-`jobs/+/state` (the §17 `taken` check reads the job's retained state) and its own presence.
+A runner's user may publish only `jobs/+/events`, `jobs/+/state`, `jobs/+/log`, its
+own `runners/<session>` and its own `enrol/<session>/request`; it may subscribe only to
+`jobs/+/dispatch`, `jobs/+/control`, `jobs/+/state` (the §17 `taken` check reads the
+job's retained state), its own presence and its own `enrol/<session>/answer` (so an
+enrolled runner can take a new invite: re-keying, new labels; the code's MAC guards both).
 Not `jobs/+/dispatch` for publishing: a broker cannot tell a clear from a forged dispatch,
 and the hub clears a taken dispatch itself (§17); the runner's own clear is acknowledged
 and dropped. The hub keeps `mam_agent`.
@@ -59,9 +61,10 @@ def runner_user(session: str) -> str:
 def runner_topics(session: str, topic_root: str | None = None) -> tuple[list[str], list[str]]:
     """The MQTT topic filters runner `session` may (publish to, subscribe to)."""
     root = names.topic_root(topic_root)
-    own = names.presence_topic(runner_user(session), root)
-    publish = [f"{root}/jobs/+/{leaf}" for leaf in PUBLISH_LEAVES] + [own]
-    subscribe = [f"{root}/jobs/+/{leaf}" for leaf in SUBSCRIBE_LEAVES] + [own]
+    user = runner_user(session)
+    own = names.presence_topic(user, root)
+    publish = [f"{root}/jobs/+/{leaf}" for leaf in PUBLISH_LEAVES] + [own, names.enrol_topic(user, "request", root)]
+    subscribe = [f"{root}/jobs/+/{leaf}" for leaf in SUBSCRIBE_LEAVES] + [own, names.enrol_topic(user, "answer", root)]
     return publish, subscribe
 
 
@@ -69,10 +72,12 @@ def mosquitto_acl_block(session: str, topic_root: str | None = None) -> str:
     """The `user` block of deploy/mosquitto/acl for runner `session` (its presence comes from
     the file's `pattern readwrite <root>/runners/%u` line)."""
     root = names.topic_root(topic_root)
+    user = runner_user(session)
     rights = (("write", "events"), ("readwrite", "state"), ("write", "log"), ("read", "dispatch"),
               ("read", "control"))
-    return "".join([f"user {runner_user(session)}\n", *(f"topic {access} {root}/jobs/+/{leaf}\n"
-                                                       for access, leaf in rights)])
+    return "".join([f"user {user}\n", *(f"topic {access} {root}/jobs/+/{leaf}\n" for access, leaf in rights),
+                    f"topic write {names.enrol_topic(user, 'request', root)}\n",
+                    f"topic read {names.enrol_topic(user, 'answer', root)}\n"])
 
 
 def _subjects(filters: list[str]) -> str:

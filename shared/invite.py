@@ -40,6 +40,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from mam.shared import keys, names
+from mam.shared.brokerconf import check_secret, is_user_name
 from mam.shared.errors import ConfigError, ProtocolError, SignatureError, UsageError
 from mam.shared.fsio import atomic_write, json_line, read_json_object
 from mam.shared.wirefields import b64url_decode, b64url_encode
@@ -80,7 +81,6 @@ MAX_SEALED_PASSWORD_BYTES = 512
 _BAD_SEAL = "the broker password in the hub's answer does not open with this host's X25519 key"
 MAX_REASON_CHARS = 200
 _CODE_RE = re.compile(r"^mam1\.([A-Za-z0-9][A-Za-z0-9_-]{0,62})\.([A-Za-z0-9_-]{22})$")
-_USER_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _TTL_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhd]?)$")
 _TTL_UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _BAD_CODE = (f"invite code is invalid: expected {CODE_PREFIX}.<session>.<{CODE_RANDOM_CHARS} characters> "
@@ -241,6 +241,7 @@ def open_password(private: X25519PrivateKey, sealed: object, *, invite_id: str, 
 
     Raises:
         SignatureError: one line: not a seal, another runner's, another answer's, tampered, oversized.
+        ConfigError: it opens, but is no password a config can hold (a newline, a quote, ...).
     """
     try:
         if not isinstance(sealed, dict) or set(sealed) != SEALED_FIELDS or sealed["alg"] != BROKER_SEAL_ALG:
@@ -251,7 +252,8 @@ def open_password(private: X25519PrivateKey, sealed: object, *, invite_id: str, 
             raise ValueError("size")
         shared = private.exchange(X25519PublicKey.from_public_bytes(epk))
         key = _broker_key(shared, epk, private.public_key().public_bytes_raw())
-        return AESGCM(key).decrypt(gcm_nonce, ciphertext, _broker_aad(invite_id, nonce, username)).decode("utf-8")
+        password = AESGCM(key).decrypt(gcm_nonce, ciphertext, _broker_aad(invite_id, nonce, username))
+        return check_secret("the broker password in the hub's answer", password.decode("utf-8"))
     except (ValueError, TypeError, KeyError, UnicodeError, InvalidTag):
         raise SignatureError(_BAD_SEAL) from None
 
@@ -292,7 +294,7 @@ def check_answer(code: InviteCode, req: dict[str, Any], obj: dict[str, Any]) -> 
     if broker is None:
         return Answer(keys.labels_of(obj["labels"]), publics)
     if not isinstance(broker, dict) or set(broker) != BROKER_FIELDS or not isinstance(broker["password"], dict) \
-            or not isinstance(broker["username"], str) or not _USER_RE.fullmatch(broker["username"]):
+            or not is_user_name(broker["username"]):
         raise UsageError("the hub's answer is invalid: broker must be an object with a username (1-64 letters, "
                          "digits, '_' or '-') and a sealed password")
     return Answer(keys.labels_of(obj["labels"]), publics, broker["username"], broker["password"])

@@ -67,8 +67,14 @@ def ed25519_public(text: object, what: str = "Ed25519 public key") -> Ed25519Pub
 
 
 def x25519_public(text: object, what: str = "X25519 public key") -> X25519PublicKey:
-    """An X25519 public key from its base64url text (§16). Raises `UsageError`."""
-    return X25519PublicKey.from_public_bytes(_raw32(text, what))
+    """An X25519 public key from its base64url text (§16); a low-order point (all zeros, ...),
+    with which no shared secret can be made, is refused. Raises `UsageError`."""
+    key = X25519PublicKey.from_public_bytes(_raw32(text, what))
+    try:
+        X25519PrivateKey.generate().exchange(key)
+    except ValueError:
+        raise UsageError(f"{what} is invalid: a low-order point") from None
+    return key
 
 
 def public_text(key: Ed25519PrivateKey | X25519PrivateKey | Ed25519PublicKey | X25519PublicKey) -> str:

@@ -306,6 +306,16 @@ def test_s16_invited_runner_gets_its_own_broker_user_and_runs_a_job_with_it(tmp_
         assert job.returncode == 0, job.stderr + runner_log(host)
         own = replace(hub.cfg, username=SESSION_A, password=settings["MQTT_PASSWORD"], client_id_prefix="probe")
         assert can_connect(own) and not can_connect(replace(own, password="Wrong-password-0123456789"))
+        # a second invite (new keys) reaches the hub through the runner's own user: its enrol topics
+        again = Invite(root, SESSION_A, "--replace", "--ttl", "2m")
+        try:
+            rekeyed = enroll(host, again.code, "--force", "--timeout", str(PATIENCE_S))
+            assert rekeyed.returncode == 0, rekeyed.stderr
+        finally:
+            again.stop()
+        renewed = read_env_file(env_file)["MQTT_PASSWORD"]
+        assert renewed != settings["MQTT_PASSWORD"]
+        wait_until(lambda: can_connect(replace(own, password=renewed)), what="the renewed password accepted")
     finally:
         if runner is not None:
             runner.terminate()

@@ -16,7 +16,7 @@ from mam.orchestrator import invites, roster
 from mam.runner import enrolinvite
 from mam.shared import brokerusers, invite, keys, names
 from mam.shared.config import read_env_file
-from mam.shared.errors import ProtocolError, SignatureError, UsageError
+from mam.shared.errors import ConfigError, ProtocolError, SignatureError, UsageError
 from mam.shared.invite import InviteCode
 from mam.shared.wirejson import canonical_json
 
@@ -257,15 +257,36 @@ def test_s16_hub_without_a_managed_broker_config_answers_without_a_broker_user(t
 def test_s16_enroll_sets_the_broker_user_in_the_env_file_it_reads_keeping_the_rest_0600(tmp_path, monkeypatch):
     monkeypatch.delenv("MAM_ENV_FILE", raising=False)
     env_file = tmp_path / ".mam.env"
-    env_file.write_text("MQTT_BROKER=hub.example\nMQTT_USERNAME=mam_agent\nMQTT_PASSWORD=Shared-password-0123\n")
+    env_file.write_text("# the hub's broker\nMQTT_BROKER=hub.example\nMQTT_USERNAME=mam_agent\n"
+                        "export MQTT_PASSWORD='Shared-password-0123'\nMQTT_PORT=1883")
     env_file.chmod(0o644)
     assert enrolinvite._write_broker_user(tmp_path, "gpu-box", PASSWORD) == env_file
-    assert read_env_file(env_file) == {"MQTT_BROKER": "hub.example", "MQTT_USERNAME": "gpu-box",
-                                       "MQTT_PASSWORD": PASSWORD}
+    assert read_env_file(env_file) == {"MQTT_BROKER": "hub.example", "MQTT_PORT": "1883",
+                                       "MQTT_USERNAME": "gpu-box", "MQTT_PASSWORD": PASSWORD}
+    assert env_file.read_text().startswith("# the hub's broker\n")
     assert env_file.stat().st_mode & 0o777 == 0o600
-    elsewhere = tmp_path / "conf" / "runner.env"  # MAM_ENV_FILE names the file the runner reads (§13)
-    elsewhere.parent.mkdir()
-    elsewhere.write_text("")
+    elsewhere = tmp_path / "conf" / "runner.env"  # MAM_ENV_FILE names the file the runner reads (§13),
+    elsewhere.parent.mkdir()  # even one that does not exist yet
     monkeypatch.setenv("MAM_ENV_FILE", str(elsewhere))
     assert enrolinvite._write_broker_user(tmp_path, "gpu-box", PASSWORD) == elsewhere
     assert read_env_file(elsewhere)["MQTT_USERNAME"] == "gpu-box" and elsewhere.stat().st_mode & 0o777 == 0o600
+
+
+def test_s16_a_request_with_a_low_order_x25519_key_is_refused_before_anything_is_written(tmp_path):
+    """No shared secret can be made with it: neither a seal nor a dispatch could reach the runner."""
+    hub_root = tmp_path / "hub"
+    code, _ = invite.create(hub_root, "gpu-box", (), 60.0)
+    req = {**invite.request(code, keys.create_runner_keys(tmp_path / "runner")), "x25519_public": keys.b64(bytes(32))}
+    req["mac"] = invite._mac(code.key, req)  # from a holder of the code
+    outcome, [(_, refused)], err = _handle(hub_root, code, req)
+    assert outcome is None and refused["kind"] == invite.REFUSED_KIND and "low-order" in err
+    assert roster.get(hub_root, "gpu-box") is None and invite.problem(invite.load(hub_root, code.invite_id)) is None
+
+
+def test_s16_a_sealed_password_that_opens_but_a_config_cannot_hold_is_refused(tmp_path):
+    runner = keys.create_runner_keys(tmp_path)
+    sealed = invite.seal_password(runner.x25519.public_key().public_bytes_raw(), "new\nMAM_EVIL=1",
+                                  invite_id="0" * 32, nonce="1" * 32, username="gpu-box")
+    with pytest.raises(ConfigError) as refused:
+        invite.open_password(runner.x25519, sealed, invite_id="0" * 32, nonce="1" * 32, username="gpu-box")
+    assert "MAM_EVIL" not in str(refused.value)

@@ -25,8 +25,9 @@ def test_s16_runner_user_entry_grants_only_the_runner_subjects():
     line = brokerusers.nats_user_entry("gpu-box", PASSWORD, "python/mqtt")
     assert line.endswith("  # runner gpu-box\n") and line.count("\n") == 1
     assert '"python.mqtt.jobs.*.events", "python.mqtt.jobs.*.state", "python.mqtt.jobs.*.log", ' \
-           '"python.mqtt.runners.gpu-box"] }, subscribe: { allow: ["python.mqtt.jobs.*.dispatch", ' \
-           '"python.mqtt.jobs.*.control", "python.mqtt.jobs.*.state", "python.mqtt.runners.gpu-box"]' in line
+           '"python.mqtt.runners.gpu-box", "python.mqtt.enrol.gpu-box.request"] }, subscribe: { allow: ' \
+           '["python.mqtt.jobs.*.dispatch", "python.mqtt.jobs.*.control", "python.mqtt.jobs.*.state", ' \
+           '"python.mqtt.runners.gpu-box", "python.mqtt.enrol.gpu-box.answer"]' in line
     assert "dispatch\", \"python.mqtt.runners" not in line.split("subscribe")[0]  # never publishes a dispatch
 
 
@@ -84,6 +85,17 @@ def test_s16_grant_and_withdraw_edit_the_config_init_recorded(tmp_path):
     lines = runneruser.withdraw(root, "a-box")
     assert lines[0] == "removed broker user a-box" and "reload=<pid>" in lines[1]
     assert brokerusers.runner_users(conf.read_text()) == [] and not granted.credentials.exists()
+
+
+def test_s16_grant_with_an_unreadable_managed_config_is_one_line(tmp_path):
+    root = tmp_path / "hub"
+    root.mkdir()
+    conf = tmp_path / "nats.conf"
+    mam_init.init_workspace(root, broker_config=conf, environ={})
+    conf.unlink()  # the recorded config is gone
+    with pytest.raises(ConfigError, match="cannot read the broker config") as refused:
+        runneruser.add_user(root, "a-box")
+    assert "\n" not in str(refused.value)
 
 
 def test_s16_grant_without_a_managed_config_says_what_to_add(tmp_path):
