@@ -154,7 +154,8 @@ def broker_up_cmd(
                                     "machine (0.0.0.0 for runners on other hosts)."),
     as_json: bool = clikit.json_option(),
 ) -> int:
-    """Start nats-server detached and wait until it accepts MQTT; write .mam.env if missing.
+    """Start nats-server detached and wait until it accepts MQTT; write .mam.env if missing
+    (an existing one is kept: a WARNING says when its MQTT_PORT is not the broker's).
     After an unclean stop (a stale pid file), re-clear the retained topics of ended and
     started jobs as `gc --reclear` does (the count is `recleared_jobs`).
 
@@ -165,6 +166,8 @@ def broker_up_cmd(
     """
     info = broker.up(workspace, mqtt_port=mqtt_port, port=port, ws_port=ws_port,
                      monitor_port=monitor_port, host=listen)
+    if info.get("warning"):  # .mam.env points clients at another port
+        typer.echo(f"WARNING: {info['warning']}", err=True)
     if info.get("unclean_stop"):  # nats-server may have brought cleared retained messages back (fault 7)
         try:
             done, _ = reclear(workspace)

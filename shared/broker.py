@@ -306,6 +306,10 @@ def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int 
             labels["--mqtt-port"] = f"MQTT_PORT of {paths.env_file}"
     port = DEFAULT_PORT if port is None else port
     ws_port = DEFAULT_WS_PORT if ws_port is None else ws_port
+    clients_port = (env.get("MQTT_PORT") or str(DEFAULT_MQTT_PORT)) if env is not None else str(mqtt_port)
+    warning = (f"{paths.env_file} has MQTT_PORT={clients_port[:8]} but this broker listens on {mqtt_port}: "
+               f"set MQTT_PORT={mqtt_port} there and in the runners' .mam.env, or they will not find it"
+               if clients_port.strip() != str(mqtt_port) else None)
     check_distinct_ports({labels["--mqtt-port"]: mqtt_port, labels["--port"]: port,
                           labels["--ws-port"]: ws_port, "--monitor-port": monitor_port})
     topic_root = names.topic_root((env or {}).get("MAM_TOPIC_ROOT") or None)
@@ -348,6 +352,7 @@ def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int 
         }, header="Written by `mam-orch broker up`; holds secrets (mode 0600).\n"
                   "Copy to runners as their .mam.env (drop MAM_OBSERVER_* there).")
     return {"status": "started", **_public_state(new_state), "env_file": str(paths.env_file),
+            **({"warning": warning} if warning else {}),
             "log": str(paths.log), "unclean_stop": unclean}
 
 

@@ -137,6 +137,25 @@ def test_up_again_reuses_the_passwords_of_the_existing_env(workspace):
         pass
 
 
+def test_up_on_another_port_than_the_existing_env_says_so(workspace):
+    """`init` wrote MQTT_PORT=1883; `broker up --mqtt-port P` runs, and one WARNING line says the
+    hub's and runners' settings point elsewhere (the env file is left as it is)."""
+    (workspace / ".mam.env").write_text("MQTT_USERNAME=mam_agent\nMQTT_PASSWORD=Agent-password-0123456789\n"
+                                        "MQTT_PORT=1883\n")
+    mqtt_port = free_port()
+    up = orch("broker", "up", "--workspace", str(workspace), "--mqtt-port", str(mqtt_port), "--port",
+              str(free_port()), "--ws-port", "0")
+    try:
+        assert up.returncode == 0, up.stderr
+        warnings = [line for line in up.stderr.splitlines() if line.startswith("WARNING")]
+        assert warnings == [f"WARNING: {workspace / '.mam.env'} has MQTT_PORT=1883 but this broker listens on "
+                            f"{mqtt_port}: set MQTT_PORT={mqtt_port} there and in the runners' .mam.env, or "
+                            "they will not find it"]
+        assert "Agent-password" not in up.stdout + up.stderr
+    finally:
+        orch("broker", "down", "--workspace", str(workspace))
+
+
 def test_port_in_use_is_one_line_error_and_leaves_no_process(workspace):
     """A taken MQTT port: one-line error naming the port and the option, exit 1; nothing started."""
     with socket.socket() as blocker:
