@@ -222,6 +222,7 @@ def build_images(client) -> None:
     build_wheelhouse()
     _build(client, REPO, "deploy/docker/Dockerfile", FLEET_IMAGE)
     nats_server = Path(sys.executable).with_name("nats-server")
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)  # an engine already running and a cached base image made none
     with tempfile.TemporaryDirectory(dir=BUILD_DIR, prefix="broker-") as context:
         shutil.copy2(nats_server, Path(context) / "nats-server")
         shutil.copy2(REPO / "deploy" / "docker" / "Dockerfile.broker", Path(context) / "Dockerfile")
