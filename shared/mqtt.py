@@ -58,6 +58,11 @@ MIN_CONNECT_TIMEOUT_S = 0.1
 SUBACK_FAILURE = 0x80
 # Pause before a refused re-subscribe after a reconnect is sent again (a cluster electing leaders).
 RESUBSCRIBE_DELAY_S = 1.0
+# After a reconnect every remembered filter is subscribed again at once and these many seconds later:
+# a NATS cluster electing leaders may answer a SUBSCRIBE late or never, or store a retained message
+# (a dispatch) only after the new subscription looked for it; a SUBSCRIBE of the same filter gets the
+# retained messages again (MQTT 3.1.1 §3.8.4), and receivers drop what they already had.
+RESUBSCRIBE_AGAIN_S = (5.0, 15.0, 45.0)
 
 Will = tuple[str, bytes, int, bool]
 
@@ -95,6 +100,8 @@ class MqttClient:
         will: the Last Will as (topic, payload bytes, qos, retain), or None (§7).
         clean_session: MQTT clean session flag.
         client_id: an explicit client id (default `new_client_id`).
+        resubscribe_again_s: delays after each reconnect of the further re-subscribes
+            (RESUBSCRIBE_AGAIN_S), seconds.
 
     Attributes:
         messages: a `queue.Queue[Message]` of incoming messages, filled by paho's thread.
@@ -108,8 +115,10 @@ class MqttClient:
     """
 
     def __init__(self, config: BrokerConfig, role: str, *, will: Will | None = None,
-                 clean_session: bool = True, client_id: str | None = None) -> None:
+                 clean_session: bool = True, client_id: str | None = None,
+                 resubscribe_again_s: tuple[float, ...] = RESUBSCRIBE_AGAIN_S) -> None:
         self.config = config
+        self.resubscribe_again_s = resubscribe_again_s
         self.role = role
         self.will = will
         self.clean_session = clean_session
@@ -182,6 +191,7 @@ class MqttClient:
                          self.client_id)
                 if filters:  # §10: re-subscribe; a queued SUBSCRIBE packet, no waiting here
                     self._resubscribe(client, filters)
+                    self._resubscribe_later(client, filters)
             self.connected.set()
             if not first:
                 self.reconnected.set()
@@ -240,6 +250,20 @@ class MqttClient:
         if refused:  # e.g. a NATS node whose JetStream has no leader yet: try again, paced
             log.warning("re-subscribe to %s refused; again in %g s", refused[0][0], RESUBSCRIBE_DELAY_S)
             timer = threading.Timer(RESUBSCRIBE_DELAY_S, self._resubscribe, (client, refused))
+            timer.daemon = True
+            timer.start()
+
+    def _resubscribe_later(self, client: paho.Client, filters: list[tuple[str, int]]) -> None:
+        """Subscribe `filters` again RESUBSCRIBE_AGAIN_S after this reconnect, unless the client
+        reconnected again or closed meanwhile (that connection has its own)."""
+        epoch = self._connect_count
+
+        def again() -> None:
+            if self._connect_count == epoch and self.connected.is_set():
+                self._resubscribe(client, filters)
+
+        for delay_s in self.resubscribe_again_s:
+            timer = threading.Timer(delay_s, again)
             timer.daemon = True
             timer.start()
 

@@ -130,6 +130,37 @@ def test_reconnect_after_broker_crash_resubscribes_and_logs(broker, caplog):
     sub.close()  # idempotent
 
 
+def test_s10_after_a_reconnect_filters_are_subscribed_again_later_so_retained_messages_come_again(broker):
+    """A NATS cluster electing leaders may answer a re-SUBSCRIBE late or never, or store a retained
+    dispatch only after the new subscription looked: the client subscribes again after
+    `resubscribe_again_s`, and the broker hands the retained message over once more (§10)."""
+    topic = names.dispatch_topic("0a1b2c3d", broker.topic_root)
+    mqtt.publish_with_retry(broker.config(), "hub", [(topic, b"dispatch", True)])
+    sub = mqtt.MqttClient(broker.config(), "runner", resubscribe_again_s=(0.5,)).connect()
+    try:
+        sub.subscribe([(topic, 1)])
+        assert sub.messages.get(timeout=PATIENCE_S).retain
+        # another connection with the same client id: the broker closes ours, which reconnects
+        with mqtt.MqttClient(broker.config(), "thief", client_id=sub.client_id) as thief:
+            thief.connect()
+        wait_until(sub.reconnected.is_set, what="the client to reconnect")
+        retained = []
+        wait_until(lambda: retained.extend(m for m in _drain(sub) if m.retain) or len(retained) >= 2,
+                   what="the retained message at the re-subscribe and again after resubscribe_again_s")
+        assert {m.payload for m in retained} == {b"dispatch"}
+    finally:
+        sub.close()
+
+
+def _drain(client: mqtt.MqttClient) -> list[mqtt.Message]:
+    out = []
+    while True:
+        try:
+            out.append(client.messages.get_nowait())
+        except queue.Empty:
+            return out
+
+
 def test_broker_unavailable_when_nothing_listens():
     """§13: nothing on the port → BrokerUnavailable at once, naming host:port and the reason."""
     port = free_port()
