@@ -40,6 +40,7 @@ SECRET_BYTES = 24
 COMPOSE_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 1
 PROBE_TIMEOUT_S = 5
+LOG_TAIL_LINES = 15
 
 
 OBSERVER_CONNECT = """
@@ -185,8 +186,27 @@ class DockerFleet:
         return self.presence().get(session, {}).get("status", "absent")
 
     def wait_online(self, sessions) -> None:
-        wait_until(lambda: all(self.status(s) == "online" for s in sessions), PATIENCE_S,
-                   f"runners {list(sessions)} online")
+        try:
+            wait_until(lambda: all(self.status(s) == "online" for s in sessions), PATIENCE_S,
+                       f"runners {list(sessions)} online")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.describe(['broker', *sessions])}") from None
+
+    def describe(self, services) -> str:
+        """Each service's container state, restart count and last log lines (for a failure message)."""
+        lines = []
+        for service in services:
+            try:
+                box = self.container(service)
+                box.reload()
+                state = box.attrs["State"]
+                tail = box.logs(tail=LOG_TAIL_LINES).decode(errors="replace").rstrip()
+            except Exception as exc:  # noqa: BLE001 (a failure message must not fail)
+                lines.append(f"--- {service}: {exc}")
+                continue
+            lines.append(f"--- {service}: {state.get('Status')} exit={state.get('ExitCode')} "
+                         f"restarts={box.attrs.get('RestartCount')}\n{tail}")
+        return "\n".join(lines)
 
     def wait_running(self, session: str, job_id: str) -> None:
         """Until `session`'s presence lists `job_id` as running (the runner started its agent)."""
