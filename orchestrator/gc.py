@@ -12,17 +12,18 @@ unclean stop (docs/deployment.md).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
 
 from mam.orchestrator.control import clear_retained
-from mam.orchestrator.hub import DAY_S, Workspace, open_hub
+from mam.orchestrator.hub import DAY_S, Workspace, connect, open_hub
 from mam.shared import names
 from mam.shared.clikit import human_view
 from mam.shared.codes import TERMINAL_STATUSES, JobStatus
-from mam.shared.config import existing_root
-from mam.shared.errors import UsageError
+from mam.shared.config import BrokerConfig, existing_root
+from mam.shared.errors import BrokerUnavailable, UsageError
 from mam.shared.mqtt import MqttClient
 from mam.shared.records import JobRecord, utc_now
 from mam.shared.render import table
@@ -123,7 +124,8 @@ def reclear(workspace: Workspace = None, *, client: MqttClient | None = None) ->
     """Clear again the retained topics that must stay cleared, for every hub job (fault 7).
 
     Args:
-        workspace: the hub workspace; client: a connection to use (default: a new one).
+        workspace: the hub workspace; client: a connection to use (default: one to each host of
+            the fail-over list in turn, so every node of a cluster clears its own cache).
     Returns:
         (one summary per job re-cleared, number of corrupt records reported on stderr).
     Raises:
@@ -144,17 +146,46 @@ def reclear(workspace: Workspace = None, *, client: MqttClient | None = None) ->
             due.append((record, leaves))
     if not due:
         return [], len(errors)
-    own = client is None
-    client = hub.connect("gc") if client is None else client
-    try:
-        for record, leaves in due:
-            for leaf in leaves:
-                clear_retained(client, names.job_topic(record["job_id"], leaf, client.config.topic_root))
-    finally:
-        if own:
-            client.close()
+    if client is not None:
+        _clear_leaves(client, due)
+    else:
+        _clear_on_every_node(hub.broker_config(), due)
     return [{"job_id": record["job_id"], "status": record["status"], "recleared": list(leaves)}
             for record, leaves in due], len(errors)
+
+
+def _clear_leaves(client: MqttClient, due: list[tuple[JobRecord, tuple[str, ...]]]) -> None:
+    for record, leaves in due:
+        for leaf in leaves:
+            clear_retained(client, names.job_topic(record["job_id"], leaf, client.config.topic_root))
+
+
+def _clear_on_every_node(cfg: BrokerConfig, due: list[tuple[JobRecord, tuple[str, ...]]]) -> None:
+    """Clear `due` through each host of the fail-over list in turn (§13 `MQTT_BROKER`).
+
+    Each nats-server node of a cluster keeps its own cache of retained messages and drops an
+    entry when its stream consumer sees the clear; a node that missed it (restarted, or still
+    catching up) keeps handing the stale message out, but a clear published through that node
+    itself reaches its cache. A host that cannot be reached gets one WARNING line on stderr.
+
+    Raises:
+        BrokerUnavailable: no host of the list accepted the connection (exit 3).
+    """
+    missed: list[str] = []
+    for host in cfg.hosts:
+        try:
+            node = connect(dataclasses.replace(cfg, hosts=(host,)), "gc")
+        except BrokerUnavailable as exc:
+            missed.append(str(exc))
+            continue
+        try:
+            _clear_leaves(node, due)
+        finally:
+            node.close()
+    if len(missed) == len(cfg.hosts):
+        raise BrokerUnavailable("; ".join(missed))
+    for reason in missed:
+        print(f"WARNING: {reason}; run `mam-orch gc --reclear` again once it is back", file=sys.stderr)
 
 
 def reclear_cli(*, workspace: Workspace = None) -> int:

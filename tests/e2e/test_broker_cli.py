@@ -423,3 +423,30 @@ def test_fault7_gc_reclear_clears_dispatches_that_came_back(workspace):
     assert {tuple(line["recleared"]) for line in lines if line["status"] == "running"} == {("dispatch",)}
     assert {tuple(line["recleared"]) for line in lines if line["status"] == "cancelled"} == {("dispatch", "control")}
     assert _retained_dispatches(config, cleared + pending) == set(pending)
+
+
+def test_fault7_gc_reclear_goes_through_every_host_of_the_failover_list(workspace):
+    """§13 fail-over list: `gc --reclear` clears through each host in turn (a cluster node
+    clears its own cache of retained messages). A host that does not answer (127.0.0.2: the
+    broker listens on 127.0.0.1 only) is one WARNING line and the others are still cleared;
+    when no host answers it exits 3."""
+    up = orch("broker", "up", "--workspace", str(workspace), *ports())
+    assert up.returncode == 0, up.stderr
+    env_file = workspace / ".mam.env"
+    config = broker_config(environ={"MAM_ENV_FILE": str(env_file)}, warn=False)
+    cleared, pending = _hub_jobs_with_dispatches(workspace, config)
+    mqtt.publish_with_retry(config, "crash", [(names.dispatch_topic(j, config.topic_root), b"back", True)
+                                              for j in cleared])
+    kept = env_file.read_text()
+    env_file.write_text(kept.replace("MQTT_BROKER=127.0.0.1", "MQTT_BROKER=127.0.0.2,127.0.0.1"))
+    result = orch("gc", "--reclear", "--workspace", str(workspace))
+    assert result.returncode == 0, result.stderr
+    warnings = result.stderr.strip().splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith("WARNING: ") and "127.0.0.2" in warnings[0]
+    assert "gc --reclear" in warnings[0] and config.password not in result.stderr
+    assert _retained_dispatches(config, cleared + pending) == set(pending)
+
+    env_file.write_text(kept.replace("MQTT_BROKER=127.0.0.1", "MQTT_BROKER=127.0.0.2"))
+    nowhere = orch("gc", "--reclear", "--workspace", str(workspace))
+    assert nowhere.returncode == 3, nowhere.stderr
+    assert len(nowhere.stderr.strip().splitlines()) == 1 and "127.0.0.2" in nowhere.stderr
