@@ -398,7 +398,8 @@ def gc_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="Only list the jobs that would be cleared."),
     reclear_: bool = typer.Option(False, "--reclear",
                                   help="Instead: clear again the dispatch and control of every ended job and "
-                                       "the dispatch of every started one (after a broker crash)."),
+                                       "the dispatch of every started one (after a broker crash), through "
+                                       "each host of MQTT_BROKER in turn."),
     workspace: str = clikit.workspace_option(),
     as_json: bool = clikit.json_option(),
 ) -> int:

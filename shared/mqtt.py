@@ -51,6 +51,9 @@ RETRY_BASE_DELAY_S = 0.5  # §13: min(0.5 × 2^(attempt-1), 8.0)
 RETRY_MAX_DELAY_S = 8.0
 RECONNECT_MIN_DELAY_S = 1
 RECONNECT_MAX_DELAY_S = 8
+# With a fail-over list each reconnect goes to the next host: a cluster node still electing
+# leaders holds a CONNECT for up to 5 s, so the pause between two nodes stays short.
+RECONNECT_MAX_DELAY_FAILOVER_S = 2
 CLOSE_TIMEOUT_S = 5.0
 # paho's socket connect timeout never goes below this, whatever is left of a deadline.
 MIN_CONNECT_TIMEOUT_S = 0.1
@@ -89,6 +92,17 @@ def new_client_id(prefix: str, role: str) -> str:
 def retry_delay_s(attempt: int) -> float:
     """Delay before the attempt after `attempt` (1-based): `min(0.5 × 2^(attempt-1), 8.0)` s (§13)."""
     return min(RETRY_BASE_DELAY_S * 2.0 ** (attempt - 1), RETRY_MAX_DELAY_S)
+
+
+
+def reconnect_max_delay_s(hosts: tuple[str, ...]) -> int:
+    """The cap of paho's reconnect backoff, in seconds, for the fail-over list `hosts` (§13).
+
+    One host: `RECONNECT_MAX_DELAY_S` (8). Several: `RECONNECT_MAX_DELAY_FAILOVER_S` (2), since
+    each attempt goes to the next host and a node of a cluster that lost a peer may hold a
+    CONNECT for 5 s before it fails it (docs/deployment.md "NATS cluster").
+    """
+    return RECONNECT_MAX_DELAY_FAILOVER_S if len(hosts) > 1 else RECONNECT_MAX_DELAY_S
 
 
 class MqttClient:
@@ -301,7 +315,7 @@ class MqttClient:
         if self.will is not None:
             topic, payload, qos, retain = self.will
             client.will_set(topic, payload, qos=qos, retain=retain)
-        client.reconnect_delay_set(RECONNECT_MIN_DELAY_S, RECONNECT_MAX_DELAY_S)
+        client.reconnect_delay_set(RECONNECT_MIN_DELAY_S, reconnect_max_delay_s(cfg.hosts))
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_connect_fail = self._next_host

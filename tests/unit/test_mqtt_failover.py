@@ -78,3 +78,13 @@ def test_s10_a_filter_unsubscribed_meanwhile_is_not_sent_again():
     client, paho = connected_client(("nats-1", "nats-2"))
     client._resubscribe(paho, [("gone/#", 1)])
     assert paho.subscribed == []
+
+
+def test_s13_a_failover_list_caps_the_reconnect_backoff_at_2_s():
+    """One broker: paho's backoff doubles 1, 2, 4, 8 s. A fail-over list: at most 2 s between
+    two nodes (a cluster node electing leaders holds a CONNECT for up to 5 s before failing it)."""
+    assert mqtt.reconnect_max_delay_s(("hub",)) == 8
+    assert mqtt.reconnect_max_delay_s(("nats-1", "nats-2", "nats-3")) == 2
+    for hosts, cap in ((("hub",), 8), (("nats-1", "nats-2"), 2)):
+        paho = mqtt.MqttClient(BrokerConfig(hosts=hosts), "test")._new_paho()
+        assert (paho._reconnect_min_delay, paho._reconnect_max_delay) == (1, cap)
