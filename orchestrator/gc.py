@@ -24,7 +24,7 @@ from mam.shared.clikit import human_view
 from mam.shared.codes import TERMINAL_STATUSES, JobStatus
 from mam.shared.config import BrokerConfig, existing_root
 from mam.shared.errors import BrokerUnavailable, UsageError
-from mam.shared.mqtt import MqttClient
+from mam.shared.mqtt import UNREACHABLE, MqttClient
 from mam.shared.records import JobRecord, utc_now
 from mam.shared.render import table
 from mam.shared.wire import parse_ts
@@ -176,16 +176,16 @@ def _clear_on_every_node(cfg: BrokerConfig, due: list[tuple[JobRecord, tuple[str
         try:
             node = connect(dataclasses.replace(cfg, hosts=(host,)), "gc")
         except BrokerUnavailable as exc:
-            missed.append(str(exc))
+            missed.append(str(exc).removeprefix(UNREACHABLE))
             continue
         try:
             _clear_leaves(node, due)
         finally:
             node.close()
     if len(missed) == len(cfg.hosts):
-        raise BrokerUnavailable("; ".join(missed))
+        raise BrokerUnavailable(UNREACHABLE + "; ".join(missed))
     for reason in missed:
-        print(f"WARNING: {reason}; run `mam-orch gc --reclear` again once it is back", file=sys.stderr)
+        print(f"WARNING: {UNREACHABLE}{reason}; run `mam-orch gc --reclear` again once it is back", file=sys.stderr)
 
 
 def reclear_cli(*, workspace: Workspace = None) -> int:

@@ -48,6 +48,7 @@ DEFAULT_WS_PATH = "/mqtt"
 MAX_ENV_INT = 10**7
 MAX_ENV_SECONDS = 86400.0
 MAX_HOST_CHARS = 253  # a DNS name
+MAX_HOSTS = 16  # a fail-over list (§13): clients and `gc --reclear` walk every host
 
 
 def _marker_parent(start: Path) -> Path | None:
@@ -291,6 +292,8 @@ def _parse_hosts(value: str) -> tuple[str, ...]:
     hosts = tuple(part.strip() for part in value.split(",") if part.strip())
     if not hosts:
         raise ConfigError(f"MQTT_BROKER={value!r} is invalid: no host given")
+    if len(hosts) > MAX_HOSTS:
+        raise ConfigError(f"MQTT_BROKER lists {len(hosts)} hosts; at most {MAX_HOSTS}")
     for host in hosts:
         if any(c.isspace() for c in host) or "/" in host or len(host) > MAX_HOST_CHARS:
             raise ConfigError(f"MQTT_BROKER host {host!r} is invalid: expected a host name or address")

@@ -55,6 +55,8 @@ RECONNECT_MAX_DELAY_S = 8
 # leaders holds a CONNECT for up to 5 s, so the pause between two nodes stays short.
 RECONNECT_MAX_DELAY_FAILOVER_S = 2
 CLOSE_TIMEOUT_S = 5.0
+# The start of the one-line BrokerUnavailable message; host:port (reason) pairs follow.
+UNREACHABLE = "cannot connect to the MQTT broker: "
 # paho's socket connect timeout never goes below this, whatever is left of a deadline.
 MIN_CONNECT_TIMEOUT_S = 0.1
 # A SUBACK return code of 0x80 or more refuses that filter (MQTT 3.1.1 §3.9.3).
@@ -349,7 +351,7 @@ class MqttClient:
             if reason is None:
                 return self
             failures.append(f"{mqttsock.endpoint(host, self.config.port)} ({reason})")
-        raise BrokerUnavailable("cannot connect to the MQTT broker: " + "; ".join(failures))
+        raise BrokerUnavailable(UNREACHABLE + "; ".join(failures))
 
     def _try_host(self, host: str, timeout_s: float) -> str | None:
         """One connection attempt; None on success, else a short reason."""

@@ -160,6 +160,7 @@ def test_s13_public_broker_anywhere_in_list_warns(empty_cwd):
     ("MQTT_KEEPALIVE", "-1", "out of range"),
     ("MQTT_BROKER", " , ", "no host"),
     ("MQTT_BROKER", "a b", "invalid"),
+    ("MQTT_BROKER", ",".join(f"node-{n}" for n in range(17)), "lists 17 hosts; at most 16"),
     ("MQTT_CA_CERTS", "/nonexistent/ca.pem", "no such file"),
     ("MAM_TOPIC_ROOT", "a/#", "topic root"),
 ])
