@@ -12,18 +12,18 @@ unclean stop (docs/deployment.md).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
 
 from mam.orchestrator.control import clear_retained
+from mam.orchestrator.hints import command
 from mam.orchestrator.hub import DAY_S, Workspace, connect, open_hub
 from mam.shared import names
 from mam.shared.clikit import human_view
 from mam.shared.codes import TERMINAL_STATUSES, JobStatus
 from mam.shared.config import BrokerConfig, existing_root
-from mam.shared.errors import BrokerUnavailable, UsageError
+from mam.shared.errors import BrokerError, BrokerUnavailable, UsageError
 from mam.shared.mqtt import UNREACHABLE, MqttClient
 from mam.shared.records import JobRecord, utc_now
 from mam.shared.render import table
@@ -120,16 +120,16 @@ def reclear_leaves(record: JobRecord, collected: bool) -> tuple[str, ...]:
     return ()
 
 
-def reclear(workspace: Workspace = None, *, client: MqttClient | None = None) -> tuple[list[dict[str, object]], int]:
-    """Clear again the retained topics that must stay cleared, for every hub job (fault 7).
+def reclear(workspace: Workspace = None) -> tuple[list[dict[str, object]], int]:
+    """Clear again the retained topics that must stay cleared, for every hub job (fault 7),
+    through each host of the fail-over list in turn (`_clear_on_every_node`).
 
     Args:
-        workspace: the hub workspace; client: a connection to use (default: one to each host of
-            the fail-over list in turn, so every node of a cluster clears its own cache).
+        workspace: the hub workspace.
     Returns:
         (one summary per job re-cleared, number of corrupt records reported on stderr).
     Raises:
-        EnvFileError (1), BrokerError (3).
+        EnvFileError (1), BrokerError (3): no host of the list took every clear.
     """
     hub = open_hub(workspace)
     records, errors = hub.registry.list()
@@ -146,10 +146,7 @@ def reclear(workspace: Workspace = None, *, client: MqttClient | None = None) ->
             due.append((record, leaves))
     if not due:
         return [], len(errors)
-    if client is not None:
-        _clear_leaves(client, due)
-    else:
-        _clear_on_every_node(hub.broker_config(), due)
+    _clear_on_every_node(hub.broker_config(), due, workspace)
     return [{"job_id": record["job_id"], "status": record["status"], "recleared": list(leaves)}
             for record, leaves in due], len(errors)
 
@@ -160,32 +157,37 @@ def _clear_leaves(client: MqttClient, due: list[tuple[JobRecord, tuple[str, ...]
             clear_retained(client, names.job_topic(record["job_id"], leaf, client.config.topic_root))
 
 
-def _clear_on_every_node(cfg: BrokerConfig, due: list[tuple[JobRecord, tuple[str, ...]]]) -> None:
+def _clear_on_every_node(cfg: BrokerConfig, due: list[tuple[JobRecord, tuple[str, ...]]],
+                         workspace: Workspace) -> None:
     """Clear `due` through each host of the fail-over list in turn (§13 `MQTT_BROKER`).
 
     Each nats-server node of a cluster keeps its own cache of retained messages and drops an
     entry when its stream consumer sees the clear; a node that missed it (restarted, or still
     catching up) keeps handing the stale message out, but a clear published through that node
-    itself reaches its cache. A host that cannot be reached gets one WARNING line on stderr.
+    itself reaches its cache. A host that cannot be reached, or does not acknowledge a clear
+    (a node electing leaders), is one WARNING line on stderr and the walk goes on.
 
     Raises:
-        BrokerUnavailable: no host of the list accepted the connection (exit 3).
+        BrokerError: no host of the list took every clear (exit 3); the message names each.
     """
     missed: list[str] = []
     for host in cfg.hosts:
         try:
-            node = connect(dataclasses.replace(cfg, hosts=(host,)), "gc")
+            node = connect(cfg.with_overrides(hosts=(host,)), "gc")
         except BrokerUnavailable as exc:
             missed.append(str(exc).removeprefix(UNREACHABLE))
             continue
         try:
             _clear_leaves(node, due)
+        except BrokerError as exc:  # PublishTimeout: connected, but no PUBACK
+            missed.append(f"{node.endpoint} ({exc})")
         finally:
             node.close()
     if len(missed) == len(cfg.hosts):
-        raise BrokerUnavailable(UNREACHABLE + "; ".join(missed))
+        raise BrokerError("re-clearing failed on every host: " + "; ".join(missed))
     for reason in missed:
-        print(f"WARNING: {UNREACHABLE}{reason}; run `mam-orch gc --reclear` again once it is back", file=sys.stderr)
+        print(f"WARNING: re-clearing through {reason} failed; run `{command('gc --reclear', workspace)}` "
+              "again once it is back", file=sys.stderr)
 
 
 def reclear_cli(*, workspace: Workspace = None) -> int:

@@ -96,7 +96,6 @@ def retry_delay_s(attempt: int) -> float:
     return min(RETRY_BASE_DELAY_S * 2.0 ** (attempt - 1), RETRY_MAX_DELAY_S)
 
 
-
 def reconnect_max_delay_s(hosts: tuple[str, ...]) -> int:
     """The cap of paho's reconnect backoff, in seconds, for the fail-over list `hosts` (§13).
 
@@ -334,7 +333,8 @@ class MqttClient:
         Args:
             timeout_s: the CONNACK deadline per host, in seconds (§13: 10).
         Returns:
-            self, connected; paho then reconnects by itself with backoff (1-8 s),
+            self, connected; paho then reconnects by itself with backoff (1-8 s; at most
+            2 s with a fail-over list, `reconnect_max_delay_s`),
             each attempt to the next host of `hosts` (`_next_host`).
         Raises:
             BrokerUnavailable: no host accepted; the one-line message names every

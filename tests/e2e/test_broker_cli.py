@@ -427,9 +427,9 @@ def test_fault7_gc_reclear_clears_dispatches_that_came_back(workspace):
 
 def test_fault7_gc_reclear_goes_through_every_host_of_the_failover_list(workspace):
     """§13 fail-over list: `gc --reclear` clears through each host in turn (a cluster node
-    clears its own cache of retained messages). A host that does not answer (127.0.0.2: the
-    broker listens on 127.0.0.1 only) is one WARNING line and the others are still cleared;
-    when no host answers it exits 3."""
+    clears its own cache of retained messages). Hosts that do not answer (127.0.0.2 and .3:
+    the broker listens on 127.0.0.1 only) are one WARNING line each, before and after the one
+    that answers, which is still cleared; when no host answers it exits 3."""
     up = orch("broker", "up", "--workspace", str(workspace), *ports())
     assert up.returncode == 0, up.stderr
     env_file = workspace / ".mam.env"
@@ -438,12 +438,13 @@ def test_fault7_gc_reclear_goes_through_every_host_of_the_failover_list(workspac
     mqtt.publish_with_retry(config, "crash", [(names.dispatch_topic(j, config.topic_root), b"back", True)
                                               for j in cleared])
     kept = env_file.read_text()
-    env_file.write_text(kept.replace("MQTT_BROKER=127.0.0.1", "MQTT_BROKER=127.0.0.2,127.0.0.1"))
+    env_file.write_text(kept.replace("MQTT_BROKER=127.0.0.1", "MQTT_BROKER=127.0.0.2,127.0.0.1,127.0.0.3"))
     result = orch("gc", "--reclear", "--workspace", str(workspace))
     assert result.returncode == 0, result.stderr
     warnings = result.stderr.strip().splitlines()
-    assert len(warnings) == 1 and warnings[0].startswith("WARNING: ") and "127.0.0.2" in warnings[0]
-    assert "gc --reclear" in warnings[0] and config.password not in result.stderr
+    assert [w.split(":", 2)[1].strip() for w in warnings] == [f"re-clearing through 127.0.0.{n}" for n in (2, 3)]
+    assert all(f"gc --reclear --workspace {workspace}" in w for w in warnings)
+    assert config.password not in result.stderr
     assert _retained_dispatches(config, cleared + pending) == set(pending)
 
     env_file.write_text(kept.replace("MQTT_BROKER=127.0.0.1", "MQTT_BROKER=127.0.0.2"))

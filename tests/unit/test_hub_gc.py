@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mam.orchestrator import gc
+from mam.shared.config import BrokerConfig
+from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
+from mam.shared.mqtt import UNREACHABLE
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -19,3 +22,54 @@ pytestmark = pytest.mark.timeout(10)
 ])
 def test_fault7_reclear_leaves_follow_the_hub_record(status, collected, leaves):
     assert gc.reclear_leaves({"status": status}, collected) == leaves  # type: ignore[arg-type]
+
+
+class Node:
+    """A connection `gc.connect` hands out: records each clear; `fails` raises PublishTimeout."""
+
+    def __init__(self, config: BrokerConfig, fails: bool) -> None:
+        self.config, self.fails, self.cleared, self.closed = config, fails, [], False
+        self.endpoint = f"{config.hosts[0]}:{config.port}"
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        if self.fails:
+            raise PublishTimeout(f"no PUBACK for {topic} from {self.endpoint} within 5 s")
+        self.cleared.append((topic, payload, retain))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_fault7_s13_reclear_walks_every_host_a_silent_node_is_a_warning(monkeypatch, capsys):
+    """Each host of the list gets every clear on its own connection (the rest of the config
+    unchanged); one that refuses the connection or acknowledges no clear is one WARNING line
+    naming it, with the workspace in the hint, and the hosts after it are still cleared."""
+    cfg = BrokerConfig(hosts=("nats-1", "nats-2", "nats-3", "nats-4"), port=1883, password="pw", topic_root="t")
+    nodes: list[Node] = []
+
+    def connect(config: BrokerConfig, role: str) -> Node:
+        if config.hosts == ("nats-1",):
+            raise BrokerUnavailable(f"{UNREACHABLE}nats-1:1883 (connection refused)")
+        nodes.append(Node(config, fails=config.hosts == ("nats-2",)))
+        return nodes[-1]
+
+    monkeypatch.setattr(gc, "connect", connect)
+    due = [({"job_id": "a1b2c3d4"}, ("dispatch", "control"))]
+    gc._clear_on_every_node(cfg, due, "/srv/hub")  # type: ignore[arg-type]
+    assert [n.config for n in nodes] == [cfg.with_overrides(hosts=(h,)) for h in ("nats-2", "nats-3", "nats-4")]
+    assert all(n.closed for n in nodes)
+    expected = [("t/jobs/a1b2c3d4/dispatch", b"", True), ("t/jobs/a1b2c3d4/control", b"", True)]
+    assert [n.cleared for n in nodes] == [[], expected, expected]
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 2 and all(w.startswith("WARNING: re-clearing through nats-") for w in warnings)
+    assert "nats-1:1883 (connection refused)" in warnings[0] and "nats-2:1883 (no PUBACK" in warnings[1]
+    assert all("mam-orch gc --reclear --workspace /srv/hub" in w and "pw" not in w for w in warnings)
+
+
+def test_fault7_reclear_through_no_host_is_a_broker_error(monkeypatch):
+    def connect(config: BrokerConfig, role: str) -> Node:
+        raise BrokerUnavailable(f"{UNREACHABLE}{config.hosts[0]}:1883 (connection refused)")
+
+    monkeypatch.setattr(gc, "connect", connect)
+    with pytest.raises(BrokerError, match="every host: a:1883 .connection refused.; b:1883"):
+        gc._clear_on_every_node(BrokerConfig(hosts=("a", "b")), [({"job_id": "a1b2c3d4"}, ("dispatch",))], None)  # type: ignore[list-item]
