@@ -19,6 +19,7 @@ import subprocess
 
 from harness import docker_env, tailnet_policy
 from harness.waiting import PATIENCE_S, wait_until
+from mam.orchestrator.init import broker_password
 
 COMPOSE_FILE = docker_env.REPO / "tests" / "e2e" / "docker-compose.yaml"
 POLICY_FILE = docker_env.REPO / "deploy" / "tailscale" / "policy.hujson"
@@ -36,7 +37,6 @@ HOSTS = {"broker": (10, BROKER_NODE, "hub"), "hub": (20, BROKER_NODE, "hub"),
          "runner-a": (31, RUNNER_NODE, ""), "runner-b": (32, RUNNER_NODE, ""), "runner-c": (33, RUNNER_NODE, ""),
          "observer": (40, OBSERVER_NODE, "")}
 SECRET_VARS = ("MAM_BROKER_PASS", "MAM_OBSERVER_PASS", "MAM_HOME_PASS", "MAM_SYS_PASS", "MAM_DISPATCH_SECRET")
-SECRET_BYTES = 24
 COMPOSE_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 1
 PROBE_TIMEOUT_S = 5
@@ -82,7 +82,9 @@ class DockerFleet:
         self.prefix = free_prefix(client)
         self.subnet = self.prefix + ".0/24"
         self.chain = self.project.upper()  # iptables chain names: at most 28 characters
-        self.env = {**os.environ, **{name: secrets.token_urlsafe(SECRET_BYTES) for name in SECRET_VARS},
+        # broker_password(): nats-server reads an environment value like a config value, and a
+        # random one that starts with a digit ('5Vx…') stops it (a CI run: no runner came online)
+        self.env = {**os.environ, **{name: broker_password() for name in SECRET_VARS},
                     "MAM_FLEET_IMAGE": docker_env.FLEET_IMAGE, "MAM_BROKER_IMAGE": docker_env.BROKER_IMAGE,
                     "MAM_BASE_IMAGE": docker_env.BASE_IMAGE, "MAM_E2E_NET": self.prefix}
         self.hosts = [tailnet_policy.Host(name, f"{self.prefix}.{octet}", ids, node)
