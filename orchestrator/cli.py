@@ -15,7 +15,6 @@ from mam.orchestrator.dispatch import dispatch_cli
 from mam.orchestrator.follow import watch_cli
 from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
 from mam.orchestrator.hints import command
-from mam.orchestrator.http import serve_http_cli
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.logs import logs_cli
 from mam.orchestrator.redispatch import redispatch_cli
@@ -429,7 +428,12 @@ def serve_cmd(
     Example: mam-orch serve --http 127.0.0.1:8765, then open http://127.0.0.1:8765/
     """
     clikit.setup_logging()
-    return serve_http_cli(workspace=workspace, bind=http) if http else serve_cli(workspace=workspace)
+    if http:
+        # lazy: starlette, uvicorn and prometheus-client cost every other command 150 ms at start
+        from mam.orchestrator.http import serve_http_cli
+
+        return serve_http_cli(workspace=workspace, bind=http)
+    return serve_cli(workspace=workspace)
 
 
 def main() -> None:

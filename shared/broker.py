@@ -31,7 +31,6 @@ from importlib.metadata import PackageNotFoundError, files
 from pathlib import Path
 from typing import Any
 
-import nats
 import psutil
 
 from mam.shared import brokerusers, names
@@ -415,6 +414,8 @@ async def _nats_probe(url: str, password: str, timeout_s: float) -> dict[str, An
     system account (`$SYS.REQ.ACCOUNT.MAM.JSZ`): the agent user speaks MQTT only."""
     async def _quiet(*_: Any) -> None:  # nats-py prints errors by default
         return None
+
+    import nats  # lazy: nats-py costs every `mam-orch` command 75 ms at start, and only this check uses it
 
     nc = await nats.connect(url, user=SYS_USER, password=password, connect_timeout=timeout_s,
                             allow_reconnect=False, max_reconnect_attempts=0,
