@@ -18,7 +18,7 @@ import time
 
 from mam.orchestrator.control import clear_retained
 from mam.orchestrator.hints import command
-from mam.orchestrator.hub import DAY_S, Workspace, connect, open_hub
+from mam.orchestrator.hub import DAY_S, Hub, Workspace, connect, open_hub
 from mam.shared import names
 from mam.shared.clikit import human_view
 from mam.shared.codes import TERMINAL_STATUSES, JobStatus
@@ -36,6 +36,7 @@ GC_AUDIT_EVENT = "retained_cleared"
 # What a terminal job must not have retained once ended (its final events and state stay until gc).
 ENDED_LEAVES = ("dispatch", "control")
 STARTED_LEAVES = ("dispatch",)
+Due = list[tuple[JobRecord, tuple[str, ...]]]  # (a hub record, the retained leaves of its job to clear)
 
 
 def _gc_text(rows: list[dict[str, object]], dry_run: bool, older_than_days: float, checked: int) -> str:
@@ -53,7 +54,8 @@ def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = No
     """`mam-orch gc`: clear the retained dispatch, terminal event, state and
     control of this hub's jobs terminal for longer than `older_than_days` (§2).
 
-    Records and audit logs stay on disk; each cleared job gets a
+    Each job's topics are cleared on its own broker (the record's per-job
+    overrides, §13, else the workspace's). Records and audit logs stay on disk; each cleared job gets a
     `retained_cleared` audit line and is skipped by later runs. Jobs still
     pending/running are never touched. Prints one JSON line per job cleared (a
     human view on a terminal without `as_json`; it says when there is nothing to clear).
@@ -85,16 +87,15 @@ def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = No
                                            for line in registry.audit(record["job_id"])):
             due.append(record)
     if due and not dry_run:
-        client = hub.connect("gc")
-        try:
-            for record in due:
-                job_id = record["job_id"]
-                for leaf in RETAINED_LEAVES:
-                    clear_retained(client, names.job_topic(job_id, leaf, client.config.topic_root))
-                registry.append_audit(job_id, {"event": GC_AUDIT_EVENT, "timestamp": utc_now(),
-                                               "topics": list(RETAINED_LEAVES)})
-        finally:
-            client.close()
+        for cfg, group in _by_broker(hub, [(record, RETAINED_LEAVES) for record in due]).items():
+            client = connect(cfg, "gc")
+            try:
+                for item in group:
+                    _clear_leaves(client, [item])
+                    registry.append_audit(item[0]["job_id"], {"event": GC_AUDIT_EVENT, "timestamp": utc_now(),
+                                                              "topics": list(RETAINED_LEAVES)})
+            finally:
+                client.close()
     rows = [{"job_id": record["job_id"], "status": record["status"], "updated_at": record["updated_at"],
              "cleared": not dry_run} for record in due]
     if human_view(as_json):
@@ -122,7 +123,8 @@ def reclear_leaves(record: JobRecord, collected: bool) -> tuple[str, ...]:
 
 def reclear(workspace: Workspace = None) -> tuple[list[dict[str, object]], int]:
     """Clear again the retained topics that must stay cleared, for every hub job (fault 7),
-    through each host of the fail-over list in turn (`_clear_on_every_node`).
+    through each host of the fail-over list of its broker in turn (`_clear_on_every_node`; the
+    record's per-job overrides, §13, else the workspace's).
 
     Args:
         workspace: the hub workspace.
@@ -144,21 +146,32 @@ def reclear(workspace: Workspace = None) -> tuple[list[dict[str, object]], int]:
         leaves = reclear_leaves(record, collected)
         if leaves:
             due.append((record, leaves))
-    if not due:
-        return [], len(errors)
-    _clear_on_every_node(hub.broker_config(), due, workspace)
+    for cfg, group in _by_broker(hub, due).items():
+        _clear_on_every_node(cfg, group, workspace)
     return [{"job_id": record["job_id"], "status": record["status"], "recleared": list(leaves)}
             for record, leaves in due], len(errors)
 
 
-def _clear_leaves(client: MqttClient, due: list[tuple[JobRecord, tuple[str, ...]]]) -> None:
+def _by_broker(hub: Hub, due: Due) -> dict[BrokerConfig, Due]:
+    """`due` grouped by the broker each job lives on: the workspace's, or the record's
+    per-job overrides (§13: another host list, port or topic root), in registry order.
+
+    Raises:
+        ConfigError, EnvFileError.
+    """
+    groups: dict[BrokerConfig, Due] = {}
+    for item in due:
+        groups.setdefault(hub.broker_config(item[0]), []).append(item)
+    return groups
+
+
+def _clear_leaves(client: MqttClient, due: Due) -> None:
     for record, leaves in due:
         for leaf in leaves:
             clear_retained(client, names.job_topic(record["job_id"], leaf, client.config.topic_root))
 
 
-def _clear_on_every_node(cfg: BrokerConfig, due: list[tuple[JobRecord, tuple[str, ...]]],
-                         workspace: Workspace) -> None:
+def _clear_on_every_node(cfg: BrokerConfig, due: Due, workspace: Workspace) -> None:
     """Clear `due` through each host of the fail-over list in turn (§13 `MQTT_BROKER`).
 
     Each nats-server node of a cluster keeps its own cache of retained messages and drops an

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from mam.orchestrator import gc
-from mam.shared.config import BrokerConfig
+from harness.workspace import TEST_SECRET
+from mam.shared.config import BrokerConfig, write_env_file
 from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
 from mam.shared.mqtt import UNREACHABLE
+from mam.shared.registry import Registry
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -73,3 +75,36 @@ def test_fault7_reclear_through_no_host_is_a_broker_error(monkeypatch):
     monkeypatch.setattr(gc, "connect", connect)
     with pytest.raises(BrokerError, match="every host: a:1883 .connection refused.; b:1883"):
         gc._clear_on_every_node(BrokerConfig(hosts=("a", "b")), [({"job_id": "a1b2c3d4"}, ("dispatch",))], None)  # type: ignore[list-item]
+
+
+def test_s13_gc_and_reclear_clear_each_job_on_its_own_broker(monkeypatch, tmp_path, capsys):
+    """§13 per-job overrides: a job dispatched to another host and topic root has its retained
+    topics there, so `gc` and `gc --reclear` clear them there (one connection per broker), and
+    the other jobs through the workspace's broker."""
+    write_env_file(tmp_path / ".mam.env", {"MQTT_BROKER": "hub-a", "MQTT_PASSWORD": "pw", "MAM_TOPIC_ROOT": "t",
+                                           "MAM_DISPATCH_SECRET": TEST_SECRET})
+    registry = Registry(tmp_path)
+    plain = registry.register(session="gpu-box")["job_id"]
+    moved = registry.register(session="gpu-box", broker={"host": "hub-b", "topic_root": "other"})["job_id"]
+    for job_id in (plain, moved):
+        registry.close(job_id, "cancelled")
+    nodes: list[Node] = []
+
+    def connect(config: BrokerConfig, role: str) -> Node:
+        nodes.append(Node(config, fails=False))
+        return nodes[-1]
+
+    monkeypatch.setattr(gc, "connect", connect)
+    assert gc.reclear_cli(workspace=tmp_path) == 0
+    assert gc.gc_cli(older_than_days=0, workspace=tmp_path, as_json=True) == 0
+    capsys.readouterr()
+
+    def topics(root: str, job_id: str, leaves: tuple[str, ...]) -> list[str]:
+        return sorted(f"{root}/jobs/{job_id}/{leaf}" for leaf in leaves)
+
+    seen = [(n.config.hosts, n.config.topic_root, sorted(topic for topic, _, _ in n.cleared)) for n in nodes]
+    assert sorted(seen[:2]) == [(("hub-a",), "t", topics("t", plain, gc.ENDED_LEAVES)),
+                                (("hub-b",), "other", topics("other", moved, gc.ENDED_LEAVES))]
+    assert sorted(seen[2:]) == [(("hub-a",), "t", topics("t", plain, gc.RETAINED_LEAVES)),
+                                (("hub-b",), "other", topics("other", moved, gc.RETAINED_LEAVES))]
+    assert all(n.closed for n in nodes)
