@@ -16,7 +16,6 @@ import json
 import sys
 import time
 
-from mam.orchestrator.control import clear_retained
 from mam.orchestrator.hints import command
 from mam.orchestrator.hub import DAY_S, Hub, Workspace, connect, open_hub
 from mam.shared import names
@@ -36,6 +35,9 @@ GC_AUDIT_EVENT = "retained_cleared"
 # What a terminal job must not have retained once ended (its final events and state stay until gc).
 ENDED_LEAVES = ("dispatch", "control")
 STARTED_LEAVES = ("dispatch",)
+# Clears in flight at once: paho sends 20 before the first PUBACK, and a batch of 100 is
+# acknowledged well inside the PUBACK timeout even over a slow tailnet link.
+CLEAR_BATCH = 100
 Due = list[tuple[JobRecord, tuple[str, ...]]]  # (a hub record, the retained leaves of its job to clear)
 
 
@@ -166,9 +168,18 @@ def _by_broker(hub: Hub, due: Due) -> dict[BrokerConfig, Due]:
 
 
 def _clear_leaves(client: MqttClient, due: Due) -> None:
-    for record, leaves in due:
-        for leaf in leaves:
-            clear_retained(client, names.job_topic(record["job_id"], leaf, client.config.topic_root))
+    """Clear the retained `leaves` of each job in `due` (§2): `CLEAR_BATCH` clears queued
+    before their PUBACKs are awaited, so a large registry costs a round trip per batch, not per topic.
+
+    Raises:
+        BrokerError: a clear was not queued or not acknowledged (PublishTimeout).
+    """
+    topics = [names.job_topic(record["job_id"], leaf, client.config.topic_root) for record, leaves in due
+              for leaf in leaves]
+    for start in range(0, len(topics), CLEAR_BATCH):
+        waiters = [client.publish_async(topic, b"", retain=True) for topic in topics[start:start + CLEAR_BATCH]]
+        for wait in waiters:
+            wait()
 
 
 def _clear_on_every_node(cfg: BrokerConfig, due: Due, workspace: Workspace) -> None:

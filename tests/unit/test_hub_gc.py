@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
+from harness.workspace import TEST_SECRET
 
 from mam.orchestrator import gc
-from harness.workspace import TEST_SECRET
 from mam.shared.config import BrokerConfig, write_env_file
 from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
 from mam.shared.mqtt import UNREACHABLE
@@ -31,12 +33,19 @@ class Node:
 
     def __init__(self, config: BrokerConfig, fails: bool) -> None:
         self.config, self.fails, self.cleared, self.closed = config, fails, [], False
+        self.queued, self.most_queued = 0, 0  # clears published whose PUBACK nobody awaited yet
         self.endpoint = f"{config.hosts[0]}:{config.port}"
 
-    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
-        if self.fails:
-            raise PublishTimeout(f"no PUBACK for {topic} from {self.endpoint} within 5 s")
-        self.cleared.append((topic, payload, retain))
+    def publish_async(self, topic: str, payload: bytes, retain: bool = False) -> Callable[[], None]:
+        self.queued += 1
+        self.most_queued = max(self.most_queued, self.queued)
+
+        def wait() -> None:
+            self.queued -= 1
+            if self.fails:
+                raise PublishTimeout(f"no PUBACK for {topic} from {self.endpoint} within 5 s")
+            self.cleared.append((topic, payload, retain))
+        return wait
 
     def close(self) -> None:
         self.closed = True
@@ -108,3 +117,12 @@ def test_s13_gc_and_reclear_clear_each_job_on_its_own_broker(monkeypatch, tmp_pa
     assert sorted(seen[2:]) == [(("hub-a",), "t", topics("t", plain, gc.RETAINED_LEAVES)),
                                 (("hub-b",), "other", topics("other", moved, gc.RETAINED_LEAVES))]
     assert all(n.closed for n in nodes)
+
+
+def test_s2_clears_are_queued_in_batches_before_their_pubacks_are_awaited():
+    """250 clears: every one published and acknowledged, at most CLEAR_BATCH awaited at a time."""
+    node = Node(BrokerConfig(hosts=("nats-1",), topic_root="t"), fails=False)
+    due = [({"job_id": f"{n:08x}"}, ("dispatch", "control")) for n in range(125)]
+    gc._clear_leaves(node, due)  # type: ignore[arg-type]
+    assert len(node.cleared) == 250 and node.queued == 0
+    assert node.most_queued == gc.CLEAR_BATCH
