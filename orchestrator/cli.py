@@ -403,7 +403,8 @@ def gc_cmd(
     as_json: bool = clikit.json_option(),
 ) -> int:
     """Clear the retained dispatch, events, state and control of jobs terminal
-    for longer than the retention period (PROTOCOL §2). Records stay on disk.
+    for longer than the retention period (PROTOCOL §2), each on the broker it was dispatched
+    through (its own broker settings, if it had any). Records stay on disk.
     With --reclear: clear again what a broker crash brought back (docs/deployment.md)."""
     clikit.setup_logging()
     if reclear_:

@@ -21,8 +21,8 @@ from mam.orchestrator.hub import DAY_S, Hub, Workspace, connect, open_hub
 from mam.shared import names
 from mam.shared.clikit import human_view
 from mam.shared.codes import TERMINAL_STATUSES, JobStatus
-from mam.shared.config import BrokerConfig, existing_root
-from mam.shared.errors import BrokerError, BrokerUnavailable, UsageError
+from mam.shared.config import BrokerConfig, apply_job_overrides, existing_root
+from mam.shared.errors import BrokerError, BrokerUnavailable, ConfigError, UsageError
 from mam.shared.mqtt import UNREACHABLE, MqttClient
 from mam.shared.records import JobRecord, utc_now
 from mam.shared.render import table
@@ -66,7 +66,7 @@ def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = No
         older_than_days: retention in days, >= 0 (0: every terminal job).
         dry_run: list what would be cleared, publish nothing.
     Returns:
-        0, or 1 when some record was corrupt (reported on stderr).
+        0, or 1 when some record was corrupt or had refused broker overrides (reported on stderr).
     Raises:
         UsageError (64), EnvFileError (1), BrokerError (3).
     """
@@ -88,8 +88,11 @@ def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = No
         if ended_s <= cutoff_s and not any(line.get("event") == GC_AUDIT_EVENT
                                            for line in registry.audit(record["job_id"])):
             due.append(record)
-    if due and not dry_run:
-        for cfg, group in _by_broker(hub, [(record, RETAINED_LEAVES) for record in due]).items():
+    groups, refused = _by_broker(hub, [(record, RETAINED_LEAVES) for record in due])
+    kept = {record["job_id"] for group in groups.values() for record, _ in group}
+    due = [record for record in due if record["job_id"] in kept]
+    if not dry_run:
+        for cfg, group in groups.items():
             client = connect(cfg, "gc")
             try:
                 for item in group:
@@ -107,7 +110,7 @@ def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = No
             print(json.dumps(row))
     for exc in errors:
         print(f"ERROR: {exc}", file=sys.stderr)
-    return 1 if errors else 0
+    return 1 if errors or refused else 0
 
 
 def reclear_leaves(record: JobRecord, collected: bool) -> tuple[str, ...]:
@@ -131,7 +134,7 @@ def reclear(workspace: Workspace = None) -> tuple[list[dict[str, object]], int]:
     Args:
         workspace: the hub workspace.
     Returns:
-        (one summary per job re-cleared, number of corrupt records reported on stderr).
+        (one summary per job re-cleared, number of records reported on stderr: corrupt, or refused overrides).
     Raises:
         EnvFileError (1), BrokerError (3): no host of the list took every clear.
     """
@@ -148,23 +151,39 @@ def reclear(workspace: Workspace = None) -> tuple[list[dict[str, object]], int]:
         leaves = reclear_leaves(record, collected)
         if leaves:
             due.append((record, leaves))
-    for cfg, group in _by_broker(hub, due).items():
+    groups, refused = _by_broker(hub, due)
+    for cfg, group in groups.items():
         _clear_on_every_node(cfg, group, workspace)
     return [{"job_id": record["job_id"], "status": record["status"], "recleared": list(leaves)}
-            for record, leaves in due], len(errors)
+            for group in groups.values() for record, leaves in group], len(errors) + refused
 
 
-def _by_broker(hub: Hub, due: Due) -> dict[BrokerConfig, Due]:
+def _by_broker(hub: Hub, due: Due) -> tuple[dict[BrokerConfig, Due], int]:
     """`due` grouped by the broker each job lives on: the workspace's, or the record's
     per-job overrides (§13: another host list, port or topic root), in registry order.
+    A record whose overrides are refused (edited by hand: a password, a bad host) is one
+    ERROR line on stderr naming its job, and is left out.
 
+    Returns:
+        (the groups, the number of records left out).
     Raises:
-        ConfigError, EnvFileError.
+        ConfigError, EnvFileError: the workspace's own settings are refused.
     """
+    if not due:
+        return {}, 0
+    base = hub.broker_config()
     groups: dict[BrokerConfig, Due] = {}
+    refused = 0
     for item in due:
-        groups.setdefault(hub.broker_config(item[0]), []).append(item)
-    return groups
+        overrides = item[0].get("broker")
+        try:
+            cfg = apply_job_overrides(base, overrides) if overrides else base
+        except ConfigError as exc:
+            print(f"ERROR: job {item[0]['job_id']} left alone: {exc}", file=sys.stderr)
+            refused += 1
+            continue
+        groups.setdefault(cfg, []).append(item)
+    return groups, refused
 
 
 def _clear_leaves(client: MqttClient, due: Due) -> None:
@@ -218,7 +237,7 @@ def reclear_cli(*, workspace: Workspace = None) -> int:
     """`mam-orch gc --reclear`: `reclear`, one JSON line per job re-cleared.
 
     Returns:
-        0, or 1 when some record was corrupt (reported on stderr).
+        0, or 1 when some record was corrupt or had refused broker overrides (reported on stderr).
     Raises:
         EnvFileError (1), BrokerError (3).
     """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import pytest
@@ -126,3 +127,32 @@ def test_s2_clears_are_queued_in_batches_before_their_pubacks_are_awaited():
     gc._clear_leaves(node, due)  # type: ignore[arg-type]
     assert len(node.cleared) == 250 and node.queued == 0
     assert node.most_queued == gc.CLEAR_BATCH
+
+
+@pytest.mark.parametrize("overrides", [{"password": "hunter2"}, {"host": "x" * 300}, {"port": "eighty"}],
+                         ids=["hostile-password", "oversized-host", "malformed-port"])
+def test_s13_a_record_with_refused_overrides_is_one_error_and_the_rest_is_cleared(monkeypatch, tmp_path, capsys,
+                                                                                  overrides):
+    """A record edited by hand so its broker block is refused: `gc` and `gc --reclear` name the
+    job on one ERROR line (never the password), exit 1, and still clear every other job."""
+    write_env_file(tmp_path / ".mam.env", {"MQTT_BROKER": "hub-a", "MQTT_PASSWORD": "pw", "MAM_TOPIC_ROOT": "t",
+                                           "MAM_DISPATCH_SECRET": TEST_SECRET})
+    registry = Registry(tmp_path)
+    good, edited = (registry.register(session="gpu-box")["job_id"] for _ in range(2))
+    for job_id in (good, edited):
+        registry.close(job_id, "cancelled")
+    path = registry.record_path(edited)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "broker": overrides}))
+    nodes: list[Node] = []
+
+    def connect(config: BrokerConfig, role: str) -> Node:
+        nodes.append(Node(config, fails=False))
+        return nodes[-1]
+
+    monkeypatch.setattr(gc, "connect", connect)
+    for run in (lambda: gc.reclear_cli(workspace=tmp_path), lambda: gc.gc_cli(older_than_days=0, workspace=tmp_path)):
+        assert run() == 1
+        out, err = capsys.readouterr()
+        assert err.count("\n") == 1 and err.startswith(f"ERROR: job {edited} left alone: ")
+        assert "hunter2" not in err + out and edited not in out and good in out
+    assert {topic.split("/")[2] for n in nodes for topic, _, _ in n.cleared} == {good}
