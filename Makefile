@@ -47,8 +47,9 @@ lint: $(STAMP)
 
 # Two pytest workers (pytest-xdist), each given whole files (`--dist loadfile`): the e2e
 # tests mostly wait on brokers, agents and deadlines, so this halves the wall time on 2 cores.
-# Tests share nothing across files: free ports, random namespace tags, tmp_path stores; the
-# docker scenarios (one file, one session engine) stay on one worker.
+# The workers share no port (tests/harness/brokers.py free_port splits them), namespace
+# (random tags) or store (tmp_path); the docker scenarios (one file, one engine) stay on one
+# worker. TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
 test: $(STAMP) system-deps lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 tests

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import socket
@@ -27,20 +28,32 @@ TEST_TOPIC_ROOT = "python/mqtt"
 
 
 _HANDED_OUT: set[int] = set()
+# Ports for test listeners: below the kernel's ephemeral range (32768-60999 by default), so no
+# outgoing connection is given one while a broker is down before a restart on the same ports.
+# pytest-xdist workers (make test) are separate processes: each draws from its own slice.
+_PORT_RANGE = range(20000, 32768)
+_WORKER_INDEX = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_WORKER_COUNT = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on `host` (the kernel picks it), never one this
-    process handed out before: the kernel offers a just-released port again, and two
-    listeners of one broker must not get the same one."""
+    """A TCP port that is free right now on `host`, from this worker's slice of `_PORT_RANGE`,
+    never one this process handed out before (two listeners of one broker must not get the
+    same one, and a stopped broker keeps its ports for its restart)."""
+    span = len(_PORT_RANGE) // _WORKER_COUNT
+    first = _PORT_RANGE.start + (_WORKER_INDEX % _WORKER_COUNT) * span
     for _ in range(1000):
+        port = first + secrets.randbelow(span)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
-    raise RuntimeError("no fresh free port after 1000 tries")
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue  # in use, or in TIME_WAIT
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {first}..{first + span - 1} after 1000 tries")
 
 
 def port_accepts(port: int, host: str = "127.0.0.1") -> bool:

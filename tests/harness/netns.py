@@ -351,10 +351,8 @@ def _teardown(ip: str, tag: str, namespaces: list[str]) -> None:
             (OWNER_DIR / f"{tag}.owner").unlink()
         except FileNotFoundError:
             pass
-    try:
-        NETNS_ETC.rmdir()  # only if empty: we may have created it
-    except OSError:
-        pass
+    # /etc/netns itself stays (empty, `ip netns` uses it too): removing it could race another
+    # run's mkdir of its own folder there (make test runs two pytest workers).
 
 
 @pytest.fixture
