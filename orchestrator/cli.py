@@ -169,11 +169,13 @@ def broker_up_cmd(
         typer.echo(f"WARNING: {info['warning']}", err=True)
     if info.get("unclean_stop"):  # nats-server may have brought cleared retained messages back (fault 7)
         try:
-            done, _ = reclear(workspace)
+            done, _, failed = reclear(workspace, local_only=True)
             info["recleared_jobs"] = len(done)
-        except MamError as exc:  # the broker runs: say what is left to do, exit 0
-            info["reclear_error"] = str(exc)
-            typer.echo(f"WARNING: re-clearing retained topics failed ({exc}); "
+        except MamError as exc:
+            failed = [str(exc)]
+        if failed:  # the broker runs: say what is left to do, exit 0
+            info["reclear_error"] = "; ".join(failed)
+            typer.echo(f"WARNING: re-clearing retained topics failed ({info['reclear_error']}); "
                        f"run `{command('gc --reclear', workspace)}`", err=True)
     _print_json(info, as_json)
     return 0

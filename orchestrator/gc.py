@@ -35,9 +35,9 @@ GC_AUDIT_EVENT = "retained_cleared"
 # What a terminal job must not have retained once ended (its final events and state stay until gc).
 ENDED_LEAVES = ("dispatch", "control")
 STARTED_LEAVES = ("dispatch",)
-# Clears in flight at once: paho sends 20 before the first PUBACK, and a batch of 100 is
-# acknowledged well inside the PUBACK timeout even over a slow tailnet link.
-CLEAR_BATCH = 100
+# Clears queued before their PUBACKs are awaited: paho's in-flight window (20, its default),
+# so each clear is on the wire when its PUBACK timeout starts, as with one at a time.
+CLEAR_BATCH = 20
 Due = list[tuple[JobRecord, tuple[str, ...]]]  # (a hub record, the retained leaves of its job to clear)
 
 
@@ -68,7 +68,8 @@ def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = No
     Returns:
         0, or 1 when some record was corrupt or had refused broker overrides (reported on stderr).
     Raises:
-        UsageError (64), EnvFileError (1), BrokerError (3).
+        UsageError (64), EnvFileError (1), BrokerError (3): a broker took no clear (the jobs of
+        the other brokers are cleared and printed first).
     """
     if not 0 <= older_than_days <= MAX_RETENTION_DAYS:
         raise UsageError(f"--older-than-days {older_than_days:g} is invalid: expected 0..{MAX_RETENTION_DAYS}")
@@ -88,29 +89,37 @@ def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = No
         if ended_s <= cutoff_s and not any(line.get("event") == GC_AUDIT_EVENT
                                            for line in registry.audit(record["job_id"])):
             due.append(record)
-    groups, refused = _by_broker(hub, [(record, RETAINED_LEAVES) for record in due])
-    kept = {record["job_id"] for group in groups.values() for record, _ in group}
-    due = [record for record in due if record["job_id"] in kept]
+    groups, kept = _by_broker(hub, [(record, RETAINED_LEAVES) for record in due], dry_run=dry_run)
+    cleared = {record["job_id"] for record, _ in kept} if dry_run else set()
+    failed: list[str] = []
     if not dry_run:
-        for cfg, group in groups.items():
-            client = connect(cfg, "gc")
+        for cfg, group in groups:
             try:
-                for item in group:
-                    _clear_leaves(client, [item])
-                    registry.append_audit(item[0]["job_id"], {"event": GC_AUDIT_EVENT, "timestamp": utc_now(),
-                                                              "topics": list(RETAINED_LEAVES)})
-            finally:
-                client.close()
+                client = connect(cfg, "gc")
+                try:
+                    for record, leaves in group:
+                        _clear_leaves(client, [(record, leaves)])
+                        registry.append_audit(record["job_id"], {"event": GC_AUDIT_EVENT, "timestamp": utc_now(),
+                                                                 "topics": list(leaves)})
+                        cleared.add(record["job_id"])
+                finally:
+                    client.close()
+            except BrokerError as exc:  # the next broker's jobs are still cleared
+                failed.append(str(exc))
     rows = [{"job_id": record["job_id"], "status": record["status"], "updated_at": record["updated_at"],
-             "cleared": not dry_run} for record in due]
+             "cleared": not dry_run} for record, _ in kept if record["job_id"] in cleared]
     if human_view(as_json):
-        print(_gc_text(rows, dry_run, older_than_days, len(records)), end="")
+        if rows or not failed:
+            print(_gc_text(rows, dry_run, older_than_days, len(records)), end="")
     else:
         for row in rows:
             print(json.dumps(row))
-    for exc in errors:
-        print(f"ERROR: {exc}", file=sys.stderr)
-    return 1 if errors or refused else 0
+    for corrupt in errors:
+        print(f"ERROR: {corrupt}", file=sys.stderr)
+    if failed:
+        raise BrokerError(f"clearing failed: {'; '.join(failed)}; run `{command('gc', workspace)}` again once "
+                          "the broker is back")
+    return 1 if errors or len(kept) < len(due) else 0
 
 
 def reclear_leaves(record: JobRecord, collected: bool) -> tuple[str, ...]:
@@ -126,17 +135,21 @@ def reclear_leaves(record: JobRecord, collected: bool) -> tuple[str, ...]:
     return ()
 
 
-def reclear(workspace: Workspace = None) -> tuple[list[dict[str, object]], int]:
+def reclear(workspace: Workspace = None, *, local_only: bool = False) -> tuple[list[dict[str, object]], int, list[str]]:
     """Clear again the retained topics that must stay cleared, for every hub job (fault 7),
     through each host of the fail-over list of its broker in turn (`_clear_on_every_node`; the
-    record's per-job overrides, §13, else the workspace's).
+    record's per-job overrides, §13, else the workspace's). A broker that takes no clear
+    does not stop the others.
 
     Args:
         workspace: the hub workspace.
+        local_only: only the jobs on the workspace's own hosts and port (`broker up` after an
+            unclean stop: the broker that crashed), not those dispatched to another broker.
     Returns:
-        (one summary per job re-cleared, number of records reported on stderr: corrupt, or refused overrides).
+        (one summary per job re-cleared, number of records reported on stderr: corrupt, or
+        refused overrides, one failure per broker that took no clear: its hosts and why).
     Raises:
-        EnvFileError (1), BrokerError (3): no host of the list took every clear.
+        EnvFileError (1), ConfigError: the workspace's own settings.
     """
     hub = open_hub(workspace)
     records, errors = hub.registry.list()
@@ -151,39 +164,49 @@ def reclear(workspace: Workspace = None) -> tuple[list[dict[str, object]], int]:
         leaves = reclear_leaves(record, collected)
         if leaves:
             due.append((record, leaves))
-    groups, refused = _by_broker(hub, due)
-    for cfg, group in groups.items():
-        _clear_on_every_node(cfg, group, workspace)
-    return [{"job_id": record["job_id"], "status": record["status"], "recleared": list(leaves)}
-            for group in groups.values() for record, leaves in group], len(errors) + refused
+    groups, kept = _by_broker(hub, due)
+    if local_only and groups:
+        home = hub.broker_config()
+        groups = [(cfg, group) for cfg, group in groups if (cfg.hosts, cfg.port) == (home.hosts, home.port)]
+    done: set[str] = set()
+    failed: list[str] = []
+    for cfg, group in groups:
+        try:
+            _clear_on_every_node(cfg, group, workspace)
+            done.update(record["job_id"] for record, _ in group)
+        except BrokerError as exc:
+            failed.append(str(exc))
+    return ([{"job_id": record["job_id"], "status": record["status"], "recleared": list(leaves)}
+             for record, leaves in kept if record["job_id"] in done], len(errors) + len(due) - len(kept), failed)
 
 
-def _by_broker(hub: Hub, due: Due) -> tuple[dict[BrokerConfig, Due], int]:
-    """`due` grouped by the broker each job lives on: the workspace's, or the record's
-    per-job overrides (§13: another host list, port or topic root), in registry order.
-    A record whose overrides are refused (edited by hand: a password, a bad host) is one
-    ERROR line on stderr naming its job, and is left out.
+def _by_broker(hub: Hub, due: Due, *, dry_run: bool = False) -> tuple[list[tuple[BrokerConfig, Due]], Due]:
+    """`due` grouped by the broker each job lives on: the workspace's (first), or the record's
+    per-job overrides (§13: another host list, port or topic root; the others in registry
+    order). A record whose overrides are refused (edited by hand: a password, a bad host) is
+    one ERROR line on stderr naming its job, and is left out. A dry run only checks the
+    overrides (the workspace's settings are not read).
 
     Returns:
-        (the groups, the number of records left out).
+        (the groups, the items kept, in registry order).
     Raises:
         ConfigError, EnvFileError: the workspace's own settings are refused.
     """
     if not due:
-        return {}, 0
-    base = hub.broker_config()
-    groups: dict[BrokerConfig, Due] = {}
-    refused = 0
-    for item in due:
-        overrides = item[0].get("broker")
+        return [], []
+    home = BrokerConfig() if dry_run else hub.broker_config()  # read once, not once per record
+    groups: dict[BrokerConfig, Due] = {home: []}
+    kept: Due = []
+    for record, leaves in due:
+        overrides = record.get("broker")
         try:
-            cfg = apply_job_overrides(base, overrides) if overrides else base
+            cfg = apply_job_overrides(home, overrides) if overrides else home
         except ConfigError as exc:
-            print(f"ERROR: job {item[0]['job_id']} left alone: {exc}", file=sys.stderr)
-            refused += 1
+            print(f"ERROR: job {record['job_id']} left alone: {exc}", file=sys.stderr)
             continue
-        groups.setdefault(cfg, []).append(item)
-    return groups, refused
+        groups.setdefault(cfg, []).append((record, leaves))
+        kept.append((record, leaves))
+    return [(cfg, group) for cfg, group in groups.items() if group], kept
 
 
 def _clear_leaves(client: MqttClient, due: Due) -> None:
@@ -239,9 +262,11 @@ def reclear_cli(*, workspace: Workspace = None) -> int:
     Returns:
         0, or 1 when some record was corrupt or had refused broker overrides (reported on stderr).
     Raises:
-        EnvFileError (1), BrokerError (3).
+        EnvFileError (1), BrokerError (3): a broker took no clear (the others' jobs are printed first).
     """
-    done, errors = reclear(workspace)
+    done, errors, failed = reclear(workspace)
     for line in done:
         print(json.dumps(line, sort_keys=True))
+    if failed:
+        raise BrokerError("; ".join(failed))
     return 1 if errors else 0

@@ -288,15 +288,20 @@ def _parse_int(name: str, value: str, low: int, high: int) -> int:
     return number
 
 
-def _parse_hosts(value: str) -> tuple[str, ...]:
+def _parse_hosts(value: str, name: str = "MQTT_BROKER") -> tuple[str, ...]:
+    """`value` split at commas into 1..MAX_HOSTS host names (§13 fail-over list).
+
+    Raises:
+        ConfigError: naming `name` (the variable or the override key); values shown escaped, cut at 40.
+    """
     hosts = tuple(part.strip() for part in value.split(",") if part.strip())
     if not hosts:
-        raise ConfigError(f"MQTT_BROKER={value!r} is invalid: no host given")
+        raise ConfigError(f"{name}={value[:40]!r} is invalid: no host given")
     if len(hosts) > MAX_HOSTS:
-        raise ConfigError(f"MQTT_BROKER lists {len(hosts)} hosts; at most {MAX_HOSTS}")
+        raise ConfigError(f"{name} lists {len(hosts)} hosts; at most {MAX_HOSTS}")
     for host in hosts:
         if any(c.isspace() for c in host) or "/" in host or len(host) > MAX_HOST_CHARS:
-            raise ConfigError(f"MQTT_BROKER host {host!r} is invalid: expected a host name or address")
+            raise ConfigError(f"{name} host {host[:40]!r} is invalid: expected a host name or address")
     return hosts
 
 
@@ -380,8 +385,11 @@ def apply_job_overrides(cfg: BrokerConfig, job_broker: Mapping[str, Any]) -> Bro
     passwords never enter a job record.
 
     Raises:
-        ConfigError: unknown key, a password, or a bad value.
+        ConfigError: not an object, an unknown key, a password, a bad value, or a
+            certificate file (ca_certs, certfile, keyfile) that does not exist.
     """
+    if not isinstance(job_broker, Mapping):
+        raise ConfigError("job broker overrides must be a JSON object")
     changes: dict[str, Any] = {}
     for key, value in job_broker.items():
         if key == "password" or "pass" in key.lower():
@@ -390,7 +398,11 @@ def apply_job_overrides(cfg: BrokerConfig, job_broker: Mapping[str, Any]) -> Bro
         if field_name is None:
             raise ConfigError(f"job broker override {key!r} is unknown; allowed: {', '.join(sorted(_JOB_OVERRIDES))}")
         if field_name == "hosts":
-            value = _parse_hosts(",".join(value) if isinstance(value, (list, tuple)) else str(value))
+            if isinstance(value, (list, tuple)) and all(isinstance(host, str) for host in value):
+                value = ",".join(value)
+            elif not isinstance(value, str):
+                raise ConfigError(f"job broker override {key!r} must be a host name or a list of them")
+            value = _parse_hosts(value, f"job broker override {key!r}")
         elif field_name == "port":
             value = _parse_int(key, str(value), MIN_PORT, MAX_PORT)
         elif field_name == "keepalive_s":
@@ -408,6 +420,8 @@ def apply_job_overrides(cfg: BrokerConfig, job_broker: Mapping[str, Any]) -> Bro
                 raise ConfigError(str(exc)) from None
         elif field_name == "client_id_prefix":
             value = _check_client_id_prefix(value)
+        elif field_name in ("ca_certs", "certfile", "keyfile"):
+            value = _check_file(f"job broker override {key!r}", value)
         changes[field_name] = value
     return cfg.with_overrides(**changes)
 

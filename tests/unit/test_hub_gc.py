@@ -87,37 +87,85 @@ def test_fault7_reclear_through_no_host_is_a_broker_error(monkeypatch):
         gc._clear_on_every_node(BrokerConfig(hosts=("a", "b")), [({"job_id": "a1b2c3d4"}, ("dispatch",))], None)  # type: ignore[list-item]
 
 
-def test_s13_gc_and_reclear_clear_each_job_on_its_own_broker(monkeypatch, tmp_path, capsys):
-    """§13 per-job overrides: a job dispatched to another host and topic root has its retained
-    topics there, so `gc` and `gc --reclear` clear them there (one connection per broker), and
-    the other jobs through the workspace's broker."""
+@pytest.fixture
+def registry(tmp_path) -> Registry:
+    """A hub workspace whose `.mam.env` names broker `hub-a` and topic root `t`."""
     write_env_file(tmp_path / ".mam.env", {"MQTT_BROKER": "hub-a", "MQTT_PASSWORD": "pw", "MAM_TOPIC_ROOT": "t",
                                            "MAM_DISPATCH_SECRET": TEST_SECRET})
-    registry = Registry(tmp_path)
-    plain = registry.register(session="gpu-box")["job_id"]
-    moved = registry.register(session="gpu-box", broker={"host": "hub-b", "topic_root": "other"})["job_id"]
-    for job_id in (plain, moved):
-        registry.close(job_id, "cancelled")
-    nodes: list[Node] = []
+    return Registry(tmp_path)
+
+
+@pytest.fixture
+def nodes(monkeypatch) -> list[Node]:
+    """Every connection `gc` opens, in order (stand-ins; host `down` refuses the connection)."""
+    opened: list[Node] = []
 
     def connect(config: BrokerConfig, role: str) -> Node:
-        nodes.append(Node(config, fails=False))
-        return nodes[-1]
+        if "down" in config.hosts:
+            raise BrokerUnavailable(f"{UNREACHABLE}down:1883 (connection refused)")
+        opened.append(Node(config, fails=False))
+        return opened[-1]
 
     monkeypatch.setattr(gc, "connect", connect)
-    assert gc.reclear_cli(workspace=tmp_path) == 0
-    assert gc.gc_cli(older_than_days=0, workspace=tmp_path, as_json=True) == 0
+    return opened
+
+
+def ended_jobs(registry: Registry, *brokers: dict | None) -> list[str]:
+    """One cancelled hub job per entry of `brokers` (its per-job overrides, or None)."""
+    ids = [registry.register(session="gpu-box", broker=broker)["job_id"] for broker in brokers]
+    for job_id in ids:
+        registry.close(job_id, "cancelled")
+    return ids
+
+
+def topics(root: str, job_id: str, leaves: tuple[str, ...]) -> list[str]:
+    return sorted(f"{root}/jobs/{job_id}/{leaf}" for leaf in leaves)
+
+
+def test_s13_gc_and_reclear_clear_each_job_on_its_own_broker(registry, nodes, capsys):
+    """§13 per-job overrides: a job dispatched to another host and topic root has its retained
+    topics there, so `gc` and `gc --reclear` clear them there (one connection per broker, the
+    workspace's first), and the other jobs through the workspace's broker."""
+    plain, moved = ended_jobs(registry, None, {"host": "hub-b", "topic_root": "other"})
+    assert gc.reclear_cli(workspace=registry.root) == 0
+    assert gc.gc_cli(older_than_days=0, workspace=registry.root, as_json=True) == 0
     capsys.readouterr()
-
-    def topics(root: str, job_id: str, leaves: tuple[str, ...]) -> list[str]:
-        return sorted(f"{root}/jobs/{job_id}/{leaf}" for leaf in leaves)
-
     seen = [(n.config.hosts, n.config.topic_root, sorted(topic for topic, _, _ in n.cleared)) for n in nodes]
-    assert sorted(seen[:2]) == [(("hub-a",), "t", topics("t", plain, gc.ENDED_LEAVES)),
-                                (("hub-b",), "other", topics("other", moved, gc.ENDED_LEAVES))]
-    assert sorted(seen[2:]) == [(("hub-a",), "t", topics("t", plain, gc.RETAINED_LEAVES)),
-                                (("hub-b",), "other", topics("other", moved, gc.RETAINED_LEAVES))]
+    assert seen == [(("hub-a",), "t", topics("t", plain, gc.ENDED_LEAVES)),
+                    (("hub-b",), "other", topics("other", moved, gc.ENDED_LEAVES)),
+                    (("hub-a",), "t", topics("t", plain, gc.RETAINED_LEAVES)),
+                    (("hub-b",), "other", topics("other", moved, gc.RETAINED_LEAVES))]
     assert all(n.closed for n in nodes)
+
+
+def test_s13_a_broker_that_is_down_does_not_stop_the_others(registry, nodes, capsys):
+    """The job of an unreachable broker is left (exit 3 naming it, with the command to run again);
+    the jobs before and after it, on other brokers, are cleared and printed; `gc` clears it
+    once it is back."""
+    first, lost, last = ended_jobs(registry, None, {"host": "down"}, {"host": "hub-c"})
+    with pytest.raises(BrokerError, match=r"down:1883 \(connection refused\)"):
+        gc.reclear_cli(workspace=registry.root)
+    printed = [json.loads(line)["job_id"] for line in capsys.readouterr().out.splitlines()]
+    assert sorted(printed) == sorted([first, last])
+    with pytest.raises(BrokerError, match=f"down:1883.*mam-orch gc --workspace {registry.root}"):
+        gc.gc_cli(older_than_days=0, workspace=registry.root, as_json=True)
+    assert sorted(json.loads(line)["job_id"] for line in capsys.readouterr().out.splitlines()) == sorted([first, last])
+    cleared = {topic.split("/")[2] for n in nodes for topic, _, _ in n.cleared}
+    assert cleared == {first, last}
+    path = registry.record_path(lost)  # back on a broker that answers: the next gc clears it, the others stay done
+    path.write_text(json.dumps({**json.loads(path.read_text()), "broker": {"host": "hub-b"}}))
+    assert gc.gc_cli(older_than_days=0, workspace=registry.root, as_json=True) == 0
+    assert [json.loads(line)["job_id"] for line in capsys.readouterr().out.splitlines()] == [lost]
+
+
+def test_fault7_broker_up_re_clears_only_the_jobs_of_its_own_broker(registry, nodes):
+    """`broker up` after an unclean stop (local_only): the jobs on the workspace's hosts and port,
+    whatever their topic root, not those dispatched to another broker (maybe unreachable)."""
+    plain, other_root, elsewhere = ended_jobs(registry, None, {"topic_root": "other"}, {"host": "down"})
+    done, errors, failed = gc.reclear(registry.root, local_only=True)
+    assert sorted(line["job_id"] for line in done) == sorted([plain, other_root])
+    assert errors == 0 and failed == []
+    assert [n.config.hosts for n in nodes] == [("hub-a",), ("hub-a",)]
 
 
 def test_s2_clears_are_queued_in_batches_before_their_pubacks_are_awaited():
@@ -129,30 +177,25 @@ def test_s2_clears_are_queued_in_batches_before_their_pubacks_are_awaited():
     assert node.most_queued == gc.CLEAR_BATCH
 
 
-@pytest.mark.parametrize("overrides", [{"password": "hunter2"}, {"host": "x" * 300}, {"port": "eighty"}],
-                         ids=["hostile-password", "oversized-host", "malformed-port"])
-def test_s13_a_record_with_refused_overrides_is_one_error_and_the_rest_is_cleared(monkeypatch, tmp_path, capsys,
-                                                                                  overrides):
-    """A record edited by hand so its broker block is refused: `gc` and `gc --reclear` name the
-    job on one ERROR line (never the password), exit 1, and still clear every other job."""
-    write_env_file(tmp_path / ".mam.env", {"MQTT_BROKER": "hub-a", "MQTT_PASSWORD": "pw", "MAM_TOPIC_ROOT": "t",
-                                           "MAM_DISPATCH_SECRET": TEST_SECRET})
-    registry = Registry(tmp_path)
-    good, edited = (registry.register(session="gpu-box")["job_id"] for _ in range(2))
-    for job_id in (good, edited):
-        registry.close(job_id, "cancelled")
+@pytest.mark.parametrize("overrides", [{"password": "hunter2"}, {"host": "x" * 300}, {"port": "eighty"},
+                                       "hub-b", ["hub-b"], {"hosts": [1, None]}, {"ca_certs": "/nonexistent/ca.pem"}],
+                         ids=["hostile-password", "oversized-host", "malformed-port", "a-string", "a-list",
+                              "hosts-not-names", "missing-ca-file"])
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+def test_s13_a_record_with_refused_overrides_is_one_error_and_the_rest_is_cleared(registry, nodes, capsys,
+                                                                                  overrides, dry_run):
+    """A record edited by hand so its broker block is refused: `gc` (also `--dry-run`) and
+    `gc --reclear` name the job on one ERROR line (never the password, a long value cut short),
+    exit 1, and still clear every other job."""
+    good, edited = ended_jobs(registry, None, None)
     path = registry.record_path(edited)
     path.write_text(json.dumps({**json.loads(path.read_text()), "broker": overrides}))
-    nodes: list[Node] = []
-
-    def connect(config: BrokerConfig, role: str) -> Node:
-        nodes.append(Node(config, fails=False))
-        return nodes[-1]
-
-    monkeypatch.setattr(gc, "connect", connect)
-    for run in (lambda: gc.reclear_cli(workspace=tmp_path), lambda: gc.gc_cli(older_than_days=0, workspace=tmp_path)):
+    runs = [lambda: gc.gc_cli(older_than_days=0, workspace=registry.root, dry_run=dry_run)]
+    if not dry_run:
+        runs.insert(0, lambda: gc.reclear_cli(workspace=registry.root))
+    for run in runs:
         assert run() == 1
         out, err = capsys.readouterr()
-        assert err.count("\n") == 1 and err.startswith(f"ERROR: job {edited} left alone: ")
+        assert err.count("\n") == 1 and err.startswith(f"ERROR: job {edited} left alone: ") and len(err) < 200
         assert "hunter2" not in err + out and edited not in out and good in out
-    assert {topic.split("/")[2] for n in nodes for topic, _, _ in n.cleared} == {good}
+    assert {topic.split("/")[2] for n in nodes for topic, _, _ in n.cleared} == (set() if dry_run else {good})

@@ -117,6 +117,9 @@ def test_s8_meta_and_status_json_carry_no_secrets(reg):
     ({"session": "gpu-box", "broker": {"topic_root": "a/#"}}, "topic root"),
     ({"session": "gpu-box", "broker": {"username": "a\nb"}}, "one-line"),
     ({"session": "gpu-box", "broker": ["x"]}, "JSON object"),
+    ({"session": "gpu-box", "broker": {"hosts": ["a", 1]}}, "a host name or a list of them"),
+    ({"session": "gpu-box", "broker": {"host": "a" * 5000}}, "'host' host '" + "a" * 40 + "' is invalid"),
+    ({"session": "gpu-box", "broker": {"ca_certs": "/nonexistent/ca.pem"}}, "'/nonexistent/ca.pem': no such file"),
     ({"session": "gpu-box", "source": "publisher"}, "may not register"),
 ])
 def test_s8_register_refuses_bad_input_before_writing(reg, tmp_path, kwargs, why):
