@@ -146,8 +146,8 @@ def reclear(workspace: Workspace = None, *, local_only: bool = False) -> tuple[l
         local_only: only the jobs on the workspace's own hosts and port (`broker up` after an
             unclean stop: the broker that crashed), not those dispatched to another broker.
     Returns:
-        (one summary per job re-cleared, number of records reported on stderr: corrupt, or
-        refused overrides, one failure per broker that took no clear: its hosts and why).
+        (one summary per job re-cleared; the number of records reported on stderr, corrupt
+        or with refused overrides; one message per broker that took no clear, naming its hosts).
     Raises:
         EnvFileError (1), ConfigError: the workspace's own settings.
     """
