@@ -39,8 +39,8 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from mam import Hub
 from mam.orchestrator.hublock import service_pid
-from mam.shared import names
-from mam.shared.registry import Registry
+from mam.shared.protocol import names
+from mam.shared.store.registry import Registry
 
 AGENT = Path(__file__).resolve().parents[1] / "examples" / "agents" / "exit-agent"
 LABEL = "bench"

@@ -31,8 +31,8 @@ from harness.waiting import wait_until
 from harness.workspace import clean_env
 
 from mam.orchestrator.hublock import service_pid
-from mam.shared import wire
-from mam.shared.registry import Registry
+from mam.shared.protocol import wire
+from mam.shared.store.registry import Registry
 
 JOBS = int(os.environ.get("MAM_BENCH_SERVE_JOBS", "1000"))
 SIM_PROCESSES = 4

@@ -41,8 +41,11 @@ from mam.orchestrator.dispatch import build_dispatch, publish_dispatch  # noqa: 
 from mam.runner import job, orphans, outbox, publish, service  # noqa: E402
 from mam.runner.service import Runner  # noqa: E402
 from mam.runner.settings import options_from_cli  # noqa: E402
-from mam.shared import config, crypto, fsio, mqtt, registry  # noqa: E402
-from mam.shared.registry import Contract, Registry  # noqa: E402
+from mam.shared import config  # noqa: E402
+from mam.shared.protocol import crypto  # noqa: E402
+from mam.shared.store import fsio, registry  # noqa: E402
+from mam.shared.store.registry import Contract, Registry  # noqa: E402
+from mam.shared.transport import mqtt  # noqa: E402
 
 DEFAULT_JOBS = 40
 STARTED_WAIT_S = 30.0

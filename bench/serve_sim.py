@@ -17,8 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mam.shared import config, crypto, mqtt, names, wire
-from mam.shared.registry import Registry
+from mam.shared import config
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.store.registry import Registry
+from mam.shared.transport import mqtt
 
 DRAIN_S = 2.0  # after the last publish, time for the PUBACKs before closing
 

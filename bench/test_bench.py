@@ -15,7 +15,7 @@ import pytest
 from harness.brokers import NatsBroker
 from harness.jobkit import MAM_RUNNER, JobPair
 
-from mam.shared import crypto, wire
+from mam.shared.protocol import crypto, wire
 
 
 @pytest.fixture

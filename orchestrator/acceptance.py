@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-from mam.shared import crypto, wire
-from mam.shared.codes import EVENT_NAMES, TERMINAL_STATUSES
-from mam.shared.errors import DecodeError, SignatureError, UsageError
-from mam.shared.records import WORKER_SOURCES, JobRecord, Refusal, StaleTransition, require_source
-from mam.shared.registry import Registry
+from mam.shared.protocol import crypto, wire
+from mam.shared.protocol.codes import EVENT_NAMES, TERMINAL_STATUSES
+from mam.shared.protocol.errors import DecodeError, SignatureError, UsageError
+from mam.shared.store.records import WORKER_SOURCES, JobRecord, Refusal, StaleTransition, require_source
+from mam.shared.store.registry import Registry
 
 IGNORED = "zero_length"  # §3.2 rule 1: ignored silently, never logged
 UNEXPECTED_JOB = "unexpected_job"

@@ -31,10 +31,10 @@ from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.runners import receive_presence
 from mam.orchestrator.service import HubService
-from mam.shared import names
-from mam.shared.codes import DEFAULT_RETRY_ON, TERMINAL_STATUSES
-from mam.shared.errors import TransitionRefused, UsageError
-from mam.shared.records import DEFAULT_QUEUE_TIMEOUT_SEC, JobRecord, QueueTerms, redact
+from mam.shared.protocol import names
+from mam.shared.protocol.codes import DEFAULT_RETRY_ON, TERMINAL_STATUSES
+from mam.shared.protocol.errors import TransitionRefused, UsageError
+from mam.shared.store.records import DEFAULT_QUEUE_TIMEOUT_SEC, JobRecord, QueueTerms, redact
 
 SERVICE_START_S = 30.0  # how long an embedded service may take to lock, connect and subscribe
 

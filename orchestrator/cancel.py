@@ -9,11 +9,11 @@ import sys
 from mam.orchestrator.control import cancel_owed, clear_dispatch, publish_cancel
 from mam.orchestrator.hints import command
 from mam.orchestrator.hub import Workspace, open_hub
-from mam.shared import names
-from mam.shared.clikit import human_view
-from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
-from mam.shared.errors import BrokerError, TransitionRefused
-from mam.shared.records import JobRecord, moved
+from mam.shared.cli import human_view
+from mam.shared.protocol import names
+from mam.shared.protocol.codes import TERMINAL_STATUSES, CloseReason, JobStatus
+from mam.shared.protocol.errors import BrokerError, TransitionRefused
+from mam.shared.store.records import JobRecord, moved
 
 
 def _print_result(record: JobRecord, changed: bool, as_json: bool = False) -> None:

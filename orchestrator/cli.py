@@ -1,5 +1,5 @@
 """`mam-orch`: the hub's command line. Each command parses, calls one
-function, and lets `clikit.run` map errors to the exit codes of PROTOCOL §9."""
+function, and lets `cli.run` map errors to the exit codes of PROTOCOL §9."""
 
 from __future__ import annotations
 
@@ -9,22 +9,23 @@ from typing import Any
 
 import typer
 
-from mam.orchestrator import brokercheck
+from mam.orchestrator.broker import embedded as broker
+from mam.orchestrator.broker import probe
 from mam.orchestrator.cancel import cancel
 from mam.orchestrator.dispatch import dispatch_cli
 from mam.orchestrator.follow import watch_cli
 from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
 from mam.orchestrator.hints import command
+from mam.orchestrator.identity.cli import runner_app
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.logs import logs_cli
 from mam.orchestrator.redispatch import redispatch_cli
-from mam.orchestrator.roster_cli import runner_app
 from mam.orchestrator.runners import OFFLINE_HIDDEN_DAYS, prune_cli, runners_cli
 from mam.orchestrator.service import serve_cli
 from mam.orchestrator.thin import service_runs, thin_dispatch_cli
-from mam.shared import broker, clikit
+from mam.shared import cli
 from mam.shared.config import describe
-from mam.shared.errors import BrokerUnavailable, ExitCode, MamError
+from mam.shared.protocol.errors import BrokerUnavailable, ExitCode, MamError
 
 # `--help` lists the commands in the order a new operator uses them, one example each
 WORKFLOW = ("init", "config", "broker", "serve", "runner", "runners", "dispatch", "watch", "logs", "jobs", "show",
@@ -48,7 +49,7 @@ EXAMPLES = {
 BROKER_EXAMPLES = {"up": "mam-orch broker up --listen 0.0.0.0", "down": "mam-orch broker down",
                    "status": "mam-orch broker status"}
 
-app = clikit.new_app(
+app = cli.new_app(
     "mam-orch",
     "The hub of mam-fleet: dispatch jobs to runners over MQTT, watch them, "
     "cancel and redispatch them, run an embedded broker.",
@@ -57,13 +58,13 @@ app = clikit.new_app(
 
 
 @app.callback()
-def _root(version: bool = clikit.version_option("mam-orch")) -> None:
+def _root(version: bool = cli.version_option("mam-orch")) -> None:
     """The hub of mam-fleet: dispatch jobs to runners over MQTT and watch them."""
 
 
 @app.command("config")
 def config_cmd(
-    workspace: str = clikit.workspace_option(),
+    workspace: str = cli.workspace_option(),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (default on a pipe)."),
     check: bool = typer.Option(False, "--check", help="Also connect to the broker and say what answered "
                                                       "(reachable, auth ok, MQTT version, JetStream); exit 3 "
@@ -75,10 +76,10 @@ def config_cmd(
     """
     info = describe(workspace)
     if check:
-        clikit.setup_logging(False if as_json else None)
-        found = brokercheck.check(workspace)
-        if clikit.human_view(as_json):
-            typer.echo("\n".join(brokercheck.check_lines(found)))
+        cli.setup_logging(False if as_json else None)
+        found = probe.check(workspace)
+        if cli.human_view(as_json):
+            typer.echo("\n".join(probe.check_lines(found)))
         else:
             typer.echo(json.dumps({**info, "check": found}, sort_keys=True))
         return 0 if found["healthy"] else ExitCode.BROKER
@@ -98,7 +99,7 @@ def config_cmd(
 
 @app.command("init")
 def init_cmd(
-    workspace: str = clikit.workspace_option(),
+    workspace: str = cli.workspace_option(),
     broker_config: str = typer.Option(None, "--broker-config", metavar="PATH",
                                       help="Also write a filled nats.conf here, plus nats.env "
                                            "(broker passwords, mode 0600) next to it."),
@@ -124,10 +125,10 @@ def init_cmd(
     return 0
 
 
-clikit.add_registry_commands(app)
+cli.add_registry_commands(app)
 
 
-broker_app = clikit.new_app("broker", "Run the hub's embedded nats-server (MQTT, JetStream, websocket).",
+broker_app = cli.new_app("broker", "Run the hub's embedded nats-server (MQTT, JetStream, websocket).",
                             ("up", "status", "down"), BROKER_EXAMPLES)
 app.add_typer(broker_app, name="broker")
 app.add_typer(runner_app, name="runner")  # §16 roster; `runners` (plural, below) lists presence
@@ -135,12 +136,12 @@ app.add_typer(runner_app, name="runner")  # §16 roster; `runners` (plural, belo
 
 def _print_json(info: dict[str, Any], as_json: bool = True) -> None:
     """One JSON line, or `key: value` lines for a person at a terminal."""
-    clikit.print_view(info, as_json)
+    cli.print_view(info, as_json)
 
 
 @broker_app.command("up")
 def broker_up_cmd(
-    workspace: str = clikit.workspace_option(),
+    workspace: str = cli.workspace_option(),
     mqtt_port: int = typer.Option(None, "--mqtt-port", metavar="P",
                                   help="MQTT port 1-65535 (default: MQTT_PORT of .mam.env, else 1883)."),
     port: int = typer.Option(None, "--port", metavar="P", help="Native NATS port 1-65535 (default 4222)."),
@@ -151,7 +152,7 @@ def broker_up_cmd(
     listen: str = typer.Option("127.0.0.1", "--listen", metavar="HOST",
                                help="Listen address of every listener: an IP address or host name of this "
                                     "machine (0.0.0.0 for runners on other hosts)."),
-    as_json: bool = clikit.json_option(),
+    as_json: bool = cli.json_option(),
 ) -> int:
     """Start nats-server detached and wait until it accepts MQTT; write .mam.env if missing
     (an existing one is kept: a WARNING says when its MQTT_PORT is not the broker's).
@@ -183,8 +184,8 @@ def broker_up_cmd(
 
 @broker_app.command("down")
 def broker_down_cmd(
-    workspace: str = clikit.workspace_option(),
-    as_json: bool = clikit.json_option(),
+    workspace: str = cli.workspace_option(),
+    as_json: bool = cli.json_option(),
 ) -> int:
     """Stop the broker: SIGTERM, then SIGKILL after 10 s. Not running: exit 0."""
     _print_json(broker.down(workspace), as_json)
@@ -193,8 +194,8 @@ def broker_down_cmd(
 
 @broker_app.command("status")
 def broker_status_cmd(
-    workspace: str = clikit.workspace_option(),
-    as_json: bool = clikit.json_option(),
+    workspace: str = cli.workspace_option(),
+    as_json: bool = cli.json_option(),
 ) -> int:
     """Check the broker: this workspace's own nats-server natively (version, JetStream,
     MQTT streams), else the configured broker over MQTT (reachable, auth ok).
@@ -205,10 +206,10 @@ def broker_status_cmd(
         info = broker.status(workspace)
         _print_json(info, as_json)
         return 0 if info["healthy"] else 1
-    found = brokercheck.check(workspace)  # a broker this hub did not start: ask the configured one
-    if clikit.human_view(as_json):
+    found = probe.check(workspace)  # a broker this hub did not start: ask the configured one
+    if cli.human_view(as_json):
         typer.echo("\n".join(["this workspace's embedded broker is not running; the configured broker:",
-                               *brokercheck.check_lines(found)]))
+                               *probe.check_lines(found)]))
     else:
         typer.echo(json.dumps({"running": False, **found}, sort_keys=True))
     if not found["healthy"]:
@@ -230,7 +231,7 @@ def watch_cmd(
                                       help="Seconds to wait for `started` (default: the record's)."),
     timeout: float = typer.Option(None, "--timeout", metavar="S",
                                   help="Wall-clock budget from the job's creation (default: the record's)."),
-    workspace: str = clikit.workspace_option(),
+    workspace: str = cli.workspace_option(),
 ) -> int:
     """Watch a job until it ends: accepted events on stdout as JSON lines
     (a human view on a TTY), refusals and logs on stderr (PROTOCOL §3.2, §10).
@@ -239,7 +240,7 @@ def watch_cmd(
     timeout, 3 broker unreachable after the disk fallback, 4 cancelled,
     130 detached with Ctrl-C (the job keeps running), 64 bad arguments.
     """
-    clikit.setup_logging()
+    cli.setup_logging()
     return watch_cli(job_id, workspace=workspace, remote=remote, idle_timeout_s=idle_timeout,
                      ack_timeout_s=ack_timeout, timeout_s=timeout)
 
@@ -277,7 +278,7 @@ def dispatch_cmd(
     detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
     no_log: bool = typer.Option(False, "--no-log", help="Do not show the agent's output under the events."),
-    workspace: str = clikit.workspace_option(),
+    workspace: str = cli.workspace_option(),
 ) -> int:
     """Queue a job for a runner session or any runner with some labels, publish it
     when one has a free slot, and watch it until it ends (PROTOCOL §5, §10, §14).
@@ -288,7 +289,7 @@ def dispatch_cmd(
     timeout or queue_timeout, 3 broker unreachable, 4 cancelled, 5 no online
     runner (--require-online), 64 bad arguments, 130 detached with Ctrl-C.
     """
-    clikit.setup_logging(False if as_json else None)
+    cli.setup_logging(False if as_json else None)
     if not require_online and service_runs(workspace):  # the thin CLI: the service publishes and watches (§14)
         return thin_dispatch_cli(session=session, brief=brief, brief_file=brief_file, heartbeat_s=heartbeat,
                                  heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout,
@@ -308,29 +309,29 @@ def logs_cmd(
     follow: bool = typer.Option(False, "--follow", "-f",
                                 help="Keep printing until the job ends; exit as `watch` does."),
     attempt: int = typer.Option(None, "--attempt", metavar="N", help="Which attempt (default: the current one)."),
-    workspace: str = clikit.workspace_option(),
+    workspace: str = cli.workspace_option(),
 ) -> int:
     """Print the agent's output as the hub received it (.mam/logs/<job>/agent.<attempt>.log).
 
     The hub's copy is written by `dispatch`, `watch` or the hub service while
     they run; the runner keeps the whole output in its own agent.log.
     """
-    clikit.setup_logging()
+    cli.setup_logging()
     return logs_cli(job_id, workspace=workspace, follow=follow, attempt=attempt)
 
 
 @app.command("cancel")
 def cancel_cmd(
     job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
-    workspace: str = clikit.workspace_option(),
-    as_json: bool = clikit.json_option(),
+    workspace: str = cli.workspace_option(),
+    as_json: bool = cli.json_option(),
 ) -> int:
     """Cancel a job: record cancelled, retained dispatch cleared, signed retained cancel published (§6).
 
     A job already terminal is reported and left alone (exit 0). Exit 1 for
     an unknown job, 3 when the broker is unreachable (the record is unchanged).
     """
-    clikit.setup_logging(False if as_json else None)
+    cli.setup_logging(False if as_json else None)
     return cancel(job_id, workspace=workspace, as_json=as_json)
 
 
@@ -343,19 +344,19 @@ def redispatch_cmd(
                                    help="Read a new brief from PATH ('-' = stdin)."),
     detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
-    workspace: str = clikit.workspace_option(),
+    workspace: str = cli.workspace_option(),
 ) -> int:
     """Start a new attempt of an ended job and watch it (PROTOCOL §8).
 
     Allowed from error or cancelled (never completed): attempt + 1, new
     tokens, a new sealed dispatch. Exit codes as for dispatch; 1 when refused.
     """
-    clikit.setup_logging()
+    cli.setup_logging()
     return redispatch_cli(job_id, session=session, brief=brief, brief_file=brief_file, detach=detach,
                           as_json=as_json, workspace=workspace)
 
 
-runners_app = clikit.new_app("runners", "List runners from their signed retained presence; prune long-gone ones.",
+runners_app = cli.new_app("runners", "List runners from their signed retained presence; prune long-gone ones.",
                              ("prune",), {"prune": "mam-orch runners prune"}, no_args_is_help=False)
 app.add_typer(runners_app, name="runners")
 
@@ -365,13 +366,13 @@ def runners_cmd(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="JSON lines (default on a pipe)."),
     show_all: bool = typer.Option(False, "--all", help="Also offline runners last seen more than 7 days ago."),
-    workspace: str = clikit.workspace_option(),
+    workspace: str = cli.workspace_option(),
 ) -> int:
     """List runners from their signed retained presence: online, draining or offline,
     running jobs, last seen (PROTOCOL §7). Unsigned or forged presence is refused on stderr."""
     if ctx.invoked_subcommand is not None:
         return 0
-    clikit.setup_logging(False if as_json else None)
+    cli.setup_logging(False if as_json else None)
     return runners_cli(workspace=workspace, as_json=as_json, show_all=show_all)
 
 
@@ -383,12 +384,12 @@ def runners_prune_cmd(
     sessions: list[str] = _PRUNE_SESSIONS,
     older_than_days: float = typer.Option(float(OFFLINE_HIDDEN_DAYS), "--older-than-days", metavar="D",
                                           help="Without NAME: offline runners last seen over D days ago."),
-    as_json: bool = clikit.json_option(),
-    workspace: str = clikit.workspace_option(),
+    as_json: bool = cli.json_option(),
+    workspace: str = cli.workspace_option(),
 ) -> int:
     """Clear the retained presence of offline runners last seen more than 7 days ago (or of the
     named ones); an online, draining or stale runner is refused (exit 1)."""
-    clikit.setup_logging(False if as_json else None)
+    cli.setup_logging(False if as_json else None)
     return prune_cli(list(sessions or []), workspace=workspace, older_than_days=older_than_days, as_json=as_json)
 
 
@@ -401,14 +402,14 @@ def gc_cmd(
                                   help="Instead: clear again the dispatch and control of every ended job and "
                                        "the dispatch of every started one (after a broker crash), through "
                                        "each host of MQTT_BROKER in turn."),
-    workspace: str = clikit.workspace_option(),
-    as_json: bool = clikit.json_option(),
+    workspace: str = cli.workspace_option(),
+    as_json: bool = cli.json_option(),
 ) -> int:
     """Clear the retained dispatch, events, state and control of jobs terminal
     for longer than the retention period (PROTOCOL §2), each on the broker it was dispatched
     through (its own broker settings, if it had any). Records stay on disk.
     With --reclear: clear again what a broker crash brought back (docs/deployment.md)."""
-    clikit.setup_logging()
+    cli.setup_logging()
     if reclear_:
         return reclear_cli(workspace=workspace)
     return gc_cli(older_than_days=older_than_days, workspace=workspace, dry_run=dry_run, as_json=as_json)
@@ -416,7 +417,7 @@ def gc_cmd(
 
 @app.command("serve")
 def serve_cmd(
-    workspace: str = clikit.workspace_option(),
+    workspace: str = cli.workspace_option(),
     http: str = typer.Option(None, "--http", metavar="HOST:PORT",
                              help="Also serve the dashboard, the HTTP API and /metrics here, e.g. 127.0.0.1:8765 "
                                   "(an address other than loopback needs MAM_API_TOKEN)."),
@@ -430,10 +431,10 @@ def serve_cmd(
 
     Example: mam-orch serve --http 127.0.0.1:8765, then open http://127.0.0.1:8765/
     """
-    clikit.setup_logging()
+    cli.setup_logging()
     if http:
         # lazy: starlette, uvicorn and prometheus-client cost every other command 150 ms at start
-        from mam.orchestrator.http import serve_http_cli
+        from mam.orchestrator.http.app import serve_http_cli
 
         return serve_http_cli(workspace=workspace, bind=http)
     return serve_cli(workspace=workspace)
@@ -441,7 +442,7 @@ def serve_cmd(
 
 def main() -> None:
     """Console-script entry point."""
-    clikit.run(app, "mam-orch")
+    cli.run(app, "mam-orch")
 
 
 if __name__ == "__main__":

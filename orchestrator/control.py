@@ -9,14 +9,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from mam.orchestrator import roster
-from mam.shared import crypto, names, wire
-from mam.shared.codes import CloseReason, JobStatus
-from mam.shared.crypto import DispatchKeys
-from mam.shared.errors import BrokerError, TransitionRefused
-from mam.shared.mqtt import MqttClient
-from mam.shared.records import JobRecord
-from mam.shared.registry import Registry
+from mam.orchestrator.identity import roster
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.codes import CloseReason, JobStatus
+from mam.shared.protocol.crypto import DispatchKeys
+from mam.shared.protocol.errors import BrokerError, TransitionRefused
+from mam.shared.store.records import JobRecord
+from mam.shared.store.registry import Registry
+from mam.shared.transport.mqtt import MqttClient
 
 log = logging.getLogger("mam.fleet")
 

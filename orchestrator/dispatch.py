@@ -20,22 +20,23 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from mam.orchestrator import roster
 from mam.orchestrator.control import close_remote
 from mam.orchestrator.hints import detach_hint, queued_hint, reattach_hint
 from mam.orchestrator.hub import Workspace, open_hub
+from mam.orchestrator.identity import roster
 from mam.orchestrator.queuewait import PresenceFeed, mark_published, retry_attempt, retry_reason, wait_queued
 from mam.orchestrator.runners import collect_presence, read_presence
 from mam.orchestrator.watch import Detached, Watcher, WatchOptions
-from mam.shared import config, crypto, names, wire
-from mam.shared.codes import DEFAULT_RETRY_ON, TERMINAL_STATUSES, CloseReason, JobStatus, PresenceStatus
-from mam.shared.crypto import MAX_BRIEF_BYTES, DispatchKeys
-from mam.shared.errors import BrokerUnavailable, ExitCode, ProtocolError, UsageError
-from mam.shared.fsio import atomic_write
-from mam.shared.mqtt import MqttClient
-from mam.shared.records import JobRecord, QueueTerms, describe_target
-from mam.shared.registry import Registry
-from mam.shared.render import print_summary
+from mam.shared import config
+from mam.shared.cli.render import print_summary
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.codes import DEFAULT_RETRY_ON, TERMINAL_STATUSES, CloseReason, JobStatus, PresenceStatus
+from mam.shared.protocol.crypto import MAX_BRIEF_BYTES, DispatchKeys
+from mam.shared.protocol.errors import BrokerUnavailable, ExitCode, ProtocolError, UsageError
+from mam.shared.store.fsio import atomic_write
+from mam.shared.store.records import JobRecord, QueueTerms, describe_target
+from mam.shared.store.registry import Registry
+from mam.shared.transport.mqtt import MqttClient
 
 HUB_NAME_MAX_CHARS = 255
 

@@ -24,12 +24,12 @@ from mam.orchestrator.hub import DAY_S, Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.queuewait import retry_reason
 from mam.orchestrator.watch import Detached, Watcher, WatchOptions, render_event
-from mam.shared import names
-from mam.shared.codes import TERMINAL_STATUSES, CloseReason, JobStatus
-from mam.shared.errors import ConfigError, ExitCode, UsageError
-from mam.shared.records import JobRecord
-from mam.shared.registry import Registry
-from mam.shared.render import print_summary
+from mam.shared.cli.render import print_summary
+from mam.shared.protocol import names
+from mam.shared.protocol.codes import TERMINAL_STATUSES, CloseReason, JobStatus
+from mam.shared.protocol.errors import ConfigError, ExitCode, UsageError
+from mam.shared.store.records import JobRecord
+from mam.shared.store.registry import Registry
 
 log = logging.getLogger("mam.watch")
 

@@ -18,15 +18,15 @@ import time
 
 from mam.orchestrator.hints import command
 from mam.orchestrator.hub import DAY_S, Hub, Workspace, connect, open_hub
-from mam.shared import names
-from mam.shared.clikit import human_view
-from mam.shared.codes import TERMINAL_STATUSES, JobStatus
+from mam.shared.cli import human_view
+from mam.shared.cli.render import table
 from mam.shared.config import BrokerConfig, apply_job_overrides, existing_root
-from mam.shared.errors import BrokerError, BrokerUnavailable, ConfigError, UsageError
-from mam.shared.mqtt import UNREACHABLE, MqttClient
-from mam.shared.records import JobRecord, utc_now
-from mam.shared.render import table
-from mam.shared.wire import parse_ts
+from mam.shared.protocol import names
+from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus
+from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, ConfigError, UsageError
+from mam.shared.protocol.wire import parse_ts
+from mam.shared.store.records import JobRecord, utc_now
+from mam.shared.transport.mqtt import UNREACHABLE, MqttClient
 
 RETAINED_LEAVES = ("dispatch", "events", "state", "control")
 RETENTION_DAYS = 7

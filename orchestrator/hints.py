@@ -7,8 +7,8 @@ import os
 import shlex
 
 from mam.orchestrator.hub import Workspace
-from mam.shared.codes import TERMINAL_STATUSES
-from mam.shared.registry import Registry
+from mam.shared.protocol.codes import TERMINAL_STATUSES
+from mam.shared.store.registry import Registry
 
 
 def _where(workspace: Workspace) -> str:

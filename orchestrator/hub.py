@@ -10,12 +10,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mam.shared import config, crypto
+from mam.shared import config
 from mam.shared.config import BrokerConfig
-from mam.shared.crypto import DispatchKeys
-from mam.shared.mqtt import MqttClient
-from mam.shared.records import JobRecord
-from mam.shared.registry import Registry
+from mam.shared.protocol import crypto
+from mam.shared.protocol.crypto import DispatchKeys
+from mam.shared.store.records import JobRecord
+from mam.shared.store.registry import Registry
+from mam.shared.transport.mqtt import MqttClient
 
 Workspace = str | os.PathLike[str] | None
 DAY_S = 86400  # seconds in a day, for the commands' day-valued options

@@ -11,9 +11,9 @@ import fcntl
 import os
 from pathlib import Path
 
-from mam.shared import names
-from mam.shared.errors import RegistryError, UsageError
-from mam.shared.fsio import errno_name
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import RegistryError, UsageError
+from mam.shared.store.fsio import errno_name
 
 LOCK_FILE_MODE = 0o600
 PID_MAX_BYTES = 32  # a pid and a newline

@@ -5,7 +5,7 @@ docs/deployment.md). The printed hints are the commands that start them
 (docker compose, or nats-server natively); tests/e2e runs them.
 
 The nats-server configurations shipped in `deploy/nats/` live in
-`mam.shared.natsconf` (`NATS_CONF`, `NATS_TLS_CONF`, re-exported here), the one
+`mam.orchestrator.broker.templates` (`NATS_CONF`, `NATS_TLS_CONF`, re-exported here), the one
 source the embedded broker of `mam-orch broker up` is rendered from too.
 Everything a deployment may change lives in a block of `MAM_*: value`
 variable lines at the top of those files; `set_conf_variables` rewrites those
@@ -24,11 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from mam.shared import keys, names
-from mam.shared.config import ENV_FILE_NAME, new_secret, resolve_root, write_env_file
-from mam.shared.errors import ConfigError, UsageError
-from mam.shared.fsio import atomic_write
-from mam.shared.natsconf import (
+from mam.orchestrator.broker.templates import (
     CLUSTER_PORT,
     CLUSTER_SIZE,
     NATS_CONF,
@@ -40,6 +36,11 @@ from mam.shared.natsconf import (
     route_urls,
     set_conf_variables,
 )
+from mam.shared.config import ENV_FILE_NAME, new_secret, resolve_root, write_env_file
+from mam.shared.protocol import names
+from mam.shared.protocol.crypto import keys
+from mam.shared.protocol.errors import ConfigError, UsageError
+from mam.shared.store.fsio import atomic_write
 
 #: Users of deploy/nats/nats.conf (account MAM) and what they are for.
 AGENT_USER = "mam_agent"

@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import TextIO
 
 from mam.orchestrator.hub import Workspace, open_hub
-from mam.shared import crypto, names, wirelog
-from mam.shared.codes import TERMINAL_STATUSES, JobStatus
-from mam.shared.errors import DecodeError, ExitCode, MamError, RegistryError, SignatureError, UsageError
-from mam.shared.fsio import atomic_write, read_json_object
-from mam.shared.records import utc_now
-from mam.shared.registry import Registry
+from mam.shared.protocol import crypto, names
+from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus
+from mam.shared.protocol.errors import DecodeError, ExitCode, MamError, RegistryError, SignatureError, UsageError
+from mam.shared.protocol.wire import logchunk
+from mam.shared.store.fsio import atomic_write, read_json_object
+from mam.shared.store.records import utc_now
+from mam.shared.store.registry import Registry
 from mam.shared.transport import Inbox
 
 log = logging.getLogger("mam.logs")
@@ -71,7 +72,7 @@ class JobLog:
         except (OSError, MamError, KeyError, TypeError, ValueError):
             pass  # a first chunk, or a copy started by an older hub
 
-    def accept(self, chunk: wirelog.LogChunk) -> list[bytes]:
+    def accept(self, chunk: logchunk.LogChunk) -> list[bytes]:
         """Verify, open and place one chunk; the output now in order (maybe none).
 
         Raises:
@@ -82,7 +83,7 @@ class JobLog:
             return []  # a duplicate (QoS 1 redelivery, a runner's re-send)
         if number > self.next + MAX_AHEAD_CHUNKS:
             raise UsageError(f"chunk {number} is more than {MAX_AHEAD_CHUNKS} ahead of chunk {self.next}")
-        self._waiting[number] = (wirelog.open_chunk(chunk, self.auth_token, self._key), chunk.dropped)
+        self._waiting[number] = (logchunk.open_chunk(chunk, self.auth_token, self._key), chunk.dropped)
         if len(self._waiting) > MAX_BUFFERED_CHUNKS:
             self._skip_gap()
         return self._drain()
@@ -142,7 +143,7 @@ class LogRouter:
         if len(raw) == 0:
             return []
         try:
-            chunk = wirelog.decode_chunk(raw)
+            chunk = logchunk.decode_chunk(raw)
         except DecodeError as exc:
             log.warning("refused log chunk: %s", exc.reason)
             return []

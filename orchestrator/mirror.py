@@ -12,11 +12,11 @@ import json
 import logging
 import os
 
-from mam.shared import wire
-from mam.shared.codes import EVENT_NAMES, TERMINAL_STATUSES, JobStatus
-from mam.shared.mqtt import MqttClient
-from mam.shared.records import JobRecord, Transaction, late_terminal, moved, touched, utc_now
-from mam.shared.registry import Registry
+from mam.shared.protocol import wire
+from mam.shared.protocol.codes import EVENT_NAMES, TERMINAL_STATUSES, JobStatus
+from mam.shared.store.records import JobRecord, Transaction, late_terminal, moved, touched, utc_now
+from mam.shared.store.registry import Registry
+from mam.shared.transport.mqtt import MqttClient
 
 log = logging.getLogger("mam.watch")
 

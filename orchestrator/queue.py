@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from mam.shared.codes import PresenceStatus
+from mam.shared.protocol.codes import PresenceStatus
 
 NEVER_HANDED = 0
 """The hand-off rank of a runner never handed a job: before every other (§14)."""

@@ -22,17 +22,17 @@ from pathlib import Path
 from typing import NamedTuple, TextIO
 
 from mam.orchestrator.control import publish_cancel
+from mam.orchestrator.identity.roster import Revocations
 from mam.orchestrator.queue import Fleet, QueuedJob, matches, plan, why_waiting
-from mam.orchestrator.roster import Revocations
 from mam.orchestrator.runners import CLOCK_SKEW_S, PRESENCE_STALE_S, presence_view
-from mam.shared import names, wire
-from mam.shared.codes import DEFAULT_RETRY_ON, OPEN_STATUSES, PresenceStatus, QueueSource, RetryOn
-from mam.shared.codes import JobStatus as Status
-from mam.shared.crypto import DispatchKeys
-from mam.shared.errors import BrokerError, ProtocolError
-from mam.shared.mqtt import QOS_AT_LEAST_ONCE, QOS_AT_MOST_ONCE, MqttClient
-from mam.shared.records import JobRecord, Refusal, moved, next_attempt, published, target_of, utc_now
-from mam.shared.registry import Registry
+from mam.shared.protocol import names, wire
+from mam.shared.protocol.codes import DEFAULT_RETRY_ON, OPEN_STATUSES, PresenceStatus, QueueSource, RetryOn
+from mam.shared.protocol.codes import JobStatus as Status
+from mam.shared.protocol.crypto import DispatchKeys
+from mam.shared.protocol.errors import BrokerError, ProtocolError
+from mam.shared.store.records import JobRecord, Refusal, moved, next_attempt, published, target_of, utc_now
+from mam.shared.store.registry import Registry
+from mam.shared.transport.mqtt import QOS_AT_LEAST_ONCE, QOS_AT_MOST_ONCE, MqttClient
 
 log = logging.getLogger("mam.queue")
 

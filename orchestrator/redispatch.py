@@ -8,9 +8,9 @@ from mam.orchestrator.control import publish_cancel
 from mam.orchestrator.dispatch import follow_queued, load_brief, read_brief, save_brief
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.queuewait import requeue
-from mam.shared import names
-from mam.shared.codes import OPEN_STATUSES, JobStatus
-from mam.shared.records import Refusal
+from mam.shared.protocol import names
+from mam.shared.protocol.codes import OPEN_STATUSES, JobStatus
+from mam.shared.store.records import Refusal
 
 
 def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None = None,

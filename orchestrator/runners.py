@@ -19,17 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mam.orchestrator import roster
 from mam.orchestrator.control import clear_retained
 from mam.orchestrator.hub import DAY_S, Workspace, open_hub
+from mam.orchestrator.identity import roster
 from mam.orchestrator.queue import RunnerView
-from mam.shared import crypto, names, render, wire
-from mam.shared.codes import PresenceStatus
-from mam.shared.crypto import DispatchKeys
-from mam.shared.errors import ProtocolError, RegistryError, SignatureError, UsageError
-from mam.shared.fsio import atomic_write, read_json_object
-from mam.shared.mqtt import MqttClient
-from mam.shared.records import utc_now
+from mam.shared.cli import render
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.codes import PresenceStatus
+from mam.shared.protocol.crypto import DispatchKeys
+from mam.shared.protocol.errors import ProtocolError, RegistryError, SignatureError, UsageError
+from mam.shared.store.fsio import atomic_write, read_json_object
+from mam.shared.store.records import utc_now
+from mam.shared.transport.mqtt import MqttClient
 
 PRESENCE_QUIET_S = 0.5
 # A runner republishes its presence every PRESENCE_REFRESH_S (the runner's own constant);

@@ -42,11 +42,11 @@ from mam.orchestrator.mirror import BrokerLink, audit_seq
 from mam.orchestrator.queuewait import PresenceFeed, close_queue_timeout, queued_job, retry_attempt, retry_reason
 from mam.orchestrator.runners import PRESENCE_STALE_S
 from mam.orchestrator.watch import Watcher, WatchOptions
-from mam.shared import names
-from mam.shared.codes import PUBLISHED_STATUSES, JobStatus
-from mam.shared.errors import MamError
-from mam.shared.mqtt import Message, MqttClient
-from mam.shared.records import RECORD_NAME_RE, JobRecord
+from mam.shared.protocol import names
+from mam.shared.protocol.codes import PUBLISHED_STATUSES, JobStatus
+from mam.shared.protocol.errors import MamError
+from mam.shared.store.records import RECORD_NAME_RE, JobRecord
+from mam.shared.transport.mqtt import Message, MqttClient
 
 log = logging.getLogger("mam.serve")
 

@@ -19,11 +19,11 @@ from mam.orchestrator.hints import command, detach_hint, reattach_hint
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.watch import Detached
-from mam.shared import wire
-from mam.shared.errors import ExitCode
-from mam.shared.records import JobRecord, QueueTerms, describe_target
-from mam.shared.registry import Registry
-from mam.shared.render import print_summary
+from mam.shared.cli.render import print_summary
+from mam.shared.protocol import wire
+from mam.shared.protocol.errors import ExitCode
+from mam.shared.store.records import JobRecord, QueueTerms, describe_target
+from mam.shared.store.registry import Registry
 
 
 def service_runs(workspace: Workspace) -> bool:

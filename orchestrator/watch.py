@@ -38,17 +38,17 @@ from mam.orchestrator.acceptance import (
 )
 from mam.orchestrator.control import clear_dispatch, clear_retained, close_remote
 from mam.orchestrator.hub import DAY_S
+from mam.orchestrator.identity.roster import Revocations
 from mam.orchestrator.logs import LogRouter, OutputView, await_chunks
 from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S, BrokerLink, mirror_state, note_late_terminal
-from mam.orchestrator.roster import Revocations
-from mam.shared import names, wire
-from mam.shared.codes import EVENT_STATUS, TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.config import BrokerConfig, env_float
-from mam.shared.crypto import DispatchKeys
-from mam.shared.errors import BrokerError, BrokerUnavailable, ExitCode, TransitionRefused
-from mam.shared.mqtt import MqttClient
-from mam.shared.records import HUB_DECISIONS, JobRecord, redact, utc_now
-from mam.shared.registry import Registry
+from mam.shared.protocol import names, wire
+from mam.shared.protocol.codes import EVENT_STATUS, TERMINAL_STATUSES, CloseReason, JobStatus
+from mam.shared.protocol.crypto import DispatchKeys
+from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, ExitCode, TransitionRefused
+from mam.shared.store.records import HUB_DECISIONS, JobRecord, redact, utc_now
+from mam.shared.store.registry import Registry
+from mam.shared.transport.mqtt import MqttClient
 
 log = logging.getLogger("mam.watch")
 

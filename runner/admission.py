@@ -21,9 +21,9 @@ from typing import Any
 
 from mam.runner import trust
 from mam.runner.trust import V2Trust
-from mam.shared import crypto, wire
-from mam.shared.crypto import DispatchKeys
-from mam.shared.errors import DecodeError, SignatureError
+from mam.shared.protocol import crypto, wire
+from mam.shared.protocol.crypto import DispatchKeys
+from mam.shared.protocol.errors import DecodeError, SignatureError
 
 MAX_CANCEL_TOMBSTONES = 100_000
 """Verified cancels remembered per job id (highest attempt), oldest dropped first."""

@@ -39,7 +39,7 @@ from typing import Any
 import psutil
 
 from mam.runner.process_tree import AGENT_TAG_ENV, TAG_BYTES, AgentIdentity, ProcessTree
-from mam.shared.errors import MamError, RegistryError, UsageError
+from mam.shared.protocol.errors import MamError, RegistryError, UsageError
 
 log = logging.getLogger("mam.runner.supervisor")  # the log name operators know
 

@@ -1,5 +1,5 @@
 """`mam-runner`: the worker host's command line. Each command parses, calls
-one function, and lets `clikit.run` map errors to the exit codes of
+one function, and lets `cli.run` map errors to the exit codes of
 PROTOCOL §9. `publish` is called often by agents: its imports stay lazy, and
 inside a job it goes through the runner's socket (`fastpath`, §17) before
 typer is even imported (the console script's entry is `fastpath.main`)."""
@@ -17,15 +17,15 @@ if __name__ == "__main__":  # `python -m mam.runner.cli publish`: the socket fas
 
 import typer  # noqa: E402  (after the fast path above: an agent's publish never loads typer)
 
-from mam.shared import clikit  # noqa: E402
-from mam.shared.errors import BrokerError, ExitCode, MamError, ProtocolError, RegistryError, UsageError  # noqa: E402
+from mam.shared import cli  # noqa: E402
+from mam.shared.protocol.errors import BrokerError, ExitCode, MamError, ProtocolError, RegistryError, UsageError  # noqa: E402
 
 MAX_PUBLISH_ATTEMPTS = 10
 """Highest `--attempts` of `mam-runner publish` (§13)."""
 INVITE_ANSWER_TIMEOUT_S = 30.0
 """Default `--timeout` of `mam-runner enroll --invite`: how long to wait for the hub's answer (s)."""
 
-app = clikit.new_app(
+app = cli.new_app(
     "mam-runner",
     "The worker side of mam-fleet: take dispatched jobs for a session, run the "
     "agent under a heartbeat, and publish its events.",
@@ -40,11 +40,11 @@ app = clikit.new_app(
 
 
 @app.callback()
-def _root(version: bool = clikit.version_option("mam-runner")) -> None:
+def _root(version: bool = cli.version_option("mam-runner")) -> None:
     """The worker side of mam-fleet."""
 
 
-clikit.add_registry_commands(app)
+cli.add_registry_commands(app)
 
 
 @app.command("publish")
@@ -66,7 +66,7 @@ def publish_cmd(
     dispatch_token: str = typer.Option(None, "--dispatch-token", metavar="TOKEN", envvar="MAM_DISPATCH_TOKEN",
                                        show_envvar=True,
                                        help="The dispatch token this publisher holds (default: the record's)."),
-    workspace: str = clikit.workspace_option(),
+    workspace: str = cli.workspace_option(),
 ) -> int:
     """Publish one event of a job: the record and audit line first, then the
     event and the retained state on one connection (PROTOCOL §3, §4).
@@ -89,7 +89,7 @@ def run_cmd(
     exec_cmd: str = typer.Option(..., "--exec", metavar="CMD",
                                  help="The agent command, split like a shell and run without one, "
                                       "e.g. \"claude -p\" (§11)."),
-    workspace: str = clikit.workspace_option(),
+    workspace: str = cli.workspace_option(),
     workdir: str = typer.Option(None, "--workdir", metavar="DIR",
                                 help="Agents' working directory (default: <workspace>/work/<job_id>/)."),
     max_jobs: int = typer.Option(1, "--max-jobs", metavar="N", help="Concurrent jobs, 1..64 (§11)."),
@@ -109,7 +109,7 @@ def run_cmd(
     64 bad arguments, missing MAM_DISPATCH_SECRET, or the session is held by
     another live runner.
     """
-    clikit.setup_logging()
+    cli.setup_logging()
     from mam.runner.service import run_cli  # lazy: keeps paho/psutil out of `mam-runner publish`
 
     return run_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
@@ -127,7 +127,7 @@ def enroll_cmd(
     port: int = typer.Option(None, "--port", metavar="P", help="With --invite: the broker port (default .mam.env)."),
     timeout: float = typer.Option(INVITE_ANSWER_TIMEOUT_S, "--timeout", metavar="S",
                                   help="With --invite: how long to wait for the hub's answer (s)."),
-    workspace: str = clikit.workspace_option(),
+    workspace: str = cli.workspace_option(),
 ) -> int:
     """Make this host's Ed25519 and X25519 keys (0600, .mam/keys/) and print the one-line
     enrolment request for `mam-orch runner add` on the hub (PROTOCOL §16). The request holds
@@ -171,7 +171,7 @@ _HUB_KEYS_ARGUMENT = typer.Argument(..., metavar="PUB [PUB]",
 @app.command("trust-hub")
 def trust_hub_cmd(
     public_keys: list[str] = _HUB_KEYS_ARGUMENT,
-    workspace: str = clikit.workspace_option(),
+    workspace: str = cli.workspace_option(),
 ) -> int:
     """Store the hub public keys this runner accepts dispatches and cancels from (PROTOCOL §16),
     replacing the ones stored before. Put `--` before the keys: base64url may start with '-'.
@@ -195,9 +195,9 @@ def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attem
     """
     # lazy: the publish core (registry, crypto) loads only for this command (publish fast path)
     from mam.runner import publish
-    from mam.shared import wire
     from mam.shared.config import resolve_root
-    from mam.shared.registry import Registry
+    from mam.shared.protocol import wire
+    from mam.shared.store.registry import Registry
 
     request = publish.make_request(job_id, event, detail, data, attempt_id, dispatch_token)
     if heartbeat_s is not None and (event != "started" or heartbeat_s <= 0):
@@ -241,7 +241,7 @@ def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attem
 
 def main() -> None:
     """Console-script entry point."""
-    clikit.run(app, "mam-runner")
+    cli.run(app, "mam-runner")
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mam.shared import config, keys, names
-from mam.shared.errors import ConfigError, UsageError
-from mam.shared.fsio import atomic_write, json_line, read_json_object
-from mam.shared.keys import EnrolRequest
+from mam.shared import config
+from mam.shared.protocol import names
+from mam.shared.protocol.crypto import keys
+from mam.shared.protocol.crypto.keys import EnrolRequest
+from mam.shared.protocol.errors import ConfigError, UsageError
+from mam.shared.store.fsio import atomic_write, json_line, read_json_object
 
 MAX_IDENTITY_BYTES = 8 * 1024
 

@@ -20,12 +20,15 @@ from pathlib import Path
 from dotenv.parser import parse_stream
 
 from mam.runner.enrol import trust_hub
-from mam.shared import config, invite, keys, mqtt, names
-from mam.shared.errors import ConfigError, ProtocolError, SignatureError, UsageError
-from mam.shared.fsio import atomic_write, json_line
-from mam.shared.invite import InviteCode
-from mam.shared.keys import EnrolRequest
-from mam.shared.wirejson import canonical_json
+from mam.shared import config
+from mam.shared.protocol import names
+from mam.shared.protocol.crypto import invite, keys
+from mam.shared.protocol.crypto.invite import InviteCode
+from mam.shared.protocol.crypto.keys import EnrolRequest
+from mam.shared.protocol.errors import ConfigError, ProtocolError, SignatureError, UsageError
+from mam.shared.protocol.wire.canonical import canonical_json
+from mam.shared.store.fsio import atomic_write, json_line
+from mam.shared.transport import mqtt
 
 DEFAULT_ANSWER_TIMEOUT_S = 30.0
 """How long the runner waits for the hub's answer (s)."""

@@ -5,7 +5,7 @@ An agent's publish sends one JSON line `{"job_id", "attempt_id",
 daemon checks it (§8), writes it to disk and its outbox, answers
 `{"ok": true, "seq": N}` and sends it on its own connection. This module runs
 BEFORE typer is imported and loads only the standard library and
-`mam.shared.names`/`errors`: no typer, paho or cryptography.
+`mam.shared.protocol.names`/`errors`: no typer, paho or cryptography.
 
 `try_publish(argv)` returns None whenever the fast path does not apply, and
 the typer command then runs (v1: its own connection, the same messages and
@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mam.shared import names
-from mam.shared.errors import ExitCode
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import ExitCode
 
 SOCKET_ENV = "MAM_RUNNER_SOCKET"
 CONNECT_TIMEOUT_S = 2.0

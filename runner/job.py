@@ -27,16 +27,16 @@ from typing import Any
 
 from mam.runner import orphans, publish
 from mam.runner.agent import AgentProcess, AgentStartError, ExitStatus, agent_env
-from mam.runner.beats import Beats
 from mam.runner.fastpath import SOCKET_ENV
+from mam.runner.heartbeat.beats import Beats
 from mam.runner.logstream import LogStreams
 from mam.runner.process_tree import AgentIdentity, stop_orphan
 from mam.runner.settings import RunnerOptions
-from mam.shared import crypto, names, wire
-from mam.shared.codes import EVENT_STATUS, TERMINAL_STATUSES, EventName, JobStatus
 from mam.shared.config import BrokerConfig, write_env_file
-from mam.shared.errors import BrokerError, RegistryError, TransitionRefused
-from mam.shared.registry import Refusal, Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.codes import EVENT_STATUS, TERMINAL_STATUSES, EventName, JobStatus
+from mam.shared.protocol.errors import BrokerError, RegistryError, TransitionRefused
+from mam.shared.store.registry import Refusal, Registry
 from mam.shared.transport import Transport
 
 log = logging.getLogger("mam.daemon")

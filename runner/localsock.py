@@ -35,10 +35,10 @@ from typing import Any
 
 from mam.runner import publish
 from mam.runner.fastpath import CONNECT_TIMEOUT_S, unix_address
-from mam.shared import names
-from mam.shared.codes import TERMINAL_EVENTS
-from mam.shared.errors import MamError, ProtocolError, RegistryError, UsageError
-from mam.shared.registry import Registry
+from mam.shared.protocol import names
+from mam.shared.protocol.codes import TERMINAL_EVENTS
+from mam.shared.protocol.errors import MamError, ProtocolError, RegistryError, UsageError
+from mam.shared.store.registry import Registry
 
 log = logging.getLogger("mam.socket")
 

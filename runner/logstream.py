@@ -7,7 +7,7 @@ file the runner holds, in clear, base64 and JSON-escaped; a tail that may start
 a secret is held back until more output or the end), applies the rate cap
 (`RateLimit`, MAM_LOG_RATE_BPS, excess counted in `dropped`), cuts chunks
 (`Chunker`: 64 KiB, or 0.5 s after the first unsent byte), seals and signs them
-(`wirelog.build_chunk`) and writes each to the log outbox
+(`logchunk.build_chunk`) and writes each to the log outbox
 `.mam/outbox-log/` (§17: kept until PUBACK). A sender thread publishes them in
 order on `ROOT/jobs/<id>/log` (QoS 1, not retained), retrying through outages.
 The outbox is capped (OUTBOX_MAX_BYTES per job, beyond: dropped), so no queue
@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mam.shared import config as shared_config
-from mam.shared import crypto, names, wirelog
 from mam.shared.config import BrokerConfig
-from mam.shared.errors import BrokerError, ConfigError, MamError
-from mam.shared.fsio import atomic_write, read_capped
-from mam.shared.registry import Registry
+from mam.shared.protocol import crypto, names
+from mam.shared.protocol.errors import BrokerError, ConfigError, MamError
+from mam.shared.protocol.wire import logchunk
+from mam.shared.store.fsio import atomic_write, read_capped
+from mam.shared.store.registry import Registry
 from mam.shared.transport import Transport
 
 log = logging.getLogger("mam.logstream")
@@ -179,7 +180,7 @@ class Chunker:
     """Cuts output into chunks of at most `max_bytes`, or sooner `flush_after_s` after the
     first unsent byte (§15); a rise of `dropped` alone is sent too (an empty chunk)."""
 
-    def __init__(self, max_bytes: int = wirelog.MAX_CHUNK_BYTES, flush_after_s: float = FLUSH_AFTER_S) -> None:
+    def __init__(self, max_bytes: int = logchunk.MAX_CHUNK_BYTES, flush_after_s: float = FLUSH_AFTER_S) -> None:
         self.max_bytes = max_bytes
         self.flush_after_s = flush_after_s
         self.dropped = 0
@@ -312,7 +313,7 @@ class LogStream:
 
     def _emit(self, chunks: list[tuple[bytes, int]]) -> None:
         for plaintext, dropped in chunks:
-            raw = wirelog.build_chunk(self._token, self._key, job_id=self.job_id, attempt_id=self.attempt_id,
+            raw = logchunk.build_chunk(self._token, self._key, job_id=self.job_id, attempt_id=self.attempt_id,
                                       chunk=self.chunks, dropped=dropped, plaintext=plaintext)
             path: Path | None = names.log_outbox_entry_path(self.root, self.job_id, self.attempt_id, self.chunks)
             try:
@@ -361,7 +362,7 @@ class LogStream:
             self._was_down = False
             self._stop.wait(RECONNECT_SETTLE_S)
         try:
-            raw = item.raw if item.path is None else read_capped(item.path, wirelog.MAX_LOG_MESSAGE_BYTES)
+            raw = item.raw if item.path is None else read_capped(item.path, logchunk.MAX_LOG_MESSAGE_BYTES)
             assert raw is not None
             self.client.publish(self.topic, raw, retain=False)
         except BrokerError as exc:
@@ -451,7 +452,7 @@ class LogStreams:
                 if time.time() - path.stat().st_mtime > KEEP_SENDING_S:
                     path.unlink()
                     continue
-                raw = read_capped(path, wirelog.MAX_LOG_MESSAGE_BYTES)
+                raw = read_capped(path, logchunk.MAX_LOG_MESSAGE_BYTES)
                 self.client.publish(names.log_topic(key[0], self.client.config.topic_root), raw, retain=False)
                 path.unlink(missing_ok=True)
                 sent += 1

@@ -28,12 +28,12 @@ import psutil
 from mam.runner.admission import hub_registry_message
 from mam.runner.heartbeat import WatchedProcess
 from mam.runner.process_tree import AgentIdentity
-from mam.shared import names
-from mam.shared.codes import OPEN_STATUSES
-from mam.shared.errors import UsageError
-from mam.shared.fsio import atomic_write, check_writable
-from mam.shared.records import JobRecord
-from mam.shared.registry import Registry
+from mam.shared.protocol import names
+from mam.shared.protocol.codes import OPEN_STATUSES
+from mam.shared.protocol.errors import UsageError
+from mam.shared.store.fsio import atomic_write, check_writable
+from mam.shared.store.records import JobRecord
+from mam.shared.store.registry import Registry
 
 log = logging.getLogger("mam.daemon")
 

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mam.shared import names, wire
-from mam.shared.codes import TERMINAL_EVENTS, EventName
-from mam.shared.errors import BrokerError, DecodeError, MamError
-from mam.shared.fsio import atomic_write, errno_name, read_capped
+from mam.shared.protocol import names, wire
+from mam.shared.protocol.codes import TERMINAL_EVENTS, EventName
+from mam.shared.protocol.errors import BrokerError, DecodeError, MamError
+from mam.shared.store.fsio import atomic_write, errno_name, read_capped
 
 if TYPE_CHECKING:  # the Protocol only types the daemon's connection; nothing to load on the publish path
     from mam.shared.transport import Transport

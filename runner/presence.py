@@ -18,12 +18,13 @@ from collections.abc import Sequence
 
 from mam.runner import trust
 from mam.runner.trust import V2Trust
-from mam.shared import __version__, names, wire
-from mam.shared.codes import PresenceStatus
-from mam.shared.crypto import DispatchKeys
-from mam.shared.errors import BrokerError, DecodeError, SignatureError, UsageError
-from mam.shared.mqtt import QOS_AT_LEAST_ONCE
+from mam.shared import __version__
+from mam.shared.protocol import names, wire
+from mam.shared.protocol.codes import PresenceStatus
+from mam.shared.protocol.crypto import DispatchKeys
+from mam.shared.protocol.errors import BrokerError, DecodeError, SignatureError, UsageError
 from mam.shared.transport import Transport, Will
+from mam.shared.transport.mqtt import QOS_AT_LEAST_ONCE
 
 log = logging.getLogger("mam.daemon")
 REFUSAL_DETAIL_CHARS = 200  # the refusal line carried in presence, cut to this length

@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mam.runner import outbox
-from mam.shared import crypto, names, wire
-from mam.shared.codes import EVENT_NAMES, TERMINAL_EVENTS
 from mam.shared.config import BrokerConfig, broker_config
-from mam.shared.errors import UsageError
-from mam.shared.registry import Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.codes import EVENT_NAMES, TERMINAL_EVENTS
+from mam.shared.protocol.errors import UsageError
+from mam.shared.store.registry import Registry
 
 if TYPE_CHECKING:  # the Protocol only types `send_on`; nothing to load on the publish path
     from mam.shared.transport import Transport
@@ -203,7 +203,7 @@ def send(published: Published, config: BrokerConfig, *, attempts: int | None = N
     Raises:
         BrokerUnavailable, PublishTimeout, BrokerError.
     """
-    from mam.shared import mqtt  # lazy: paho only when a message is sent (publish fast path)
+    from mam.shared.transport import mqtt  # lazy: paho only when a message is sent (publish fast path)
 
     tries = mqtt.DEFAULT_ATTEMPTS if attempts is None else attempts
     mqtt.publish_with_retry(config, "publish", published.messages(config.topic_root), attempts=tries)

@@ -45,14 +45,14 @@ from mam.runner.presence import Presence
 from mam.runner.settings import RunnerOptions, options_from_cli
 from mam.runner.trust import V2Trust
 from mam.shared import config as shared_config
-from mam.shared import mqtt, names
-from mam.shared.codes import TERMINAL_STATUSES, PresenceStatus
 from mam.shared.config import BrokerConfig
-from mam.shared.crypto import DispatchKeys
-from mam.shared.errors import BrokerError, ExitCode, MamError
-from mam.shared.records import JobRecord
-from mam.shared.registry import JobNotFound, Refusal, Registry
-from mam.shared.transport import Received, Transport, TransportFactory, Will
+from mam.shared.protocol import names
+from mam.shared.protocol.codes import TERMINAL_STATUSES, PresenceStatus
+from mam.shared.protocol.crypto import DispatchKeys
+from mam.shared.protocol.errors import BrokerError, ExitCode, MamError
+from mam.shared.store.records import JobRecord
+from mam.shared.store.registry import JobNotFound, Refusal, Registry
+from mam.shared.transport import Received, Transport, TransportFactory, Will, mqtt
 
 log = logging.getLogger("mam.daemon")
 

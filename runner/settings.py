@@ -14,8 +14,9 @@ from pathlib import Path
 
 from mam.runner import heartbeat, logstream
 from mam.runner.agent import resolve_executable, split_exec
-from mam.shared import config, names
-from mam.shared.errors import ConfigError, UsageError
+from mam.shared import config
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import ConfigError, UsageError
 
 MAX_JOBS_LIMIT = 64
 """Highest `--max-jobs` (§11)."""

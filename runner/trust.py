@@ -17,11 +17,12 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from mam.shared import config, crypto, keys, wire, wirev2
-from mam.shared.crypto import DispatchKeys
-from mam.shared.errors import ConfigError, SignatureError
-from mam.shared.keys import RunnerKeys
-from mam.shared.wirefields import SEAL_ALG_V2
+from mam.shared import config
+from mam.shared.protocol import crypto, wire
+from mam.shared.protocol.crypto import DispatchKeys, keys, pubkey
+from mam.shared.protocol.crypto.keys import RunnerKeys
+from mam.shared.protocol.errors import ConfigError, SignatureError
+from mam.shared.protocol.wire.fields import SEAL_ALG_V2
 
 ACCEPT_V1_VAR = "MAM_ACCEPT_V1"
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no", "")
@@ -94,10 +95,10 @@ def verify_from_hub(message: wire.Dispatch | wire.Control, v1: DispatchKeys | No
         if v2 is None:
             raise SignatureError(f"{kind} is v2 (ed25519) but this runner has no v2 keys "
                                  "(mam-runner enroll, then mam-runner trust-hub)")
-        wirev2.verify(message, v2.hub_keys)
+        pubkey.verify(message, v2.hub_keys)
         return
     if v2 is not None and not v2.accept_v1:
-        raise SignatureError(f"{kind} {wirev2.V1_REFUSED}")
+        raise SignatureError(f"{kind} {pubkey.V1_REFUSED}")
     if v1 is None:
         raise SignatureError(f"{kind} is v1 but this runner has no MAM_DISPATCH_SECRET")
     crypto.verify(message, v1.sign_key)
@@ -115,7 +116,7 @@ def open_dispatch(dispatch: wire.Dispatch, v1: DispatchKeys | None, v2: V2Trust 
     if dispatch.sealed.alg == SEAL_ALG_V2:
         if v2 is None:
             raise SignatureError(crypto.SEAL_FAILED)
-        return wirev2.open_sealed(v2.runner.x25519, dispatch.sealed, job_id=job_id, attempt_id=attempt_id,
+        return pubkey.open_sealed(v2.runner.x25519, dispatch.sealed, job_id=job_id, attempt_id=attempt_id,
                                   dispatch_token=token)
     if v1 is None:
         raise SignatureError(crypto.SEAL_FAILED)
@@ -130,7 +131,7 @@ def sign_presence(presence: Mapping[str, Any], v1: DispatchKeys | None, v2: V2Tr
         ConfigError: neither key is held.
     """
     if v2 is not None:
-        return wirev2.sign_presence(presence, v2.runner.ed25519)
+        return pubkey.sign_presence(presence, v2.runner.ed25519)
     if v1 is None:
         raise ConfigError("no key to sign presence with: set MAM_DISPATCH_SECRET or enrol (mam-runner enroll)")
     return crypto.sign(presence, v1.sign_key)
@@ -143,7 +144,7 @@ def verify_own_presence(presence: wire.Presence, v1: DispatchKeys | None, v2: V2
         SignatureError: not signed by this runner identity.
     """
     if v2 is not None:
-        wirev2.verify(presence, [v2.runner.ed25519.public_key()])
+        pubkey.verify(presence, [v2.runner.ed25519.public_key()])
         return
     if v1 is None:
         raise SignatureError("presence sig verify failed")

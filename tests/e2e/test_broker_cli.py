@@ -21,11 +21,12 @@ from dotenv import dotenv_values
 from harness.brokers import free_port
 from harness.waiting import PATIENCE_S, QUIET_S
 
-from mam.shared import broker as broker_mod
-from mam.shared import mqtt, names
+from mam.orchestrator.broker import embedded as broker_mod
 from mam.shared.config import BrokerConfig, broker_config
-from mam.shared.errors import BrokerError
-from mam.shared.registry import Registry
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import BrokerError
+from mam.shared.store.registry import Registry
+from mam.shared.transport import mqtt
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 

@@ -3,7 +3,7 @@ from the venv runs the config `mam-orch init --broker-config` wrote; `mam-orch r
 gives runners A and B their own broker users (passwords in 0600 files, never on stdout)
 and edits that config, `nats-server --signal reload` (the command `runner add|revoke`
 print) applies it. mosquitto: the shipped deploy/mosquitto files, the operator adds each
-runner's `user` block (`brokerusers.mosquitto_acl_block`) and password, then SIGHUP.
+runner's `user` block (`users.mosquitto_acl_block`) and password, then SIGHUP.
 With A's user: a dispatch or a control it publishes reaches no subscriber, B's presence
 cannot be subscribed to (nats: SUBACK 0x80; mosquitto: nothing delivered), and a real v2
 runner A completes a hub job. After `runner revoke A` and the reload, A's user cannot
@@ -37,11 +37,13 @@ from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import TEST_SECRET, clean_env
 
 from mam.orchestrator import init as mam_init
-from mam.shared import broker as embedded
-from mam.shared import brokerusers, keys, names, wire, wirev2
+from mam.orchestrator.broker import embedded as embedded
+from mam.orchestrator.broker import users
 from mam.shared.config import BrokerConfig, broker_config, read_env_file, write_env_file
-from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
-from mam.shared.mqtt import Message, MqttClient
+from mam.shared.protocol import names, wire
+from mam.shared.protocol.crypto import keys, pubkey
+from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, PublishTimeout
+from mam.shared.transport.mqtt import Message, MqttClient
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(6 * PATIENCE_S)]
 
@@ -81,7 +83,7 @@ class Hub:
         if self.mosquitto is None:
             return
         auth = self.mosquitto.folder / "auth"  # type: ignore[operator]
-        acl, block = auth / "acl", brokerusers.mosquitto_acl_block(session, self.topic_root)
+        acl, block = auth / "acl", users.mosquitto_acl_block(session, self.topic_root)
         if add:
             password = read_env_file(names.runner_credentials_path(self.root, session))["MQTT_PASSWORD"]
             acl.write_text(acl.read_text() + "\n" + block)
@@ -180,7 +182,7 @@ def test_s16_runner_broker_user_least_privilege_and_revocation(hub: Hub, tmp_pat
         watcher.subscribe([(f"{root}/#", 1)])
         a_keys = keys.load_runner_keys(ws_a)
         assert a_keys is not None
-        forged = wirev2.sign(wire.Control.cancel(job, 1, "operator"), a_keys.ed25519)
+        forged = pubkey.sign(wire.Control.cancel(job, 1, "operator"), a_keys.ed25519)
         for topic, payload in ((names.dispatch_topic(job, root), b"forged dispatch"),
                                (names.control_topic(job, root), wire.encode(forged))):
             try:

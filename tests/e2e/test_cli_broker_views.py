@@ -13,7 +13,7 @@ import pytest
 from harness.runnersim import SimRunner, hub_workspace, orch, retained
 from harness.waiting import PATIENCE_S
 
-from mam.shared import names
+from mam.shared.protocol import names
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(120)]
 LONG_GONE = timedelta(days=8)  # past OFFLINE_HIDDEN_DAYS

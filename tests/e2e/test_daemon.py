@@ -31,10 +31,10 @@ from mam.orchestrator.control import clear_dispatch, publish_cancel
 from mam.orchestrator.dispatch import build_dispatch, publish_dispatch
 from mam.runner.service import Runner
 from mam.runner.settings import options_from_cli
-from mam.shared import crypto, names, wire
-from mam.shared.errors import MamError
-from mam.shared.mqtt import MqttClient
-from mam.shared.registry import Contract, Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.errors import MamError
+from mam.shared.store.registry import Contract, Registry
+from mam.shared.transport.mqtt import MqttClient
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 

@@ -18,7 +18,7 @@ from harness.httpserve import Serve, gated
 from harness.runnersim import hub_workspace, start_runner
 from harness.waiting import PATIENCE_S
 
-from mam.shared import names
+from mam.shared.protocol import names
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(180)]
 

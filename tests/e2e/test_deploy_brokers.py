@@ -4,7 +4,7 @@ real servers: nats-server from the wheel and Debian's mosquitto.
 Each broker is started from the file in deploy/ with only ports, store and
 certificate paths changed (for nats through the `MAM_*` variable lines of the
 file, for mosquitto by replacing the listener and path lines, each of which
-must match exactly once). Clients are `mam.shared.mqtt.MqttClient`.
+must match exactly once). Clients are `mam.shared.transport.mqtt.MqttClient`.
 
 Covers: authentication (§13 credentials), the topic-root ACLs of the agent and
 observer users over the topics of §2 (events §3, state §4, presence §7),
@@ -47,10 +47,10 @@ from harness.shipped import (  # noqa: F401 - fixtures
 from harness.waiting import PATIENCE_S, wait_until
 
 from mam.orchestrator import init as mam_init
-from mam.shared import names
 from mam.shared.config import broker_config
-from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
-from mam.shared.mqtt import Message, MqttClient
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, PublishTimeout
+from mam.shared.transport.mqtt import Message, MqttClient
 
 pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
 
@@ -307,7 +307,7 @@ def test_tls_listener_refuses_tls_1_2(tls_broker: Broker):
 
 
 # paho leaks the TLS socket of a failed handshake (it never reaches paho's
-# client._sock, so mam.shared.mqtt cannot close it): ignore that warning here only.
+# client._sock, so mam.shared.transport.mqtt cannot close it): ignore that warning here only.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_client_that_does_not_trust_the_ca_is_refused(tls_broker: Broker):
     with pytest.raises(ssl.SSLCertVerificationError):

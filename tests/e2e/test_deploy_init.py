@@ -20,7 +20,7 @@ from harness.netns import Tailnet, unavailable_reason
 from harness.waiting import PATIENCE_S
 
 from mam.orchestrator import init as mam_init
-from mam.shared.errors import ConfigError, UsageError
+from mam.shared.protocol.errors import ConfigError, UsageError
 
 REPO = Path(__file__).resolve().parents[2]
 MAM_ORCH = REPO / ".venv" / "bin" / "mam-orch"

@@ -35,8 +35,8 @@ from harness.shipped import (  # noqa: F401 - fixtures
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env
 
-from mam.shared import crypto, names, wire
 from mam.shared.config import write_env_file
+from mam.shared.protocol import crypto, names, wire
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(6 * PATIENCE_S)]
 

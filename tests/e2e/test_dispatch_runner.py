@@ -13,8 +13,8 @@ from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, retained
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env, write_env_for
 
-from mam.shared import names
-from mam.shared.registry import Registry
+from mam.shared.protocol import names
+from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 

@@ -7,8 +7,9 @@ from harness.jobkit import JobPair
 from harness.waiting import wait_until
 
 from mam.runner import publish
-from mam.shared import crypto, mqtt, names, wire
-from mam.shared.mqtt import MqttClient
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.transport import mqtt
+from mam.shared.transport.mqtt import MqttClient
 
 pytestmark = pytest.mark.broker
 

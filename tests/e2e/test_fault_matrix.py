@@ -33,7 +33,7 @@ from harness.netns import unavailable_reason
 from harness.procs import gone
 from harness.waiting import PATIENCE_S, wait_until
 
-from mam.shared.codes import TERMINAL_STATUSES
+from mam.shared.protocol.codes import TERMINAL_STATUSES
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 

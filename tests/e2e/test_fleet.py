@@ -11,8 +11,8 @@ from harness.jobkit import WatchProcess
 from harness.runnersim import MAM_ORCH, SimRunner, hub_env, hub_workspace, job_records, orch, retained
 from harness.waiting import PATIENCE_S, wait_until
 
-from mam.shared import crypto, names, wire
-from mam.shared.registry import Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.store.registry import Registry
 
 pytestmark = pytest.mark.broker
 

@@ -14,8 +14,9 @@ from harness.procs import gone, heartbeat_beats
 from harness.waiting import PATIENCE_S, wait_until
 
 from mam.runner import heartbeat, publish
-from mam.shared import mqtt, names, wire
-from mam.shared.registry import Contract
+from mam.shared.protocol import names, wire
+from mam.shared.store.registry import Contract
+from mam.shared.transport import mqtt
 
 pytestmark = pytest.mark.broker
 

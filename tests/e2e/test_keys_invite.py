@@ -15,9 +15,10 @@ from harness.runnersim import AGENTS, MAM_RUNNER, hub_workspace, orch, retained,
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env
 
-from mam.orchestrator import roster
-from mam.shared import keys, names
-from mam.shared.invite import InviteCode
+from mam.orchestrator.identity import roster
+from mam.shared.protocol import names
+from mam.shared.protocol.crypto import keys
+from mam.shared.protocol.crypto.invite import InviteCode
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(6 * PATIENCE_S)]
 

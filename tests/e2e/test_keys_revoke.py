@@ -17,10 +17,11 @@ from harness.runnersim import AGENTS, MAM_ORCH, MAM_RUNNER, hub_env, hub_workspa
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env, write_env_for
 
-from mam.orchestrator import roster
-from mam.shared import keys, names
-from mam.shared.keys import EnrolRequest
-from mam.shared.registry import Registry
+from mam.orchestrator.identity import roster
+from mam.shared.protocol import names
+from mam.shared.protocol.crypto import keys
+from mam.shared.protocol.crypto.keys import EnrolRequest
+from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(6 * PATIENCE_S)]
 

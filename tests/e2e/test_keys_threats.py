@@ -21,10 +21,12 @@ from harness.runnersim import AGENTS, MAM_RUNNER, hub_workspace, orch, retained,
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env, write_env_for
 
-from mam.orchestrator import roster
-from mam.shared import crypto, keys, mqtt, names, wire, wirev2
-from mam.shared.errors import SignatureError
-from mam.shared.keys import EnrolRequest
+from mam.orchestrator.identity import roster
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.crypto import keys, pubkey
+from mam.shared.protocol.crypto.keys import EnrolRequest
+from mam.shared.protocol.errors import SignatureError
+from mam.shared.transport import mqtt
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
 
@@ -55,7 +57,7 @@ def start_v2_runner(broker, workspace: Path) -> subprocess.Popen[bytes]:
 
 def dispatch_for_b(signer: Ed25519PrivateKey, b_x25519: str, job_id: str, brief: str) -> bytes:
     """A v2 dispatch for B, sealed to B's public X25519 key, signed by `signer`."""
-    signed = wirev2.build_dispatch(signer, keys.x25519_public(b_x25519), job_id=job_id, session=SESSION_B,
+    signed = pubkey.build_dispatch(signer, keys.x25519_public(b_x25519), job_id=job_id, session=SESSION_B,
                                    attempt_id=1, dispatch_token=names.new_dispatch_token(),
                                    auth_token=names.new_auth_token(), brief=brief, origin="attacker",
                                    contract=wire.Contract())
@@ -140,7 +142,7 @@ def test_s16_presence_forged_as_b_refused_by_hub_and_b(broker, tmp_path):
                                      max_jobs=1)
         with mqtt.MqttClient(broker.config(), "attacker") as attacker:
             attacker.publish(names.presence_topic(SESSION_B, broker.topic_root),
-                             wire.encode(wirev2.sign_presence(forged, a_keys.ed25519)), retain=True)
+                             wire.encode(pubkey.sign_presence(forged, a_keys.ed25519)), retain=True)
             # B is not fooled into draining (a v1 runner that sees a takeover presence drains)
             wait_until(lambda: f"refused presence on session {SESSION_B}" in runner_log(b_ws),
                        what="B's refusal of the forged presence")
@@ -186,10 +188,10 @@ def test_s16_runner_a_reads_b_dispatch_cannot_open_seal_and_replay_after_cancel_
             assert str(runs).encode() not in captured  # the brief is not in the clear
             for private in (a_keys.x25519, X25519PrivateKey.generate()):
                 with pytest.raises(SignatureError, match="seal does not open"):
-                    wirev2.open_sealed(private, dispatch.sealed, job_id=job_id, attempt_id=1,
+                    pubkey.open_sealed(private, dispatch.sealed, job_id=job_id, attempt_id=1,
                                        dispatch_token=dispatch.dispatch_token)
             wait_until(lambda: runs.exists(), what="B to run the hub's dispatch")
-            cancel = wirev2.sign(wire.Control.cancel(job_id, 1, "operator"), hub_key)
+            cancel = pubkey.sign(wire.Control.cancel(job_id, 1, "operator"), hub_key)
             hub.publish(names.control_topic(job_id, root), wire.encode(cancel), retain=True)
             wait_until(lambda: f"cancel of job {job_id} attempt 1" in runner_log(b_ws), what="B to take the cancel")
             attacker.publish(names.dispatch_topic(job_id, root), captured, retain=True)  # replayed after the cancel

@@ -1,4 +1,4 @@
-"""`mam.shared.mqtt` against real brokers (nats-server and mosquitto): QoS 1,
+"""`mam.shared.transport.mqtt` against real brokers (nats-server and mosquitto): QoS 1,
 retained state (§2, §4), reconnect and re-subscribe (§10), fail-over and
 retries (§13), the observer's read-only rights, and secrets kept out of text."""
 
@@ -21,9 +21,10 @@ from harness.brokers import NatsBroker, free_port
 from harness.procs import stopped
 from harness.waiting import PATIENCE_S, wait_until
 
-from mam.shared import mqtt, names
 from mam.shared.config import BrokerConfig
-from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, PublishTimeout
+from mam.shared.transport import mqtt
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 

@@ -34,9 +34,9 @@ from harness.runnersim import MAM_ORCH, SimRunner, hub_env, hub_workspace, orch,
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env, write_env_for
 
-from mam.shared import crypto, names, wire
-from mam.shared.errors import ExitCode
-from mam.shared.registry import Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.errors import ExitCode
+from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
 

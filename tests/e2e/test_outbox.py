@@ -25,8 +25,8 @@ from harness.jobkit import WatchProcess
 from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, orch, retained, runner_log
 from harness.waiting import PATIENCE_S, wait_until
 
-from mam.shared import names
-from mam.shared.registry import Registry
+from mam.shared.protocol import names
+from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 

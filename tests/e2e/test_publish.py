@@ -9,7 +9,8 @@ import pytest
 from harness.jobkit import MAM_RUNNER, JobPair
 from harness.waiting import PATIENCE_S, wait_until
 
-from mam.shared import mqtt, names
+from mam.shared.protocol import names
+from mam.shared.transport import mqtt
 
 pytestmark = pytest.mark.broker
 

@@ -30,10 +30,10 @@ from harness.runnersim import MAM_ORCH, MAM_RUNNER, hub_env, hub_workspace, orch
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env
 
-from mam.shared import crypto, names, wire
 from mam.shared.config import dispatch_secret
-from mam.shared.mqtt import MqttClient
-from mam.shared.registry import Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.store.registry import Registry
+from mam.shared.transport.mqtt import MqttClient
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 

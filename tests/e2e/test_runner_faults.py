@@ -30,9 +30,9 @@ from harness.waiting import PATIENCE_S, QUIET_S, wait_until
 from harness.workspace import TEST_SECRET, clean_env, write_env_for
 
 from mam.orchestrator.dispatch import build_dispatch, publish_dispatch
-from mam.shared import crypto, names, wire
-from mam.shared.mqtt import MqttClient
-from mam.shared.registry import Contract, JobNotFound, Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.store.registry import Contract, JobNotFound, Registry
+from mam.shared.transport.mqtt import MqttClient
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 

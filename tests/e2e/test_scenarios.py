@@ -21,8 +21,8 @@ from harness.waiting import PATIENCE_S, wait_until
 
 from mam.orchestrator.acceptance import mirror_event
 from mam.orchestrator.dispatch import build_dispatch
-from mam.shared import crypto, names, wire
-from mam.shared.registry import Contract, Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.store.registry import Contract, Registry
 
 pytestmark = [pytest.mark.e2e]
 

@@ -32,8 +32,9 @@ from harness.workspace import clean_env, write_env_for
 
 from mam import Hub, Outcome  # the public import path (README "Python API")
 from mam.orchestrator.hublock import service_pid
-from mam.shared import mqtt, names
-from mam.shared.registry import Registry
+from mam.shared.protocol import names
+from mam.shared.store.registry import Registry
+from mam.shared.transport import mqtt
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(180)]
 

@@ -28,8 +28,8 @@ from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env
 
 from mam.runner import localsock
-from mam.shared import names
-from mam.shared.registry import Registry
+from mam.shared.protocol import names
+from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
 

@@ -31,7 +31,7 @@ from mam.runner.agent import (
     split_exec,
 )
 from mam.runner.process_tree import AGENT_TAG_ENV, AgentIdentity, stop_orphan
-from mam.shared.errors import RegistryError, UsageError
+from mam.shared.protocol.errors import RegistryError, UsageError
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 from harness.waiting import PATIENCE_S, wait_until
-from mam.shared import broker
+from mam.orchestrator.broker import embedded as broker
 from mam.shared.config import BrokerConfig
 
 MOSQUITTO = "/usr/sbin/mosquitto"
@@ -139,7 +139,7 @@ class BrokerProcess:
 
 
 class NatsBroker(BrokerProcess):
-    """nats-server from the wheel with the config `mam.shared.broker` renders."""
+    """nats-server from the wheel with the config `mam.orchestrator.broker.embedded` renders."""
 
     name = "nats"
 

@@ -32,7 +32,9 @@ NATIVE_PREFIX = "  or natively: "
 PROBE = """
 import json, sys
 from pathlib import Path
-from mam.shared import broker, config, mqtt
+from mam.orchestrator.broker import embedded as broker
+from mam.shared import config
+from mam.shared.transport import mqtt
 cfg = config.broker_config(workspace=Path(sys.argv[1])).with_overrides(hosts=(sys.argv[2],))
 broker.wait_mqtt_ready(cfg, timeout_s=float(sys.argv[3]))
 if len(sys.argv) > 4:

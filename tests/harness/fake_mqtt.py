@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from paho.mqtt.client import topic_matches_sub
 
 from mam.shared.config import BrokerConfig
-from mam.shared.errors import BrokerUnavailable, PublishTimeout
+from mam.shared.protocol.errors import BrokerUnavailable, PublishTimeout
 from mam.shared.transport import Will
 
 

@@ -51,9 +51,10 @@ from harness.netns import Tailnet
 from harness.procs import kill_all
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import TEST_SECRET, clean_env
-from mam.shared import broker, names
+from mam.orchestrator.broker import embedded as broker
 from mam.shared.config import write_env_file
-from mam.shared.registry import JobNotFound, Registry
+from mam.shared.protocol import names
+from mam.shared.store.registry import JobNotFound, Registry
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

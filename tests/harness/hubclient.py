@@ -7,9 +7,9 @@ import queue
 import threading
 from typing import Any
 
-from mam.shared import crypto, wire
 from mam.shared.config import BrokerConfig
-from mam.shared.mqtt import Message
+from mam.shared.protocol import crypto, wire
+from mam.shared.transport.mqtt import Message
 
 TS = "2026-06-20T14:49:30Z"
 

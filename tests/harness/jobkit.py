@@ -15,7 +15,7 @@ from typing import Any
 from harness.fleet import Dispatch
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env, write_env_for
-from mam.shared.registry import Contract, Registry
+from mam.shared.store.registry import Contract, Registry
 
 MAM_ORCH = [sys.executable, "-m", "mam.orchestrator.cli"]
 MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]

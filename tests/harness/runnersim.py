@@ -22,8 +22,9 @@ from typing import Any
 from harness.waiting import PATIENCE_S, QUIET_S, wait_until
 from harness.workspace import TEST_SECRET, clean_env, write_env_for
 from mam.runner.publish import PublishRequest, record, send_on
-from mam.shared import crypto, mqtt, names, wire
-from mam.shared.registry import Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.store.registry import Registry
+from mam.shared.transport import mqtt
 
 MAM_ORCH = [sys.executable, "-m", "mam.orchestrator.cli"]
 MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]

@@ -5,7 +5,7 @@ Each broker is started from the file in deploy/ with only ports, store and
 certificate paths changed (for nats through the `MAM_*` variable lines of the
 file, for mosquitto by replacing the listener and path lines, each of which
 must match exactly once). `start_embedded` runs the hub's embedded broker through
-`mam.shared.broker.up` (rendered from the same deploy/nats/nats.conf, issue 10
+`mam.orchestrator.broker.embedded.up` (rendered from the same deploy/nats/nats.conf, issue 10
 fault 5). Module-scoped fixtures `pki`, `nats_plain`, `nats_embedded` and
 `mosquitto_pair`: import them into a test module to use them.
 """
@@ -36,9 +36,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from harness.brokers import free_port
 from harness.waiting import PATIENCE_S, wait_until
 from mam.orchestrator import init as mam_init
-from mam.shared import broker as embedded
+from mam.orchestrator.broker import embedded as embedded
 from mam.shared.config import BrokerConfig, read_env_file
-from mam.shared.mqtt import Message, MqttClient
+from mam.shared.transport.mqtt import Message, MqttClient
 
 REPO = Path(__file__).resolve().parents[2]  # tests/harness/shipped.py
 DEPLOY = REPO / "deploy"

@@ -19,7 +19,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from mam.shared import broker, config, mqtt
+from mam.orchestrator.broker import embedded as broker
+from mam.shared import config
+from mam.shared.transport import mqtt
 
 QUEUE_POLL_S = 1.0
 

@@ -17,11 +17,12 @@ from mam.orchestrator.cli import app
 from mam.orchestrator.hints import detach_hint
 from mam.orchestrator.watch import render_event
 from mam.runner.cli import app as runner_app
-from mam.shared import clikit, names
-from mam.shared.errors import ExitCode
-from mam.shared.records import JobNotFound, QueueTerms, redact
-from mam.shared.registry import Registry
-from mam.shared.render import jobs_table, show_text, summary_lines
+from mam.shared import cli
+from mam.shared.cli.render import jobs_table, show_text, summary_lines
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import ExitCode
+from mam.shared.store.records import JobNotFound, QueueTerms, redact
+from mam.shared.store.registry import Registry
 
 pytestmark = pytest.mark.timeout(60)
 TS = "2026-06-20T14:49:30Z"
@@ -43,12 +44,12 @@ def ended(reg, status="completed", close_reason=None):
 
 def run_cli(*argv: str) -> int:
     with pytest.raises(SystemExit) as info:
-        clikit.run(app, "mam-orch", list(argv))
+        cli.run(app, "mam-orch", list(argv))
     return int(info.value.code)
 
 
 def test_human_view_logs_only_warnings_unless_asked():
-    code = ("import logging, sys; from mam.shared import clikit; clikit.setup_logging({}); "
+    code = ("import logging, sys; from mam.shared import clikit; cli.setup_logging({}); "
             "print(logging.getLevelName(logging.getLogger().level))")
     env = {"PATH": "/usr/bin:/bin"}
     human = subprocess.run([sys.executable, "-c", code.format("True")], capture_output=True, text=True, env=env)
@@ -193,12 +194,12 @@ def test_help_has_no_protocol_refs_an_example_each_and_whole_summaries(capsys):
 
 def test_mam_runner_help_is_the_same_kind(capsys):
     with pytest.raises(SystemExit):
-        clikit.run(runner_app, "mam-runner", ["--help"])
+        cli.run(runner_app, "mam-runner", ["--help"])
     top = capsys.readouterr().out
     assert "§" not in top and "..." not in top.split("Commands:")[1]
     for name in ("run", "publish", "enroll", "trust-hub", "jobs", "show"):
         with pytest.raises(SystemExit):
-            clikit.run(runner_app, "mam-runner", [name, "--help"])
+            cli.run(runner_app, "mam-runner", [name, "--help"])
         text = capsys.readouterr().out
         assert "§" not in text and "PROTOCOL" not in text and "Example: mam-runner " in text, name
 

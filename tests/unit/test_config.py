@@ -12,7 +12,7 @@ import pytest
 
 from mam.shared import config
 from mam.shared.config import BrokerConfig
-from mam.shared.errors import ConfigError, EnvFileError
+from mam.shared.protocol.errors import ConfigError, EnvFileError
 
 SECRET = "s" * 40
 

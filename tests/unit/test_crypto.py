@@ -15,8 +15,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mam.shared import crypto, wire
-from mam.shared.errors import ConfigError, DecodeError, SignatureError
+from mam.shared.protocol import crypto, wire
+from mam.shared.protocol.errors import ConfigError, DecodeError, SignatureError
 
 GOLDEN = json.loads((Path(__file__).parent / "golden_vectors.json").read_text(encoding="utf-8"))
 TOKEN = "0123456789abcdef0123456789abcdef"

@@ -18,10 +18,10 @@ from mam.orchestrator.acceptance import (
     mirror_event,
 )
 from mam.orchestrator.watch import Watcher, WatchOptions
-from mam.shared import crypto, names, wire
 from mam.shared.config import BrokerConfig
-from mam.shared.errors import UsageError
-from mam.shared.registry import Refusal, Registry, StaleTransition
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.errors import UsageError
+from mam.shared.store.registry import Refusal, Registry, StaleTransition
 
 TS = "2026-06-20T14:49:30Z"
 

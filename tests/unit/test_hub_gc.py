@@ -10,9 +10,9 @@ from harness.workspace import TEST_SECRET
 
 from mam.orchestrator import gc
 from mam.shared.config import BrokerConfig, write_env_file
-from mam.shared.errors import BrokerError, BrokerUnavailable, PublishTimeout
-from mam.shared.mqtt import UNREACHABLE
-from mam.shared.registry import Registry
+from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, PublishTimeout
+from mam.shared.store.registry import Registry
+from mam.shared.transport.mqtt import UNREACHABLE
 
 pytestmark = pytest.mark.timeout(10)
 

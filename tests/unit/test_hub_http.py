@@ -14,16 +14,16 @@ from harness.workspace import TEST_SECRET
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
-from mam.orchestrator import http as hubhttp
-from mam.orchestrator.httpview import LiveFeed
+from mam.orchestrator.http import app as hubhttp
+from mam.orchestrator.http.views import LiveFeed
 from mam.orchestrator.hub import open_hub
 from mam.orchestrator.queue import RunnerView
 from mam.orchestrator.service import HubService
-from mam.shared import crypto, names
 from mam.shared.config import write_env_file
-from mam.shared.crypto import MAX_BRIEF_BYTES
-from mam.shared.errors import ConfigError, UsageError
-from mam.shared.registry import Contract, Registry
+from mam.shared.protocol import crypto, names
+from mam.shared.protocol.crypto import MAX_BRIEF_BYTES
+from mam.shared.protocol.errors import ConfigError, UsageError
+from mam.shared.store.registry import Contract, Registry
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,13 +20,13 @@ from harness.workspace import TEST_SECRET
 from mam.orchestrator.acceptance import Refused, Seen, accept
 from mam.orchestrator.hints import reattach_hint
 from mam.orchestrator.watch import Watcher, WatchOptions
-from mam.shared import crypto, names, wire
+from mam.shared.cli.render import cli_jobs, cli_show, jobs_table
 from mam.shared.config import BrokerConfig
-from mam.shared.errors import ExitCode
-from mam.shared.mqtt import Message
-from mam.shared.records import redact
-from mam.shared.registry import Contract, Registry
-from mam.shared.render import cli_jobs, cli_show, jobs_table
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.errors import ExitCode
+from mam.shared.store.records import redact
+from mam.shared.store.registry import Contract, Registry
+from mam.shared.transport.mqtt import Message
 
 TS = "2026-06-20T14:49:30Z"
 KEYS = crypto.derive_keys(TEST_SECRET)

@@ -18,13 +18,14 @@ from mam.orchestrator import queuewait
 from mam.orchestrator.queue import Fleet, RunnerView
 from mam.orchestrator.queuewait import PresenceFeed, close_queue_timeout, place, requeue, retry_attempt, retry_reason
 from mam.orchestrator.watch import Watcher, WatchOptions
-from mam.shared import crypto, names, render, wire
-from mam.shared.codes import JobStatus
+from mam.shared.cli import render
 from mam.shared.config import BrokerConfig
-from mam.shared.errors import ExitCode, UsageError
-from mam.shared.mqtt import Message
-from mam.shared.records import QueueTerms, Refusal, moved
-from mam.shared.registry import Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.codes import JobStatus
+from mam.shared.protocol.errors import ExitCode, UsageError
+from mam.shared.store.records import QueueTerms, Refusal, moved
+from mam.shared.store.registry import Registry
+from mam.shared.transport.mqtt import Message
 
 KEYS = crypto.derive_keys("k" * 40)
 KEYS_W = crypto.derive_keys(TEST_SECRET)

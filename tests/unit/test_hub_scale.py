@@ -19,10 +19,10 @@ from mam.orchestrator.hub import open_hub
 from mam.orchestrator.mirror import audit_seq
 from mam.orchestrator.service import HubService
 from mam.orchestrator.watch import Watcher, WatchOptions
-from mam.shared import crypto, names, wire
 from mam.shared.config import BrokerConfig, write_env_file
-from mam.shared.mqtt import Message
-from mam.shared.registry import Contract, Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.store.registry import Contract, Registry
+from mam.shared.transport.mqtt import Message
 
 KEYS = crypto.derive_keys(TEST_SECRET)
 SERVICE = WatchOptions(remote=True, ack_only_before_first=True, lazy_progress=True)

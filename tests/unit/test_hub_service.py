@@ -19,10 +19,10 @@ from mam.orchestrator.hub import open_hub
 from mam.orchestrator.hublock import HubLock, service_pid
 from mam.orchestrator.service import HubService
 from mam.orchestrator.watch import Watcher, WatchOptions
-from mam.shared import crypto, names
 from mam.shared.config import write_env_file
-from mam.shared.errors import ExitCode, UsageError
-from mam.shared.registry import Contract, Registry
+from mam.shared.protocol import crypto, names
+from mam.shared.protocol.errors import ExitCode, UsageError
+from mam.shared.store.registry import Contract, Registry
 
 KEYS = crypto.derive_keys(TEST_SECRET)
 

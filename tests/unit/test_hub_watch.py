@@ -14,11 +14,11 @@ from harness.workspace import TEST_SECRET
 
 from mam.orchestrator.control import cancel_owed, close_remote
 from mam.orchestrator.watch import Watcher, WatchOptions
-from mam.shared import crypto, names, wire
 from mam.shared.config import BrokerConfig
-from mam.shared.errors import BrokerError, ExitCode
-from mam.shared.mqtt import Message
-from mam.shared.registry import Contract, Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.errors import BrokerError, ExitCode
+from mam.shared.store.registry import Contract, Registry
+from mam.shared.transport.mqtt import Message
 
 TS = "2026-06-20T14:49:30Z"
 KEYS = crypto.derive_keys(TEST_SECRET)

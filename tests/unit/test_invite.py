@@ -12,13 +12,15 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from mam.orchestrator import init as mam_init
-from mam.orchestrator import invites, roster
+from mam.orchestrator.broker import users
+from mam.orchestrator.identity import invites, roster
 from mam.runner import enrolinvite
-from mam.shared import brokerusers, invite, keys, names
 from mam.shared.config import read_env_file
-from mam.shared.errors import ConfigError, ProtocolError, SignatureError, UsageError
-from mam.shared.invite import InviteCode
-from mam.shared.wirejson import canonical_json
+from mam.shared.protocol import names
+from mam.shared.protocol.crypto import invite, keys
+from mam.shared.protocol.crypto.invite import InviteCode
+from mam.shared.protocol.errors import ConfigError, ProtocolError, SignatureError, UsageError
+from mam.shared.protocol.wire.canonical import canonical_json
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -241,7 +243,7 @@ def test_s16_hub_with_a_managed_broker_config_gives_the_invited_runner_its_own_b
     got = invite.check_answer(code, req, answer)
     password = invite.open_password(runner.x25519, got.sealed_password, invite_id=code.invite_id,
                                     nonce=req["nonce"], username="gpu-box")
-    assert brokerusers.runner_users(conf.read_text()) == ["gpu-box"]
+    assert users.runner_users(conf.read_text()) == ["gpu-box"]
     assert password not in conf.read_text() and password not in err
     assert not names.runner_credentials_path(hub_root, "gpu-box").exists()  # nothing left to hand over
 

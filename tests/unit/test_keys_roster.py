@@ -13,11 +13,13 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 
-from mam.orchestrator import control, roster, runners
+from mam.orchestrator import control, runners
+from mam.orchestrator.identity import roster
 from mam.runner import enrol
-from mam.shared import crypto, keys, names, wire, wirev2
-from mam.shared.errors import ConfigError, RegistryError, SignatureError, UsageError
-from mam.shared.keys import EnrolRequest
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.crypto import keys, pubkey
+from mam.shared.protocol.crypto.keys import EnrolRequest
+from mam.shared.protocol.errors import ConfigError, RegistryError, SignatureError, UsageError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -278,16 +280,16 @@ def test_s16_hub_checks_presence_against_the_roster(tmp_path):
 
     assert check(crypto.sign(_presence(), v1.sign_key))["status"] == "online"  # not enrolled: v1 as before
     with pytest.raises(SignatureError, match="not enrolled"):
-        check(wirev2.sign_presence(_presence(), runner_key))
+        check(pubkey.sign_presence(_presence(), runner_key))
     roster.add(tmp_path, made)
-    assert check(wirev2.sign_presence(_presence(), runner_key))["session"] == "gpu-box"
+    assert check(pubkey.sign_presence(_presence(), runner_key))["session"] == "gpu-box"
     with pytest.raises(SignatureError, match="v2 only"):
         check(crypto.sign(_presence(), v1.sign_key))  # the v1 secret no longer speaks for an enrolled runner
     with pytest.raises(SignatureError, match="enrolled key"):
-        check(wirev2.sign_presence(_presence(), Ed25519PrivateKey.generate()))  # runner A posing as B
+        check(pubkey.sign_presence(_presence(), Ed25519PrivateKey.generate()))  # runner A posing as B
     roster.revoke(tmp_path, "gpu-box")
     with pytest.raises(SignatureError, match="revoked"):
-        check(wirev2.sign_presence(_presence(), runner_key))
+        check(pubkey.sign_presence(_presence(), runner_key))
 
 
 def test_s16_hub_builds_v2_for_enrolled_sessions_only(tmp_path, caplog):
@@ -304,12 +306,12 @@ def test_s16_hub_builds_v2_for_enrolled_sessions_only(tmp_path, caplog):
     signed = roster.build_dispatch_v2(tmp_path, record, "brief", origin="h")
     assert signed is not None
     dispatch = wire.decode(wire.encode(signed), "dispatch")
-    wirev2.verify(dispatch, [hub.public_key()])
-    assert wirev2.open_sealed(runner_x, dispatch.sealed, job_id="918b0612", attempt_id=1,
+    pubkey.verify(dispatch, [hub.public_key()])
+    assert pubkey.open_sealed(runner_x, dispatch.sealed, job_id="918b0612", attempt_id=1,
                               dispatch_token="a" * 32) == ("tok", "brief")
     control = wire.Control.cancel("918b0612", 1, "operator")
     assert roster.sign_control_v2(tmp_path, "v1-box", control) is None
-    wirev2.verify(roster.sign_control_v2(tmp_path, "gpu-box", control), [hub.public_key()])
+    pubkey.verify(roster.sign_control_v2(tmp_path, "gpu-box", control), [hub.public_key()])
     roster.revoke(tmp_path, "gpu-box")
     with pytest.raises(UsageError, match="revoked"):
         roster.build_dispatch_v2(tmp_path, record, "brief", origin="h", hub_key=hub)
@@ -337,7 +339,7 @@ def test_s16_hub_cancel_is_v2_for_enrolled_sessions(tmp_path):
         control.publish_cancel(client, record, v1, "operator", tmp_path)  # type: ignore[arg-type]
     (topic, enrolled, retain), (_, other, _) = client.published
     assert retain and topic == names.control_topic("918b0612", "python/mqtt")
-    wirev2.verify(wire.decode(enrolled, "control"), [hub.public_key()])
+    pubkey.verify(wire.decode(enrolled, "control"), [hub.public_key()])
     decoded = wire.decode(other, "control")
     assert decoded.sig_alg is None
     crypto.verify(decoded, v1.sign_key)

@@ -11,8 +11,8 @@ import pytest
 
 from mam.orchestrator.runners import presence_view, verify_presence
 from mam.runner.settings import options_from_cli
-from mam.shared import crypto, names, wire
-from mam.shared.errors import DecodeError, UsageError
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.errors import DecodeError, UsageError
 
 KEYS = crypto.derive_keys("s" * 40)
 ROOT = "python/mqtt"

@@ -26,17 +26,18 @@ from mam.runner.logstream import (
     rate_from_env,
     secret_forms,
 )
-from mam.shared import crypto, names, wirelog
 from mam.shared.config import BrokerConfig
-from mam.shared.errors import ConfigError, DecodeError, SignatureError
-from mam.shared.mqtt import Message
-from mam.shared.registry import Registry
+from mam.shared.protocol import crypto, names
+from mam.shared.protocol.errors import ConfigError, DecodeError, SignatureError
+from mam.shared.protocol.wire import logchunk
+from mam.shared.store.registry import Registry
+from mam.shared.transport.mqtt import Message
 
 pytestmark = pytest.mark.timeout(60)
 
 SECRET = 'pa"ss\\word/é-0123456789'
 KIB = 1024
-CHUNK = wirelog.MAX_CHUNK_BYTES
+CHUNK = logchunk.MAX_CHUNK_BYTES
 
 
 # ------------------------------------------------------------------ chunker
@@ -193,7 +194,7 @@ def test_s15_outage_keeps_chunks_in_the_outbox_until_the_broker_is_back(tmp_path
 
 
 def chunk(rec, number, data=b"", *, dropped=0, token=None, attempt=None):
-    return wirelog.build_chunk(token or rec["auth_token"], crypto.log_key(token or rec["auth_token"]),
+    return logchunk.build_chunk(token or rec["auth_token"], crypto.log_key(token or rec["auth_token"]),
                                job_id=rec["job_id"], attempt_id=attempt or rec["attempt_id"], chunk=number,
                                dropped=dropped, plaintext=data)
 
@@ -257,24 +258,24 @@ def test_s15_hub_refuses_bad_chunks_quietly_and_writes_nothing(hub, caplog):
 
 def test_s15_chunk_message_rules():
     token = "t" * 43
-    raw = wirelog.build_chunk(token, crypto.log_key(token), job_id="918b0612", attempt_id=1, chunk=0, dropped=0,
+    raw = logchunk.build_chunk(token, crypto.log_key(token), job_id="918b0612", attempt_id=1, chunk=0, dropped=0,
                               plaintext=b"hello")
-    parsed = wirelog.decode_chunk(raw)
-    assert set(json.loads(raw)) == wirelog.LOG_FIELDS and json.loads(raw)["kind"] == "log"
-    assert wirelog.open_chunk(parsed, token) == b"hello"
+    parsed = logchunk.decode_chunk(raw)
+    assert set(json.loads(raw)) == logchunk.LOG_FIELDS and json.loads(raw)["kind"] == "log"
+    assert logchunk.open_chunk(parsed, token) == b"hello"
     with pytest.raises(SignatureError):
-        wirelog.open_chunk(parsed, "u" * 43)
+        logchunk.open_chunk(parsed, "u" * 43)
     with pytest.raises(ValueError, match="at most"):
-        wirelog.build_chunk(token, crypto.log_key(token), job_id="918b0612", attempt_id=1, chunk=0, dropped=0,
+        logchunk.build_chunk(token, crypto.log_key(token), job_id="918b0612", attempt_id=1, chunk=0, dropped=0,
                             plaintext=b"x" * (CHUNK + 1))
     with pytest.raises(DecodeError, match="malformed: kind"):
-        wirelog.decode_chunk(json.dumps(dict(json.loads(raw), kind="event")).encode())
+        logchunk.decode_chunk(json.dumps(dict(json.loads(raw), kind="event")).encode())
     body = json.loads(raw)
     with pytest.raises(DecodeError, match="sealed.ciphertext holds more than 65536 bytes"):
-        wirelog.decode_chunk(json.dumps(dict(body, sealed=dict(
+        logchunk.decode_chunk(json.dumps(dict(body, sealed=dict(
             body["sealed"], ciphertext=base64.urlsafe_b64encode(bytes(70 * KIB)).decode()))))
     with pytest.raises(DecodeError, match="malformed: chunk"):
-        wirelog.decode_chunk(json.dumps(dict(body, chunk=2**60)))
+        logchunk.decode_chunk(json.dumps(dict(body, chunk=2**60)))
     assert names.log_topic("918b0612", "r") == "r/jobs/918b0612/log"
 
 

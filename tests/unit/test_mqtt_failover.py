@@ -1,4 +1,4 @@
-"""§13 fail-over along MQTT_BROKER and §10 re-subscribe in `mam.shared.mqtt.MqttClient`,
+"""§13 fail-over along MQTT_BROKER and §10 re-subscribe in `mam.shared.transport.mqtt.MqttClient`,
 driven through its paho callbacks with a stand-in paho client (no network, no broker).
 The same behaviour against a real three-node cluster: tests/e2e/test_cluster.py."""
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from harness.waiting import PATIENCE_S, wait_until
 
-from mam.shared import mqtt
 from mam.shared.config import BrokerConfig
+from mam.shared.transport import mqtt
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from mam.shared import names
-from mam.shared.errors import UsageError
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import UsageError
 
 
 @pytest.mark.parametrize("bad,why", [

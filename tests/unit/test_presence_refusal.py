@@ -11,7 +11,7 @@ import pytest
 from mam.orchestrator.queuewait import PresenceFeed
 from mam.orchestrator.runners import REFUSAL_SHOWN_CHARS, last_refusal, presence_view
 from mam.runner.presence import REFUSAL_DETAIL_CHARS, Presence
-from mam.shared import crypto, names, wire
+from mam.shared.protocol import crypto, names, wire
 
 pytestmark = pytest.mark.timeout(30)
 

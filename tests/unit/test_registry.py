@@ -13,9 +13,11 @@ import pytest
 from mam.orchestrator.acceptance import mirror_event
 from mam.orchestrator.cli import app as orch_app
 from mam.runner.cli import app as runner_app
-from mam.shared import clikit, names
+from mam.shared import cli
+from mam.shared.cli.render import cli_jobs, cli_show
 from mam.shared.config import contract_from_env
-from mam.shared.errors import (
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import (
     ConfigError,
     RegistryError,
     StaleAttemptError,
@@ -23,7 +25,7 @@ from mam.shared.errors import (
     UsageError,
     exit_code_for,
 )
-from mam.shared.registry import (
+from mam.shared.store.registry import (
     Contract,
     JobNotFound,
     Refusal,
@@ -31,7 +33,6 @@ from mam.shared.registry import (
     StaleTransition,
     redact,
 )
-from mam.shared.render import cli_jobs, cli_show
 
 
 @pytest.fixture
@@ -615,7 +616,7 @@ def test_s9_jobs_show_commands_exit_codes_and_no_secrets(reg, tmp_path, capsys, 
 
     def run(*argv):
         with pytest.raises(SystemExit) as info:
-            clikit.run(app, prog, list(argv))
+            cli.run(app, prog, list(argv))
         return info.value.code, capsys.readouterr()
 
     code, io_ = run("jobs", "--workspace", str(tmp_path))

@@ -14,8 +14,8 @@ import time
 import pytest
 from harness.waiting import PATIENCE_S
 
-from mam.shared import names
-from mam.shared.registry import Registry
+from mam.shared.protocol import names
+from mam.shared.store.registry import Registry
 
 CTX = multiprocessing.get_context("fork")  # fast start; the children only touch the registry
 WRITER_LIFETIME_S = 2 * PATIENCE_S  # a writer outlives the wait for its progress; it is killed long before

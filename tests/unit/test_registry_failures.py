@@ -14,9 +14,9 @@ import subprocess
 
 import pytest
 
-from mam.shared import names
-from mam.shared.errors import RegistryError
-from mam.shared.registry import Registry
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import RegistryError
+from mam.shared.store.registry import Registry
 
 
 def _mount(*args: str) -> None:

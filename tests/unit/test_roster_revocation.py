@@ -12,15 +12,16 @@ import time
 import pytest
 from test_hub_watch import KEYS, RecordingClient, deliver
 
-from mam.orchestrator import roster
+from mam.orchestrator.identity import roster
 from mam.orchestrator.queue import RunnerView
 from mam.orchestrator.queuewait import PresenceFeed
 from mam.orchestrator.watch import Watcher, WatchOptions
-from mam.shared import keys, names
-from mam.shared.codes import CloseReason
-from mam.shared.errors import ExitCode
-from mam.shared.keys import EnrolRequest
-from mam.shared.registry import Registry
+from mam.shared.protocol import names
+from mam.shared.protocol.codes import CloseReason
+from mam.shared.protocol.crypto import keys
+from mam.shared.protocol.crypto.keys import EnrolRequest
+from mam.shared.protocol.errors import ExitCode
+from mam.shared.store.registry import Registry
 
 pytestmark = pytest.mark.timeout(30)
 

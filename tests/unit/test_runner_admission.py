@@ -13,7 +13,7 @@ import pytest
 
 from mam.runner import admission
 from mam.runner.admission import Ignore, Refuse, RefuseReason, RunnerState, Take, Tombstones, Wait
-from mam.shared import crypto, names, wire
+from mam.shared.protocol import crypto, names, wire
 
 SECRET = "unit-test-dispatch-secret-0123456789abcdef"
 KEYS = crypto.derive_keys(SECRET)

@@ -15,10 +15,10 @@ from harness.fake_mqtt import FakeBroker, FakeClient
 from harness.waiting import PATIENCE_S, QUIET_S, wait_until
 
 from mam.runner import heartbeat, outbox, publish
-from mam.runner.beats import Beats
-from mam.shared import crypto, names, wire
+from mam.runner.heartbeat.beats import Beats
 from mam.shared.config import BrokerConfig
-from mam.shared.registry import Contract, Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.store.registry import Contract, Registry
 
 CONFIG = BrokerConfig(hosts=("fake-broker",), topic_root="unit/mam")
 JOBS = ("918b0612", "0000aaaa", "0000bbbb")

@@ -1,6 +1,6 @@
 """PROTOCOL §16 / issue 13 item 5: the per-runner broker users in a nats config
-(`mam.shared.brokerusers`) and `mam-orch runner add|revoke` on a managed config
-(`mam.orchestrator.runneruser`). The brokers themselves: tests/e2e/test_broker_users.py."""
+(`mam.orchestrator.broker.users`) and `mam-orch runner add|revoke` on a managed config
+(`mam.orchestrator.identity.runneruser`). The brokers themselves: tests/e2e/test_broker_users.py."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ import bcrypt
 import pytest
 
 from mam.orchestrator import init as mam_init
-from mam.orchestrator import runneruser
-from mam.shared import broker, brokerusers, names
-from mam.shared.errors import ConfigError, UsageError
+from mam.orchestrator.broker import embedded as broker
+from mam.orchestrator.broker import users
+from mam.orchestrator.identity import runneruser
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import ConfigError, UsageError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -22,7 +24,7 @@ PASSWORD = "Runner-password-0123456789"
 
 
 def test_s16_runner_user_entry_grants_only_the_runner_subjects():
-    line = brokerusers.nats_user_entry("gpu-box", PASSWORD, "python/mqtt")
+    line = users.nats_user_entry("gpu-box", PASSWORD, "python/mqtt")
     assert line.endswith("  # runner gpu-box\n") and line.count("\n") == 1
     assert '"python.mqtt.jobs.*.events", "python.mqtt.jobs.*.state", "python.mqtt.jobs.*.log", ' \
            '"python.mqtt.runners.gpu-box", "python.mqtt.enrol.gpu-box.request"] }, subscribe: { allow: ' \
@@ -34,39 +36,39 @@ def test_s16_runner_user_entry_grants_only_the_runner_subjects():
 @pytest.mark.parametrize("session", ["mam_agent", "mam_observer", "sys", "a.b", ""])
 def test_s16_session_that_cannot_be_a_broker_user_is_refused(session):
     with pytest.raises(UsageError):
-        brokerusers.runner_user(session)
+        users.runner_user(session)
 
 
 def test_s16_add_replace_and_remove_runner_users_in_the_shipped_template():
     text = mam_init.render_nats_conf()
-    one = brokerusers.with_runner_user(text, "a-box", PASSWORD)
-    two = brokerusers.with_runner_user(one, "b-box", PASSWORD)
-    again = brokerusers.with_runner_user(two, "a-box", "Other-password-0123456789")
-    assert brokerusers.runner_users(again) == ["b-box", "a-box"] and PASSWORD not in again
-    assert brokerusers.without_runner_user(brokerusers.without_runner_user(again, "a-box"), "b-box") == text
-    assert again.replace(brokerusers.users_block(again), "") == text
+    one = users.with_runner_user(text, "a-box", PASSWORD)
+    two = users.with_runner_user(one, "b-box", PASSWORD)
+    again = users.with_runner_user(two, "a-box", "Other-password-0123456789")
+    assert users.runner_users(again) == ["b-box", "a-box"] and PASSWORD not in again
+    assert users.without_runner_user(users.without_runner_user(again, "a-box"), "b-box") == text
+    assert again.replace(users.users_block(again), "") == text
 
 
 @pytest.mark.parametrize("password", ["short", 'with"quote-0123456789', "x" * 73, "$2b$11$" + "a" * 53])
 def test_s16_a_runner_password_the_config_cannot_hold_is_refused_with_one_line(password):
     """Too short, a quote (config injection), over bcrypt's 72 bytes, a `$` (never read as a hash)."""
     with pytest.raises(ConfigError) as refused:
-        brokerusers.nats_user_entry("gpu-box", password)
+        users.nats_user_entry("gpu-box", password)
     assert "\n" not in str(refused.value) and password not in str(refused.value)
 
 
 def test_s16_config_without_markers_is_refused_with_one_line():
     with pytest.raises(ConfigError, match="BEGIN runner users"):
-        brokerusers.with_runner_user("accounts {}\n", "a-box", PASSWORD)
+        users.with_runner_user("accounts {}\n", "a-box", PASSWORD)
 
 
 def test_s16_embedded_broker_keeps_runner_users_across_up(tmp_path):
     """`broker up` regenerates nats.conf: the users `runner add` put there stay."""
     settings = broker.NatsSettings(store_dir=tmp_path / "js")
     text = broker.render_nats_config(settings, broker.BrokerCredentials.fresh())
-    kept = brokerusers.with_runner_user(text, "a-box", PASSWORD)
+    kept = users.with_runner_user(text, "a-box", PASSWORD)
     fresh = broker.render_nats_config(settings, broker.BrokerCredentials.fresh())
-    assert brokerusers.runner_users(brokerusers.with_users_block(fresh, brokerusers.users_block(kept))) == ["a-box"]
+    assert users.runner_users(users.with_users_block(fresh, users.users_block(kept))) == ["a-box"]
 
 
 def test_s16_grant_and_withdraw_edit_the_config_init_recorded(tmp_path):
@@ -81,10 +83,10 @@ def test_s16_grant_and_withdraw_edit_the_config_init_recorded(tmp_path):
     assert password not in conf.read_text() and not any(password in line for line in granted.lines)
     hashed = re.search(r'user: "a-box", password: "(\$2b\$[^"]+)"', conf.read_text())
     assert hashed and bcrypt.checkpw(password.encode(), hashed[1].encode())  # what nats-server checks
-    assert brokerusers.runner_users(conf.read_text()) == ["a-box"]
+    assert users.runner_users(conf.read_text()) == ["a-box"]
     lines = runneruser.withdraw(root, "a-box")
     assert lines[0] == "removed broker user a-box" and "reload=<pid>" in lines[1]
-    assert brokerusers.runner_users(conf.read_text()) == [] and not granted.credentials.exists()
+    assert users.runner_users(conf.read_text()) == [] and not granted.credentials.exists()
 
 
 def test_s16_grant_with_an_unreadable_managed_config_is_one_line(tmp_path):
@@ -112,7 +114,7 @@ def test_s16_config_from_before_runner_users_is_not_edited_and_says_so(tmp_path)
     root.mkdir()
     conf = tmp_path / "nats.conf"
     mam_init.init_workspace(root, broker_config=conf, environ={})
-    old = conf.read_text().replace(brokerusers.BEGIN_MARK, "").replace(brokerusers.END_MARK, "")
+    old = conf.read_text().replace(users.BEGIN_MARK, "").replace(users.END_MARK, "")
     conf.write_text(old)
     granted = runneruser.grant(root, "a-box")
     assert "predates per-runner users" in granted.lines[-1] and conf.read_text() == old

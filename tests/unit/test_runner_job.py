@@ -20,9 +20,9 @@ from mam.runner.agent import ExitStatus
 from mam.runner.job import Job, StopReason, Supervisor, Terminal, final_reason, orphan_job, terminal_for
 from mam.runner.process_tree import AgentIdentity
 from mam.runner.settings import RunnerOptions
-from mam.shared import crypto, names, wire
 from mam.shared.config import BrokerConfig
-from mam.shared.registry import Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.store.registry import Registry
 
 JOB = "918b0612"
 EXIT_0 = ExitStatus(exit_code=0, signal=None)

@@ -21,9 +21,9 @@ from mam.runner import outbox, publish
 from mam.runner.outbox import Outbox, Resender
 from mam.runner.service import Runner
 from mam.runner.settings import RunnerOptions
-from mam.shared import crypto, names, wire
 from mam.shared.config import BrokerConfig
-from mam.shared.registry import Contract, Registry
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.store.registry import Contract, Registry
 
 ROOT_TOPIC = "unit/mam"
 CONFIG = BrokerConfig(hosts=("fake-broker",), topic_root=ROOT_TOPIC)

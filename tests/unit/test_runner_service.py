@@ -17,9 +17,9 @@ from harness.waiting import wait_until
 from mam.runner.presence import Presence, SessionBusy
 from mam.runner.service import Runner
 from mam.runner.settings import RunnerOptions
-from mam.shared import crypto, names, wire
 from mam.shared.config import BrokerConfig
-from mam.shared.errors import BrokerUnavailable, MamError, RegistryError
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.errors import BrokerUnavailable, MamError, RegistryError
 
 KEYS = crypto.derive_keys("unit-test-dispatch-secret-0123456789abcdef")
 SESSION = "gpu-box"

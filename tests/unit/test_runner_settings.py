@@ -10,7 +10,7 @@ import pytest
 from mam.runner import settings
 from mam.runner.settings import RunnerOptions, options_from_cli
 from mam.shared import config
-from mam.shared.errors import ConfigError, UsageError
+from mam.shared.protocol.errors import ConfigError, UsageError
 
 
 def env(tmp_path, **values: str) -> dict[str, str]:

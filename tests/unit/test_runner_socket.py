@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from mam.runner import fastpath, localsock, publish
-from mam.shared import names
-from mam.shared.errors import UsageError
-from mam.shared.registry import Contract, Registry
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import UsageError
+from mam.shared.store.registry import Contract, Registry
 
 JOB = "918b0612"
 TOKEN = "0123456789abcdef0123456789abcdef"

@@ -16,9 +16,10 @@ from mam.runner import admission, trust
 from mam.runner.admission import Refuse, RefuseReason, RunnerState, Take, Tombstones
 from mam.runner.presence import Presence
 from mam.runner.trust import V2Trust
-from mam.shared import crypto, keys, names, wire, wirev2
-from mam.shared.errors import ConfigError, SignatureError
-from mam.shared.keys import RunnerKeys
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.crypto import keys, pubkey
+from mam.shared.protocol.crypto.keys import RunnerKeys
+from mam.shared.protocol.errors import ConfigError, SignatureError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,7 +34,7 @@ B_TRUST = V2Trust(runner=RUNNER_B, hub_keys=(HUB.public_key(),))
 
 def v2_dispatch(*, signer: Ed25519PrivateKey = HUB, sealed_to: RunnerKeys = RUNNER_B, session: str = SESSION,
                 attempt_id: int = 1, auth_token: str = "auth-token", brief: str = "do it") -> bytes:
-    signed = wirev2.build_dispatch(signer, sealed_to.x25519.public_key(), job_id=JOB, session=session,
+    signed = pubkey.build_dispatch(signer, sealed_to.x25519.public_key(), job_id=JOB, session=session,
                                    attempt_id=attempt_id, dispatch_token=names.new_dispatch_token(),
                                    auth_token=auth_token, brief=brief, origin="hub", contract=wire.Contract())
     return wire.encode(signed)
@@ -109,9 +110,9 @@ def test_s16_replayed_v2_dispatch_refused_after_take_and_after_cancel():
 
 
 def test_s16_control_verified_with_hub_keys_only():
-    good = wire.encode(wirev2.build_control(HUB, job_id=JOB, attempt_id=1, reason="operator"))
+    good = wire.encode(pubkey.build_control(HUB, job_id=JOB, attempt_id=1, reason="operator"))
     assert isinstance(admission.check_control(JOB, good, None, B_TRUST), wire.Control)
-    forged = wire.encode(wirev2.build_control(RUNNER_A.ed25519, job_id=JOB, attempt_id=1, reason="operator"))
+    forged = wire.encode(pubkey.build_control(RUNNER_A.ed25519, job_id=JOB, attempt_id=1, reason="operator"))
     verdict = admission.check_control(JOB, forged, None, B_TRUST)
     assert isinstance(verdict, Refuse) and verdict.reason is RefuseReason.SIGNATURE
     v1 = wire.encode(crypto.sign(wire.Control.cancel(JOB, 1, "operator").to_dict(), V1.sign_key))
@@ -123,9 +124,9 @@ def test_s16_presence_signed_with_the_runner_key():
     presence = Presence(session=SESSION, runner_id="f" * 32, keys=None, max_jobs=1, topic_root="t", v2=B_TRUST)
     decoded = wire.decode(presence.payload("online", []), "presence")
     assert decoded.sig_alg == "ed25519"
-    wirev2.verify(decoded, [RUNNER_B.ed25519.public_key()])
+    pubkey.verify(decoded, [RUNNER_B.ed25519.public_key()])
     with pytest.raises(SignatureError):
-        wirev2.verify(decoded, [RUNNER_A.ed25519.public_key()])
+        pubkey.verify(decoded, [RUNNER_A.ed25519.public_key()])
     trust.verify_own_presence(decoded, None, B_TRUST)
     with pytest.raises(SignatureError):
         trust.verify_own_presence(decoded, None, dataclasses.replace(B_TRUST, runner=RUNNER_A))

@@ -18,8 +18,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from mam.shared import crypto, wire, wirev2
-from mam.shared.errors import DecodeError, SignatureError
+from mam.shared.protocol import crypto, wire
+from mam.shared.protocol.crypto import pubkey
+from mam.shared.protocol.errors import DecodeError, SignatureError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,7 +55,7 @@ def rfc5869(ikm: bytes, salt: bytes, info: bytes) -> bytes:
 
 
 def signed_dispatch(**overrides: Any) -> dict[str, Any]:
-    return wirev2.sign({**V2["dispatch_sig"]["payload"], **overrides}, HUB)
+    return pubkey.sign({**V2["dispatch_sig"]["payload"], **overrides}, HUB)
 
 
 # ------------------------------------------------------------ golden vectors
@@ -68,7 +69,7 @@ def test_s16_golden_public_keys():
 
 def test_s16_golden_seal_reproduces_and_matches_independent_computation():
     runner_public = X25519PublicKey.from_public_bytes(unb64(KEYS["expected_runner_x25519_public"]))
-    sealed = wirev2.seal(runner_public, **ATTEMPT, auth_token=SEAL["auth_token"], brief=SEAL["brief"],
+    sealed = pubkey.seal(runner_public, **ATTEMPT, auth_token=SEAL["auth_token"], brief=SEAL["brief"],
                          ephemeral=EPHEMERAL, nonce=bytes.fromhex(SEAL["nonce_hex"]))
     assert sealed == SEAL["expected_sealed"]
     # Independent: ECDH from the library, HKDF from RFC 5869, AES-GCM straight from the library.
@@ -82,7 +83,7 @@ def test_s16_golden_seal_reproduces_and_matches_independent_computation():
                                     SEAL["associated_data"].encode())
     assert json.loads(plaintext) == {"auth_token": SEAL["auth_token"], "brief": SEAL["brief"]}
     assert plaintext == canonical({"auth_token": SEAL["auth_token"], "brief": SEAL["brief"]})
-    assert wirev2.open_sealed(RUNNER_X, sealed, **ATTEMPT) == (SEAL["auth_token"], SEAL["brief"])
+    assert pubkey.open_sealed(RUNNER_X, sealed, **ATTEMPT) == (SEAL["auth_token"], SEAL["brief"])
     # The golden dispatch carries this very seal.
     assert V2["dispatch_sig"]["payload"]["sealed"] == SEAL["expected_sealed"]
 
@@ -96,39 +97,39 @@ def test_s16_golden_signatures(name, signer):
     # Independent: Ed25519 (deterministic, RFC 8032) over the canonical bytes, from the library.
     assert b64(signer.sign(canonical(payload))) == vector["expected_sig"]
     signer.public_key().verify(unb64(vector["expected_sig"]), canonical(payload))
-    signed = wirev2.sign(payload, signer)
+    signed = pubkey.sign(payload, signer)
     assert signed["sig"] == vector["expected_sig"]
     decoded = wire.decode(wire.encode(signed), payload["kind"])
     assert decoded.to_dict() == signed
-    wirev2.verify(decoded, [signer.public_key()])
+    pubkey.verify(decoded, [signer.public_key()])
 
 
 def test_s16_golden_dispatch_opens_after_decode():
     signed = signed_dispatch()
     dispatch = wire.decode(wire.encode(signed), "dispatch")
     assert dispatch.sig_alg == "ed25519" and dispatch.sealed.epk == SEAL["expected_sealed"]["epk"]
-    assert wirev2.open_sealed(RUNNER_X, dispatch.sealed, **ATTEMPT) == (SEAL["auth_token"], SEAL["brief"])
+    assert pubkey.open_sealed(RUNNER_X, dispatch.sealed, **ATTEMPT) == (SEAL["auth_token"], SEAL["brief"])
 
 
 def test_s16_build_dispatch_is_signed_sealed_and_fresh_per_call():
     runner_public = RUNNER_X.public_key()
-    made = [wirev2.build_dispatch(HUB, runner_public, job_id="918b0612", session="gpu-box", attempt_id=2,
+    made = [pubkey.build_dispatch(HUB, runner_public, job_id="918b0612", session="gpu-box", attempt_id=2,
                                   dispatch_token=TOKEN, auth_token="tok", brief="brief", origin="hub-1",
                                   contract=wire.Contract()) for _ in range(2)]
     assert made[0]["sealed"]["epk"] != made[1]["sealed"]["epk"]  # an ephemeral key per dispatch
     for signed in made:
         dispatch = wire.decode(wire.encode(signed), "dispatch")
-        wirev2.verify(dispatch, [HUB.public_key()])
-        assert wirev2.open_sealed(RUNNER_X, dispatch.sealed, job_id="918b0612", attempt_id=2,
+        pubkey.verify(dispatch, [HUB.public_key()])
+        assert pubkey.open_sealed(RUNNER_X, dispatch.sealed, job_id="918b0612", attempt_id=2,
                                   dispatch_token=TOKEN) == ("tok", "brief")
 
 
 def test_s16_build_control_and_presence_verify():
-    control = wirev2.build_control(HUB, job_id="918b0612", attempt_id=1, reason="operator")
-    wirev2.verify(wire.decode(wire.encode(control), "control"), [HUB.public_key()])
+    control = pubkey.build_control(HUB, job_id="918b0612", attempt_id=1, reason="operator")
+    pubkey.verify(wire.decode(wire.encode(control), "control"), [HUB.public_key()])
     presence = wire.Presence.build("gpu-box", "f" * 32, "online", host="h", version="0.1.0", max_jobs=1)
-    signed = wirev2.sign_presence(presence, RUNNER_ED)
-    wirev2.verify(wire.decode(wire.encode(signed), "presence"), [RUNNER_ED.public_key()])
+    signed = pubkey.sign_presence(presence, RUNNER_ED)
+    pubkey.verify(wire.decode(wire.encode(signed), "presence"), [RUNNER_ED.public_key()])
 
 
 # ---------------------------------------------------------- refused signatures
@@ -149,34 +150,34 @@ def test_s16_tampered_dispatch_refused(change):
     payload = signed_dispatch()
     change(payload)
     with pytest.raises(SignatureError, match="^dispatch sig verify failed$"):
-        wirev2.verify(payload, [HUB.public_key()])
+        pubkey.verify(payload, [HUB.public_key()])
 
 
 def test_s16_wrong_key_refused_and_runner_keys_cannot_sign_a_dispatch():
-    payload = wirev2.sign(V2["dispatch_sig"]["payload"], RUNNER_ED)  # a runner signing a dispatch
+    payload = pubkey.sign(V2["dispatch_sig"]["payload"], RUNNER_ED)  # a runner signing a dispatch
     with pytest.raises(SignatureError, match="sig verify failed"):
-        wirev2.verify(payload, [HUB.public_key()])
+        pubkey.verify(payload, [HUB.public_key()])
     other_hub = Ed25519PrivateKey.generate()
     with pytest.raises(SignatureError, match="sig verify failed"):
-        wirev2.verify(signed_dispatch(), [other_hub.public_key()])
+        pubkey.verify(signed_dispatch(), [other_hub.public_key()])
     with pytest.raises(SignatureError, match="sig verify failed"):
-        wirev2.verify(signed_dispatch(), [])
+        pubkey.verify(signed_dispatch(), [])
 
 
 def test_s16_rotation_accepts_previous_hub_key_until_told():
     new_hub = Ed25519PrivateKey.generate()
     trusted = [new_hub.public_key(), HUB.public_key()]
-    wirev2.verify(signed_dispatch(), trusted)
-    wirev2.verify(wirev2.sign(V2["control_sig"]["payload"], new_hub), trusted)
+    pubkey.verify(signed_dispatch(), trusted)
+    pubkey.verify(pubkey.sign(V2["control_sig"]["payload"], new_hub), trusted)
     with pytest.raises(SignatureError):
-        wirev2.verify(signed_dispatch(), trusted[:1])
+        pubkey.verify(signed_dispatch(), trusted[:1])
 
 
 def test_s16_presence_signed_by_another_runner_refused():
     presence = V2["presence_sig"]["payload"]
-    forged = wirev2.sign(presence, Ed25519PrivateKey.generate())
+    forged = pubkey.sign(presence, Ed25519PrivateKey.generate())
     with pytest.raises(SignatureError, match="^presence sig verify failed$"):
-        wirev2.verify(forged, [RUNNER_ED.public_key()])
+        pubkey.verify(forged, [RUNNER_ED.public_key()])
 
 
 @pytest.mark.parametrize("name", ["dispatch_sig", "control_sig", "presence_sig"])
@@ -188,7 +189,7 @@ def test_s16_v1_message_to_a_v2_verifier_refused(name):
     signed = crypto.sign(v1, secret_keys.sign_key)
     decoded = wire.decode(wire.encode(signed), v1["kind"])
     with pytest.raises(SignatureError, match=r"is a v1 message .*MAM_ACCEPT_V1=true"):
-        wirev2.verify(decoded, [HUB.public_key()])
+        pubkey.verify(decoded, [HUB.public_key()])
 
 
 def test_s16_v2_dispatch_to_a_v1_verifier_refused():
@@ -211,7 +212,7 @@ HOSTILE_SEALS = {
     "empty ciphertext": lambda s: s.__setitem__("ciphertext", ""),
     "flipped byte": lambda s: s.__setitem__("ciphertext", b64(bytes([unb64(s["ciphertext"])[0] ^ 1]) +
                                                                unb64(s["ciphertext"])[1:])),
-    "oversized": lambda s: s.__setitem__("ciphertext", b64(bytes(wirev2.MAX_SEALED_CIPHERTEXT_BYTES + 1))),
+    "oversized": lambda s: s.__setitem__("ciphertext", b64(bytes(pubkey.MAX_SEALED_CIPHERTEXT_BYTES + 1))),
     "wrong epk": lambda s: s.__setitem__("epk", b64(X25519PrivateKey.generate().public_key().public_bytes_raw())),
     "low-order epk": lambda s: s.__setitem__("epk", b64(bytes(32))),
     "short epk": lambda s: s.__setitem__("epk", b64(bytes(31))),
@@ -228,32 +229,32 @@ HOSTILE_SEALS = {
 @pytest.mark.parametrize("name", sorted(HOSTILE_SEALS))
 def test_s16_broken_or_hostile_seal_refused(name):
     with pytest.raises(SignatureError, match="^seal does not open$"):
-        wirev2.open_sealed(RUNNER_X, _with(HOSTILE_SEALS[name]), **ATTEMPT)
+        pubkey.open_sealed(RUNNER_X, _with(HOSTILE_SEALS[name]), **ATTEMPT)
 
 
 @pytest.mark.parametrize("attempt", [{"attempt_id": 2}, {"job_id": "00000000"}, {"dispatch_token": "f" * 32}])
 def test_s16_seal_bound_to_its_attempt(attempt):
     with pytest.raises(SignatureError, match="^seal does not open$"):
-        wirev2.open_sealed(RUNNER_X, SEAL["expected_sealed"], **{**ATTEMPT, **attempt})
+        pubkey.open_sealed(RUNNER_X, SEAL["expected_sealed"], **{**ATTEMPT, **attempt})
 
 
 def test_s16_seal_for_runner_b_does_not_open_for_runner_a():
     runner_b = X25519PrivateKey.generate()
-    sealed = wirev2.seal(runner_b.public_key(), **ATTEMPT, auth_token="secret-token", brief="brief for B")
-    assert wirev2.open_sealed(runner_b, sealed, **ATTEMPT) == ("secret-token", "brief for B")
+    sealed = pubkey.seal(runner_b.public_key(), **ATTEMPT, auth_token="secret-token", brief="brief for B")
+    assert pubkey.open_sealed(runner_b, sealed, **ATTEMPT) == ("secret-token", "brief for B")
     with pytest.raises(SignatureError, match="^seal does not open$"):
-        wirev2.open_sealed(RUNNER_X, sealed, **ATTEMPT)
+        pubkey.open_sealed(RUNNER_X, sealed, **ATTEMPT)
 
 
 def test_s16_v1_seal_refused_by_v2_open():
     keys = crypto.derive_keys("x" * 40)
     with pytest.raises(SignatureError, match="^seal does not open$"):
-        wirev2.open_sealed(RUNNER_X, crypto.seal(keys.seal_key, **ATTEMPT, auth_token="t", brief="b"), **ATTEMPT)
+        pubkey.open_sealed(RUNNER_X, crypto.seal(keys.seal_key, **ATTEMPT, auth_token="t", brief="b"), **ATTEMPT)
 
 
 def test_s16_seal_errors_name_no_secret():
     with pytest.raises(SignatureError) as info:
-        wirev2.open_sealed(X25519PrivateKey.generate(), SEAL["expected_sealed"], **ATTEMPT)
+        pubkey.open_sealed(X25519PrivateKey.generate(), SEAL["expected_sealed"], **ATTEMPT)
     assert SEAL["auth_token"] not in str(info.value) and "brief" not in str(info.value)
 
 
@@ -299,7 +300,7 @@ def test_s16_v1_golden_messages_still_decode_without_sig_alg():
         signed = crypto.sign(v1[name]["payload"], keys.sign_key)
         decoded = wire.decode(wire.encode(signed), v1[name]["payload"]["kind"])
         assert decoded.sig_alg is None and decoded.to_dict() == signed
-        assert not wirev2.is_v2(decoded)
+        assert not pubkey.is_v2(decoded)
 
 
 def test_s16_public_key_helpers_round_trip():

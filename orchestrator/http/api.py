@@ -1,0 +1,116 @@
+"""The writing side of the HTTP API (`POST /api/jobs`, `POST /api/jobs/{id}/cancel`)
+as plain functions of a running `HubService`, so they are tested without HTTP.
+
+A dispatch checks what `mam-orch dispatch` checks (brief, target, §14 terms,
+the contract, MAM_DISPATCH_SECRET) and queues the job through
+`thin.register_queued`, the path a dispatch over the service takes; the
+service publishes it. A cancel is `mam-orch cancel` on the service's own
+broker connection (§6): a queued job is cancelled on the hub only, a
+published one closed `cancelled` and its runner told.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mam.orchestrator.control import cancel_owed, clear_dispatch, publish_cancel
+from mam.orchestrator.dispatch import check_brief, hub_contract, parse_retry_on
+from mam.orchestrator.service import HubService
+from mam.orchestrator.thin import register_queued
+from mam.shared.protocol import names
+from mam.shared.protocol.codes import TERMINAL_STATUSES, CloseReason, JobStatus
+from mam.shared.protocol.errors import BrokerError, TransitionRefused, UsageError
+from mam.shared.store.records import QueueTerms, describe_target, moved
+
+CANCEL_REASON = "operator (HTTP API)"
+INT_FIELDS = ("priority", "retries", "queue_timeout_sec", "heartbeat_sec", "heartbeat_misses", "ack_timeout_sec",
+              "idle_timeout_sec", "timeout_sec")
+DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", *INT_FIELDS})
+
+
+def _int(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"field {name!r} is invalid: expected an integer, got {type(value).__name__}")
+    return value
+
+
+def dispatch_request(service: HubService, body: object) -> dict[str, Any]:
+    """`POST /api/jobs`: queue a job from a JSON object (see README "HTTP API").
+
+    Returns:
+        {"job_id", "status", "attempt_id", "target"}.
+    Raises:
+        UsageError: a bad body, brief, target or term (one line); ConfigError: no usable MAM_DISPATCH_SECRET.
+    """
+    if not isinstance(body, dict):
+        raise UsageError("the body is invalid: expected a JSON object")
+    unknown = sorted(set(body) - DISPATCH_FIELDS)
+    if unknown:
+        raise UsageError(f"unknown field {unknown[0]!r}; expected some of {', '.join(sorted(DISPATCH_FIELDS))}")
+    brief, session, labels, retry_on = body.get("brief"), body.get("session"), body.get("labels"), body.get("retry_on")
+    if not isinstance(brief, str):
+        raise UsageError("field 'brief' is required: the job's brief as a string")
+    check_brief(brief)
+    if (session is None) == (labels is None):
+        raise UsageError("give either 'session' (one runner) or 'labels' (any runner with them), not both")
+    if session is not None and not isinstance(session, str):
+        raise UsageError("field 'session' is invalid: expected a string")
+    if labels is not None and not (isinstance(labels, list) and all(isinstance(x, str) for x in labels)):
+        raise UsageError("field 'labels' is invalid: expected a list of strings")
+    if retry_on is not None and not (isinstance(retry_on, list) and all(isinstance(x, str) for x in retry_on)):
+        raise UsageError("field 'retry_on' is invalid: expected a list of strings")
+    ints = {name: _int(body, name) for name in INT_FIELDS}
+    target = names.validate_session(names.strip_remote(session)) if session is not None else None
+    terms = QueueTerms(target_session=target,
+                       target_labels=names.validate_labels(labels) if labels is not None else (),
+                       priority=ints["priority"] or 0, retries=ints["retries"] or 0,
+                       retry_on=parse_retry_on(",".join(retry_on) if retry_on is not None else None), owner_pid=None)
+    if ints["queue_timeout_sec"] is not None:
+        terms = terms._replace(queue_timeout_sec=ints["queue_timeout_sec"])
+    terms = terms.checked()
+    contract = hub_contract(service.registry.root, heartbeat_s=ints["heartbeat_sec"],
+                            heartbeat_misses=ints["heartbeat_misses"], ack_timeout_s=ints["ack_timeout_sec"],
+                            idle_timeout_s=ints["idle_timeout_sec"], timeout_s=ints["timeout_sec"])
+    record = register_queued(service.registry, brief=brief, contract=contract, terms=terms)
+    return {"job_id": record["job_id"], "status": record["status"], "attempt_id": record["attempt_id"],
+            "target": describe_target(record)}
+
+
+def cancel_request(service: HubService, job_id: str) -> dict[str, Any]:
+    """`POST /api/jobs/{id}/cancel`: `mam-orch cancel` on the service's connection (§6, §14).
+
+    Returns:
+        {"job_id", "status", "attempt_id", "changed"}; a job that already ended is left alone.
+    Raises:
+        UsageError: not a job id. JobNotFound. BrokerError: the record changed, the runner was not told.
+    """
+    names.validate_job_id(job_id)
+    registry = service.registry
+    record = registry.get(job_id)
+    changed = False
+    if record["status"] == JobStatus.QUEUED:  # §14: nothing was published, so no control either
+        with registry.transaction(job_id) as txn:
+            if txn.record["status"] == JobStatus.QUEUED:
+                record = moved(txn.record, JobStatus.CANCELLED, close_reason=CloseReason.CANCELLED)
+                txn.update(record, source="operator", reason=CANCEL_REASON)
+                changed = True
+        record = registry.get(job_id)
+    if record["status"] not in TERMINAL_STATUSES:
+        try:
+            record = registry.close(job_id, "cancelled", source="operator", reason=CANCEL_REASON)
+            changed = True
+        except TransitionRefused:
+            record = registry.get(job_id)  # it ended meanwhile
+        client = service.client
+        if changed and cancel_owed(record) and client is not None:
+            try:
+                clear_dispatch(client, job_id)
+                publish_cancel(client, record, service.keys, CANCEL_REASON)
+            except BrokerError as exc:
+                raise BrokerError(f"job {job_id} is {record['status']} on the hub, but its runner was not "
+                                  f"told: {exc}; run `mam-orch cancel {job_id}`") from None
+    return {"job_id": job_id, "status": record["status"], "attempt_id": record["attempt_id"], "changed": changed}

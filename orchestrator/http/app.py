@@ -1,0 +1,394 @@
+"""`mam-orch serve --http HOST:PORT`: the HTTP API, the live dashboard and
+`/metrics` of the hub service, in the service's process (issue 12, §14, §15).
+
+Starlette on uvicorn, in a thread of `mam-orch serve` started once the service
+holds its lock and subscribed (`HubService.on_ready`); the service loop keeps
+the main thread, its one broker connection and its SIGTERM/SIGINT handling,
+and stops uvicorn on its way out. Nothing here talks to the broker except a
+cancel, on the service's own connection.
+
+Bound to loopback by default; any other address needs `MAM_API_TOKEN`
+(`Authorization: Bearer TOKEN`, or `?token=` for the event stream and the
+page) and refuses to start without it. The token is never logged (uvicorn's
+access log is off). Errors are JSON `{"error": reason}` with a 4xx for bad
+input, never a traceback. `GET /api/events` is a server-sent event stream fed
+by one `httpview.LiveFeed` polled every FEED_POLL_S for every client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from mam.orchestrator.http.api import cancel_request, dispatch_request
+from mam.orchestrator.http.metrics import HubMetrics
+from mam.orchestrator.http.views import LiveFeed, job_detail, job_row, queue_rows, read_log, runner_rows
+from mam.orchestrator.hub import Workspace, open_hub
+from mam.orchestrator.service import HubService, run_service
+from mam.shared.protocol import names
+from mam.shared.protocol.codes import JobStatus
+from mam.shared.protocol.errors import BrokerError, ConfigError, MamError, UsageError
+from mam.shared.store.records import JobNotFound
+
+log = logging.getLogger("mam.http")
+
+TOKEN_ENV = "MAM_API_TOKEN"
+BEARER = "Bearer "
+DEFAULT_BIND = "127.0.0.1:8765"
+MAX_BODY_BYTES = 1024 * 1024  # a request body larger than this is refused 413 (a brief is at most 512 KiB)
+FEED_POLL_S = 0.25  # the live feed looks for changes this often (the dashboard updates within 1 s)
+SSE_KEEPALIVE_S = 15.0  # an idle event stream gets a comment line this often
+SSE_RETRY_MS = 1000  # how soon a browser reconnects a dropped event stream
+SSE_QUEUE_MAX = 1000  # messages buffered per stream client; a client this far behind is dropped
+START_TIMEOUT_S = 10.0  # how long uvicorn may take to bind
+STOP_GRACE_S = 1  # open streams get this long (s) to end at shutdown
+START_POLL_S = 0.02  # how often start() looks whether uvicorn listens
+MAX_PORT = 65535
+STATIC = Path(__file__).resolve().parent / "static"
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def parse_bind(text: str) -> tuple[str, int]:
+    """`HOST:PORT` (`[v6]:PORT` for IPv6) as (host, port).
+
+    Raises:
+        UsageError: not HOST:PORT with a port 1-65535.
+    """
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= MAX_PORT:
+        raise UsageError(f"--http {text!r} is invalid: expected HOST:PORT, e.g. {DEFAULT_BIND}")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and 127.0.0.0/8, ::1."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def api_token(host: str, environ: dict[str, str] | None = None) -> str | None:
+    """The bearer token the API requires: MAM_API_TOKEN, or None on loopback without one.
+
+    Raises:
+        ConfigError: a non-loopback address and no MAM_API_TOKEN.
+    """
+    token = (os.environ if environ is None else environ).get(TOKEN_ENV, "").strip() or None
+    if token is None and not is_loopback(host):
+        raise ConfigError(f"--http on {host} (not loopback) needs {TOKEN_ENV} set: every request must then "
+                          f"carry 'Authorization: Bearer <token>'")
+    return token
+
+
+def _error(status: int, reason: str) -> JSONResponse:
+    return JSONResponse({"error": reason}, status_code=status)
+
+
+def _status_of(exc: MamError) -> int:
+    if isinstance(exc, JobNotFound):
+        return 404
+    if isinstance(exc, UsageError | ConfigError):
+        return 400
+    if isinstance(exc, BrokerError):
+        return 503
+    return 500
+
+
+class Api:
+    """The routes of one app over one `HubService`."""
+
+    def __init__(self, service: HubService, token: str | None) -> None:
+        self.service = service
+        self.token = token
+        self.metrics = HubMetrics(service)
+        self.feed = LiveFeed(service, on_finish=self.metrics.finished, on_event=self.metrics.event,
+                             on_unqueued=self.metrics.unqueued)
+        self.clients: set[asyncio.Queue[dict[str, Any] | None]] = set()
+        self.closing = threading.Event()
+
+    # ------------------------------------------------------------ plumbing
+
+    def authorized(self, request: Request, *, query: bool = False) -> bool:
+        if self.token is None:
+            return True
+        given = request.headers.get("authorization", "")
+        given = given.removeprefix(BEARER) if given.startswith(BEARER) else ""
+        if not given and query:
+            given = request.query_params.get("token", "")
+        return hmac.compare_digest(given.encode(), self.token.encode())
+
+    def guarded(self, handler: Handler, *, query_token: bool = False) -> Handler:
+        """`handler` behind the token, with every error as JSON (never a traceback)."""
+
+        async def endpoint(request: Request) -> Response:
+            if not self.authorized(request, query=query_token):
+                return _error(401, f"missing or wrong bearer token ({TOKEN_ENV})")
+            try:
+                return await handler(request)
+            except MamError as exc:
+                return _error(_status_of(exc), str(exc))
+            except Exception as exc:  # noqa: BLE001 - a daemon never dies on a request; one line in its log
+                log.warning("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+                return _error(500, f"internal error: {type(exc).__name__}")
+
+        return endpoint
+
+    async def body_json(self, request: Request) -> object:
+        """The request body as JSON, at most MAX_BODY_BYTES.
+
+        Raises:
+            UsageError: malformed JSON (400). _TooLarge: over the cap (413).
+        """
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise _TooLarge()
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > MAX_BODY_BYTES:
+                raise _TooLarge()
+        try:
+            return json.loads(bytes(data))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UsageError(f"the body is not valid JSON: {exc}") from None
+
+    # ------------------------------------------------------------ routes
+
+    async def runners(self, request: Request) -> Response:
+        return JSONResponse({"runners": runner_rows(self.service)})
+
+    async def queue(self, request: Request) -> Response:
+        return JSONResponse({"queue": queue_rows(self.service)})
+
+    async def jobs(self, request: Request) -> Response:
+        status = request.query_params.get("status")
+        if status is not None and status not in set(JobStatus):
+            raise UsageError(f"status {status!r} is invalid: expected one of {', '.join(JobStatus)}")
+        records, _ = await run_in_threadpool(self.service.registry.list, status)
+        rows = [job_row(record) for record in records if record.get("role") == "hub"]
+        return JSONResponse({"jobs": rows})
+
+    async def job(self, request: Request) -> Response:
+        job_id = names.validate_job_id(request.path_params["job_id"])
+        return JSONResponse(await run_in_threadpool(job_detail, self.service, job_id))
+
+    async def job_log(self, request: Request) -> Response:
+        job_id = names.validate_job_id(request.path_params["job_id"])
+        record = await run_in_threadpool(self.service.registry.get, job_id)
+        attempt = _query_int(request, "attempt", record["attempt_id"])
+        offset = _query_int(request, "offset", None)
+        if attempt < 1 or attempt > record["attempt_id"] or (offset is not None and offset < 0):
+            raise UsageError(f"attempt must be 1..{record['attempt_id']} and offset >= 0")
+        return JSONResponse(await run_in_threadpool(read_log, self.service.registry.root, job_id, attempt, offset))
+
+    async def dispatch(self, request: Request) -> Response:
+        try:
+            body = await self.body_json(request)
+        except _TooLarge:
+            return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        return JSONResponse(await run_in_threadpool(dispatch_request, self.service, body), status_code=201)
+
+    async def cancel(self, request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        return JSONResponse(await run_in_threadpool(cancel_request, self.service, job_id))
+
+    async def events(self, request: Request) -> Response:
+        """`GET /api/events`: server-sent events `runners`, `queue`, `job`, `event`, `log` (JSON data)."""
+        client: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(SSE_QUEUE_MAX)
+        self.clients.add(client)
+
+        async def stream() -> AsyncIterator[str]:
+            try:
+                yield f"retry: {SSE_RETRY_MS}\n\n"
+                while not self.closing.is_set():
+                    try:
+                        item = await asyncio.wait_for(client.get(), SSE_KEEPALIVE_S)
+                    except TimeoutError:
+                        yield ": keepalive\n\n"
+                        continue
+                    if item is None:
+                        return
+                    yield f"event: {item['type']}\ndata: {json.dumps(item, separators=(',', ':'))}\n\n"
+            finally:
+                self.clients.discard(client)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def metrics_text(self, request: Request) -> Response:
+        data = await run_in_threadpool(generate_latest, self.metrics.registry)
+        return Response(data, media_type=CONTENT_TYPE_LATEST)
+
+    async def page(self, request: Request) -> Response:
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+    # ------------------------------------------------------------ the feed
+
+    async def run_feed(self) -> None:
+        """Poll the live feed and hand what changed to every stream client."""
+        while not self.closing.is_set():
+            try:
+                items = await run_in_threadpool(self.feed.poll)
+            except Exception as exc:  # noqa: BLE001 - the feed goes on; one line
+                log.warning("live feed: %s: %s", type(exc).__name__, exc)
+                items = []
+            for client in list(self.clients):
+                for item in items:
+                    try:
+                        client.put_nowait(item)
+                    except asyncio.QueueFull:
+                        self.clients.discard(client)  # far behind: it reconnects and reloads
+                        break
+            await asyncio.sleep(FEED_POLL_S)
+        for client in list(self.clients):
+            with contextlib.suppress(asyncio.QueueFull):
+                client.put_nowait(None)
+
+
+class _TooLarge(Exception):
+    """A request body over MAX_BODY_BYTES."""
+
+
+def _query_int(request: Request, name: str, default: int | None) -> Any:
+    text = request.query_params.get(name)
+    if text is None:
+        return default
+    if not text.isdigit():
+        raise UsageError(f"query parameter {name}={text!r} is invalid: expected a non-negative integer")
+    return int(text)
+
+
+def create_app(service: HubService, token: str | None = None) -> Starlette:
+    """The Starlette app of `serve --http` over a (running or test) `HubService`."""
+    api = Api(service, token)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(api.run_feed())
+        try:
+            yield
+        finally:
+            api.closing.set()
+            task.cancel()
+
+    g = api.guarded
+    routes = [
+        Route("/", api.page),
+        Route("/api/runners", g(api.runners)),
+        Route("/api/queue", g(api.queue)),
+        Route("/api/jobs", g(api.jobs), methods=["GET"]),
+        Route("/api/jobs", g(api.dispatch), methods=["POST"]),
+        Route("/api/jobs/{job_id}", g(api.job)),
+        Route("/api/jobs/{job_id}/log", g(api.job_log)),
+        Route("/api/jobs/{job_id}/cancel", g(api.cancel), methods=["POST"]),
+        Route("/api/events", g(api.events, query_token=True)),
+        Route("/metrics", g(api.metrics_text)),
+        Mount("/static", StaticFiles(directory=STATIC)),
+    ]
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return _error(404, f"no such path: {request.url.path}")
+
+    async def not_allowed(request: Request, exc: Exception) -> Response:
+        return _error(405, f"{request.method} is not allowed on {request.url.path}")
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_allowed})
+    app.state.api = api
+    return app
+
+
+class HttpServer:
+    """uvicorn serving `create_app(service)` in a thread of `mam-orch serve`.
+
+    Args:
+        service: the hub service; bind: HOST:PORT.
+    Raises:
+        UsageError: a bad bind. ConfigError: a non-loopback bind without MAM_API_TOKEN.
+    """
+
+    def __init__(self, service: HubService, bind: str) -> None:
+        self.host, self.port = parse_bind(bind)
+        self.token = api_token(self.host)
+        self.app = create_app(service, self.token)
+        config = uvicorn.Config(self.app, host=self.host, port=self.port, log_config=None, access_log=False,
+                                lifespan="on", timeout_graceful_shutdown=STOP_GRACE_S,
+                                log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> None:
+        """Start serving in a thread; return once it listens.
+
+        Raises:
+            UsageError: it could not listen there (address in use, not this machine's).
+        """
+        self.thread = threading.Thread(target=self._run, name="mam-http", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(START_POLL_S)
+        if not self.server.started:
+            self.server.should_exit = True
+            raise UsageError(f"--http {self.host}:{self.port}: cannot listen there (in use, or not an address "
+                             f"of this machine)")
+        auth = f"bearer token {TOKEN_ENV} required" if self.token else "loopback only, no token"
+        print(f"mam-orch serve: dashboard and API on {self.url}/ ({auth})", file=sys.stderr, flush=True)
+
+    def _run(self) -> None:
+        try:
+            self.server.run()
+        except (SystemExit, OSError) as exc:  # uvicorn exits when it cannot bind: start() reports it
+            log.debug("http server ended: %r", exc)
+
+    def stop(self) -> None:
+        """End the streams, stop uvicorn, wait for its thread."""
+        api: Api = self.app.state.api
+        api.closing.set()
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(START_TIMEOUT_S)
+
+
+def serve_http_cli(*, workspace: Workspace, bind: str) -> int:
+    """`mam-orch serve --http HOST:PORT`: the hub service plus this server, stopped with it.
+
+    Raises:
+        UsageError (exit 64: another service runs, a bad or busy address), ConfigError (no token
+        for a non-loopback address), BrokerUnavailable (exit 3).
+    """
+    service = HubService(open_hub(workspace))
+    server = HttpServer(service, bind)  # the address and the token are checked before anything starts
+    service.on_ready = server.start
+    try:
+        return run_service(service)
+    finally:
+        server.stop()

@@ -1,0 +1,393 @@
+"""Signatures, keys and the sealed brief of PROTOCOL §3.1 and §5-§7.
+
+- Events and states carry `data.hmac_sig`, an HMAC-SHA256 keyed by the job's
+  `auth_token` (`event_hmac`, `sign_event`, `verify_event`; §3.1, §4).
+- Dispatch, control and presence carry `sig`, an HMAC-SHA256 keyed by the sign
+  key derived from `MAM_DISPATCH_SECRET` (`derive_keys`, `sign`, `verify`; §5-§7).
+- The dispatch's `sealed` part is AES-256-GCM over the job's `auth_token` and
+  brief, bound to `job_id:attempt_id:dispatch_token` (`seal`, `open_sealed`; §5).
+- Log chunks (§15) are sealed under `log_key(auth_token)` (`seal_bytes`,
+  `open_bytes`) and signed like events over the message without `sig` (`log_sig`).
+
+Every comparison uses `hmac.compare_digest`. No error message, repr or log line
+of this module contains a key, a secret, an auth_token or a brief.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mam.shared.config import MIN_SECRET_LEN
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import ConfigError, SignatureError
+from mam.shared.protocol.wire import (
+    SEAL_ALG,
+    SEAL_NONCE_BYTES,
+    Message,
+    Sealed,
+    b64url_decode,
+    b64url_encode,
+    canonical,
+)
+
+MIN_SECRET_CHARS = MIN_SECRET_LEN  # 32 (§5)
+KEY_BYTES = 32
+SEAL_INFO = b"mam-fleet/v1/seal"
+SIGN_INFO = b"mam-fleet/v1/sign"
+LOG_INFO = b"mam-fleet/v1/log"
+# §5: the brief is UTF-8 text of at most 512 KiB; dispatch refuses larger ones.
+MAX_BRIEF_BYTES = 512 * 1024
+HMAC_FAILED = "HMAC verify failed"
+# What sign/verify take: a wire message, or its dict (as decoded or as signed).
+Payload = Mapping[str, Any] | Message
+SEAL_FAILED = "seal does not open"
+
+
+def _plain(payload: Payload) -> dict[str, Any]:
+    """A mutable top-level copy of a payload given as a mapping or a wire message."""
+    if isinstance(payload, Mapping):
+        return dict(payload)
+    if hasattr(payload, "to_dict"):
+        return payload.to_dict()
+    raise TypeError(f"payload must be a mapping or a wire message, not {type(payload).__name__}")
+
+
+def _hex_hmac(key: bytes, message: bytes) -> str:
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def _same(expected: str, got: object) -> bool:
+    """Constant-time equality of a hex signature and an untrusted value."""
+    if not isinstance(got, str):
+        return False
+    return hmac.compare_digest(expected.encode("ascii"), got.encode("utf-8", "replace"))
+
+
+# --------------------------------------------------------- events, states
+
+def _unsigned_event(payload: Payload) -> dict[str, Any]:
+    body = _plain(payload)
+    data = body.get("data")
+    if isinstance(data, Mapping):
+        body["data"] = {k: v for k, v in data.items() if k != "hmac_sig"}
+    return body
+
+
+def event_hmac(payload: Payload, auth_token: str) -> str:
+    """`data.hmac_sig` of an event or state (§3.1, §4).
+
+    Args:
+        payload: the message (mapping or Event/State); any `data.hmac_sig` is ignored.
+        auth_token: the job's `auth_token` (`secrets.token_urlsafe(32)`).
+    Returns:
+        64 lowercase hex: HMAC-SHA256(auth_token UTF-8, canonical(payload without data.hmac_sig)).
+    Raises:
+        ConfigError: `auth_token` is empty or not a string.
+    """
+    if not isinstance(auth_token, str) or not auth_token:
+        raise ConfigError("auth_token is empty: the job record holds no HMAC key")
+    return _hex_hmac(auth_token.encode("utf-8"), canonical(_unsigned_event(payload)))
+
+
+def sign_event(payload: Payload, auth_token: str) -> dict[str, Any]:
+    """A copy of an event or state with `data.hmac_sig` set (§3.1).
+
+    Args:
+        payload: mapping or Event/State with a `data` object.
+        auth_token: the job's `auth_token`.
+    Returns:
+        the signed wire dict (publish it with `wire.encode`).
+    Raises:
+        ConfigError: empty `auth_token`; ValueError: the payload has no `data` object.
+    """
+    body = _unsigned_event(payload)
+    if not isinstance(body.get("data"), dict):
+        raise ValueError("an event or state needs a data object to carry hmac_sig")
+    body["data"]["hmac_sig"] = event_hmac(body, auth_token)
+    return body
+
+
+def verify_event(payload: Payload, auth_token: str) -> None:
+    """Check `data.hmac_sig` of an event or state (§3.1, §3.2 step 4).
+
+    Args:
+        payload: mapping or Event/State as decoded.
+        auth_token: the job's `auth_token` from the registry.
+    Raises:
+        SignatureError: "HMAC verify failed" when the signature is missing or wrong
+            (or the job has no auth_token).
+    """
+    body = _plain(payload)
+    data = body.get("data")
+    got = data.get("hmac_sig") if isinstance(data, Mapping) else None
+    if got is None or not isinstance(auth_token, str) or not auth_token:
+        raise SignatureError(HMAC_FAILED)
+    if not _same(event_hmac(body, auth_token), got):
+        raise SignatureError(HMAC_FAILED)
+
+
+# ------------------------------------------------------------------ keys
+
+@dataclass(frozen=True)
+class DispatchKeys:
+    """The two 32-byte keys derived from `MAM_DISPATCH_SECRET` (§5). The repr hides them."""
+
+    seal_key: bytes = field(repr=False)
+    sign_key: bytes = field(repr=False)
+
+    def __repr__(self) -> str:
+        return "DispatchKeys(seal_key=<hidden>, sign_key=<hidden>)"
+
+
+def _hkdf(secret: bytes, info: bytes) -> bytes:
+    # Lazy: `mam-runner publish` needs only HMAC; cryptography adds ~6 ms to it (python -X importtime).
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(secret)
+
+
+def derive_keys(secret: str) -> DispatchKeys:
+    """Derive the seal and sign keys from `MAM_DISPATCH_SECRET` (§5).
+
+    HKDF-SHA256, no salt, info `b"mam-fleet/v1/seal"` and `b"mam-fleet/v1/sign"`,
+    32 bytes each, over the secret's UTF-8 bytes.
+
+    Args:
+        secret: the shared secret, at least 32 characters.
+    Returns:
+        DispatchKeys.
+    Raises:
+        ConfigError: not a string or shorter than 32 characters (message never holds it).
+    """
+    if not isinstance(secret, str):
+        raise ConfigError("MAM_DISPATCH_SECRET is not set: run `mam-orch init` or set it in .mam.env")
+    if len(secret) < MIN_SECRET_CHARS:
+        raise ConfigError(f"MAM_DISPATCH_SECRET is too short: at least {MIN_SECRET_CHARS} characters "
+                          "are required (run `mam-orch init` to make one)")
+    raw = secret.encode("utf-8", "surrogatepass")
+    return DispatchKeys(seal_key=_hkdf(raw, SEAL_INFO), sign_key=_hkdf(raw, SIGN_INFO))
+
+
+def _check_key(key: object, what: str) -> bytes:
+    if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
+        raise TypeError(f"{what} must be {KEY_BYTES} bytes (from derive_keys)")
+    return bytes(key)
+
+
+# ----------------------------------------------- dispatch, control, presence
+
+def _unsigned(payload: Payload) -> dict[str, Any]:
+    body = _plain(payload)
+    body.pop("sig", None)
+    return body
+
+
+def sign(payload: Payload, sign_key: bytes) -> dict[str, Any]:
+    """A copy of a dispatch, control or presence with `sig` set (§5-§7).
+
+    Args:
+        payload: mapping or Dispatch/Control/Presence; any existing `sig` is replaced.
+        sign_key: `DispatchKeys.sign_key`.
+    Returns:
+        the signed wire dict: `sig` = hex HMAC-SHA256(sign_key, canonical(payload without sig)).
+    """
+    key = _check_key(sign_key, "sign_key")
+    body = _unsigned(payload)
+    body["sig"] = _hex_hmac(key, canonical(body))
+    return body
+
+
+def verify(payload: Payload, sign_key: bytes) -> None:
+    """Check `sig` of a dispatch, control or presence (§5-§7).
+
+    Args:
+        payload: mapping or Dispatch/Control/Presence as decoded.
+        sign_key: `DispatchKeys.sign_key`.
+    Raises:
+        SignatureError: `<kind> sig verify failed` when missing or wrong.
+    """
+    key = _check_key(sign_key, "sign_key")
+    body = _plain(payload)
+    got = body.get("sig")
+    kind = body.get("kind") if body.get("kind") in ("dispatch", "control", "presence") else "message"
+    if got is None or not _same(_hex_hmac(key, canonical(_unsigned(body))), got):
+        raise SignatureError(f"{kind} sig verify failed")
+
+
+# ------------------------------------------------------------------ seal
+
+def _associated_data(job_id: str, attempt_id: int, dispatch_token: str) -> bytes:
+    return f"{job_id}:{attempt_id}:{dispatch_token}".encode()
+
+
+def _encrypt(key: bytes, nonce: bytes, plaintext: bytes, associated: bytes) -> bytes:
+    """AES-256-GCM: ciphertext followed by the 16-byte tag."""
+    # Lazy: `mam-runner publish` needs only HMAC; cryptography adds ~6 ms to it (python -X importtime).
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    return AESGCM(key).encrypt(nonce, plaintext, associated)
+
+
+def _decrypt(key: bytes, nonce: bytes, ciphertext: bytes, associated: bytes) -> bytes:
+    """AES-256-GCM open. Raises ValueError when the tag does not verify."""
+    # Lazy: `mam-runner publish` needs only HMAC; cryptography adds ~6 ms to it (python -X importtime).
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    try:
+        return AESGCM(key).decrypt(nonce, ciphertext, associated)
+    except InvalidTag:
+        raise ValueError("tag") from None
+
+
+def seal(seal_key: bytes, *, job_id: str, attempt_id: int, dispatch_token: str, auth_token: str,
+         brief: str, nonce: bytes | None = None) -> dict[str, str]:
+    """Seal a job's auth_token and brief for its dispatch (§5).
+
+    AES-256-GCM over `canonical({"auth_token": ..., "brief": ...})` with associated
+    data `f"{job_id}:{attempt_id}:{dispatch_token}"`.
+
+    Args:
+        seal_key: `DispatchKeys.seal_key`.
+        job_id, attempt_id, dispatch_token: the attempt the seal is bound to (§1 formats).
+        auth_token: the job's HMAC key; brief: UTF-8 text (callers enforce MAX_BRIEF_BYTES).
+        nonce: 12 bytes; None means a fresh random one (only tests pass one).
+    Returns:
+        {"alg": "A256GCM", "nonce": base64url, "ciphertext": base64url (ciphertext + 16-byte tag)}.
+    Raises:
+        UsageError: a bad job id, attempt or token; ValueError: a nonce that is not 12 bytes.
+    """
+    key = _check_key(seal_key, "seal_key")
+    names.validate_job_id(job_id)
+    names.validate_attempt(attempt_id)
+    names.validate_token(dispatch_token)
+    if nonce is None:
+        nonce = os.urandom(SEAL_NONCE_BYTES)
+    if len(nonce) != SEAL_NONCE_BYTES:
+        raise ValueError(f"nonce must be {SEAL_NONCE_BYTES} bytes")
+    ciphertext = seal_inner(key, nonce, job_id=job_id, attempt_id=attempt_id, dispatch_token=dispatch_token,
+                            auth_token=auth_token, brief=brief)
+    return {"alg": SEAL_ALG, "nonce": b64url_encode(nonce), "ciphertext": b64url_encode(ciphertext)}
+
+
+def seal_inner(key: bytes, nonce: bytes, *, job_id: str, attempt_id: int, dispatch_token: str, auth_token: str,
+               brief: str) -> bytes:
+    """The AES-256-GCM core every seal shares (§5 v1, §16 v2): ciphertext + tag of
+    `canonical({"auth_token", "brief"})`, associated data `job_id:attempt_id:dispatch_token`."""
+    plaintext = canonical({"auth_token": auth_token, "brief": brief})
+    return _encrypt(key, nonce, plaintext, _associated_data(job_id, attempt_id, dispatch_token))
+
+
+def open_inner(key: bytes, nonce: bytes, ciphertext: bytes, *, job_id: str, attempt_id: int,
+               dispatch_token: str) -> tuple[str, str]:
+    """Inverse of `seal_inner`: (auth_token, brief).
+
+    Raises:
+        ValueError: the tag does not verify, or the plaintext is not {"auth_token", "brief"}.
+    """
+    if len(nonce) != SEAL_NONCE_BYTES:
+        raise ValueError("nonce")
+    plaintext = _decrypt(key, nonce, ciphertext, _associated_data(job_id, attempt_id, dispatch_token))
+    try:
+        inner = json.loads(plaintext.decode("utf-8"))
+    except (UnicodeError, RecursionError):
+        raise ValueError("inner") from None
+    if (not isinstance(inner, dict) or set(inner) != {"auth_token", "brief"}
+            or not isinstance(inner["auth_token"], str) or not inner["auth_token"]
+            or not isinstance(inner["brief"], str)):
+        raise ValueError("inner")
+    return inner["auth_token"], inner["brief"]
+
+
+def open_sealed(seal_key: bytes, sealed: Sealed | Mapping[str, Any], *, job_id: str, attempt_id: int,
+                dispatch_token: str) -> tuple[str, str]:
+    """Open a dispatch's sealed part (§5).
+
+    Args:
+        seal_key: `DispatchKeys.seal_key`.
+        sealed: {"alg", "nonce", "ciphertext"} mapping or `wire.Sealed`; base64 with or without padding.
+        job_id, attempt_id, dispatch_token: from the dispatch; they must be the ones sealed.
+    Returns:
+        (auth_token, brief).
+    Raises:
+        SignatureError: "seal does not open": wrong key, job id, attempt or token,
+            tampering, bad base64, or a plaintext that is not {"auth_token", "brief"}.
+    """
+    key = _check_key(seal_key, "seal_key")
+    try:
+        parts = sealed.to_dict() if hasattr(sealed, "to_dict") else dict(sealed)
+        if parts.get("alg") != SEAL_ALG:
+            raise ValueError("alg")
+        nonce = b64url_decode(parts["nonce"])
+        ciphertext = b64url_decode(parts["ciphertext"])
+        return open_inner(key, nonce, ciphertext, job_id=job_id, attempt_id=attempt_id,
+                          dispatch_token=dispatch_token)
+    except (ValueError, TypeError, KeyError, UnicodeError, RecursionError):
+        raise SignatureError(SEAL_FAILED) from None
+
+
+# ------------------------------------------------------------ log chunks (§15)
+
+def log_key(auth_token: str) -> bytes:
+    """The §15 chunk key: HKDF-SHA256(auth_token UTF-8, no salt, info `b"mam-fleet/v1/log"`), 32 bytes.
+
+    Raises:
+        ConfigError: `auth_token` is empty or not a string.
+    """
+    if not isinstance(auth_token, str) or not auth_token:
+        raise ConfigError("auth_token is empty: the job record holds no log key")
+    return _hkdf(auth_token.encode("utf-8"), LOG_INFO)
+
+
+def seal_bytes(key: bytes, plaintext: bytes, associated: bytes, nonce: bytes | None = None) -> dict[str, str]:
+    """AES-256-GCM of raw bytes (§15): {"alg": "A256GCM", "nonce", "ciphertext"} in base64url.
+
+    Args:
+        key: `log_key(...)`; plaintext: the bytes; associated: the bound associated data.
+        nonce: 12 bytes; None means a fresh random one (only tests pass one).
+    """
+    checked = _check_key(key, "log key")
+    if nonce is None:
+        nonce = os.urandom(SEAL_NONCE_BYTES)
+    if len(nonce) != SEAL_NONCE_BYTES:
+        raise ValueError(f"nonce must be {SEAL_NONCE_BYTES} bytes")
+    return {"alg": SEAL_ALG, "nonce": b64url_encode(nonce),
+            "ciphertext": b64url_encode(_encrypt(checked, nonce, plaintext, associated))}
+
+
+def open_bytes(key: bytes, sealed: Sealed | Mapping[str, Any], associated: bytes) -> bytes:
+    """Open what `seal_bytes` sealed (§15).
+
+    Raises:
+        SignatureError: "seal does not open" (wrong key or associated data, tampering, bad base64).
+    """
+    checked = _check_key(key, "log key")
+    try:
+        parts = sealed.to_dict() if hasattr(sealed, "to_dict") else dict(sealed)
+        if parts.get("alg") != SEAL_ALG:
+            raise ValueError("alg")
+        nonce = b64url_decode(parts["nonce"])
+        if len(nonce) != SEAL_NONCE_BYTES:
+            raise ValueError("nonce")
+        return _decrypt(checked, nonce, b64url_decode(parts["ciphertext"]), associated)
+    except (ValueError, TypeError, KeyError):
+        raise SignatureError(SEAL_FAILED) from None
+
+
+def log_sig(payload: Payload, auth_token: str) -> str:
+    """`sig` of a log chunk (§15): the §3.1 event HMAC over the message without `sig`."""
+    return event_hmac(_unsigned(payload), auth_token)
+
+
+def verify_log_sig(payload: Payload, auth_token: str) -> None:
+    """Check a log chunk's `sig` (§15). Raises SignatureError "HMAC verify failed"."""
+    got = _plain(payload).get("sig")
+    if got is None or not isinstance(auth_token, str) or not auth_token or not _same(log_sig(payload, auth_token), got):
+        raise SignatureError(HMAC_FAILED)

@@ -1,0 +1,485 @@
+"""Names and topics of PROTOCOL §1-§2, and the registry's file names (§8, §12).
+
+This is the only module that formats a topic string or a registry path.
+Validators raise `UsageError` with one line naming the rule (CLI exit 64).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from mam.shared.protocol.errors import UsageError
+
+DEFAULT_TOPIC_ROOT = "python/mqtt"
+
+JOB_ID_RE = re.compile(r"^[0-9a-f]{8}$")
+SESSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+TOKEN_RE = re.compile(r"^[0-9a-f]{32}$")
+RUNNER_ID_RE = TOKEN_RE
+REMOTE_PREFIX = "remote:"
+SESSION_MAX_LEN = 63
+LABEL_RE = re.compile(r"^[a-z0-9][a-z0-9_.:-]{0,31}$")
+MAX_LABELS = 16
+"""At most this many labels per runner and per job (§14)."""
+LABEL_SHOWN_CHARS = 40  # a refused label is shown cut to this length (it may be hostile)
+
+# Characters singled out by §1 because NATS maps them (`/` -> `.`) or treats
+# them as wildcards (`*`, `>`); MQTT treats `+` and `#` as wildcards.
+_SESSION_FORBIDDEN = {".": "'.'", "/": "'/'", "+": "'+'", "#": "'#'", "*": "'*'", ">": "'>'", " ": "a space"}
+
+
+def new_job_id() -> str:
+    """A fresh job id, 8 hex characters (§1)."""
+    import secrets  # lazy: secrets loads hmac + OpenSSL, ~5 ms of every `mam-runner publish` (fast path)
+
+    return secrets.token_hex(4)
+
+
+def new_dispatch_token() -> str:
+    """A fresh dispatch token, uuid4 hex (§1)."""
+    import uuid  # lazy: not on the `mam-runner publish` fast path
+
+    return uuid.uuid4().hex
+
+
+def new_runner_id() -> str:
+    """A fresh runner id, uuid4 hex (§1)."""
+    import uuid  # lazy: not on the `mam-runner publish` fast path
+
+    return uuid.uuid4().hex
+
+
+def new_auth_token() -> str:
+    """A fresh per-job HMAC key, `secrets.token_urlsafe(32)` (§3.1)."""
+    import secrets  # lazy: not on the `mam-runner publish` fast path
+
+    return secrets.token_urlsafe(32)
+
+
+def validate_job_id(value: object) -> str:
+    """Return `value` if it is a job id (§1), else raise `UsageError`."""
+    if not isinstance(value, str) or not JOB_ID_RE.fullmatch(value):
+        raise UsageError(f"job id {value!r} is invalid: expected 8 lowercase hex characters, e.g. 918b0612")
+    return value
+
+
+def session_problem(value: object) -> str | None:
+    """Why `value` is not a valid session name (§1), or None if it is."""
+    if not isinstance(value, str):
+        return "it must be a string"
+    if value == "":
+        return "it is empty"
+    if len(value) > SESSION_MAX_LEN:
+        return f"it has {len(value)} characters, at most {SESSION_MAX_LEN} are allowed"
+    for ch, label in _SESSION_FORBIDDEN.items():
+        if ch in value:
+            return f"{label} is not allowed"
+    if not SESSION_RE.fullmatch(value):
+        bad = next((c for c in value if not (c.isascii() and (c.isalnum() or c in "_-"))), None)
+        if bad is not None:
+            return f"{bad!r} is not allowed"
+        return "it must start with a letter or digit"
+    return None
+
+
+def validate_session(value: object) -> str:
+    """Return `value` if it is a session (runner) name (§1), else raise `UsageError`.
+
+    The message names the rule, e.g. ``session name 'gpu.box' is invalid: '.'
+    is not allowed (letters, digits, '-' and '_' only, 1-63 characters,
+    starting with a letter or digit)``.
+    """
+    problem = session_problem(value)  # None only for a str
+    if problem is not None or not isinstance(value, str):
+        raise UsageError(
+            f"session name {value!r} is invalid: {problem} "
+            "(letters, digits, '-' and '_' only, 1-63 characters, starting with a letter or digit)"
+        )
+    return value
+
+
+def validate_token(value: object, what: str = "dispatch token") -> str:
+    """Return `value` if it is 32 lowercase hex characters (uuid4().hex, §1), else raise `UsageError`."""
+    if not isinstance(value, str) or not TOKEN_RE.fullmatch(value):
+        raise UsageError(f"{what} {value!r} is invalid: expected 32 lowercase hex characters")
+    return value
+
+
+def validate_attempt(value: object) -> int:
+    """Return `value` if it is an attempt id (integer >= 1, §1), else raise `UsageError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UsageError(f"attempt id {value!r} is invalid: expected an integer >= 1")
+    return value
+
+
+def label_problem(value: object) -> str | None:
+    """Why `value` is not a label of §14 (`^[a-z0-9][a-z0-9_.:-]{0,31}$`), or None."""
+    if not isinstance(value, str):
+        return f"expected a string, got {type(value).__name__}"
+    if not LABEL_RE.fullmatch(value):
+        return ("expected 1-32 characters: lowercase letters, digits, '_', '.', ':' and '-', "
+                "starting with a letter or digit")
+    return None
+
+
+def validate_labels(values: object, what: str = "labels") -> tuple[str, ...]:
+    """`values` (a list of labels) sorted, if each is a §14 label, at most 16 and none twice.
+
+    Raises:
+        UsageError: one line naming the bad label or the count.
+    """
+    if not isinstance(values, (list, tuple, frozenset, set)):
+        raise UsageError(f"{what} must be a list of labels")
+    if len(values) > MAX_LABELS:
+        raise UsageError(f"{what} is invalid: {len(values)} labels, at most {MAX_LABELS} are allowed (§14)")
+    for value in values:
+        problem = label_problem(value)
+        if problem is not None:
+            raise UsageError(f"label {str(value)[:LABEL_SHOWN_CHARS]!r} is invalid: {problem} (§14)")
+    if len(set(values)) != len(values):
+        raise UsageError(f"{what} is invalid: a label is listed twice")
+    return tuple(sorted(values))
+
+
+def parse_labels(text: str, what: str = "--labels") -> tuple[str, ...]:
+    """`gpu,cuda12` as sorted labels (§14); empty items are refused.
+
+    Raises:
+        UsageError: an empty list or item, a bad label, more than 16, a label twice.
+    """
+    items = [item.strip() for item in text.split(",")]
+    if not text.strip() or any(not item for item in items):
+        raise UsageError(f"{what} {text!r} is invalid: expected labels separated by commas, e.g. gpu,cuda12")
+    return validate_labels(items, what)
+
+
+def strip_remote(session: str) -> str:
+    """The bare session of `remote:<session>` (the seed's form, §14), else `session` as given."""
+    return session[len(REMOTE_PREFIX):] if isinstance(session, str) and session.startswith(REMOTE_PREFIX) \
+        else session
+
+
+def agent_session_label(session: str) -> str:
+    """The hub record's `agent_session` for a remote session: `remote:<session>` (§1)."""
+    return REMOTE_PREFIX + validate_session(session)
+
+
+def session_from_label(label: str) -> str:
+    """Inverse of `agent_session_label`; raises `UsageError` on anything else."""
+    if not isinstance(label, str) or not label.startswith(REMOTE_PREFIX):
+        raise UsageError(f"agent session {label!r} is invalid: expected remote:<session>")
+    return validate_session(label[len(REMOTE_PREFIX):])
+
+
+# ---------------------------------------------------------------- topics (§2)
+
+def topic_root(root: str | None = None) -> str:
+    """The topic root: `root`, else MAM_TOPIC_ROOT, else `python/mqtt` (§2).
+
+    Raises `UsageError` if it is empty, has wildcards, or leading/trailing '/'.
+    """
+    value = root if root is not None else os.environ.get("MAM_TOPIC_ROOT") or DEFAULT_TOPIC_ROOT
+    if (not value or any(c in value for c in "+#*> \x00") or value.startswith("/")
+            or value.endswith("/") or "//" in value):
+        raise UsageError(f"topic root {value!r} is invalid: no wildcards, spaces, or empty levels")
+    return value
+
+
+def job_topic(job_id: str, leaf: str, root: str | None = None) -> str:
+    """`ROOT/jobs/<job_id>/<leaf>` for leaf in dispatch, events, state, control, log (§2)."""
+    if leaf not in ("dispatch", "events", "state", "control", "log"):
+        raise ValueError(f"unknown job topic leaf {leaf!r}")
+    return f"{topic_root(root)}/jobs/{validate_job_id(job_id)}/{leaf}"
+
+
+def dispatch_topic(job_id: str, root: str | None = None) -> str:
+    """Retained signed dispatch (§2, §5)."""
+    return job_topic(job_id, "dispatch", root)
+
+
+def events_topic(job_id: str, root: str | None = None) -> str:
+    """Events; terminal ones retained (§2, §3)."""
+    return job_topic(job_id, "events", root)
+
+
+def state_topic(job_id: str, root: str | None = None) -> str:
+    """Retained state snapshot (§2, §4)."""
+    return job_topic(job_id, "state", root)
+
+
+def control_topic(job_id: str, root: str | None = None) -> str:
+    """Retained signed cancel (§2, §6)."""
+    return job_topic(job_id, "control", root)
+
+
+def log_topic(job_id: str, root: str | None = None) -> str:
+    """Sealed chunks of the agent's output, not retained (§2, §15)."""
+    return job_topic(job_id, "log", root)
+
+
+def all_dispatches_filter(root: str | None = None) -> str:
+    """Subscription filter for every job's dispatch: `ROOT/jobs/+/dispatch` (§11)."""
+    return f"{topic_root(root)}/jobs/+/dispatch"
+
+
+def all_controls_filter(root: str | None = None) -> str:
+    """Subscription filter for every job's control: `ROOT/jobs/+/control` (§6)."""
+    return f"{topic_root(root)}/jobs/+/control"
+
+
+def all_logs_filter(root: str | None = None) -> str:
+    """Subscription filter for every job's output chunks: `ROOT/jobs/+/log` (§15)."""
+    return f"{topic_root(root)}/jobs/+/log"
+
+
+def all_jobs_filter(root: str | None = None) -> str:
+    """Subscription filter for everything about every job: `ROOT/jobs/#`."""
+    return f"{topic_root(root)}/jobs/#"
+
+
+def all_events_filter(root: str | None = None) -> str:
+    """Subscription filter for every job's events: `ROOT/jobs/+/events` (the hub service, §14)."""
+    return f"{topic_root(root)}/jobs/+/events"
+
+
+def all_states_filter(root: str | None = None) -> str:
+    """Subscription filter for every job's retained state: `ROOT/jobs/+/state` (the hub service, §14)."""
+    return f"{topic_root(root)}/jobs/+/state"
+
+
+def presence_topic(session: str, root: str | None = None) -> str:
+    """Retained presence and Last Will of one runner session (§2, §7)."""
+    return f"{topic_root(root)}/runners/{validate_session(session)}"
+
+
+def all_presence_filter(root: str | None = None) -> str:
+    """Subscription filter for every runner's presence: `ROOT/runners/+` (§7)."""
+    return f"{topic_root(root)}/runners/+"
+
+
+def parse_job_topic(topic: str, root: str | None = None) -> tuple[str, str] | None:
+    """Split `ROOT/jobs/<job_id>/<leaf>` (§2) into (job_id, leaf), or None if it is not one."""
+    prefix = f"{topic_root(root)}/jobs/"
+    if not topic.startswith(prefix):
+        return None
+    parts = topic[len(prefix):].split("/")
+    if len(parts) != 2 or not JOB_ID_RE.fullmatch(parts[0]):
+        return None
+    return parts[0], parts[1]
+
+
+def parse_presence_topic(topic: str, root: str | None = None) -> str | None:
+    """The session of a `ROOT/runners/<session>` topic (§2, §7), or None."""
+    prefix = f"{topic_root(root)}/runners/"
+    if not topic.startswith(prefix):
+        return None
+    session = topic[len(prefix):]
+    return session if session_problem(session) is None else None
+
+
+# ------------------------------------------------------- registry paths (§8, §12)
+
+def mam_dir(root: Path) -> Path:
+    """`<root>/.mam`."""
+    return Path(root) / ".mam"
+
+
+def jobs_dir(root: Path) -> Path:
+    """`<root>/.mam/jobs`."""
+    return mam_dir(root) / "jobs"
+
+
+def record_path(root: Path, job_id: str) -> Path:
+    """`<root>/.mam/jobs/<job_id>.json` (§8)."""
+    return jobs_dir(root) / f"{validate_job_id(job_id)}.json"
+
+
+def runners_seen_path(root: Path) -> Path:
+    """`<root>/.mam/runners-seen.json`: how many presences the last `mam-orch runners` received."""
+    return mam_dir(root) / "runners-seen.json"
+
+
+def lock_path(root: Path) -> Path:
+    """`<root>/.mam/jobs/.lock`, the registry lock (§8)."""
+    return jobs_dir(root) / ".lock"
+
+
+def hub_lock_path(root: Path) -> Path:
+    """`<root>/.mam/hub.lock`: held (flock) by the one `mam-orch serve` of a registry; holds its pid (§14)."""
+    return mam_dir(root) / "hub.lock"
+
+
+def logs_dir(root: Path) -> Path:
+    """`<root>/.mam/logs`, the parent of every job's log folder (§8)."""
+    return mam_dir(root) / "logs"
+
+
+def job_logs_dir(root: Path, job_id: str) -> Path:
+    """`<root>/.mam/logs/<job_id>` holding meta.json, status.json, events.ndjson (§8)."""
+    return logs_dir(root) / validate_job_id(job_id)
+
+
+def heartbeat_path(root: Path, job_id: str, kind: str) -> Path:
+    """`<root>/.mam/jobs/<job_id>.heartbeat.<kind>` for kind in barrier, pid, lock (§12)."""
+    if kind not in ("barrier", "pid", "lock"):
+        raise ValueError(f"unknown heartbeat file kind {kind!r}")
+    return jobs_dir(root) / f"{validate_job_id(job_id)}.heartbeat.{kind}"
+
+
+# ---------------------------------------------------------------- outbox (§17)
+
+OUTBOX_SUFFIX = ".json"
+OUTBOX_KEPT_SUFFIX = ".kept.json"
+_OUTBOX_NAME_RE = re.compile(r"^([0-9a-f]{8})\.([1-9][0-9]{0,8})\.([1-9][0-9]{0,11})(\.kept)?\.json$")
+
+
+def run_dir(root: Path) -> Path:
+    """`<root>/.mam/run` (mode 0700): the runner daemon's local socket lives here (§17)."""
+    return mam_dir(root) / "run"
+
+
+def runner_socket_path(root: Path) -> Path:
+    """`<root>/.mam/run/runner.sock`: the runner daemon's local publish socket (§17)."""
+    return run_dir(root) / "runner.sock"
+
+
+def outbox_dir(root: Path) -> Path:
+    """`<root>/.mam/outbox`: events and states not yet acknowledged by the broker (§17)."""
+    return mam_dir(root) / "outbox"
+
+
+def outbox_entry_path(root: Path, job_id: str, attempt_id: int, seq: int, *, kept: bool = False) -> Path:
+    """`<root>/.mam/outbox/<job_id>.<attempt_id>.<seq>.json` (one event and its state, §17);
+    `.kept.json` once acknowledged, for a terminal entry kept for re-publishing."""
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+        raise UsageError(f"seq {seq!r} is invalid: expected an integer >= 1")
+    suffix = OUTBOX_KEPT_SUFFIX if kept else OUTBOX_SUFFIX
+    return outbox_dir(root) / f"{validate_job_id(job_id)}.{validate_attempt(attempt_id)}.{seq}{suffix}"
+
+
+def parse_outbox_name(name: str) -> tuple[str, int, int, bool] | None:
+    """(job_id, attempt_id, seq, kept) of an outbox entry's file name (§17), or None."""
+    match = _OUTBOX_NAME_RE.fullmatch(name)
+    if match is None:
+        return None
+    return match.group(1), int(match.group(2)), int(match.group(3)), match.group(4) is not None
+
+
+# ------------------------------------------------------- keys and roster (§16)
+
+def keys_dir(root: Path) -> Path:
+    """`<root>/.mam/keys` (mode 0700): this host's v2 private keys and the hub keys it trusts (§16)."""
+    return mam_dir(root) / "keys"
+
+
+def hub_key_path(root: Path) -> Path:
+    """`<root>/.mam/keys/hub.ed25519`: the hub's Ed25519 private key, 0600 (§16)."""
+    return keys_dir(root) / "hub.ed25519"
+
+
+def hub_next_key_path(root: Path) -> Path:
+    """`<root>/.mam/keys/hub.next.ed25519`: a staged hub key, not used until the rotation (§16)."""
+    return keys_dir(root) / "hub.next.ed25519"
+
+
+def hub_previous_public_path(root: Path) -> Path:
+    """`<root>/.mam/keys/hub.previous.ed25519.pub`: the hub's public key before its last rotation (§16)."""
+    return keys_dir(root) / "hub.previous.ed25519.pub"
+
+
+def runner_key_path(root: Path, kind: str) -> Path:
+    """`<root>/.mam/keys/runner.<kind>` for kind in ed25519, x25519: a runner's private keys, 0600 (§16)."""
+    if kind not in ("ed25519", "x25519"):
+        raise ValueError(f"unknown runner key kind {kind!r}")
+    return keys_dir(root) / f"runner.{kind}"
+
+
+def runner_identity_path(root: Path) -> Path:
+    """`<root>/.mam/keys/runner.json`: the session, labels and public keys `mam-runner enroll` made (§16)."""
+    return keys_dir(root) / "runner.json"
+
+
+def trusted_hub_keys_path(root: Path) -> Path:
+    """`<root>/.mam/keys/hub-trusted.pub`: the hub public keys a runner verifies with, one a line (§16)."""
+    return keys_dir(root) / "hub-trusted.pub"
+
+
+def roster_dir(root: Path) -> Path:
+    """`<root>/.mam/runners`: the hub's roster of enrolled runners (§16)."""
+    return mam_dir(root) / "runners"
+
+
+def roster_path(root: Path, session: str) -> Path:
+    """`<root>/.mam/runners/<session>.json`: one enrolled runner (§16)."""
+    return roster_dir(root) / f"{validate_session(session)}.json"
+
+
+def broker_record_path(root: Path) -> Path:
+    """`<root>/.mam/broker-config.json`: the nats config `mam-orch init` wrote, whose runner users
+    `mam-orch runner add|revoke` manage (§16)."""
+    return mam_dir(root) / "broker-config.json"
+
+
+def runner_credentials_path(root: Path, session: str) -> Path:
+    """`<root>/.mam/runner-credentials/<session>.env` (0600): a runner's own broker user and
+    password, written once by `mam-orch runner add` for the operator to hand over (§16)."""
+    return mam_dir(root) / "runner-credentials" / f"{validate_session(session)}.env"
+
+
+def invites_dir(root: Path) -> Path:
+    """`<root>/.mam/invites`: the hub's pending and used invite codes, as hashes (§16 enrolment by invite)."""
+    return mam_dir(root) / "invites"
+
+
+def invite_path(root: Path, invite_id: str) -> Path:
+    """`<root>/.mam/invites/<invite_id>.json`: one invite's session, labels, expiry and use (§16)."""
+    return invites_dir(root) / f"{validate_token(invite_id, 'invite id')}.json"
+
+
+def enrol_topic(session: str, leaf: str, root: str | None = None) -> str:
+    """`ROOT/enrol/<session>/<leaf>`, leaf `request` (runner to hub) or `answer` (hub to runner), not
+    retained (§16 enrolment by invite)."""
+    if leaf not in ("request", "answer"):
+        raise ValueError(f"unknown enrol topic leaf {leaf!r}")
+    return f"{topic_root(root)}/enrol/{validate_session(session)}/{leaf}"
+
+
+def all_enrol_requests_filter(root: str | None = None) -> str:
+    """Subscription filter for every session's enrolment request: `ROOT/enrol/+/request` (§16)."""
+    return f"{topic_root(root)}/enrol/+/request"
+
+
+# ------------------------------------------------------------ output stream (§15)
+
+def log_outbox_dir(root: Path) -> Path:
+    """`<root>/.mam/outbox-log`: the runner's sealed log chunks not yet acknowledged (§15, §17)."""
+    return mam_dir(root) / "outbox-log"
+
+
+def log_outbox_entry_path(root: Path, job_id: str, attempt_id: int, chunk: int) -> Path:
+    """`<root>/.mam/outbox-log/<job_id>.<attempt_id>.<chunk>.json`: one sealed chunk (§15, §17)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise UsageError(f"chunk {chunk!r} is invalid: expected an integer >= 0")
+    return log_outbox_dir(root) / f"{validate_job_id(job_id)}.{validate_attempt(attempt_id)}.{chunk}.json"
+
+
+def hub_log_path(root: Path, job_id: str, attempt_id: int) -> Path:
+    """`<root>/.mam/logs/<job_id>/agent.<attempt_id>.log`: the hub's copy of an attempt's output (§15)."""
+    return job_logs_dir(root, job_id) / f"agent.{validate_attempt(attempt_id)}.log"
+
+
+def brief_path(root: Path, job_id: str) -> Path:
+    """`<root>/.mam/logs/<job_id>/brief.txt`: the hub's 0600 copy of a job's brief (§5)."""
+    return job_logs_dir(root, job_id) / "brief.txt"
+
+
+def runner_agent_log_path(root: Path, job_id: str) -> Path:
+    """`<root>/.mam/logs/<job_id>/agent.log`: the runner's whole output of a job (§11), under the RUNNER's root."""
+    return job_logs_dir(root, job_id) / "agent.log"
+
+
+def hub_log_state_path(root: Path, job_id: str, attempt_id: int) -> Path:
+    """`<root>/.mam/logs/<job_id>/agent.<attempt_id>.log.json`: the next chunk expected, bytes dropped (§15)."""
+    return job_logs_dir(root, job_id) / f"agent.{validate_attempt(attempt_id)}.log.json"

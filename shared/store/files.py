@@ -1,0 +1,126 @@
+"""The files of a registry (PROTOCOL §8): its paths, folders (0700, made on the
+first write), the lock (`fcntl.flock`, re-entrant per thread) and `group()`, the
+hub service's group commit (docs/registry.md "Durability"). `Registry` builds on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import RegistryError
+from mam.shared.store.fsio import atomic_write, errno_name, sync_paths
+from mam.shared.store.lock import FileLock
+from mam.shared.store.records import dumps
+
+log = logging.getLogger("mam.registry")
+
+REMEMBERED_JOBS = 20_000  # job ids whose paths and folders are remembered; then forgotten all at once
+
+
+class RegistryFiles:
+    """Paths, folders, lock and group commit of the registry rooted at `root` (§8)."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self._lock = FileLock(names.lock_path(self.root))
+        self._made: set[str] = set()  # "" (the base folders) and job ids whose folders exist
+        self._paths: dict[str, Path] = {}
+        self._group: set[Path] | None = None  # files written inside `group()`, fsynced at its end
+        self._group_thread = 0
+
+    # -------------------------------------------------------------- paths
+
+    def record_path(self, job_id: str) -> Path:
+        """`<root>/.mam/jobs/<job_id>.json` (remembered: the hub service reads thousands a second)."""
+        path = self._paths.get(job_id)
+        if path is None:
+            if len(self._paths) >= REMEMBERED_JOBS:
+                self._paths.clear()
+            path = self._paths[job_id] = names.record_path(self.root, job_id)
+        return path
+
+    def logs_dir(self, job_id: str) -> Path:
+        """`<root>/.mam/logs/<job_id>`."""
+        return names.job_logs_dir(self.root, job_id)
+
+    def audit_path(self, job_id: str) -> Path:
+        """`<root>/.mam/logs/<job_id>/events.ndjson`."""
+        return self.logs_dir(job_id) / "events.ndjson"
+
+    def _ensure_dirs(self, job_id: str | None = None) -> None:
+        # A folder made (or found) once by this object is not made again: the hub
+        # service takes the lock and appends thousands of times a second (docs/registry.md).
+        key = job_id or ""
+        if key in self._made:
+            return
+        try:
+            folders = [names.mam_dir(self.root), names.jobs_dir(self.root)]
+            if job_id is not None:
+                folders += [self.logs_dir(job_id).parent, self.logs_dir(job_id)]
+            for folder in folders:  # one by one, so every level gets 0700, not just the last
+                folder.mkdir(mode=0o700, parents=folder == folders[0], exist_ok=True)
+        except OSError as exc:
+            raise RegistryError(f"cannot create the registry folders under {names.mam_dir(self.root)} "
+                                f"({errno_name(exc)}: {exc.strerror or exc})") from exc
+        if len(self._made) >= REMEMBERED_JOBS:
+            self._made.clear()
+        self._made.add(key)
+
+    # --------------------------------------------------------------- lock
+
+    @contextlib.contextmanager
+    def lock(self) -> Iterator[None]:
+        """Hold the registry lock (`fcntl.flock` on `.mam/jobs/.lock`, §8), made
+        0700 folders first. Re-entrant within one thread of one process; callers
+        may group several calls in `with registry.lock():` (the §12 barrier does).
+
+        Raises:
+            RegistryError: the folders cannot be made, or the lock file opened or locked.
+        """
+        if not self._lock.held:
+            self._ensure_dirs()
+        with self._lock.hold():
+            yield
+
+    @contextlib.contextmanager
+    def group(self) -> Iterator[None]:
+        """Hold the lock; commits inside skip their fsyncs and the group's end fsyncs
+        every file they wrote together (`fsio.sync_paths`): the hub service's pass over
+        its backlog (docs/registry.md "Durability"). Nested or in another thread: a lock.
+
+        Raises:
+            RegistryError: as `lock`, or an fsync failed at the end.
+        """
+        with self.lock():
+            if self._group is not None:
+                yield
+                return
+            self._group, self._group_thread = set(), threading.get_ident()
+            try:
+                yield
+            finally:
+                files, self._group = self._group, None
+                if files:
+                    sync_paths(files, what=f"registry {self.root}")
+
+    def _deferred(self, path: Path) -> bool:
+        """True (and `path` noted) inside this thread's `group()`: the caller skips its fsync."""
+        group = self._group
+        if group is None or self._group_thread != threading.get_ident():
+            return False
+        group.add(path)
+        return True
+
+    def _write_side(self, job_id: str, name: str, obj: dict[str, Any]) -> None:
+        # meta/status are views of the record; the record is the truth, so a failure here only warns
+        try:
+            atomic_write(self.logs_dir(job_id) / name, dumps(obj), what=f"job {job_id}", durable=False)
+        except RegistryError as exc:
+            log.warning("%s", exc)

@@ -1,0 +1,257 @@
+"""Crash-safe file primitives, one of each (PROTOCOL §8): atomic write,
+fsynced line append, size-capped read.
+
+Every file written here is mode 0600: records, audit logs, `.mam.env` and
+broker configs may hold secrets. Callers choose the error class a failure
+raises, so a registry write fails with `RegistryError` and a config write
+with `ConfigError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from mam.shared.protocol.errors import MamError, RegistryError
+
+
+def errno_name(exc: OSError) -> str:
+    """The symbolic errno of `exc` (`ENOSPC`), or its type name when it has none."""
+    return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, *, what: str, error: type[MamError] = RegistryError,
+                 durable: bool = True) -> None:
+    """Write `data` to `path` with mode 0600: temp file in the same folder,
+    flush, fsync, `os.replace`, fsync of the folder (§8).
+
+    Args:
+        path: the target file; its folder must exist.
+        data: the whole new content.
+        what: names the file in the error message ("job 0a1b2c3d").
+        error: the `MamError` subclass raised on failure.
+        durable: False skips both fsyncs, for views rebuilt from a durable file (a reader
+            still sees the old or the new content, never a mix; a power loss may lose the write).
+    Raises:
+        error: the write failed; `path` is unchanged and no temp file is left.
+    """
+    tmp: str | None = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), 0o600)
+            handle.write(data)
+            handle.flush()
+            if durable:
+                os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        if durable:
+            _fsync_dir(path.parent)
+    except OSError as exc:
+        raise error(
+            f"{what}: cannot write {path} ({errno_name(exc)}: {exc.strerror or exc}); "
+            "the previous file is unchanged") from exc
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+SYNC_THREADS = 16  # fsyncs issued at once by `sync_paths`: the file system commits them together
+
+
+def _fsync_path(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return  # replaced or removed since: its successor was synced by whoever wrote it
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_paths(files: Iterable[Path], *, what: str) -> None:
+    """fsync every file of `files`, many at once (the file system groups them into few
+    journal commits), then each of their folders (the renames): the group commit of
+    `Registry.group`.
+
+    Raises:
+        RegistryError: an fsync failed.
+    """
+    files = sorted(set(files))
+    try:
+        with ThreadPoolExecutor(min(SYNC_THREADS, max(1, len(files)))) as pool:
+            list(pool.map(_fsync_path, files))
+            list(pool.map(_fsync_path, sorted({path.parent for path in files})))
+    except OSError as exc:
+        raise RegistryError(f"{what}: cannot fsync ({errno_name(exc)}: {exc.strerror or exc})") from exc
+
+
+WRITE_PROBE_PREFIX = ".write-probe."
+"""The probe file `check_writable` creates and removes (the pid follows)."""
+
+
+def check_writable(folder: Path, *, what: str, error: type[MamError] = RegistryError) -> None:
+    """Make `folder` (0700, with its parents) if missing, then create, fsync and
+    remove a probe file in it: a read-only mount, a full disk or a folder we may
+    not write to fails here, not in the middle of a job.
+
+    Raises:
+        error: one line naming `what`, the folder and the errno (EROFS, EACCES, ENOSPC).
+    """
+    probe = folder / f"{WRITE_PROBE_PREFIX}{os.getpid()}"
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"probe\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+        raise error(f"{what}: {folder} is not writable ({errno_name(exc)}: {exc.strerror or exc})") from exc
+
+
+def json_line(obj: Any) -> bytes:
+    """`obj` as one compact, key-sorted JSON line (UTF-8, ending in a newline)."""
+    return (json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def append_line(path: Path, obj: Mapping[str, Any], *, what: str) -> None:
+    """Append `obj` as one JSON line to `path` (0600) and fsync it (§8); see `append_lines`.
+
+    Raises:
+        RegistryError: the append failed.
+    """
+    append_lines(path, [obj], what=what)
+
+
+def append_lines(path: Path, objs: Sequence[Mapping[str, Any]], *, what: str, sync: bool = True) -> None:
+    """Append each of `objs` as one JSON line to `path` (0600) with ONE write and
+    ONE fsync (§8): a transaction's lines cost one fsync, not one each. `sync=False`
+    skips the fsync (the hub's lines that change no status, docs/registry.md): the
+    line survives the process, not a power loss.
+
+    A torn last line left by a crash is closed with a newline first, so the
+    new lines stay readable. On failure the file is cut back to its old size.
+
+    Raises:
+        RegistryError: the append failed.
+    """
+    data = b"".join(json_line(obj) for obj in objs)
+    fd = -1
+    size = None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        if sync:
+            os.fsync(fd)
+    except OSError as exc:
+        if fd >= 0 and size is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+        raise RegistryError(
+            f"{what}: cannot append to {path} ({errno_name(exc)}: {exc.strerror or exc})") from exc
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def read_capped(path: str | os.PathLike[str], max_bytes: int) -> bytes:
+    """Read a whole file that must not exceed `max_bytes`, without reading more.
+
+    Raises:
+        OSError: the file cannot be opened or read.
+        OverflowError: it is larger than `max_bytes`.
+    """
+    with open(path, "rb") as handle:
+        raw = handle.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise OverflowError(f"larger than {max_bytes} bytes")
+    return raw
+
+
+def read_json_object(path: str | os.PathLike[str], max_bytes: int) -> dict[str, Any]:
+    """Read a small JSON object file (pid files, barriers, agent files).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: larger than `max_bytes`, not UTF-8, not JSON, or not an object.
+    """
+    try:
+        obj = json.loads(read_capped(path, max_bytes).decode("utf-8"))
+    except OverflowError as exc:
+        raise ValueError(str(exc)) from None
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    return obj
+
+
+def read_json_lines(path: Path, *, what: str) -> list[dict[str, Any]]:
+    """Every line of `path` as a dict, oldest first ([] when it does not exist); a line
+    that is not a JSON object (a torn write) becomes `{"event": "unreadable_line", "line": n}`.
+
+    Raises:
+        RegistryError: the file exists but cannot be read.
+    """
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise RegistryError(f"{what}: cannot read {path} ({errno_name(exc)}: {exc.strerror or exc})") from exc
+    out: list[dict[str, Any]] = []
+    for n, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            obj = None
+        out.append(obj if isinstance(obj, dict) else {"event": "unreadable_line", "line": n})
+    return out
+
+
+def move_aside(path: Path, stamp: str) -> Path:
+    """Rename a corrupt `path` to `<name>.corrupt-<stamp>` (never over an earlier copy).
+
+    Raises:
+        RegistryError: the rename failed.
+    """
+    aside = path.with_name(f"{path.name}.corrupt-{stamp}")
+    n = 1
+    while aside.exists():
+        aside = path.with_name(f"{path.name}.corrupt-{stamp}-{n}")
+        n += 1
+    try:
+        os.rename(path, aside)
+    except OSError as exc:
+        raise RegistryError(f"record {path} is corrupt and cannot be moved aside "
+                            f"({errno_name(exc)}: {exc.strerror or exc})") from exc
+    return aside
