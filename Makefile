@@ -35,8 +35,9 @@ system-deps:
 	  fi; \
 	fi
 
-# mypy resolves `mam.*` through a tree of links: the editable install maps
-# the three folders with an import hook that mypy does not run.
+# mypy and import-linter resolve `mam.*` through a tree of links: the editable
+# install maps the folders with an import hook that neither runs. The layer and
+# independence contracts are [tool.importlinter] in pyproject.toml.
 TYPECHECK := .typecheck
 lint: $(STAMP)
 	@mkdir -p $(TYPECHECK)/mam
@@ -44,6 +45,7 @@ lint: $(STAMP)
 	@ln -sfn ../../api/__init__.py $(TYPECHECK)/mam/__init__.py
 	$(VENV)/bin/ruff check .
 	cd $(TYPECHECK) && ../$(VENV)/bin/mypy --config-file ../pyproject.toml -p mam
+	cd $(TYPECHECK) && ../$(VENV)/bin/lint-imports --no-cache ../pyproject.toml
 
 # Two pytest workers (pytest-xdist), each given whole files (`--dist loadfile`): the e2e
 # tests mostly wait on brokers, agents and deadlines, so this halves the wall time on 2 cores.

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHELL_AGENT = REPO / "examples" / "agents" / "shell-agent"
 SESSION = "demo-box"
 MAM_ORCH = [sys.executable, "-m", "mam.orchestrator.cli"]
-MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
+MAM_RUNNER = [sys.executable, "-m", "mam.runner"]
 JOB_TIMEOUT_S = 45
 STOP_TIMEOUT_S = 10.0
 

@@ -20,12 +20,13 @@ from mam.orchestrator.hints import command
 from mam.orchestrator.hub import DAY_S, Hub, Workspace, connect, open_hub
 from mam.shared.cli import human_view
 from mam.shared.cli.render import table
-from mam.shared.config import BrokerConfig, apply_job_overrides, existing_root
+from mam.shared.config import BrokerConfig, apply_job_overrides
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus
 from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, ConfigError, UsageError
 from mam.shared.protocol.wire import parse_ts
 from mam.shared.store.records import JobRecord, utc_now
+from mam.shared.store.root import existing_root
 from mam.shared.transport.mqtt import UNREACHABLE, MqttClient
 
 RETAINED_LEAVES = ("dispatch", "events", "state", "control")

@@ -16,6 +16,7 @@ from mam.shared.protocol import crypto
 from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.store.records import JobRecord
 from mam.shared.store.registry import Registry
+from mam.shared.store.root import resolve_root
 from mam.shared.transport.mqtt import MqttClient
 
 Workspace = str | os.PathLike[str] | None
@@ -55,7 +56,7 @@ class Hub:
 
     @property
     def root(self) -> Path:
-        """The registry root (`config.resolve_root`)."""
+        """The registry root (`resolve_root`)."""
         return self.registry.root
 
     def keys(self) -> DispatchKeys:
@@ -88,4 +89,4 @@ class Hub:
 
 def open_hub(workspace: Workspace = None) -> Hub:
     """The hub of the root §8 picks for `workspace` (nothing read or written yet)."""
-    return Hub(Registry(config.resolve_root(workspace)))
+    return Hub(Registry(resolve_root(workspace)))

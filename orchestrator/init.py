@@ -36,11 +36,13 @@ from mam.orchestrator.broker.templates import (
     route_urls,
     set_conf_variables,
 )
-from mam.shared.config import ENV_FILE_NAME, new_secret, resolve_root, write_env_file
+from mam.shared.config import ENV_FILE_NAME, new_secret, write_env_file
 from mam.shared.protocol import names
 from mam.shared.protocol.crypto import keys
 from mam.shared.protocol.errors import ConfigError, UsageError
+from mam.shared.store import keyfiles
 from mam.shared.store.fsio import atomic_write
+from mam.shared.store.root import resolve_root
 
 #: Users of deploy/nats/nats.conf (account MAM) and what they are for.
 AGENT_USER = "mam_agent"
@@ -354,7 +356,7 @@ def init_workspace(workspace: str | os.PathLike[str] | None = None, *,
     }, header="mam-fleet settings (PROTOCOL §13), written by `mam-orch init`.\n"
               "Copy this file to every runner's workspace; keep it mode 0600.",
         overwrite=True)
-    hub_public = keys.public_text(keys.hub_key(root))  # §16: made once, never overwritten (rotate instead)
+    hub_public = keys.public_text(keyfiles.hub_key(root))  # §16: made once, never overwritten (rotate instead)
     notes.append(f"hub key {names.hub_key_path(root)} (mode 0600); public key {hub_public}; enrol runners with "
                  "mam-orch runner add (docs/security.md)")
     if tls:

@@ -83,7 +83,7 @@ class JobLog:
             return []  # a duplicate (QoS 1 redelivery, a runner's re-send)
         if number > self.next + MAX_AHEAD_CHUNKS:
             raise UsageError(f"chunk {number} is more than {MAX_AHEAD_CHUNKS} ahead of chunk {self.next}")
-        self._waiting[number] = (logchunk.open_chunk(chunk, self.auth_token, self._key), chunk.dropped)
+        self._waiting[number] = (crypto.open_log_chunk(chunk, self.auth_token, self._key), chunk.dropped)
         if len(self._waiting) > MAX_BUFFERED_CHUNKS:
             self._skip_gap()
         return self._drain()

@@ -1,8 +1,8 @@
 """`mam-runner`: the worker host's command line. Each command parses, calls
 one function, and lets `cli.run` map errors to the exit codes of
-PROTOCOL §9. `publish` is called often by agents: its imports stay lazy, and
-inside a job it goes through the runner's socket (`fastpath`, §17) before
-typer is even imported (the console script's entry is `fastpath.main`)."""
+§9. `publish` is called often by agents: its imports stay lazy, and inside a
+job it goes through the runner's socket (`fastpath`, §17) before typer is even
+imported (the console script's entry is `mam.runner.__main__`)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ import json
 import os
 import sys
 
-from mam.runner import fastpath
+import typer
 
-if __name__ == "__main__":  # `python -m mam.runner.cli publish`: the socket fast path before typer loads (§17)
-    fastpath.main()
-
-import typer  # noqa: E402  (after the fast path above: an agent's publish never loads typer)
-
-from mam.shared import cli  # noqa: E402
-from mam.shared.protocol.errors import BrokerError, ExitCode, MamError, ProtocolError, RegistryError, UsageError  # noqa: E402
+from mam.shared import cli
+from mam.shared.protocol.errors import BrokerError, ExitCode, MamError, ProtocolError, RegistryError, UsageError
+from mam.shared.store.root import resolve_root
 
 MAX_PUBLISH_ATTEMPTS = 10
 """Highest `--attempts` of `mam-runner publish` (§13)."""
@@ -195,7 +191,6 @@ def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attem
     """
     # lazy: the publish core (registry, crypto) loads only for this command (publish fast path)
     from mam.runner import publish
-    from mam.shared.config import resolve_root
     from mam.shared.protocol import wire
     from mam.shared.store.registry import Registry
 
@@ -206,10 +201,10 @@ def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attem
         raise UsageError(f"--attempts {attempts} is invalid: expected 1..{MAX_PUBLISH_ATTEMPTS}")
     watch = None
     if heartbeat_s is not None:
-        from mam.runner import heartbeat  # lazy: only `--heartbeat` starts a timer (publish fast path)
+        from mam.runner import barrier  # lazy: only `--heartbeat` starts a timer (publish fast path)
 
         try:
-            watch = heartbeat.WatchedProcess.of(watch_pid if watch_pid is not None else heartbeat.default_watch_pid())
+            watch = barrier.WatchedProcess.of(watch_pid if watch_pid is not None else barrier.default_watch_pid())
         except MamError as exc:
             raise UsageError(str(exc)) from None
     registry = Registry(resolve_root(workspace))
@@ -228,10 +223,10 @@ def publish_cli(*, job_id: str, event: str, detail: str, data: str | None, attem
               file=sys.stderr)
         exit_code = ExitCode.TRANSPORT
     if watch is not None and heartbeat_s is not None:
-        from mam.runner import heartbeat  # lazy: only `--heartbeat` starts a timer (publish fast path)
+        from mam.runner.heartbeat import timer  # lazy: only `--heartbeat` starts a timer (publish fast path)
 
         rec = registry.get(request.job_id)
-        heartbeat.start_timer(registry, request.job_id, attempt_id=rec["attempt_id"],
+        timer.start_timer(registry, request.job_id, attempt_id=rec["attempt_id"],
                               dispatch_token=rec["dispatch_token"], interval_s=heartbeat_s,
                               watch=watch, timeout_s=float(rec.get("timeout_sec") or wire.Contract.timeout_sec))
     print(json.dumps({"job_id": request.job_id, "seq": published.seq, "event": request.event,

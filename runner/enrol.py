@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mam.shared import config
 from mam.shared.protocol import names
 from mam.shared.protocol.crypto import keys
 from mam.shared.protocol.crypto.keys import EnrolRequest
 from mam.shared.protocol.errors import ConfigError, UsageError
+from mam.shared.store import keyfiles
 from mam.shared.store.fsio import atomic_write, json_line, read_json_object
+from mam.shared.store.root import resolve_root
 
 MAX_IDENTITY_BYTES = 8 * 1024
 
@@ -25,7 +26,7 @@ Workspace = str | os.PathLike[str] | None
 
 
 def _root(workspace: Workspace) -> Path:
-    root = config.resolve_root(workspace)
+    root = resolve_root(workspace)
     if not root.is_dir():
         raise UsageError(f"workspace {str(root)!r} does not exist")
     return root
@@ -44,7 +45,7 @@ def enroll(*, session: str, labels: str | None, workspace: Workspace, force: boo
     names.validate_session(session)
     keys.labels_of(labels or "")  # refused before any key is written
     root = _root(workspace)
-    made = keys.create_runner_keys(root, force=force)
+    made = keyfiles.create_runner_keys(root, force=force)
     request = EnrolRequest.build(session, labels or "", made.ed25519_public, made.x25519_public)
     atomic_write(names.runner_identity_path(root), json_line(request.to_dict()), what="runner identity",
                  error=ConfigError)
@@ -78,4 +79,4 @@ def trust_hub(public_keys: list[str], *, workspace: Workspace) -> list[str]:
     Raises:
         UsageError: none, more than two, or not a key (nothing written).
     """
-    return keys.write_trusted_hub_keys(_root(workspace), public_keys)
+    return keyfiles.write_trusted_hub_keys(_root(workspace), public_keys)

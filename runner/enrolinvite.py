@@ -22,12 +22,14 @@ from dotenv.parser import parse_stream
 from mam.runner.enrol import trust_hub
 from mam.shared import config
 from mam.shared.protocol import names
-from mam.shared.protocol.crypto import invite, keys
+from mam.shared.protocol.crypto import invite
 from mam.shared.protocol.crypto.invite import InviteCode
 from mam.shared.protocol.crypto.keys import EnrolRequest
 from mam.shared.protocol.errors import ConfigError, ProtocolError, SignatureError, UsageError
-from mam.shared.protocol.wire.canonical import canonical_json
+from mam.shared.protocol.wire.jsoncodec import canonical_json
+from mam.shared.store import keyfiles
 from mam.shared.store.fsio import atomic_write, json_line
+from mam.shared.store.root import resolve_root
 from mam.shared.transport import mqtt
 
 DEFAULT_ANSWER_TIMEOUT_S = 30.0
@@ -78,12 +80,12 @@ def enroll_by_invite(code_text: str, *, workspace: str | os.PathLike[str] | None
         raise UsageError(f"--session {session!r} is not the invite's session {code.session!r}")
     if timeout_s <= 0:
         raise UsageError(f"--timeout {timeout_s:g} is invalid: expected more than 0 s")
-    root = config.resolve_root(workspace)
+    root = resolve_root(workspace)
     if not root.is_dir():
         raise UsageError(f"workspace {str(root)!r} does not exist")
     cfg = _broker(root, hub, port)
-    made = None if force else keys.load_runner_keys(root)
-    made = made or keys.create_runner_keys(root, force=force)
+    made = None if force else keyfiles.load_runner_keys(root)
+    made = made or keyfiles.create_runner_keys(root, force=force)
     req = invite.request(code, made)
     with mqtt.MqttClient(cfg, "enrol") as client:
         client.subscribe([(names.enrol_topic(code.session, "answer", cfg.topic_root), mqtt.QOS_AT_LEAST_ONCE)])

@@ -140,13 +140,3 @@ def try_publish(argv: list[str], environ: dict[str, str] | os._Environ[str] = os
         return ExitCode.USAGE
     print(f"ERROR: refused: {reason}", file=sys.stderr)
     return ExitCode.REFUSED
-
-
-def main() -> None:
-    """Console-script entry point: the socket fast path, else the typer CLI."""
-    code = try_publish(sys.argv[1:])
-    if code is not None:
-        raise SystemExit(code)
-    from mam.runner import cli  # lazy: typer loads only when the fast path does not apply
-
-    cli.main()

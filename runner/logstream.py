@@ -7,7 +7,7 @@ file the runner holds, in clear, base64 and JSON-escaped; a tail that may start
 a secret is held back until more output or the end), applies the rate cap
 (`RateLimit`, MAM_LOG_RATE_BPS, excess counted in `dropped`), cuts chunks
 (`Chunker`: 64 KiB, or 0.5 s after the first unsent byte), seals and signs them
-(`logchunk.build_chunk`) and writes each to the log outbox
+(`crypto.build_log_chunk`) and writes each to the log outbox
 `.mam/outbox-log/` (§17: kept until PUBACK). A sender thread publishes them in
 order on `ROOT/jobs/<id>/log` (QoS 1, not retained), retrying through outages.
 The outbox is capped (OUTBOX_MAX_BYTES per job, beyond: dropped), so no queue
@@ -313,7 +313,7 @@ class LogStream:
 
     def _emit(self, chunks: list[tuple[bytes, int]]) -> None:
         for plaintext, dropped in chunks:
-            raw = logchunk.build_chunk(self._token, self._key, job_id=self.job_id, attempt_id=self.attempt_id,
+            raw = crypto.build_log_chunk(self._token, self._key, job_id=self.job_id, attempt_id=self.attempt_id,
                                       chunk=self.chunks, dropped=dropped, plaintext=plaintext)
             path: Path | None = names.log_outbox_entry_path(self.root, self.job_id, self.attempt_id, self.chunks)
             try:

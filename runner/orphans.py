@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 
 from mam.runner.admission import hub_registry_message
-from mam.runner.heartbeat import WatchedProcess
+from mam.runner.barrier import WatchedProcess
 from mam.runner.process_tree import AgentIdentity
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import OPEN_STATUSES

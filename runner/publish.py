@@ -159,10 +159,10 @@ def record(registry: Registry, request: PublishRequest, *, source: str = "publis
     attempt_id = request.attempt_id or current["attempt_id"]
     token = request.dispatch_token or current["dispatch_token"]
     if request.event in TERMINAL_EVENTS and stop_heartbeat:
-        from mam.runner import heartbeat  # lazy: only a terminal event stops the timer (publish fast path)
+        from mam.runner import barrier  # lazy: only a terminal event stops the timer (publish fast path)
 
         if attempt_id == current["attempt_id"] and token == current["dispatch_token"]:
-            heartbeat.stop_for_terminal(registry, request.job_id, attempt_id, drain_s=drain_s)
+            barrier.stop_for_terminal(registry, request.job_id, attempt_id, drain_s=drain_s)
     data = {**request.data, **(extra_data or {})}
     if exit_code is not None:
         data["exit_code"] = exit_code
@@ -232,5 +232,5 @@ def publish_command(workspace: str | os.PathLike[str], job_id: str) -> str:
     """The MAM_PUBLISH_CMD of §11: a shell-quoted command line an agent runs
     with `--event E [--detail D] [--data JSON]` to publish for its job."""
     script = Path(sys.executable).with_name("mam-runner")
-    argv = [str(script)] if script.exists() else [sys.executable, "-m", "mam.runner.cli"]
+    argv = [str(script)] if script.exists() else [sys.executable, "-m", "mam.runner"]
     return shlex.join([*argv, "publish", "--job", job_id, "--workspace", str(workspace)])

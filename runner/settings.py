@@ -12,11 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from mam.runner import heartbeat, logstream
+from mam.runner import barrier, logstream
 from mam.runner.agent import resolve_executable, split_exec
 from mam.shared import config
 from mam.shared.protocol import names
 from mam.shared.protocol.errors import ConfigError, UsageError
+from mam.shared.store.root import resolve_root
 
 MAX_JOBS_LIMIT = 64
 """Highest `--max-jobs` (§11)."""
@@ -47,7 +48,7 @@ PRESENCE_WAIT = Seconds("MAM_PRESENCE_WAIT_S", DEFAULT_PRESENCE_WAIT_S, 0.0, 60.
 PRESENCE_REFRESH = Seconds("MAM_PRESENCE_REFRESH_S", DEFAULT_PRESENCE_REFRESH_S, 1.0, 60.0)
 AGENT_LINGER = Seconds("MAM_AGENT_LINGER_S", DEFAULT_AGENT_LINGER_S, 0.0, 86400.0)
 LABELS_ENV = "MAM_RUNNER_LABELS"
-HEARTBEAT_DRAIN = Seconds("MAM_HEARTBEAT_DRAIN_S", heartbeat.DEFAULT_DRAIN_S, 0.0, heartbeat.DRAIN_HIGH_S)
+HEARTBEAT_DRAIN = Seconds("MAM_HEARTBEAT_DRAIN_S", barrier.DEFAULT_DRAIN_S, 0.0, barrier.DRAIN_HIGH_S)
 
 
 def read_seconds(values: Mapping[str, str], setting: Seconds) -> float:
@@ -102,7 +103,7 @@ class RunnerOptions:
     presence_wait_s: float = DEFAULT_PRESENCE_WAIT_S
     presence_refresh_s: float = DEFAULT_PRESENCE_REFRESH_S
     agent_linger_s: float = DEFAULT_AGENT_LINGER_S
-    heartbeat_drain_s: float = heartbeat.DEFAULT_DRAIN_S
+    heartbeat_drain_s: float = barrier.DEFAULT_DRAIN_S
     labels: tuple[str, ...] = ()
     log_rate_bps: int = logstream.DEFAULT_RATE_BPS
 
@@ -159,7 +160,7 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
         raise UsageError(f"--max-jobs {max_jobs!r} is invalid: expected 1..{MAX_JOBS_LIMIT}")
     if labels is not None:
         names.parse_labels(labels, "--labels")  # a bad flag is refused before anything is read
-    root = config.resolve_root(workspace, env)
+    root = resolve_root(workspace, env)
     work = _workdir(workdir)
     values = config.load_env(env)
     return RunnerOptions(session=session, argv=tuple(argv), root=root, workdir=work, max_jobs=max_jobs,

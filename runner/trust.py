@@ -19,10 +19,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from mam.shared import config
 from mam.shared.protocol import crypto, wire
-from mam.shared.protocol.crypto import DispatchKeys, keys, pubkey
+from mam.shared.protocol.crypto import DispatchKeys, pubkey
 from mam.shared.protocol.crypto.keys import RunnerKeys
 from mam.shared.protocol.errors import ConfigError, SignatureError
 from mam.shared.protocol.wire.fields import SEAL_ALG_V2
+from mam.shared.store import keyfiles
 
 ACCEPT_V1_VAR = "MAM_ACCEPT_V1"
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no", "")
@@ -54,10 +55,10 @@ def load_v2(root: Path, values: Mapping[str, str]) -> V2Trust | None:
     Raises:
         ConfigError: keys unreadable, no trusted hub key yet, or a bad MAM_ACCEPT_V1.
     """
-    runner = keys.load_runner_keys(root)
+    runner = keyfiles.load_runner_keys(root)
     if runner is None:
         return None
-    hub_keys = keys.trusted_hub_keys(root)
+    hub_keys = keyfiles.trusted_hub_keys(root)
     if not hub_keys:
         raise ConfigError("this runner has v2 keys but trusts no hub key yet: run the `mam-runner trust-hub "
                           "PUB` line that `mam-orch runner add` printed")

@@ -23,17 +23,18 @@ from typing import Any, TextIO
 
 from dotenv import dotenv_values
 
+from mam.shared.protocol.crypto import MIN_SECRET_CHARS
 from mam.shared.protocol.errors import ConfigError, EnvFileError, UsageError
 from mam.shared.protocol.names import DEFAULT_TOPIC_ROOT, topic_root
 from mam.shared.protocol.wire import Contract
 from mam.shared.store.fsio import atomic_write, read_capped
+from mam.shared.store.root import resolve_root, root_candidates
 
 PUBLIC_BROKER = "broker.hivemq.com"
 ENV_FILE_NAME = ".mam.env"
-MIN_SECRET_LEN = 32
+
 # new_secret(): 32 random bytes, 43 URL-safe characters.
 SECRET_BYTES = 32
-ROOT_MARKERS = (".agents", ".git")
 MIN_PORT, MAX_PORT = 1, 65535
 DEFAULT_MQTT_PORT = 1883
 DEFAULT_CLIENT_ID_PREFIX = "hermes"
@@ -49,73 +50,6 @@ MAX_ENV_INT = 10**7
 MAX_ENV_SECONDS = 86400.0
 MAX_HOST_CHARS = 253  # a DNS name
 MAX_HOSTS = 16  # a fail-over list (§13): clients and `gc --reclear` walk every host
-
-
-def _marker_parent(start: Path) -> Path | None:
-    """The nearest directory at or above `start` holding `.agents` or `.git`."""
-    start = start.resolve()
-    for candidate in (start, *start.parents):
-        if any((candidate / marker).exists() for marker in ROOT_MARKERS):
-            return candidate
-    return None
-
-
-def root_candidates(workspace: str | os.PathLike[str] | None = None,
-                    environ: Mapping[str, str] | None = None,
-                    cwd: Path | None = None) -> list[Path]:
-    """The workspace root candidates of §8/§13, in order, without duplicates.
-
-    Args:
-        workspace: an explicit `--workspace` directory (first when given).
-        environ: variables to read MAM_REAL_ROOT and WORKSPACE_ROOT from (default os.environ).
-        cwd: the directory to start the `.agents`/`.git` walk from (default os.getcwd()).
-    Returns:
-        candidate directories: workspace, MAM_REAL_ROOT, WORKSPACE_ROOT, the
-        nearest marker parent, the current directory.
-    """
-    env = os.environ if environ is None else environ
-    here = Path(cwd) if cwd is not None else Path.cwd()
-    found: list[Path] = []
-    for value in (workspace, env.get("MAM_REAL_ROOT"), env.get("WORKSPACE_ROOT")):
-        if value:
-            found.append(Path(value).expanduser())
-    marker = _marker_parent(here)
-    if marker is not None:
-        found.append(marker)
-    found.append(here)
-    unique: list[Path] = []
-    for path in found:
-        if path not in unique:
-            unique.append(path)
-    return unique
-
-
-def resolve_root(workspace: str | os.PathLike[str] | None = None,
-                 environ: Mapping[str, str] | None = None,
-                 cwd: Path | None = None) -> Path:
-    """The registry root of §8: `--workspace`, else MAM_REAL_ROOT, else
-    WORKSPACE_ROOT, else the nearest parent holding `.agents` or `.git`,
-    else the current directory.
-
-    Raises:
-        ConfigError: an explicitly named root that exists but is not a directory.
-    """
-    root = root_candidates(workspace, environ, cwd)[0]
-    if root.exists() and not root.is_dir():
-        raise ConfigError(f"workspace {str(root)!r} is not a directory")
-    return root.resolve()
-
-
-def existing_root(workspace: str | os.PathLike[str] | None = None) -> Path:
-    """`resolve_root` for commands that only read a registry: a `--workspace` that is not
-    a directory is a usage error (exit 64), not an empty registry.
-
-    Raises:
-        UsageError: `workspace` was given and is not an existing directory.
-    """
-    if workspace is not None and not Path(workspace).is_dir():
-        raise UsageError(f"--workspace {os.fspath(workspace)!r} is not an existing directory")
-    return resolve_root(workspace)
 
 
 @dataclass(frozen=True)
@@ -455,9 +389,9 @@ def dispatch_secret(environ: Mapping[str, str] | None = None, cwd: Path | None =
     if not value:
         raise ConfigError("MAM_DISPATCH_SECRET is not set: put it in .mam.env or the environment "
                           "(the same value on the hub and every runner; `mam-orch init` makes one)")
-    if len(value) < MIN_SECRET_LEN:
+    if len(value) < MIN_SECRET_CHARS:
         raise ConfigError(f"MAM_DISPATCH_SECRET is too short ({len(value)} characters): "
-                          f"at least {MIN_SECRET_LEN} are required")
+                          f"at least {MIN_SECRET_CHARS} are required")
     return value
 
 

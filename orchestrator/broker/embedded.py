@@ -36,10 +36,8 @@ import psutil
 from mam.orchestrator.broker import users
 from mam.orchestrator.broker.conf import (
     ACCOUNT,
-    AGENT_USER,
     DEFAULT_HOST,
     DEFAULT_PORT,
-    DEFAULT_SERVER_NAME,
     DEFAULT_WS_PORT,
     OBSERVER_USER,
     SYS_USER,
@@ -50,11 +48,7 @@ from mam.orchestrator.broker.conf import (
     check_listen,
     check_port,
     check_ports_free,
-    check_secret,
-    check_user,
-    port_in_use,
     render_nats_config,
-    topic_to_subject,
     write_private,
 )
 from mam.orchestrator.broker.templates import conf_variables
@@ -66,22 +60,13 @@ from mam.shared.config import (
     BrokerConfig,
     new_secret,
     read_env_file,
-    resolve_root,
     write_env_file,
 )
 from mam.shared.protocol import names
 from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, ConfigError
+from mam.shared.protocol.names import check_secret, check_user
+from mam.shared.store.root import resolve_root
 from mam.shared.transport.mqtt import MqttClient
-
-__all__ = [
-    "ACCOUNT", "AGENT_USER", "DEFAULT_HOST", "DEFAULT_MQTT_PORT", "DEFAULT_PORT", "DEFAULT_SERVER_NAME",
-    "DEFAULT_WS_PORT", "MAX_PORT", "MIN_PORT", "MQTT_STREAM_PREFIX", "OBSERVER_USER", "READY_TIMEOUT_S",
-    "REQUIRED_MQTT_STREAMS", "STATUS_TIMEOUT_S", "STOP_TIMEOUT_S", "BrokerCredentials", "BrokerPaths",
-    "BrokerStartError", "NatsSettings", "check_distinct_ports", "check_listen", "check_port", "check_ports_free",
-    "check_secret", "check_user", "down", "log_failure_reason", "nats_server_binary", "port_in_use",
-    "render_nats_config", "start_nats_server", "status", "topic_to_subject", "up", "wait_mqtt_ready",
-    "write_private",
-]
 
 READY_TIMEOUT_S = 20.0
 STOP_TIMEOUT_S = 10.0

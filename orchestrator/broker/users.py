@@ -26,9 +26,10 @@ import signal
 
 import bcrypt
 
-from mam.orchestrator.broker.conf import AGENT_USER, OBSERVER_USER, check_secret, topic_to_subject
+from mam.orchestrator.broker.conf import AGENT_USER, OBSERVER_USER, topic_to_subject
 from mam.shared.protocol import names
 from mam.shared.protocol.errors import ConfigError, UsageError
+from mam.shared.protocol.names import check_secret
 
 BEGIN_MARK = "      # BEGIN runner users\n"
 END_MARK = "      # END runner users\n"

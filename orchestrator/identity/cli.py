@@ -22,6 +22,8 @@ from mam.shared.protocol import names
 from mam.shared.protocol.crypto import invite, keys
 from mam.shared.protocol.crypto.keys import EnrolRequest
 from mam.shared.protocol.errors import UsageError
+from mam.shared.store import keyfiles
+from mam.shared.store.root import resolve_root
 
 KEY_SHOWN_CHARS = 12
 """How much of a public key `runner list` shows in its table (the full key is in --json)."""
@@ -37,13 +39,13 @@ __all__ = ["runner_app"]
 
 
 def _root(workspace: str | None) -> Path:
-    return config.resolve_root(workspace)
+    return resolve_root(workspace)
 
 
 def _hub_publics(root: Path) -> list[str]:
     """The hub keys a runner should trust: current (made on first use), then previous if any."""
-    current = keys.public_text(keys.hub_key(root))
-    previous = keys.hub_previous_public(root)
+    current = keys.public_text(keyfiles.hub_key(root))
+    previous = keyfiles.hub_previous_public(root)
     return [current] + ([previous] if previous and previous != current else [])
 
 
@@ -88,7 +90,7 @@ def invite_cmd(
     names.validate_session(session)
     wanted = keys.labels_of(labels or "")
     ttl_s = invite.parse_ttl(ttl)
-    code, stored = invite.create(root, session, wanted, ttl_s)
+    code, stored = invites.create(root, session, wanted, ttl_s)
     cfg = config.broker_config(workspace=root, warn=False)
 
     def ready() -> None:
@@ -194,13 +196,13 @@ def rotate_cmd(
     Exit 64: no hub key yet (it is made by `mam-orch init` or the first `runner add`)."""
     root = _root(workspace)
     if stage:
-        current = keys.public_text(keys.hub_key(root, create=False))
-        staged = keys.stage_hub_key(root)
+        current = keys.public_text(keyfiles.hub_key(root, create=False))
+        staged = keyfiles.stage_hub_key(root)
         typer.echo(f"staged next hub public key: {staged}")
         typer.echo(f"on every runner host: mam-runner trust-hub -- {current} {staged}")
         typer.echo("then: mam-orch runner rotate-hub-key")
         return 0
-    new, previous = keys.rotate_hub_key(root)
+    new, previous = keyfiles.rotate_hub_key(root)
     current = keys.public_text(new)
     typer.echo(f"hub now signs with: {current} (previous: {previous})")
     typer.echo(f"runners that trust both keep working; on runners not yet told: "

@@ -16,6 +16,8 @@ from __future__ import annotations
 import queue
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -25,22 +27,24 @@ from mam.orchestrator.identity.roster import RosterEntry
 from mam.shared import config
 from mam.shared.protocol import names
 from mam.shared.protocol.crypto import invite, keys
-from mam.shared.protocol.crypto.invite import Invite, InviteCode
+from mam.shared.protocol.crypto.invite import InviteCode
 from mam.shared.protocol.crypto.keys import EnrolRequest
-from mam.shared.protocol.errors import BrokerError, MamError, RegistryError, UsageError
-from mam.shared.protocol.wire.canonical import canonical_json
+from mam.shared.protocol.errors import BrokerError, ConfigError, MamError, RegistryError, UsageError
+from mam.shared.protocol.wire.jsoncodec import canonical_json
+from mam.shared.store import keyfiles
+from mam.shared.store.fsio import atomic_write, json_line, read_json_object
 from mam.shared.transport import mqtt
 
 POLL_S = 0.2
 """How long one wait for a message lasts before the TTL is looked at again (s)."""
 
-__all__ = ["hub_publics", "wait_for_enrolment"]
+__all__ = ["Invite", "consume", "create", "hub_publics", "load", "wait_for_enrolment", "why_refused"]
 
 
 def hub_publics(root: Path) -> list[str]:
     """The hub keys a runner should trust: current (made on first use), then previous if any."""
-    current = keys.public_text(keys.hub_key(root))
-    previous = keys.hub_previous_public(root)
+    current = keys.public_text(keyfiles.hub_key(root))
+    previous = keyfiles.hub_previous_public(root)
     return [current] + ([previous] if previous and previous != current else [])
 
 
@@ -51,11 +55,11 @@ def _say(err: TextIO, line: str) -> None:
 def _enrol(root: Path, code: InviteCode, req: dict[str, Any], replace_keys: bool) -> tuple[RosterEntry, str]:
     """Verify a request for our own code and enrol it. Raises `MamError` (one line) when refused."""
     asked = invite.check_request(code, req)
-    stored = invite.load(root, code.invite_id)
-    problem = invite.problem(stored)
+    stored = load(root, code.invite_id)
+    problem = why_refused(stored)
     if problem is not None or stored is None:
         raise UsageError(problem or "invite not found")
-    invite.consume(root, stored)  # before the roster: a code never enrols twice
+    consume(root, stored)  # before the roster: a code never enrols twice
     return roster.add(root, EnrolRequest.build(asked.session, stored.labels, asked.ed25519_public,
                                                asked.x25519_public), replace_keys=replace_keys)
 
@@ -105,7 +109,7 @@ def _handle(root: Path, code: InviteCode, raw: bytes, publics: list[str], replac
         return None
     answer_topic = names.enrol_topic(req["session"], "answer", topic_root)
     if req["invite_id"] != code.invite_id:
-        problem = invite.problem(invite.load(root, req["invite_id"]))
+        problem = why_refused(load(root, req["invite_id"]))
         if problem is None:  # another waiting invite's request: its own process answers
             return None
         _say(err, f"refused enrolment request for {req['session']}: {problem}")
@@ -148,3 +152,83 @@ def _send(client: Any, topic: str, obj: dict[str, Any], err: TextIO) -> None:
         client.publish(topic, canonical_json(obj))
     except BrokerError as exc:
         _say(err, f"answer to {obj['session']} not sent: {exc}")
+
+
+# -------------------------------------------------------------- the hub's files
+
+MAX_INVITE_FILE_BYTES = 4096
+INVITES_DIR_MODE = 0o700
+
+
+@dataclass(frozen=True)
+class Invite:
+    """The hub's file of one invite: no code, only its id."""
+
+    invite_id: str
+    session: str
+    labels: tuple[str, ...]
+    expires_at: str
+    used_at: str | None = None
+
+    def expired(self, now: datetime | None = None) -> bool:
+        """True once its TTL has passed."""
+        return (now or datetime.now(UTC)) >= datetime.fromisoformat(self.expires_at)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's JSON object."""
+        return {"invite_id": self.invite_id, "session": self.session, "labels": list(self.labels),
+                "expires_at": self.expires_at, "used_at": self.used_at}
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _write(root: Path, invite: Invite) -> None:
+    folder = names.invites_dir(root)
+    try:
+        folder.mkdir(mode=INVITES_DIR_MODE, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{folder}: cannot create the invites folder ({exc.strerror or exc})") from None
+    atomic_write(names.invite_path(root, invite.invite_id), json_line(invite.to_dict()),
+                 what=f"invite {invite.invite_id}", error=ConfigError)
+
+
+def create(root: Path, session: str, labels: tuple[str, ...], ttl_s: float) -> tuple[InviteCode, Invite]:
+    """A new code for `session` and its stored file (the code itself is not stored).
+
+    Raises:
+        UsageError: a bad session; ConfigError: the file cannot be written.
+    """
+    code = InviteCode.new(session)
+    invite = Invite(code.invite_id, code.session, labels, (_now() + timedelta(seconds=ttl_s)).isoformat())
+    _write(root, invite)
+    return code, invite
+
+
+def load(root: Path, invite_id: str) -> Invite | None:
+    """The stored invite of `invite_id`, or None (never made here, or unreadable: logged by the caller)."""
+    try:
+        obj = read_json_object(names.invite_path(root, invite_id), MAX_INVITE_FILE_BYTES)
+        return Invite(obj["invite_id"], names.validate_session(obj["session"]), keys.labels_of(obj["labels"]),
+                      datetime.fromisoformat(obj["expires_at"]).isoformat(), obj.get("used_at"))
+    except (OSError, ValueError, KeyError, TypeError, UsageError):
+        return None
+
+
+def why_refused(invite: Invite | None, now: datetime | None = None) -> str | None:
+    """Why a request naming this invite is refused, or None when it may be used."""
+    if invite is None:
+        return "unknown invite code (wrong code, or made by another hub)"
+    if invite.used_at is not None:
+        return f"invite code already used at {invite.used_at}: codes are single-use"
+    if invite.expired(now):
+        return f"invite code expired at {invite.expires_at}"
+    return None
+
+
+def consume(root: Path, invite: Invite) -> Invite:
+    """Mark the invite used (before the roster is written: a code never enrols twice)."""
+    used = Invite(invite.invite_id, invite.session, invite.labels, invite.expires_at, _now().isoformat())
+    _write(root, used)
+    return used

@@ -31,6 +31,7 @@ from mam.shared.protocol.crypto import DispatchKeys, keys, pubkey
 from mam.shared.protocol.crypto.keys import EnrolRequest
 from mam.shared.protocol.errors import RegistryError, SignatureError, UsageError
 from mam.shared.protocol.wire import format_ts, parse_ts
+from mam.shared.store import keyfiles
 from mam.shared.store.fsio import atomic_write, json_line, read_json_object
 
 MAX_ROSTER_FILE_BYTES = 16 * 1024
@@ -252,7 +253,7 @@ def build_dispatch_v2(root: Path, record: Mapping[str, Any], brief: str, *, orig
 
     Args:
         record: the hub record (job_id, session, attempt_id, dispatch_token, auth_token, contract fields).
-        hub_key: default `keys.hub_key(root)`, read only for an enrolled session.
+        hub_key: default `keyfiles.hub_key(root)`, read only for an enrolled session.
     Raises:
         UsageError: the session is revoked (nothing is dispatched to it), or a bad record field.
         ConfigError: the hub key cannot be read.
@@ -265,7 +266,7 @@ def build_dispatch_v2(root: Path, record: Mapping[str, Any], brief: str, *, orig
             log.warning("session %s is not enrolled: dispatching with v1 (shared secret); enrol it with "
                         "mam-orch runner add (docs/security.md)", session)
         return None
-    signer = hub_key if hub_key is not None else keys.hub_key(root)
+    signer = hub_key if hub_key is not None else keyfiles.hub_key(root)
     return pubkey.build_dispatch(signer, entry.x25519_key(), job_id=record["job_id"], session=session,
                                  attempt_id=record["attempt_id"], dispatch_token=record["dispatch_token"],
                                  auth_token=record["auth_token"], brief=brief, origin=origin,
@@ -289,7 +290,7 @@ def sign_control_v2(root: Path, session: str, control: wire.Control, *, hub_key:
         return None
     if entry is None:
         return None
-    return pubkey.sign(control, hub_key if hub_key is not None else keys.hub_key(root))
+    return pubkey.sign(control, hub_key if hub_key is not None else keyfiles.hub_key(root))
 
 
 class Revocations:

@@ -6,7 +6,7 @@ A beat is what the timer process sends: `progress`, detail `heartbeat`,
 `data.heartbeat: true`, the attempt identity the job was taken with, written
 to disk and the outbox first (`publish.record`). It is made holding the job's
 `<job>.heartbeat.lock`, the lock a terminal publish takes before it raises the
-barrier (`heartbeat.stop_for_terminal`): under it the barrier is checked under
+barrier (`barrier.stop_for_terminal`): under it the barrier is checked under
 the registry lock, the beat recorded, handed to the connection (the wire order
 is the call order) and its PUBACKs awaited up to the drain time (the bound of
 the timer's drain), then the lock is released. A terminal publish (the
@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mam.runner import heartbeat, publish
+from mam.runner import barrier, publish
 from mam.shared.protocol.codes import EventName
 from mam.shared.protocol.errors import BrokerError, RegistryError, TransitionRefused
 from mam.shared.store.registry import Registry
@@ -156,7 +156,7 @@ class Beats:
         """Why `job` gets no more beats (§12), or None."""
         if self.clock() >= job.deadline:
             return "timeout_sec reached"
-        return heartbeat.record_stop_reason(self.registry, job.job_id, job.attempt_id, job.dispatch_token)
+        return barrier.record_stop_reason(self.registry, job.job_id, job.attempt_id, job.dispatch_token)
 
     def beat(self, job: _Beating) -> str | None:
         """One beat of `job`, disk first then the wire, under its heartbeat lock (§12).
@@ -168,17 +168,17 @@ class Beats:
         if reason is not None:
             return reason
         root = self.registry.root
-        with heartbeat.lifecycle_lock(root, job.job_id):
+        with barrier.lifecycle_lock(root, job.job_id):
             with self._cond:  # removed while this beat waited for the lock: its terminal may be under way
                 if self._jobs.get(job.job_id) is not job:
                     return "removed"
             try:
                 with self.registry.lock():
                     # under the seq lock: a beat takes its seq before a terminal's barrier or not at all
-                    if heartbeat.barrier_attempt(root, job.job_id) >= job.attempt_id:
+                    if barrier.barrier_attempt(root, job.job_id) >= job.attempt_id:
                         return "terminal barrier raised"
                     published = publish.record(self.registry, publish.PublishRequest(
-                        job_id=job.job_id, event=EventName.PROGRESS, detail=heartbeat.HEARTBEAT_DETAIL,
+                        job_id=job.job_id, event=EventName.PROGRESS, detail=barrier.HEARTBEAT_DETAIL,
                         attempt_id=job.attempt_id, dispatch_token=job.dispatch_token),
                         source="runner", extra_data={"heartbeat": True}, stop_heartbeat=False)
             except TransitionRefused as exc:

@@ -13,18 +13,23 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 
+from mam.runner import barrier
 from mam.runner import publish as pub
-from mam.runner.heartbeat import HEARTBEAT_DETAIL, WatchedProcess, barrier_attempt, read_json, record_stop_reason
+from mam.runner.barrier import HEARTBEAT_DETAIL, WatchedProcess, barrier_attempt, read_json, record_stop_reason
 from mam.shared.config import BrokerConfig
 from mam.shared.protocol import names
-from mam.shared.protocol.codes import EventName
-from mam.shared.protocol.errors import BrokerError, TransitionRefused
+from mam.shared.protocol.codes import TERMINAL_STATUSES, EventName
+from mam.shared.protocol.errors import BrokerError, RegistryError, TransitionRefused
 from mam.shared.store.registry import Registry
 from mam.shared.transport import mqtt
+
+TIMER_MODULE = "mam.runner.heartbeat.timer"
+"""The module the detached timer process runs (`python -m`): this one."""
 
 log = logging.getLogger("mam.heartbeat")
 
@@ -128,6 +133,62 @@ def main(argv: list[str] | None = None) -> int:
         info = read_json(pid_path)
         if info and info.get("pid") == os.getpid():
             pid_path.unlink(missing_ok=True)
+
+
+def start_timer(registry: Registry, job_id: str, *, attempt_id: int, dispatch_token: str,
+                interval_s: float, watch: WatchedProcess, timeout_s: float,
+                env: dict[str, str] | None = None, drain_s: float | None = None) -> int | None:
+    """Start (or replace) the job's detached timer (§12).
+
+    A start that finds the attempt ended (terminal record, a barrier for this
+    attempt, or a newer attempt) arms nothing. A previous timer is drained or
+    killed first. A timer whose pid could not be recorded is killed at once.
+
+    Args:
+        interval_s: seconds between beats (> 0).
+        watch: the process whose death stops the timer.
+        timeout_s: the job's wall-clock budget; the timer stops after it.
+        env: environment for the timer process (default os.environ).
+    Returns:
+        the timer's pid, or None when nothing was armed.
+    Raises:
+        RegistryError: the pid file cannot be written (the timer is killed).
+    """
+    import psutil  # lazy: psutil only where a process is looked at (publish fast path)
+
+    root = registry.root
+    drain = barrier.drain_s_setting() if drain_s is None else drain_s
+    with barrier.lifecycle_lock(root, job_id):
+        record = registry.get(job_id)
+        if (record["status"] in TERMINAL_STATUSES or record["attempt_id"] != attempt_id
+                or record["dispatch_token"] != dispatch_token
+                or barrier.barrier_attempt(root, job_id) >= attempt_id):
+            log.info("job %s attempt %s has ended: no heartbeat timer armed", job_id, attempt_id)
+            return None
+        barrier.stop_timer_locked(root, job_id, drain)
+        log_dir = names.job_logs_dir(root, job_id)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_fd = os.open(log_dir / "heartbeat.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        argv = [sys.executable, "-m", TIMER_MODULE, "--workspace", str(root), "--job", job_id,
+                "--attempt-id", str(attempt_id), "--dispatch-token", dispatch_token,
+                "--interval-s", repr(float(interval_s)), "--timeout-s", repr(float(timeout_s)),
+                "--watch-pid", str(watch.pid), "--watch-create-time", repr(watch.create_time)]
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                                    env=env, start_new_session=True, close_fds=True)
+        finally:
+            os.close(log_fd)
+        try:
+            created = psutil.Process(proc.pid).create_time()
+            barrier.write_json_0600(names.heartbeat_path(root, job_id, "pid"),
+                             {"pid": proc.pid, "create_time": created, "attempt_id": attempt_id})
+        except (psutil.Error, RegistryError, OSError) as exc:
+            proc.kill()
+            proc.wait()
+            raise RegistryError(f"job {job_id}: heartbeat timer not armed: cannot record its pid ({exc})") from exc
+        # The timer is detached (own session); reap it in the background if we outlive it.
+        threading.Thread(target=proc.wait, name=f"reap-heartbeat-{job_id}", daemon=True).start()
+        return proc.pid
 
 
 if __name__ == "__main__":

@@ -13,11 +13,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from mam.shared.config import existing_root
 from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus
 from mam.shared.store.records import redact
 from mam.shared.store.registry import Registry
+from mam.shared.store.root import existing_root
 
 # the `jobs` table: (header, record key); DURATION and BRIEF are computed (`_job_row`)
 JOB_COLUMNS = (("JOB", "job_id"), ("STATUS", "status"), ("RUNNER", "session"), ("ATTEMPT", "attempt_id"),

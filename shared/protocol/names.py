@@ -10,7 +10,7 @@ import os
 import re
 from pathlib import Path
 
-from mam.shared.protocol.errors import UsageError
+from mam.shared.protocol.errors import ConfigError, UsageError
 
 DEFAULT_TOPIC_ROOT = "python/mqtt"
 
@@ -483,3 +483,42 @@ def runner_agent_log_path(root: Path, job_id: str) -> Path:
 def hub_log_state_path(root: Path, job_id: str, attempt_id: int) -> Path:
     """`<root>/.mam/logs/<job_id>/agent.<attempt_id>.log.json`: the next chunk expected, bytes dropped (§15)."""
     return job_logs_dir(root, job_id) / f"agent.{validate_attempt(attempt_id)}.log.json"
+
+
+# ------------------------------------------------------------ broker users (§1.2, §16)
+
+# A broker password goes into a quoted nats.conf string: printable ASCII without quote, backslash or '$'.
+MIN_PASSWORD_CHARS, MAX_PASSWORD_CHARS = 8, 256
+MAX_USER_CHARS = 64
+_SAFE_SECRET = re.compile(rf"^[!#%-\[\]-~]{{{MIN_PASSWORD_CHARS},{MAX_PASSWORD_CHARS}}}$")
+_USER_NAME = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_USER_CHARS}}}")
+
+
+def check_secret(name: str, value: str) -> str:
+    """Refuse a password that cannot go into nats.conf safely.
+
+    Raises:
+        ConfigError: shorter than 8, longer than 256, or with spaces, quotes, '\\' or '$'.
+    """
+    if not _SAFE_SECRET.match(value or ""):
+        raise ConfigError(f"{name} must be {MIN_PASSWORD_CHARS}-{MAX_PASSWORD_CHARS} printable characters "
+                          "without spaces, quotes, "
+                          "'\\' or '$' (generate one with `python -c 'import secrets; "
+                          "print(secrets.token_urlsafe(32))'`)")
+    return value
+
+
+def is_user_name(value: object) -> bool:
+    """True for a broker user name: 1-64 letters, digits, '_' or '-'."""
+    return isinstance(value, str) and _USER_NAME.fullmatch(value) is not None
+
+
+def check_user(name: str, value: str) -> str:
+    """Refuse a user name that is not 1-64 letters, digits, '_' or '-'.
+
+    Raises:
+        ConfigError: naming the variable and the rule.
+    """
+    if not _USER_NAME.fullmatch(value or ""):
+        raise ConfigError(f"{name} {value!r} is invalid: use 1-{MAX_USER_CHARS} letters, digits, '_' or '-'")
+    return value

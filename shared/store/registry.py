@@ -19,7 +19,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from mam.shared.config import resolve_root
 from mam.shared.protocol import codes, names
 from mam.shared.protocol.codes import CLOSE_STATUS, OPEN_STATUSES, TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.protocol.errors import RegistryError, UsageError
@@ -61,6 +60,7 @@ from mam.shared.store.records import (
     utc_now,
     validate_broker,
 )
+from mam.shared.store.root import resolve_root
 
 # Names other modules import from here (kept for the runner and the tests).
 __all__ = [
@@ -85,7 +85,7 @@ class Registry(RegistryFiles):
 
     @classmethod
     def at(cls, workspace: str | os.PathLike[str] | None = None) -> Registry:
-        """The registry of the root that §8 picks (`config.resolve_root`)."""
+        """The registry of the root that §8 picks (`resolve_root`)."""
         return cls(resolve_root(workspace))
 
     def __repr__(self) -> str:

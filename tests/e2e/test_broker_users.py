@@ -43,6 +43,7 @@ from mam.shared.config import BrokerConfig, broker_config, read_env_file, write_
 from mam.shared.protocol import names, wire
 from mam.shared.protocol.crypto import keys, pubkey
 from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, PublishTimeout
+from mam.shared.store import keyfiles
 from mam.shared.transport.mqtt import Message, MqttClient
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(6 * PATIENCE_S)]
@@ -115,8 +116,8 @@ def can_connect(cfg: BrokerConfig) -> bool:
 
 def add_runner(hub: Hub, workspace: Path, session: str) -> None:
     """`mam-runner`'s keys on `workspace`, enrolled with `mam-orch runner add`."""
-    made = keys.create_runner_keys(workspace)
-    keys.write_trusted_hub_keys(workspace, [keys.public_text(keys.hub_key(hub.root))])
+    made = keyfiles.create_runner_keys(workspace)
+    keyfiles.write_trusted_hub_keys(workspace, [keys.public_text(keyfiles.hub_key(hub.root))])
     added = orch(hub.root, "runner", "add", "--session", session, "--ed25519", made.ed25519_public,
                  "--x25519", made.x25519_public)
     assert added.returncode == 0, added.stderr
@@ -180,7 +181,7 @@ def test_s16_runner_broker_user_least_privilege_and_revocation(hub: Hub, tmp_pat
     root, job = hub.topic_root, "0000d15b"
     with MqttClient(hub.cfg, "hub").connect() as watcher, MqttClient(a_cfg, "attacker").connect() as attacker:
         watcher.subscribe([(f"{root}/#", 1)])
-        a_keys = keys.load_runner_keys(ws_a)
+        a_keys = keyfiles.load_runner_keys(ws_a)
         assert a_keys is not None
         forged = pubkey.sign(wire.Control.cancel(job, 1, "operator"), a_keys.ed25519)
         for topic, payload in ((names.dispatch_topic(job, root), b"forged dispatch"),
@@ -252,7 +253,7 @@ def test_s16_embedded_broker_runner_user_added_kept_across_up_and_revoked_with_a
                        ready_timeout_s=PATIENCE_S)
     try:
         hub = Hub(root, broker_config(workspace=root, warn=False), None, "embedded")
-        made = keys.create_runner_keys(tmp_path / "runner-a")
+        made = keyfiles.create_runner_keys(tmp_path / "runner-a")
         added = orch(root, "runner", "add", "--session", SESSION_A, "--ed25519", made.ed25519_public,
                      "--x25519", made.x25519_public)
         assert f"reloaded nats-server (pid {info['pid']})" in added.stdout, added.stdout + added.stderr

@@ -42,7 +42,7 @@ AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
 SHELL_AGENT = str(AGENTS / "shell-agent")
 SLEEP_AGENT = str(AGENTS / "sleep-agent")
 EXIT_AGENT = str(AGENTS / "exit-agent")
-MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
+MAM_RUNNER = [sys.executable, "-m", "mam.runner"]
 FAST = Contract(heartbeat_sec=1, heartbeat_misses=10, ack_timeout_sec=60, timeout_sec=120)
 SESSION = "gpu-box"
 

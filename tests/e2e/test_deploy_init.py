@@ -206,9 +206,10 @@ def test_init_native_command_runs_nats_server_with_the_store_where_printed(tmp_p
     with Tailnet(["broker"]) as net:
         server = net.spawn("broker", ["bash", "-c", native], env=env, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
-        probe = ("import sys; from pathlib import Path; from mam.shared import broker, config; "
+        probe = ("import sys; from pathlib import Path; from mam.shared import config; "
+                 "from mam.orchestrator.broker import embedded; "
                  "cfg = config.broker_config(workspace=Path(sys.argv[1])); "
-                 "broker.wait_mqtt_ready(cfg, timeout_s=float(sys.argv[2]))")
+                 "embedded.wait_mqtt_ready(cfg, timeout_s=float(sys.argv[2]))")
         ready = net.run("broker", [sys.executable, "-c", probe, str(ws), str(PATIENCE_S)],
                         timeout_s=PATIENCE_S + 10, env={**env, "HOME": str(tmp_path)})
         assert server.poll() is None and ready.returncode == 0, ready.stderr

@@ -43,7 +43,7 @@ def test_agent_user_runs_a_complete_remote_job(shipped: Broker, tmp_path: Path):
     hub = _workspace(tmp_path / "hub", shipped)
     box = _workspace(tmp_path / "box", shipped)
     session = "deploy-" + shipped.kind
-    runner = subprocess.Popen([sys.executable, "-m", "mam.runner.cli", "run", "--session", session,
+    runner = subprocess.Popen([sys.executable, "-m", "mam.runner", "run", "--session", session,
                                "--exec", str(REPO / "examples" / "agents" / "shell-agent"),
                                "--workspace", str(box)],
                               env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

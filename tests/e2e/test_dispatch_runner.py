@@ -19,7 +19,7 @@ from mam.shared.store.registry import Registry
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 
 AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
-MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
+MAM_RUNNER = [sys.executable, "-m", "mam.runner"]
 ACK_TIMEOUT = str(int(PATIENCE_S))  # a real runner process takes the job: as long as a busy machine needs
 
 

@@ -13,7 +13,8 @@ from harness.jobkit import JobPair
 from harness.procs import gone, heartbeat_beats
 from harness.waiting import PATIENCE_S, wait_until
 
-from mam.runner import heartbeat, publish
+from mam.runner import barrier, publish
+from mam.runner.heartbeat import timer
 from mam.shared.protocol import names, wire
 from mam.shared.store.registry import Contract
 from mam.shared.transport import mqtt
@@ -36,7 +37,7 @@ def _beats(pair: JobPair) -> list[dict]:
 
 
 def _timer_pid(pair: JobPair) -> int | None:
-    info = heartbeat.read_json(names.heartbeat_path(pair.runner.root, pair.job_id, "pid"))
+    info = barrier.read_json(names.heartbeat_path(pair.runner.root, pair.job_id, "pid"))
     return info["pid"] if info else None
 
 
@@ -84,17 +85,17 @@ def test_s12_second_started_replaces_timer(pair):
         assert pair.publish("started", "--heartbeat", "5", "--watch-pid", str(agent.pid)).returncode == 0
         first = _timer_pid(pair)
         record = pair.runner.get(pair.job_id)
-        second = heartbeat.start_timer(pair.runner, pair.job_id, attempt_id=record["attempt_id"],
+        second = timer.start_timer(pair.runner, pair.job_id, attempt_id=record["attempt_id"],
                                        dispatch_token=record["dispatch_token"], interval_s=5,
-                                       watch=heartbeat.WatchedProcess.of(agent.pid), timeout_s=60)
+                                       watch=barrier.WatchedProcess.of(agent.pid), timeout_s=60)
         assert second is not None and second != first
         wait_until(lambda: gone(first), what="the first timer to be replaced")
         assert pair.publish("completed").returncode == 0
         wait_until(lambda: gone(second), what="the timer to stop on the terminal")
         # a start that finds the attempt ended arms nothing
-        assert heartbeat.start_timer(pair.runner, pair.job_id, attempt_id=record["attempt_id"],
+        assert timer.start_timer(pair.runner, pair.job_id, attempt_id=record["attempt_id"],
                                      dispatch_token=record["dispatch_token"], interval_s=5,
-                                     watch=heartbeat.WatchedProcess.of(agent.pid), timeout_s=60) is None
+                                     watch=barrier.WatchedProcess.of(agent.pid), timeout_s=60) is None
     finally:
         agent.kill()
         agent.wait()
@@ -115,14 +116,14 @@ def test_s12_no_beat_follows_a_terminal_200_times(nats_broker, tmp_path):
     observer.connect()
     observer.subscribe([(names.all_jobs_filter(nats_broker.topic_root), 1)])
     try:
-        watch = heartbeat.WatchedProcess.of(agent.pid)
+        watch = barrier.WatchedProcess.of(agent.pid)
         terminal_seq: dict[str, int] = {}
         for i in range(REPETITIONS):
             pair = JobPair(nats_broker, tmp_path / f"r{i}")
             cfg = publish.broker_for(pair.runner, pair.job_id, warn=False)
             publish.send(publish.record(pair.runner, publish.PublishRequest(pair.job_id, "started")), cfg)
             record = pair.runner.get(pair.job_id)
-            heartbeat.start_timer(pair.runner, pair.job_id, attempt_id=1,
+            timer.start_timer(pair.runner, pair.job_id, attempt_id=1,
                                   dispatch_token=record["dispatch_token"], interval_s=0.01,
                                   watch=watch, timeout_s=60, drain_s=0.2)
             wait_until(lambda: pair.runner.get(pair.job_id)["last_seq"] >= 2, what="a first beat")

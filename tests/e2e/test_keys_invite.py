@@ -19,6 +19,7 @@ from mam.orchestrator.identity import roster
 from mam.shared.protocol import names
 from mam.shared.protocol.crypto import keys
 from mam.shared.protocol.crypto.invite import InviteCode
+from mam.shared.store import keyfiles
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(6 * PATIENCE_S)]
 
@@ -38,10 +39,10 @@ def test_s16_invite_enrols_runner_then_v2_dispatch_runs_there(broker, tmp_path):
     finally:
         waiting.stop()
     assert "enrolled runner gpu-box (labels: x) by invite" in waiting.stderr()
-    entry, made = roster.get(hub, "gpu-box"), keys.load_runner_keys(host)
+    entry, made = roster.get(hub, "gpu-box"), keyfiles.load_runner_keys(host)
     assert entry is not None and made is not None and entry.labels == ("x",)
     assert (entry.ed25519_public, entry.x25519_public) == (made.ed25519_public, made.x25519_public)
-    assert [keys.public_text(k) for k in keys.trusted_hub_keys(host)] == [keys.public_text(keys.hub_key(hub))]
+    assert [keys.public_text(k) for k in keyfiles.trusted_hub_keys(host)] == [keys.public_text(keyfiles.hub_key(hub))]
     for text in (waiting.stderr(), done.stdout, done.stderr):  # the code is shown once, on the hub's stdout
         assert waiting.code not in text
     assert waiting.code not in "".join(p.read_text() for p in names.invites_dir(hub).iterdir())
@@ -94,7 +95,7 @@ def test_s16_invite_reused_expired_or_wrong_refused_with_one_line(broker, tmp_pa
             lines = [line for line in refused.stderr.splitlines() if line.strip()]
             assert len(lines) == 1 and lines[0].startswith("ERROR: the hub refused the invite: ") and why in lines[0]
             wait_until(lambda why=why: why in waiting.stderr(), what=f"the hub's refusal line ({why})")
-            assert not keys.trusted_hub_keys(hosts[n])
+            assert not keyfiles.trusted_hub_keys(hosts[n])
         refusals = [line for line in waiting.stderr().splitlines() if line.startswith("refused enrolment request")]
         assert len(refusals) == len(cases), waiting.stderr()
         assert waiting.proc.poll() is None  # still waiting for its own runner

@@ -21,6 +21,7 @@ from mam.orchestrator.identity import roster
 from mam.shared.protocol import names
 from mam.shared.protocol.crypto import keys
 from mam.shared.protocol.crypto.keys import EnrolRequest
+from mam.shared.store import keyfiles
 from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(6 * PATIENCE_S)]
@@ -34,8 +35,8 @@ def start_enrolled(broker, hub: Path, workspace: Path, session: str) -> subproce
     """A v2 runner with label x: its own keys in the roster, the hub's public key trusted, no v1 secret."""
     (workspace / ".git").mkdir(parents=True, exist_ok=True)
     write_env_for(broker, workspace, MAM_DISPATCH_SECRET="")
-    made = keys.create_runner_keys(workspace)
-    keys.write_trusted_hub_keys(workspace, [keys.public_text(keys.hub_key(hub))])
+    made = keyfiles.create_runner_keys(workspace)
+    keyfiles.write_trusted_hub_keys(workspace, [keys.public_text(keyfiles.hub_key(hub))])
     roster.add(hub, EnrolRequest.build(session, "x", made.ed25519_public, made.x25519_public))
     with open(workspace.parent / f"{workspace.name}.stderr", "wb") as err:
         proc = subprocess.Popen([*MAM_RUNNER, "run", "--session", session, "--labels", "x", "--exec",

@@ -26,6 +26,7 @@ from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.crypto import keys, pubkey
 from mam.shared.protocol.crypto.keys import EnrolRequest
 from mam.shared.protocol.errors import SignatureError
+from mam.shared.store import keyfiles
 from mam.shared.transport import mqtt
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
@@ -37,8 +38,8 @@ def enrol_b(broker, workspace: Path, hub_public: str) -> keys.RunnerKeys:
     """Runner B's host after enrolment: v2 keys, the hub's public key, and no MAM_DISPATCH_SECRET."""
     (workspace / ".git").mkdir(parents=True, exist_ok=True)
     write_env_for(broker, workspace, MAM_DISPATCH_SECRET="")
-    made = keys.create_runner_keys(workspace)
-    keys.write_trusted_hub_keys(workspace, [hub_public])
+    made = keyfiles.create_runner_keys(workspace)
+    keyfiles.write_trusted_hub_keys(workspace, [hub_public])
     return made
 
 
@@ -77,10 +78,10 @@ def v1_dispatch_for_b(secret: str, job_id: str, brief: str) -> bytes:
 
 def test_s16_runner_a_keys_cannot_sign_a_dispatch_b_accepts(broker, tmp_path):
     hub_root = tmp_path / "hub"
-    hub_key = keys.hub_key(hub_root)
+    hub_key = keyfiles.hub_key(hub_root)
     b_identity = enrol_b(broker, tmp_path / "runner-b", keys.public_text(hub_key))
     runner_b = start_v2_runner(broker, tmp_path / "runner-b")
-    a_keys = keys.create_runner_keys(tmp_path / "runner-a")  # everything runner A's host holds
+    a_keys = keyfiles.create_runner_keys(tmp_path / "runner-a")  # everything runner A's host holds
     forged = {"0000f001": tmp_path / "forged-with-a-ed25519", "0000f002": tmp_path / "forged-with-a-as-hmac",
               "0000f003": tmp_path / "forged-with-b-own-key"}
     legit_job, legit_marker = "0000600d", tmp_path / "hub-signed"
@@ -126,12 +127,12 @@ def runners_json(hub: Path) -> subprocess.CompletedProcess[str]:
 
 def test_s16_presence_forged_as_b_refused_by_hub_and_b(broker, tmp_path):
     hub = hub_workspace(broker, tmp_path)
-    hub_key = keys.hub_key(hub)
+    hub_key = keyfiles.hub_key(hub)
     b_ws = tmp_path / "runner-b"
     b_identity = enrol_b(broker, b_ws, keys.public_text(hub_key))
     roster.add(hub, EnrolRequest.build(SESSION_B, "", b_identity.ed25519_public, b_identity.x25519_public))
     runner_b = start_v2_runner(broker, b_ws)
-    a_keys = keys.create_runner_keys(tmp_path / "runner-a")
+    a_keys = keyfiles.create_runner_keys(tmp_path / "runner-a")
     marker = tmp_path / "ran-after-forgery"
     try:
         listed = runners_json(hub)
@@ -170,11 +171,11 @@ def test_s16_runner_a_reads_b_dispatch_cannot_open_seal_and_replay_after_cancel_
     """A subscribes to every dispatch: B's seal opens with none of A's keys (no brief, no auth
     token in the clear); after the hub cancelled the job, A's replay of the captured dispatch is refused."""
     hub_root = tmp_path / "hub"
-    hub_key = keys.hub_key(hub_root)
+    hub_key = keyfiles.hub_key(hub_root)
     b_ws = tmp_path / "runner-b"
     b_identity = enrol_b(broker, b_ws, keys.public_text(hub_key))
     runner_b = start_v2_runner(broker, b_ws)
-    a_keys = keys.create_runner_keys(tmp_path / "runner-a")
+    a_keys = keyfiles.create_runner_keys(tmp_path / "runner-a")
     job_id, runs = "0000ca11", tmp_path / "runs"
     brief = f"echo ran >> {runs}\nsleep {4 * PATIENCE_S:.0f}\n"
     root = broker.topic_root

@@ -41,7 +41,7 @@ from mam.shared.store.registry import Registry
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
 
 AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
-MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
+MAM_RUNNER = [sys.executable, "-m", "mam.runner"]
 ACK_TIMEOUT = str(int(PATIENCE_S))  # a real runner process takes the job: as long as a busy machine needs
 HEARTBEAT_S = 3
 MISSES = 4  # K × N = 12 s, as in the issue

@@ -38,7 +38,7 @@ pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 
 AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
 SHELL_AGENT = str(AGENTS / "shell-agent")
-MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
+MAM_RUNNER = [sys.executable, "-m", "mam.runner"]
 SESSION = "gpu-box"
 CONTRACT = Contract(heartbeat_sec=1, heartbeat_misses=10, ack_timeout_sec=120, timeout_sec=300)
 SMALL_DISK = "2m"

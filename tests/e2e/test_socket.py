@@ -133,7 +133,7 @@ def test_s17_socket_publish_refuses_a_wrong_token_loads_no_heavy_module_and_fall
                                 capture_output=True, text=True, timeout=PATIENCE_S)
                  for sock in (str(names.runner_socket_path(ws)), "")]
         assert [u.returncode for u in usage] == [64, 64] and usage[0].stderr == usage[1].stderr, usage
-        timed = subprocess.run([sys.executable, "-X", "importtime", "-m", "mam.runner.cli", *argv,
+        timed = subprocess.run([sys.executable, "-X", "importtime", "-m", "mam.runner", *argv,
                                 "--detail", "fast"], env=publish_env(ws, job_id), capture_output=True, text=True,
                                timeout=PATIENCE_S)
         assert timed.returncode == 0 and json.loads(timed.stdout)["via"] == "runner", timed.stderr

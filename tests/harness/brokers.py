@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 
 from harness.waiting import PATIENCE_S, wait_until
+from mam.orchestrator.broker import conf
 from mam.orchestrator.broker import embedded as broker
 from mam.shared.config import BrokerConfig
 
@@ -151,15 +152,15 @@ class NatsBroker(BrokerProcess):
         """Pick the native and websocket ports and write the config (0600)."""
         self.port = free_port()
         self.ws_port = free_port()
-        self.settings = broker.NatsSettings(store_dir=self.workdir / "jetstream", host=self.host,
+        self.settings = conf.NatsSettings(store_dir=self.workdir / "jetstream", host=self.host,
                                             port=self.port, mqtt_port=self.mqtt_port,
                                             ws_port=self.ws_port, server_name="mam-test",
                                             topic_root=self.topic_root)
-        creds = broker.BrokerCredentials(agent_password=self.agent_password,
+        creds = conf.BrokerCredentials(agent_password=self.agent_password,
                                          observer_password=self.observer_password,
                                          agent_user=self.agent_user, observer_user=self.observer_user)
-        self.config_path = broker.write_private(self.workdir / "nats.conf",
-                                                broker.render_nats_config(self.settings, creds))
+        self.config_path = conf.write_private(self.workdir / "nats.conf",
+                                                conf.render_nats_config(self.settings, creds))
 
     def command(self) -> list[str]:
         return [str(broker.nats_server_binary()), "-c", str(self.config_path)]

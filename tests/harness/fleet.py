@@ -51,6 +51,7 @@ from harness.netns import Tailnet
 from harness.procs import kill_all
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import TEST_SECRET, clean_env
+from mam.orchestrator.broker import conf
 from mam.orchestrator.broker import embedded as broker
 from mam.shared.config import write_env_file
 from mam.shared.protocol import names
@@ -60,7 +61,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 AGENTS = REPO / "examples" / "agents"
 MAM_ORCH = [sys.executable, "-m", "mam.orchestrator.cli"]
-MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
+MAM_RUNNER = [sys.executable, "-m", "mam.runner"]
 HOSTS = ("hub", "orch", "gpu-box", "cpu-box")
 MODES = ("loopback", "netns")
 BROKER_KINDS = ("nats", "mosquitto")
@@ -299,17 +300,17 @@ class Fleet:
         folder = self.base / "broker"
         folder.mkdir(parents=True, exist_ok=True)
         self.agent_password = "agent-" + secrets.token_hex(12)
-        creds = broker.BrokerCredentials(agent_password=self.agent_password,
-                                         observer_password="observer-" + secrets.token_hex(12))
+        creds = conf.BrokerCredentials(agent_password=self.agent_password,
+                                       observer_password="observer-" + secrets.token_hex(12))
         self.agent_user = creds.agent_user
         if self.broker_kind == "mosquitto":
             self._broker_argv = [MOSQUITTO, "-c", str(self._mosquitto_conf(folder, listen))]
         else:
-            settings = broker.NatsSettings(store_dir=folder / "jetstream", host=listen, port=nats_port,
-                                           mqtt_port=self.mqtt_port, ws_port=ws_port, server_name="mam-fleet",
-                                           topic_root=self.topic_root)
-            conf = broker.write_private(folder / "nats.conf", broker.render_nats_config(settings, creds))
-            self._broker_argv = [str(broker.nats_server_binary()), "-c", str(conf)]
+            settings = conf.NatsSettings(store_dir=folder / "jetstream", host=listen, port=nats_port,
+                                         mqtt_port=self.mqtt_port, ws_port=ws_port, server_name="mam-fleet",
+                                         topic_root=self.topic_root)
+            conf_file = conf.write_private(folder / "nats.conf", conf.render_nats_config(settings, creds))
+            self._broker_argv = [str(broker.nats_server_binary()), "-c", str(conf_file)]
         self.broker_log = folder / f"{self.broker_kind}.log"
         self.start_broker()
 

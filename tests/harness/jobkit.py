@@ -18,7 +18,7 @@ from harness.workspace import clean_env, write_env_for
 from mam.shared.store.registry import Contract, Registry
 
 MAM_ORCH = [sys.executable, "-m", "mam.orchestrator.cli"]
-MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
+MAM_RUNNER = [sys.executable, "-m", "mam.runner"]
 
 
 class WatchProcess(Dispatch):

@@ -27,7 +27,7 @@ from mam.shared.store.registry import Registry
 from mam.shared.transport import mqtt
 
 MAM_ORCH = [sys.executable, "-m", "mam.orchestrator.cli"]
-MAM_RUNNER = [sys.executable, "-m", "mam.runner.cli"]
+MAM_RUNNER = [sys.executable, "-m", "mam.runner"]
 AGENTS = Path(__file__).resolve().parents[2] / "examples" / "agents"
 
 

@@ -49,7 +49,7 @@ def run_cli(*argv: str) -> int:
 
 
 def test_human_view_logs_only_warnings_unless_asked():
-    code = ("import logging, sys; from mam.shared import clikit; cli.setup_logging({}); "
+    code = ("import logging, sys; from mam.shared import cli; cli.setup_logging({}); "
             "print(logging.getLevelName(logging.getLogger().level))")
     env = {"PATH": "/usr/bin:/bin"}
     human = subprocess.run([sys.executable, "-c", code.format("True")], capture_output=True, text=True, env=env)

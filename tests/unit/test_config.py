@@ -13,6 +13,7 @@ import pytest
 from mam.shared import config
 from mam.shared.config import BrokerConfig
 from mam.shared.protocol.errors import ConfigError, EnvFileError
+from mam.shared.store.root import resolve_root
 
 SECRET = "s" * 40
 
@@ -115,7 +116,7 @@ def test_s13_walk_up_to_marker(tmp_path, marker):
     deep.mkdir(parents=True)
     write(top / ".mam.env", "MQTT_BROKER=walked\n")
     assert config.broker_config(environ={}, cwd=deep, warn=False).hosts == ("walked",)
-    assert config.resolve_root(environ={}, cwd=deep) == top.resolve()
+    assert resolve_root(environ={}, cwd=deep) == top.resolve()
 
 
 def test_s13_cwd_last(tmp_path):
@@ -225,16 +226,16 @@ def test_env_file_writer_is_0600_atomic_and_refuses_overwrite(tmp_path):
 
 
 def test_s8_resolve_root_order(tmp_path, empty_cwd):
-    assert config.resolve_root(tmp_path / "w", {"MAM_REAL_ROOT": "/r"}, empty_cwd) == (tmp_path / "w").resolve()
-    assert config.resolve_root(None, {"MAM_REAL_ROOT": str(tmp_path)}, empty_cwd) == tmp_path.resolve()
-    assert config.resolve_root(None, {"WORKSPACE_ROOT": str(tmp_path)}, empty_cwd) == tmp_path.resolve()
-    assert config.resolve_root(None, {}, empty_cwd / "sub") == empty_cwd.resolve()
+    assert resolve_root(tmp_path / "w", {"MAM_REAL_ROOT": "/r"}, empty_cwd) == (tmp_path / "w").resolve()
+    assert resolve_root(None, {"MAM_REAL_ROOT": str(tmp_path)}, empty_cwd) == tmp_path.resolve()
+    assert resolve_root(None, {"WORKSPACE_ROOT": str(tmp_path)}, empty_cwd) == tmp_path.resolve()
+    assert resolve_root(None, {}, empty_cwd / "sub") == empty_cwd.resolve()
 
 
 def test_s8_resolve_root_file_refused(tmp_path):
     afile = write(tmp_path / "f", "x")
     with pytest.raises(ConfigError, match="not a directory"):
-        config.resolve_root(afile, {}, tmp_path)
+        resolve_root(afile, {}, tmp_path)
 
 
 def _cli(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:

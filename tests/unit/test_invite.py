@@ -20,7 +20,8 @@ from mam.shared.protocol import names
 from mam.shared.protocol.crypto import invite, keys
 from mam.shared.protocol.crypto.invite import InviteCode
 from mam.shared.protocol.errors import ConfigError, ProtocolError, SignatureError, UsageError
-from mam.shared.protocol.wire.canonical import canonical_json
+from mam.shared.protocol.wire.jsoncodec import canonical_json
+from mam.shared.store import keyfiles
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,28 +72,28 @@ def test_s16_bad_invite_ttl_refused(bad):
 
 
 def test_s16_invite_file_holds_a_hash_not_the_code_0600(tmp_path):
-    code, stored = invite.create(tmp_path, "gpu-box", ("gpu",), 60.0)
+    code, stored = invites.create(tmp_path, "gpu-box", ("gpu",), 60.0)
     path = names.invite_path(tmp_path, code.invite_id)
     text = path.read_text()
     assert code.code not in text and code.code.rsplit(".", 1)[1] not in text
     assert path.stat().st_mode & 0o777 == 0o600 and names.invites_dir(tmp_path).stat().st_mode & 0o777 == 0o700
-    assert invite.load(tmp_path, code.invite_id) == stored
-    assert invite.problem(stored) is None
+    assert invites.load(tmp_path, code.invite_id) == stored
+    assert invites.why_refused(stored) is None
 
 
 def test_s16_invite_expired_used_unknown_refused(tmp_path):
-    code, stored = invite.create(tmp_path, "gpu-box", (), 1.0)
+    code, stored = invites.create(tmp_path, "gpu-box", (), 1.0)
     later = datetime.now(UTC) + timedelta(seconds=2)
-    assert "expired at" in (invite.problem(stored, later) or "")
-    used = invite.consume(tmp_path, stored)
-    assert "already used" in (invite.problem(invite.load(tmp_path, code.invite_id)) or "")
+    assert "expired at" in (invites.why_refused(stored, later) or "")
+    used = invites.consume(tmp_path, stored)
+    assert "already used" in (invites.why_refused(invites.load(tmp_path, code.invite_id)) or "")
     assert used.used_at is not None
-    assert "unknown invite code" in (invite.problem(invite.load(tmp_path, InviteCode.new("x").invite_id)) or "")
+    assert "unknown invite code" in (invites.why_refused(invites.load(tmp_path, InviteCode.new("x").invite_id)) or "")
 
 
 def test_s16_request_mac_keyed_by_the_code(tmp_path):
     code = InviteCode.new("gpu-box")
-    runner = keys.create_runner_keys(tmp_path)
+    runner = keyfiles.create_runner_keys(tmp_path)
     req = invite.parse_message(canonical_json(invite.request(code, runner)))
     asked = invite.check_request(code, req)
     assert (asked.session, asked.ed25519_public, asked.x25519_public) == \
@@ -101,15 +102,15 @@ def test_s16_request_mac_keyed_by_the_code(tmp_path):
     wrong = InviteCode(code.session, code.code[:-1] + ("A" if code.code[-1] != "A" else "B"))
     with pytest.raises(UsageError, match="not a request for this invite"):  # another id
         invite.check_request(wrong, req)
-    swapped = {**req, "ed25519_public": keys.public_text(keys.create_runner_keys(tmp_path / "a").ed25519)}
+    swapped = {**req, "ed25519_public": keys.public_text(keyfiles.create_runner_keys(tmp_path / "a").ed25519)}
     with pytest.raises(SignatureError, match="MAC does not verify"):  # keys swapped in flight
         invite.check_request(code, swapped)
 
 
 def test_s16_answer_mac_and_refusal(tmp_path):
     code = InviteCode.new("gpu-box")
-    req = invite.request(code, keys.create_runner_keys(tmp_path))
-    hub = keys.public_text(keys.hub_key(tmp_path / "hub"))
+    req = invite.request(code, keyfiles.create_runner_keys(tmp_path))
+    hub = keys.public_text(keyfiles.hub_key(tmp_path / "hub"))
     got = invite.check_answer(code, req, invite.answer(code, req, ("gpu",), [hub]))
     assert (got.labels, got.hub_publics, got.broker_user) == (("gpu",), [hub], None)
     forged = invite.answer(InviteCode.new(code.session), req, (), [hub])
@@ -129,8 +130,8 @@ def _handle(root, code, req):
 
 def test_s16_hub_enrols_once_then_refuses_reuse_and_wrong_codes(tmp_path):
     hub_root = tmp_path / "hub"
-    code, _ = invite.create(hub_root, "gpu-box", ("gpu",), 60.0)
-    runner = keys.create_runner_keys(tmp_path / "runner")
+    code, _ = invites.create(hub_root, "gpu-box", ("gpu",), 60.0)
+    runner = keyfiles.create_runner_keys(tmp_path / "runner")
     req = invite.request(code, runner)
     outcome, sent, err = _handle(hub_root, code, req)
     assert outcome == 0 and "enrolled runner gpu-box (labels: gpu) by invite" in err
@@ -140,7 +141,7 @@ def test_s16_hub_enrols_once_then_refuses_reuse_and_wrong_codes(tmp_path):
     entry = roster.get(hub_root, "gpu-box")
     assert entry is not None and entry.ed25519_public == runner.ed25519_public and entry.labels == ("gpu",)
     # the same code again (a replayed or second request): refused, one line, roster unchanged
-    outcome, sent, err = _handle(hub_root, code, invite.request(code, keys.create_runner_keys(tmp_path / "r2")))
+    outcome, sent, err = _handle(hub_root, code, invite.request(code, keyfiles.create_runner_keys(tmp_path / "r2")))
     assert outcome is None and err.count("\n") == 1 and "already used" in err
     assert sent[0][1]["kind"] == invite.REFUSED_KIND and "already used" in sent[0][1]["reason"]
     assert roster.get(hub_root, "gpu-box") == entry
@@ -152,21 +153,21 @@ def test_s16_hub_enrols_once_then_refuses_reuse_and_wrong_codes(tmp_path):
 
 def test_s16_hub_refuses_a_request_with_our_id_but_a_wrong_mac(tmp_path):
     hub_root = tmp_path / "hub"
-    code, _ = invite.create(hub_root, "gpu-box", (), 60.0)
-    runner = keys.create_runner_keys(tmp_path / "runner")
+    code, _ = invites.create(hub_root, "gpu-box", (), 60.0)
+    runner = keyfiles.create_runner_keys(tmp_path / "runner")
     forged = {**invite.request(InviteCode.new("gpu-box"), runner), "invite_id": code.invite_id}
     outcome, sent, err = _handle(hub_root, code, forged)
     assert outcome is None and "wrong invite code" in err and roster.get(hub_root, "gpu-box") is None
-    assert invite.problem(invite.load(hub_root, code.invite_id)) is None  # still usable by the real runner
+    assert invites.why_refused(invites.load(hub_root, code.invite_id)) is None  # still usable by the real runner
     outcome, _, _ = _handle(hub_root, code, invite.request(code, runner))
     assert outcome == 0
 
 
 def test_s16_hub_leaves_another_pending_invite_alone_and_ignores_junk(tmp_path):
     hub_root = tmp_path / "hub"
-    mine, _ = invite.create(hub_root, "a", (), 60.0)
-    theirs, _ = invite.create(hub_root, "b", (), 60.0)
-    outcome, sent, _ = _handle(hub_root, mine, invite.request(theirs, keys.create_runner_keys(tmp_path / "r")))
+    mine, _ = invites.create(hub_root, "a", (), 60.0)
+    theirs, _ = invites.create(hub_root, "b", (), 60.0)
+    outcome, sent, _ = _handle(hub_root, mine, invite.request(theirs, keyfiles.create_runner_keys(tmp_path / "r")))
     assert outcome is None and sent == []
     client, err = Published(), io.StringIO()
     for junk in (b"not json", b"{}", b"x" * (invite.MAX_MESSAGE_BYTES + 1)):
@@ -181,9 +182,9 @@ PASSWORD = "Runner-password-0123456789abcdef"
 
 def test_s16_answer_carries_the_broker_password_sealed_to_the_runner_only(tmp_path):
     code = InviteCode.new("gpu-box")
-    runner = keys.create_runner_keys(tmp_path / "runner")
+    runner = keyfiles.create_runner_keys(tmp_path / "runner")
     req = invite.request(code, runner)
-    hub = keys.public_text(keys.hub_key(tmp_path / "hub"))
+    hub = keys.public_text(keyfiles.hub_key(tmp_path / "hub"))
     answer = invite.answer(code, req, ("gpu",), [hub], ("gpu-box", PASSWORD))
     assert PASSWORD not in json.dumps(answer)
     got = invite.check_answer(code, req, invite.parse_message(canonical_json(answer)))
@@ -191,7 +192,7 @@ def test_s16_answer_carries_the_broker_password_sealed_to_the_runner_only(tmp_pa
     opened = invite.open_password(runner.x25519, got.sealed_password, invite_id=code.invite_id, nonce=req["nonce"],
                                   username="gpu-box")
     assert opened == PASSWORD
-    other = keys.create_runner_keys(tmp_path / "other").x25519
+    other = keyfiles.create_runner_keys(tmp_path / "other").x25519
     for private, nonce, user in ((other, req["nonce"], "gpu-box"), (runner.x25519, "0" * 32, "gpu-box"),
                                  (runner.x25519, req["nonce"], "cpu-box")):  # another runner, answer, user
         with pytest.raises(SignatureError, match="does not open with this host's X25519 key"):
@@ -210,7 +211,7 @@ def test_s16_answer_carries_the_broker_password_sealed_to_the_runner_only(tmp_pa
      "ciphertext": keys.b64(b"\x00" * 100_000)},  # oversized
 ])
 def test_s16_a_malformed_or_hostile_sealed_password_is_one_line(tmp_path, sealed):
-    private = keys.create_runner_keys(tmp_path).x25519
+    private = keyfiles.create_runner_keys(tmp_path).x25519
     with pytest.raises(SignatureError) as refused:
         invite.open_password(private, sealed, invite_id="0" * 32, nonce="0" * 32, username="gpu-box")
     assert "\n" not in str(refused.value)
@@ -221,8 +222,8 @@ def test_s16_a_malformed_or_hostile_sealed_password_is_one_line(tmp_path, sealed
                                     {"username": "gpu-box", "password": "clear-text"}])
 def test_s16_an_answer_with_a_bad_broker_field_is_refused_in_one_line(tmp_path, broker):
     code = InviteCode.new("gpu-box")
-    req = invite.request(code, keys.create_runner_keys(tmp_path))
-    answer = invite.answer(code, req, (), [keys.public_text(keys.hub_key(tmp_path / "hub"))])
+    req = invite.request(code, keyfiles.create_runner_keys(tmp_path))
+    answer = invite.answer(code, req, (), [keys.public_text(keyfiles.hub_key(tmp_path / "hub"))])
     answer = {**answer, "broker": broker}
     answer["mac"] = invite._mac(code.key, answer)  # even from the hub holding the code
     with pytest.raises(UsageError) as refused:
@@ -235,8 +236,8 @@ def test_s16_hub_with_a_managed_broker_config_gives_the_invited_runner_its_own_b
     hub_root.mkdir()
     conf = tmp_path / "nats.conf"
     mam_init.init_workspace(hub_root, broker_config=conf, environ={})
-    code, _ = invite.create(hub_root, "gpu-box", (), 60.0)
-    runner = keys.create_runner_keys(tmp_path / "runner")
+    code, _ = invites.create(hub_root, "gpu-box", (), 60.0)
+    runner = keyfiles.create_runner_keys(tmp_path / "runner")
     req = invite.request(code, runner)
     outcome, [(_, answer)], err = _handle(hub_root, code, req)
     assert outcome == 0 and "connects as broker user gpu-box" in err and "reload" in err
@@ -250,8 +251,8 @@ def test_s16_hub_with_a_managed_broker_config_gives_the_invited_runner_its_own_b
 
 def test_s16_hub_without_a_managed_broker_config_answers_without_a_broker_user(tmp_path):
     hub_root = tmp_path / "hub"
-    code, _ = invite.create(hub_root, "gpu-box", (), 60.0)
-    req = invite.request(code, keys.create_runner_keys(tmp_path / "runner"))
+    code, _ = invites.create(hub_root, "gpu-box", (), 60.0)
+    req = invite.request(code, keyfiles.create_runner_keys(tmp_path / "runner"))
     outcome, [(_, answer)], err = _handle(hub_root, code, req)
     assert outcome == 0 and "broker" not in answer and "no broker config managed here" in err
 
@@ -277,16 +278,18 @@ def test_s16_enroll_sets_the_broker_user_in_the_env_file_it_reads_keeping_the_re
 def test_s16_a_request_with_a_low_order_x25519_key_is_refused_before_anything_is_written(tmp_path):
     """No shared secret can be made with it: neither a seal nor a dispatch could reach the runner."""
     hub_root = tmp_path / "hub"
-    code, _ = invite.create(hub_root, "gpu-box", (), 60.0)
-    req = {**invite.request(code, keys.create_runner_keys(tmp_path / "runner")), "x25519_public": keys.b64(bytes(32))}
+    code, _ = invites.create(hub_root, "gpu-box", (), 60.0)
+    runner = keyfiles.create_runner_keys(tmp_path / "runner")
+    req = {**invite.request(code, runner), "x25519_public": keys.b64(bytes(32))}
     req["mac"] = invite._mac(code.key, req)  # from a holder of the code
     outcome, [(_, refused)], err = _handle(hub_root, code, req)
     assert outcome is None and refused["kind"] == invite.REFUSED_KIND and "low-order" in err
-    assert roster.get(hub_root, "gpu-box") is None and invite.problem(invite.load(hub_root, code.invite_id)) is None
+    assert roster.get(hub_root, "gpu-box") is None
+    assert invites.why_refused(invites.load(hub_root, code.invite_id)) is None
 
 
 def test_s16_a_sealed_password_that_opens_but_a_config_cannot_hold_is_refused(tmp_path):
-    runner = keys.create_runner_keys(tmp_path)
+    runner = keyfiles.create_runner_keys(tmp_path)
     sealed = invite.seal_password(runner.x25519.public_key().public_bytes_raw(), "new\nMAM_EVIL=1",
                                   invite_id="0" * 32, nonce="1" * 32, username="gpu-box")
     with pytest.raises(ConfigError) as refused:

@@ -20,6 +20,7 @@ from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.crypto import keys, pubkey
 from mam.shared.protocol.crypto.keys import EnrolRequest
 from mam.shared.protocol.errors import ConfigError, RegistryError, SignatureError, UsageError
+from mam.shared.store import keyfiles
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,24 +37,24 @@ def request(session: str = "gpu-box", labels: str = "gpu") -> EnrolRequest:
 # ------------------------------------------------------------------ key files
 
 def test_s16_hub_key_made_once_0600_in_0700_folder(tmp_path):
-    first = keys.hub_key(tmp_path)
+    first = keyfiles.hub_key(tmp_path)
     path = names.hub_key_path(tmp_path)
     assert mode(path) == 0o600 and mode(path.parent) == 0o700
-    assert keys.public_text(keys.hub_key(tmp_path)) == keys.public_text(first)
+    assert keys.public_text(keyfiles.hub_key(tmp_path)) == keys.public_text(first)
     assert len(keys.b64url_decode(path.read_text().strip())) == 32  # raw 32 bytes, base64url, one line
 
 
 def test_s16_missing_hub_key_without_create_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="no such key file"):
-        keys.hub_key(tmp_path, create=False)
+        keyfiles.hub_key(tmp_path, create=False)
 
 
 def test_s16_private_key_open_to_others_refused(tmp_path):
-    keys.hub_key(tmp_path)
+    keyfiles.hub_key(tmp_path)
     path = names.hub_key_path(tmp_path)
     os.chmod(path, 0o644)
     with pytest.raises(ConfigError, match="chmod 600") as info:
-        keys.hub_key(tmp_path)
+        keyfiles.hub_key(tmp_path)
     assert path.read_text().strip() not in str(info.value)
 
 
@@ -64,59 +65,59 @@ def test_s16_broken_key_file_refused_without_echo(tmp_path, content):
     path.write_text(content, encoding="latin-1")
     os.chmod(path, 0o600)
     with pytest.raises(ConfigError) as info:
-        keys.hub_key(tmp_path)
+        keyfiles.hub_key(tmp_path)
     message = str(info.value)
     assert "\n" not in message and (not content.strip() or content[:40] not in message)
 
 
 def test_s16_staged_rotation_keeps_previous(tmp_path):
-    old = keys.public_text(keys.hub_key(tmp_path))
-    staged = keys.stage_hub_key(tmp_path)
-    assert keys.stage_hub_key(tmp_path) == staged == keys.staged_hub_public(tmp_path)
-    assert keys.public_text(keys.hub_key(tmp_path)) == old  # staging does not switch
-    new, previous = keys.rotate_hub_key(tmp_path)
+    old = keys.public_text(keyfiles.hub_key(tmp_path))
+    staged = keyfiles.stage_hub_key(tmp_path)
+    assert keyfiles.stage_hub_key(tmp_path) == staged == keyfiles.staged_hub_public(tmp_path)
+    assert keys.public_text(keyfiles.hub_key(tmp_path)) == old  # staging does not switch
+    new, previous = keyfiles.rotate_hub_key(tmp_path)
     assert keys.public_text(new) == staged and previous == old
-    assert keys.hub_previous_public(tmp_path) == old and keys.staged_hub_public(tmp_path) is None
-    assert keys.public_text(keys.hub_key(tmp_path)) == staged
-    fresh, previous = keys.rotate_hub_key(tmp_path)  # unstaged: a fresh key
+    assert keyfiles.hub_previous_public(tmp_path) == old and keyfiles.staged_hub_public(tmp_path) is None
+    assert keys.public_text(keyfiles.hub_key(tmp_path)) == staged
+    fresh, previous = keyfiles.rotate_hub_key(tmp_path)  # unstaged: a fresh key
     assert previous == staged and keys.public_text(fresh) not in (old, staged)
 
 
 def test_s16_rotate_without_hub_key_refused(tmp_path):
     with pytest.raises(ConfigError, match="no such key file"):
-        keys.rotate_hub_key(tmp_path)
+        keyfiles.rotate_hub_key(tmp_path)
 
 
 def test_s16_runner_keys_made_once_and_hidden(tmp_path):
-    assert keys.load_runner_keys(tmp_path) is None
-    made = keys.create_runner_keys(tmp_path)
+    assert keyfiles.load_runner_keys(tmp_path) is None
+    made = keyfiles.create_runner_keys(tmp_path)
     for kind in ("ed25519", "x25519"):
         assert mode(names.runner_key_path(tmp_path, kind)) == 0o600
-    loaded = keys.load_runner_keys(tmp_path)
+    loaded = keyfiles.load_runner_keys(tmp_path)
     assert loaded is not None and repr(loaded) == repr(made)
     private = names.runner_key_path(tmp_path, "ed25519").read_text().strip()
     assert private not in repr(made) and made.ed25519_public in repr(made)
     with pytest.raises(ConfigError, match="already exists; use --force"):
-        keys.create_runner_keys(tmp_path)
-    assert keys.create_runner_keys(tmp_path, force=True).ed25519_public != made.ed25519_public
+        keyfiles.create_runner_keys(tmp_path)
+    assert keyfiles.create_runner_keys(tmp_path, force=True).ed25519_public != made.ed25519_public
 
 
 def test_s16_one_runner_key_missing_refused(tmp_path):
-    keys.create_runner_keys(tmp_path)
+    keyfiles.create_runner_keys(tmp_path)
     names.runner_key_path(tmp_path, "x25519").unlink()
     with pytest.raises(ConfigError, match="no such key file"):
-        keys.load_runner_keys(tmp_path)
+        keyfiles.load_runner_keys(tmp_path)
 
 
 def test_s16_trusted_hub_keys(tmp_path):
-    assert keys.trusted_hub_keys(tmp_path) == ()
+    assert keyfiles.trusted_hub_keys(tmp_path) == ()
     one, two = (keys.public_text(Ed25519PrivateKey.generate()) for _ in range(2))
-    assert keys.write_trusted_hub_keys(tmp_path, [one, two, one]) == [one, two]
-    assert keys.texts(keys.trusted_hub_keys(tmp_path)) == [one, two]
+    assert keyfiles.write_trusted_hub_keys(tmp_path, [one, two, one]) == [one, two]
+    assert keys.texts(keyfiles.trusted_hub_keys(tmp_path)) == [one, two]
     for bad in ([], [one, two, keys.public_text(Ed25519PrivateKey.generate())], ["nope"], [one[:-4]]):
         with pytest.raises(UsageError):
-            keys.write_trusted_hub_keys(tmp_path, bad)
-    assert keys.texts(keys.trusted_hub_keys(tmp_path)) == [one, two]  # unchanged by the refusals
+            keyfiles.write_trusted_hub_keys(tmp_path, bad)
+    assert keys.texts(keyfiles.trusted_hub_keys(tmp_path)) == [one, two]  # unchanged by the refusals
 
 
 # ------------------------------------------------------------ enrol request
@@ -203,7 +204,7 @@ def test_s16_enrol_add_trust_commands_end_to_end(tmp_path):
     hub, runner = tmp_path / "hub", tmp_path / "runner"
     hub.mkdir()
     runner.mkdir()
-    made = cli("mam.runner.cli", "enroll", "--session", "gpu-box", "--labels", "gpu", "--workspace", str(runner),
+    made = cli("mam.runner", "enroll", "--session", "gpu-box", "--labels", "gpu", "--workspace", str(runner),
                cwd=tmp_path)
     assert made.returncode == 0, made.stderr
     line = made.stdout.strip()
@@ -211,22 +212,22 @@ def test_s16_enrol_add_trust_commands_end_to_end(tmp_path):
     for kind in ("ed25519", "x25519"):  # no private key in any output
         private = names.runner_key_path(runner, kind).read_text().strip()
         assert private not in made.stdout + made.stderr
-    again = cli("mam.runner.cli", "enroll", "--session", "gpu-box", "--workspace", str(runner), cwd=tmp_path)
+    again = cli("mam.runner", "enroll", "--session", "gpu-box", "--workspace", str(runner), cwd=tmp_path)
     assert again.returncode == 64 and "--force" in again.stderr and again.stdout == ""
 
     added = cli("mam.orchestrator.cli", "runner", "add", line, "--json", "--workspace", str(hub), cwd=tmp_path)
     assert added.returncode == 0, added.stderr
     shown = json.loads(added.stdout)
-    hub_public = keys.public_text(keys.hub_key(hub, create=False))
+    hub_public = keys.public_text(keyfiles.hub_key(hub, create=False))
     assert shown["hub_ed25519_public"] == [hub_public] and shown["result"] == "enrolled"
     assert names.hub_key_path(hub).read_text().strip() not in added.stdout + added.stderr
 
     # `--`: a base64url key may start with '-' (1 in 64), as the printed command says
     assert f"mam-runner trust-hub -- {hub_public}" in cli("mam.orchestrator.cli", "runner", "add", line,
                                                           "--workspace", str(hub), cwd=tmp_path).stdout
-    trusted = cli("mam.runner.cli", "trust-hub", "--workspace", str(runner), "--", hub_public, cwd=tmp_path)
+    trusted = cli("mam.runner", "trust-hub", "--workspace", str(runner), "--", hub_public, cwd=tmp_path)
     assert trusted.returncode == 0, trusted.stderr
-    assert keys.texts(keys.trusted_hub_keys(runner)) == [hub_public]
+    assert keys.texts(keyfiles.trusted_hub_keys(runner)) == [hub_public]
 
     listed = cli("mam.orchestrator.cli", "runner", "list", "--json", "--workspace", str(hub), cwd=tmp_path)
     assert json.loads(listed.stdout)["status"] == "enrolled"
@@ -243,15 +244,15 @@ def test_s16_runner_add_bad_request_exit_64(tmp_path):
 
 
 def test_s16_rotate_hub_key_command_stage_then_switch(tmp_path):
-    old = keys.public_text(keys.hub_key(tmp_path))
+    old = keys.public_text(keyfiles.hub_key(tmp_path))
     staged = cli("mam.orchestrator.cli", "runner", "rotate-hub-key", "--stage", "--workspace", str(tmp_path),
                  cwd=tmp_path)
     assert staged.returncode == 0, staged.stderr
-    new = keys.staged_hub_public(tmp_path)
+    new = keyfiles.staged_hub_public(tmp_path)
     assert f"mam-runner trust-hub -- {old} {new}" in staged.stdout
     switched = cli("mam.orchestrator.cli", "runner", "rotate-hub-key", "--workspace", str(tmp_path), cwd=tmp_path)
-    assert switched.returncode == 0 and keys.public_text(keys.hub_key(tmp_path)) == new
-    assert keys.hub_previous_public(tmp_path) == old
+    assert switched.returncode == 0 and keys.public_text(keyfiles.hub_key(tmp_path)) == new
+    assert keyfiles.hub_previous_public(tmp_path) == old
 
 
 def test_s16_enrol_identity_recorded(tmp_path):
@@ -293,7 +294,7 @@ def test_s16_hub_checks_presence_against_the_roster(tmp_path):
 
 
 def test_s16_hub_builds_v2_for_enrolled_sessions_only(tmp_path, caplog):
-    hub = keys.hub_key(tmp_path)
+    hub = keyfiles.hub_key(tmp_path)
     runner_x = X25519PrivateKey.generate()
     record = {"job_id": "918b0612", "session": "gpu-box", "attempt_id": 1, "dispatch_token": "a" * 32,
               "auth_token": "tok", **wire.Contract().to_dict()}
@@ -331,7 +332,7 @@ class _Recorder:
 
 def test_s16_hub_cancel_is_v2_for_enrolled_sessions(tmp_path):
     v1 = crypto.derive_keys("x" * 40)
-    hub = keys.hub_key(tmp_path)
+    hub = keyfiles.hub_key(tmp_path)
     roster.add(tmp_path, request())
     client = _Recorder()
     for session in ("gpu-box", "v1-box"):

@@ -194,7 +194,7 @@ def test_s15_outage_keeps_chunks_in_the_outbox_until_the_broker_is_back(tmp_path
 
 
 def chunk(rec, number, data=b"", *, dropped=0, token=None, attempt=None):
-    return logchunk.build_chunk(token or rec["auth_token"], crypto.log_key(token or rec["auth_token"]),
+    return crypto.build_log_chunk(token or rec["auth_token"], crypto.log_key(token or rec["auth_token"]),
                                job_id=rec["job_id"], attempt_id=attempt or rec["attempt_id"], chunk=number,
                                dropped=dropped, plaintext=data)
 
@@ -258,15 +258,15 @@ def test_s15_hub_refuses_bad_chunks_quietly_and_writes_nothing(hub, caplog):
 
 def test_s15_chunk_message_rules():
     token = "t" * 43
-    raw = logchunk.build_chunk(token, crypto.log_key(token), job_id="918b0612", attempt_id=1, chunk=0, dropped=0,
+    raw = crypto.build_log_chunk(token, crypto.log_key(token), job_id="918b0612", attempt_id=1, chunk=0, dropped=0,
                               plaintext=b"hello")
     parsed = logchunk.decode_chunk(raw)
     assert set(json.loads(raw)) == logchunk.LOG_FIELDS and json.loads(raw)["kind"] == "log"
-    assert logchunk.open_chunk(parsed, token) == b"hello"
+    assert crypto.open_log_chunk(parsed, token) == b"hello"
     with pytest.raises(SignatureError):
-        logchunk.open_chunk(parsed, "u" * 43)
+        crypto.open_log_chunk(parsed, "u" * 43)
     with pytest.raises(ValueError, match="at most"):
-        logchunk.build_chunk(token, crypto.log_key(token), job_id="918b0612", attempt_id=1, chunk=0, dropped=0,
+        crypto.build_log_chunk(token, crypto.log_key(token), job_id="918b0612", attempt_id=1, chunk=0, dropped=0,
                             plaintext=b"x" * (CHUNK + 1))
     with pytest.raises(DecodeError, match="malformed: kind"):
         logchunk.decode_chunk(json.dumps(dict(json.loads(raw), kind="event")).encode())

@@ -13,7 +13,7 @@ import pytest
 from mam.orchestrator.acceptance import mirror_event
 from mam.orchestrator.cli import app as orch_app
 from mam.runner.cli import app as runner_app
-from mam.shared import cli
+from mam.shared import cli, config
 from mam.shared.cli.render import cli_jobs, cli_show
 from mam.shared.config import contract_from_env
 from mam.shared.protocol import names
@@ -113,20 +113,32 @@ def test_s8_meta_and_status_json_carry_no_secrets(reg):
     ({"session": "gpu.box"}, "'.' is not allowed"),
     ({"session": "gpu-box", "job_id": "XYZ"}, "job id"),
     ({"session": "gpu-box", "broker": {"password": "x"}}, "passwords never enter"),
-    ({"session": "gpu-box", "broker": {"nonsense": 1}}, "unknown"),
-    ({"session": "gpu-box", "broker": {"port": {"a": 1}}}, "expected an integer"),
-    ({"session": "gpu-box", "broker": {"topic_root": "a/#"}}, "topic root"),
-    ({"session": "gpu-box", "broker": {"username": "a\nb"}}, "one-line"),
+    ({"session": "gpu-box", "broker": {"db_passwd": "x"}}, "passwords never enter"),
     ({"session": "gpu-box", "broker": ["x"]}, "JSON object"),
-    ({"session": "gpu-box", "broker": {"hosts": ["a", 1]}}, "a host name or a list of them"),
-    ({"session": "gpu-box", "broker": {"host": "a" * 5000}}, "'host' host '" + "a" * 40 + "' is invalid"),
-    ({"session": "gpu-box", "broker": {"ca_certs": "/nonexistent/ca.pem"}}, "'/nonexistent/ca.pem': no such file"),
     ({"session": "gpu-box", "source": "publisher"}, "may not register"),
 ])
 def test_s8_register_refuses_bad_input_before_writing(reg, tmp_path, kwargs, why):
     with pytest.raises(UsageError, match=why):
         reg.register(**kwargs)
     assert not (tmp_path / ".mam").exists()
+
+
+@pytest.mark.parametrize("broker,why", [
+    ({"password": "x"}, "passwords never enter"),
+    ({"nonsense": 1}, "unknown"),
+    ({"port": {"a": 1}}, "expected an integer"),
+    ({"topic_root": "a/#"}, "topic root"),
+    ({"username": "a\nb"}, "one-line"),
+    (["x"], "JSON object"),
+    ({"hosts": ["a", 1]}, "a host name or a list of them"),
+    ({"host": "a" * 5000}, "'host' host '" + "a" * 40 + "' is invalid"),
+    ({"ca_certs": "/nonexistent/ca.pem"}, "'/nonexistent/ca.pem': no such file"),
+])
+def test_s13_a_records_broker_overrides_are_refused_where_they_are_used(broker, why):
+    # The store keeps the block as written (minus passwords); config judges it when a
+    # hub or runner connects with it (hub.py, publish.py, gc.py), one line each.
+    with pytest.raises(ConfigError, match=why):
+        config.apply_job_overrides(config.BrokerConfig(), broker)
 
 
 def test_s8_register_keeps_broker_overrides_and_refuses_existing_id(reg):

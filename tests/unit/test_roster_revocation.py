@@ -18,9 +18,9 @@ from mam.orchestrator.queuewait import PresenceFeed
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import CloseReason
-from mam.shared.protocol.crypto import keys
 from mam.shared.protocol.crypto.keys import EnrolRequest
 from mam.shared.protocol.errors import ExitCode
+from mam.shared.store import keyfiles
 from mam.shared.store.registry import Registry
 
 pytestmark = pytest.mark.timeout(30)
@@ -34,7 +34,7 @@ def look_every_time(monkeypatch):
 
 
 def enrol(root, session=SESSION):
-    made = keys.create_runner_keys(root / f"{session}-host")
+    made = keyfiles.create_runner_keys(root / f"{session}-host")
     roster.add(root, EnrolRequest.build(session, "x", made.ed25519_public, made.x25519_public))
 
 
@@ -50,7 +50,7 @@ def test_s16_revocations_reread_when_the_roster_changes(tmp_path):
 
 def test_s16_revoked_runner_events_refused_and_its_job_closed_runner_lost_with_a_v2_cancel(tmp_path):
     enrol(tmp_path)
-    keys.hub_key(tmp_path)
+    keyfiles.hub_key(tmp_path)
     reg = Registry(tmp_path)
     rec = reg.register(session=SESSION)
     client = RecordingClient()

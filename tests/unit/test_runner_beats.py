@@ -14,7 +14,7 @@ import pytest
 from harness.fake_mqtt import FakeBroker, FakeClient
 from harness.waiting import PATIENCE_S, QUIET_S, wait_until
 
-from mam.runner import heartbeat, outbox, publish
+from mam.runner import barrier, outbox, publish
 from mam.runner.heartbeat.beats import Beats
 from mam.shared.config import BrokerConfig
 from mam.shared.protocol import crypto, names, wire
@@ -80,7 +80,7 @@ def test_s12_one_thread_beats_for_every_job_with_its_attempt_identity(tmp_path, 
             for beat in beats_of(broker, job_id):
                 crypto.verify_event(beat, AUTH)
                 assert (beat.event, beat.detail, beat.data["attempt_id"], beat.data["dispatch_token"]) == (
-                    "progress", heartbeat.HEARTBEAT_DETAIL, 1, TOKEN)
+                    "progress", barrier.HEARTBEAT_DETAIL, 1, TOKEN)
             on_disk = [line["seq"] for line in registry.audit(job_id) if line.get("data", {}).get("heartbeat")]
             assert on_disk[:BEATS_SEEN] == [b.seq for b in beats_of(broker, job_id)][:BEATS_SEEN]  # disk first
     finally:
@@ -144,14 +144,14 @@ def test_s12_a_terminal_raises_its_barrier_only_after_the_beat_in_flight(tmp_pat
     beating = threading.Thread(target=lambda: beats.beat(beats_entry(beats)))
     beating.start()
     wait_until(client.queued.is_set, PATIENCE_S, "the beat handed to the connection")
-    barrier = threading.Thread(target=lambda: (heartbeat.stop_for_terminal(registry, JOBS[0], 1, drain_s=DRAIN_S),
+    raising = threading.Thread(target=lambda: (barrier.stop_for_terminal(registry, JOBS[0], 1, drain_s=DRAIN_S),
                                                order.append("barrier raised")))
-    barrier.start()
-    barrier.join(QUIET_S)
-    assert barrier.is_alive() and order == []  # the terminal waits for the beat in flight
+    raising.start()
+    raising.join(QUIET_S)
+    assert raising.is_alive() and order == []  # the terminal waits for the beat in flight
     client.release.set()
     beating.join(PATIENCE_S)
-    barrier.join(PATIENCE_S)
+    raising.join(PATIENCE_S)
     assert len(order) >= 2 and set(order[:-1]) == {"acked"} and order[-1] == "barrier raised"
     assert beats.beat(beats_entry(beats)) == "terminal barrier raised"  # and no beat after it
 

@@ -12,8 +12,7 @@ import bcrypt
 import pytest
 
 from mam.orchestrator import init as mam_init
-from mam.orchestrator.broker import embedded as broker
-from mam.orchestrator.broker import users
+from mam.orchestrator.broker import conf, users
 from mam.orchestrator.identity import runneruser
 from mam.shared.protocol import names
 from mam.shared.protocol.errors import ConfigError, UsageError
@@ -64,10 +63,10 @@ def test_s16_config_without_markers_is_refused_with_one_line():
 
 def test_s16_embedded_broker_keeps_runner_users_across_up(tmp_path):
     """`broker up` regenerates nats.conf: the users `runner add` put there stay."""
-    settings = broker.NatsSettings(store_dir=tmp_path / "js")
-    text = broker.render_nats_config(settings, broker.BrokerCredentials.fresh())
+    settings = conf.NatsSettings(store_dir=tmp_path / "js")
+    text = conf.render_nats_config(settings, conf.BrokerCredentials.fresh())
     kept = users.with_runner_user(text, "a-box", PASSWORD)
-    fresh = broker.render_nats_config(settings, broker.BrokerCredentials.fresh())
+    fresh = conf.render_nats_config(settings, conf.BrokerCredentials.fresh())
     assert users.runner_users(users.with_users_block(fresh, users.users_block(kept))) == ["a-box"]
 
 

@@ -20,6 +20,7 @@ from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.crypto import keys, pubkey
 from mam.shared.protocol.crypto.keys import RunnerKeys
 from mam.shared.protocol.errors import ConfigError, SignatureError
+from mam.shared.store import keyfiles
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,10 +138,10 @@ def test_s16_load_trust(tmp_path, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigError, match="MAM_DISPATCH_SECRET"):
         trust.load(tmp_path)  # a v1 runner needs the secret
-    keys.create_runner_keys(tmp_path)
+    keyfiles.create_runner_keys(tmp_path)
     with pytest.raises(ConfigError, match="trusts no hub key"):
         trust.load(tmp_path)
-    keys.write_trusted_hub_keys(tmp_path, [keys.public_text(HUB)])
+    keyfiles.write_trusted_hub_keys(tmp_path, [keys.public_text(HUB)])
     v1, v2 = trust.load(tmp_path)
     assert v1 is None and v2 is not None and not v2.accept_v1
     private = names.runner_key_path(tmp_path, "ed25519").read_text().strip()

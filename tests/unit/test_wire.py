@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from mam.shared.protocol import wire
 from mam.shared.protocol.errors import DecodeError, ProtocolError, UsageError
-from mam.shared.protocol.wire import canonical
+from mam.shared.protocol.wire import jsoncodec
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 RUNNER = "fedcba9876543210fedcba9876543210"
@@ -237,7 +237,7 @@ def test_s2_zero_length_payload_is_its_own_reason(raw):
 def test_s3_2_two_megabyte_payload_refused_before_parsing(kind, monkeypatch):
     def no_parse(*args, **kwargs):
         raise AssertionError("json.loads called on an oversized payload")
-    monkeypatch.setattr(canonical.json, "loads", no_parse)
+    monkeypatch.setattr(jsoncodec.json, "loads", no_parse)
     raw = b'{"detail":"' + b"x" * (2 * 1024 * 1024) + b'"}'
     reason = refused(raw, kind).reason
     assert reason.startswith("malformed: payload is ") and "at most" in reason

@@ -23,10 +23,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mam.shared.config import MIN_SECRET_LEN
 from mam.shared.protocol import names
 from mam.shared.protocol.errors import ConfigError, SignatureError
 from mam.shared.protocol.wire import (
+    SCHEMA_VERSION,
     SEAL_ALG,
     SEAL_NONCE_BYTES,
     Message,
@@ -34,9 +34,11 @@ from mam.shared.protocol.wire import (
     b64url_decode,
     b64url_encode,
     canonical,
+    logchunk,
 )
+from mam.shared.protocol.wire.jsoncodec import canonical_json
 
-MIN_SECRET_CHARS = MIN_SECRET_LEN  # 32 (§5)
+MIN_SECRET_CHARS = 32  # MAM_DISPATCH_SECRET, at least (§5)
 KEY_BYTES = 32
 SEAL_INFO = b"mam-fleet/v1/seal"
 SIGN_INFO = b"mam-fleet/v1/sign"
@@ -391,3 +393,40 @@ def verify_log_sig(payload: Payload, auth_token: str) -> None:
     got = _plain(payload).get("sig")
     if got is None or not isinstance(auth_token, str) or not auth_token or not _same(log_sig(payload, auth_token), got):
         raise SignatureError(HMAC_FAILED)
+
+
+def build_log_chunk(auth_token: str, key: bytes, *, job_id: str, attempt_id: int, chunk: int, dropped: int,
+                    plaintext: bytes, nonce: bytes | None = None) -> bytes:
+    """The wire bytes of one §15 chunk: `plaintext` sealed with `seal_bytes` under
+    `log_key(auth_token)`, bound to `f"{job_id}:{attempt_id}:{chunk}"`, and signed
+    with `log_sig` (the §3.1 event HMAC over the message without `sig`).
+
+    Args:
+        auth_token: the job's HMAC key; key: `log_key(auth_token)` (cached by the caller).
+        job_id, attempt_id: the attempt; chunk: its number from 0; dropped: bytes not sent before it.
+        plaintext: at most MAX_CHUNK_BYTES of (masked) output; nonce: tests only.
+    Raises:
+        ValueError: plaintext over MAX_CHUNK_BYTES; DecodeError: a field out of its range.
+    """
+    if len(plaintext) > logchunk.MAX_CHUNK_BYTES:
+        raise ValueError(f"a log chunk holds at most {logchunk.MAX_CHUNK_BYTES} bytes, got {len(plaintext)}")
+    body: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "kind": logchunk.KIND, "job_id": job_id,
+                            "attempt_id": attempt_id, "chunk": chunk, "dropped": dropped,
+                            "sealed": seal_bytes(key, plaintext, logchunk.associated_data(job_id, attempt_id, chunk),
+                                                 nonce)}
+    body["sig"] = log_sig(body, auth_token)
+    logchunk.check_chunk(body)
+    return canonical_json(body)
+
+
+def open_log_chunk(chunk: logchunk.LogChunk, auth_token: str, key: bytes | None = None) -> bytes:
+    """Verify a chunk's `sig` and open its seal (§15): the output bytes.
+
+    Args:
+        chunk: from `logchunk.decode_chunk`; auth_token: the job's; key: `log_key(auth_token)` if cached.
+    Raises:
+        SignatureError: "HMAC verify failed" or "seal does not open".
+    """
+    verify_log_sig(chunk.to_dict(), auth_token)
+    return open_bytes(key if key is not None else log_key(auth_token), chunk.sealed,
+                      logchunk.associated_data(chunk.job_id, chunk.attempt_id, chunk.chunk))

@@ -29,8 +29,6 @@ import json
 import re
 import secrets
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
-from pathlib import Path
 from typing import Any
 
 from cryptography.exceptions import InvalidTag
@@ -39,13 +37,12 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from mam.orchestrator.broker.conf import check_secret, is_user_name
 from mam.shared.protocol import names
 from mam.shared.protocol.crypto import keys
-from mam.shared.protocol.errors import ConfigError, ProtocolError, SignatureError, UsageError
-from mam.shared.protocol.wire.canonical import canonical_json
+from mam.shared.protocol.errors import ProtocolError, SignatureError, UsageError
+from mam.shared.protocol.names import check_secret, is_user_name
 from mam.shared.protocol.wire.fields import b64url_decode, b64url_encode
-from mam.shared.store.fsio import atomic_write, json_line, read_json_object
+from mam.shared.protocol.wire.jsoncodec import canonical_json
 
 CODE_PREFIX = "mam1"
 CODE_RANDOM_BYTES = 16
@@ -57,13 +54,11 @@ INVITE_ID_INFO = b"mam-fleet/v2/invite-id\x00"
 INVITE_ID_HEX_CHARS = 32
 NONCE_BYTES = 16
 KEY_BYTES = 32
-MAX_INVITE_FILE_BYTES = 4096
 MAX_MESSAGE_BYTES = 8192
 """An enrolment message is a few hundred bytes; a bigger one is refused unread."""
 MIN_TTL_S = 1.0
 MAX_TTL_S = 7 * 24 * 3600.0
 """An invite lives at most a week (s)."""
-INVITES_DIR_MODE = 0o700
 REQUEST_KIND = "enrol_invite"
 ANSWER_KIND = "enrol_answer"
 REFUSED_KIND = "enrol_refused"
@@ -87,9 +82,8 @@ _TTL_UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _BAD_CODE = (f"invite code is invalid: expected {CODE_PREFIX}.<session>.<{CODE_RANDOM_CHARS} characters> "
              "as `mam-orch runner invite` printed it")
 
-__all__ = ["Answer", "Invite", "InviteCode", "answer", "check_answer", "check_request", "consume", "create", "load",
-           "matches", "open_password", "parse_message", "parse_ttl", "problem", "refusal", "request",
-           "seal_password"]
+__all__ = ["Answer", "InviteCode", "answer", "check_answer", "check_request", "matches", "open_password",
+           "parse_message", "parse_ttl", "refusal", "request", "seal_password"]
 
 
 @dataclass(frozen=True)
@@ -305,79 +299,3 @@ def matches(req: dict[str, Any], obj: dict[str, Any]) -> bool:
     """True when `obj` is an answer or refusal to `req` (same invite id and nonce)."""
     return (obj.get("kind") in (ANSWER_KIND, REFUSED_KIND) and obj.get("invite_id") == req["invite_id"]
             and obj.get("nonce") == req["nonce"])
-
-
-# -------------------------------------------------------------------- files
-
-@dataclass(frozen=True)
-class Invite:
-    """The hub's file of one invite: no code, only its id."""
-
-    invite_id: str
-    session: str
-    labels: tuple[str, ...]
-    expires_at: str
-    used_at: str | None = None
-
-    def expired(self, now: datetime | None = None) -> bool:
-        """True once its TTL has passed."""
-        return (now or datetime.now(UTC)) >= datetime.fromisoformat(self.expires_at)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The file's JSON object."""
-        return {"invite_id": self.invite_id, "session": self.session, "labels": list(self.labels),
-                "expires_at": self.expires_at, "used_at": self.used_at}
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-def _write(root: Path, invite: Invite) -> None:
-    folder = names.invites_dir(root)
-    try:
-        folder.mkdir(mode=INVITES_DIR_MODE, parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{folder}: cannot create the invites folder ({exc.strerror or exc})") from None
-    atomic_write(names.invite_path(root, invite.invite_id), json_line(invite.to_dict()),
-                 what=f"invite {invite.invite_id}", error=ConfigError)
-
-
-def create(root: Path, session: str, labels: tuple[str, ...], ttl_s: float) -> tuple[InviteCode, Invite]:
-    """A new code for `session` and its stored file (the code itself is not stored).
-
-    Raises:
-        UsageError: a bad session; ConfigError: the file cannot be written.
-    """
-    code = InviteCode.new(session)
-    invite = Invite(code.invite_id, code.session, labels, (_now() + timedelta(seconds=ttl_s)).isoformat())
-    _write(root, invite)
-    return code, invite
-
-
-def load(root: Path, invite_id: str) -> Invite | None:
-    """The stored invite of `invite_id`, or None (never made here, or unreadable: logged by the caller)."""
-    try:
-        obj = read_json_object(names.invite_path(root, invite_id), MAX_INVITE_FILE_BYTES)
-        return Invite(obj["invite_id"], names.validate_session(obj["session"]), keys.labels_of(obj["labels"]),
-                      datetime.fromisoformat(obj["expires_at"]).isoformat(), obj.get("used_at"))
-    except (OSError, ValueError, KeyError, TypeError, UsageError):
-        return None
-
-
-def problem(invite: Invite | None, now: datetime | None = None) -> str | None:
-    """Why a request naming this invite is refused, or None when it may be used."""
-    if invite is None:
-        return "unknown invite code (wrong code, or made by another hub)"
-    if invite.used_at is not None:
-        return f"invite code already used at {invite.used_at}: codes are single-use"
-    if invite.expired(now):
-        return f"invite code expired at {invite.expires_at}"
-    return None
-
-
-def consume(root: Path, invite: Invite) -> Invite:
-    """Mark the invite used (before the roster is written: a code never enrols twice)."""
-    used = Invite(invite.invite_id, invite.session, invite.labels, invite.expires_at, _now().isoformat())
-    _write(root, used)
-    return used

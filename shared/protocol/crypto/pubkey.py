@@ -202,7 +202,7 @@ def build_dispatch(hub_key: Ed25519PrivateKey, runner_x25519: X25519PublicKey, *
     The lead wires this into `orchestrator/dispatch.py` for sessions with a roster entry.
 
     Args:
-        hub_key: `keys.hub_key(root)`; runner_x25519: the roster entry's X25519 key.
+        hub_key: `keyfiles.hub_key(root)`; runner_x25519: the roster entry's X25519 key.
         The rest as `wire.Dispatch.build` and `crypto.seal`.
     Returns:
         the signed wire dict (publish it with `wire.encode`).

@@ -11,9 +11,9 @@ silently *before* calling `decode`; `decode` raises ``empty: zero-length
 payload`` for them so that a forgotten check is still not a crash.
 
 Signing, sealing and keys live in `mam.shared.protocol.crypto`; this module never sees a
-key. The message types live in `wiretypes` (§3, §4, §6, §7) and `wiredispatch`
-(§5), their field rules in `wirefields`, JSON parsing in `wirejson`; import
-all of them from here.
+key. The message types live in `messages` (§3, §4, §6, §7) and `dispatch`
+(§5), their field rules in `fields`, JSON parsing in `jsoncodec`, log chunks
+in `logchunk`; import all of them from here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import Any, Literal, overload
 
 from mam.shared.protocol.codes import EVENT_NAMES, JOB_STATUSES, PRESENCE_STATUSES, TERMINAL_EVENTS, TERMINAL_STATUSES
 from mam.shared.protocol.errors import DecodeError, ProtocolError
-from mam.shared.protocol.wire.canonical import MAX_PAYLOAD_BYTES, canonical_json, parse_object
 from mam.shared.protocol.wire.dispatch import (
     CONTRACT_FIELDS,
     DEFAULT_ACK_TIMEOUT_SEC,
@@ -59,6 +58,7 @@ from mam.shared.protocol.wire.fields import (
     parse_ts,
     run_check,
 )
+from mam.shared.protocol.wire.jsoncodec import MAX_PAYLOAD_BYTES, canonical_json, parse_object
 from mam.shared.protocol.wire.messages import (
     CONTROL_FIELDS,
     EVENT_FIELDS,
