@@ -19,10 +19,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from mam.runner import trust
-from mam.runner.trust import V2Trust
+from mam.runner.trust import HubTrust
 from mam.shared.protocol import crypto, wire
-from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.protocol.errors import DecodeError, SignatureError
 
 MAX_CANCEL_TOMBSTONES = 100_000
@@ -110,18 +108,17 @@ class RunnerState:
 
     Attributes:
         session: this runner's session (§1).
-        keys: the `DispatchKeys` of MAM_DISPATCH_SECRET (§5), or None (a v2-only runner, §16).
+        trust: how this runner verifies the hub and opens seals (`trust.V1Trust` or `V2Trust`, §16.1).
         clock_skew_s: tolerance on `expires_at`, seconds.
         record_of: this host's record of a job id (a registry dict), or None; read-only.
         root: the registry root (named in the hub-record refusal, §8).
         busy: job ids holding a slot; max_jobs: the slot count (§11).
         accepting: False while draining, stopping, or after the one job of `--once`.
         tombstones: the verified cancels (§6).
-        v2: this runner's v2 keys and trusted hub keys (§16), or None (a v1 runner).
     """
 
     session: str
-    keys: DispatchKeys | None
+    trust: HubTrust
     clock_skew_s: float
     record_of: Callable[[str], Mapping[str, Any] | None]
     root: Path
@@ -129,7 +126,6 @@ class RunnerState:
     max_jobs: int
     accepting: bool
     tombstones: Tombstones
-    v2: V2Trust | None = None
 
 
 def hub_registry_message(root: Path, job_id: str) -> str:
@@ -158,7 +154,7 @@ def admit_dispatch(topic_job_id: str, payload: bytes, state: RunnerState) -> Ver
     if job_id != topic_job_id:
         return Refuse(topic_job_id, RefuseReason.MALFORMED, f"malformed: job_id {job_id} does not match the topic")
     try:
-        trust.verify_from_hub(dispatch, state.keys, state.v2)  # §16: v2 with the hub's keys only
+        state.trust.verify_from_hub(dispatch)  # §16: v2 with the hub's keys only
     except SignatureError as exc:
         return Refuse(job_id, RefuseReason.SIGNATURE, str(exc))
     if dispatch.session != state.session:
@@ -177,7 +173,7 @@ def admit_dispatch(topic_job_id: str, payload: bytes, state: RunnerState) -> Ver
     if cancelled is not None and dispatch.attempt_id <= cancelled:
         return Refuse(job_id, RefuseReason.CANCELLED, f"cancelled: attempt {cancelled} was cancelled by the hub")
     try:
-        auth_token, brief = trust.open_dispatch(dispatch, state.keys, state.v2)
+        auth_token, brief = state.trust.open_dispatch(dispatch)
     except SignatureError as exc:
         return Refuse(job_id, RefuseReason.SEAL, str(exc))
     if not state.accepting:
@@ -216,8 +212,7 @@ def check_taken(take: Take, state_payload: bytes | None) -> Refuse | None:
                   f"(retained state {state.status}, seq {state.seq}); not run again (§17)")
 
 
-def check_control(topic_job_id: str, payload: bytes, keys: DispatchKeys | None,
-                  v2: V2Trust | None = None) -> wire.Control | Refuse | Ignore:
+def check_control(topic_job_id: str, payload: bytes, trust: HubTrust) -> wire.Control | Refuse | Ignore:
     """Decode and verify a control message (§6; v2 with the hub's keys, §16).
 
     Returns:
@@ -230,7 +225,7 @@ def check_control(topic_job_id: str, payload: bytes, keys: DispatchKeys | None,
         control = wire.decode(payload, "control")
         if control.job_id != topic_job_id:
             raise DecodeError(f"malformed: job_id {control.job_id} does not match the topic")
-        trust.verify_from_hub(control, keys, v2)
+        trust.verify_from_hub(control)
     except DecodeError as exc:
         return Refuse(topic_job_id, RefuseReason.MALFORMED, exc.reason or str(exc))
     except SignatureError as exc:

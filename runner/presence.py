@@ -16,12 +16,10 @@ import socket
 import time
 from collections.abc import Sequence
 
-from mam.runner import trust
-from mam.runner.trust import V2Trust
+from mam.runner.trust import HubTrust
 from mam.shared import __version__
 from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import PresenceStatus
-from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.protocol.errors import BrokerError, DecodeError, SignatureError, UsageError
 from mam.shared.transport import Transport, Will
 from mam.shared.transport.mqtt import QOS_AT_LEAST_ONCE
@@ -42,8 +40,8 @@ class Presence:
 
     Args:
         session: the session (§1); runner_id: this runner's id.
-        keys: the `DispatchKeys` whose sign key signs every presence (§5), or None (v2 only).
-        v2: this runner's v2 keys: presence is then signed with its own Ed25519 key (§16).
+        trust: signs every presence and checks our own (`trust.V1Trust`: the shared secret's
+            sign key, §5; `V2Trust`: this runner's own Ed25519 key, §16).
         max_jobs: the slot count announced; topic_root: MAM_TOPIC_ROOT.
         labels: the labels announced (§14; none: the field is left out, as a v1 runner's).
 
@@ -53,12 +51,11 @@ class Presence:
         replaced: another runner took the session over (`--replace`): publish nothing any more.
     """
 
-    def __init__(self, *, session: str, runner_id: str, keys: DispatchKeys | None, max_jobs: int,
-                 topic_root: str, v2: V2Trust | None = None, labels: Sequence[str] = ()) -> None:
+    def __init__(self, *, session: str, runner_id: str, trust: HubTrust, max_jobs: int,
+                 topic_root: str, labels: Sequence[str] = ()) -> None:
         self.session = session
         self.runner_id = runner_id
-        self.keys = keys
-        self.v2 = v2
+        self.trust = trust
         self.max_jobs = max_jobs
         self.labels = tuple(sorted(labels))
         self.topic = names.presence_topic(session, topic_root)
@@ -82,7 +79,7 @@ class Presence:
         message = presence.to_dict()
         if self.last_refusal is not None:  # an extra field: hubs that do not know it ignore it (§14)
             message["last_refusal"] = self.last_refusal
-        return wire.encode(trust.sign_presence(message, self.keys, self.v2))
+        return wire.encode(self.trust.sign_presence(message))
 
     def will(self) -> Will:
         """The Last Will: a signed, retained `offline`, pre-signed at connect (§7)."""
@@ -135,7 +132,7 @@ class Presence:
                 return
             try:
                 presence = wire.decode(message.payload, "presence")
-                trust.verify_own_presence(presence, self.keys, self.v2)
+                self.trust.verify_own_presence(presence)
             except (DecodeError, SignatureError) as exc:
                 log.warning("ignoring the retained presence of session %s: %s", self.session, exc)
                 return
@@ -163,7 +160,7 @@ class Presence:
             return False
         try:
             presence = wire.decode(payload, "presence")
-            trust.verify_own_presence(presence, self.keys, self.v2)
+            self.trust.verify_own_presence(presence)
         except (DecodeError, SignatureError) as exc:
             log.warning("refused presence on session %s: %s", self.session, exc)
             return False

@@ -43,16 +43,15 @@ from mam.runner.localsock import PublishServer
 from mam.runner.outbox import Outbox, Resender
 from mam.runner.presence import Presence
 from mam.runner.settings import RunnerOptions, options_from_cli
-from mam.runner.trust import V2Trust
+from mam.runner.trust import HubTrust
 from mam.shared import config as shared_config
 from mam.shared.config import BrokerConfig
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import TERMINAL_STATUSES, PresenceStatus
-from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.protocol.errors import BrokerError, ExitCode, MamError
 from mam.shared.store.records import JobRecord
 from mam.shared.store.registry import JobNotFound, Refusal, Registry
-from mam.shared.transport import Received, Transport, TransportFactory, Will, mqtt
+from mam.shared.transport import Received, Transport, TransportFactory, mqtt
 
 log = logging.getLogger("mam.daemon")
 
@@ -65,15 +64,10 @@ does not answer makes a take wait this (the dispatch then stays retained)."""
 SignalHandler = Callable[[int, FrameType | None], Any] | int | None
 
 
-def mqtt_transport(config: BrokerConfig, role: str, will: Will) -> Transport:
-    """The real connection: `MqttClient(config, role, will=will)` (§13)."""
-    return mqtt.MqttClient(config, role, will=will)
-
-
 class Runner:
     """The runner daemon (§7, §11). Lifecycle like Temporal's worker / uvicorn::
 
-        runner = Runner(options, config=broker_config, keys=dispatch_keys)
+        runner = Runner(options, config=broker_config, trust=trust.load(root))
         code = runner.serve()      # blocks; refuses to run twice
         runner.drain()             # = first SIGTERM: take nothing new, finish, exit
         runner.shutdown()          # stop now: cancel running jobs, exit (idempotent)
@@ -86,26 +80,23 @@ class Runner:
     Args:
         options: validated `RunnerOptions`.
         config: the BrokerConfig of this host (§13).
-        keys: `DispatchKeys` from MAM_DISPATCH_SECRET (§5); None on a v2-only runner.
-        v2: this runner's v2 keys and trusted hub keys (§16), or None.
+        trust: how it verifies the hub (`trust.V1Trust` or `trust.V2Trust`, chosen at start by
+            `trust.load`, §16.1).
         environ: the environment agents inherit (default os.environ).
-        transport: makes the connection (default `mqtt_transport`; tests pass a fake).
+        transport: makes the connection (default `mqtt.new_client`; tests pass a fake).
     """
 
-    def __init__(self, options: RunnerOptions, *, config: BrokerConfig, keys: DispatchKeys | None,
-                 environ: Mapping[str, str] | None = None, transport: TransportFactory = mqtt_transport,
-                 v2: V2Trust | None = None) -> None:
+    def __init__(self, options: RunnerOptions, *, config: BrokerConfig, trust: HubTrust,
+                 environ: Mapping[str, str] | None = None, transport: TransportFactory = mqtt.new_client) -> None:
         self.options = options
         self.config = config
-        self.keys = keys
-        self.v2 = v2
+        self.trust = trust
         self.environ = environ
         self.transport = transport
         self.runner_id = names.new_runner_id()
         self.client: Transport | None = None
-        self.presence = Presence(session=options.session, runner_id=self.runner_id, keys=keys,
-                                 max_jobs=options.max_jobs, topic_root=config.topic_root, v2=v2,
-                                 labels=options.labels)
+        self.presence = Presence(session=options.session, runner_id=self.runner_id, trust=trust,
+                                 max_jobs=options.max_jobs, topic_root=config.topic_root, labels=options.labels)
         self.tombstones = Tombstones()
         self._registry: Registry | None = None
         self._supervisor: Supervisor | None = None
@@ -447,10 +438,9 @@ class Runner:
         with self._jobs_lock:
             busy = frozenset(self._jobs)
         accepting = not (self._draining.is_set() or self._stop.is_set() or self._closing_once())
-        return RunnerState(session=self.options.session, keys=self.keys, clock_skew_s=self.options.clock_skew_s,
+        return RunnerState(session=self.options.session, trust=self.trust, clock_skew_s=self.options.clock_skew_s,
                            record_of=self._record, root=self.options.root, busy=busy,
-                           max_jobs=self.options.max_jobs, accepting=accepting, tombstones=self.tombstones,
-                           v2=self.v2)
+                           max_jobs=self.options.max_jobs, accepting=accepting, tombstones=self.tombstones)
 
     def _on_dispatch(self, topic_job_id: str, topic: str, payload: bytes) -> None:
         """§5 checks, then take the job or remember it for a free slot (§11)."""
@@ -528,7 +518,7 @@ class Runner:
 
     def _on_control(self, job_id: str, payload: bytes) -> None:
         """§6: a signed cancel for the attempt held here stops its agent."""
-        control = check_control(job_id, payload, self.keys, self.v2)
+        control = check_control(job_id, payload, self.trust)
         if isinstance(control, Ignore):
             return
         if isinstance(control, Refuse):
@@ -592,9 +582,9 @@ def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str 
     """
     options = options_from_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
                                max_jobs=max_jobs, once=once, replace=replace, labels=labels)
-    v1, v2 = trust.load(options.root)  # before anything talks to the network (§5, §16)
+    hub_trust = trust.load(options.root)  # before anything talks to the network (§5, §16.1)
     cfg = shared_config.broker_config(workspace=options.root)
-    return Runner(options, config=cfg, keys=v1, v2=v2).serve()
+    return Runner(options, config=cfg, trust=hub_trust).serve()
 
 
-__all__ = ["Runner", "mqtt_transport", "run_cli"]
+__all__ = ["Runner", "run_cli"]

@@ -1,11 +1,12 @@
-"""What a runner verifies the hub with and opens its seals with, v1 and v2
-(PROTOCOL §5, §6, §16), as pure functions over the keys it holds.
+"""How a runner trusts the hub (PROTOCOL §5, §6, §7, §16.1): one `HubTrust` seam with two
+implementations, chosen once at start by `load`.
 
-`V2Trust` is this host's v2 identity (`mam-runner enroll`: its Ed25519 and
-X25519 keys) plus the hub public keys it trusts (`mam-runner trust-hub`) and
-`MAM_ACCEPT_V1`. A runner with v2 keys verifies dispatches and controls with
-the hub's Ed25519 keys only (its own keys can never sign one) and refuses v1
-messages unless `MAM_ACCEPT_V1=true`; without v2 keys it is a v1 runner.
+`V1Trust` holds the keys of the shared MAM_DISPATCH_SECRET: it verifies v1 dispatches
+and controls, opens v1 seals and signs presence with them. `V2Trust` is this host's v2
+identity (`mam-runner enroll`: its Ed25519 and X25519 keys) plus the hub public keys it
+trusts (`mam-runner trust-hub`): it verifies dispatches and controls with the hub's
+Ed25519 keys only (its own keys can never sign one), signs presence with its own key,
+and refuses v1 messages unless `MAM_ACCEPT_V1=true` (a migration, with the secret).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -28,8 +29,66 @@ from mam.shared.store import keyfiles
 ACCEPT_V1_VAR = "MAM_ACCEPT_V1"
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no", "")
 
-__all__ = ["ACCEPT_V1_VAR", "V2Trust", "load", "load_v2", "open_dispatch", "sign_presence", "verify_from_hub",
-           "verify_own_presence"]
+__all__ = ["ACCEPT_V1_VAR", "HubTrust", "V1Trust", "V2Trust", "load", "load_v2"]
+
+
+class HubTrust(Protocol):
+    """What a runner checks the hub's messages with and signs its own presence with (§16.1)."""
+
+    def verify_from_hub(self, message: wire.Dispatch | wire.Control) -> None:
+        """Check the hub's signature on a dispatch or control (§5, §6, §16.4).
+
+        Raises:
+            SignatureError: one line, the §5 refusal text.
+        """
+        ...
+
+    def open_dispatch(self, dispatch: wire.Dispatch) -> tuple[str, str]:
+        """Open a verified dispatch's seal with the key its `alg` names (§5, §16.3).
+
+        Returns:
+            (auth_token, brief).
+        Raises:
+            SignatureError: "seal does not open".
+        """
+        ...
+
+    def sign_presence(self, presence: Mapping[str, Any]) -> dict[str, Any]:
+        """The presence signed with this runner identity's key (§7, §16.2)."""
+        ...
+
+    def verify_own_presence(self, presence: wire.Presence) -> None:
+        """Check a presence on this runner's own session was signed by this identity (§7).
+
+        Raises:
+            SignatureError: not signed by this runner identity.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class V1Trust:
+    """A v1 runner: the keys of MAM_DISPATCH_SECRET (§5) verify, open and sign everything."""
+
+    keys: DispatchKeys = field(repr=False)
+
+    def verify_from_hub(self, message: wire.Dispatch | wire.Control) -> None:
+        if message.sig_alg is not None:
+            raise SignatureError(f"{message.kind} is v2 (ed25519) but this runner has no v2 keys "
+                                 "(mam-runner enroll, then mam-runner trust-hub)")
+        crypto.verify(message, self.keys.sign_key)
+
+    def open_dispatch(self, dispatch: wire.Dispatch) -> tuple[str, str]:
+        if dispatch.sealed.alg == SEAL_ALG_V2:
+            raise SignatureError(crypto.SEAL_FAILED)
+        return crypto.open_sealed(self.keys.seal_key, dispatch.sealed, job_id=dispatch.job_id,
+                                  attempt_id=dispatch.attempt_id, dispatch_token=dispatch.dispatch_token)
+
+    def sign_presence(self, presence: Mapping[str, Any]) -> dict[str, Any]:
+        return crypto.sign(presence, self.keys.sign_key)
+
+    def verify_own_presence(self, presence: wire.Presence) -> None:
+        crypto.verify(presence, self.keys.sign_key)
 
 
 @dataclass(frozen=True)
@@ -40,18 +99,45 @@ class V2Trust:
         runner: its Ed25519 (presence) and X25519 (seals) private keys.
         hub_keys: the hub public keys it verifies dispatches and controls with (current, previous).
         accept_v1: `MAM_ACCEPT_V1=true`: also take v1 messages (a migration, §16).
+        v1: the keys of MAM_DISPATCH_SECRET when it is set (v1 seals; v1 messages with `accept_v1`).
     """
 
     runner: RunnerKeys
     hub_keys: tuple[Ed25519PublicKey, ...] = field(repr=False)
     accept_v1: bool = False
+    v1: DispatchKeys | None = field(default=None, repr=False)
+
+    def verify_from_hub(self, message: wire.Dispatch | wire.Control) -> None:
+        if message.sig_alg is not None:
+            pubkey.verify(message, self.hub_keys)
+            return
+        if not self.accept_v1:
+            raise SignatureError(f"{message.kind} {pubkey.V1_REFUSED}")
+        if self.v1 is None:
+            raise SignatureError(f"{message.kind} is v1 but this runner has no MAM_DISPATCH_SECRET")
+        crypto.verify(message, self.v1.sign_key)
+
+    def open_dispatch(self, dispatch: wire.Dispatch) -> tuple[str, str]:
+        if dispatch.sealed.alg != SEAL_ALG_V2:
+            if self.v1 is None:
+                raise SignatureError(crypto.SEAL_FAILED)
+            return V1Trust(self.v1).open_dispatch(dispatch)
+        return pubkey.open_sealed(self.runner.x25519, dispatch.sealed, job_id=dispatch.job_id,
+                                  attempt_id=dispatch.attempt_id, dispatch_token=dispatch.dispatch_token)
+
+    def sign_presence(self, presence: Mapping[str, Any]) -> dict[str, Any]:
+        return pubkey.sign_presence(presence, self.runner.ed25519)
+
+    def verify_own_presence(self, presence: wire.Presence) -> None:
+        pubkey.verify(presence, [self.runner.ed25519.public_key()])
 
 
-def load_v2(root: Path, values: Mapping[str, str]) -> V2Trust | None:
+def load_v2(root: Path, values: Mapping[str, str], v1: DispatchKeys | None = None) -> V2Trust | None:
     """This runner's v2 trust, or None when it was never enrolled (a v1 runner).
 
     Args:
-        root: the registry root; values: the resolved settings (`config.load_env`).
+        root: the registry root; values: the resolved settings (`config.load_env`);
+        v1: the keys of MAM_DISPATCH_SECRET, when set.
     Raises:
         ConfigError: keys unreadable, no trusted hub key yet, or a bad MAM_ACCEPT_V1.
     """
@@ -65,88 +151,19 @@ def load_v2(root: Path, values: Mapping[str, str]) -> V2Trust | None:
     raw = values.get(ACCEPT_V1_VAR, "").strip().lower()
     if raw not in _TRUE + _FALSE:
         raise ConfigError(f"{ACCEPT_V1_VAR}={raw!r} is invalid: expected true or false")
-    return V2Trust(runner=runner, hub_keys=hub_keys, accept_v1=raw in _TRUE)
+    return V2Trust(runner=runner, hub_keys=hub_keys, accept_v1=raw in _TRUE, v1=v1)
 
 
-def load(root: Path) -> tuple[DispatchKeys | None, V2Trust | None]:
-    """The keys `mam-runner run` verifies with: v1 from MAM_DISPATCH_SECRET (required unless this
-    runner has v2 keys and no secret is set), v2 from `.mam/keys/` (§5, §16).
+def load(root: Path) -> HubTrust:
+    """The trust `mam-runner run` starts with (§16.1): v2 when this runner was enrolled
+    (`.mam/keys/`), else v1 from MAM_DISPATCH_SECRET.
 
     Raises:
         ConfigError: a missing or short secret on a v1 runner, or as `load_v2`.
     """
     values = config.load_env(workspace=root)
-    v2 = load_v2(root, values)
-    if v2 is not None and not values.get("MAM_DISPATCH_SECRET"):
-        return None, v2
-    return crypto.derive_keys(config.dispatch_secret(workspace=root)), v2
-
-
-def verify_from_hub(message: wire.Dispatch | wire.Control, v1: DispatchKeys | None, v2: V2Trust | None) -> None:
-    """Check the hub's signature on a dispatch or control (§5, §6, §16).
-
-    v2 messages (`sig_alg`) verify with the trusted hub keys; v1 ones with the v1 sign key,
-    and only when this runner has no v2 keys or accepts v1.
-
-    Raises:
-        SignatureError: one line, the §5 refusal text.
-    """
-    kind = message.kind
-    if message.sig_alg is not None:
-        if v2 is None:
-            raise SignatureError(f"{kind} is v2 (ed25519) but this runner has no v2 keys "
-                                 "(mam-runner enroll, then mam-runner trust-hub)")
-        pubkey.verify(message, v2.hub_keys)
-        return
-    if v2 is not None and not v2.accept_v1:
-        raise SignatureError(f"{kind} {pubkey.V1_REFUSED}")
-    if v1 is None:
-        raise SignatureError(f"{kind} is v1 but this runner has no MAM_DISPATCH_SECRET")
-    crypto.verify(message, v1.sign_key)
-
-
-def open_dispatch(dispatch: wire.Dispatch, v1: DispatchKeys | None, v2: V2Trust | None) -> tuple[str, str]:
-    """Open a verified dispatch's seal with the key its `alg` names (§5, §16).
-
-    Returns:
-        (auth_token, brief).
-    Raises:
-        SignatureError: "seal does not open".
-    """
-    job_id, attempt_id, token = dispatch.job_id, dispatch.attempt_id, dispatch.dispatch_token
-    if dispatch.sealed.alg == SEAL_ALG_V2:
-        if v2 is None:
-            raise SignatureError(crypto.SEAL_FAILED)
-        return pubkey.open_sealed(v2.runner.x25519, dispatch.sealed, job_id=job_id, attempt_id=attempt_id,
-                                  dispatch_token=token)
-    if v1 is None:
-        raise SignatureError(crypto.SEAL_FAILED)
-    return crypto.open_sealed(v1.seal_key, dispatch.sealed, job_id=job_id, attempt_id=attempt_id,
-                              dispatch_token=token)
-
-
-def sign_presence(presence: Mapping[str, Any], v1: DispatchKeys | None, v2: V2Trust | None) -> dict[str, Any]:
-    """A presence signed with the runner's own Ed25519 key (v2), else with the v1 sign key (§7, §16).
-
-    Raises:
-        ConfigError: neither key is held.
-    """
+    v1 = crypto.derive_keys(config.dispatch_secret(workspace=root)) if values.get("MAM_DISPATCH_SECRET") else None
+    v2 = load_v2(root, values, v1)
     if v2 is not None:
-        return pubkey.sign_presence(presence, v2.runner.ed25519)
-    if v1 is None:
-        raise ConfigError("no key to sign presence with: set MAM_DISPATCH_SECRET or enrol (mam-runner enroll)")
-    return crypto.sign(presence, v1.sign_key)
-
-
-def verify_own_presence(presence: wire.Presence, v1: DispatchKeys | None, v2: V2Trust | None) -> None:
-    """Check a presence on this runner's own session (§7): signed with this identity's key.
-
-    Raises:
-        SignatureError: not signed by this runner identity.
-    """
-    if v2 is not None:
-        pubkey.verify(presence, [v2.runner.ed25519.public_key()])
-        return
-    if v1 is None:
-        raise SignatureError("presence sig verify failed")
-    crypto.verify(presence, v1.sign_key)
+        return v2
+    return V1Trust(v1 if v1 is not None else crypto.derive_keys(config.dispatch_secret(workspace=root)))

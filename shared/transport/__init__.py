@@ -41,6 +41,10 @@ class Inbox(Protocol):
         """The next message; raises `queue.Empty` when there is none."""
         ...
 
+    def empty(self) -> bool:
+        """True when no message waits."""
+        ...
+
 
 class Transport(Protocol):
     """One MQTT connection (§13): publish with PUBACK, subscribe with SUBACK, a message queue.
@@ -63,6 +67,11 @@ class Transport(Protocol):
 
     @property
     def reconnected(self) -> threading.Event: ...
+
+    @property
+    def disconnect_count(self) -> int:
+        """How many times an established connection was lost or closed (§14 outages)."""
+        ...
 
     def connect(self, timeout_s: float = ...) -> object:
         """Connect (CONNACK within `timeout_s` s). Raises `BrokerUnavailable`."""
@@ -92,7 +101,7 @@ class Transport(Protocol):
         ...
 
 
-TransportFactory = Callable[[BrokerConfig, str, Will], Transport]
+TransportFactory = Callable[[BrokerConfig, str, Will | None], Transport]
 """Makes an unconnected `Transport` from (config, role, Last Will), e.g. `MqttClient(cfg, role, will=will)`."""
 
 __all__ = ["Inbox", "Received", "Transport", "TransportFactory", "Will"]

@@ -593,3 +593,9 @@ def publish_with_retry(config: BrokerConfig, role: str,
             sleep(retry_delay_s(attempt))
     assert last is not None
     raise last
+
+
+def new_client(config: BrokerConfig, role: str, will: Will | None = None) -> MqttClient:
+    """The real connection, unconnected: `MqttClient(config, role, will=will)` (§13). The
+    default `TransportFactory` of the runner daemon and of the hub; tests pass a fake."""
+    return MqttClient(config, role, will=will)

@@ -31,6 +31,7 @@ from mam.orchestrator.control import clear_dispatch, publish_cancel
 from mam.orchestrator.dispatch import build_dispatch, publish_dispatch
 from mam.runner.service import Runner
 from mam.runner.settings import options_from_cli
+from mam.runner.trust import V1Trust
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.errors import MamError
 from mam.shared.store.registry import Contract, Registry
@@ -549,7 +550,7 @@ def test_lifecycle_serve_once_shutdown_idempotent(nats_broker, tmp_path, wire_ob
     ws = tmp_path / "runner"
     options = options_from_cli(session=SESSION, exec_cmd=SHELL_AGENT, workspace=str(ws), workdir=None,
                                max_jobs=2, once=False, replace=False, environ=clean_env())
-    runner = Runner(options, config=nats_broker.config(), keys=crypto.derive_keys(TEST_SECRET))
+    runner = Runner(options, config=nats_broker.config(), trust=V1Trust(crypto.derive_keys(TEST_SECRET)))
     assert runner.client is None and not ws.exists()
     runner.shutdown()  # before serve: a no-op
     result: list[int] = []

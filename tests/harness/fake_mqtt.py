@@ -116,6 +116,7 @@ class FakeClient:
         self.reconnected = threading.Event()
         self.filters: list[str] = []
         self.closed = False
+        self.disconnect_count = 0
 
     def connect(self, timeout_s: float = 10.0) -> FakeClient:
         if self.broker.down:
@@ -166,6 +167,8 @@ class FakeClient:
     def close(self) -> None:
         """A clean DISCONNECT: the Last Will is discarded."""
         self.closed = True
+        if self.connected.is_set():
+            self.disconnect_count += 1
         self.connected.clear()
         with self.broker._lock:
             if self in self.broker._clients:

@@ -11,6 +11,7 @@ import pytest
 from mam.orchestrator.queuewait import PresenceFeed
 from mam.orchestrator.runners import REFUSAL_SHOWN_CHARS, last_refusal, presence_view
 from mam.runner.presence import REFUSAL_DETAIL_CHARS, Presence
+from mam.runner.trust import V1Trust
 from mam.shared.protocol import crypto, names, wire
 
 pytestmark = pytest.mark.timeout(30)
@@ -21,7 +22,7 @@ JOB = "0123abcd"
 
 
 def presence(**extra_fields: object) -> bytes:
-    runner = Presence(session="gpu-box", runner_id="a" * 32, keys=KEYS, max_jobs=1, topic_root=ROOT)
+    runner = Presence(session="gpu-box", runner_id="a" * 32, trust=V1Trust(KEYS), max_jobs=1, topic_root=ROOT)
     message = json.loads(runner.payload("online", []))
     message.pop("sig")
     message.update(extra_fields)
@@ -29,7 +30,7 @@ def presence(**extra_fields: object) -> bytes:
 
 
 def test_s14_refusal_is_carried_in_the_signed_presence():
-    runner = Presence(session="gpu-box", runner_id="a" * 32, keys=KEYS, max_jobs=1, topic_root=ROOT)
+    runner = Presence(session="gpu-box", runner_id="a" * 32, trust=V1Trust(KEYS), max_jobs=1, topic_root=ROOT)
     runner.note_refusal(JOB, "expired", "x" * 1000)
     raw = runner.payload("online", [])
     decoded = wire.decode(raw, "presence")

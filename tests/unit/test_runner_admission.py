@@ -13,6 +13,7 @@ import pytest
 
 from mam.runner import admission
 from mam.runner.admission import Ignore, Refuse, RefuseReason, RunnerState, Take, Tombstones, Wait
+from mam.runner.trust import V1Trust
 from mam.shared.protocol import crypto, names, wire
 
 SECRET = "unit-test-dispatch-secret-0123456789abcdef"
@@ -39,7 +40,7 @@ def dispatch_payload(job_id: str = JOB, *, session: str = SESSION, attempt_id: i
 
 def state(**changes: Any) -> RunnerState:
     records: dict[str, dict[str, Any]] = changes.pop("records", {})
-    base = RunnerState(session=SESSION, keys=KEYS, clock_skew_s=30.0, record_of=records.get, root=ROOT,
+    base = RunnerState(session=SESSION, trust=V1Trust(KEYS), clock_skew_s=30.0, record_of=records.get, root=ROOT,
                        busy=frozenset(), max_jobs=1, accepting=True, tombstones=Tombstones())
     return dataclasses.replace(base, **changes)
 
@@ -233,16 +234,16 @@ def control_payload(job_id: str = JOB, attempt_id: int = 1, keys: crypto.Dispatc
 
 
 def test_s6_a_signed_cancel_is_verified():
-    control = admission.check_control(JOB, control_payload(attempt_id=3), KEYS)
+    control = admission.check_control(JOB, control_payload(attempt_id=3), V1Trust(KEYS))
     assert isinstance(control, wire.Control) and control.attempt_id == 3 and control.reason == "operator"
 
 
 def test_s6_bad_controls_are_refused_and_a_cleared_one_ignored():
-    assert admission.check_control(JOB, b"", KEYS) == Ignore("")
-    refused(admission.check_control(JOB, b"{", KEYS), RefuseReason.MALFORMED)
-    mismatch = refused(admission.check_control("0000aaaa", control_payload(), KEYS), RefuseReason.MALFORMED)
+    assert admission.check_control(JOB, b"", V1Trust(KEYS)) == Ignore("")
+    refused(admission.check_control(JOB, b"{", V1Trust(KEYS)), RefuseReason.MALFORMED)
+    mismatch = refused(admission.check_control("0000aaaa", control_payload(), V1Trust(KEYS)), RefuseReason.MALFORMED)
     assert "does not match the topic" in mismatch.text
-    refused(admission.check_control(JOB, control_payload(keys=OTHER_KEYS), KEYS), RefuseReason.SIGNATURE)
+    refused(admission.check_control(JOB, control_payload(keys=OTHER_KEYS), V1Trust(KEYS)), RefuseReason.SIGNATURE)
 
 
 def test_waiting_attempt_reads_a_kept_dispatch():

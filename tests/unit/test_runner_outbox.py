@@ -21,6 +21,7 @@ from mam.runner import outbox, publish
 from mam.runner.outbox import Outbox, Resender
 from mam.runner.service import Runner
 from mam.runner.settings import RunnerOptions
+from mam.runner.trust import V1Trust
 from mam.shared.config import BrokerConfig
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.store.registry import Contract, Registry
@@ -280,7 +281,7 @@ def test_s17_the_daemon_resends_at_start_and_republishes_kept_terminals_after_a_
     record(registry, "completed", exit_code=0)  # the broker was down: both entries left
     broker = FakeBroker()
     opts = RunnerOptions(session="gpu-box", argv=("true",), root=root, presence_wait_s=0.05)
-    runner = Runner(opts, config=CONFIG, keys=KEYS, transport=broker.client)
+    runner = Runner(opts, config=CONFIG, trust=V1Trust(KEYS), transport=broker.client)
     thread = threading.Thread(target=runner.serve, daemon=True)
     thread.start()
     try:

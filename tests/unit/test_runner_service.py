@@ -17,6 +17,7 @@ from harness.waiting import wait_until
 from mam.runner.presence import Presence, SessionBusy
 from mam.runner.service import Runner
 from mam.runner.settings import RunnerOptions
+from mam.runner.trust import V1Trust
 from mam.shared.config import BrokerConfig
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.errors import BrokerUnavailable, MamError, RegistryError
@@ -29,7 +30,8 @@ OTHER_RUNNER = "fedcba9876543210fedcba9876543210"
 
 
 def presence_of(runner_id: str, status: str, keys: crypto.DispatchKeys = KEYS) -> bytes:
-    other = Presence(session=SESSION, runner_id=runner_id, keys=keys, max_jobs=1, topic_root=CONFIG.topic_root)
+    other = Presence(session=SESSION, runner_id=runner_id, trust=V1Trust(keys), max_jobs=1,
+                     topic_root=CONFIG.topic_root)
     return other.payload(status, [])
 
 
@@ -43,7 +45,7 @@ def statuses(broker: FakeBroker, runner_id: str | None = None) -> list[str]:
 
 
 def test_s7_presence_is_signed_and_the_last_will_is_a_retained_offline():
-    presence = Presence(session=SESSION, runner_id=OTHER_RUNNER, keys=KEYS, max_jobs=3, topic_root="unit/mam")
+    presence = Presence(session=SESSION, runner_id=OTHER_RUNNER, trust=V1Trust(KEYS), max_jobs=3, topic_root="unit/mam")
     decoded = wire.decode(presence.payload("online", ["0000aaaa", "918b0612"]), "presence")
     crypto.verify(decoded, KEYS.sign_key)
     assert (decoded.status, decoded.runner_id, decoded.max_jobs, list(decoded.running)) == (
@@ -56,7 +58,7 @@ def test_s7_presence_is_signed_and_the_last_will_is_a_retained_offline():
 def test_s7_publish_refresh_and_nothing_while_disconnected_or_replaced():
     broker = FakeBroker()
     client = broker.client(CONFIG)
-    presence = Presence(session=SESSION, runner_id=OTHER_RUNNER, keys=KEYS, max_jobs=1, topic_root="unit/mam")
+    presence = Presence(session=SESSION, runner_id=OTHER_RUNNER, trust=V1Trust(KEYS), max_jobs=1, topic_root="unit/mam")
     presence.publish(client, "online", [])  # not connected yet: nothing, and not announced
     assert broker.published == [] and not presence.announced and not presence.refresh_due(60.0)
     client.connect()
@@ -82,7 +84,7 @@ def test_s7_session_check_at_start(retained, replace, busy):
     if retained is not None:
         broker.retained[TOPIC] = retained
     client = broker.client(CONFIG).connect()
-    presence = Presence(session=SESSION, runner_id=names.new_runner_id(), keys=KEYS, max_jobs=1,
+    presence = Presence(session=SESSION, runner_id=names.new_runner_id(), trust=V1Trust(KEYS), max_jobs=1,
                         topic_root="unit/mam")
     if busy:
         with pytest.raises(SessionBusy, match=f"held by another live runner \\({OTHER_RUNNER}"):
@@ -92,7 +94,7 @@ def test_s7_session_check_at_start(retained, replace, busy):
 
 
 def test_s7_only_a_live_presence_of_another_runner_replaces_us():
-    presence = Presence(session=SESSION, runner_id=names.new_runner_id(), keys=KEYS, max_jobs=1,
+    presence = Presence(session=SESSION, runner_id=names.new_runner_id(), trust=V1Trust(KEYS), max_jobs=1,
                         topic_root="unit/mam")
     assert not presence.on_message(presence_of(OTHER_RUNNER, "online"), retained=True)  # a re-delivery
     assert not presence.on_message(presence_of(OTHER_RUNNER, "offline"), retained=False)
@@ -112,7 +114,7 @@ def broker() -> FakeBroker:
 
 def new_runner(broker: FakeBroker, root: Path, **options: object) -> Runner:
     opts = RunnerOptions(session=SESSION, argv=("true",), root=root, presence_wait_s=0.05, **options)  # type: ignore[arg-type]
-    return Runner(opts, config=CONFIG, keys=KEYS, transport=broker.client)
+    return Runner(opts, config=CONFIG, trust=V1Trust(KEYS), transport=broker.client)
 
 
 @pytest.fixture

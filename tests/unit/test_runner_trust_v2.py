@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from mam.runner import admission, trust
 from mam.runner.admission import Refuse, RefuseReason, RunnerState, Take, Tombstones
 from mam.runner.presence import Presence
-from mam.runner.trust import V2Trust
+from mam.runner.trust import V1Trust, V2Trust
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.crypto import keys, pubkey
 from mam.shared.protocol.crypto.keys import RunnerKeys
@@ -49,8 +49,8 @@ def v1_dispatch() -> bytes:
 
 
 def state(**changes: Any) -> RunnerState:
-    base = RunnerState(session=SESSION, keys=None, clock_skew_s=30.0, record_of={}.get, root=Path("/srv/runner"),
-                       busy=frozenset(), max_jobs=1, accepting=True, tombstones=Tombstones(), v2=B_TRUST)
+    base = RunnerState(session=SESSION, trust=B_TRUST, clock_skew_s=30.0, record_of={}.get,
+                       root=Path("/srv/runner"), busy=frozenset(), max_jobs=1, accepting=True, tombstones=Tombstones())
     return dataclasses.replace(base, **changes)
 
 
@@ -77,28 +77,29 @@ def test_s16_dispatch_sealed_to_a_does_not_open_on_b():
 
 
 def test_s16_v1_dispatch_refused_by_a_v2_runner_unless_accept_v1():
-    verdict = admission.admit_dispatch(JOB, v1_dispatch(), state(keys=V1))
+    verdict = admission.admit_dispatch(JOB, v1_dispatch(), state(trust=dataclasses.replace(B_TRUST, v1=V1)))
     assert "MAM_ACCEPT_V1=true" in refused(verdict, RefuseReason.SIGNATURE).text
-    verdict = admission.admit_dispatch(JOB, v1_dispatch(), state(keys=None))
+    verdict = admission.admit_dispatch(JOB, v1_dispatch(), state())
     refused(verdict, RefuseReason.SIGNATURE)
     accepting = dataclasses.replace(B_TRUST, accept_v1=True)
-    assert isinstance(admission.admit_dispatch(JOB, v1_dispatch(), state(keys=V1, v2=accepting)), Take)
-    verdict = admission.admit_dispatch(JOB, v1_dispatch(), state(keys=None, v2=accepting))
+    with_secret = dataclasses.replace(accepting, v1=V1)
+    assert isinstance(admission.admit_dispatch(JOB, v1_dispatch(), state(trust=with_secret)), Take)
+    verdict = admission.admit_dispatch(JOB, v1_dispatch(), state(trust=accepting))
     assert "no MAM_DISPATCH_SECRET" in refused(verdict, RefuseReason.SIGNATURE).text
 
 
 def test_s16_v2_dispatch_refused_by_a_v1_runner():
-    verdict = admission.admit_dispatch(JOB, v2_dispatch(), state(keys=V1, v2=None))
+    verdict = admission.admit_dispatch(JOB, v2_dispatch(), state(trust=V1Trust(V1)))
     assert "no v2 keys" in refused(verdict, RefuseReason.SIGNATURE).text
 
 
 def test_s16_previous_hub_key_accepted_during_rotation():
     new_hub = Ed25519PrivateKey.generate()
     rotating = dataclasses.replace(B_TRUST, hub_keys=(new_hub.public_key(), HUB.public_key()))
-    assert isinstance(admission.admit_dispatch(JOB, v2_dispatch(), state(v2=rotating)), Take)
-    assert isinstance(admission.admit_dispatch(JOB, v2_dispatch(signer=new_hub), state(v2=rotating)), Take)
+    assert isinstance(admission.admit_dispatch(JOB, v2_dispatch(), state(trust=rotating)), Take)
+    assert isinstance(admission.admit_dispatch(JOB, v2_dispatch(signer=new_hub), state(trust=rotating)), Take)
     told = dataclasses.replace(B_TRUST, hub_keys=(new_hub.public_key(),))
-    refused(admission.admit_dispatch(JOB, v2_dispatch(), state(v2=told)), RefuseReason.SIGNATURE)
+    refused(admission.admit_dispatch(JOB, v2_dispatch(), state(trust=told)), RefuseReason.SIGNATURE)
 
 
 def test_s16_replayed_v2_dispatch_refused_after_take_and_after_cancel():
@@ -112,25 +113,25 @@ def test_s16_replayed_v2_dispatch_refused_after_take_and_after_cancel():
 
 def test_s16_control_verified_with_hub_keys_only():
     good = wire.encode(pubkey.build_control(HUB, job_id=JOB, attempt_id=1, reason="operator"))
-    assert isinstance(admission.check_control(JOB, good, None, B_TRUST), wire.Control)
+    assert isinstance(admission.check_control(JOB, good, B_TRUST), wire.Control)
     forged = wire.encode(pubkey.build_control(RUNNER_A.ed25519, job_id=JOB, attempt_id=1, reason="operator"))
-    verdict = admission.check_control(JOB, forged, None, B_TRUST)
+    verdict = admission.check_control(JOB, forged, B_TRUST)
     assert isinstance(verdict, Refuse) and verdict.reason is RefuseReason.SIGNATURE
     v1 = wire.encode(crypto.sign(wire.Control.cancel(JOB, 1, "operator").to_dict(), V1.sign_key))
-    verdict = admission.check_control(JOB, v1, V1, B_TRUST)
+    verdict = admission.check_control(JOB, v1, dataclasses.replace(B_TRUST, v1=V1))
     assert isinstance(verdict, Refuse) and "v1 message" in verdict.text
 
 
 def test_s16_presence_signed_with_the_runner_key():
-    presence = Presence(session=SESSION, runner_id="f" * 32, keys=None, max_jobs=1, topic_root="t", v2=B_TRUST)
+    presence = Presence(session=SESSION, runner_id="f" * 32, trust=B_TRUST, max_jobs=1, topic_root="t")
     decoded = wire.decode(presence.payload("online", []), "presence")
     assert decoded.sig_alg == "ed25519"
     pubkey.verify(decoded, [RUNNER_B.ed25519.public_key()])
     with pytest.raises(SignatureError):
         pubkey.verify(decoded, [RUNNER_A.ed25519.public_key()])
-    trust.verify_own_presence(decoded, None, B_TRUST)
+    B_TRUST.verify_own_presence(decoded)
     with pytest.raises(SignatureError):
-        trust.verify_own_presence(decoded, None, dataclasses.replace(B_TRUST, runner=RUNNER_A))
+        dataclasses.replace(B_TRUST, runner=RUNNER_A).verify_own_presence(decoded)
 
 
 def test_s16_load_trust(tmp_path, monkeypatch):
@@ -142,14 +143,14 @@ def test_s16_load_trust(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="trusts no hub key"):
         trust.load(tmp_path)
     keyfiles.write_trusted_hub_keys(tmp_path, [keys.public_text(HUB)])
-    v1, v2 = trust.load(tmp_path)
-    assert v1 is None and v2 is not None and not v2.accept_v1
+    v2 = trust.load(tmp_path)
+    assert isinstance(v2, V2Trust) and v2.v1 is None and not v2.accept_v1
     private = names.runner_key_path(tmp_path, "ed25519").read_text().strip()
     assert private not in repr(v2)
     monkeypatch.setenv("MAM_ACCEPT_V1", "true")
     monkeypatch.setenv("MAM_DISPATCH_SECRET", "x" * 40)
-    v1, v2 = trust.load(tmp_path)
-    assert v1 is not None and v2 is not None and v2.accept_v1
+    v2 = trust.load(tmp_path)
+    assert isinstance(v2, V2Trust) and v2.v1 is not None and v2.accept_v1
     monkeypatch.setenv("MAM_ACCEPT_V1", "maybe")
     with pytest.raises(ConfigError, match="MAM_ACCEPT_V1"):
         trust.load(tmp_path)
