@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 
 .PHONY: test test-under-load unit lint demo bench system-deps e2e-docker clean
 
@@ -12,7 +13,12 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q -e '.[test,docker]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
+
+# What running the hub and a runner needs, no test tools: `make demo`.
+$(RUN_STAMP): $(PY) pyproject.toml
+	$(PY) -m pip install -q -e .
+	touch $(RUN_STAMP)
 
 # Debian packages the broker, multi-host and dashboard (browser) tests use. Installed only when
 # running as root with apt-get; elsewhere those tests skip and say why.
@@ -70,7 +76,7 @@ e2e-docker: $(STAMP) system-deps
 unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
-demo: $(STAMP)
+demo: $(RUN_STAMP)
 	$(PY) examples/demo.py
 
 # bench/bench_queue.py runs Celery + Redis side by side (the `bench` extra, redis-server).
