@@ -17,7 +17,6 @@ broker connection for every job it dispatches) until `close()`.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -26,17 +25,15 @@ from typing import Any
 
 from mam.orchestrator.control import close_remote
 from mam.orchestrator.dispatch import check_brief, hub_contract, save_brief
-from mam.orchestrator.follow import FOLLOW_POLL_S, AuditTail, exit_code_of, is_event_line, settled
+from mam.orchestrator.follow import FOLLOW_POLL_S, AuditTail, is_event_line, settled
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.runners import receive_presence
-from mam.orchestrator.service import HubService
+from mam.orchestrator.service import EmbeddedService
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import DEFAULT_RETRY_ON, TERMINAL_STATUSES
 from mam.shared.protocol.errors import TransitionRefused, UsageError
-from mam.shared.store.records import DEFAULT_QUEUE_TIMEOUT_SEC, JobRecord, QueueTerms, redact
-
-SERVICE_START_S = 30.0  # how long an embedded service may take to lock, connect and subscribe
+from mam.shared.store.records import DEFAULT_QUEUE_TIMEOUT_SEC, JobRecord, QueueTerms, exit_code_of, redact
 
 
 @dataclass(frozen=True)
@@ -136,9 +133,7 @@ class Hub:
         self._hub = open_hub(workspace)
         self.registry = self._hub.registry
         self.embedded = embedded
-        self._service: HubService | None = None
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._engine = EmbeddedService(self._hub)
 
     def __enter__(self) -> Hub:
         return self
@@ -152,31 +147,10 @@ class Hub:
         Raises:
             UsageError: none runs and `embedded` is False. MamError: the embedded one failed to start.
         """
-        with self._lock:
-            if self._thread is not None and self._thread.is_alive():
-                return
-            if service_pid(self.registry.root) is not None:
-                return
-            if not self.embedded:
-                raise UsageError(f"no hub service runs for {self.registry.root}: start `mam-orch serve`")
-            service = HubService(self._hub)
-            failure: list[BaseException] = []
-
-            def serve() -> None:
-                try:
-                    service.run()
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-                    failure.append(exc)
-                    service.ready.set()
-
-            thread = threading.Thread(target=serve, name="mam-hub-service", daemon=True)
-            thread.start()
-            service.ready.wait(SERVICE_START_S)
-            if failure:
-                if isinstance(failure[0], UsageError) and service_pid(self.registry.root) is not None:
-                    return  # a `mam-orch serve` started meanwhile: it serves
-                raise failure[0]
-            self._service, self._thread = service, thread
+        if not self.embedded and service_pid(self.registry.root) is None:
+            raise UsageError(f"no hub service runs for {self.registry.root}: start `mam-orch serve`")
+        if self.embedded:
+            self._engine.ensure()
 
     def dispatch(self, brief: str, *, labels: Sequence[str] | None = None, session: str | None = None,
                  priority: int = 0, retries: int = 0, retry_on: Sequence[str] = DEFAULT_RETRY_ON,
@@ -248,12 +222,7 @@ class Hub:
 
     def close(self) -> None:
         """Stop the embedded service, if any (its jobs go on; the next service picks them up)."""
-        with self._lock:
-            service, thread = self._service, self._thread
-            self._service = self._thread = None
-        if service is not None and thread is not None:
-            service.stop()
-            thread.join(SERVICE_START_S)
+        self._engine.stop()
 
 
 __all__ = ["Hub", "Job", "Outcome"]

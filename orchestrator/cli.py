@@ -12,7 +12,6 @@ import typer
 from mam.orchestrator.broker import embedded as broker
 from mam.orchestrator.broker import probe
 from mam.orchestrator.cancel import cancel
-from mam.orchestrator.dispatch import dispatch_cli
 from mam.orchestrator.follow import watch_cli
 from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
 from mam.orchestrator.hints import command
@@ -22,7 +21,7 @@ from mam.orchestrator.logs import logs_cli
 from mam.orchestrator.redispatch import redispatch_cli
 from mam.orchestrator.runners import OFFLINE_HIDDEN_DAYS, prune_cli, runners_cli
 from mam.orchestrator.service import serve_cli
-from mam.orchestrator.thin import service_runs, thin_dispatch_cli
+from mam.orchestrator.submit import dispatch_cli
 from mam.shared import cli
 from mam.shared.config import describe
 from mam.shared.protocol.errors import BrokerUnavailable, ExitCode, MamError
@@ -232,6 +231,7 @@ def watch_cmd(
     timeout: float = typer.Option(None, "--timeout", metavar="S",
                                   help="Wall-clock budget from the job's creation (default: the record's)."),
     workspace: str = cli.workspace_option(),
+    as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
 ) -> int:
     """Watch a job until it ends: accepted events on stdout as JSON lines
     (a human view on a TTY), refusals and logs on stderr (PROTOCOL §3.2, §10).
@@ -242,7 +242,7 @@ def watch_cmd(
     """
     cli.setup_logging()
     return watch_cli(job_id, workspace=workspace, remote=remote, idle_timeout_s=idle_timeout,
-                     ack_timeout_s=ack_timeout, timeout_s=timeout)
+                     ack_timeout_s=ack_timeout, timeout_s=timeout, as_json=as_json)
 
 
 @app.command("dispatch")
@@ -290,12 +290,6 @@ def dispatch_cmd(
     runner (--require-online), 64 bad arguments, 130 detached with Ctrl-C.
     """
     cli.setup_logging(False if as_json else None)
-    if not require_online and service_runs(workspace):  # the thin CLI: the service publishes and watches (§14)
-        return thin_dispatch_cli(session=session, brief=brief, brief_file=brief_file, heartbeat_s=heartbeat,
-                                 heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout,
-                                 idle_timeout_s=idle_timeout, timeout_s=timeout, detach=detach, as_json=as_json,
-                                 workspace=workspace, labels=labels, priority=priority,
-                                 queue_timeout_s=queue_timeout, retries=retries, retry_on=retry_on)
     return dispatch_cli(session=session, brief=brief, brief_file=brief_file, heartbeat_s=heartbeat,
                         heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout, idle_timeout_s=idle_timeout,
                         timeout_s=timeout, require_online=require_online, detach=detach, as_json=as_json,
@@ -310,6 +304,7 @@ def logs_cmd(
                                 help="Keep printing until the job ends; exit as `watch` does."),
     attempt: int = typer.Option(None, "--attempt", metavar="N", help="Which attempt (default: the current one)."),
     workspace: str = cli.workspace_option(),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per output line: job_id, attempt_id, line."),
 ) -> int:
     """Print the agent's output as the hub received it (.mam/logs/<job>/agent.<attempt>.log).
 
@@ -317,7 +312,7 @@ def logs_cmd(
     they run; the runner keeps the whole output in its own agent.log.
     """
     cli.setup_logging()
-    return logs_cli(job_id, workspace=workspace, follow=follow, attempt=attempt)
+    return logs_cli(job_id, workspace=workspace, follow=follow, attempt=attempt, as_json=as_json)
 
 
 @app.command("cancel")

@@ -16,7 +16,7 @@ from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.protocol.errors import BrokerError, TransitionRefused
 from mam.shared.store.records import JobRecord
 from mam.shared.store.registry import Registry
-from mam.shared.transport.mqtt import MqttClient
+from mam.shared.transport import Transport
 
 log = logging.getLogger("mam.fleet")
 
@@ -24,13 +24,13 @@ log = logging.getLogger("mam.fleet")
 HUB_CLOSES = frozenset({CloseReason.DEADLINE_TIMEOUT, CloseReason.AGENT_BLOCKED, CloseReason.RUNNER_LOST})
 
 
-def publish_cancel(client: MqttClient, record: JobRecord, keys: DispatchKeys, reason: str,
+def publish_cancel(client: Transport, record: JobRecord, keys: DispatchKeys, reason: str,
                    root: Path | None = None) -> None:
     """Publish the signed, retained cancel of §6 for the record's current attempt (v2 for an
     enrolled session, §16).
 
     Args:
-        client: a connected `MqttClient`.
+        client: a connected `Transport`.
         record: the hub record (job_id, attempt_id).
         keys: `DispatchKeys`.
         reason: short text, e.g. "operator", "deadline_timeout".
@@ -46,7 +46,7 @@ def publish_cancel(client: MqttClient, record: JobRecord, keys: DispatchKeys, re
     client.publish(names.control_topic(record["job_id"], client.config.topic_root), payload, retain=True)
 
 
-def clear_retained(client: MqttClient, topic: str) -> None:
+def clear_retained(client: Transport, topic: str) -> None:
     """Clear a retained topic: a zero-length retained publish (§2).
 
     Raises:
@@ -55,7 +55,7 @@ def clear_retained(client: MqttClient, topic: str) -> None:
     client.publish(topic, b"", retain=True)
 
 
-def clear_dispatch(client: MqttClient, job_id: str) -> None:
+def clear_dispatch(client: Transport, job_id: str) -> None:
     """Clear the job's retained dispatch (§2, §10 agent_blocked).
 
     Raises:
@@ -71,7 +71,7 @@ def cancel_owed(record: JobRecord) -> bool:
         record["status"] == JobStatus.ERROR and record.get("close_reason") in HUB_CLOSES)
 
 
-def close_remote(registry: Registry, client: MqttClient | None, keys: DispatchKeys | None, job_id: str,
+def close_remote(registry: Registry, client: Transport | None, keys: DispatchKeys | None, job_id: str,
                  close_reason: str) -> JobRecord:
     """Close an unfinished job on the hub and tell its runner (§10): the
     record goes terminal first (so no job stays pending/running whatever

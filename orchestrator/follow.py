@@ -22,29 +22,21 @@ from typing import Any, TextIO
 from mam.orchestrator.hints import detach_hint, reattach_hint
 from mam.orchestrator.hub import DAY_S, Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
+from mam.orchestrator.logs import OutputView
 from mam.orchestrator.queuewait import retry_reason
+from mam.orchestrator.service import NOTE
 from mam.orchestrator.watch import Detached, Watcher, WatchOptions, render_event
-from mam.shared.cli.render import print_summary
+from mam.shared.cli.render import print_summary, printable
 from mam.shared.protocol import names
-from mam.shared.protocol.codes import TERMINAL_STATUSES, CloseReason, JobStatus
+from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus
 from mam.shared.protocol.errors import ConfigError, ExitCode, UsageError
-from mam.shared.store.records import JobRecord
+from mam.shared.store.records import JobRecord, exit_code_of
 from mam.shared.store.registry import Registry
 
 log = logging.getLogger("mam.watch")
 
 FOLLOW_POLL_S = 0.1  # how often the follower reads the audit log and the record
 MAX_OPTION_S = 366 * DAY_S  # a watch option beyond a year is a mistake
-# The hub's own closes that §9 reports as a timeout (exit 2); agent_blocked is an error (exit 1).
-TIMEOUT_CLOSES = frozenset({CloseReason.DEADLINE_TIMEOUT, "queue_timeout", "runner_lost"})
-EXIT_OF_STATUS: dict[str, ExitCode] = {JobStatus.COMPLETED: ExitCode.COMPLETED, JobStatus.CANCELLED: ExitCode.CANCELLED}
-
-
-def exit_code_of(record: JobRecord) -> int:
-    """The exit code of §9 a watch gives for a terminal record."""
-    if record.get("close_reason") in TIMEOUT_CLOSES:
-        return ExitCode.TIMEOUT
-    return EXIT_OF_STATUS.get(record["status"], ExitCode.ERROR)
 
 
 def settled(record: JobRecord) -> bool:
@@ -64,6 +56,13 @@ class AuditTail:
         self.path = path
         self.offset = 0
         self._partial = b""
+
+    def skip(self) -> None:
+        """Start after what the file holds now."""
+        try:
+            self.offset = self.path.stat().st_size
+        except OSError:
+            self.offset = 0
 
     def read(self) -> list[dict[str, Any]]:
         """Every complete line appended since the last read, as JSON objects (others skipped)."""
@@ -87,43 +86,109 @@ class AuditTail:
         return out
 
 
-def follow_service(registry: Registry, job_id: str, *, out: TextIO | None = None, human: bool | None = None,
-                   announce: bool = False) -> int | None:
-    """Follow `job_id` through the running service until its record is terminal.
+class Follower:
+    """Print what the hub engine records about one job, from its audit log (§14 "One hub
+    process"): the accepted events on `out` (JSON lines, or human lines on a TTY), the
+    engine's notes (why it waits, a runner's refusal, a retry) and `VERB job … to SESSION`
+    on stderr, and, in the human view, the agent's output under the events (§15).
 
     Args:
         out: where events go (stdout); human: human lines (default: out is a TTY).
-        announce: print `dispatched job … to SESSION` on stderr when the service publishes it.
+        announce: print `VERB job … to SESSION (attempt N)` each time an attempt is published.
+        show_log: show the hub's copy of the agent's output in the human view (`--no-log`).
+        offset: the byte of the audit log to start at (a redispatch: its new attempt only).
+    """
+
+    def __init__(self, registry: Registry, job_id: str, *, out: TextIO | None = None, human: bool | None = None,
+                 announce: bool = False, verb: str = "dispatched", show_log: bool = True,
+                 offset: int = 0) -> None:
+        self.registry = registry
+        self.job_id = job_id
+        self.out = out if out is not None else sys.stdout
+        self.human = (hasattr(self.out, "isatty") and self.out.isatty()) if human is None else human
+        self.announce = announce
+        self.verb = verb
+        self.tail = AuditTail(registry.audit_path(job_id))
+        self.tail.offset = offset
+        self.published = False  # an attempt was published while followed
+        self.output = OutputView(self.out) if self.human and show_log else None
+        self._log_at: tuple[int, int] = (0, 0)  # (attempt, offset) of the hub's output copy shown so far
+
+    def step(self) -> JobRecord:
+        """Print every line recorded since the last step; returns the record read first
+        (a terminal record's lines are all written before it)."""
+        record = self.registry.get(self.job_id)
+        for line in self.tail.read():
+            if is_event_line(line, self.job_id):
+                self.out.write(render_event(line, self.human))
+                self.out.flush()
+            elif line.get("event") == NOTE and isinstance(line.get("line"), str):
+                print(printable(line["line"]), file=sys.stderr, flush=True)
+            elif line.get("event") == "status_changed" and line.get("to") == JobStatus.PENDING:
+                self.published = True
+                if self.announce:
+                    print(f"{self.verb} job {self.job_id} to {self.registry.get(self.job_id)['session']} "
+                          f"(attempt {line.get('attempt_id')})", file=sys.stderr, flush=True)
+        self._show_output(record)
+        return record
+
+    def _show_output(self, record: JobRecord) -> None:
+        if self.output is None:
+            return
+        attempt, offset = self._log_at
+        if attempt != record["attempt_id"]:
+            self.output.flush()
+            attempt, offset = record["attempt_id"], 0
+        try:
+            with open(names.hub_log_path(self.registry.root, self.job_id, attempt), "rb") as handle:
+                handle.seek(offset)
+                data = handle.read()
+        except OSError:
+            data = b""
+        self._log_at = (attempt, offset + len(data))
+        if data:
+            self.output.show([data])
+        if record["status"] in TERMINAL_STATUSES:
+            self.output.flush()
+
+    def follow(self, *, until_published: bool = False) -> int | None:
+        """Print until the job is settled (`settled`), or with `until_published` until it
+        left the queue.
+
+        Returns:
+            the exit code of §9 (0 once published, `published`, with `until_published`), or None when
+            no hub service serves the registry any more.
+        Raises:
+            Detached: Ctrl-C (the job goes on).
+        """
+        try:
+            while True:
+                record = self.step()
+                if until_published and self.published:
+                    return 0
+                if settled(record):
+                    return exit_code_of(record)
+                if service_pid(self.registry.root) is None:
+                    return None
+                time.sleep(FOLLOW_POLL_S)
+        except KeyboardInterrupt:
+            raise Detached(self.job_id) from None
+
+
+def follow_service(registry: Registry, job_id: str, *, out: TextIO | None = None, human: bool | None = None,
+                   announce: bool = False) -> int | None:
+    """Follow `job_id` through the running service until it is settled (`Follower.follow`).
+
     Returns:
         the exit code of §9, or None when the service stopped before the job ended.
     Raises:
         Detached: Ctrl-C (the job keeps running).
     """
-    out = out if out is not None else sys.stdout
-    human = (hasattr(out, "isatty") and out.isatty()) if human is None else human
-    tail = AuditTail(registry.audit_path(job_id))
-    try:
-        while True:
-            record = registry.get(job_id)  # before the lines: a terminal record's lines are all written
-            for line in tail.read():
-                if is_event_line(line, job_id):
-                    out.write(render_event(line, human))
-                    out.flush()
-                elif announce and line.get("event") == "status_changed" and line.get("to") == JobStatus.PENDING:
-                    print(f"dispatched job {job_id} to {registry.get(job_id)['session']} "
-                          f"(attempt {line.get('attempt_id')})", file=sys.stderr, flush=True)
-            if settled(record):
-                return exit_code_of(record)
-            if service_pid(registry.root) is None:
-                print(f"job {job_id}: the hub service stopped; watching it here", file=sys.stderr, flush=True)
-                return None
-            time.sleep(FOLLOW_POLL_S)
-    except KeyboardInterrupt:
-        raise Detached(job_id) from None
+    return Follower(registry, job_id, out=out, human=human, announce=announce).follow()
 
 
 def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s: float | None,
-              ack_timeout_s: float | None, timeout_s: float | None) -> int:
+              ack_timeout_s: float | None, timeout_s: float | None, as_json: bool = False) -> int:
     """`mam-orch watch`: returns the exit code of §9 (130 when detached with Ctrl-C).
     With a running service and no clock options, it follows the job through the service.
 
@@ -140,12 +205,12 @@ def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s
     own_clocks = idle_timeout_s is not None or ack_timeout_s is not None or timeout_s is not None
     if record["status"] not in TERMINAL_STATUSES and not own_clocks and service_pid(hub.root) is not None:
         try:
-            code = follow_service(hub.registry, job_id)
+            code = follow_service(hub.registry, job_id, human=False if as_json else None)
         except Detached:
             print(detach_hint(job_id, workspace), file=sys.stderr)
             return ExitCode.DETACHED
         if code is not None:
-            if sys.stdout.isatty():
+            if sys.stdout.isatty() and not as_json:
                 print_summary(hub.registry, job_id)
             return code
         record = hub.registry.get(job_id)
@@ -160,6 +225,7 @@ def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s
     watcher = Watcher(hub.registry, job_id, config=cfg, keys=keys,
                       options=WatchOptions(remote=remote, ack_timeout_s=ack_timeout_s,
                                            idle_timeout_s=idle_timeout_s, timeout_s=timeout_s))
+    watcher.human = watcher.human and not as_json
     try:
         code = watcher.run()
     except Detached:

@@ -27,7 +27,8 @@ from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, ConfigErr
 from mam.shared.protocol.wire import parse_ts
 from mam.shared.store.records import JobRecord, utc_now
 from mam.shared.store.root import existing_root
-from mam.shared.transport.mqtt import UNREACHABLE, MqttClient
+from mam.shared.transport import Transport, sockets
+from mam.shared.transport.mqtt import UNREACHABLE
 
 RETAINED_LEAVES = ("dispatch", "events", "state", "control")
 RETENTION_DAYS = 7
@@ -210,7 +211,7 @@ def _by_broker(hub: Hub, due: Due, *, dry_run: bool = False) -> tuple[list[tuple
     return [(cfg, group) for cfg, group in groups.items() if group], kept
 
 
-def _clear_leaves(client: MqttClient, due: Due) -> None:
+def _clear_leaves(client: Transport, due: Due) -> None:
     """Clear the retained `leaves` of each job in `due` (§2): `CLEAR_BATCH` clears queued
     before their PUBACKs are awaited, so a large registry costs a round trip per batch, not per topic.
 
@@ -247,7 +248,7 @@ def _clear_on_every_node(cfg: BrokerConfig, due: Due, workspace: Workspace) -> N
         try:
             _clear_leaves(node, due)
         except BrokerError as exc:  # PublishTimeout: connected, but no PUBACK
-            missed.append(f"{node.endpoint} ({exc})")
+            missed.append(f"{sockets.endpoint(host, cfg.port)} ({exc})")
         finally:
             node.close()
     if len(missed) == len(cfg.hosts):

@@ -17,7 +17,7 @@ from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.store.records import JobRecord
 from mam.shared.store.registry import Registry
 from mam.shared.store.root import resolve_root
-from mam.shared.transport.mqtt import MqttClient
+from mam.shared.transport import Transport, TransportFactory, mqtt
 
 Workspace = str | os.PathLike[str] | None
 DAY_S = 86400  # seconds in a day, for the commands' day-valued options
@@ -32,13 +32,14 @@ def signing_keys(workspace: Workspace = None) -> DispatchKeys:
     return crypto.derive_keys(config.dispatch_secret(workspace=workspace))
 
 
-def connect(cfg: BrokerConfig, role: str = "hub") -> MqttClient:
-    """A connected `MqttClient` (§13 fail-over and deadlines); closed again if connecting fails.
+def connect(cfg: BrokerConfig, role: str = "hub", transport: TransportFactory = mqtt.new_client) -> Transport:
+    """A connected client made by `transport` (§13 fail-over and deadlines); closed again
+    if connecting fails.
 
     Raises:
         BrokerUnavailable: no broker accepted the connection (exit 3).
     """
-    client = MqttClient(cfg, role)
+    client = transport(cfg, role, None)
     try:
         client.connect()
     except BaseException:
@@ -49,10 +50,17 @@ def connect(cfg: BrokerConfig, role: str = "hub") -> MqttClient:
 
 @dataclass
 class Hub:
-    """The hub of one workspace root (§8). No side effects in the constructor."""
+    """The hub of one workspace root (§8). No side effects in the constructor.
+
+    Attributes:
+        registry: its `Registry`.
+        transport: makes its broker connections (the runner's `TransportFactory` seam:
+            paho by default, the in-memory fake in unit tests).
+    """
 
     registry: Registry
     _keys: DispatchKeys | None = field(default=None, repr=False)
+    transport: TransportFactory = field(default=mqtt.new_client, repr=False)
 
     @property
     def root(self) -> Path:
@@ -78,13 +86,13 @@ class Hub:
         overrides = record.get("broker") if record is not None else None
         return config.broker_config(overrides or None, workspace=self.root)
 
-    def connect(self, role: str = "hub", record: JobRecord | None = None) -> MqttClient:
+    def connect(self, role: str = "hub", record: JobRecord | None = None) -> Transport:
         """A connected client for `role` with `broker_config(record)`.
 
         Raises:
             ConfigError, EnvFileError, BrokerUnavailable.
         """
-        return connect(self.broker_config(record), role)
+        return connect(self.broker_config(record), role, self.transport)
 
 
 def open_hub(workspace: Workspace = None) -> Hub:

@@ -25,11 +25,11 @@ from typing import TextIO
 
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.shared.protocol import crypto, names
-from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus
+from mam.shared.protocol.codes import TERMINAL_STATUSES
 from mam.shared.protocol.errors import DecodeError, ExitCode, MamError, RegistryError, SignatureError, UsageError
 from mam.shared.protocol.wire import logchunk
 from mam.shared.store.fsio import atomic_write, read_json_object
-from mam.shared.store.records import utc_now
+from mam.shared.store.records import exit_code_of, utc_now
 from mam.shared.store.registry import Registry
 from mam.shared.transport import Inbox
 
@@ -46,9 +46,6 @@ READ_BYTES = 1 << 20
 SETTLE_S = 2.0
 """After the terminal event, how long a watch waits for the output chunks it announced, seconds
 (brokers do not order messages across topics)."""
-STATUS_EXIT: dict[str, ExitCode] = {JobStatus.COMPLETED: ExitCode.COMPLETED, JobStatus.ERROR: ExitCode.ERROR,
-               JobStatus.CANCELLED: ExitCode.CANCELLED}
-
 
 @dataclass
 class JobLog:
@@ -240,13 +237,42 @@ def await_chunks(router: LogRouter, job_id: str, announced: object, messages: In
     return router.close(job_id)
 
 
-def _print_new(path: Path, offset: int, out: TextIO) -> int:
-    """Copy the file's bytes from `offset` to `out`; the new offset."""
+class JsonLines:
+    """`logs --json`: each whole output line as `{"job_id", "attempt_id", "line"}` (a partial
+    line waits for its end, or `flush` at the end of the job)."""
+
+    def __init__(self, out: TextIO, job_id: str, attempt_id: int) -> None:
+        self.out, self.job_id, self.attempt_id = out, job_id, attempt_id
+        self._partial = b""
+
+    def write(self, data: bytes) -> None:
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            self._emit(line)
+
+    def flush(self) -> None:
+        if self._partial:
+            self._emit(self._partial)
+        self._partial = b""
+        self.out.flush()
+
+    def _emit(self, line: bytes) -> None:
+        self.out.write(json.dumps({"job_id": self.job_id, "attempt_id": self.attempt_id,
+                                   "line": line.decode("utf-8", "replace")}) + "\n")
+
+
+def _print_new(path: Path, offset: int, out: TextIO, as_json: JsonLines | None = None) -> int:
+    """Copy the file's bytes from `offset` to `out` (or as JSON lines); the new offset."""
     try:
         with open(path, "rb") as handle:
             handle.seek(offset)
             while data := handle.read(READ_BYTES):
-                out.buffer.write(data) if hasattr(out, "buffer") else out.write(data.decode("utf-8", "replace"))
+                if as_json is not None:
+                    as_json.write(data)
+                elif hasattr(out, "buffer"):
+                    out.buffer.write(data)
+                else:
+                    out.write(data.decode("utf-8", "replace"))
                 offset += len(data)
     except FileNotFoundError:
         return offset
@@ -255,7 +281,7 @@ def _print_new(path: Path, offset: int, out: TextIO) -> int:
 
 
 def logs_cli(job_id: str, *, workspace: Workspace, follow: bool, attempt: int | None,
-             out: TextIO | None = None) -> int:
+             out: TextIO | None = None, as_json: bool = False) -> int:
     """`mam-orch logs`: print the hub's copy of a job's output (§15); with `follow`, keep
     printing until the job ends, then exit as `watch` does (§9).
 
@@ -274,14 +300,20 @@ def logs_cli(job_id: str, *, workspace: Workspace, follow: bool, attempt: int | 
     if not path.exists() and not follow:
         print(f"job {job_id}: no output of attempt {chosen} on the hub yet ({path}); the runner keeps the "
               f"whole output in its own .mam/logs/{job_id}/agent.log", file=sys.stderr)
-    offset = _print_new(path, 0, stream)
+    lines = JsonLines(stream, job_id, chosen) if as_json else None
+    offset = _print_new(path, 0, stream, lines)
     if not follow:
+        if lines is not None:
+            lines.flush()
         return ExitCode.COMPLETED
     while True:
-        status = hub.registry.get(job_id)["status"]
-        offset = _print_new(path, offset, stream)
+        record = hub.registry.get(job_id)
+        status = record["status"]
+        offset = _print_new(path, offset, stream, lines)
         if status in TERMINAL_STATUSES or chosen != current:
-            return STATUS_EXIT.get(status, ExitCode.ERROR) if chosen == current else ExitCode.COMPLETED
+            if lines is not None:
+                lines.flush()
+            return exit_code_of(record) if chosen == current else ExitCode.COMPLETED
         time.sleep(FOLLOW_POLL_S)
 
 

@@ -16,7 +16,7 @@ from mam.shared.protocol import wire
 from mam.shared.protocol.codes import EVENT_NAMES, TERMINAL_STATUSES, JobStatus
 from mam.shared.store.records import JobRecord, Transaction, late_terminal, moved, touched, utc_now
 from mam.shared.store.registry import Registry
-from mam.shared.transport.mqtt import MqttClient
+from mam.shared.transport import Transport
 
 log = logging.getLogger("mam.watch")
 
@@ -31,9 +31,9 @@ AUDIT_TAIL_BYTES = 16 * 1024
 class BrokerLink:
     """The hub's own broker connection as the clocks see it (§14 "Broker outages
     are nobody's silence"): `look(now)` notices a loss and the reconnect after it,
-    even one that happened between two looks (`MqttClient.disconnect_count`)."""
+    even one that happened between two looks (`Transport.disconnect_count`)."""
 
-    def __init__(self, client: MqttClient) -> None:
+    def __init__(self, client: Transport) -> None:
         self.client = client
         self.down_since: float | None = None
         self._losses = getattr(client, "disconnect_count", 0)

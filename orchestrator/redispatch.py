@@ -5,9 +5,12 @@ from __future__ import annotations
 from typing import BinaryIO
 
 from mam.orchestrator.control import publish_cancel
-from mam.orchestrator.dispatch import follow_queued, load_brief, read_brief, save_brief
+from mam.orchestrator.dispatch import load_brief, read_brief, save_brief
+from mam.orchestrator.follow import AuditTail
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.queuewait import requeue
+from mam.orchestrator.service import EmbeddedService
+from mam.orchestrator.submit import follow_job
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import OPEN_STATUSES, JobStatus
 from mam.shared.store.records import Refusal
@@ -26,7 +29,7 @@ def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None
     exit 3, record unchanged), publish a signed cancel for the old attempt
     (its runner may have missed the hub's close), attempt + 1 with a new dispatch_token and
     auth_token, status `queued` (§14; `--session` makes that runner the target), and
-    `follow_queued` as a dispatch does.
+    `submit.follow_job` as a dispatch does (the hub engine publishes it).
 
     Returns:
         the exit code of §9 (0 with --detach once the dispatch is published).
@@ -56,9 +59,16 @@ def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None
         # hub's close (a broker outage), so cancel it again before attempt + 1 goes out (§6, §10).
         if record["status"] != JobStatus.QUEUED:  # a queued attempt was never published
             publish_cancel(client, record, keys, "redispatch", hub.root)
-        new = requeue(registry, job_id, session=session)
-        save_brief(registry, job_id, text)
-        return follow_queued(registry, new, keys, client, detach=detach, as_json=as_json, workspace=workspace,
-                             verb="redispatched")
     finally:
         client.close()
+    engine = EmbeddedService(hub)
+    try:
+        engine.ensure()
+        history = AuditTail(registry.audit_path(job_id))
+        history.skip()  # what the job's audit log holds now: the follower shows the new attempt only
+        save_brief(registry, job_id, text)
+        requeue(registry, job_id, session=session)
+        return follow_job(hub, engine, job_id, detach=detach, as_json=as_json, workspace=workspace,
+                          verb="redispatched", offset=history.offset)
+    finally:
+        engine.stop()

@@ -30,7 +30,7 @@ from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.protocol.errors import ProtocolError, RegistryError, SignatureError, UsageError
 from mam.shared.store.fsio import atomic_write, read_json_object
 from mam.shared.store.records import utc_now
-from mam.shared.transport.mqtt import MqttClient
+from mam.shared.transport import Transport
 
 PRESENCE_QUIET_S = 0.5
 # A runner republishes its presence every PRESENCE_REFRESH_S (the runner's own constant);
@@ -155,7 +155,7 @@ class PresenceBurst:
         return sorted(self.rows.values(), key=lambda row: str(row["session"]))
 
 
-def receive_presence(client: MqttClient, keys: DispatchKeys, session: str | None = None, *,
+def receive_presence(client: Transport, keys: DispatchKeys, session: str | None = None, *,
                      quiet_s: float = PRESENCE_QUIET_S, max_s: float = PRESENCE_MAX_S,
                      roster_root: Path | None = None) -> PresenceBurst:
     """Subscribe to the retained presence of one session (or all, `ROOT/runners/+`)
@@ -165,7 +165,7 @@ def receive_presence(client: MqttClient, keys: DispatchKeys, session: str | None
     caller to print on stderr), never shown. Zero-length payloads (cleared) are ignored.
 
     Args:
-        client: a connected `MqttClient` (its queue must hold nothing else).
+        client: a connected `Transport` (its queue must hold nothing else).
         session: one session, or None for every runner.
         roster_root: the hub's root: verify against its roster (§16); None: v1 only.
     Raises:
@@ -204,7 +204,7 @@ def receive_presence(client: MqttClient, keys: DispatchKeys, session: str | None
     return burst
 
 
-def collect_presence(client: MqttClient, keys: DispatchKeys, session: str | None = None, *,
+def collect_presence(client: Transport, keys: DispatchKeys, session: str | None = None, *,
                      quiet_s: float = PRESENCE_QUIET_S, max_s: float = PRESENCE_MAX_S,
                      roster_root: Path | None = None) -> tuple[list[Row], list[str]]:
     """`receive_presence` as (rows sorted by session, refusal lines).
@@ -255,7 +255,7 @@ def _keep_count(root: Path, received: int) -> None:
         print(f"WARNING: cannot keep the presence count in {path}: {exc}", file=sys.stderr)
 
 
-def read_presence(client: MqttClient, keys: DispatchKeys, session: str, *,
+def read_presence(client: Transport, keys: DispatchKeys, session: str, *,
                   quiet_s: float = READ_PRESENCE_QUIET_S, roster_root: Path | None = None) -> Row | None:
     """The verified retained presence of `session`, or None when it has none (§7);
     refusals are printed on stderr.

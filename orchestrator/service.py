@@ -37,21 +37,34 @@ from typing import TextIO
 from mam.orchestrator import queue as hubqueue
 from mam.orchestrator.dispatch import publish_queued
 from mam.orchestrator.hub import DAY_S, Hub, Workspace, open_hub
-from mam.orchestrator.hublock import HubLock
+from mam.orchestrator.hublock import HubLock, service_pid
 from mam.orchestrator.mirror import BrokerLink, audit_seq
-from mam.orchestrator.queuewait import PresenceFeed, close_queue_timeout, queued_job, retry_attempt, retry_reason
+from mam.orchestrator.queuewait import (
+    PRESENCE_SETTLE_MAX_S,
+    PRESENCE_SETTLE_S,
+    WHY_EVERY_S,
+    PresenceFeed,
+    close_queue_timeout,
+    queued_job,
+    retry_attempt,
+    retry_reason,
+)
 from mam.orchestrator.runners import PRESENCE_STALE_S
 from mam.orchestrator.watch import Watcher, WatchOptions
-from mam.shared.protocol import names
+from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import PUBLISHED_STATUSES, JobStatus
-from mam.shared.protocol.errors import MamError
-from mam.shared.store.records import RECORD_NAME_RE, JobRecord
-from mam.shared.transport.mqtt import Message, MqttClient
+from mam.shared.protocol.errors import MamError, UsageError
+from mam.shared.store.records import HUB_DECISIONS, RECORD_NAME_RE, JobRecord, describe_target
+from mam.shared.transport import Received, Transport
 
 log = logging.getLogger("mam.serve")
 
 SCAN_S = 0.2  # the registry folder is scanned this often for new and changed records
 TICK_S = 0.1  # the §10 clocks of every job are looked at this often
+SERVICE_START_S = 30.0  # how long an embedded service may take to lock, connect and subscribe
+CONFIRM_WAIT_S = 60.0  # a stopping embedded service waits at most this long for cancel confirmations
+LATE_JUDGE_S = DAY_S  # a job the hub closed itself is judged this long for a late terminal (§14)
+NOTE = "hub_note"  # an audit line of what the engine says about a job; every follower prints it
 
 
 class _Discard:
@@ -86,33 +99,44 @@ class HubService:
     Args:
         hub: the `Hub` (registry, broker settings, keys).
         out: where accepted events go (default: nowhere; they are in the audit log).
+        on_ready: called once, in the service's thread, when it holds the lock and
+            subscribed (`serve --http` starts its server then).
+        quiet: log its own bookkeeping lines (tracking, published, ended) at DEBUG: an
+            engine embedded in `dispatch` or `mam.Hub`, whose follower prints the notes.
     """
 
-    def __init__(self, hub: Hub, *, out: TextIO | None = None) -> None:
+    def __init__(self, hub: Hub, *, out: TextIO | None = None, on_ready: Callable[[], None] | None = None,
+                 quiet: bool = False) -> None:
         self.hub = hub
         self.registry = hub.registry
         self.keys = hub.keys()
         self.config = hub.broker_config()
         self.out: TextIO = out if out is not None else _Discard()  # type: ignore[assignment]
         self.lock = HubLock(self.registry.root)
-        self.client: MqttClient | None = None
+        self.client: Transport | None = None
         self.watchers: dict[str, Watcher] = {}
         self.confirming: dict[str, float] = {}  # cancelled jobs waiting for the runner's end (§6): deadline
         self.confirm_watchers: dict[str, Watcher] = {}
         self.queued: dict[str, hubqueue.QueuedJob] = {}
         self.queue_deadlines: dict[str, float] = {}  # job id -> wall time of its queue_timeout (§14)
-        self._explained: set[str] = set()  # queued jobs whose waiting was logged
+        self._why: dict[str, tuple[str, float]] = {}  # queued job -> its last waiting note, when (monotonic)
+        self.late: dict[str, tuple[Watcher, float]] = {}  # closed by the hub: judged until (monotonic), §14
+        self.settle_until = self.settle_max = 0.0  # the retained presence burst is in after this (monotonic)
         self.feed = PresenceFeed(self.keys, self.config.topic_root, self.registry.root)
         self.fleet = self.feed.fleet
         self.sessions: dict[str, str] = {}  # job id -> the session its dispatch went to
         self.stats = ServiceStats()
         self._mtimes: dict[str, int] = {}
-        self.backlog: deque[Message] = deque()  # received, not judged yet (`receive`)
+        self.backlog: deque[Received] = deque()  # received, not judged yet (`receive`)
         self.unjudged: Counter[str] = Counter()  # job id -> its messages in `backlog`
         self.clears: list[str] = []  # jobs whose retained dispatch goes after this batch (§17)
         self._stop = False
         self.ready = threading.Event()  # set once it holds the lock and subscribed
-        self.on_ready: Callable[[], None] | None = None  # called then, in the service's thread (`serve --http`)
+        self.on_ready = on_ready
+        self.quiet = quiet
+        self._info = log.debug if quiet else log.info
+        self._drain = False  # on stop, first finish the cancels awaiting their runner's confirmation
+        self._drain_scanned = False
 
     # ------------------------------------------------------------ records
 
@@ -140,6 +164,9 @@ class HubService:
         if record.get("role") != "hub":
             return
         status = record["status"]
+        late = self.late.get(job_id)
+        if late is not None and (record.get("late_outcome") or record["attempt_id"] != late[0].attempt_id):
+            del self.late[job_id]  # its late terminal came, or a new attempt replaced it
         watcher = self.watchers.get(job_id)
         if watcher is not None:
             if status == JobStatus.QUEUED:  # another process queued a retry: back to the queue
@@ -153,13 +180,29 @@ class HubService:
         if status in PUBLISHED_STATUSES:
             self.watchers[job_id] = self._watcher(record, now)
             self.sessions[job_id] = record["session"]
-            log.info("job %s: tracking (%s, attempt %s)", job_id, status, record["attempt_id"])
+            self._info("job %s: tracking (%s, attempt %s)", job_id, status, record["attempt_id"])
         elif status == JobStatus.QUEUED:
             self._enqueue(record)
         else:
             self.queued.pop(job_id, None)
             self.queue_deadlines.pop(job_id, None)
-            self._explained.discard(job_id)
+            self._why.pop(job_id, None)
+            if job_id not in self.late and job_id not in self.confirm_watchers:
+                self._judge_late(record, now)
+
+    def _judge_late(self, record: JobRecord, now: float, watcher: Watcher | None = None) -> None:
+        """§14 Late terminals: keep judging a job the hub closed itself (deadline_timeout,
+        agent_blocked, runner_lost) for `LATE_JUDGE_S` after its close, so a runner that
+        comes back records `late_outcome`; a restarted service reads the retained state."""
+        if record.get("close_reason") not in HUB_DECISIONS or record.get("late_outcome"):
+            return
+        try:
+            closed_at = wire.parse_ts(record["updated_at"]).timestamp()
+        except (KeyError, ValueError, TypeError):
+            return
+        left_s = closed_at + LATE_JUDGE_S - time.time()
+        if left_s > 0:
+            self.late[record["job_id"]] = (watcher or self._watcher(record, now), now + left_s)
 
     def _enqueue(self, record: JobRecord) -> None:
         job_id = record["job_id"]
@@ -167,7 +210,17 @@ class HubService:
             return
         job = self.queued[job_id] = queued_job(record)
         self.queue_deadlines[job_id] = job.queued_at + int(record.get("queue_timeout_sec", DAY_S))
-        log.info("job %s: queued", job_id)
+        self._info("job %s: queued", job_id)
+
+    def note(self, job_id: str, line: str, *, warning: bool = False) -> None:
+        """Say one line about a job where every follower reads it: a `hub_note` line of its
+        audit log (not fsynced; `dispatch`, `watch` and `mam.Hub` print it) and this log."""
+        (log.warning if warning and not self.quiet else self._info)("%s", line)
+        try:
+            self.registry.append_audit(job_id, {"event": NOTE, "line": f"WARNING: {line}" if warning else line},
+                                       durable=False)
+        except MamError as exc:
+            log.warning("job %s: note not written: %s", job_id, exc)
 
     def scan(self, now: float) -> None:
         """Look at every record file whose mtime changed since the last scan."""
@@ -190,7 +243,7 @@ class HubService:
 
     # ------------------------------------------------------------ messages
 
-    def receive(self, client: MqttClient) -> None:
+    def receive(self, client: Transport) -> None:
         """Move every message received so far into `backlog`, counting them per job.
 
         §14 "nobody's silence" on the service's side: a message that arrived but
@@ -207,7 +260,7 @@ class HubService:
             if parsed is not None:
                 self.unjudged[parsed[0]] += 1
 
-    def next_message(self, client: MqttClient, timeout_s: float) -> Message | None:
+    def next_message(self, client: Transport, timeout_s: float) -> Received | None:
         """The oldest message: from `backlog` first, else from the client within `timeout_s`."""
         if not self.backlog:
             try:
@@ -239,9 +292,12 @@ class HubService:
             return
         job_id = parsed[0]
         watcher = self.watchers.get(job_id) or self.confirm_watchers.get(job_id)
-        if watcher is None and self.registry.record_path(job_id).exists():
-            self.consider(job_id, now)  # registered a moment ago, before the next scan
+        if watcher is None and job_id not in self.late and self.registry.record_path(job_id).exists():
+            self.consider(job_id, now)  # registered (or closed) a moment ago, before the next scan
             watcher = self.watchers.get(job_id)
+        late = self.late.get(job_id) if watcher is None else None
+        if late is not None:
+            watcher = late[0]
         if watcher is None:
             return
         try:
@@ -252,16 +308,18 @@ class HubService:
                 self.stats.refused[reason] = self.stats.refused.get(reason, 0) + 1
             if watcher.accepted_any and not started_before:
                 self.fleet.started(self.sessions.get(job_id, ""), job_id)
+            if late is not None and watcher is late[0] and watcher.refusals[refused_before:]:
+                self.consider(job_id, now)  # a late terminal was recorded: stop judging it
         except MamError as exc:
             self.stats.handler_errors += 1
             log.warning("job %s: message on %s not handled: %s", job_id, topic, exc)
 
-    def handle_batch(self, client: MqttClient, first: Message, until: float) -> None:
+    def handle_batch(self, client: Transport, first: Received, until: float) -> None:
         """Handle `first` and every message already waiting, until the monotonic `until`,
         as ONE registry group: one lock hold and one group of fsyncs at its end, not
         three fsyncs per status change (docs/registry.md "Durability"). A presence ends
         the group first: the dispatches it lets out are published after durable writes (§8)."""
-        message: Message | None = first
+        message: Received | None = first
         root = self.config.topic_root
         try:
             with self.registry.group():
@@ -274,10 +332,13 @@ class HubService:
             self.stats.handler_errors += 1
             log.warning("the registry's group commit failed: %s", exc)
         if message is not None:
-            self.on_message(message.topic, message.payload, time.monotonic())
+            now = time.monotonic()
+            if message.retain and now < self.settle_max:  # the retained burst goes on (§7)
+                self.settle_until = min(self.settle_max, max(self.settle_until, now + PRESENCE_SETTLE_S))
+            self.on_message(message.topic, message.payload, now)
         self.flush_clears(client)
 
-    def flush_clears(self, client: MqttClient) -> None:
+    def flush_clears(self, client: Transport) -> None:
         """§17: clear the retained dispatch of every job that started in the last batch,
         all published before any PUBACK is awaited (one round trip, not one per job)."""
         if not self.clears or not client.connected.is_set():
@@ -305,7 +366,7 @@ class HubService:
         if refused in self.watchers:
             line = self.feed.refusal(session, refused)
             if line is not None:
-                log.warning("%s", line)
+                self.note(refused, line, warning=True)
         self.plan(now)
 
     # ------------------------------------------------------------ the queue
@@ -316,15 +377,33 @@ class HubService:
             return
         self.feed.drop_revoked()  # §16: a revoked runner gets nothing
         waiting = list(self.queued.values())
-        for job_id, session in hubqueue.plan(waiting, self.fleet, now, PRESENCE_STALE_S):
-            self.queued.pop(job_id, None)
+        picks = hubqueue.plan(waiting, self.fleet, now, PRESENCE_STALE_S)
+        if now >= self.settle_until:  # §14: a session with no presence at all is dispatched at once (v1)
+            picks += [(job.job_id, job.target_session) for job in waiting if job.target_session is not None
+                      and self.fleet.view(job.target_session) is None]
+        for job_id, session in picks:
+            job = self.queued.pop(job_id, None)
+            if job is None:
+                continue
             self.queue_deadlines.pop(job_id, None)
-            self._explained.discard(job_id)
+            self._why.pop(job_id, None)
+            if self.fleet.view(session) is None:
+                self.note(job_id, f"job {job_id}: session {session} has announced no presence: dispatching now (v1)")
             self.publish(job_id, session, now)
         for job in self.queued.values():
-            if job.job_id not in self._explained:  # issue 11 item 6: say once, in one line, why it waits
-                self._explained.add(job.job_id)
-                log.info("%s", hubqueue.why_waiting(job, self.fleet, waiting, now, PRESENCE_STALE_S))
+            self._explain(job, waiting, now)
+
+    def _explain(self, job: hubqueue.QueuedJob, waiting: list[hubqueue.QueuedJob], now: float) -> None:
+        """Note why `job` waits (§14), once the presence burst is in, whenever the reason
+        changed and at most every `WHY_EVERY_S`."""
+        last = self._why.get(job.job_id)
+        if now < self.settle_until or (last is not None and now < last[1] + WHY_EVERY_S):
+            return
+        line = f"job {job.job_id}: {hubqueue.why_waiting(job, self.fleet, waiting, now, PRESENCE_STALE_S)}"
+        if last is not None and last[0] == line:
+            return
+        self._why[job.job_id] = (line, now)
+        self.note(job.job_id, line, warning="no runner has ever" in line)
 
     def expire_queued(self) -> None:
         """§14: a job queued longer than its queue_timeout_sec closes `queue_timeout`."""
@@ -339,7 +418,8 @@ class HubService:
             except MamError as exc:
                 log.warning("job %s: queue timeout not recorded: %s", job_id, exc)
                 continue
-            log.info("job %s: %s (%s)", job_id, record["status"], record.get("close_reason"))
+            self.note(job_id, f"job {job_id} left the queue {record['status']} ({record.get('close_reason')}); "
+                              f"target {describe_target(record)}")
 
     def retry(self, job_id: str, now: float) -> None:
         """§14 Retries: an attempt that ended for a reason in `retry_on` with retries left
@@ -354,8 +434,10 @@ class HubService:
             log.warning("job %s: not retried: %s", job_id, exc)
             return
         if new is not None:
-            log.info("job %s: attempt %s ended %s; attempt %s queued", job_id, record["attempt_id"], reason,
-                     new["attempt_id"])
+            self.note(job_id, f"job {job_id}: attempt {record['attempt_id']} ended {reason} on "
+                              f"{record.get('session') or '-'}; retry {new.get('retried')} of {new.get('retries')}: "
+                              f"attempt {new['attempt_id']} queued")
+            self.late.pop(job_id, None)
             self._enqueue(new)
             self.plan(now)
 
@@ -374,7 +456,7 @@ class HubService:
         self.fleet.inflight(session, job_id)
         self.sessions[job_id] = session
         self.watchers[job_id] = self._watcher(record, time.monotonic(), fresh=True)
-        log.info("job %s: published to %s (attempt %s)", job_id, session, record["attempt_id"])
+        self._info("job %s: published to %s (attempt %s)", job_id, session, record["attempt_id"])
 
     # ------------------------------------------------------------ clocks
 
@@ -395,12 +477,19 @@ class HubService:
             self.fleet.started(self.sessions.pop(job_id, ""), job_id)
             outcome = str(watcher.terminal or "closed")
             self.stats.closed[outcome] = self.stats.closed.get(outcome, 0) + 1
-            log.info("job %s: ended (%s, exit %d)", job_id, outcome, code)
+            self._info("job %s: ended (%s, exit %d)", job_id, outcome, code)
             if watcher.terminal == JobStatus.CANCELLED:
                 self.confirming[job_id] = watcher.confirm_deadline(now)
                 self.confirm_watchers[job_id] = watcher
             else:
+                try:
+                    self._judge_late(self.registry.get(job_id), now, watcher)
+                except MamError as exc:
+                    log.warning("job %s: cannot read its record: %s", job_id, exc)
                 self.retry(job_id, now)
+        for job_id, (_watcher, until) in list(self.late.items()):
+            if now >= until:
+                del self.late[job_id]
         for job_id, deadline in list(self.confirming.items()):
             watcher = self.confirm_watchers[job_id]
             if watcher.runner_ended or now >= deadline:
@@ -416,6 +505,22 @@ class HubService:
 
     def stop(self, signum: int = signal.SIGTERM, frame: FrameType | None = None) -> None:
         """Ask the loop to end (a signal handler): the jobs go on, the lock is released."""
+        self._stop = True
+
+    def _confirmations_left(self, down_since: float | None) -> bool:
+        """On `finish`: the first time, one more scan and tick (a cancel recorded a moment ago
+        by another process reaches `confirming`); then whether any cancel still waits."""
+        if not self._drain_scanned:
+            self._drain_scanned = True
+            now = time.monotonic()
+            self.scan(now)
+            self.tick(now, down_since)
+        return bool(self.confirming)
+
+    def finish(self) -> None:
+        """Ask the loop to end once every cancel waiting for its runner's confirmation (§6)
+        is confirmed or past its deadline: an embedded engine whose job was cancelled."""
+        self._drain = True
         self._stop = True
 
     def run(self) -> int:
@@ -435,20 +540,22 @@ class HubService:
         finally:
             self.lock.release()
 
-    def _serve(self, client: MqttClient) -> int:
+    def _serve(self, client: Transport) -> int:
         now = time.monotonic()
         self.scan(now)  # open records first: the retained states then find their watchers
         root = self.config.topic_root
         client.subscribe([(names.all_events_filter(root), 1), (names.all_states_filter(root), 1),
                           (names.all_logs_filter(root), 1), (names.all_presence_filter(root), 1)])
-        log.info("hub service pid %d serving %s: %d open jobs, %d queued", os.getpid(), self.registry.root,
+        self._info("hub service pid %d serving %s: %d open jobs, %d queued", os.getpid(), self.registry.root,
                  len(self.watchers), len(self.queued))
         link = BrokerLink(client)
+        subscribed = time.monotonic()
+        self.settle_until, self.settle_max = subscribed + PRESENCE_SETTLE_S, subscribed + PRESENCE_SETTLE_MAX_S
         if self.on_ready is not None:
             self.on_ready()
         self.ready.set()
         next_scan = next_tick = now
-        while not self._stop:
+        while not self._stop or (self._drain and self._confirmations_left(link.down_since)):
             now = time.monotonic()
             outage = link.look(now)
             if outage is not None:
@@ -465,9 +572,69 @@ class HubService:
             message = self.next_message(client, max(0.0, min(next_scan, next_tick) - time.monotonic()))
             if message is not None:
                 self.handle_batch(client, message, min(next_scan, next_tick))
-        log.info("hub service stopping: %d jobs go on without it (%d messages handled)",
+        self._info("hub service stopping: %d jobs go on without it (%d messages handled)",
                  len(self.watchers), self.stats.messages)
         return 0
+
+
+class EmbeddedService:
+    """The hub service in a thread of this process, when no `mam-orch serve` runs for the
+    registry (§14): what `dispatch`, `redispatch` and `mam.Hub` use, so every path runs one
+    engine. The first process to start one serves every open job of the registry; the
+    others follow it and start their own when it stops (the lock passes on).
+
+    Args:
+        hub: the `Hub`.
+    """
+
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+        self.service: HubService | None = None
+        self.thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def ensure(self) -> bool:
+        """Make sure some hub service serves the registry: a `mam-orch serve`, another
+        process's embedded one, or one started here.
+
+        Returns:
+            True when this process runs it.
+        Raises:
+            BrokerUnavailable (exit 3), ConfigError, MamError: the service could not start.
+        """
+        with self._lock:
+            if self.thread is not None and self.thread.is_alive():
+                return True
+            if service_pid(self.hub.registry.root) is not None:
+                return False
+            service = HubService(self.hub, quiet=True)
+            failure: list[BaseException] = []
+
+            def serve() -> None:
+                try:
+                    service.run()
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                    failure.append(exc)
+                    service.ready.set()
+
+            thread = threading.Thread(target=serve, name="mam-hub-service", daemon=True)
+            thread.start()
+            service.ready.wait(SERVICE_START_S)
+            if failure:
+                if isinstance(failure[0], UsageError) and service_pid(self.hub.registry.root) is not None:
+                    return False  # another process started one meanwhile: it serves
+                raise failure[0]
+            self.service, self.thread = service, thread
+            return True
+
+    def stop(self) -> None:
+        """Stop the service started here, if any (its jobs go on; the next service takes them)."""
+        with self._lock:
+            service, thread = self.service, self.thread
+            self.service = self.thread = None
+        if service is not None and thread is not None:
+            service.finish()
+            thread.join(SERVICE_START_S + CONFIRM_WAIT_S)
 
 
 def serve_cli(*, workspace: Workspace) -> int:

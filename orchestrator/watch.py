@@ -46,14 +46,12 @@ from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import EVENT_STATUS, TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, ExitCode, TransitionRefused
-from mam.shared.store.records import HUB_DECISIONS, JobRecord, redact, utc_now
+from mam.shared.store.records import HUB_DECISIONS, STATUS_EXIT, JobRecord, exit_code_of, redact, utc_now
 from mam.shared.store.registry import Registry
-from mam.shared.transport.mqtt import MqttClient
+from mam.shared.transport import Transport, mqtt
 
 log = logging.getLogger("mam.watch")
 
-STATUS_EXIT: dict[str, ExitCode] = {JobStatus.COMPLETED: ExitCode.COMPLETED, JobStatus.ERROR: ExitCode.ERROR,
-               JobStatus.CANCELLED: ExitCode.CANCELLED}
 REGISTRY_POLL_S = 0.5
 # A terminal state waits this long for its terminal event before it resolves the job: brokers do not order
 # messages across topics (nats delivers each subscription on its own); the event has detail, data.exit_code.
@@ -119,7 +117,7 @@ class Watcher:
     Args:
         registry: the hub `Registry` holding the job (for its auth_token).
         job_id: the job.
-        client: a connected `MqttClient`, or None to connect here.
+        client: a connected `Transport`, or None to connect here.
         config: the BrokerConfig used when `client` is None (default: the client's).
         options: `WatchOptions`.
         keys: `DispatchKeys` to publish a cancel on close (None: hub-only close).
@@ -128,7 +126,7 @@ class Watcher:
         UsageError: a bad job id. TypeError: neither `client` nor `config`.
     """
 
-    def __init__(self, registry: Registry, job_id: str, *, client: MqttClient | None = None,
+    def __init__(self, registry: Registry, job_id: str, *, client: Transport | None = None,
                  config: BrokerConfig | None = None, options: WatchOptions = WatchOptions(),
                  keys: DispatchKeys | None = None, out: TextIO | None = None, show_log: bool = True) -> None:
         self.registry = registry
@@ -179,7 +177,6 @@ class Watcher:
 
     def _refuse(self, reason: str, detail: str = "", *, quiet: bool = False) -> None:
         self.refusals.append(reason)
-        # an earlier attempt's straggler is expected after a redispatch: quiet (§3.2 rule 5)
         log.log(logging.DEBUG if quiet else logging.WARNING, "job %s: refused message: %s%s",
                 self.job_id, reason, f" ({detail})" if detail else "")
 
@@ -223,9 +220,13 @@ class Watcher:
         if isinstance(verdict, Refused):
             if verdict.silent:
                 return False
-            if verdict.reason in OF_CURRENT_ATTEMPT and verdict.message is not None and verdict.message.terminal:
+            confirms = verdict.reason in OF_CURRENT_ATTEMPT and verdict.message is not None \
+                and verdict.message.terminal
+            if confirms:
                 self.runner_ended = True  # the runner reported its end of this attempt (§6 confirmation)
-            self._refuse(verdict.reason, verdict.detail, quiet=verdict.earlier)
+            # an earlier attempt's straggler, or the runner's end after a cancel: expected, logged quietly
+            self._refuse(verdict.reason, verdict.detail,
+                         quiet=verdict.earlier or (confirms and self.terminal == JobStatus.CANCELLED))
             if self.options.remote and verdict.reason == AFTER_TERMINAL:
                 self._resolve_from_record()
             return False
@@ -354,6 +355,14 @@ class Watcher:
         if status in TERMINAL_STATUSES:
             self.terminal = status
 
+    def _terminal_exit(self) -> int:
+        """The §9 exit code once `terminal` is known: the record's (`exit_code_of`) when it
+        is terminal on disk, else the terminal event's status (a watch that mirrors nothing)."""
+        record = self.registry.get(self.job_id)
+        if record["status"] in TERMINAL_STATUSES:
+            return exit_code_of(record)
+        return STATUS_EXIT.get(self.terminal or "", ExitCode.ERROR)
+
     def _audit_gap(self, expected: int, got: int) -> None:
         self.registry.append_audit(self.job_id, {"event": "seq_gap", "timestamp": utc_now(),
                                                  "expected": expected, "got": got, "source": "watch"})
@@ -362,7 +371,7 @@ class Watcher:
 
     def _connect(self) -> bool:
         if self.client is None:
-            client = MqttClient(self.config, "watch")
+            client = mqtt.new_client(self.config, "watch")
             try:
                 client.connect()
             except BrokerUnavailable as exc:
@@ -435,10 +444,11 @@ class Watcher:
 
     def _finish_from_disk(self, why: str) -> int:
         """Disk fallback (§10): the hub's own record decides; else exit 3."""
-        status = self.registry.get(self.job_id)["status"]
+        record = self.registry.get(self.job_id)
+        status = record["status"]
         if status in TERMINAL_STATUSES:
             log.info("job %s is %s on disk (%s)", self.job_id, status, why)
-            return _exit_of(status)
+            return exit_code_of(record)
         log.error("job %s: %s; the hub record says %s", self.job_id, why, status)
         return ExitCode.BROKER
 
@@ -447,7 +457,7 @@ class Watcher:
         record = close_remote(self.registry, self.client if connected else None, self.keys,
                               self.job_id, close_reason)
         if record.get("close_reason") != close_reason:
-            return _exit_of(record["status"])  # it ended some other way first
+            return exit_code_of(record)  # it ended some other way first
         log.error("job %s closed: %s", self.job_id, close_reason)
         if not connected:
             return ExitCode.BROKER
@@ -502,7 +512,7 @@ class Watcher:
                 another shell); the service watches the registry itself.
         """
         if self.terminal is not None:
-            return _exit_of(self.terminal)
+            return self._terminal_exit()
         if self.revocations.revoked_at(self.session) is not None:  # §16: closed and cancelled at once
             return self._close(CloseReason.RUNNER_LOST)
         if down_since is not None and now >= self.wall_deadline:
@@ -511,7 +521,7 @@ class Watcher:
             self.next_poll = now + REGISTRY_POLL_S
             self._resolve_from_record()  # e.g. `mam-orch cancel` from another shell
             if self.terminal is not None:
-                return _exit_of(self.terminal)
+                return self._terminal_exit()
         elif not poll:
             self.next_poll = now + DAY_S
         pending_state = self._terminal_state
@@ -519,7 +529,7 @@ class Watcher:
             if now < self._terminal_state_at + STATE_GRACE_S:
                 return None
             self._settle_state(pending_state)
-            return _exit_of(self.terminal)
+            return self._terminal_exit()
         if down_since is not None:
             return None
         deadline = min(self.wall_deadline, (self.last_alive + self.idle_s) if self.accepted_any
@@ -593,8 +603,3 @@ class Watcher:
         finally:
             if self._owns_client and self.client is not None:
                 self.client.close()
-
-
-def _exit_of(status: str | None) -> int:
-    """The §9 exit code of a terminal status (1 for anything else)."""
-    return STATUS_EXIT.get(status or "", ExitCode.ERROR)

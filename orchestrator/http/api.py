@@ -3,7 +3,7 @@ as plain functions of a running `HubService`, so they are tested without HTTP.
 
 A dispatch checks what `mam-orch dispatch` checks (brief, target, §14 terms,
 the contract, MAM_DISPATCH_SECRET) and queues the job through
-`thin.register_queued`, the path a dispatch over the service takes; the
+`submit.register_queued`, the path a dispatch over the service takes; the
 service publishes it. A cancel is `mam-orch cancel` on the service's own
 broker connection (§6): a queued job is cancelled on the hub only, a
 published one closed `cancelled` and its runner told.
@@ -17,7 +17,7 @@ from typing import Any
 from mam.orchestrator.control import cancel_owed, clear_dispatch, publish_cancel
 from mam.orchestrator.dispatch import check_brief, hub_contract, parse_retry_on
 from mam.orchestrator.service import HubService
-from mam.orchestrator.thin import register_queued
+from mam.orchestrator.submit import register_queued
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.protocol.errors import BrokerError, TransitionRefused, UsageError
@@ -68,7 +68,7 @@ def dispatch_request(service: HubService, body: object) -> dict[str, Any]:
     terms = QueueTerms(target_session=target,
                        target_labels=names.validate_labels(labels) if labels is not None else (),
                        priority=ints["priority"] or 0, retries=ints["retries"] or 0,
-                       retry_on=parse_retry_on(",".join(retry_on) if retry_on is not None else None), owner_pid=None)
+                       retry_on=parse_retry_on(",".join(retry_on) if retry_on is not None else None))
     if ints["queue_timeout_sec"] is not None:
         terms = terms._replace(queue_timeout_sec=ints["queue_timeout_sec"])
     terms = terms.checked()

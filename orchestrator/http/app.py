@@ -2,7 +2,7 @@
 `/metrics` of the hub service, in the service's process (issue 12, §14, §15).
 
 Starlette on uvicorn, in a thread of `mam-orch serve` started once the service
-holds its lock and subscribed (`HubService.on_ready`); the service loop keeps
+holds its lock and subscribed (HubService's `on_ready`); the service loop keeps
 the main thread, its one broker connection and its SIGTERM/SIGINT handling,
 and stops uvicorn on its way out. Nothing here talks to the broker except a
 cancel, on the service's own connection.
@@ -385,9 +385,8 @@ def serve_http_cli(*, workspace: Workspace, bind: str) -> int:
         UsageError (exit 64: another service runs, a bad or busy address), ConfigError (no token
         for a non-loopback address), BrokerUnavailable (exit 3).
     """
-    service = HubService(open_hub(workspace))
+    service = HubService(open_hub(workspace), on_ready=lambda: server.start())
     server = HttpServer(service, bind)  # the address and the token are checked before anything starts
-    service.on_ready = server.start
     try:
         return run_service(service)
     finally:

@@ -83,7 +83,8 @@ def log_places(record: Mapping[str, Any], root: Path | None) -> tuple[str, str]:
 
 def summary_lines(record: Mapping[str, Any], root: Path | None) -> str:
     """The last lines of a human `dispatch`/`watch` view: a cancel said in words, then
-    outcome, duration, runner and where the full output is (§15)."""
+    outcome, duration, the runner (only when one reported this attempt: a job that never
+    ran names none) and where the full output is (§15)."""
     job_id, status = record.get("job_id"), record.get("status")
     lines = []
     if status == JobStatus.CANCELLED:
@@ -91,8 +92,10 @@ def summary_lines(record: Mapping[str, Any], root: Path | None) -> str:
     hub_side, runner_side = log_places(record, root)
     outcome = _outcome(status, record.get("close_reason") if record.get("close_reason") != status else None)
     exit_code = record.get("exit_code")
+    ran = bool(record.get("last_seq") or record.get("seen_seq"))  # its runner reported this attempt
+    where = f"on runner {record.get('session') or '-'}" if ran else "without starting on any runner"
     lines.append(f"job {job_id} {outcome}{'' if exit_code is None else f' (exit {exit_code})'} after "
-                 f"{format_duration(duration_s(record))} on runner {record.get('session') or '-'}; "
+                 f"{format_duration(duration_s(record))} {where}; "
                  f"full output: hub {hub_side}, runner {runner_side}")
     return "\n".join(_cell(line) for line in lines) + "\n"
 

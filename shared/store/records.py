@@ -31,7 +31,7 @@ from mam.shared.protocol.codes import (
     EventName,
     JobStatus,
 )
-from mam.shared.protocol.errors import RegistryError, StaleAttemptError, TransitionRefused, UsageError
+from mam.shared.protocol.errors import ExitCode, RegistryError, StaleAttemptError, TransitionRefused, UsageError
 
 RECORD_VERSION = 1
 WORKER_SOURCES = frozenset({"publisher", "runner", "remote_mirror"})
@@ -93,7 +93,7 @@ class JobRecord(TypedDict):
     avoid_session: NotRequired[str]  # the previous attempt's runner, chosen last for a label target
     attempt_history: NotRequired[list[dict[str, Any]]]  # earlier attempts: attempt_id, session, status, reason
     retried: NotRequired[int]  # §14: retries made so far
-    queue_owner_pid: NotRequired[int]  # the hub process that waits for this queued job (no service)
+    queue_owner_pid: NotRequired[int]  # written by releases before one hub engine; read by nothing
 
 
 MAX_RETRIES = 10
@@ -111,7 +111,6 @@ class QueueTerms(NamedTuple):
         target_labels: the labels a runner must carry (sorted; empty with a session).
         priority: higher first; queue_timeout_sec: seconds queued before `queue_timeout`.
         retries: 0-10; retry_on: subset of `RETRY_ON_CHOICES`.
-        owner_pid: the hub process that waits to publish it (None: a service's).
     """
 
     target_session: str | None = None
@@ -120,7 +119,6 @@ class QueueTerms(NamedTuple):
     queue_timeout_sec: int = DEFAULT_QUEUE_TIMEOUT_SEC
     retries: int = 0
     retry_on: tuple[str, ...] = tuple(DEFAULT_RETRY_ON)
-    owner_pid: int | None = None  # the hub process that will publish it (a dispatch without a service)
 
     def checked(self) -> QueueTerms:
         """These terms, validated (labels sorted).
@@ -150,8 +148,6 @@ class QueueTerms(NamedTuple):
                                   else {"labels": list(self.target_labels)})
         fields = {"target": target, "priority": self.priority, "queue_timeout_sec": self.queue_timeout_sec,
                   "retries": self.retries, "retry_on": list(self.retry_on), "retried": 0}
-        if self.owner_pid is not None:
-            fields["queue_owner_pid"] = self.owner_pid
         return fields
 
 
@@ -244,6 +240,21 @@ def as_record(obj: object, job_id: str) -> JobRecord | str:
     """`obj` as a record when `check_record` passes, else the reason it does not."""
     why = check_record(obj, job_id)
     return why if why is not None else cast(JobRecord, obj)  # checked just above
+
+
+STATUS_EXIT: dict[str, ExitCode] = {JobStatus.COMPLETED: ExitCode.COMPLETED, JobStatus.ERROR: ExitCode.ERROR,
+                                    JobStatus.CANCELLED: ExitCode.CANCELLED}
+# The hub's own closes that §9 reports as a timeout (exit 2); agent_blocked is an error (exit 1).
+TIMEOUT_CLOSES = frozenset({CloseReason.DEADLINE_TIMEOUT, CloseReason.QUEUE_TIMEOUT, CloseReason.RUNNER_LOST})
+
+
+def exit_code_of(record: Mapping[str, Any]) -> int:
+    """The §9 exit code of a terminal record, the one mapping every command and the API use:
+    0 completed, 1 error (a runner's error or `agent_blocked`), 2 a timeout close
+    (`deadline_timeout`, `queue_timeout`, `runner_lost`), 4 cancelled."""
+    if record.get("close_reason") in TIMEOUT_CLOSES:
+        return ExitCode.TIMEOUT
+    return STATUS_EXIT.get(str(record.get("status")), ExitCode.ERROR)
 
 
 def validate_broker(broker: Mapping[str, Any] | None) -> dict[str, Any] | None:

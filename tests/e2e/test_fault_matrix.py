@@ -206,6 +206,36 @@ def test_runner_cut_off_by_iptables_drop(
     tally.check(capsys)
 
 
+@pytest.mark.timeout(300)
+def test_serve_records_the_late_outcome_of_a_runner_cut_off_longer_than_KxN(netns_fleet: Fleet, tmp_path: Path):
+    """§14 Late terminals with `mam-orch serve` running: the runner is cut off longer than
+    K × N, so the service closes the job `deadline_timeout` (the dispatch following it exits
+    2, as `watch` does); the runner's `completed` after the cut is recorded as `late_outcome`
+    by the service itself, with nobody running `mam-orch watch`."""
+    fleet = netns_fleet
+    marks_file = tmp_path / "marks"
+    fleet.serve()
+    fleet.start_runner("gpu-box", SHELL_AGENT, env={"MARKS": str(marks_file)})
+    run = fleet.dispatch("gpu-box", BRIEF, *CONTRACT)
+    sleep_until(started_on_hub(run) + FAULT_AT_S)
+    fleet.net.blackhole("gpu-box")
+    try:
+        assert run.wait(JOB_PATIENCE_S) == 2, run.log()[-3000:]
+        job_id = run.job_id()
+        assert fleet.hub_record(job_id)["close_reason"] == "deadline_timeout"
+    finally:
+        fleet.net.unblackhole("gpu-box")
+    wait_until(lambda: fleet.runner_record("gpu-box", job_id)["status"] in TERMINAL_STATUSES, JOB_PATIENCE_S,
+               "the runner's record to be terminal")
+    wait_until(lambda: fleet.hub_record(job_id).get("late_outcome") is not None, JOB_PATIENCE_S,
+               "the service to record the runner's late outcome")
+    # completed, or the hub's cancel reached the runner first (§6: `cancelled` is an `error` terminal)
+    runner = fleet.runner_record("gpu-box", job_id)["status"]
+    record = fleet.hub_record(job_id)
+    assert (record["status"], record["late_outcome"]) == ("error", "completed" if runner == "completed" else "error")
+    assert len([m for m in marks(marks_file) if m[1] == job_id]) == 1
+
+
 # ------------------------------------------------------------------ runner kill -9, redispatch
 
 @pytest.mark.timeout(300)

@@ -53,6 +53,7 @@ from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import TEST_SECRET, clean_env
 from mam.orchestrator.broker import conf
 from mam.orchestrator.broker import embedded as broker
+from mam.orchestrator.hublock import service_pid
 from mam.shared.config import write_env_file
 from mam.shared.protocol import names
 from mam.shared.store.registry import JobNotFound, Registry
@@ -460,6 +461,17 @@ class Fleet:
                 "--workspace", str(self.hub_ws), *opts]
         handle = Dispatch(f"dispatch {session}", self._popen("orch", argv))
         self._procs.append(handle)
+        return handle
+
+    def serve(self) -> Proc:
+        """`mam-orch serve --workspace <hub ws>` on `orch`, in the background; returns once it
+        holds the registry's hub lock (§14 "One hub process")."""
+        handle = Proc("serve", self._popen("orch", [*MAM_ORCH, "serve", "--workspace", str(self.hub_ws)]))
+        self._procs.append(handle)  # type: ignore[arg-type]
+        wait_until(lambda: service_pid(self.hub_ws) is not None or not handle.alive(), START_TIMEOUT_S,
+                   "the hub service to hold its lock")
+        if not handle.alive():
+            raise AssertionError(f"mam-orch serve exited {handle.proc.returncode}: {handle.log()[-3000:]}")
         return handle
 
     def redispatch(self, job_id: str, *opts: str) -> Dispatch:

@@ -30,6 +30,12 @@ class RecordingClient:
 
 def started(record: Any) -> bytes:
     """The signed `started` event (seq 1, §3) of the record's current attempt."""
-    body = {"schema_version": 1, "seq": 1, "job_id": record["job_id"], "event": "started", "timestamp": TS,
-            "detail": "", "data": {"attempt_id": record["attempt_id"], "dispatch_token": record["dispatch_token"]}}
+    return event(record, 1, "started")
+
+
+def event(record: Any, seq: int, name: str, **data: Any) -> bytes:
+    """A signed event `name` (§3) of the record's current attempt, with `data` added."""
+    body = {"schema_version": 1, "seq": seq, "job_id": record["job_id"], "event": name, "timestamp": TS,
+            "detail": "", "data": {"attempt_id": record["attempt_id"], "dispatch_token": record["dispatch_token"],
+                                   **data}}
     return wire.encode(crypto.sign_event(body, record["auth_token"]))

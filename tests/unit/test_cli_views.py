@@ -60,12 +60,18 @@ def test_human_view_logs_only_warnings_unless_asked():
 
 
 def test_s15_summary_line_outcome_duration_runner_and_both_log_places(reg):
-    record = ended(reg)
+    record = {**ended(reg), "last_seq": 3}  # its runner reported the attempt
     text = summary_lines(record, reg.root)
     assert text.count("\n") == 1
     assert f"job {record['job_id']} completed (exit 0) after 2m05s on runner gpu-box" in text
     assert str(names.hub_log_path(reg.root, record["job_id"], 1)) in text
     assert f".mam/logs/{record['job_id']}/agent.log in runner gpu-box's workspace" in text
+
+
+def test_the_summary_of_a_job_that_never_ran_names_no_runner(reg):
+    record = ended(reg, "error", "queue_timeout")  # a session target, never started (last_seq 0)
+    text = summary_lines(record, reg.root)
+    assert "without starting on any runner" in text and "on runner gpu-box" not in text
 
 
 def test_cancelled_while_watching_is_said_in_words(reg):

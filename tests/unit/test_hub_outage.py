@@ -274,7 +274,7 @@ def test_s14_watch_of_a_job_the_hub_closed_reads_the_retained_state_for_a_late_o
     reg.close(rec["job_id"], "deadline_timeout")
     client = FlakyClient()
     put(client, rec, signed(rec, 9, "completed", kind="state", status="completed"), "state")
-    assert remote_watcher(reg, rec, client).run() == ExitCode.ERROR  # the record's own verdict (§8)
+    assert remote_watcher(reg, rec, client).run() == ExitCode.TIMEOUT  # the record's own verdict (§8, §9)
     after = reg.get(rec["job_id"])
     assert after["status"] == "error" and after["late_outcome"] == "completed"
     assert "its runner later reported completed" in capsys.readouterr().err

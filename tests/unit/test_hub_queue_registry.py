@@ -1,13 +1,10 @@
 """PROTOCOL §14 on the hub registry, no broker: `queued` records and their terms,
-the placement under the registry lock (`queuewait.place`: in-flight dispatches
-from the records, dead owners left out), `queue_timeout`, retries
+the queue plan of a record (avoid_session, a redispatch's target), `queue_timeout`, retries
 (`retry_reason`, `retry_attempt`), `requeue` and `show`'s attempts."""
 
 from __future__ import annotations
 
 import io
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,8 +12,15 @@ from harness.workspace import TEST_SECRET
 from test_hub_watch import RecordingClient, deliver
 
 from mam.orchestrator import queuewait
-from mam.orchestrator.queue import Fleet, RunnerView
-from mam.orchestrator.queuewait import PresenceFeed, close_queue_timeout, place, requeue, retry_attempt, retry_reason
+from mam.orchestrator.queue import Fleet, RunnerView, plan
+from mam.orchestrator.queuewait import (
+    PresenceFeed,
+    close_queue_timeout,
+    queued_job,
+    requeue,
+    retry_attempt,
+    retry_reason,
+)
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.cli import render
 from mam.shared.config import BrokerConfig
@@ -44,9 +48,8 @@ def fleet_of(*sessions: str, max_jobs: int = 1, labels: tuple[str, ...] = ("x",)
     return fleet
 
 
-def labelled(reg: Registry, *, priority: int = 0, retries: int = 0, retry_on: tuple[str, ...] | None = None,
-             owner: int | None = None) -> dict:
-    terms = QueueTerms(target_labels=("x",), priority=priority, retries=retries, owner_pid=owner)
+def labelled(reg: Registry, *, priority: int = 0, retries: int = 0, retry_on: tuple[str, ...] | None = None) -> dict:
+    terms = QueueTerms(target_labels=("x",), priority=priority, retries=retries)
     if retry_on is not None:
         terms = terms._replace(retry_on=retry_on)
     return reg.register(session=None, queue=terms)
@@ -78,39 +81,15 @@ def test_s14_bad_terms_are_refused_before_anything_is_written(reg, terms, messag
     assert reg.list()[0] == []
 
 
-def test_s14_place_publishes_in_order_and_never_over_commits_across_processes(reg) -> None:
-    first = labelled(reg, owner=None)
-    urgent = labelled(reg, priority=5)
-    fleet = fleet_of("r1")
-    # the urgent job goes first: `first` waits although its own process plans
-    assert place(reg, first["job_id"], fleet).placed is False
-    placed = place(reg, urgent["job_id"], fleet)
-    assert placed.placed and placed.record["status"] == "pending" and placed.record["session"] == "r1"
-    # r1's only slot holds an in-flight dispatch (pending, published now): no second one
-    assert place(reg, first["job_id"], fleet).placed is False
-    trail = reg.audit(urgent["job_id"])
-    assert [(line["from"], line["to"], line["source"]) for line in trail if line["event"] == "status_changed"] == [
-        ("queued", "pending", "hub_queue")]
-    # a pending dispatch older than its ack timeout + skew no longer holds the slot
-    with reg.transaction(urgent["job_id"]) as txn:
-        stale = dict(txn.record, attempt_created_at="2000-01-01T00:00:00Z")
-        txn.update(stale, source="operator", reason="test")  # type: ignore[arg-type]
-    assert place(reg, first["job_id"], fleet).placed
+def pick(reg: Registry, job_id: str, fleet: Fleet) -> str | None:
+    """The session the hub engine's queue plan (§14 Matching) gives this queued record now."""
+    picks = dict(plan([queued_job(reg.get(job_id))], fleet, time.monotonic(), 60.0))
+    return picks.get(job_id)
 
 
-def test_s14_a_queued_job_whose_owner_died_blocks_nobody(reg) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    orphan = labelled(reg, priority=9, owner=int(dead.stdout))
-    mine = labelled(reg)
-    assert place(reg, mine["job_id"], fleet_of("r1")).placed
-    assert reg.get(orphan["job_id"])["status"] == "queued"
-
-
-def test_s14_place_leaves_a_job_that_left_the_queue_alone(reg) -> None:
+def test_s14_a_job_that_left_the_queue_is_never_published(reg) -> None:
     record = labelled(reg)
     reg.close(record["job_id"], "cancelled", source="operator")
-    result = place(reg, record["job_id"], fleet_of("r1"))
-    assert (result.placed, result.record["status"]) == (False, "cancelled")
     with pytest.raises(Refusal):
         queuewait.mark_published(reg, record["job_id"], "r1")
 
@@ -159,7 +138,8 @@ def test_s14_retry_attempt_queues_attempt_2_with_fresh_tokens_avoiding_the_runne
     assert retry_reason(new) is None  # still queued
     assert retry_attempt(reg, job_id, "deadline_timeout", None, None) is None  # nothing to retry now
     # the next plan prefers another runner, and takes r1 only when it is the only one
-    assert place(reg, job_id, fleet_of("r1", "r2")).record["session"] == "r2"
+    assert pick(reg, job_id, fleet_of("r1", "r2")) == "r2"
+    queuewait.mark_published(reg, job_id, "r2")
     rows = render.attempts(reg.get(job_id))
     assert [(r["attempt_id"], r["session"], r["outcome"]) for r in rows] == [
         (1, "r1", "error (deadline_timeout)"), (2, "r2", "pending")]
@@ -173,8 +153,8 @@ def test_s8_s14_requeue_is_the_operators_redispatch_through_the_queue(reg) -> No
     reg.close(job_id, "cancelled", source="operator")
     new = requeue(reg, job_id, session="gpu-box")
     assert (new["status"], new["attempt_id"], new["target"]) == ("queued", 2, {"session": "gpu-box"})
-    assert place(reg, job_id, fleet_of("r1")).placed is False  # r1 is not gpu-box
-    assert place(reg, job_id, fleet_of("gpu-box")).record["session"] == "gpu-box"
+    assert pick(reg, job_id, fleet_of("r1")) is None  # r1 is not gpu-box
+    assert pick(reg, job_id, fleet_of("gpu-box", labels=())) == "gpu-box"
 
 
 def test_s14_presence_feed_refuses_hostile_presence_and_tells_a_lost_runner() -> None:

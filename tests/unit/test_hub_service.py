@@ -11,11 +11,12 @@ import os
 import time
 
 import pytest
-from harness.hubclient import RecordingClient, started
+from harness.fake_mqtt import FakeBroker
+from harness.hubclient import RecordingClient, event, started
 from harness.workspace import TEST_SECRET
 
-from mam.orchestrator.follow import AuditTail, exit_code_of, settled
-from mam.orchestrator.hub import open_hub
+from mam.orchestrator.follow import AuditTail, settled
+from mam.orchestrator.hub import Hub, open_hub
 from mam.orchestrator.hublock import HubLock, service_pid
 from mam.orchestrator.service import HubService
 from mam.orchestrator.watch import Watcher, WatchOptions
@@ -52,15 +53,6 @@ def test_s14_the_audit_tail_returns_whole_lines_only(tmp_path):
     with open(path, "ab") as file:
         file.write(b': 2}\nnot json\n[1]\n')
     assert tail.read() == [{"b": 2}]
-
-
-@pytest.mark.parametrize(("status", "close_reason", "code"), [
-    ("completed", None, ExitCode.COMPLETED), ("cancelled", "cancelled", ExitCode.CANCELLED),
-    ("error", None, ExitCode.ERROR), ("error", "agent_blocked", ExitCode.ERROR),
-    ("error", "deadline_timeout", ExitCode.TIMEOUT), ("error", "queue_timeout", ExitCode.TIMEOUT),
-    ("error", "runner_lost", ExitCode.TIMEOUT)])
-def test_s9_the_thin_cli_exits_as_a_watch_would(status, close_reason, code):
-    assert exit_code_of({"status": status, "close_reason": close_reason}) == code  # type: ignore[typeddict-item]
 
 
 def test_s14_an_attempt_about_to_be_retried_is_not_settled(tmp_path):
@@ -108,3 +100,29 @@ def test_s14_the_service_survives_hostile_messages_on_every_topic(tmp_path):
     service.on_message(names.events_topic(record["job_id"], root), started(record), now)
     assert reg.get(record["job_id"])["status"] == "running"  # and it still works
 
+
+
+def test_s14_the_service_records_a_late_outcome_of_a_job_it_closed_itself(tmp_path):
+    """serve's half of §14 Late terminals: after its own `deadline_timeout` close, the
+    service keeps judging the job, so the runner's later `completed` is `late_outcome`
+    (the same in-memory fake broker the runner's unit tests use)."""
+    reg = Registry(tmp_path)
+    record = reg.register(session="gpu-box", contract=Contract(heartbeat_sec=1, heartbeat_misses=2))
+    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
+    broker = FakeBroker()
+    service = HubService(Hub(reg, transport=broker.client))
+    service.client = service.hub.connect("serve")
+    now = time.monotonic()
+    service.scan(now)
+    topic = names.events_topic(record["job_id"], service.config.topic_root)
+    service.on_message(topic, started(record), now)
+    service.tick(now + 60.0, None)  # silence past K x N: the service closes it
+    closed = reg.get(record["job_id"])
+    assert (closed["status"], closed["close_reason"]) == ("error", "deadline_timeout")
+    assert record["job_id"] not in service.watchers and record["job_id"] in service.late
+    service.on_message(topic, event(record, 2, "completed", exit_code=0), now + 61.0)
+    after = reg.get(record["job_id"])
+    assert (after["status"], after["late_outcome"]) == ("error", "completed")  # the status stays (§8)
+    assert record["job_id"] not in service.late  # judged once: no longer followed
+    assert [line["terminal"] for line in reg.audit(record["job_id"]) if line["event"] == "late_terminal"] == [
+        "completed"]

@@ -1,0 +1,75 @@
+"""One hub engine (§14 "One hub process"): `mam-orch dispatch` says the same one line, and
+exits with the same code, about a job that cannot run, whether `mam-orch serve` runs or
+the dispatch runs the engine itself. Real nats-server, a real `mam-runner run`.
+
+The three cases a new user met: a wrong MAM_DISPATCH_SECRET on the hub (the runner's
+presence does not verify), a label no runner has, a typo in the session name. A job
+that never ran names no runner in what `dispatch` says of its end.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+from harness import runnersim
+from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, orch
+from harness.waiting import PATIENCE_S, wait_until
+
+from mam.orchestrator.hublock import service_pid
+
+pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(6 * PATIENCE_S)]
+
+WRONG_SECRET = "w" * 40  # not the runner's (harness.workspace.TEST_SECRET)
+CASES = {
+    "wrong-secret": (("--session", "box-x"), {"MAM_DISPATCH_SECRET": WRONG_SECRET},
+                     "job JOB: runner box-x is online but its presence signature does not verify with this "
+                     "hub's key", 2),
+    "unknown-label": (("--labels", "nowhere"), {},
+                      "WARNING: job JOB: no runner has ever announced labels=nowhere (job JOB waits for "
+                      "labels=nowhere)", 2),
+    "unknown-session": (("--session", "box-typo"), {},
+                        "job JOB: session box-typo has announced no presence: dispatching now (v1)", 1),
+}
+
+
+def _dispatch(hub: Path, target: tuple[str, ...], *, serve: bool) -> tuple[int, str]:
+    server = None
+    if serve:
+        server = subprocess.Popen([*MAM_ORCH, "serve", "--workspace", str(hub)], env=hub_env(),
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: service_pid(hub) is not None or server.poll() is not None, PATIENCE_S,
+                   "mam-orch serve to hold the hub lock")
+        assert server.poll() is None, "mam-orch serve exited"
+    try:
+        result = orch(hub, "dispatch", *target, "--brief", "true", "--queue-timeout", "4", "--ack-timeout", "3",
+                      "--json")
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(PATIENCE_S)
+    return result.returncode, result.stderr
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_same_reason_line_and_exit_code_with_and_without_serve(nats_broker, tmp_path, case):
+    target, hub_settings, expected, exit_code = CASES[case]
+    runner = runnersim.start_runner(nats_broker, tmp_path / "box-x", "box-x")
+    try:
+        said = {}
+        for serve in (False, True):
+            hub = hub_workspace(nats_broker, tmp_path / ("served" if serve else "alone"), **hub_settings)
+            code, err = _dispatch(hub, target, serve=serve)
+            (job_id,) = re.findall(r"queued job ([0-9a-f]{8})", err)
+            lines = [line.replace(job_id, "JOB") for line in err.splitlines()]
+            assert code == exit_code, err
+            reason = [line for line in lines if line.startswith(expected)]
+            assert len(reason) == 1, err
+            said[serve] = reason[0]
+            assert "on runner" not in err, err  # it never ran
+        assert said[False] == said[True]
+    finally:
+        runner.terminate()
+        runner.wait(PATIENCE_S)
