@@ -13,22 +13,30 @@ with the same codes.
 
 from __future__ import annotations
 
+import logging
 import sys
+import time
 from typing import BinaryIO
 
 from mam.orchestrator.dispatch import hub_contract, print_started, queue_terms, read_brief, save_brief
 from mam.orchestrator.follow import Follower
 from mam.orchestrator.hints import detach_hint, queued_hint, reattach_hint
 from mam.orchestrator.hub import Hub, Workspace, open_hub
+from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S
 from mam.orchestrator.runners import collect_presence, read_presence
 from mam.orchestrator.service import EmbeddedService
 from mam.orchestrator.watch import Detached
 from mam.shared.cli.render import print_summary
+from mam.shared.config import env_float
 from mam.shared.protocol import wire
 from mam.shared.protocol.codes import JobStatus, PresenceStatus
-from mam.shared.protocol.errors import BrokerUnavailable, ExitCode
+from mam.shared.protocol.errors import BrokerError, ExitCode
 from mam.shared.store.records import JobRecord, QueueTerms, describe_target
 from mam.shared.store.registry import Registry
+
+log = logging.getLogger("mam.dispatch")
+
+TAKE_OVER_RETRY_S = 1.0  # how often a follower tries to start the engine the broker refused
 
 
 def register_queued(registry: Registry, *, brief: str, contract: wire.Contract, terms: QueueTerms) -> JobRecord:
@@ -55,16 +63,15 @@ def follow_job(hub: Hub, engine: EmbeddedService, job_id: str, *, detach: bool, 
     while True:
         try:
             code = follower.follow(until_published=detach)
-        except Detached:
+            if code is not None:
+                break
+            print(f"job {job_id}: the hub service stopped; serving it here", file=sys.stderr, flush=True)
+            _take_over(engine, time.monotonic() + env_float("MAM_HUB_OUTAGE_GIVE_UP_S", OUTAGE_GIVE_UP_S))
+        except (Detached, KeyboardInterrupt):
             queued = registry.get(job_id)["status"] == JobStatus.QUEUED
             print(queued_hint(job_id, workspace) if queued else detach_hint(job_id, workspace), file=sys.stderr)
             return ExitCode.DETACHED
-        if code is not None:
-            break
-        print(f"job {job_id}: the hub service stopped; serving it here", file=sys.stderr, flush=True)
-        try:
-            engine.ensure()
-        except BrokerUnavailable as exc:
+        except BrokerError as exc:
             print(f"job {job_id}: {exc}. {reattach_hint(registry, job_id, workspace) or ''}", file=sys.stderr)
             return ExitCode.BROKER
     engine.stop()  # a cancel's confirmation (§6) is awaited here, before the summary
@@ -74,6 +81,26 @@ def follow_job(hub: Hub, engine: EmbeddedService, job_id: str, *, detach: bool, 
     if not as_json and sys.stdout.isatty():
         print_summary(registry, job_id)
     return code
+
+
+def _take_over(engine: EmbeddedService, give_up_at: float) -> None:
+    """Start the hub engine here after the one followed stopped; while the broker refuses
+    (a cluster electing leaders, an outage) try again every `TAKE_OVER_RETRY_S` until the
+    monotonic `give_up_at`.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C. BrokerError: still no engine at `give_up_at` (nothing decided).
+    """
+    while True:
+        try:
+            engine.ensure()
+            return
+        except BrokerError as exc:
+            left_s = give_up_at - time.monotonic()
+            if left_s <= 0:
+                raise
+            log.info("the hub engine cannot start yet (%s); trying again", exc)
+            time.sleep(min(TAKE_OVER_RETRY_S, left_s))
 
 
 def _require_online(hub: Hub, terms: QueueTerms) -> str | None:
