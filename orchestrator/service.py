@@ -1,12 +1,16 @@
-"""`mam-orch serve`: the hub service of PROTOCOL §14 "One hub process".
+"""The hub engine (PROTOCOL §14 "One hub process"): `mam-orch serve`, and the same
+service embedded in `dispatch`, `redispatch` and `mam.Hub` (`EmbeddedService`).
 
-One process per registry (`hublock.HubLock`, `.mam/hub.lock`), one broker
-connection subscribed to `jobs/+/events`, `jobs/+/state` and `runners/+`. It
-owns every `queued`, `pending` and `running` hub record, whichever command
-registered it: each open job is one `watch.Watcher` (the same §3.2 judging,
-mirroring and §10 clocks as `watch`/`dispatch`, fed by `handle` and `tick`),
-queued jobs leave through `queue.plan` on every presence and every new queued
-record. The registry folder is scanned every `SCAN_S` (changed files only), so
+`HubService` is the only code that places, publishes, judges (§3.2), clocks (§10),
+mirrors and retries. One process per registry (`hublock.HubLock`, `.mam/hub.lock`),
+one broker connection subscribed to `jobs/+/events`, `jobs/+/state`, `jobs/+/log`
+and `runners/+`. It owns every `queued`, `pending` and `running` hub record,
+whichever command registered it: each open job is one `watch.Watcher` (fed by
+`handle` and `tick`); queued jobs leave through `queue.plan` on every presence and
+every new queued record; a job it closed itself stays judged for `LATE_JUDGE_S`
+(late terminals). What it knows about a job (why it waits, a runner's refusal, a
+retry) it writes as a `hub_note` line of the job's audit log, which every follower
+prints. The registry folder is scanned every `SCAN_S` (changed files only), so
 records registered by other commands are picked up at once.
 
 Scale (docs/registry.md "Durability"): messages are handled in passes, each one
@@ -14,11 +18,10 @@ Scale (docs/registry.md "Durability"): messages are handled in passes, each one
 lines are not fsynced; a job with a received, unjudged message is never closed.
 
 Restart: open records are reloaded first (seqs from the audit log's tail), then
-the subscription brings the retained states (§4); every clock starts with a full window. While the
-connection is down only the wall clocks run (§14 "Broker outages"). SIGTERM
-and SIGINT stop it cleanly: jobs go on, the lock is released.
+the subscription brings the retained states (§4); every clock starts with a full
+window. While the connection is down only the wall clocks run (§14 "Broker
+outages"). SIGTERM and SIGINT stop it cleanly: jobs go on, the lock is released.
 """
-
 from __future__ import annotations
 
 import logging
@@ -547,7 +550,7 @@ class HubService:
         client.subscribe([(names.all_events_filter(root), 1), (names.all_states_filter(root), 1),
                           (names.all_logs_filter(root), 1), (names.all_presence_filter(root), 1)])
         self._info("hub service pid %d serving %s: %d open jobs, %d queued", os.getpid(), self.registry.root,
-                 len(self.watchers), len(self.queued))
+                   len(self.watchers), len(self.queued))
         link = BrokerLink(client)
         subscribed = time.monotonic()
         self.settle_until, self.settle_max = subscribed + PRESENCE_SETTLE_S, subscribed + PRESENCE_SETTLE_MAX_S
@@ -573,7 +576,7 @@ class HubService:
             if message is not None:
                 self.handle_batch(client, message, min(next_scan, next_tick))
         self._info("hub service stopping: %d jobs go on without it (%d messages handled)",
-                 len(self.watchers), self.stats.messages)
+                   len(self.watchers), self.stats.messages)
         return 0
 
 
