@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from harness.procs import processes_under
 from harness.waiting import PATIENCE_S
 from harness.workspace import clean_env
 
@@ -18,19 +19,6 @@ DEMO = REPO / "examples" / "demo.py"
 DEMO_TIMEOUT_S = 3 * PATIENCE_S  # a broker, a runner, a job and their shutdown, on a busy machine
 
 pytestmark = pytest.mark.e2e
-
-
-def _processes_under(folder: Path) -> list[str]:
-    """Live processes whose command line names `folder` (its broker, runner, timers, agents)."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline", "name"]):
-        try:
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if str(folder) in cmdline and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(f"{proc.info['pid']} {cmdline[:200]}")
-        except psutil.Error:
-            continue
-    return found
 
 
 @pytest.mark.timeout(DEMO_TIMEOUT_S + PATIENCE_S)
@@ -47,7 +35,7 @@ def test_demo_completes_and_leaves_no_process(tmp_path):
     job_logs = list((base / "runner" / ".mam" / "logs").glob("*/agent.log"))
     assert len(job_logs) == 1 and "add hello.txt" in job_logs[0].read_text()
     assert str(job_logs[0]) in out
-    assert _processes_under(base) == []
+    assert processes_under(base) == []
     # the nats-server and mam-runner the demo started are gone (by their recorded pids too)
     leftovers = [p for p in psutil.process_iter(["name", "cmdline"])
                  if p.info["name"] in ("nats-server",) and any(str(base) in a for a in p.info["cmdline"] or [])]
@@ -81,4 +69,4 @@ def test_demo_interrupted_after_the_runner_is_up_stops_everything(tmp_path):
     assert code == 130, out
     assert "interrupted" in out and "=== 6. stopping" in out and "broker down (exit 0)" in out
     base = next(tmp_path.glob("mam-demo-*"))
-    assert _processes_under(base) == []
+    assert processes_under(base) == []

@@ -44,6 +44,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from harness.procs import processes_under
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env
 
@@ -160,19 +161,6 @@ def session_members(sid: int) -> list[psutil.Process]:
             if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (OSError, psutil.Error):
-            continue
-    return found
-
-
-def processes_under(folder: Path) -> list[str]:
-    """Live processes whose command line names `folder` (brokers, runners, agents)."""
-    found = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if str(folder) in cmdline and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(f"{proc.info['pid']} {cmdline[:200]}")
-        except psutil.Error:
             continue
     return found
 

@@ -22,6 +22,20 @@ def gone(pid: int, create_time: float | None = None) -> bool:
         return True
 
 
+def processes_under(folder: Path) -> list[str]:
+    """Live processes whose command line names `folder` (brokers, runners, timers, agents),
+    as `pid cmdline` lines: what a test that started them there must have stopped."""
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmdline = " ".join(proc.info["cmdline"] or [])
+            if str(folder) in cmdline and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(f"{proc.info['pid']} {cmdline[:200]}")
+        except psutil.Error:
+            continue
+    return found
+
+
 def all_gone(pids: Iterable[int]) -> bool:
     """True when every pid of `pids` is gone (see `gone`)."""
     return all(gone(pid) for pid in pids)
