@@ -1,4 +1,4 @@
-"""The hub queue's speed (issue 11 "Speed and scale"; run with `make bench`):
+"""The hub queue's speed (run with `make bench`):
 real nats-server, real `mam-orch serve`, real `mam-runner run` daemons with a
 trivial agent (`exit-agent 0`: the runner publishes `completed` at once).
 

@@ -1,5 +1,5 @@
 """One `mam-orch serve` tracking N concurrent jobs whose runners beat every 1 s
-(issue 11 "Speed and scale"; run with `make bench`).
+(run with `make bench`).
 
 The hub side is the real service process. The runners are `SIM_PROCESSES`
 simulator processes (`serve_sim.py`), each publishing, for its share of the

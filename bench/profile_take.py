@@ -1,5 +1,5 @@
 """Where the runner's time goes from a dispatch's arrival to `started` on the wire
-(issue 10 "Speed"; docs/benchmarks.md). Not a test: run it by hand,
+(docs/benchmarks.md). Not a test: run it by hand,
 
     .venv/bin/python bench/profile_take.py [--jobs 40] [--cprofile FILE]
 

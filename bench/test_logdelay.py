@@ -1,4 +1,4 @@
-"""The output delay of issue 12 (PROTOCOL §15): from an agent writing a line to
+"""The agent output's delay (PROTOCOL §15): from an agent writing a line to
 `mam-orch dispatch` on the hub showing it on a terminal, p95 ≤ 1 s (`make bench`).
 
 A real nats-server, a real runner daemon and a `dispatch` whose stdout is a

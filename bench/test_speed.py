@@ -1,4 +1,4 @@
-"""The three speed figures of issue 10, each printed next to its floor measured
+"""The three speed figures of a job's path, each printed next to its floor measured
 in the same run (`make bench`; never in CI's `make test`). docs/benchmarks.md
 explains them and where the time goes.
 

@@ -1,4 +1,4 @@
-"""The Python API of the hub (issue 11 item 7), exported as `mam.Hub`:
+"""The Python API of the hub, exported as `mam.Hub`:
 
     from mam import Hub
     hub = Hub(workspace="/srv/hub")

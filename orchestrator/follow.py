@@ -1,5 +1,5 @@
 """Following a job: `mam-orch watch`, and the thin CLI over the hub service
-(PROTOCOL §14 "One hub process", issue 11 item 5).
+(PROTOCOL §14 "One hub process").
 
 When `mam-orch serve` runs for the registry (`hublock.service_pid`), `dispatch`
 and `watch` open no broker connection: the service judges and mirrors every

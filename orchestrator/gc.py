@@ -2,7 +2,8 @@
 and `--reclear`: clear again what a broker crash may have brought back.
 
 nats-server 2.15 brings cleared retained messages back after it is SIGKILLed
-(issue 10 fault 7: 100 retained dispatches, 90 cleared, kill -9, restart: 100).
+(killed and restarted, it brought back all 100 retained dispatches, 90 of them
+cleared before: docs/deployment.md).
 Runners refuse such a dispatch (replayed/expired), and `reclear` takes it off
 the broker: the dispatch and control of every job terminal in this hub's
 registry (all four retained topics of a job `gc` cleared already), and the
@@ -125,7 +126,7 @@ def gc_cli(*, older_than_days: float = RETENTION_DAYS, workspace: Workspace = No
 
 
 def reclear_leaves(record: JobRecord, collected: bool) -> tuple[str, ...]:
-    """The retained leaves of `record`'s job that must stay cleared (issue 10 fault 7).
+    """The retained leaves of `record`'s job that must stay cleared (a broker restart may bring them back).
 
     Args:
         record: a hub record; collected: `gc` cleared its retained topics already.

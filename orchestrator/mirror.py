@@ -1,5 +1,5 @@
 """What the hub's watch stores beyond accepted events, and how it sees its own
-broker connection (issue 10): a §4 state that moves a `pending` record to
+broker connection (§14 outages): a §4 state that moves a `pending` record to
 `running` (a detached dispatch's watch may never see `started`) and records its
 seq so one gap is logged once (§3.2 rule 6); a terminal that comes after the hub
 closed the job, kept as `late_outcome` (§14 "Late terminals"); `BrokerLink`, the

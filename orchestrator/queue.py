@@ -5,7 +5,7 @@
 `started` yet (in flight), and the order in which runners were handed jobs.
 `plan(queued, fleet, now, stale_after_s)` says which queued jobs to publish
 now and to whom (§14 Matching); `why_waiting` says in one line why a job
-still waits (issue 11 item 6). Callers pass monotonic seconds as `now`.
+still waits (one line, §14). Callers pass monotonic seconds as `now`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class RunnerView:
         verified: the presence signature verifies with this hub's sign key (§5).
         seen_at: when the hub received that presence (monotonic s).
         last_refusal: (job_id, "reason: detail") of the last dispatch it refused, from its
-            presence (issue 11 item 6), or None.
+            presence (`last_refusal`, §7), or None.
         host, version: what the presence says of the runner's machine and software (for views).
     """
 
@@ -234,7 +234,7 @@ def _plural(count: int, word: str) -> str:
 
 def why_waiting(job: QueuedJob, fleet: Fleet, queued: Sequence[QueuedJob], now: float,
                 stale_after_s: float) -> str:
-    """One human line saying why `job` is still queued (issue 11 item 6, §14).
+    """One human line saying why `job` is still queued (§14).
 
     Args:
         job: the waiting job; fleet: the runners; queued: every queued job (for

@@ -104,7 +104,7 @@ class PresenceFeed:
 
     def refusal(self, session: str, job_id: str) -> str | None:
         """The line saying that runner `session` refused `job_id`'s dispatch, from its verified
-        presence (`last_refusal`, issue 11 item 6), the first time only; else None."""
+        presence (`last_refusal`, §7), the first time only; else None."""
         view = self.fleet.view(session)
         if view is None or view.last_refusal is None or view.last_refusal[0] != job_id or job_id in self._told:
             return None

@@ -217,7 +217,8 @@ def collect_presence(client: Transport, keys: DispatchKeys, session: str | None 
 
 
 def incomplete_reasons(received: int, *, cut_off: bool, last_count: int | None) -> list[str]:
-    """Why a list of `received` presences may miss runners (empty: no sign of it), issue 10 fault 6.
+    """Why a list of `received` presences may miss runners (empty: no sign of it), e.g. a
+    broker that lost retained presences.
 
     Args:
         received: presence messages received in this run.

@@ -10,7 +10,7 @@ terminal event, unless the agent published one itself. The job's files are
 removed when it ends. An orphan (a dead runner's job) only has its agent tree
 stopped and its end published. A job thread never dies with an exception and
 ends every job with a terminal: when the disk refuses it (full, read-only) it
-goes on the wire at once and to disk once the disk takes it (issue 10, fault 9).
+goes on the wire at once and to disk once the disk takes it (a full disk loses no terminal).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ a secret is held back until more output or the end), applies the rate cap
 `.mam/outbox-log/` (§17: kept until PUBACK). A sender thread publishes them in
 order on `ROOT/jobs/<id>/log` (QoS 1, not retained), retrying through outages.
 The outbox is capped (OUTBOX_MAX_BYTES per job, beyond: dropped), so no queue
-grows without bound. `finish` (the §12 barrier, before `completed`/`error`)
+grows without bound. `finish` (the §15 barrier, before `completed`/`error`)
 reads to the end, sends the rest and waits for the PUBACKs (FINISH_WAIT_S at
 most while connected); the terminal event then carries `data.log_chunks`.
 """

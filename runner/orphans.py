@@ -65,7 +65,7 @@ def check_not_hub_registry(registry: Registry) -> None:
 def check_workspace_writable(registry: Registry) -> None:
     """Refuse to serve from a workspace whose `.mam/` cannot be written (a read-only mount,
     a folder of another user, a full disk): every dispatch would fail inside while the
-    presence said `online` (issue 10, fault 4). Runs before any connection or presence.
+    presence said `online`. Runs before any connection or presence.
 
     Raises:
         RegistryError: one line naming the folder and the errno (exit 1, like a

@@ -63,7 +63,7 @@ class Presence:
         self.published_at = 0.0
         self.replaced = False
         self.status = ""
-        self.last_refusal: dict[str, str] | None = None  # issue 11 item 6: the hub can say why
+        self.last_refusal: dict[str, str] | None = None  # §7 last_refusal: the hub can say why
 
     def note_refusal(self, job_id: str, reason: str, detail: str) -> None:
         """Remember the last dispatch refused (§5) so the next presence tells the hub

@@ -194,7 +194,7 @@ class Runner:
         self._registry = Registry(self.options.root)
         try:
             orphans.check_not_hub_registry(self._registry)  # before any connection, handler or log line
-            orphans.check_workspace_writable(self._registry)  # before any presence (issue 10 fault 4)
+            orphans.check_workspace_writable(self._registry)  # before any presence (an unwritable one announces none)
         except BaseException:  # HubRegistry, a registry that cannot be listed or written
             self._shutdown_done = True
             self._stopped.set()

@@ -258,7 +258,7 @@ _CLIENT_ID_PREFIX_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopq
 
 def _check_client_id_prefix(value: str) -> str:
     """Refuse an MQTT_CLIENT_ID_PREFIX that is not 1-32 letters, digits, '-' or '_' (§13):
-    client ids are `<prefix>-<role>-<random>`, and MQTT 3.1.1 §3.1.3.1 only guarantees
+    client ids are `<prefix>-<role>-<random>`, and MQTT 3.1.1 section 3.1.3.1 only guarantees
     letters and digits, so a bad prefix would otherwise fail late, at connect time.
 
     Raises:

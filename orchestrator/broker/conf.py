@@ -1,5 +1,5 @@
-"""The configuration of the embedded nats-server (reference design MESSAGING
-§1.2-§1.3; PROTOCOL §2, §9, §13): its users and listeners, the rendered
+"""The configuration of the embedded nats-server (PROTOCOL
+§1.2-§1.3, §2, §9, §13): its users and listeners, the rendered
 `nats.conf`, and the checks run before anything is started or written.
 
 The embedded config IS the shipped deploy/nats/nats.conf (`natsconf.NATS_CONF`)
@@ -126,7 +126,7 @@ def _cut_block(text: str, opening: str) -> str:
 
 def render_nats_config(settings: NatsSettings, creds: BrokerCredentials) -> str:
     """The embedded nats-server configuration: the shipped deploy/nats/nats.conf
-    (`natsconf.NATS_CONF`) with its `MAM_*` variables filled in (MESSAGING §1.2-§1.3).
+    (`templates.NATS_CONF`) with its `MAM_*` variables filled in (§1.2-§1.3).
 
     Args:
         settings: listeners and store (ws_port None: the websocket block is left out).

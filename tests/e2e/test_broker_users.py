@@ -1,4 +1,4 @@
-"""PROTOCOL §16, issue 13 item 5: least privilege at the broker. nats: a real nats-server
+"""PROTOCOL §16.6: least privilege at the broker. nats: a real nats-server
 from the venv runs the config `mam-orch init --broker-config` wrote; `mam-orch runner add`
 gives runners A and B their own broker users (passwords in 0600 files, never on stdout)
 and edits that config, `nats-server --signal reload` (the command `runner add|revoke`

@@ -1,4 +1,4 @@
-"""Issue 12 item 4 over a real broker (each of nats and mosquitto): `runners` hides
+"""Over a real broker (each of nats and mosquitto): `runners` hides
 offline sessions last seen over 7 days ago (`--all` shows them) and `runners prune`
 clears their retained presence, refusing an online one (PROTOCOL §7); `broker
 status` and `config --check` connect to a configured broker this hub did not start

@@ -1,4 +1,4 @@
-"""`mam-orch dispatch` as a person sees it on a terminal (issue 12 item 4): a real
+"""`mam-orch dispatch` as a person sees it on a terminal: a real
 broker, a real runner, the hub CLI under a pseudo-terminal — no logger lines in the
 view, a final summary line (outcome, duration, runner, the output's place on both
 sides, PROTOCOL §15), and a cancel from another shell said in words."""

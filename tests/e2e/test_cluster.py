@@ -1,4 +1,4 @@
-"""A three-node NATS cluster the fleet fails over across (issue 14 Build 6; docs/deployment.md
+"""A three-node NATS cluster the fleet fails over across (docs/deployment.md
 "NATS cluster"; PROTOCOL §10 broker loss, §13 MQTT_BROKER fail-over list, §17).
 
 The nodes are configured and started by what `mam-orch init --cluster` writes and prints

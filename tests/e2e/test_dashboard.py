@@ -1,4 +1,4 @@
-"""The dashboard of `mam-orch serve --http` in a real browser (issue 12 item 2): Debian's
+"""The dashboard of `mam-orch serve --http` in a real browser: Debian's
 chromium driven by Playwright. Broker, service and two runners are real processes; the page
 shows both runners, a job dispatched through the API goes queued → running → completed on
 the page without a reload, and its output tail grows live. Screenshots are saved under the

@@ -58,7 +58,7 @@ pytestmark = [pytest.mark.broker, pytest.mark.timeout(60)]
 @pytest.fixture(params=["nats", "mosquitto", "embedded"])
 def broker(request) -> Broker:
     """Each ACL test runs against both shipped broker configs and the embedded broker of
-    `mam-orch broker up` (issue 10 fault 5: its observer could not read `#` nor use /mqtt)."""
+    `mam-orch broker up` (its observer once could not read `#` nor use /mqtt)."""
     if request.param == "nats":
         return request.getfixturevalue("nats_plain")
     if request.param == "embedded":
@@ -386,7 +386,7 @@ COMPOSE_FILES = sorted(p for p in (REPO / "deploy").rglob("docker-compose*.yaml"
 @pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: str(p.relative_to(REPO)))
 def test_compose_file_validates(path: Path, tmp_path: Path):
     """Every shipped compose file is valid for the compose installed here, v1 (Debian's
-    docker-compose 1.29: no top-level `name:`) or v2 (issue 14 item 2)."""
+    docker-compose 1.29: no top-level `name:`) or v2."""
     compose = docker_env.compose_command()
     if compose is None:
         pytest.skip("neither docker-compose (v1) nor `docker compose` (v2) is installed")

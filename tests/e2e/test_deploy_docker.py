@@ -1,4 +1,4 @@
-"""Docker end-to-end (issue 14 items 1-4): tests/e2e/docker-compose.yaml on a real engine.
+"""Docker end-to-end: tests/e2e/docker-compose.yaml on a real engine.
 
 A broker (the production deploy/nats/nats.conf), a hub, three runners and a dashboard host
 run in containers on one internal network inside 100.64.0.0/10 with MagicDNS-style aliases;

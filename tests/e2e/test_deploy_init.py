@@ -2,7 +2,7 @@
 
 Runs the installed console script as a real process; the printed native command runs the
 real nats-server (in a network namespace), the printed compose commands are validated with
-the installed compose (issue 14 Build 5).
+the installed compose.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def test_broker_password_starts_with_a_letter():
     assert all(mam_init.broker_password()[0].isalpha() for _ in range(200))
 
 
-# ------------------------------------------------------------------ the printed routes (issue 14 Build 5)
+# ------------------------------------------------------------------ the printed routes
 
 NATIVE_PREFIX = "  or natively: "
 

@@ -1,5 +1,5 @@
 """`mam_agent` runs a complete remote job through the SHIPPED broker configs
-(deploy/nats/nats.conf, deploy/mosquitto/) — issue 6: hub and runner with their
+(deploy/nats/nats.conf, deploy/mosquitto/): hub and runner with their
 own workspaces, a real `mam-runner run` and a real `mam-orch dispatch` (§5-§11)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The SHIPPED broker configurations under a large fleet and a broker crash
-(issue 10 faults 6 and 10; PROTOCOL §2, §4, §7), with real nats-server and
+(PROTOCOL §2, §4, §7), with real nats-server and
 mosquitto started from deploy/ (tests/harness/shipped.py).
 
 - Fault 6: with mosquitto's default `max_queued_messages` (1,000), 2,000 retained

@@ -1,8 +1,8 @@
-"""The fault matrix of issue 10 (Build 6) as tests: real brokers, real `mam-orch` and
+"""The fault matrix as tests: real brokers, real `mam-orch` and
 `mam-runner run` processes in a tailnet of network namespaces (harness/fleet.py,
 mode "netns"), short contracts (heartbeat 1 s, 3 misses: K × N = 3 s).
 
-Each trial asserts the three promises of issue 10 and §17: 0 lost terminals (both
+Each trial asserts the three promises of §14 and §17: 0 lost terminals (both
 records end terminal), 0 duplicate runs (the agent appends one marker line per run),
 and the hub's verdict equals the runner's, or the hub records the runner's later
 outcome as `late_outcome` (§14, read by `mam-orch watch` re-attaching). Each trial
@@ -162,7 +162,7 @@ def judge(fleet: Fleet, tally: Tally, session: str, job_id: str, marks_file: Pat
 @pytest.mark.parametrize("netns_fleet", list(BROKER_TRIALS), indirect=True)
 def test_broker_sigkill_restart_3s_into_a_10s_job(
         netns_fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    """Issue 10 fault 2 (§14, §17): the broker crashes and comes back (same store) 3 s into
+    """§14, §17: the broker crashes and comes back (same store) 3 s into
     each job; ×20 jobs on nats-server, ×5 on mosquitto (two jobs, one per runner, per crash)."""
     fleet = netns_fleet
     marks_file = tmp_path / "marks"
@@ -189,7 +189,7 @@ def test_broker_sigkill_restart_3s_into_a_10s_job(
 @pytest.mark.parametrize("cut_s", [SHORT_CUT_S, LONG_CUT_S], ids=["shorter-than-keepalive", "longer-than-KxN"])
 def test_runner_cut_off_by_iptables_drop(
         netns_fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str], cut_s: float):
-    """Issue 10 faults 3, 5 (§10, §14, §17): every packet of the runner's host dropped for
+    """§10, §14, §17: every packet of the runner's host dropped for
     `cut_s` seconds, 3 s into the job; the terminal still reaches the hub."""
     fleet = netns_fleet
     marks_file = tmp_path / "marks"
@@ -241,7 +241,7 @@ def test_serve_records_the_late_outcome_of_a_runner_cut_off_longer_than_KxN(netn
 @pytest.mark.timeout(300)
 def test_runner_kill9_orphan_stopped_at_restart_redispatch_completes(
         netns_fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    """Issue 10 faults 10, 11 (§8, §10, §17): the runner dies with kill -9 mid-job; the hub
+    """§8, §10, §17: the runner dies with kill -9 mid-job; the hub
     closes it (deadline_timeout); the restarted runner stops the orphaned agent; `redispatch`
     to another runner completes; an attempt-1 straggler is refused, not taken as a forgery."""
     fleet = netns_fleet
@@ -269,7 +269,7 @@ def test_runner_kill9_orphan_stopped_at_restart_redispatch_completes(
         wait_until(lambda: any(e["data"]["attempt_id"] == 1 and e.get("detail") == "late"
                                for e in fleet.events_on_wire(job_id)), what="the attempt-1 straggler on the wire")
         # §3.2: attempt-1 messages (the straggler, the restarted runner's terminal of the
-        # orphan) are stale_attempt, quietly refused, never a forgery (issue 10 fault 11)
+        # orphan) are stale_attempt, quietly refused, never a forgery (§3.2 rule 5)
         assert "HMAC verify failed" not in again.log(), again.log()
         hub = fleet.hub_record(job_id)
         assert hub["attempt_id"] == 2 and hub["status"] == "completed", hub
@@ -286,7 +286,7 @@ def test_runner_kill9_orphan_stopped_at_restart_redispatch_completes(
 @pytest.mark.timeout(300)
 def test_hub_kill9_then_watch_resolves(
         netns_fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    """Issue 10 (§10, §14): the hub's watching process (`mam-orch dispatch`) dies with kill -9
+    """§10, §14: the hub's watching process (`mam-orch dispatch`) dies with kill -9
     3 s into the job; `mam-orch watch` re-attaches and resolves to the runner's verdict."""
     fleet = netns_fleet
     marks_file = tmp_path / "marks"

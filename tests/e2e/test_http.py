@@ -1,4 +1,4 @@
-"""`mam-orch serve --http` against real brokers and runners (issue 12 items 2-3, PROTOCOL §14):
+"""`mam-orch serve --http` against real brokers and runners (PROTOCOL §14):
 the API dispatches, follows, lists, cancels; the event stream carries the job's changes;
 `/metrics` after a scripted run (3 completed, 1 error, 1 cancelled, 1 retry) equals what
 happened; a non-loopback address without MAM_API_TOKEN is refused; a token is enforced."""

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(6 * PATIE
 
 SESSIONS = ("rev-a", "rev-b")
 REVOKE_EFFECT_S = 5.0
-"""Issue 13: from `runner revoke` to the job closed and cancelled, at most (s)."""
+"""From `runner revoke` to the job closed and cancelled, at most (s)."""
 
 
 def start_enrolled(broker, hub: Path, workspace: Path, session: str) -> subprocess.Popen[bytes]:

@@ -94,7 +94,7 @@ def test_retained_state_reaches_late_subscriber_and_clears(broker):
 
 
 def test_speed_packets_leave_at_once_tcp_nodelay(broker):
-    """Issue 10 "Speed": paho leaves Nagle on, so a packet sent while the previous one awaits
+    """Paho leaves Nagle on, so a packet sent while the previous one awaits
     its TCP ACK (the runner's SUBSCRIBE of the §17 state read right after the dispatch's PUBACK,
     a state after its event) waited for the broker's delayed ACK (~40 ms a take). Every
     connection sets TCP_NODELAY."""
@@ -272,7 +272,7 @@ def test_message_queued_while_disconnected_is_never_resent_after_close(broker):
 
 
 def test_observer_reads_but_cannot_publish(broker):
-    """MESSAGING §1.2: mam_observer may subscribe under the topic root and
+    """§1.2: mam_observer may subscribe under the topic root and
     nothing it publishes reaches other clients."""
     topic = names.control_topic(JOB, broker.topic_root)
     with mqtt.MqttClient(broker.config(), "hub") as agent, \
@@ -314,7 +314,7 @@ def test_nats_observer_reads_a_topic_root_with_a_dot(tmp_path):
 
 
 def test_nats_mqtt_over_websocket(nats_broker):
-    """MESSAGING §1.3 (N-7): MQTT over WebSocket on path /mqtt of the websocket listener."""
+    """§1.3: MQTT over WebSocket on path /mqtt of the websocket listener."""
     config = nats_broker.config(transport="websockets", port=nats_broker.ws_port, ws_path="/mqtt")
     topic = names.events_topic(JOB, nats_broker.topic_root)
     with mqtt.MqttClient(config, "dashboard") as client:

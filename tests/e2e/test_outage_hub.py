@@ -1,4 +1,4 @@
-"""Issue 10 on the hub, with a real `mam-runner run` over both brokers.
+"""On the hub, with a real `mam-runner run` over both brokers.
 
 Fault 2 (PROTOCOL §14 "Broker outages are nobody's silence"): `mam-orch
 dispatch --heartbeat 3` (K × N = 12 s), the broker SIGKILLed for ~11 s mid-job

@@ -1,5 +1,5 @@
-"""The runner's outbox over real brokers and real processes (PROTOCOL §17; issue 10
-fault 1 and fault 10): a broker outage of any length loses nothing a runner wrote.
+"""The runner's outbox over real brokers and real processes (PROTOCOL §17):
+a broker outage of any length loses nothing a runner wrote.
 
 - Fault 1: an agent's own terminal event, published while the broker is down
   on the publisher's own connection (no runner socket, v1: `publish` exits 2),
@@ -59,7 +59,7 @@ def retained_state(broker, job_id: str) -> dict | None:
 
 
 def test_s17_fault1_an_agents_terminal_event_published_during_an_outage_reaches_the_hub(broker, tmp_path):
-    """Issue 10 fault 1 on both brokers: the agent runs `$MAM_PUBLISH_CMD --event completed`
+    """On both brokers: the agent runs `$MAM_PUBLISH_CMD --event completed`
     while the broker is down; `publish` exits 2 and leaves its outbox entry; after the broker
     is back the runner daemon re-sends it and the hub closes the job `completed` (exit 0)."""
     hub = hub_workspace(broker, tmp_path)
@@ -133,7 +133,7 @@ def slow_saving_mosquitto(tmp_path_factory):
 
 def test_s17_fault10_a_mosquitto_crash_does_not_lose_a_finished_jobs_retained_state(slow_saving_mosquitto,
                                                                                       tmp_path):
-    """Issue 10 fault 10: the hub is not watching (detached), the job completes, mosquitto is
+    """The hub is not watching (detached), the job completes, mosquitto is
     SIGKILLed before it saved and restarted: the runner re-publishes the kept terminal event and
     state (same seq) after its reconnect, and `mam-orch watch` then resolves the job `completed`."""
     broker = slow_saving_mosquitto

@@ -1,6 +1,6 @@
-"""The hub queue, routing by labels and retries (PROTOCOL §14; issue 11 items 2-4
-and 6) over a real broker, real runners and real `mam-orch dispatch` processes
-(no service: each dispatch waits for its own queued job).
+"""The hub queue, routing by labels and retries (PROTOCOL §14)
+over a real broker, real runners and real `mam-orch dispatch` processes (each runs
+the hub engine, or follows the one another dispatch runs).
 
 - More jobs than slots with `--labels x --ack-timeout 5`: all complete, none
   `agent_blocked`, never more than `--max-jobs` agents at once on a runner,
@@ -275,7 +275,7 @@ def test_s14_no_runner_has_the_labels_warning_then_queue_timeout_exit_2(broker, 
 
 @pytest.mark.timeout(180)
 def test_s14_item6_a_runner_refusal_is_said_on_the_hub(nats_broker, tmp_path):
-    """Issue 11 item 6: a runner that refuses an authentic dispatch says so in its signed
+    """A runner that refuses an authentic dispatch says so in its signed
     presence (`last_refusal`), and the waiting `dispatch` prints it in one line. Here the
     runner was started in the hub's own workspace, so it refuses as `hub_record` (§5)."""
     hub = hub_workspace(nats_broker, tmp_path)

@@ -1,4 +1,4 @@
-"""Runner-side faults of issue 10 as real processes over real brokers (PROTOCOL §7-§9, §11, §17):
+"""Runner-side faults as real processes over real brokers (PROTOCOL §7-§9, §11, §17):
 
 - fault 4: a workspace whose `.mam/` cannot be written (read-only mount, a folder of
   another user) makes `mam-runner run` refuse to start: one `ERROR:` line, exit 1, no presence;
@@ -42,13 +42,13 @@ MAM_RUNNER = [sys.executable, "-m", "mam.runner"]
 SESSION = "gpu-box"
 CONTRACT = Contract(heartbeat_sec=1, heartbeat_misses=10, ack_timeout_sec=120, timeout_sec=300)
 SMALL_DISK = "2m"
-"""Size of the runner's tmpfs workspace in the full-disk test (issue 10 fault 9)."""
+"""Size of the runner's tmpfs workspace in the full-disk test."""
 HOG_CHUNK_BYTES = 4096
 """What the disk hog appends at a time (one page)."""
 HOG_RETRY_S = 0.005
 """How soon the disk hog tries again after ENOSPC, seconds."""
 TAKE_TRIALS = 10
-"""Broker crash + runner kill -9 + replacement runner trials (issue 10 fault 8)."""
+"""Broker crash + runner kill -9 + replacement runner trials."""
 TRIALS_TIMEOUT_S = 540
 """Timeout of the ×10 test, seconds (one trial takes a few seconds; CI shares 2 cores)."""
 DROP_DAC = ("setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--")
@@ -84,7 +84,7 @@ class RunnerProc:
         return self.log()
 
     def kill_group(self) -> None:
-        """kill -9 of the runner's process group (issue 10 fault 8)."""
+        """kill -9 of the runner's process group."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(PATIENCE_S)
@@ -219,7 +219,7 @@ def assert_refused_to_start(runner: RunnerProc, hub: Hub, errno_word: str) -> No
 
 @ROOT_ONLY
 def test_fault4_a_read_only_workspace_refuses_to_start_before_any_presence(broker, hub, tmp_path, mounts, tag):
-    """Issue 10 fault 4: a workspace on a read-only mount (a tmpfs remounted ro) gives one
+    """A workspace on a read-only mount (a tmpfs remounted ro) gives one
     `ERROR:` line and exit 1 (§9: like a file that exists but cannot be read), no presence."""
     ws = tmp_path / "ro-ws"
     ws.mkdir()
@@ -271,7 +271,7 @@ class DiskHog:
 @ROOT_ONLY
 def test_fault9_a_full_disk_still_ends_the_job_on_the_wire_then_on_disk(broker, hub, tmp_path, mounts, runners,
                                                                           tag):
-    """Issue 10 fault 9: the agent fills the runner's 2 MB tmpfs and exits (the test keeps it
+    """The agent fills the runner's 2 MB tmpfs and exits (the test keeps it
     full). The terminal reaches the hub while the disk is full; once space is freed the
     record ends `error` (same seq as on the wire); no traceback, the runner keeps serving."""
     ws = tmp_path / "small-ws"
@@ -331,7 +331,7 @@ def test_s17_a_dispatch_whose_attempt_has_a_retained_state_is_refused_taken(brok
 @pytest.mark.timeout(TRIALS_TIMEOUT_S)
 def test_fault8_a_replacement_runner_never_runs_an_attempt_again_after_a_broker_crash(broker, hub, tmp_path,
                                                                                         runners, tag):
-    """Issue 10 fault 8, ×10: r1 takes a job (it appends to a marker and sleeps); the broker is
+    """Ten times: r1 takes a job (it appends to a marker and sleeps); the broker is
     SIGKILLed and r1's process group too; the broker comes back (nats-server may bring the cleared
     dispatch back, item 7) and a replacement runner (`--replace`, another workspace) starts:
     the marker has exactly one line every time."""

@@ -251,7 +251,7 @@ def test_s10_s8_runner_kill9_deadline_then_redispatch_elsewhere_and_stragglers_r
     cpu_hold.touch()
     assert again.wait(PATIENCE_S) == 0, again.log()
     # §3.2: attempt 2 has a fresh auth_token, but the hub keeps attempt 1's, so the straggler
-    # is `stale_attempt` (logged at debug), not a forgery (issue 10, fault 11)
+    # is `stale_attempt` (logged at debug), not a forgery (§3.2 rule 5)
     assert "HMAC verify failed" not in again.log()
     record = fleet.hub_record(job_id)
     assert record["status"] == "completed" and record["attempt_id"] == 2

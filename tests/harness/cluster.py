@@ -1,4 +1,4 @@
-"""A fleet whose broker is a three-node NATS cluster (issue 14 Build 6; docs/deployment.md
+"""A fleet whose broker is a three-node NATS cluster (docs/deployment.md
 "NATS cluster"): the tailnet of harness/fleet.py plus hosts nats-1, nats-2 and nats-3, each
 running one node exactly as `mam-orch init --cluster` wrote and printed it (its "natively:"
 command, run by bash inside the node's namespace). Every workspace's MQTT_BROKER is the

@@ -5,7 +5,7 @@ Each broker is started from the file in deploy/ with only ports, store and
 certificate paths changed (for nats through the `MAM_*` variable lines of the
 file, for mosquitto by replacing the listener and path lines, each of which
 must match exactly once). `start_embedded` runs the hub's embedded broker through
-`mam.orchestrator.broker.embedded.up` (rendered from the same deploy/nats/nats.conf, issue 10
+`mam.orchestrator.broker.embedded.up` (rendered from the same deploy/nats/nats.conf,
 fault 5). Module-scoped fixtures `pki`, `nats_plain`, `nats_embedded` and
 `mosquitto_pair`: import them into a test module to use them.
 """
@@ -312,7 +312,7 @@ def nats_plain(tmp_path_factory) -> Iterator[Broker]:
 
 @pytest.fixture(scope="module")
 def nats_embedded(tmp_path_factory) -> Iterator[Broker]:
-    """The embedded broker of `mam-orch broker up` (its own config renderer, issue 10 fault 5)."""
+    """The embedded broker of `mam-orch broker up` (its own config renderer)."""
     workspace = tmp_path_factory.mktemp("embedded")
     broker = start_embedded(workspace)
     yield broker

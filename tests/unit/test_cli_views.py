@@ -1,4 +1,4 @@
-"""Issue 12 item 4: the CLI views people read, without a broker — no logger lines in a
+"""The CLI views people read, without a broker — no logger lines in a
 human view, the summary line (§15 log places), `show`/`jobs` columns, tokens masked in
 JSON lines, a `--workspace` that does not exist (exit 64), human views of `gc`,
 `cancel` and `broker` on a terminal, and `--help` (workflow order, whole summaries,

@@ -1,4 +1,4 @@
-"""Issue 14 item 1: the docker harness's pure parts (no engine needed)."""
+"""The docker harness's pure parts (no engine needed)."""
 
 from __future__ import annotations
 

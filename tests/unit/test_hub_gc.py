@@ -1,4 +1,4 @@
-"""`mam-orch gc --reclear`: which retained topics must stay cleared (issue 10 fault 7; §2)."""
+"""`mam-orch gc --reclear`: which retained topics must stay cleared (a broker restart may bring them back; §2)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The HTTP API of `mam-orch serve --http` without a broker or a server (issue 12 item 2,
-PROTOCOL §14): every endpoint through Starlette's TestClient over a `HubService` with a
+"""The HTTP API of `mam-orch serve --http` without a broker or a server
+(PROTOCOL §14): every endpoint through Starlette's TestClient over a `HubService` with a
 recording client; bad input gets a JSON 4xx with a reason, never a traceback; the
 bearer token; `/metrics` parses as Prometheus text; the live feed's messages."""
 

@@ -1,4 +1,4 @@
-"""Issue 10 on the hub, without a broker: a running state mirrored into a pending
+"""On the hub, without a broker: a running state mirrored into a pending
 record (fault 3, PROTOCOL §4/§3.2 rule 6), earlier attempts' stragglers told from
 forgeries (fault 11, §3.2 rule 5), late terminals (§14), the dispatch cleared on
 `started` (§17), and the clocks that stand still while the hub's own broker

@@ -115,7 +115,7 @@ def test_s14_plan_does_not_change_the_fleet() -> None:
     assert plan([job("j2")], fleet, NOW, STALE_S) == []
 
 
-def test_issue11_item6_why_waiting_lines() -> None:
+def test_s14_why_waiting_lines() -> None:
     fleet = fleet_of(runner("g1", labels=("gpu",), max_jobs=1, running=("r1",)),
                      runner("g2", labels=("gpu",), max_jobs=1, running=("r2",)))
     queued = [job("j1", labels=("gpu",), queued_at=1), job("j2", labels=("gpu",), queued_at=2)]

@@ -1,4 +1,4 @@
-"""`mam-orch runners` says when its list may be incomplete (issue 10 fault 6; §7)."""
+"""`mam-orch runners` says when its list may be incomplete (a broker that lost retained presences; §7)."""
 
 from __future__ import annotations
 

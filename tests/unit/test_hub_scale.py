@@ -1,5 +1,5 @@
-"""The hub service at scale (PROTOCOL §14 "One hub process", §8, §10; issue 11
-"Speed and scale"): what the service makes durable and when (docs/registry.md
+"""The hub service at scale (PROTOCOL §14 "One hub process", §8, §10):
+what the service makes durable and when (docs/registry.md
 "Durability"), and that a message it received but has not judged yet keeps its
 job from being closed (§14 "nobody's silence"). No broker: the service's parts
 are driven directly."""

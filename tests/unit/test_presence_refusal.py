@@ -1,6 +1,6 @@
-"""Issue 11 item 6: a runner's refusal of an authentic dispatch travels in its signed
-presence (`last_refusal`, an extra field hubs that do not know it ignore, §14), and the hub
-says it once; malformed or hostile values are ignored, never raised (§3.2)."""
+"""A runner's refusal of an authentic dispatch travels in its signed
+presence (`last_refusal`, an extra field hubs that do not know it ignore, §7), and the hub
+says it once; malformed or hostile values are ignored, never raised (§7)."""
 
 from __future__ import annotations
 

@@ -684,7 +684,7 @@ def test_s8_transaction_refuses_a_stale_worker_before_anything_is_queued(reg):
 
 
 def test_s8_speed_an_event_with_a_status_change_costs_three_fsyncs(reg, monkeypatch):
-    """Issue 10 "Speed": `started` on a runner = one audit write for the event line and its
+    """`started` on a runner = one audit write for the event line and its
     `status_changed` line (ONE fsync) + the record (file + folder fsync); the `status.json`
     view is replaced without fsync. Both lines are on disk, in order."""
     rec = reg.mirror(job_id="918b0612", session="gpu-box", attempt_id=1, dispatch_token="0" * 32,

@@ -1,4 +1,4 @@
-"""PROTOCOL §16 / issue 13 item 5: the per-runner broker users in a nats config
+"""PROTOCOL §16.6: the per-runner broker users in a nats config
 (`mam.orchestrator.broker.users`) and `mam-orch runner add|revoke` on a managed config
 (`mam.orchestrator.identity.runneruser`). The brokers themselves: tests/e2e/test_broker_users.py."""
 

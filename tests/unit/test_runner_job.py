@@ -1,5 +1,5 @@
 """runner/job.py without processes: how a StopReason becomes the terminal event (PROTOCOL §5, §6, §11),
-and a terminal the disk refuses (issue 10 fault 9)."""
+and a terminal the disk refuses (§17)."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def started_job(tmp_path: Path) -> tuple[FakeBroker, BrokerConfig, Registry, Sup
                                                      heartbeat_s=30, timeout_s=60)
 
 
-# ------------------------------------------------------------ issue 10 fault 9: a disk that refuses the terminal
+# ------------------------------------------------------------ a disk that refuses the terminal
 
 
 def test_fault9_a_terminal_the_disk_refuses_goes_on_the_wire_then_to_disk_with_the_same_seq(tmp_path, monkeypatch):

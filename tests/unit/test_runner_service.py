@@ -208,7 +208,7 @@ def test_s7_a_replaced_runner_drains_and_leaves_the_presence_to_the_new_one(serv
     assert wire.decode(broker.retained[TOPIC], "presence").runner_id == OTHER_RUNNER
 
 
-# ------------------------------------------------------------ issue 10: start checks and §17 takes
+# ------------------------------------------------------------ start checks and §17 takes
 
 
 def signed_dispatch(job_id: str, auth_token: str, *, attempt_id: int = 1) -> wire.Dispatch:
@@ -223,7 +223,7 @@ def signed_dispatch(job_id: str, auth_token: str, *, attempt_id: int = 1) -> wir
 
 def test_fault4_a_workspace_whose_mam_folder_cannot_be_written_refuses_to_start_before_any_presence(
         broker, tmp_path):
-    """Issue 10 fault 4: `.mam/logs` cannot be made (a file is in its way here; the e2e test uses a
+    """`.mam/logs` cannot be made (a file is in its way here; the e2e test uses a
     read-only mount and a folder of another user): one RegistryError line (exit 1), nothing published."""
     ws = tmp_path / "ws"
     (ws / ".mam" / "jobs").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""Issue 14 item 3: the iptables rules of the docker e2e come from deploy/tailscale/policy.hujson.
+"""The iptables rules of the docker e2e come from deploy/tailscale/policy.hujson.
 
 The generator (tests/harness/tailnet_policy.py) must read the shipped policy, agree with the
 policy's own `tests` block, and turn it into rules that open exactly the granted ports.
