@@ -174,13 +174,19 @@ def list_cmd(
 def revoke_cmd(
     session: str = typer.Argument(..., metavar="NAME", help="The runner session to revoke."),
     workspace: str = cli.workspace_option(),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of text."),
 ) -> int:
     """Revoke a runner: from the hub's next message on its presence is refused and nothing is
     dispatched to it (PROTOCOL §16). Exit 1: not enrolled."""
     root = _root(workspace)
     entry = roster.revoke(root, session)
+    notes = runneruser.withdraw(root, entry.session)  # its broker user too (§16)
+    if as_json:
+        typer.echo(json.dumps({"session": entry.session, "result": "revoked", "revoked_at": entry.revoked_at,
+                               "notes": list(notes)}, sort_keys=True))
+        return 0
     typer.echo(f"revoked runner {entry.session} at {entry.revoked_at}")
-    for line in runneruser.withdraw(root, entry.session):  # its broker user too (§16)
+    for line in notes:
         typer.echo(line)
     return 0
 
@@ -189,6 +195,7 @@ def revoke_cmd(
 def rotate_cmd(
     stage: bool = typer.Option(False, "--stage", help="Only make the next key, to be trusted by runners first."),
     workspace: str = cli.workspace_option(),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of text."),
 ) -> int:
     """Rotate the hub key without downtime (PROTOCOL §16): `--stage` makes the next key and
     prints the `mam-runner trust-hub CURRENT NEXT` line for every runner; then, without
@@ -198,12 +205,18 @@ def rotate_cmd(
     if stage:
         current = keys.public_text(keyfiles.hub_key(root, create=False))
         staged = keyfiles.stage_hub_key(root)
+        if as_json:
+            typer.echo(json.dumps({"result": "staged", "current": current, "next": staged}, sort_keys=True))
+            return 0
         typer.echo(f"staged next hub public key: {staged}")
         typer.echo(f"on every runner host: mam-runner trust-hub -- {current} {staged}")
         typer.echo("then: mam-orch runner rotate-hub-key")
         return 0
     new, previous = keyfiles.rotate_hub_key(root)
     current = keys.public_text(new)
+    if as_json:
+        typer.echo(json.dumps({"result": "rotated", "current": current, "previous": previous}, sort_keys=True))
+        return 0
     typer.echo(f"hub now signs with: {current} (previous: {previous})")
     typer.echo(f"runners that trust both keep working; on runners not yet told: "
                f"mam-runner trust-hub -- {current} {previous}")

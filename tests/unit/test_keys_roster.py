@@ -231,8 +231,13 @@ def test_s16_enrol_add_trust_commands_end_to_end(tmp_path):
 
     listed = cli("mam.orchestrator.cli", "runner", "list", "--json", "--workspace", str(hub), cwd=tmp_path)
     assert json.loads(listed.stdout)["status"] == "enrolled"
-    revoked = cli("mam.orchestrator.cli", "runner", "revoke", "gpu-box", "--workspace", str(hub), cwd=tmp_path)
-    assert revoked.returncode == 0 and "revoked runner gpu-box" in revoked.stdout
+    revoked = cli("mam.orchestrator.cli", "runner", "revoke", "gpu-box", "--json", "--workspace", str(hub),
+                  cwd=tmp_path)
+    assert revoked.returncode == 0, revoked.stderr
+    said = json.loads(revoked.stdout)
+    assert (said["session"], said["result"]) == ("gpu-box", "revoked") and said["revoked_at"]
+    again = cli("mam.orchestrator.cli", "runner", "revoke", "gpu-box", "--workspace", str(hub), cwd=tmp_path)
+    assert again.returncode == 0 and "revoked runner gpu-box" in again.stdout
     unknown = cli("mam.orchestrator.cli", "runner", "revoke", "nobody", "--workspace", str(hub), cwd=tmp_path)
     assert unknown.returncode == 1 and len(unknown.stderr.strip().splitlines()) == 1
 
@@ -250,9 +255,15 @@ def test_s16_rotate_hub_key_command_stage_then_switch(tmp_path):
     assert staged.returncode == 0, staged.stderr
     new = keyfiles.staged_hub_public(tmp_path)
     assert f"mam-runner trust-hub -- {old} {new}" in staged.stdout
-    switched = cli("mam.orchestrator.cli", "runner", "rotate-hub-key", "--workspace", str(tmp_path), cwd=tmp_path)
+    switched = cli("mam.orchestrator.cli", "runner", "rotate-hub-key", "--json", "--workspace", str(tmp_path),
+                   cwd=tmp_path)
     assert switched.returncode == 0 and keys.public_text(keyfiles.hub_key(tmp_path)) == new
     assert keyfiles.hub_previous_public(tmp_path) == old
+    assert json.loads(switched.stdout) == {"result": "rotated", "current": new, "previous": old}
+    staged_json = cli("mam.orchestrator.cli", "runner", "rotate-hub-key", "--stage", "--json", "--workspace",
+                      str(tmp_path), cwd=tmp_path)
+    assert json.loads(staged_json.stdout) == {"result": "staged", "current": new,
+                                              "next": keyfiles.staged_hub_public(tmp_path)}
 
 
 def test_s16_enrol_identity_recorded(tmp_path):
