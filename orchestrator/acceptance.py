@@ -127,7 +127,7 @@ def seq_gap(seq: int, seen: Seen) -> tuple[int, int] | None:
 
 def earlier_attempt(message: Message, record: JobRecord) -> bool:
     """True when `message` is signed with an earlier attempt's auth token of the
-    job (`earlier_auth_tokens`, kept by a redispatch): §3.2 rule 5, not a forgery."""
+    job (`earlier_auth_tokens`, kept by a redispatch): §3.2 rule 4, not a forgery."""
     for token in record.get("earlier_auth_tokens", []):
         try:
             crypto.verify_event(message, token)

@@ -167,7 +167,7 @@ def broker_up_cmd(
                      monitor_port=monitor_port, host=listen)
     if info.get("warning"):  # .mam.env points clients at another port
         typer.echo(f"WARNING: {info['warning']}", err=True)
-    if info.get("unclean_stop"):  # nats-server may have brought cleared retained messages back (fault 7)
+    if info.get("unclean_stop"):  # nats-server may have brought cleared retained messages back (§1.3)
         try:
             done, _, failed = reclear(workspace, local_only=True)
             info["recleared_jobs"] = len(done)

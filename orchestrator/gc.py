@@ -139,7 +139,8 @@ def reclear_leaves(record: JobRecord, collected: bool) -> tuple[str, ...]:
 
 
 def reclear(workspace: Workspace = None, *, local_only: bool = False) -> tuple[list[dict[str, object]], int, list[str]]:
-    """Clear again the retained topics that must stay cleared, for every hub job (fault 7),
+    """Clear again the retained topics that must stay cleared, for every hub job (a killed
+    nats-server may bring back retained messages it had cleared, §1.3),
     through each host of the fail-over list of its broker in turn (`_clear_on_every_node`; the
     record's per-job overrides, §13, else the workspace's). A broker that takes no clear
     does not stop the others.

@@ -20,7 +20,7 @@ from mam.shared.transport import Transport
 
 log = logging.getLogger("mam.watch")
 
-# §14: a watch gives up (exit 3, record left open) after the broker was unreachable this
+# §10: a watch gives up (exit 3, record left open) after the broker was unreachable this
 # long, and never before a job's idle window (K × N); MAM_HUB_OUTAGE_GIVE_UP_S overrides.
 OUTAGE_GIVE_UP_S = 60.0
 # How much of an audit log's end `audit_seq` reads: far more than the lines a job

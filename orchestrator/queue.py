@@ -31,7 +31,8 @@ class RunnerView:
         status: `online`, `draining` or `offline` (§7).
         labels: the labels it announced (§14; empty for older runners).
         max_jobs: its slot count; running: the job ids it runs.
-        verified: the presence signature verifies with this hub's sign key (§5).
+        verified: the presence signature verifies (§7): v1 with this hub's sign key, v2 with the
+            roster's key (§16.4).
         seen_at: when the hub received that presence (monotonic s).
         last_refusal: (job_id, "reason: detail") of the last dispatch it refused, from its
             presence (`last_refusal`, §7), or None.

@@ -2,8 +2,8 @@
 and `mam-orch runners`.
 
 A broker may deliver only part of a large retained burst (mosquitto's
-`max_queued_messages` defaulted to 1,000: 2,000 presences listed as 1,020, issue
-10 fault 6), so `runners` says on stderr when what it received may be incomplete:
+`max_queued_messages` defaulted to 1,000: 2,000 presences were listed as 1,020,
+with exit 0 and no warning), so `runners` says on stderr when what it received may be incomplete:
 the count equals a known broker queue limit, the burst was cut by the time limit,
 or it is below the count of the previous run (kept in `.mam/runners-seen.json`).
 """
@@ -120,7 +120,7 @@ def presence_view(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str, r
 
 
 def last_refusal(presence: wire.Presence) -> tuple[str, str] | None:
-    """The runner's `last_refusal` extra field (§14: unknown presence fields are ignored by
+    """The runner's `last_refusal` extra field (§7: unknown presence fields are ignored by
     hubs that do not know it) as (job_id, "reason: detail"); None when absent or malformed."""
     value = (presence.extras or {}).get("last_refusal")
     if not isinstance(value, dict):

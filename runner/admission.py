@@ -44,7 +44,7 @@ class RefuseReason(StrEnum):
 # authentic, and will never become takeable. A forged or broken one leaves the kept one alone.
 _FORGETTING = frozenset({RefuseReason.HUB_RECORD, RefuseReason.EXPIRED, RefuseReason.REPLAYED,
                          RefuseReason.CANCELLED, RefuseReason.TAKEN})
-# Refusals of a dispatch whose signature verified go into presence (`last_refusal`, §14): a
+# Refusals of a dispatch whose signature verified go into presence (`last_refusal`, §7): a
 # forged or malformed one does not, so nobody can make a runner republish at will.
 TOLD_REFUSALS = _FORGETTING | {RefuseReason.SEAL}
 

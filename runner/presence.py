@@ -67,7 +67,7 @@ class Presence:
 
     def note_refusal(self, job_id: str, reason: str, detail: str) -> None:
         """Remember the last dispatch refused (§5) so the next presence tells the hub
-        (`last_refusal: {job_id, reason, detail}`, signed with the presence, §14)."""
+        (`last_refusal: {job_id, reason, detail}`, signed with the presence, §7)."""
         self.last_refusal = {"job_id": job_id, "reason": reason, "detail": detail[:REFUSAL_DETAIL_CHARS]}
 
     def payload(self, status: str, running: Sequence[str]) -> bytes:
@@ -77,7 +77,7 @@ class Presence:
                                        version=__version__, max_jobs=self.max_jobs, running=list(running),
                                        labels=self.labels)
         message = presence.to_dict()
-        if self.last_refusal is not None:  # an extra field: hubs that do not know it ignore it (§14)
+        if self.last_refusal is not None:  # an extra field: hubs that do not know it ignore it (§7)
             message["last_refusal"] = self.last_refusal
         return wire.encode(self.trust.sign_presence(message))
 

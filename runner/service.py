@@ -327,7 +327,7 @@ class Runner:
         return self.options.once and self._taken > 0
 
     def _refused(self, job_id: str, reason: str, text: str, *, tell: bool, level: int = logging.WARNING) -> None:
-        """Log a refused dispatch (§5); with `tell`, carry it in a presence published now (§14)."""
+        """Log a refused dispatch (§5); with `tell`, carry it in a presence published now (§7)."""
         log.log(level, "refused dispatch %s: %s", job_id, text)
         if tell:
             self.presence.note_refusal(job_id, reason, text)

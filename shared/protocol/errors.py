@@ -28,7 +28,7 @@ class ExitCode(IntEnum):
     USAGE = 64
     DETACHED = 130
     INTERRUPTED = 130  # Ctrl-C (128 + SIGINT) or an aborted prompt
-    # `mam-runner publish` (§9 second row) and the runner daemon.
+    # `mam-runner publish` and `mam-runner run` (§9, their columns).
     OK = 0
     PUBLISHED = 0
     REFUSED = 1

@@ -156,7 +156,8 @@ def parse_labels(text: str, what: str = "--labels") -> tuple[str, ...]:
 
 
 def strip_remote(session: str) -> str:
-    """The bare session of `remote:<session>` (the seed's form, §14), else `session` as given."""
+    """The bare session of `remote:<session>` (a hub record's `agent_session`, accepted on the
+    CLI, §1), else `session` as given."""
     return session[len(REMOTE_PREFIX):] if isinstance(session, str) and session.startswith(REMOTE_PREFIX) \
         else session
 

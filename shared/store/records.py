@@ -81,7 +81,7 @@ class JobRecord(TypedDict):
     idle_timeout_sec: int
     timeout_sec: int
     attempt_created_at: NotRequired[str]  # set by a redispatch (§10: a new wall-clock budget)
-    earlier_auth_tokens: NotRequired[list[str]]  # earlier attempts' tokens, newest last (§3.2 rule 5)
+    earlier_auth_tokens: NotRequired[list[str]]  # earlier attempts' tokens, newest last (§3.2 rule 4)
     seen_seq: NotRequired[int]  # highest seq of any event or state accepted of this attempt (gap lines)
     late_outcome: NotRequired[str]  # the runner's terminal after the hub closed the job (§14)
     target: NotRequired[dict[str, Any]]  # {"session": NAME} or {"labels": [..]} (§14)

@@ -4,7 +4,7 @@ Everything above this module speaks in our own terms (`Message`,
 `BrokerUnavailable`, `PublishTimeout`); paho's return codes are turned into
 our exceptions here, once (STYLE.md "Errors").
 
-Threading rules (paho issues #354, #226, #177): paho runs callbacks on its
+Threading rules (eclipse/paho.mqtt.python#354, #226, #177): paho runs callbacks on its
 network thread while holding its own locks. So our callbacks only record
 state (events, sets, a `queue.Queue`) and never publish, and no lock of ours
 is held while calling into paho. The one paho call made from a callback is

@@ -73,7 +73,7 @@ def job_id() -> str:
 # ----------------------------------------------------------------- authentication
 
 def test_anonymous_connection_is_refused(broker: Broker):
-    """No anonymous access (§13: credentials are required)."""
+    """No anonymous access (§1.2: anonymous access is off; §13: credentials)."""
     with pytest.raises(BrokerUnavailable, match="refused"):
         MqttClient(broker.config(user="", password=""), "anon").connect(timeout_s=5)
 

@@ -269,7 +269,7 @@ def test_runner_kill9_orphan_stopped_at_restart_redispatch_completes(
         wait_until(lambda: any(e["data"]["attempt_id"] == 1 and e.get("detail") == "late"
                                for e in fleet.events_on_wire(job_id)), what="the attempt-1 straggler on the wire")
         # §3.2: attempt-1 messages (the straggler, the restarted runner's terminal of the
-        # orphan) are stale_attempt, quietly refused, never a forgery (§3.2 rule 5)
+        # orphan) are stale_attempt, quietly refused, never a forgery (§3.2 rule 4)
         assert "HMAC verify failed" not in again.log(), again.log()
         hub = fleet.hub_record(job_id)
         assert hub["attempt_id"] == 2 and hub["status"] == "completed", hub

@@ -10,7 +10,7 @@ Fault 3 (§4, §3.2 rule 6): after `dispatch --detach`, `mam-orch watch` moves t
 `pending` hub record to `running` from the retained state, and a gap in the
 seqs it never saw is logged once, however often it is re-attached.
 
-§14: a watch that gives up on an unreachable broker leaves the job open and
+§10: a watch that gives up on an unreachable broker leaves the job open and
 says how to re-attach; a terminal after the hub's own close is a `late_outcome`.
 
 Fault 8, the hub's part (§17): the hub clears the retained dispatch as soon as

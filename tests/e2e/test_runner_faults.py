@@ -123,7 +123,7 @@ class Hub:
         self.keys = crypto.derive_keys(TEST_SECRET)
         self.client = MqttClient(broker.config(), "hub")
         self.client.connect()
-        self.observer = MqttClient(broker.config(), "observer")  # the observer user: fault 5
+        self.observer = MqttClient(broker.config(), "observer")  # records every message under the topic root
         self.observer.connect()
         self.observer.subscribe([(f"{self.root}/#", 1)])
         self.seen: list[Any] = []

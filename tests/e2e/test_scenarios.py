@@ -251,13 +251,13 @@ def test_s10_s8_runner_kill9_deadline_then_redispatch_elsewhere_and_stragglers_r
     cpu_hold.touch()
     assert again.wait(PATIENCE_S) == 0, again.log()
     # §3.2: attempt 2 has a fresh auth_token, but the hub keeps attempt 1's, so the straggler
-    # is `stale_attempt` (logged at debug), not a forgery (§3.2 rule 5)
+    # is `stale_attempt` (logged at debug), not a forgery (§3.2 rule 4)
     assert "HMAC verify failed" not in again.log()
     record = fleet.hub_record(job_id)
     assert record["status"] == "completed" and record["attempt_id"] == 2
     assert fleet.runner_record("cpu-box", job_id)["attempt_id"] == 2
     assert all(e["data"]["attempt_id"] == 2 for e in again.events())
-    # the hub's registry refuses any attempt-1 event the wire holds (§3.2 step 5)
+    # the hub's registry refuses any attempt-1 event the wire holds (§3.2 rule 5)
     stale = [e for e in fleet.events_on_wire(job_id) if e["data"]["attempt_id"] == 1]
     assert stale
     with pytest.raises(Exception) as refused:

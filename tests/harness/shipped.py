@@ -6,8 +6,9 @@ certificate paths changed (for nats through the `MAM_*` variable lines of the
 file, for mosquitto by replacing the listener and path lines, each of which
 must match exactly once). `start_embedded` runs the hub's embedded broker through
 `mam.orchestrator.broker.embedded.up` (rendered from the same deploy/nats/nats.conf,
-fault 5). Module-scoped fixtures `pki`, `nats_plain`, `nats_embedded` and
-`mosquitto_pair`: import them into a test module to use them.
+so the embedded broker and the shipped file cannot drift apart). Module-scoped fixtures
+`pki`, `nats_plain`, `nats_embedded` and `mosquitto_pair`: import them into a test module
+to use them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """On the hub, without a broker: a running state mirrored into a pending
 record (fault 3, PROTOCOL §4/§3.2 rule 6), earlier attempts' stragglers told from
-forgeries (fault 11, §3.2 rule 5), late terminals (§14), the dispatch cleared on
+forgeries (fault 11, §3.2 rule 4), late terminals (§14), the dispatch cleared on
 `started` (§17), and the clocks that stand still while the hub's own broker
 connection is down (§14 "Broker outages are nobody's silence")."""
 
@@ -129,7 +129,7 @@ def test_fault3_s3_2_rule6_one_gap_is_logged_once_across_watches(reg):
 
 # ------------------------------------------------------------ fault 11
 
-def test_fault11_s3_2_rule5_an_earlier_attempts_message_is_stale_not_a_forgery(reg, caplog):
+def test_fault11_s3_2_rule4_an_earlier_attempts_message_is_stale_not_a_forgery(reg, caplog):
     rec = reg.register(session="gpu-box")
     jid = rec["job_id"]
     reg.close(jid, "deadline_timeout")

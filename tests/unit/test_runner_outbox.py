@@ -239,7 +239,8 @@ def test_s17_resender_passes_only_while_connected_and_again_on_wake(tmp_path):
 
 
 def test_s17_resender_at_start_leaves_kept_terminals_a_reconnect_republishes_them(tmp_path):
-    """A restarted runner does not repeat its finished jobs' terminals; a reconnect does (fault 10)."""
+    """A restarted runner does not repeat its finished jobs' terminals; a reconnect does (a
+    broker that lost its retained messages gets them back, §17)."""
     registry = mirrored(tmp_path)
     publish.send_on(connected(FakeBroker()), record(registry, "completed", exit_code=0))
     broker = FakeBroker()
@@ -274,7 +275,7 @@ def test_s17_a_reconnect_republishes_kept_terminals_at_once_and_again_later(tmp_
 
 def test_s17_the_daemon_resends_at_start_and_republishes_kept_terminals_after_a_reconnect(tmp_path):
     """What a `publish` left (exit 2) goes out when the runner starts; after a reconnect the
-    acknowledged terminal is published again with the same seq (fault 10)."""
+    acknowledged terminal is published again with the same seq (§17: for a broker that lost retained messages)."""
     root = tmp_path / "ws"
     registry = mirrored(root)
     record(registry, "started")

@@ -105,7 +105,7 @@ def test_s3_free_metrics_and_reserved_keys_accepted():
 
 
 def test_s3_2_missing_hmac_sig_is_left_to_verification():
-    """§3.2 step 4: a missing HMAC is `HMAC verify failed`, not `malformed`."""
+    """§3.2 rule 4: a missing HMAC is `HMAC verify failed`, not `malformed`."""
     obj = mutated("event", "data.hmac_sig", DELETE)
     assert wire.decode(dumps(obj), "event").hmac_sig is None
 
@@ -296,7 +296,7 @@ def test_s3_2_schema_version_mismatch(kind, version):
 
 
 def test_s3_2_schema_version_judged_before_other_fields():
-    """§3.2: step 2 comes before any field rule, even when everything else is wrong."""
+    """§3.2: rule 2's schema version comes before any field rule, even when everything else is wrong."""
     raw = b'{"schema_version":2,"seq":"x","unknown":1,"detail":"\\u0000"}'
     assert refused(raw, "event").reason == "schema_mismatch: schema_version is 2, expected 1"
 

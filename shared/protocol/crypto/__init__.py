@@ -116,7 +116,7 @@ def sign_event(payload: Payload, auth_token: str) -> dict[str, Any]:
 
 
 def verify_event(payload: Payload, auth_token: str) -> None:
-    """Check `data.hmac_sig` of an event or state (§3.1, §3.2 step 4).
+    """Check `data.hmac_sig` of an event or state (§3.1, §3.2 rule 4).
 
     Args:
         payload: mapping or Event/State as decoded.

@@ -160,7 +160,7 @@ def decode(raw: bytes | str, expect: str) -> Message:
     """Parse and check one wire payload: the only parser of §3-§7 messages.
 
     Order: zero-length, size cap (before parsing), UTF-8, JSON object (no
-    duplicate keys, NaN or infinities), `schema_version` (§3.2 step 2), then
+    duplicate keys, NaN or infinities), `schema_version` (§3.2 rule 2), then
     every field rule of the expected type: exact field set, types (a boolean
     is never an integer), formats of §1, ranges and sizes.
 

@@ -76,7 +76,7 @@ class Invalid(Exception):
 
 
 class SchemaMismatch(Invalid):
-    """`schema_version` is not SCHEMA_VERSION (§3.2 step 2)."""
+    """`schema_version` is not SCHEMA_VERSION (§3.2 rule 2)."""
 
 
 # ------------------------------------------------------------------ helpers
@@ -383,7 +383,7 @@ def is_int(value: object) -> bool:
 
 
 def check_schema(value: object) -> None:
-    """Refuse a `schema_version` other than SCHEMA_VERSION (§3.2 step 2). Raises `SchemaMismatch`, `Invalid`."""
+    """Refuse a `schema_version` other than SCHEMA_VERSION (§3.2 rule 2). Raises `SchemaMismatch`, `Invalid`."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise Invalid(f"schema_version must be an integer, got {type_name(value)} {show(value)}")
     if value != SCHEMA_VERSION:
@@ -446,7 +446,7 @@ def _check_decoded(obj: dict[str, Any], make: Callable[[dict[str, Any]], T]) -> 
 
 
 def decode_object(obj: object, make: Callable[[dict[str, Any]], T]) -> T:
-    """Apply §3.2 steps 2-3 and then `make` (a message's field rules) to a parsed payload.
+    """Apply §3.2 rule 2 (`schema_version` first) and then `make` (a message's field rules) to a parsed payload.
 
     Args:
         obj: the parsed JSON object; make: builds the message from it.

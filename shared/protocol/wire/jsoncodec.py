@@ -1,4 +1,4 @@
-"""JSON of the wire (PROTOCOL §3.1, §3.2 step 1): the one payload parser and the
+"""JSON of the wire (PROTOCOL §3.1, §3.2 rule 1): the one payload parser and the
 canonical form every signature covers. Import these through `mam.shared.protocol.wire`.
 
 `parse_object` refuses, before any field rule runs, what is not one UTF-8
@@ -87,7 +87,7 @@ def _finite_float(text: str) -> float:
 
 
 def parse_object(raw: object, expect: str) -> dict[str, Any]:
-    """Parse a payload of kind `expect` into a JSON object (§3.2 step 1), size cap first.
+    """Parse a payload of kind `expect` into a JSON object (§3.2 rule 1), size cap first.
 
     Args:
         raw: bytes, bytearray, memoryview or str, as received.

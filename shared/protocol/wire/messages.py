@@ -306,7 +306,7 @@ class Presence:
     schema_version: int = SCHEMA_VERSION
     sig_alg: str | None = None  # §16: "ed25519" on v2
     labels: tuple[str, ...] | None = None  # §14; None (absent on the wire): an older runner, no labels
-    # §14: receivers ignore unknown presence fields, but keep them: the signature covers them
+    # §7: receivers ignore unknown presence fields, but keep them: the signature covers them
     extras: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -405,7 +405,7 @@ def _control_from(obj: dict[str, Any]) -> Control:
 
 
 def _presence_from(obj: dict[str, Any]) -> Presence:
-    # §14: `labels` is optional, and unknown fields are ignored (kept only for the signature);
+    # §7: `labels` is optional, and unknown fields are ignored (kept only for the signature);
     # §16: `sig_alg` is a known optional field, never an extra
     known = PRESENCE_FIELDS | V2_SIGNED_FIELDS | {"labels"}
     extras = {key: obj.pop(key) for key in list(obj) if key not in known}
