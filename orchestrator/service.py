@@ -55,7 +55,7 @@ from mam.orchestrator.queuewait import (
 from mam.orchestrator.runners import PRESENCE_STALE_S
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.protocol import names, wire
-from mam.shared.protocol.codes import PUBLISHED_STATUSES, JobStatus
+from mam.shared.protocol.codes import PUBLISHED_STATUSES, CloseReason, JobStatus
 from mam.shared.protocol.errors import MamError, UsageError
 from mam.shared.store.records import HUB_DECISIONS, RECORD_NAME_RE, JobRecord, describe_target
 from mam.shared.transport import Received, Transport
@@ -68,6 +68,12 @@ SERVICE_START_S = 30.0  # how long an embedded service may take to lock, connect
 CONFIRM_WAIT_S = 60.0  # a stopping embedded service waits at most this long for cancel confirmations
 LATE_JUDGE_S = DAY_S  # a job the hub closed itself is judged this long for a late terminal (§14)
 NOTE = "hub_note"  # an audit line of what the engine says about a job; every follower prints it
+HANDOVER_S = 5.0  # a stopping embedded engine waits at most this long for a just-published job's start
+CLOSE_WHY: dict[str, str] = {  # the hub's own closes (§10, §14), said in words in their note
+    CloseReason.AGENT_BLOCKED: "no runner took the dispatch within its ack timeout",
+    CloseReason.DEADLINE_TIMEOUT: "no event within the idle window, or past the wall clock",
+    CloseReason.RUNNER_LOST: "its runner went offline or was replaced, and stayed silent",
+}
 
 
 class _Discard:
@@ -140,6 +146,8 @@ class HubService:
         self._info = log.debug if quiet else log.info
         self._drain = False  # on stop, first finish the cancels awaiting their runner's confirmation
         self._drain_scanned = False
+        self._handover_until = 0.0
+        self._handover = True
 
     # ------------------------------------------------------------ records
 
@@ -486,9 +494,14 @@ class HubService:
                 self.confirm_watchers[job_id] = watcher
             else:
                 try:
-                    self._judge_late(self.registry.get(job_id), now, watcher)
+                    record = self.registry.get(job_id)
                 except MamError as exc:
                     log.warning("job %s: cannot read its record: %s", job_id, exc)
+                else:
+                    if record.get("close_reason") in HUB_DECISIONS:
+                        why = CLOSE_WHY.get(str(record["close_reason"]), "")
+                        self.note(job_id, f"job {job_id} closed: {record['close_reason']} ({why})")
+                    self._judge_late(record, now, watcher)
                 self.retry(job_id, now)
         for job_id, (_watcher, until) in list(self.late.items()):
             if now >= until:
@@ -512,17 +525,23 @@ class HubService:
 
     def _confirmations_left(self, down_since: float | None) -> bool:
         """On `finish`: the first time, one more scan and tick (a cancel recorded a moment ago
-        by another process reaches `confirming`); then whether any cancel still waits."""
+        by another process reaches `confirming`); then whether any cancel still waits, or,
+        for at most `HANDOVER_S`, a job this engine just published has not started yet (its
+        `started` would reach no engine while the next one starts)."""
+        now = time.monotonic()
         if not self._drain_scanned:
             self._drain_scanned = True
-            now = time.monotonic()
+            self._handover_until = now + (HANDOVER_S if self._handover else 0.0)
             self.scan(now)
             self.tick(now, down_since)
-        return bool(self.confirming)
+        unstarted = any(not w.accepted_any and w.started_status == JobStatus.PENDING for w in self.watchers.values())
+        return bool(self.confirming) or (unstarted and now < self._handover_until)
 
-    def finish(self) -> None:
+    def finish(self, *, handover: bool = True) -> None:
         """Ask the loop to end once every cancel waiting for its runner's confirmation (§6)
-        is confirmed or past its deadline: an embedded engine whose job was cancelled."""
+        is confirmed or past its deadline (an embedded engine whose job was cancelled) and,
+        with `handover`, a job just published has started (`_confirmations_left`)."""
+        self._handover = handover
         self._drain = True
         self._stop = True
 
@@ -630,13 +649,14 @@ class EmbeddedService:
             self.service, self.thread = service, thread
             return True
 
-    def stop(self) -> None:
-        """Stop the service started here, if any (its jobs go on; the next service takes them)."""
+    def stop(self, *, handover: bool = True) -> None:
+        """Stop the service started here, if any (its jobs go on; the next service takes them).
+        `handover`: first wait (at most `HANDOVER_S`) for just-published jobs to start."""
         with self._lock:
             service, thread = self.service, self.thread
             self.service = self.thread = None
         if service is not None and thread is not None:
-            service.finish()
+            service.finish(handover=handover)
             thread.join(SERVICE_START_S + CONFIRM_WAIT_S)
 
 

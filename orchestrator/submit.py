@@ -74,7 +74,9 @@ def follow_job(hub: Hub, engine: EmbeddedService, job_id: str, *, detach: bool, 
         except BrokerError as exc:
             print(f"job {job_id}: {exc}. {reattach_hint(registry, job_id, workspace) or ''}", file=sys.stderr)
             return ExitCode.BROKER
-    engine.stop()  # a cancel's confirmation (§6) is awaited here, before the summary
+    # a cancel's confirmation (§6) is awaited here, before the summary; a detached dispatch
+    # leaves its own just-published job to whoever watches next, as it always did
+    engine.stop(handover=not detach)
     if detach and follower.published:
         print_started(registry.get(job_id), as_json, verb)
         return 0

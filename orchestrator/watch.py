@@ -458,7 +458,8 @@ class Watcher:
                               self.job_id, close_reason)
         if record.get("close_reason") != close_reason:
             return exit_code_of(record)  # it ended some other way first
-        log.error("job %s closed: %s", self.job_id, close_reason)
+        if not self.options.lazy_progress:  # the hub engine notes it for every follower instead
+            log.error("job %s closed: %s", self.job_id, close_reason)
         if not connected:
             return ExitCode.BROKER
         return ExitCode.ERROR if close_reason == CloseReason.AGENT_BLOCKED else ExitCode.TIMEOUT

@@ -92,11 +92,13 @@ def summary_lines(record: Mapping[str, Any], root: Path | None) -> str:
     hub_side, runner_side = log_places(record, root)
     outcome = _outcome(status, record.get("close_reason") if record.get("close_reason") != status else None)
     exit_code = record.get("exit_code")
-    ran = bool(record.get("last_seq") or record.get("seen_seq"))  # its runner reported this attempt
-    where = f"on runner {record.get('session') or '-'}" if ran else "without starting on any runner"
-    lines.append(f"job {job_id} {outcome}{'' if exit_code is None else f' (exit {exit_code})'} after "
-                 f"{format_duration(duration_s(record))} {where}; "
-                 f"full output: hub {hub_side}, runner {runner_side}")
+    ended = f"job {job_id} {outcome}{'' if exit_code is None else f' (exit {exit_code})'} after " \
+            f"{format_duration(duration_s(record))}"
+    if record.get("last_seq") or record.get("seen_seq"):  # its runner reported this attempt
+        lines.append(f"{ended} on runner {record.get('session') or '-'}; full output: hub {hub_side}, "
+                     f"runner {runner_side}")
+    else:
+        lines.append(f"{ended} without starting on any runner (no output)")
     return "\n".join(_cell(line) for line in lines) + "\n"
 
 

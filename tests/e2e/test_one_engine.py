@@ -9,6 +9,7 @@ that never ran names no runner in what `dispatch` says of its end.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -73,3 +74,26 @@ def test_the_same_reason_line_and_exit_code_with_and_without_serve(nats_broker, 
     finally:
         runner.terminate()
         runner.wait(PATIENCE_S)
+
+
+def test_two_dispatches_without_serve_share_one_engine_and_each_sees_its_whole_job(nats_broker, tmp_path):
+    """One runner slot, two `dispatch` processes and no `serve`: the first runs the engine, the
+    second follows it and takes it over when the first exits. Each job runs once, in order,
+    and each dispatch prints its own job's `started` and `completed` (none lost in the handover)."""
+    runner = runnersim.start_runner(nats_broker, tmp_path / "one", "one", "--max-jobs", "1")
+    hub = hub_workspace(nats_broker, tmp_path)
+    argv = [*MAM_ORCH, "dispatch", "--session", "one", "--brief", "sleep 1", "--json", "--workspace", str(hub)]
+    try:
+        runs = []
+        for _ in range(2):
+            runs.append(subprocess.Popen(argv, env=hub_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True))
+            wait_until(lambda: service_pid(hub) is not None, PATIENCE_S, "the first dispatch's engine")
+        outs = [run.communicate(timeout=3 * PATIENCE_S) for run in runs]
+    finally:
+        runner.terminate()
+        runner.wait(PATIENCE_S)
+    for run, (out, err) in zip(runs, outs, strict=True):
+        assert run.returncode == 0, err
+        events = [json.loads(line)["event"] for line in out.splitlines()]
+        assert events[0] == "started" and events[-1] == "completed", (events, err)
