@@ -24,12 +24,13 @@ from types import TracebackType
 from typing import Any
 
 from mam.orchestrator.control import close_remote
-from mam.orchestrator.dispatch import check_brief, hub_contract, save_brief
+from mam.orchestrator.dispatch import check_brief, hub_contract, work_terms
 from mam.orchestrator.follow import FOLLOW_POLL_S, AuditTail, is_event_line, settled
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.runners import receive_presence
 from mam.orchestrator.service import EmbeddedService
+from mam.orchestrator.submit import register_queued
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import DEFAULT_RETRY_ON, TERMINAL_STATUSES
 from mam.shared.protocol.errors import TransitionRefused, UsageError
@@ -156,8 +157,10 @@ class Hub:
                  priority: int = 0, retries: int = 0, retry_on: Sequence[str] = DEFAULT_RETRY_ON,
                  queue_timeout_s: int = DEFAULT_QUEUE_TIMEOUT_SEC, heartbeat_s: int | None = None,
                  heartbeat_misses: int | None = None, ack_timeout_s: int | None = None,
-                 idle_timeout_s: int | None = None, timeout_s: int | None = None) -> Job:
-        """Queue a job for one runner `session` or any runner carrying all `labels` (§14).
+                 idle_timeout_s: int | None = None, timeout_s: int | None = None, repo: str | None = None,
+                 ref: str | None = None) -> Job:
+        """Queue a job for one runner `session` or any runner carrying all `labels` (§14);
+        with `repo` (and `ref`), on a worktree of that repository (§18).
 
         Returns:
             the `Job` (queued; the service publishes it when a runner has a free slot).
@@ -171,10 +174,10 @@ class Hub:
                            retry_on=tuple(retry_on)).checked()
         contract = hub_contract(self.registry.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
                                 ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
+        work = work_terms(repo=repo, ref=ref)
         self._hub.keys()
         self.ensure_service()
-        record = self.registry.register(session=session, contract=contract, queue=terms)
-        save_brief(self.registry, record["job_id"], brief)
+        record = register_queued(self.registry, brief=brief, contract=contract, terms=terms, work=work)
         return Job(self, record["job_id"])
 
     def job(self, job_id: str) -> Job:

@@ -12,6 +12,7 @@ import typer
 from mam.orchestrator.broker import embedded as broker
 from mam.orchestrator.broker import probe
 from mam.orchestrator.cancel import cancel
+from mam.orchestrator.dispatch import work_terms
 from mam.orchestrator.follow import watch_cli
 from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
 from mam.orchestrator.hints import command
@@ -19,6 +20,7 @@ from mam.orchestrator.identity.cli import runner_app
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.logs import logs_cli
 from mam.orchestrator.redispatch import redispatch_cli
+from mam.orchestrator.results import apply_cli, result_cli
 from mam.orchestrator.runners import OFFLINE_HIDDEN_DAYS, prune_cli, runners_cli
 from mam.orchestrator.service import serve_cli
 from mam.orchestrator.submit import dispatch_cli
@@ -27,8 +29,8 @@ from mam.shared.config import describe
 from mam.shared.protocol.errors import BrokerUnavailable, ExitCode, MamError
 
 # `--help` lists the commands in the order a new operator uses them, one example each
-WORKFLOW = ("init", "config", "broker", "serve", "runner", "runners", "dispatch", "watch", "logs", "jobs", "show",
-            "cancel", "redispatch", "gc")
+WORKFLOW = ("init", "config", "broker", "serve", "runner", "runners", "dispatch", "watch", "logs", "result",
+            "apply", "jobs", "show", "cancel", "redispatch", "gc")
 EXAMPLES = {
     "init": "mam-orch init --broker hub.example.net",
     "config": "mam-orch config --check",
@@ -39,6 +41,8 @@ EXAMPLES = {
     "dispatch": "mam-orch dispatch --labels gpu --brief 'Fix the flaky test in tests/test_io.py'",
     "watch": "mam-orch watch 918b0612",
     "logs": "mam-orch logs 918b0612 --follow",
+    "result": "mam-orch result 918b0612 --patch",
+    "apply": "mam-orch apply 918b0612 --repo-path ~/src/demo",
     "jobs": "mam-orch jobs --status running",
     "show": "mam-orch show 918b0612",
     "cancel": "mam-orch cancel 918b0612",
@@ -275,6 +279,12 @@ def dispatch_cmd(
     retry_on: str = typer.Option(None, "--retry-on", metavar="LIST",
                                  help="Which ends retry: agent_blocked,deadline_timeout,runner_lost,error "
                                       "(default the first three)."),
+    repo: str = typer.Option(None, "--repo", metavar="NAME",
+                             help="Run on a worktree of this repository: only runners started with "
+                                  "--repo NAME=URL take the job; its change comes back (§18)."),
+    ref: str = typer.Option(None, "--ref", metavar="REF",
+                            help="With --repo: the branch, tag or commit to start from (default: the "
+                                 "remote's default branch)."),
     detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
     no_log: bool = typer.Option(False, "--no-log", help="Do not show the agent's output under the events."),
@@ -294,7 +304,8 @@ def dispatch_cmd(
                         heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout, idle_timeout_s=idle_timeout,
                         timeout_s=timeout, require_online=require_online, detach=detach, as_json=as_json,
                         workspace=workspace, labels=labels, priority=priority, queue_timeout_s=queue_timeout,
-                        retries=retries, retry_on=retry_on, show_log=not no_log)
+                        retries=retries, retry_on=retry_on, show_log=not no_log,
+                        work=work_terms(repo=repo, ref=ref))
 
 
 @app.command("logs")
@@ -313,6 +324,44 @@ def logs_cmd(
     """
     cli.setup_logging()
     return logs_cli(job_id, workspace=workspace, follow=follow, attempt=attempt, as_json=as_json)
+
+
+@app.command("result")
+def result_cmd(
+    job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
+    patch: bool = typer.Option(False, "--patch", help="Print the change as a patch (git diff --binary)."),
+    attempt: int = typer.Option(None, "--attempt", metavar="N",
+                                help="Which attempt (default: the latest one that sent a result)."),
+    workspace: str = cli.workspace_option(),
+    as_json: bool = typer.Option(False, "--json", help="The result as one JSON object even on a TTY."),
+) -> int:
+    """Show what a repository job changed: base and head commits, the commits, the
+    diffstat and the agent's summary, or with --patch the diff (PROTOCOL §18).
+
+    The runner sends the result sealed and signed when the agent ends; the hub keeps
+    it in .mam/results/<job>/<attempt>/. Exit codes: 0 shown; 1 no result (yet).
+    """
+    cli.setup_logging()
+    return result_cli(job_id, workspace=workspace, patch=patch, attempt=attempt, as_json=as_json)
+
+
+@app.command("apply")
+def apply_cmd(
+    job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
+    repo_path: str = typer.Option(None, "--repo-path", metavar="DIR",
+                                  help="A clean clone of the repository (default: the current directory)."),
+    attempt: int = typer.Option(None, "--attempt", metavar="N",
+                                help="Which attempt (default: the latest one that sent a result)."),
+    workspace: str = cli.workspace_option(),
+) -> int:
+    """Fetch a repository job's change into a local clone as branch mam/<job> (PROTOCOL §18).
+
+    Nothing in the clone's working tree changes; a clone with uncommitted changes, one
+    without the job's base commit, or an existing mam/<job> at another commit is refused.
+    Exit codes: 0 applied; 64 refused (the reason in one line).
+    """
+    cli.setup_logging()
+    return apply_cli(job_id, workspace=workspace, repo_path=repo_path, attempt=attempt)
 
 
 @app.command("cancel")

@@ -92,7 +92,8 @@ def build_dispatch(record: Mapping[str, Any], brief: str, keys: DispatchKeys, *,
     contract = wire.Contract.of_record(record)
     dispatch = wire.Dispatch.build(record["job_id"], record["session"], record["attempt_id"],
                                    record["dispatch_token"], origin=origin or hub_name(),
-                                   contract=contract, sealed=sealed, issued_at=issued_at)
+                                   contract=contract, sealed=sealed, issued_at=issued_at,
+                                   work=wire.Work.of_record(record))
     return crypto.sign(dispatch.to_dict(), keys.sign_key)
 
 
@@ -292,3 +293,20 @@ def queue_terms(session: str | None, labels: str | None, *, priority: int, queue
     if queue_timeout_s is not None:
         terms = terms._replace(queue_timeout_sec=queue_timeout_s)
     return terms.checked()
+
+
+def work_terms(*, repo: str | None = None, ref: str | None = None) -> wire.Work | None:
+    """The job's repository (§18) from the dispatch options, or None for a plain job.
+
+    Args:
+        repo: `--repo NAME`; ref: `--ref REF` (only with a repo).
+    Raises:
+        UsageError: one line naming the bad option.
+    """
+    if ref is not None and repo is None:
+        raise UsageError("--ref needs --repo NAME (the repository the ref is in)")
+    if repo is not None:
+        names.validate_repo(repo, "--repo")
+    if ref is not None:
+        names.validate_ref(ref)
+    return wire.Work.build(repo=repo, ref=ref) or None

@@ -30,6 +30,7 @@ class RunnerView:
         session: the runner's session name (§1); runner_id: its id (32 hex).
         status: `online`, `draining` or `offline` (§7).
         labels: the labels it announced (§14; empty for older runners).
+        repos: the repository names it serves (§18).
         max_jobs: its slot count; running: the job ids it runs.
         verified: the presence signature verifies (§7): v1 with this hub's sign key, v2 with the
             roster's key (§16.4).
@@ -50,6 +51,7 @@ class RunnerView:
     last_refusal: tuple[str, str] | None = None
     host: str = ""
     version: str = ""
+    repos: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class QueuedJob:
             shared by the jobs compared (e.g. the record's `queued_at`), earlier first.
         avoid_session: the previous attempt's runner (retries): chosen only
             when no other candidate exists.
+        repo: the repository a runner must serve (§18), or None.
     """
 
     job_id: str
@@ -71,11 +74,12 @@ class QueuedJob:
     priority: int
     queued_at: float
     avoid_session: str | None = None
+    repo: str | None = None
 
     @property
-    def target(self) -> tuple[str | None, frozenset[str]]:
+    def target(self) -> tuple[str | None, frozenset[str], str | None]:
         """The job's target as one comparable key (jobs leave in order per target)."""
-        return (self.target_session, self.target_labels)
+        return (self.target_session, self.target_labels, self.repo)
 
 
 def queue_order(job: QueuedJob) -> tuple[int, float, str]:
@@ -104,11 +108,14 @@ class Fleet:
         self._handed: dict[str, int] = {}
         self._hand_count = NEVER_HANDED
         self._labels: set[str] = set()
+        self._repos: set[str] = set()
 
     def update(self, view: RunnerView) -> None:
-        """Store a runner's latest presence; its labels join `known_labels` (verified or not)."""
+        """Store a runner's latest presence; its labels and repositories join `known_labels`
+        and `known_repos` (verified or not)."""
         self._views[view.session] = view
         self._labels.update(view.labels)
+        self._repos.update(view.repos)
 
     def forget(self, session: str) -> None:
         """Drop `session`'s presence (a revoked runner, §16): it is no candidate until it speaks again."""
@@ -174,10 +181,17 @@ class Fleet:
         """The union of every label any presence ever announced."""
         return frozenset(self._labels)
 
+    def known_repos(self) -> frozenset[str]:
+        """The union of every repository name any presence ever announced (§18)."""
+        return frozenset(self._repos)
+
 
 def matches(view: RunnerView, job: QueuedJob) -> bool:
-    """The runner fits the job's target: its session, and labels ⊇ the job's (§14)."""
+    """The runner fits the job's target: its session, labels ⊇ the job's (§14), and it
+    serves the job's repository (§18)."""
     if job.target_session is not None and view.session != job.target_session:
+        return False
+    if job.repo is not None and job.repo not in view.repos:
         return False
     return job.target_labels <= view.labels
 
@@ -205,7 +219,7 @@ def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: f
     free = {view.session: fleet.free_slots(view.session, now, stale_after_s) for view in fleet.views()}
     handed = {view.session: fleet.handed_rank(view.session) for view in fleet.views()}
     rank = max(handed.values(), default=NEVER_HANDED)
-    blocked: set[tuple[str | None, frozenset[str]]] = set()
+    blocked: set[tuple[str | None, frozenset[str], str | None]] = set()
     picked: list[tuple[str, str]] = []
     for job in sorted(queued, key=queue_order):
         if job.target in blocked:
@@ -250,6 +264,8 @@ def why_waiting(job: QueuedJob, fleet: Fleet, queued: Sequence[QueuedJob], now: 
         return (f"no runner has ever announced labels={','.join(sorted(missing))} "
                 f"(job {job.job_id} waits for {target})")
     matching = [view for view in fleet.views() if matches(view, job)]
+    if job.repo is not None and not matching:
+        return _no_repo(job, fleet)
     if job.target_session is not None and not matching:
         return f"runner {job.target_session} has not announced itself (no presence seen); job {job.job_id} waits"
     unverified = [view.session for view in matching if not view.verified]
@@ -266,6 +282,17 @@ def why_waiting(job: QueuedJob, fleet: Fleet, queued: Sequence[QueuedJob], now: 
         return f"queued behind {_plural(ahead, 'job')} for {target}: no matching runner is online ({states})"
     return (f"queued behind {_plural(ahead, 'job')} for {target} "
             f"({_plural(len(available), 'runner')} match, {_plural(free, 'free slot')})")
+
+
+def _no_repo(job: QueuedJob, fleet: Fleet) -> str:
+    """Why a repository job (§18) has no matching runner: nobody serves the repo, or not
+    the runner (or labels) it names."""
+    hint = f"start one with `mam-runner run --repo {job.repo}=URL ...`"
+    if job.repo not in fleet.known_repos():
+        return f"no runner serves repo {job.repo} ({hint}); job {job.job_id} waits"
+    serving = sorted(view.session for view in fleet.views() if job.repo in view.repos)
+    return (f"no runner matching {describe_target(job)} serves repo {job.repo} (served by "
+            f"{', '.join(serving) or 'none online'}; {hint}); job {job.job_id} waits")
 
 
 def _state(view: RunnerView, now: float, stale_after_s: float) -> str:

@@ -50,7 +50,7 @@ def queued_job(record: JobRecord) -> QueuedJob:
     return QueuedJob(job_id=record["job_id"], target_session=session, target_labels=frozenset(labels),
                      priority=int(record.get("priority", 0)),
                      queued_at=_epoch(record.get("queued_at") or record["created_at"]),
-                     avoid_session=record.get("avoid_session"))
+                     avoid_session=record.get("avoid_session"), repo=(record.get("work") or {}).get("repo"))
 
 
 def mark_published(registry: Registry, job_id: str, session: str) -> JobRecord:

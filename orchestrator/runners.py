@@ -63,7 +63,8 @@ def verify_presence(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str,
     """Decode and verify one retained presence (§7; against the roster of `roster_root`, §16) into a row.
 
     Returns:
-        {"session", "status", "host", "running", "max_jobs", "labels", "last_seen", "runner_id", "version"};
+        {"session", "status", "host", "running", "max_jobs", "labels", "repos", "last_seen", "runner_id",
+        "version"};
         status is "stale" for an online/draining presence not refreshed for PRESENCE_STALE_S.
     Raises:
         DecodeError: not a §7 presence; SignatureError: `sig` missing or wrong;
@@ -82,7 +83,7 @@ def verify_presence(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str,
         status = STALE  # not refreshed: a dead host, or an old presence replayed
     return {"session": presence.session, "status": status, "host": presence.host,
             "running": list(presence.running), "max_jobs": presence.max_jobs,
-            "labels": list(presence.labels or ()),
+            "labels": list(presence.labels or ()), "repos": list(presence.repos or ()),
             "last_seen": presence.timestamp, "runner_id": presence.runner_id, "version": presence.version}
 
 
@@ -112,7 +113,8 @@ def presence_view(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str, r
         log.debug("presence of %s does not verify: %s", presence.session, exc)
         verified = False
     return RunnerView(session=presence.session, runner_id=presence.runner_id, status=presence.status,
-                      labels=frozenset(presence.labels or ()), max_jobs=presence.max_jobs,
+                      labels=frozenset(presence.labels or ()), repos=frozenset(presence.repos or ()),
+                      max_jobs=presence.max_jobs,
                       running=frozenset(presence.running), verified=verified,
                       seen_at=received_at - max(0.0, _presence_age_s(presence.timestamp)),
                       host=presence.host, version=presence.version,
@@ -370,7 +372,8 @@ def runners_cli(*, workspace: Workspace = None, as_json: bool = False, show_all:
     elif not rows:
         print("(no runners)")
     else:
-        print(render.table(["SESSION", "STATUS", "LABELS", "RUNNING", "MAX", "HOST", "LAST SEEN"],
-                           [[r["session"], r["status"], ",".join(r["labels"]) or "-", ",".join(r["running"]) or "-",
-                             r["max_jobs"], r["host"], r["last_seen"]] for r in rows]), end="")
+        print(render.table(["SESSION", "STATUS", "LABELS", "REPOS", "RUNNING", "MAX", "HOST", "LAST SEEN"],
+                           [[r["session"], r["status"], ",".join(r["labels"]) or "-", ",".join(r["repos"]) or "-",
+                             ",".join(r["running"]) or "-", r["max_jobs"], r["host"], r["last_seen"]] for r in rows]),
+              end="")
     return 0

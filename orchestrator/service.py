@@ -52,6 +52,7 @@ from mam.orchestrator.queuewait import (
     retry_attempt,
     retry_reason,
 )
+from mam.orchestrator.results import ResultInbox
 from mam.orchestrator.runners import PRESENCE_STALE_S
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.protocol import names, wire
@@ -135,6 +136,7 @@ class HubService:
         self.fleet = self.feed.fleet
         self.sessions: dict[str, str] = {}  # job id -> the session its dispatch went to
         self.stats = ServiceStats()
+        self.results = ResultInbox(self.registry)  # §18: results land whether or not a watcher runs
         self._mtimes: dict[str, int] = {}
         self.backlog: deque[Received] = deque()  # received, not judged yet (`receive`)
         self.unjudged: Counter[str] = Counter()  # job id -> its messages in `backlog`
@@ -298,6 +300,13 @@ class HubService:
             self.on_presence(session, raw, now)
             return
         parsed = names.parse_job_topic(topic, root)
+        if parsed is not None and parsed[1] == "result":
+            try:
+                self.results.handle(raw)
+            except MamError as exc:
+                self.stats.handler_errors += 1
+                log.warning("job %s: result chunk not handled: %s", parsed[0], exc)
+            return
         if parsed is None or parsed[1] not in ("events", "state", "log"):  # log: the hub's copy (§15)
             self.stats.refused_topics += 1
             return
@@ -567,7 +576,8 @@ class HubService:
         self.scan(now)  # open records first: the retained states then find their watchers
         root = self.config.topic_root
         client.subscribe([(names.all_events_filter(root), 1), (names.all_states_filter(root), 1),
-                          (names.all_logs_filter(root), 1), (names.all_presence_filter(root), 1)])
+                          (names.all_logs_filter(root), 1), (names.all_results_filter(root), 1),
+                          (names.all_presence_filter(root), 1)])
         self._info("hub service pid %d serving %s: %d open jobs, %d queued", os.getpid(), self.registry.root,
                    len(self.watchers), len(self.queued))
         link = BrokerLink(client)

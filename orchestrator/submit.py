@@ -23,6 +23,7 @@ from mam.orchestrator.follow import Follower
 from mam.orchestrator.hints import detach_hint, queued_hint, reattach_hint
 from mam.orchestrator.hub import Hub, Workspace, open_hub
 from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S
+from mam.orchestrator.results import await_result
 from mam.orchestrator.runners import collect_presence, read_presence
 from mam.orchestrator.service import EmbeddedService
 from mam.orchestrator.watch import Detached
@@ -39,10 +40,12 @@ log = logging.getLogger("mam.dispatch")
 TAKE_OVER_RETRY_S = 1.0  # how often a follower tries to start the engine the broker refused
 
 
-def register_queued(registry: Registry, *, brief: str, contract: wire.Contract, terms: QueueTerms) -> JobRecord:
-    """Register a checked job `queued` with its brief, for the engine to publish (§14):
-    the one way `dispatch`, `POST /api/jobs` and `mam.Hub` queue a job."""
-    record = registry.register(session=terms.target_session, contract=contract, queue=terms)
+def register_queued(registry: Registry, *, brief: str, contract: wire.Contract, terms: QueueTerms,
+                    work: wire.Work | None = None) -> JobRecord:
+    """Register a checked job `queued` with its brief (and its repository and agent policy,
+    §18), for the engine to publish (§14): the one way `dispatch`, `POST /api/jobs` and
+    `mam.Hub` queue a job."""
+    record = registry.register(session=terms.target_session, contract=contract, queue=terms, work=work)
     save_brief(registry, record["job_id"], brief)
     return record
 
@@ -74,6 +77,8 @@ def follow_job(hub: Hub, engine: EmbeddedService, job_id: str, *, detach: bool, 
         except BrokerError as exc:
             print(f"job {job_id}: {exc}. {reattach_hint(registry, job_id, workspace) or ''}", file=sys.stderr)
             return ExitCode.BROKER
+    if not detach:  # §18: the engine stops below; the result the terminal announced lands first
+        await_result(registry, job_id)
     # a cancel's confirmation (§6) is awaited here, before the summary; a detached dispatch
     # leaves its own just-published job to whoever watches next, as it always did
     engine.stop(handover=not detach)
@@ -135,7 +140,7 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
                  timeout_s: int | None, require_online: bool, detach: bool, as_json: bool,
                  workspace: Workspace, stdin: BinaryIO | None = None, labels: str | None = None,
                  priority: int = 0, queue_timeout_s: int | None = None, retries: int = 0,
-                 retry_on: str | None = None, show_log: bool = True) -> int:
+                 retry_on: str | None = None, show_log: bool = True, work: wire.Work | None = None) -> int:
     """`mam-orch dispatch` (§5, §9, §10, §14).
 
     Order: validate everything (the target: `--session NAME` (or `remote:NAME`) or
@@ -167,7 +172,7 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
     engine = EmbeddedService(hub)
     try:
         engine.ensure()
-        record = register_queued(hub.registry, brief=text, contract=contract, terms=terms)
+        record = register_queued(hub.registry, brief=text, contract=contract, terms=terms, work=work)
         print(f"queued job {record['job_id']} for {describe_target(record)}", file=sys.stderr, flush=True)
         return follow_job(hub, engine, record["job_id"], detach=detach, as_json=as_json, workspace=workspace,
                           show_log=show_log)

@@ -25,13 +25,14 @@ app = cli.new_app(
     "mam-runner",
     "The worker side of mam-fleet: take dispatched jobs for a session, run the "
     "agent under a heartbeat, and publish its events.",
-    ("enroll", "trust-hub", "run", "publish", "jobs", "show"),
+    ("enroll", "trust-hub", "run", "publish", "jobs", "show", "gc"),
     {"enroll": "mam-runner enroll --session gpu-box",
      "trust-hub": "mam-runner trust-hub -- HUB_PUBLIC_KEY",
-     "run": "mam-runner run --session gpu-box --labels gpu --exec 'claude -p'",
+     "run": "mam-runner run --session gpu-box --repo demo=git://hub:9418/demo --exec claude",
      "publish": "mam-runner publish --job \"$MAM_JOB_ID\" --event progress --detail 'tests pass'",
      "jobs": "mam-runner jobs --status running",
-     "show": "mam-runner show 918b0612"},
+     "show": "mam-runner show 918b0612",
+     "gc": "mam-runner gc --ttl 3600"},
 )
 
 
@@ -78,6 +79,13 @@ def publish_cmd(
                        attempts=attempts, workspace=workspace)
 
 
+REPO_OPTION = typer.Option(None, "--repo", metavar="NAME=URL",
+                           help="A repository this runner serves (repeatable; default MAM_RUNNER_REPOS): a "
+                                "bare mirror under the workspace, a worktree per attempt, the change sent back "
+                                "(§18). URL: anything git clone takes.")
+"""`run --repo` (a list: ruff's B008 wants a list option's default built once, here)."""
+
+
 @app.command("run")
 def run_cmd(
     session: str = typer.Option(..., "--session", metavar="NAME",
@@ -96,6 +104,12 @@ def run_cmd(
     replace: bool = typer.Option(False, "--replace",
                                  help="Start even if another runner is online under this session (§7), "
                                       "e.g. after a kill -9 before the broker noticed."),
+    repo: list[str] = REPO_OPTION,
+    max_result_bytes: int = typer.Option(50_000_000, "--max-result-bytes", metavar="N",
+                                         help="A result's change sent at most, bytes; over it only the diffstat "
+                                              "and a result_too_large note (§18)."),
+    keep_worktrees: bool = typer.Option(False, "--keep-worktrees",
+                                        help="Keep worktrees a stopped runner left instead of removing them."),
 ) -> int:
     """Serve a session: take signed dispatches, run the agent under a heartbeat,
     publish its events; presence and Last Will on one connection (PROTOCOL §5-§7, §11).
@@ -109,7 +123,31 @@ def run_cmd(
     from mam.runner.service import run_cli  # lazy: keeps paho/psutil out of `mam-runner publish`
 
     return run_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
-                   max_jobs=max_jobs, once=once, replace=replace, labels=labels)
+                   max_jobs=max_jobs, once=once, replace=replace, labels=labels, repos=repo or None,
+                   max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees)
+
+
+@app.command("gc")
+def gc_cmd(
+    ttl: float = typer.Option(86400.0, "--ttl", metavar="S",
+                              help="Remove finished worktrees older than this many seconds (default 24 h)."),
+    workspace: str = cli.workspace_option(),
+) -> int:
+    """Remove finished attempt worktrees older than --ttl and prune the mirrors (§18).
+
+    A running runner removes them itself at start; this is for a host whose runner is
+    stopped or long-lived. Exit codes: 0 done; 64 bad arguments.
+    """
+    cli.setup_logging()
+    from mam.runner.repos import Repos
+
+    if not ttl >= 0:
+        raise UsageError(f"--ttl {ttl!r} is invalid: expected seconds >= 0")
+    root = resolve_root(workspace)
+    mirrors = Repos(root, [])
+    removed = mirrors.gc(ttl)
+    print(f"removed {len(removed)} finished worktree(s) under {mirrors.worktrees_dir}")
+    return 0
 
 
 @app.command("enroll")

@@ -31,7 +31,10 @@ from mam.runner.fastpath import SOCKET_ENV
 from mam.runner.heartbeat.beats import Beats
 from mam.runner.logstream import LogStreams
 from mam.runner.process_tree import AgentIdentity, stop_orphan
+from mam.runner.repos import RepoError, Repos
+from mam.runner.results import ResultSender
 from mam.runner.settings import RunnerOptions
+from mam.runner.work import AttemptWork
 from mam.shared.config import BrokerConfig, write_env_file
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.codes import EVENT_STATUS, TERMINAL_STATUSES, EventName, JobStatus
@@ -62,6 +65,7 @@ class StopReason(StrEnum):
     CANCELLED = "cancelled"  # a verified cancel (§6) or the runner's shutdown
     TIMED_OUT = "timed_out"  # it ran the contract's `timeout_sec` (§5)
     LINGERED = "lingered"  # it published its own terminal event, then ran on past MAM_AGENT_LINGER_S
+    OVER_BUDGET = "over_budget"  # its stream shows --max-turns / --max-cost-usd spent (§18)
 
 
 def final_reason(reason: StopReason, cancelled: bool) -> StopReason:
@@ -79,12 +83,14 @@ class Terminal:
     Attributes:
         event: `completed` or `error`; detail: its detail; exit_code: `data.exit_code`;
         status: the record status to set (`cancelled`), None = the event's own.
+        data: more terminal data: the agent's figures and the result's manifest (§18).
     """
 
     event: str
     detail: str
     exit_code: int | None
     status: str | None = None
+    data: Mapping[str, Any] | None = None
 
 
 def terminal_for(reason: StopReason, status: ExitStatus, timeout_s: int) -> Terminal | None:
@@ -123,6 +129,7 @@ class Job:
     thread: threading.Thread | None = None
     orphan: bool = False  # left by a dead runner: stop its agent, publish, never run anything
     identity: AgentIdentity | None = None  # the orphan's agent, None when unknown
+    work: wire.Work | None = None  # the dispatch's repository and agent policy (§18)
 
     def request_cancel(self, reason: str) -> bool:
         """Ask the supervisor to stop the agent; False when already asked."""
@@ -162,6 +169,8 @@ class Supervisor:
         self.beats = Beats(registry, client, drain_s=options.heartbeat_drain_s)  # §12: one thread, every job
         self.logstreams = LogStreams(root=options.root, client=client, config=config,  # §15
                                      rate_bps=options.log_rate_bps, environ=environ)
+        self.mirrors = Repos(options.root, options.repos)  # §18
+        self.results = ResultSender(root=options.root, client=client)  # §18
 
     def start(self, job: Job) -> None:
         """Start the job's supervisor thread."""
@@ -206,9 +215,10 @@ class Supervisor:
             cleared = None
             log.warning("job %s: retained dispatch not cleared (%s); the registry refuses its replay", job.job_id,
                         exc)
+        attempt, started_data, problem = self._prepare(job)  # §18: the worktree, before `started`
         started = publish.record(self.registry, publish.PublishRequest(
             job_id=job.job_id, event=EventName.STARTED, attempt_id=job.attempt_id,
-            dispatch_token=job.dispatch_token), source="runner")
+            dispatch_token=job.dispatch_token, data=started_data), source="runner")
         try:
             if cleared is not None:
                 cleared()
@@ -219,25 +229,45 @@ class Supervisor:
         # §12 from the daemon: one thread beats for every job (no timer process per job, §17)
         self.beats.add(job.job_id, attempt_id=job.attempt_id, dispatch_token=job.dispatch_token,
                        interval_s=float(job.heartbeat_s), timeout_s=float(job.timeout_s))
+        if attempt is None or problem is not None:
+            log.error("job %s: %s", job.job_id, problem)
+            self.publish_terminal(job, Terminal(EventName.ERROR, str(problem)[:wire.MAX_DETAIL_CHARS], None))
+            return
         if job.cancel.is_set():  # cancelled before the agent started
             self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_CANCELLED, None, JobStatus.CANCELLED))
             return
         env_file = self._write_broker_env(job.job_id)
         agent = AgentProcess()
         try:
-            self._run_agent(job, agent, env_file)
+            self._run_agent(job, agent, env_file, attempt)
         finally:
             if agent.started and agent.poll() is None:  # an unexpected error: never leave the agent behind
                 agent.cancel(grace_s=self.options.cancel_grace_s)
             agent.close()
             env_file.unlink(missing_ok=True)
 
-    def _run_agent(self, job: Job, agent: AgentProcess, env_file: Path) -> None:
-        workdir = self.options.workdir or (self.options.root / "work" / job.job_id)
+    def _prepare(self, job: Job) -> tuple[AttemptWork | None, dict[str, Any], str | None]:
+        """The attempt's work (§18): (it, `started`'s data, why it cannot run or None)."""
+        log_path = self.registry.logs_dir(job.job_id) / "agent.log"
+        try:
+            offset = os.stat(log_path).st_size if log_path.exists() else 0
+            token = self.registry.get(job.job_id)["auth_token"]
+            attempt = AttemptWork(job_id=job.job_id, attempt_id=job.attempt_id, work=job.work, root=self.options.root,
+                                  mirrors=self.mirrors, exec_argv=self.options.argv,
+                                  log_path=log_path, log_offset=offset, secrets=[*self.logstreams.secrets, token])
+        except (ValueError, OSError, RegistryError) as exc:
+            return None, {}, f"agent not started: {exc}"
+        try:
+            return attempt, attempt.prepare(), None
+        except (RepoError, OSError) as exc:
+            return attempt, {"agent": attempt.adapter.kind}, str(exc)
+
+    def _run_agent(self, job: Job, agent: AgentProcess, env_file: Path, attempt: AttemptWork) -> None:
+        workdir = attempt.cwd(self.options.workdir or (self.options.root / "work" / job.job_id))
         log_path = self.registry.logs_dir(job.job_id) / "agent.log"
         self.logstreams.start(self.registry, job.job_id, job.attempt_id, log_path)  # §15, from its current end
         try:
-            agent.start(list(self.options.argv), env=self._agent_env(job, env_file), cwd=workdir,
+            agent.start(attempt.argv(), env={**self._agent_env(job, env_file), **attempt.env()}, cwd=workdir,
                         stdin_text=job.brief, log_path=log_path)
         except (AgentStartError, RegistryError, OSError) as exc:
             log.error("job %s: agent not started: %s", job.job_id, exc)
@@ -249,7 +279,7 @@ class Supervisor:
         except RegistryError as exc:
             log.warning("job %s: agent identity not recorded (a restarted runner cannot stop it): %s",
                         job.job_id, exc)
-        reason, status = self._wait(job, agent)
+        reason, status = self._wait(job, agent, attempt)
         reason = final_reason(reason, job.cancel.is_set())
         grace_s = self.options.cancel_grace_s
         if reason is StopReason.EXITED and status is not None:
@@ -260,16 +290,41 @@ class Supervisor:
             if reason is StopReason.LINGERED:  # its terminal event is out; only its processes and our slot are left
                 log.info("job %s: the agent reported its end but ran on for %g s: stopped", job.job_id,
                          self.options.agent_linger_s)
+            elif reason is StopReason.OVER_BUDGET:
+                log.info("job %s: agent stopped: %s spent", job.job_id, attempt.adapter.over_budget())
             elif reason is StopReason.TIMED_OUT:
                 log.info("job %s: agent stopped: timed out after %d s (contract timeout_sec)", job.job_id,
                          job.timeout_s)
             else:
                 log.info("job %s: agent cancelled (%s)", job.job_id, job.cancel_reason or "cancel")
         terminal = terminal_for(reason, status, job.timeout_s)
+        if terminal is not None and reason is StopReason.OVER_BUDGET:
+            terminal = Terminal(EventName.ERROR, f"budget_exceeded: {attempt.adapter.over_budget()}",
+                                terminal.exit_code)
+        elif terminal is not None and reason is StopReason.EXITED:
+            verdict = attempt.outcome(terminal.exit_code)  # §18: a denial or an API error is an `error`
+            if verdict is not None:
+                terminal = Terminal(verdict[0], verdict[1], terminal.exit_code)
+        data = {**attempt.agent_data(), **self._send_result(job, attempt)}
         if terminal is not None:
-            self.publish_terminal(job, terminal)
+            self.publish_terminal(job, Terminal(terminal.event, terminal.detail, terminal.exit_code,
+                                                terminal.status, data))
 
-    def _wait(self, job: Job, agent: AgentProcess) -> tuple[StopReason, ExitStatus | None]:
+    def _send_result(self, job: Job, attempt: AttemptWork) -> dict[str, Any]:
+        """Collect and send the attempt's result before its terminal event (§18); its data."""
+        try:
+            collected = attempt.finish(session=self.options.session, max_result_bytes=self.options.max_result_bytes)
+            if collected is None:
+                return {}
+            token = self.registry.get(job.job_id)["auth_token"]
+            self.results.send(job_id=job.job_id, attempt_id=job.attempt_id, auth_token=token,
+                              archive=collected.archive, manifest=collected.manifest)
+        except (RepoError, OSError, RegistryError) as exc:  # the end is published even so
+            log.error("job %s: no result sent: %s", job.job_id, exc)
+            return {"result": {"note": f"result_failed: {str(exc)[:300]}"}}
+        return {"result": collected.data}
+
+    def _wait(self, job: Job, agent: AgentProcess, attempt: AttemptWork) -> tuple[StopReason, ExitStatus | None]:
         """Wait for the agent until one `StopReason`; the status is set when it exited."""
         deadline = time.monotonic() + job.timeout_s  # §5 timeout_sec, from the agent's start
         reported_at: float | None = None  # when the agent's own terminal event was seen
@@ -284,6 +339,8 @@ class Supervisor:
                 next_check = now + RECORD_CHECK_S
                 if self._record_terminal(job.job_id):
                     reported_at = now
+                elif attempt.poll() is not None:  # §18: a budget the CLI does not enforce itself
+                    return StopReason.OVER_BUDGET, None
             if reported_at is not None and now - reported_at >= self.options.agent_linger_s:
                 return StopReason.LINGERED, None
             status = agent.wait(timeout_s=WAIT_POLL_S)
@@ -383,7 +440,8 @@ class Supervisor:
     def _record_terminal_event(self, job: Job, terminal: Terminal) -> publish.Published:
         return publish.record(self.registry, publish.PublishRequest(
             job_id=job.job_id, event=terminal.event, detail=terminal.detail, attempt_id=job.attempt_id,
-            dispatch_token=job.dispatch_token, data=self.logstreams.finish(job.job_id)),  # §15 barrier
+            dispatch_token=job.dispatch_token,
+            data={**self.logstreams.finish(job.job_id), **(terminal.data or {})}),  # §15 barrier
             source="runner", exit_code=terminal.exit_code,
             status=terminal.status, drain_s=self.options.heartbeat_drain_s)
 

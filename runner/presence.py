@@ -44,6 +44,7 @@ class Presence:
             sign key, §5; `V2Trust`: this runner's own Ed25519 key, §16).
         max_jobs: the slot count announced; topic_root: MAM_TOPIC_ROOT.
         labels: the labels announced (§14; none: the field is left out, as a v1 runner's).
+        repos: the repository names it serves (§18; none: the field is left out).
 
     Attributes:
         announced: True once `online` was published (only then may `offline` be).
@@ -52,12 +53,13 @@ class Presence:
     """
 
     def __init__(self, *, session: str, runner_id: str, trust: HubTrust, max_jobs: int,
-                 topic_root: str, labels: Sequence[str] = ()) -> None:
+                 topic_root: str, labels: Sequence[str] = (), repos: Sequence[str] = ()) -> None:
         self.session = session
         self.runner_id = runner_id
         self.trust = trust
         self.max_jobs = max_jobs
         self.labels = tuple(sorted(labels))
+        self.repos = tuple(sorted(repos))
         self.topic = names.presence_topic(session, topic_root)
         self.announced = False
         self.published_at = 0.0
@@ -75,7 +77,7 @@ class Presence:
         presence = wire.Presence.build(self.session, self.runner_id, status,
                                        host=(socket.gethostname() or "unknown")[:HOST_MAX_CHARS],
                                        version=__version__, max_jobs=self.max_jobs, running=list(running),
-                                       labels=self.labels)
+                                       labels=self.labels, repos=self.repos)
         message = presence.to_dict()
         if self.last_refusal is not None:  # an extra field: hubs that do not know it ignore it (§7)
             message["last_refusal"] = self.last_refusal

@@ -42,7 +42,7 @@ from mam.runner.job import Job, Supervisor, orphan_job
 from mam.runner.localsock import PublishServer
 from mam.runner.outbox import Outbox, Resender
 from mam.runner.presence import Presence
-from mam.runner.settings import RunnerOptions, options_from_cli
+from mam.runner.settings import DEFAULT_MAX_RESULT_BYTES, RunnerOptions, options_from_cli
 from mam.runner.trust import HubTrust
 from mam.shared import config as shared_config
 from mam.shared.config import BrokerConfig
@@ -96,7 +96,8 @@ class Runner:
         self.runner_id = names.new_runner_id()
         self.client: Transport | None = None
         self.presence = Presence(session=options.session, runner_id=self.runner_id, trust=trust,
-                                 max_jobs=options.max_jobs, topic_root=config.topic_root, labels=options.labels)
+                                 max_jobs=options.max_jobs, topic_root=config.topic_root, labels=options.labels,
+                                 repos=[spec.name for spec in options.repos])
         self.tombstones = Tombstones()
         self._registry: Registry | None = None
         self._supervisor: Supervisor | None = None
@@ -221,6 +222,9 @@ class Runner:
                                       client=client, config=self.config, environ=self.environ,
                                       on_end=self._ended.put, stopping=self._stop)
         self._supervisor.logstreams.resend_leftovers()  # §15, §17: output chunks a stopped runner left
+        self._supervisor.results.resend_leftovers(registry)  # §18, §17: results a stopped runner left
+        self._supervisor.mirrors.remove_leftovers(keep=self.options.keep_worktrees)  # §18: a crash's worktrees
+        self._supervisor.mirrors.gc()
         # Before subscribing: a retained cancel for an orphan then finds it adopted (in `_jobs`).
         for record, orphan in orphans.orphans_at_start(registry, runner_id=self.runner_id,
                                                        session=self.options.session):
@@ -296,6 +300,7 @@ class Runner:
         self._reap_ended()
         if self._supervisor is not None:
             self._supervisor.beats.stop()
+            self._supervisor.results.stop()  # unsent results stay in the outbox for the next start
         if self._socket is not None:
             self._socket.stop()
         if self._resender is not None:
@@ -384,6 +389,11 @@ class Runner:
         """§11 step 1 here (the slot is taken synchronously); steps 2-5 on the supervisor thread."""
         assert self._registry is not None and self._supervisor is not None
         dispatch, contract = take.dispatch, take.dispatch.contract
+        repo = dispatch.work.repo if dispatch.work is not None else None
+        if repo is not None and repo not in self._supervisor.mirrors.names:  # §18: the hub matched elsewhere
+            self._refused(dispatch.job_id, "repo_not_served", f"repo_not_served: this runner does not serve repo "
+                          f"{repo} (start it with --repo {repo}=URL)", tell=True)
+            return
         try:
             self._registry.mirror(job_id=dispatch.job_id, session=dispatch.session,
                                   attempt_id=dispatch.attempt_id, dispatch_token=dispatch.dispatch_token,
@@ -393,7 +403,8 @@ class Runner:
             self._refused(dispatch.job_id, str(exc.reason), f"{exc.reason}: {exc}", tell=True)
             return
         job = Job(job_id=dispatch.job_id, attempt_id=dispatch.attempt_id, dispatch_token=dispatch.dispatch_token,
-                  brief=take.brief, heartbeat_s=contract.heartbeat_sec, timeout_s=contract.timeout_sec)
+                  brief=take.brief, heartbeat_s=contract.heartbeat_sec, timeout_s=contract.timeout_sec,
+                  work=dispatch.work)
         with self._jobs_lock:
             self._jobs[job.job_id] = job
         self._taken += 1
@@ -573,7 +584,9 @@ class Runner:
 
 
 def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None, max_jobs: int,
-            once: bool, replace: bool, labels: str | None = None) -> int:
+            once: bool, replace: bool, labels: str | None = None, repos: list[str] | None = None,
+            max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+            keep_worktrees: bool = False) -> int:
     """`mam-runner run`: validate, resolve config and keys, serve; returns the exit code (0 clean exit).
 
     Raises:
@@ -581,7 +594,8 @@ def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str 
         `.mam/` cannot be written), BrokerUnavailable (3).
     """
     options = options_from_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
-                               max_jobs=max_jobs, once=once, replace=replace, labels=labels)
+                               max_jobs=max_jobs, once=once, replace=replace, labels=labels, repos=repos,
+                               max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees)
     hub_trust = trust.load(options.root)  # before anything talks to the network (§5, §16.1)
     cfg = shared_config.broker_config(workspace=options.root)
     return Runner(options, config=cfg, trust=hub_trust).serve()

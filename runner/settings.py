@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mam.runner import barrier, logstream
 from mam.runner.agent import resolve_executable, split_exec
+from mam.runner.repos import REPOS_ENV, RepoSpec, parse_repos
 from mam.shared import config
 from mam.shared.protocol import names
 from mam.shared.protocol.errors import ConfigError, UsageError
@@ -48,6 +49,10 @@ PRESENCE_WAIT = Seconds("MAM_PRESENCE_WAIT_S", DEFAULT_PRESENCE_WAIT_S, 0.0, 60.
 PRESENCE_REFRESH = Seconds("MAM_PRESENCE_REFRESH_S", DEFAULT_PRESENCE_REFRESH_S, 1.0, 60.0)
 AGENT_LINGER = Seconds("MAM_AGENT_LINGER_S", DEFAULT_AGENT_LINGER_S, 0.0, 86400.0)
 LABELS_ENV = "MAM_RUNNER_LABELS"
+DEFAULT_MAX_RESULT_BYTES = 50 * 1000 * 1000
+"""A result's change (bundle + patch) sent at most, bytes (§18); `--max-result-bytes`."""
+MAX_RESULT_BYTES_LIMIT = 1 << 30
+MIN_RESULT_BYTES = 1024
 HEARTBEAT_DRAIN = Seconds("MAM_HEARTBEAT_DRAIN_S", barrier.DEFAULT_DRAIN_S, 0.0, barrier.DRAIN_HIGH_S)
 
 
@@ -89,6 +94,9 @@ class RunnerOptions:
         heartbeat_drain_s: how long a heartbeat timer may take to exit before a terminal event (§12).
         labels: the labels its presence announces, sorted (§14; `--labels`, else MAM_RUNNER_LABELS).
         log_rate_bps: MAM_LOG_RATE_BPS, the agent's output sent to the hub per second at most (§15).
+        repos: the repositories it serves (§18; `--repo NAME=URL`, else MAM_RUNNER_REPOS).
+        max_result_bytes: a result's change sent at most, bytes (§18).
+        keep_worktrees: keep the worktrees a stopped runner left (§18), for a look at them.
     """
 
     session: str
@@ -106,6 +114,9 @@ class RunnerOptions:
     heartbeat_drain_s: float = barrier.DEFAULT_DRAIN_S
     labels: tuple[str, ...] = ()
     log_rate_bps: int = logstream.DEFAULT_RATE_BPS
+    repos: tuple[RepoSpec, ...] = ()
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+    keep_worktrees: bool = False
 
 
 def read_labels(labels: str | None, values: Mapping[str, str]) -> tuple[str, ...]:
@@ -138,12 +149,16 @@ def _workdir(workdir: str | None) -> Path | None:
 
 def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None,
                      max_jobs: int, once: bool, replace: bool, labels: str | None = None,
-                     environ: Mapping[str, str] | None = None) -> RunnerOptions:
+                     environ: Mapping[str, str] | None = None, repos: list[str] | None = None,
+                     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+                     keep_worktrees: bool = False) -> RunnerOptions:
     """Validate `mam-runner run` arguments before any network or registry write.
 
     Args:
         session: session name; exec_cmd: the `--exec` string; workspace: `--workspace`;
         workdir: `--workdir` (created if missing); max_jobs: 1..64; labels: `--labels a,b` (§14).
+        repos: `--repo NAME=URL` flags; max_result_bytes: `--max-result-bytes`;
+        keep_worktrees: `--keep-worktrees` (§18).
         environ: the process environment (default os.environ).
     Returns:
         RunnerOptions.
@@ -160,6 +175,11 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
         raise UsageError(f"--max-jobs {max_jobs!r} is invalid: expected 1..{MAX_JOBS_LIMIT}")
     if labels is not None:
         names.parse_labels(labels, "--labels")  # a bad flag is refused before anything is read
+    if isinstance(max_result_bytes, bool) or not MIN_RESULT_BYTES <= max_result_bytes <= MAX_RESULT_BYTES_LIMIT:
+        raise UsageError(f"--max-result-bytes {max_result_bytes!r} is invalid: expected "
+                         f"{MIN_RESULT_BYTES}..{MAX_RESULT_BYTES_LIMIT}")
+    if repos:
+        parse_repos(repos, None)
     root = resolve_root(workspace, env)
     work = _workdir(workdir)
     values = config.load_env(env)
@@ -171,7 +191,9 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
                          agent_linger_s=read_seconds(values, AGENT_LINGER),
                          heartbeat_drain_s=read_seconds(values, HEARTBEAT_DRAIN),
                          labels=read_labels(labels, values),
-                         log_rate_bps=logstream.rate_from_env(values))
+                         log_rate_bps=logstream.rate_from_env(values),
+                         repos=parse_repos(repos or [], values.get(REPOS_ENV)),
+                         max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees)
 
 
 __all__ = ["MAX_JOBS_LIMIT", "RunnerOptions", "Seconds", "options_from_cli", "read_labels", "read_seconds"]

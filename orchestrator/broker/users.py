@@ -1,7 +1,7 @@
 """Least privilege at the broker (PROTOCOL §16, docs/security.md): one broker user per
 enrolled runner, named after its session (so mosquitto's `%u` is the session).
 
-A runner's user may publish only `jobs/+/events`, `jobs/+/state`, `jobs/+/log`, its
+A runner's user may publish only `jobs/+/events`, `jobs/+/state`, `jobs/+/log`, `jobs/+/result`, its
 own `runners/<session>` and its own `enrol/<session>/request`; it may subscribe only to
 `jobs/+/dispatch`, `jobs/+/control`, `jobs/+/state` (the §17 `taken` check reads the
 job's retained state), its own presence and its own `enrol/<session>/answer` (so an
@@ -34,7 +34,7 @@ from mam.shared.protocol.names import check_secret
 BEGIN_MARK = "      # BEGIN runner users\n"
 END_MARK = "      # END runner users\n"
 ENTRY_TAG = "  # runner "
-PUBLISH_LEAVES = ("events", "state", "log")
+PUBLISH_LEAVES = ("events", "state", "log", "result")
 SUBSCRIBE_LEAVES = ("dispatch", "control", "state")
 RESERVED_USERS = frozenset({AGENT_USER, OBSERVER_USER, "sys", "home"})
 BCRYPT_ROUNDS = 11
@@ -74,7 +74,7 @@ def mosquitto_acl_block(session: str, topic_root: str | None = None) -> str:
     the file's `pattern readwrite <root>/runners/%u` line)."""
     root = names.topic_root(topic_root)
     user = runner_user(session)
-    rights = (("write", "events"), ("readwrite", "state"), ("write", "log"), ("read", "dispatch"),
+    rights = (("write", "events"), ("readwrite", "state"), ("write", "log"), ("write", "result"), ("read", "dispatch"),
               ("read", "control"))
     return "".join([f"user {user}\n", *(f"topic {access} {root}/jobs/+/{leaf}\n" for access, leaf in rights),
                     f"topic write {names.enrol_topic(user, 'request', root)}\n",

@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from mam.orchestrator.control import cancel_owed, clear_dispatch, publish_cancel
-from mam.orchestrator.dispatch import check_brief, hub_contract, parse_retry_on
+from mam.orchestrator.dispatch import check_brief, hub_contract, parse_retry_on, work_terms
 from mam.orchestrator.service import HubService
 from mam.orchestrator.submit import register_queued
-from mam.shared.protocol import names
+from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.protocol.errors import BrokerError, TransitionRefused, UsageError
 from mam.shared.store.records import QueueTerms, describe_target, moved
@@ -26,7 +26,8 @@ from mam.shared.store.records import QueueTerms, describe_target, moved
 CANCEL_REASON = "operator (HTTP API)"
 INT_FIELDS = ("priority", "retries", "queue_timeout_sec", "heartbeat_sec", "heartbeat_misses", "ack_timeout_sec",
               "idle_timeout_sec", "timeout_sec")
-DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", *INT_FIELDS})
+WORK_FIELDS = ("repo", "ref")
+DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", *WORK_FIELDS, *INT_FIELDS})
 
 
 def _int(body: Mapping[str, Any], name: str) -> int | None:
@@ -75,9 +76,17 @@ def dispatch_request(service: HubService, body: object) -> dict[str, Any]:
     contract = hub_contract(service.registry.root, heartbeat_s=ints["heartbeat_sec"],
                             heartbeat_misses=ints["heartbeat_misses"], ack_timeout_s=ints["ack_timeout_sec"],
                             idle_timeout_s=ints["idle_timeout_sec"], timeout_s=ints["timeout_sec"])
-    record = register_queued(service.registry, brief=brief, contract=contract, terms=terms)
+    record = register_queued(service.registry, brief=brief, contract=contract, terms=terms, work=_work(body))
     return {"job_id": record["job_id"], "status": record["status"], "attempt_id": record["attempt_id"],
             "target": describe_target(record)}
+
+
+def _work(body: Mapping[str, Any]) -> wire.Work | None:
+    """The §18 fields of a `POST /api/jobs` body. Raises UsageError (one line)."""
+    for name in WORK_FIELDS:
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise UsageError(f"field {name!r} is invalid: expected a string")
+    return work_terms(repo=body.get("repo"), ref=body.get("ref"))
 
 
 def cancel_request(service: HubService, job_id: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from mam.orchestrator.service import HubService
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import JobStatus, PresenceStatus
 from mam.shared.store.fsio import read_json_object
-from mam.shared.store.records import RECORD_NAME_RE, JobRecord
+from mam.shared.store.records import RECORD_NAME_RE, JobRecord, target_of
 
 NO_REASON = "none"  # the close_reason label of a job its runner ended (no hub close)
 RUNNER_STATUSES = (PresenceStatus.ONLINE, PresenceStatus.DRAINING, PresenceStatus.OFFLINE, "stale", "unverified")
@@ -62,6 +62,7 @@ class HubCollector(Collector):
         yield finished
         yield CounterMetricFamily("mam_retries", "Retries made (§14)",
                                   value=sum(int(record.get("retried", 0)) for record in records))
+        yield from agent_spend(records)
         yield from self._queue()
         yield from self._runners()
         yield from self._messages()
@@ -110,6 +111,32 @@ class HubCollector(Collector):
         yield events
         yield CounterMetricFamily("mam_heartbeats_accepted", "Accepted heartbeat events",
                                   value=self.events.get("heartbeat", 0))
+
+
+def agent_spend(records: list[JobRecord]) -> Iterator[Metric]:
+    """What the agents spent (§18), from the terminal events' figures kept in the records:
+    cost in USD and tokens by runner and the job's labels (`-` for a session target)."""
+    cost = CounterMetricFamily("mam_agent_cost_usd", "Agents' reported cost in US dollars (§18)",
+                               labels=["session", "labels"])
+    tokens = CounterMetricFamily("mam_agent_tokens", "Agents' tokens (§18), by kind",
+                                 labels=["session", "labels", "kind"])
+    spent: dict[tuple[str, str], float] = defaultdict(float)
+    used: Counter[tuple[str, str, str]] = Counter()
+    for record in records:
+        figures = record.get("agent")
+        if not isinstance(figures, dict):
+            continue
+        _, labels = target_of(record)
+        key = (record.get("session") or "-", ",".join(labels) or "-")
+        spent[key] += figures.get("cost_usd") or 0.0
+        for kind, count in (figures.get("tokens") or {}).items():
+            used[(*key, kind)] += count
+    for key, value in sorted(spent.items()):
+        cost.add_metric(list(key), value)
+    for token_key, count in sorted(used.items()):
+        tokens.add_metric(list(token_key), count)
+    yield cost
+    yield tokens
 
 
 def agent_log_bytes(root: Path) -> tuple[int, int]:

@@ -270,7 +270,8 @@ def build_dispatch_v2(root: Path, record: Mapping[str, Any], brief: str, *, orig
     return pubkey.build_dispatch(signer, entry.x25519_key(), job_id=record["job_id"], session=session,
                                  attempt_id=record["attempt_id"], dispatch_token=record["dispatch_token"],
                                  auth_token=record["auth_token"], brief=brief, origin=origin,
-                                 contract=wire.Contract.of_record(record), issued_at=issued_at)
+                                 contract=wire.Contract.of_record(record), issued_at=issued_at,
+                                 work=wire.Work.of_record(record))
 
 
 def sign_control_v2(root: Path, session: str, control: wire.Control, *, hub_key: Ed25519PrivateKey | None = None

@@ -183,11 +183,44 @@ def show_head(record: Mapping[str, Any], root: Path | None) -> list[str]:
     return lines
 
 
+def work_lines(record: Mapping[str, Any], trail: Sequence[Mapping[str, Any]]) -> list[str]:
+    """`show`'s lines for a repository or agent job (§18): the repository at its commit, the
+    agent's figures and the result, from the record and the attempt's last events."""
+    raw_work = record.get("work")
+    work: Mapping[str, Any] = raw_work if isinstance(raw_work, Mapping) else {}
+    attempt = record.get("attempt_id")
+    data: dict[str, Any] = {}
+    for entry in trail:  # the current attempt's events, later ones win
+        if "seq" in entry and entry.get("attempt_id") == attempt and isinstance(entry.get("data"), Mapping):
+            data.update(entry["data"])
+    lines = []
+    if work.get("repo"):
+        lines.append(f"{'repo:':<12}{_cell(work['repo'])} @ {_cell(data.get('ref') or work.get('ref') or 'HEAD')} "
+                     f"{_cell(record.get('repo_sha') or '(not resolved yet)')}")
+    agent = data.get("agent")
+    if isinstance(agent, Mapping):
+        raw_tokens = agent.get("tokens")
+        tokens: Mapping[str, Any] = raw_tokens if isinstance(raw_tokens, Mapping) else {}
+        cost = agent.get("cost_usd")
+        lines.append(f"{'agent:':<12}{_cell(agent.get('kind'))} session {_cell(agent.get('session_id'))}, "
+                     f"{_cell(agent.get('turns'))} turns, {_cell(tokens.get('input'))} in / "
+                     f"{_cell(tokens.get('output'))} out / {_cell(tokens.get('cached'))} cached tokens, "
+                     f"${_cell(cost if cost is None else f'{cost:.4f}')}")
+    result = data.get("result")
+    if isinstance(result, Mapping):
+        summary = (f"{_cell(result.get('files_total'))} files, +{_cell(result.get('insertions'))} "
+                   f"-{_cell(result.get('deletions'))}, head {_cell(result.get('head_sha'))}"
+                   if result.get("head_sha") else "artifacts only")
+        note = f" ({_cell(result['note'])})" if result.get("note") else ""
+        lines.append(f"{'result:':<12}{summary}{note}; `mam-orch result {_cell(record.get('job_id'))}`")
+    return lines
+
+
 def show_text(record: Mapping[str, Any], trail: Sequence[Mapping[str, Any]], root: Path | None = None) -> str:
     """The `show` view: the summary (`show_head`), the record as `key: value` lines, its
     attempts, then the audit trail."""
     width = max(len(k) for k in record) if record else 0
-    lines = show_head(record, root)
+    lines = show_head(record, root) + work_lines(record, trail)
     lines += ["", "record:"]
     lines += [f"  {k.ljust(width)}  {_cell(record[k])}" for k in sorted(record)]
     lines.append("")

@@ -155,6 +155,56 @@ def parse_labels(text: str, what: str = "--labels") -> tuple[str, ...]:
     return validate_labels(items, what)
 
 
+REPO_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+MAX_REPOS = 32
+"""At most this many repositories per runner (§18)."""
+MAX_REF_CHARS = 255
+REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
+ARTIFACT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
+"""An artifact's file name at the hub (§18): no '/', no leading '.' or '-'."""
+
+
+def validate_repo(value: object, what: str = "repo") -> str:
+    """`value` if it is a repository name of §18 (1-64 letters, digits, '_', '.', '-', not
+    starting with '.' or '-'), else raise `UsageError` (one line, the value cut)."""
+    if not isinstance(value, str) or not REPO_RE.fullmatch(value):
+        raise UsageError(f"{what} {str(value)[:LABEL_SHOWN_CHARS]!r} is invalid: expected 1-64 letters, digits, "
+                         "'_', '.' and '-', not starting with '.' or '-' (§18)")
+    return value
+
+
+def validate_repos(values: object, what: str = "repos") -> tuple[str, ...]:
+    """`values` (a list of repository names) sorted, each valid, at most 32 and none twice (§18).
+
+    Raises:
+        UsageError: one line naming the bad name or the count.
+    """
+    if not isinstance(values, (list, tuple, frozenset, set)):
+        raise UsageError(f"{what} must be a list of repository names")
+    if len(values) > MAX_REPOS:
+        raise UsageError(f"{what} is invalid: {len(values)} repositories, at most {MAX_REPOS} are allowed (§18)")
+    for value in values:
+        validate_repo(value)
+    if len(set(values)) != len(values):
+        raise UsageError(f"{what} is invalid: a repository is listed twice")
+    return tuple(sorted(values))
+
+
+def validate_ref(value: object, what: str = "--ref") -> str:
+    """`value` if it names a branch, tag or commit the way `git check-ref-format` allows a
+    ref (§18): 1-255 characters, no leading '-', no whitespace, control characters, '..',
+    '~^:?*[\\', '@{', no trailing '.lock', '/' or '.'. Raises `UsageError` (one line)."""
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_REF_CHARS:
+        raise UsageError(f"{what} {str(value)[:LABEL_SHOWN_CHARS]!r} is invalid: expected a branch, tag or "
+                         f"commit of 1-{MAX_REF_CHARS} characters")
+    bad = (value.startswith(("-", "/", ".")) or REF_FORBIDDEN.search(value) is not None or ".." in value
+           or "@{" in value or "//" in value or "/." in value or value.endswith((".lock", "/", ".")))
+    if bad:
+        raise UsageError(f"{what} {value[:LABEL_SHOWN_CHARS]!r} is invalid: not a branch, tag or commit name "
+                         "git accepts (§18)")
+    return value
+
+
 def strip_remote(session: str) -> str:
     """The bare session of `remote:<session>` (a hub record's `agent_session`, accepted on the
     CLI, §1), else `session` as given."""
@@ -189,8 +239,8 @@ def topic_root(root: str | None = None) -> str:
 
 
 def job_topic(job_id: str, leaf: str, root: str | None = None) -> str:
-    """`ROOT/jobs/<job_id>/<leaf>` for leaf in dispatch, events, state, control, log (§2)."""
-    if leaf not in ("dispatch", "events", "state", "control", "log"):
+    """`ROOT/jobs/<job_id>/<leaf>` for leaf in dispatch, events, state, control, log, result (§2, §18)."""
+    if leaf not in ("dispatch", "events", "state", "control", "log", "result"):
         raise ValueError(f"unknown job topic leaf {leaf!r}")
     return f"{topic_root(root)}/jobs/{validate_job_id(job_id)}/{leaf}"
 
@@ -228,6 +278,11 @@ def all_dispatches_filter(root: str | None = None) -> str:
 def all_controls_filter(root: str | None = None) -> str:
     """Subscription filter for every job's control: `ROOT/jobs/+/control` (§6)."""
     return f"{topic_root(root)}/jobs/+/control"
+
+
+def all_results_filter(root: str | None = None) -> str:
+    """Subscription filter for every job's result chunks: `ROOT/jobs/+/result` (§18)."""
+    return f"{topic_root(root)}/jobs/+/result"
 
 
 def all_logs_filter(root: str | None = None) -> str:
@@ -464,6 +519,21 @@ def log_outbox_entry_path(root: Path, job_id: str, attempt_id: int, chunk: int) 
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
         raise UsageError(f"chunk {chunk!r} is invalid: expected an integer >= 0")
     return log_outbox_dir(root) / f"{validate_job_id(job_id)}.{validate_attempt(attempt_id)}.{chunk}.json"
+
+
+def result_topic(job_id: str, root: str | None = None) -> str:
+    """Sealed chunks of an attempt's result (its change and artifacts), not retained (§2, §18)."""
+    return job_topic(job_id, "result", root)
+
+
+def result_outbox_dir(root: Path) -> Path:
+    """`<root>/.mam/outbox-result`: the runner's result archives not yet all acknowledged (§18, §17)."""
+    return mam_dir(root) / "outbox-result"
+
+
+def hub_result_dir(root: Path, job_id: str, attempt_id: int) -> Path:
+    """`<root>/.mam/results/<job_id>/<attempt_id>/`: an attempt's result at the hub (§18)."""
+    return mam_dir(root) / "results" / validate_job_id(job_id) / str(validate_attempt(attempt_id))
 
 
 def hub_log_path(root: Path, job_id: str, attempt_id: int) -> Path:

@@ -94,6 +94,9 @@ class JobRecord(TypedDict):
     attempt_history: NotRequired[list[dict[str, Any]]]  # earlier attempts: attempt_id, session, status, reason
     retried: NotRequired[int]  # §14: retries made so far
     queue_owner_pid: NotRequired[int]  # written by releases before one hub engine; read by nothing
+    work: NotRequired[dict[str, Any]]  # §18: repo, ref and agent policy (`wire.Work.to_dict()`)
+    repo_sha: NotRequired[str]  # §18: the commit the current attempt's worktree started from (`started` data)
+    agent: NotRequired[dict[str, Any]]  # §18: the agent's figures from the terminal event (`agent_figures`)
 
 
 MAX_RETRIES = 10
@@ -281,9 +284,11 @@ def validate_broker(broker: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 def new_record(*, job_id: str, session: str | None, role: str, attempt_id: int, dispatch_token: str,
                auth_token: str, contract: wire.Contract, broker: dict[str, Any] | None,
-               origin: str | None, queue: QueueTerms | None = None) -> JobRecord:
+               origin: str | None, queue: QueueTerms | None = None, work: wire.Work | None = None
+               ) -> JobRecord:
     """A fresh record of `contract` (§8), created and updated now: `pending`, or
-    `queued` with `queue`'s terms (§14; `session` "" until a label target is placed)."""
+    `queued` with `queue`'s terms (§14; `session` "" until a label target is placed);
+    `work` (§18) is stored when set."""
     now = utc_now()
     terms = contract.to_dict()  # the five §5 fields, idle resolved
     record: JobRecord = {
@@ -300,6 +305,8 @@ def new_record(*, job_id: str, session: str | None, role: str, attempt_id: int, 
     if queue is not None:
         record.update(queue.fields())  # type: ignore[typeddict-item]  # the NotRequired §14 fields
         record["queued_at"] = now
+    if work:
+        record["work"] = work.to_dict()
     return record
 
 
@@ -431,6 +438,12 @@ class Transaction:
         code = code if isinstance(code, int) and not isinstance(code, bool) else None
         new = self._advance(str(payload["event"]), int(payload["seq"]), source, None, code)
         new["seen_seq"] = max(self.record.get("seen_seq", 0), new["last_seq"])
+        sha = data.get("sha") if isinstance(data, Mapping) and payload["event"] == EventName.STARTED else None
+        if isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{40}", sha):  # §18: the worktree's base commit
+            new["repo_sha"] = sha
+        figures = agent_figures(data.get("agent")) if isinstance(data, Mapping) else None
+        if figures is not None:  # §18: what the agent spent, for `jobs` and /metrics
+            new["agent"] = figures
         return new
 
     def _advance(self, event: str, seq: int, source: str, status: str | None, exit_code: int | None) -> JobRecord:
@@ -443,6 +456,25 @@ class Transaction:
         new["last_seq"] = seq
         self.update(new, source=source, reason=f"event {event}")
         return new
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else 0
+
+
+def agent_figures(value: object) -> dict[str, Any] | None:
+    """The agent's figures of a terminal event's `data.agent` (§18), checked: kind, session id,
+    turns, tokens {input, output, cached} and cost in USD (a bad value counts 0); None when absent."""
+    if not isinstance(value, Mapping):
+        return None
+    raw_tokens = value.get("tokens")
+    tokens: Mapping[str, Any] = raw_tokens if isinstance(raw_tokens, Mapping) else {}
+    cost = value.get("cost_usd")
+    ok_cost = isinstance(cost, (int, float)) and not isinstance(cost, bool) and 0 <= cost < 1e9
+    session = value.get("session_id")
+    return {"kind": str(value.get("kind", ""))[:16], "session_id": session[:128] if isinstance(session, str) else None,
+            "turns": _count(value.get("turns")), "cost_usd": float(cost) if ok_cost else None,  # type: ignore[arg-type]
+            "tokens": {key: _count(tokens.get(key)) for key in ("input", "output", "cached")}}
 
 
 def next_attempt(record: JobRecord, status: str = JobStatus.PENDING) -> JobRecord:

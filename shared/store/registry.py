@@ -22,6 +22,7 @@ from typing import Any
 from mam.shared.protocol import codes, names
 from mam.shared.protocol.codes import CLOSE_STATUS, OPEN_STATUSES, TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.protocol.errors import RegistryError, UsageError
+from mam.shared.protocol.wire import Work
 from mam.shared.store.files import RegistryFiles
 from mam.shared.store.fsio import (
     append_line,
@@ -275,7 +276,7 @@ class Registry(RegistryFiles):
 
     def register(self, *, session: str | None, contract: Contract | None = None,
                  broker: Mapping[str, Any] | None = None, job_id: str | None = None,
-                 source: str = "operator", queue: QueueTerms | None = None) -> JobRecord:
+                 source: str = "operator", queue: QueueTerms | None = None, work: Work | None = None) -> JobRecord:
         """Register a new hub job: status `pending`, attempt 1, fresh
         `dispatch_token` and `auth_token`, the contract fields (§8, §1).
 
@@ -285,6 +286,7 @@ class Registry(RegistryFiles):
             broker: per-job broker overrides (no passwords).
             job_id: a given id (refused if it exists), else a fresh one.
             source: an operator source; queue: §14 terms: the record is `queued` (session None: labels).
+            work: the job's repository and agent policy (§18), stored as `work`.
         Returns:
             the new record (with secrets).
         Raises:
@@ -308,7 +310,7 @@ class Registry(RegistryFiles):
                 chosen = names.new_job_id()
             record = new_record(job_id=chosen, session=session, role="hub", attempt_id=1,
                                 dispatch_token=names.new_dispatch_token(), auth_token=names.new_auth_token(),
-                                contract=contract, broker=broker_block, origin=None, queue=queue)
+                                contract=contract, broker=broker_block, origin=None, queue=queue, work=work)
             self._create(record, source, "registered")
         return record
 

@@ -35,6 +35,7 @@ from mam.shared.protocol.wire import (
     b64url_encode,
     canonical,
     logchunk,
+    resultchunk,
 )
 from mam.shared.protocol.wire.jsoncodec import canonical_json
 
@@ -43,6 +44,7 @@ KEY_BYTES = 32
 SEAL_INFO = b"mam-fleet/v1/seal"
 SIGN_INFO = b"mam-fleet/v1/sign"
 LOG_INFO = b"mam-fleet/v1/log"
+RESULT_INFO = b"mam-fleet/v1/result"
 # §5: the brief is UTF-8 text of at most 512 KiB; dispatch refuses larger ones.
 MAX_BRIEF_BYTES = 512 * 1024
 HMAC_FAILED = "HMAC verify failed"
@@ -417,6 +419,51 @@ def build_log_chunk(auth_token: str, key: bytes, *, job_id: str, attempt_id: int
     body["sig"] = log_sig(body, auth_token)
     logchunk.check_chunk(body)
     return canonical_json(body)
+
+
+def result_key(auth_token: str) -> bytes:
+    """The §18 result key: HKDF-SHA256(auth_token UTF-8, no salt, info `b"mam-fleet/v1/result"`), 32 bytes.
+
+    Raises:
+        ConfigError: `auth_token` is empty or not a string.
+    """
+    if not isinstance(auth_token, str) or not auth_token:
+        raise ConfigError("auth_token is empty: the job record holds no result key")
+    return _hkdf(auth_token.encode("utf-8"), RESULT_INFO)
+
+
+def build_result_chunk(auth_token: str, key: bytes, *, job_id: str, attempt_id: int, chunk: int, size: int,
+                       sha256: str, plaintext: bytes) -> bytes:
+    """The wire bytes of one §18 chunk of a result archive of `size` bytes and hex digest
+    `sha256`: `plaintext` sealed under `result_key(auth_token)`, bound to its place in that
+    archive (`resultchunk.associated_data`), and signed like a log chunk (`log_sig`).
+
+    Raises:
+        ValueError: plaintext over MAX_CHUNK_BYTES; DecodeError: a field out of its range.
+    """
+    if len(plaintext) > resultchunk.MAX_CHUNK_BYTES:
+        raise ValueError(f"a result chunk holds at most {resultchunk.MAX_CHUNK_BYTES} bytes, got {len(plaintext)}")
+    chunks = resultchunk.chunk_count(size)
+    body: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "kind": resultchunk.KIND, "job_id": job_id,
+                            "attempt_id": attempt_id, "chunk": chunk, "chunks": chunks, "size": size,
+                            "sha256": sha256,
+                            "sealed": seal_bytes(key, plaintext, resultchunk.associated_data(
+                                job_id, attempt_id, chunk, chunks, sha256))}
+    body["sig"] = log_sig(body, auth_token)
+    resultchunk.check_chunk(body)
+    return canonical_json(body)
+
+
+def open_result_chunk(chunk: resultchunk.ResultChunk, auth_token: str, key: bytes | None = None) -> bytes:
+    """Verify a result chunk's `sig` and open its seal (§18): its bytes of the archive.
+
+    Raises:
+        SignatureError: "HMAC verify failed" or "seal does not open".
+    """
+    verify_log_sig(chunk.to_dict(), auth_token)
+    return open_bytes(key if key is not None else result_key(auth_token), chunk.sealed,
+                      resultchunk.associated_data(chunk.job_id, chunk.attempt_id, chunk.chunk, chunk.chunks,
+                                                  chunk.sha256))
 
 
 def open_log_chunk(chunk: logchunk.LogChunk, auth_token: str, key: bytes | None = None) -> bytes:

@@ -38,6 +38,7 @@ from mam.shared.protocol.wire import (
     Dispatch,
     Presence,
     Sealed,
+    Work,
     b64url_decode,
     b64url_encode,
     canonical,
@@ -196,14 +197,15 @@ def open_sealed(private: X25519PrivateKey, sealed: Sealed | Mapping[str, Any], *
 
 def build_dispatch(hub_key: Ed25519PrivateKey, runner_x25519: X25519PublicKey, *, job_id: str, session: str,
                    attempt_id: int, dispatch_token: str, auth_token: str, brief: str, origin: str,
-                   contract: Contract, issued_at: datetime | None = None) -> dict[str, Any]:
+                   contract: Contract, issued_at: datetime | None = None, work: Work | None = None
+                   ) -> dict[str, Any]:
     """A signed v2 dispatch for an enrolled session (§5 fields, §16 seal and signature).
 
     The lead wires this into `orchestrator/dispatch.py` for sessions with a roster entry.
 
     Args:
         hub_key: `keyfiles.hub_key(root)`; runner_x25519: the roster entry's X25519 key.
-        The rest as `wire.Dispatch.build` and `crypto.seal`.
+        The rest as `wire.Dispatch.build` (`work`: §18) and `crypto.seal`.
     Returns:
         the signed wire dict (publish it with `wire.encode`).
     Raises:
@@ -212,7 +214,7 @@ def build_dispatch(hub_key: Ed25519PrivateKey, runner_x25519: X25519PublicKey, *
     sealed = seal(runner_x25519, job_id=job_id, attempt_id=attempt_id, dispatch_token=dispatch_token,
                   auth_token=auth_token, brief=brief)
     unsigned = Dispatch.build(job_id, session, attempt_id, dispatch_token, origin=origin, contract=contract,
-                              sealed=sealed, issued_at=issued_at, sig_alg=SIG_ALG_ED25519)
+                              sealed=sealed, issued_at=issued_at, sig_alg=SIG_ALG_ED25519, work=work)
     return sign(unsigned, hub_key)
 
 

@@ -69,6 +69,7 @@ from mam.shared.protocol.wire.messages import (
     Presence,
     State,
 )
+from mam.shared.protocol.wire.work import Work
 
 __all__ = [
     "CONTRACT_FIELDS", "CONTROL_FIELDS", "DEFAULT_ACK_TIMEOUT_SEC", "DEFAULT_CLOCK_SKEW_S", "DEFAULT_HEARTBEAT_MISSES",
@@ -78,6 +79,7 @@ __all__ = [
     "MAX_RUNNING", "MAX_SAFE_INT", "MAX_VERSION_CHARS", "PRESENCE_FIELDS", "PRESENCE_STATUSES", "SCHEMA_VERSION",
     "SEALED_FIELDS", "SEAL_ALG", "SEAL_NONCE_BYTES", "STATE_FIELDS", "TERMINAL_EVENTS", "TERMINAL_STATUSES",
     "WIRE_TYPES", "Contract", "Control", "Dispatch", "Event", "Expect", "Message", "Presence", "Sealed", "State",
+    "Work",
     "b64url_decode", "b64url_encode", "canonical", "decode", "encode", "format_ts", "from_dict", "parse_ts",
 ]
 
@@ -86,7 +88,7 @@ Expect = Literal["event", "state", "dispatch", "control", "presence"]
 
 Message = Event | State | Dispatch | Control | Presence
 # Every wire type: canonical() serializes them through their to_dict().
-WIRE_TYPES = (Event, State, Dispatch, Control, Presence, Contract, Sealed)
+WIRE_TYPES = (Event, State, Dispatch, Control, Presence, Contract, Sealed, Work)
 _TYPES: Mapping[str, type[Event] | type[State] | type[Dispatch] | type[Control] | type[Presence]] = {
     "event": Event, "state": State, "dispatch": Dispatch, "control": Control, "presence": Presence}
 

@@ -50,6 +50,7 @@ from mam.shared.protocol.wire.fields import (
     to_utc,
     type_name,
 )
+from mam.shared.protocol.wire.work import Work
 
 # Contract defaults of §5 (the hub's MAM_* settings override them).
 DEFAULT_HEARTBEAT_SEC = 30
@@ -64,6 +65,8 @@ DISPATCH_FIELDS = frozenset({"schema_version", "kind", "job_id", "session", "att
 CONTRACT_FIELDS = frozenset({"heartbeat_sec", "heartbeat_misses", "ack_timeout_sec", "idle_timeout_sec",
                              "timeout_sec"})
 SEALED_FIELDS = frozenset({"alg", "nonce", "ciphertext"})
+OPTIONAL_FIELDS = V2_SIGNED_FIELDS | {"work"}
+"""Fields a dispatch may carry: `sig_alg` (§16) and `work` (§18, absent for a plain job)."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +179,7 @@ class Dispatch:
     kind: str = "dispatch"
     sig_alg: str | None = None
     schema_version: int = SCHEMA_VERSION
+    work: Work | None = None
 
     def __post_init__(self) -> None:
         run_check(self._check)
@@ -183,6 +187,8 @@ class Dispatch:
     def _check(self) -> None:
         check_schema(self.schema_version)
         check_choice(self.kind, "kind", ("dispatch",))
+        if self.work is not None and not isinstance(self.work, Work):
+            raise Invalid(f"work must be an object, got {type_name(self.work)}")
         check_job_id(self.job_id)
         check_session(self.session)
         check_int(self.attempt_id, "attempt_id")
@@ -205,14 +211,16 @@ class Dispatch:
     @classmethod
     def build(cls, job_id: str, session: str, attempt_id: int, dispatch_token: str, *, origin: str,
               contract: Contract, sealed: Sealed | Mapping[str, Any],
-              issued_at: datetime | None = None, sig_alg: str | None = None) -> Dispatch:
+              issued_at: datetime | None = None, sig_alg: str | None = None,
+              work: Work | None = None) -> Dispatch:
         """An unsigned dispatch (sign with `crypto.sign`), §5.
 
         Args:
             session: the bare runner name (no `remote:`); origin: the hub's name;
             contract: the liveness contract; sealed: `crypto.seal(...)` output;
             issued_at: aware datetime, None means now. `expires_at` is
-            `issued_at + contract.ack_timeout_sec`; sig_alg: "ed25519" for v2 (§16).
+            `issued_at + contract.ack_timeout_sec`; sig_alg: "ed25519" for v2 (§16);
+            work: the job's repository and agent policy (§18), None (or empty) for a plain job.
         Raises:
             UsageError: a field breaks §5.
         """
@@ -226,7 +234,8 @@ class Dispatch:
             raise UsageError(f"dispatch not built: {strip_word(exc.reason)}") from None
         return build(cls, job_id=job_id, session=session, attempt_id=attempt_id,
                      dispatch_token=dispatch_token, origin=origin, issued_at=format_ts(issued),
-                     expires_at=format_ts(expires), contract=contract, sealed=seal_obj, sig_alg=sig_alg)
+                     expires_at=format_ts(expires), contract=contract, sealed=seal_obj, sig_alg=sig_alg,
+                     work=work or None)
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> Dispatch:
@@ -242,6 +251,8 @@ class Dispatch:
             "contract": self.contract.to_dict(), "sealed": self.sealed.to_dict()}
         if self.sig_alg is not None:
             out["sig_alg"] = self.sig_alg
+        if self.work is not None:
+            out["work"] = self.work.to_dict()
         if self.sig is not None:
             out["sig"] = self.sig
         return out
@@ -273,10 +284,14 @@ def _sealed_from(obj: object) -> Sealed:
 
 
 def _dispatch_from(obj: dict[str, Any]) -> Dispatch:
-    check_fields(obj, DISPATCH_FIELDS, optional=V2_SIGNED_FIELDS)
+    if "work" in obj and not isinstance(obj["work"], Mapping):
+        raise Invalid(f"work must be an object, got {type_name(obj['work'])} {show(obj['work'])}")
+    check_fields(obj, DISPATCH_FIELDS, optional=OPTIONAL_FIELDS)
     if obj["sig"] is None:
         raise Invalid("sig must be a string, got null")
     values = dict(obj)
+    if "work" in obj:
+        values["work"] = run_inner(lambda: Work.from_dict(obj["work"]))
     values["contract"] = _contract_from(obj["contract"])
     values["sealed"] = _sealed_from(obj["sealed"])
     return run_inner(lambda: Dispatch(**values))

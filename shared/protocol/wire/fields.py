@@ -43,6 +43,7 @@ MAX_DISPATCH_BYTES = 1024 * 1024
 MAX_MESSAGE_BYTES = 64 * 1024
 # §15 log chunks: 64 KiB of output, sealed (+16-byte tag) and base64url (4/3), plus the envelope.
 MAX_LOG_MESSAGE_BYTES = 96 * 1024
+MAX_RESULT_MESSAGE_BYTES = 384 * 1024  # §18: a result chunk of 256 KiB, sealed, base64url
 # Nesting bound of a whole payload (top object = 1, data = 2): free metrics may nest a little.
 MAX_DEPTH = 10
 # Integers a JSON peer in any language reads exactly (2**53 - 1).

@@ -19,6 +19,7 @@ from mam.shared.protocol.wire.fields import (
     MAX_DISPATCH_BYTES,
     MAX_LOG_MESSAGE_BYTES,
     MAX_MESSAGE_BYTES,
+    MAX_RESULT_MESSAGE_BYTES,
     Invalid,
     show,
     type_name,
@@ -31,6 +32,7 @@ MAX_PAYLOAD_BYTES: Mapping[str, int] = MappingProxyType({
     "control": MAX_MESSAGE_BYTES,
     "presence": MAX_MESSAGE_BYTES,
     "log": MAX_LOG_MESSAGE_BYTES,
+    "result": MAX_RESULT_MESSAGE_BYTES,
 })
 # How much of a json error text a refusal shows.
 _SHOW_ERROR_CHARS = 80

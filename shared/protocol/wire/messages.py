@@ -306,6 +306,7 @@ class Presence:
     schema_version: int = SCHEMA_VERSION
     sig_alg: str | None = None  # §16: "ed25519" on v2
     labels: tuple[str, ...] | None = None  # §14; None (absent on the wire): an older runner, no labels
+    repos: tuple[str, ...] | None = None  # §18: the repositories it serves; None (absent): none
     # §7: receivers ignore unknown presence fields, but keep them: the signature covers them
     extras: Mapping[str, Any] | None = field(default=None, compare=False)
 
@@ -314,6 +315,8 @@ class Presence:
             object.__setattr__(self, "running", tuple(self.running))
         if isinstance(self.labels, list):
             object.__setattr__(self, "labels", tuple(self.labels))
+        if isinstance(self.repos, list):
+            object.__setattr__(self, "repos", tuple(self.repos))
         run_check(self._check)
 
     def _check(self) -> None:
@@ -340,6 +343,13 @@ class Presence:
                 names.validate_labels(self.labels)
             except UsageError as exc:
                 raise Invalid(str(exc)) from None
+        if self.repos is not None:
+            if not isinstance(self.repos, tuple):
+                raise Invalid(f"repos must be an array, got {type_name(self.repos)} {show(self.repos)}")
+            try:
+                names.validate_repos(self.repos)
+            except UsageError as exc:
+                raise Invalid(str(exc)) from None
         check_timestamp(self.timestamp, "timestamp")
         if self.sig is not None:
             check_sig(self.sig, self.sig_alg)
@@ -347,19 +357,20 @@ class Presence:
     @classmethod
     def build(cls, session: str, runner_id: str, status: str, *, host: str, version: str, max_jobs: int,
               running: Iterable[str] = (), timestamp: datetime | str | None = None,
-              labels: Iterable[str] = ()) -> Presence:
+              labels: Iterable[str] = (), repos: Iterable[str] = ()) -> Presence:
         """An unsigned presence (sign with `crypto.sign`), §7.
 
         Args:
             status: online, draining or offline; running: job ids in progress.
             labels: §14 labels, sent sorted; none: the field is left out (a v1 hub refuses it).
+            repos: §18 repository names, sent sorted; none: the field is left out.
         Raises:
             UsageError: a field breaks §7.
         """
         sorted_labels = tuple(sorted(labels))
         return build(cls, session=session, runner_id=runner_id, status=status, host=host, version=version,
                      max_jobs=max_jobs, running=tuple(running), timestamp=ts_arg(timestamp),
-                     labels=sorted_labels or None)
+                     labels=sorted_labels or None, repos=tuple(sorted(repos)) or None)
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> Presence:
@@ -376,6 +387,8 @@ class Presence:
             out["sig_alg"] = self.sig_alg
         if self.labels is not None:
             out["labels"] = list(self.labels)
+        if self.repos is not None:
+            out["repos"] = list(self.repos)
         if self.extras:
             out.update({key: value for key, value in self.extras.items() if key not in out and key != "sig"})
         if self.sig is not None:
@@ -407,9 +420,9 @@ def _control_from(obj: dict[str, Any]) -> Control:
 def _presence_from(obj: dict[str, Any]) -> Presence:
     # §7: `labels` is optional, and unknown fields are ignored (kept only for the signature);
     # §16: `sig_alg` is a known optional field, never an extra
-    known = PRESENCE_FIELDS | V2_SIGNED_FIELDS | {"labels"}
+    known = PRESENCE_FIELDS | V2_SIGNED_FIELDS | {"labels", "repos"}
     extras = {key: obj.pop(key) for key in list(obj) if key not in known}
-    check_fields(obj, PRESENCE_FIELDS | ({"labels"} if "labels" in obj else frozenset()), optional=V2_SIGNED_FIELDS)
+    check_fields(obj, PRESENCE_FIELDS | (frozenset({"labels", "repos"}) & obj.keys()), optional=V2_SIGNED_FIELDS)
     if obj["sig"] is None:
         raise Invalid("sig must be a string, got null")
     if not isinstance(obj["running"], list):

@@ -1,0 +1,89 @@
+"""The adapter base: the policy, the report and a plain command (PROTOCOL §18)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_DENIALS_SHOWN = 8
+
+
+@dataclass
+class AgentReport:
+    """What an agent's stream said by its end (§18 `data.agent`).
+
+    Attributes:
+        kind: the adapter's kind (claude, codex, command).
+        session_id: the CLI's session (Claude Code) or thread (Codex) id, or None.
+        result_text: the agent's final answer, unmasked (the caller masks it).
+        turns; input/output/cached_tokens; cost_usd (None: the CLI does not say).
+        permission_denials: names of the tools the CLI denied, in order, distinct.
+        error: the agent's own reason when its stream reports a failure (an API error).
+        budget_exceeded: which budget the CLI stopped on (e.g. `max_turns 3`), or None.
+    """
+
+    kind: str = "command"
+    session_id: str | None = None
+    result_text: str | None = None
+    turns: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    cost_usd: float | None = None
+    permission_denials: list[str] = field(default_factory=list)
+    error: str | None = None
+    budget_exceeded: str | None = None
+
+    def data(self) -> dict[str, Any]:
+        """The terminal event's `data.agent` (§18): kind, session_id, turns, tokens, cost_usd, denials."""
+        return {"kind": self.kind, "session_id": self.session_id, "turns": self.turns,
+                "tokens": {"input": self.input_tokens, "output": self.output_tokens, "cached": self.cached_tokens},
+                "cost_usd": self.cost_usd, "permission_denials": list(self.permission_denials)}
+
+    def outcome(self, exit_code: int | None) -> tuple[str, str] | None:
+        """(event, detail) when the stream overrides the exit status (§18), else None.
+
+        A permission denial is `error` `permission_denied: <tools>` even after exit 0;
+        then a budget the CLI stopped on (`budget_exceeded: ...`); then the agent's own
+        error (`agent_error: ...`). A non-zero exit with none of these is left to the
+        exit status.
+        """
+        if self.permission_denials:
+            shown = ", ".join(self.permission_denials[:MAX_DENIALS_SHOWN])
+            more = len(self.permission_denials) - MAX_DENIALS_SHOWN
+            return "error", f"permission_denied: {shown}" + (f" (+{more} more)" if more > 0 else "")
+        if self.budget_exceeded:
+            return "error", f"budget_exceeded: {self.budget_exceeded}"
+        if self.error:
+            return "error", f"agent_error: {self.error}"
+        return None
+
+    def deny(self, tool: object) -> None:
+        """Note one denied tool (names kept once, in order)."""
+        name = str(tool)[:80] if tool else "unknown tool"
+        if name not in self.permission_denials:
+            self.permission_denials.append(name)
+
+
+class Adapter:
+    """A plain command (`--agent command`): its argv as given, no stream, no budget."""
+
+    kind = "command"
+
+    def __init__(self) -> None:
+        self._report = AgentReport(kind=self.kind)
+
+    def argv(self, exec_argv: list[str]) -> list[str]:
+        """The command line to start: `exec_argv` plus this agent's stream and policy flags."""
+        return list(exec_argv)
+
+    def feed(self, line: str) -> None:
+        """Read one line of the agent's output (never raises)."""
+
+    def over_budget(self) -> str | None:
+        """The budget the stream shows spent that the CLI does not stop on itself, or None."""
+        return None
+
+    def report(self) -> AgentReport:
+        """What the stream said so far."""
+        return self._report

@@ -1,0 +1,264 @@
+"""What one attempt works in and reports beyond its exit status (PROTOCOL §18).
+
+`AttemptWork` is made by the supervisor for each attempt it runs:
+
+1. `prepare()` (before `started`): for a repository job, fetch the runner's mirror,
+   resolve the dispatch's ref to a commit and add a worktree for this attempt on branch
+   `mam/<job_id>-<attempt>`; returns `started`'s data (repo, ref, sha, branch).
+2. `argv()`, `cwd()`, `env()`: the agent's command line through its adapter (`agents`:
+   Claude Code, Codex, or a plain command), its working directory (the worktree) and
+   `MAM_ARTIFACTS_DIR`.
+3. `poll()` while it runs: the adapter reads the agent's new output lines; a budget the
+   CLI cannot enforce itself is enforced here.
+4. `outcome()` and `finish()` when it ended: the adapter's verdict (a permission denial
+   is `error`, never `completed`), the agent's figures for the terminal event, and the
+   result archive (the change and the artifacts, `results.build_archive`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mam.runner import agents, repos
+from mam.runner.logstream import Masker
+from mam.runner.results import Manifest, build_archive, outbox_paths
+from mam.shared.protocol import names, wire
+
+log = logging.getLogger("mam.work")
+
+ARTIFACTS_ENV = "MAM_ARTIFACTS_DIR"
+MAX_ARTIFACT_FILES = 64
+MAX_ARTIFACTS_BYTES = 20 << 20
+"""Artifacts of one attempt sent at most, bytes in all (§18); beyond, the rest is left out and said."""
+READ_BYTES = 1 << 20
+MAX_LINE_BYTES = 1 << 20
+"""An output line longer than this is not given to the adapter (no stream message is that long)."""
+RESULT_TEXT_CHARS = 4000
+
+
+class LineFollower:
+    """The complete new lines of a growing file from `offset` (the agent's log, §11)."""
+
+    def __init__(self, path: Path, offset: int) -> None:
+        self.path, self.offset = path, offset
+        self._partial = b""
+        self._skipping = False
+
+    def read(self, *, final: bool = False) -> list[str]:
+        """New complete lines (with `final`, the unterminated tail too); never raises."""
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read(READ_BYTES * 8)
+        except OSError:
+            return []
+        self.offset += len(data)
+        lines: list[str] = []
+        buf = self._partial + data
+        parts = buf.split(b"\n")
+        self._partial = parts.pop()
+        if final and self._partial:
+            parts.append(self._partial)
+            self._partial = b""
+        for part in parts:
+            if self._skipping:  # the end of an over-long line
+                self._skipping = False
+                continue
+            if len(part) <= MAX_LINE_BYTES:
+                lines.append(part.decode("utf-8", "replace"))
+        if len(self._partial) > MAX_LINE_BYTES:
+            self._partial, self._skipping = b"", True
+        return lines
+
+
+@dataclass(frozen=True)
+class Collected:
+    """An attempt's result archive in the outbox and what the terminal event says of it (§18)."""
+
+    archive: Path
+    manifest: Manifest
+    data: dict[str, Any]
+
+
+class AttemptWork:
+    """One attempt's worktree, agent adapter and result (§18).
+
+    Args:
+        job_id, attempt_id: the attempt; work: the dispatch's `work` (None: a plain job).
+        root: the runner's root; mirrors: the runner's repositories (`repos.Repos`).
+        exec_argv: the agent's command; log_path/log_offset: the agent's output file and
+        where this attempt's output starts.
+        secrets: values masked in the result text (as in the log stream, §15).
+    """
+
+    def __init__(self, *, job_id: str, attempt_id: int, work: wire.Work | None, root: Path,
+                 mirrors: repos.Repos, exec_argv: Iterable[str], log_path: Path,
+                 log_offset: int, secrets: Iterable[str] = ()) -> None:
+        self.job_id, self.attempt_id, self.work, self.root = job_id, attempt_id, work, root
+        self.mirrors = mirrors
+        self.exec_argv = list(exec_argv)
+        self.adapter = agents.Adapter()
+        self.follower = LineFollower(log_path, log_offset)
+        self.secrets = list(secrets)
+        self.worktree: repos.Worktree | None = None
+        self.artifacts_dir = root / "artifacts" / f"{job_id}-{attempt_id}"
+
+    # ------------------------------------------------------------ before the agent
+
+    def prepare(self) -> dict[str, Any]:
+        """Fetch, resolve and add this attempt's worktree (a repository job); `started`'s data.
+
+        Returns:
+            {"agent": kind} and for a repository job {"repo", "ref", "sha", "branch"}.
+        Raises:
+            RepoError: the fetch failed, the ref does not exist, or git refused the worktree (one line).
+        """
+        data: dict[str, Any] = {"agent": self.adapter.kind}
+        shutil.rmtree(self.artifacts_dir, ignore_errors=True)
+        self.artifacts_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.work is None or self.work.repo is None:
+            return data
+        name = self.work.repo
+        self.mirrors.prepare(name)
+        ref, sha = self.mirrors.resolve(name, self.work.ref)
+        self.worktree = self.mirrors.add_worktree(name, sha, self.job_id, self.attempt_id, ref)
+        log.info("job %s: worktree %s at %s (%s of repo %s)", self.job_id, self.worktree.path, sha[:12], ref, name)
+        return {**data, "repo": name, "ref": ref, "sha": sha, "branch": self.worktree.branch}
+
+    def argv(self) -> list[str]:
+        """The agent's command line (the adapter adds its machine-readable output flags)."""
+        return self.adapter.argv(self.exec_argv)
+
+    def cwd(self, default: Path) -> Path:
+        """The worktree of a repository job, else `default`."""
+        return self.worktree.path if self.worktree is not None else default
+
+    def env(self) -> dict[str, str]:
+        """What the agent's environment gains: MAM_ARTIFACTS_DIR (and the repository's commit)."""
+        env = {ARTIFACTS_ENV: str(self.artifacts_dir)}
+        if self.worktree is not None:
+            env.update({"MAM_REPO": self.worktree.repo, "MAM_BASE_SHA": self.worktree.base_sha})
+        return env
+
+    # ------------------------------------------------------------ while and after
+
+    def poll(self) -> str | None:
+        """Give the adapter the agent's new output; the budget it found spent, or None."""
+        for line in self.follower.read():
+            self.adapter.feed(line)
+        return self.adapter.over_budget()
+
+    def outcome(self, exit_code: int | None) -> tuple[str, str] | None:
+        """After the agent exited: (event, detail) when its own stream says otherwise than its
+        exit status (a permission denial, an API error), else None."""
+        for line in self.follower.read(final=True):
+            self.adapter.feed(line)
+        verdict = self.adapter.report().outcome(exit_code)
+        if verdict is None:
+            return None
+        event, detail = verdict
+        return event, self._mask(detail)[:wire.MAX_DETAIL_CHARS]
+
+    def agent_data(self) -> dict[str, Any]:
+        """The agent's figures for the terminal event (session id, turns, tokens, cost; §18)."""
+        if self.adapter.kind == "command":
+            return {}
+        return {"agent": self.adapter.report().data()}
+
+    def result_text(self) -> str | None:
+        """The agent's final answer, masked and capped (the result's summary)."""
+        text = self.adapter.report().result_text
+        return self._mask(text)[:RESULT_TEXT_CHARS] if text else None
+
+    def finish(self, *, session: str, max_result_bytes: int) -> Collected | None:
+        """Commit what the agent left, build the result archive in the outbox (§18).
+
+        Returns:
+            the archive and the terminal event's `data.result`, or None when there is
+            nothing to send (no repository and no artifacts).
+        Raises:
+            RepoError: git failed on the worktree; OSError: the archive cannot be written.
+        """
+        staging = self.root / "results" / f"{self.job_id}-{self.attempt_id}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            summary: dict[str, Any] = {"job_id": self.job_id, "attempt_id": self.attempt_id}
+            files: dict[str, Path] = {}
+            notes: list[str] = []
+            if self.worktree is not None:
+                change = repos.collect_result(self.worktree, job_id=self.job_id, attempt_id=self.attempt_id,
+                                              session=session, out_dir=staging, max_bytes=max_result_bytes)
+                summary.update(change.to_dict())
+                summary["branch"] = self.worktree.branch
+                if change.bundle is not None:
+                    files["change.bundle"] = change.bundle
+                if change.patch is not None:
+                    files["change.patch"] = change.patch
+                self.mirrors.finish(self.worktree)
+            artifacts, skipped = collect_artifacts(self.artifacts_dir)
+            files.update({f"artifacts/{name}": path for name, path in artifacts.items()})
+            notes += skipped
+            if self.worktree is None and not artifacts:
+                return None
+            agent = self.adapter.report().data() if self.adapter.kind != "command" else {}
+            text = self.result_text()
+            if text:
+                agent["result_text"] = text
+            summary.update({"agent": agent, "artifacts": sorted(artifacts), "artifact_notes": notes})
+            archive, _ = outbox_paths(self.root, self.job_id, self.attempt_id)
+            manifest = build_archive(archive, summary, files)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(self.artifacts_dir, ignore_errors=True)
+        data: dict[str, Any] = manifest.data()
+        for key in ("base_sha", "head_sha", "files_total", "insertions", "deletions", "commits_total", "note"):
+            if summary.get(key) is not None:
+                data[key] = summary[key]
+        return Collected(archive=archive, manifest=manifest, data=data)
+
+    def _mask(self, text: str) -> str:
+        return Masker(self.secrets).feed(text.encode("utf-8", "replace"), final=True).decode("utf-8", "replace")
+
+
+def collect_artifacts(folder: Path) -> tuple[dict[str, Path], list[str]]:
+    """The regular files directly in `folder` that may travel (§18): names matching
+    `names.ARTIFACT_RE`, at most MAX_ARTIFACT_FILES and MAX_ARTIFACTS_BYTES in all; links,
+    folders, devices and bad names are left out. Returns (name → path, notes on what was left out)."""
+    found: dict[str, Path] = {}
+    notes: list[str] = []
+    total = 0
+    try:
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):  # the agent replaced the folder with a link
+            return found, ["artifacts folder left out: not a folder"]
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError:
+        return found, notes
+    for entry in entries:
+        try:
+            mode = entry.stat(follow_symlinks=False).st_mode
+        except OSError:
+            continue
+        shown = entry.name[:60].encode("unicode_escape").decode()
+        if not stat.S_ISREG(mode):
+            notes.append(f"artifact {shown!r} left out: not a regular file")
+        elif not names.ARTIFACT_RE.fullmatch(entry.name):
+            notes.append(f"artifact {shown!r} left out: its name is not allowed")
+        elif len(found) >= MAX_ARTIFACT_FILES:
+            notes.append(f"artifact {shown!r} left out: more than {MAX_ARTIFACT_FILES} files")
+        elif total + entry.stat(follow_symlinks=False).st_size > MAX_ARTIFACTS_BYTES:
+            notes.append(f"artifact {shown!r} left out: over {MAX_ARTIFACTS_BYTES} bytes in all")
+        else:
+            total += entry.stat(follow_symlinks=False).st_size
+            found[entry.name] = Path(entry.path)
+    return found, notes
+
+
+__all__ = ["ARTIFACTS_ENV", "AttemptWork", "Collected", "LineFollower", "collect_artifacts"]

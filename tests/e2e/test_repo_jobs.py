@@ -1,0 +1,186 @@
+"""Repository jobs end to end (PROTOCOL §18): a real broker, the hub service, a runner
+daemon in its own network namespace cloning over the network from a real `git daemon` on
+the hub's address, and a command agent (`bash -s`: the brief is the script) that edits and
+commits in its worktree.
+
+- A job on `demo@main` that edits two files and commits: the hub's `result` shows the
+  diffstat and SHAs, `--patch` the diff, `apply` makes branch `mam/<id>` in a fresh clone
+  whose tree equals the runner's; `show` names the repo at its commit.
+- Two jobs on one runner at once: two worktrees and branches, neither sees the other's file.
+- Bad input: a repo no runner serves (queued, the reason said), a ref that does not exist
+  (error naming it, no worktree), a change over `--max-result-bytes` (`result_too_large`),
+  an artifact that is a link to /etc/passwd (left out), a forged result chunk (refused,
+  logged).
+- A broker outage while the result is in flight: it arrives after the broker returns,
+  byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from harness.fleet import Fleet
+from harness.gitserver import GitDaemon, git, make_origin
+from harness.netns import unavailable_reason
+from harness.waiting import PATIENCE_S, wait_until
+
+from mam.shared.protocol import names
+
+pytestmark = [pytest.mark.broker, pytest.mark.e2e]
+
+FAST = ("--heartbeat", "1", "--heartbeat-misses", "20", "--ack-timeout", str(int(PATIENCE_S)))
+EDIT_TWO = """set -e
+printf 'print("bye")\\n' > src/app.py
+printf 'notes\\n' > NOTES.md
+git add -A
+git commit -qm "agent: two files"
+"""
+
+
+@pytest.fixture
+def repo_fleet(tmp_path: Path):
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"the multi-host repository e2e needs network namespaces: {reason}")
+    fleet = Fleet("netns", tmp_path)
+    origin = make_origin(tmp_path / "served")
+    daemon = GitDaemon(origin.parent, host=fleet.net.address("hub"), netns=fleet.net.ns("hub"))
+    try:
+        with daemon:
+            fleet.serve()
+            yield fleet, origin, daemon
+    finally:
+        fleet.close()
+
+
+def start_runner(fleet: Fleet, daemon: GitDaemon, *extra: str, sync: Path | None = None):
+    env = {"SYNC": str(sync)} if sync is not None else None
+    return fleet.start_runner("gpu-box", "bash -s", "--repo", f"demo={daemon.url('demo')}", "--max-jobs", "2",
+                              *extra, env=env)
+
+
+def run_job(fleet: Fleet, brief: str, *opts: str) -> tuple[int, str]:
+    handle = fleet.dispatch("gpu-box", brief, "--repo", "demo", *FAST, *opts)
+    code = handle.wait()
+    return code, handle.job_id()
+
+
+def result_of(fleet: Fleet, job_id: str) -> dict:
+    shown = fleet.orch("result", job_id, "--json")
+    assert shown.returncode == 0, shown.stderr
+    return json.loads(shown.stdout)
+
+
+def test_s18_a_repository_job_comes_back_as_a_change_that_applies(repo_fleet, tmp_path: Path) -> None:
+    fleet, origin, daemon = repo_fleet
+    runner = start_runner(fleet, daemon)
+    code, job_id = run_job(fleet, EDIT_TWO, "--ref", "main")
+    assert code == 0, runner.log()[-3000:]
+    main = git("rev-parse", "main", cwd=origin).strip()
+    result = result_of(fleet, job_id)
+    assert result["base_sha"] == main and result["ready"] and result["files_total"] == 2
+    assert sorted(f["path"] for f in result["files"]) == ["NOTES.md", "src/app.py"]
+    assert fleet.hub_record(job_id)["repo_sha"] == main
+    patch = fleet.orch("result", job_id, "--patch")
+    assert patch.returncode == 0 and "+notes" in patch.stdout and "NOTES.md" in patch.stdout
+    clone = tmp_path / "clone"
+    git("clone", "-q", str(origin), str(clone))
+    applied = fleet.orch("apply", job_id, "--repo-path", str(clone))
+    assert applied.returncode == 0, applied.stderr
+    worktree = fleet.base / "ws" / "gpu-box" / "worktrees" / f"{job_id}-1"
+    assert git("rev-parse", f"mam/{job_id}^{{tree}}", cwd=clone) == git("rev-parse", "HEAD^{tree}", cwd=worktree)
+    shown = fleet.orch("show", job_id, "--json")
+    started = [e for e in json.loads(shown.stdout)["audit"] if e.get("event") == "started"]
+    assert started[0]["data"]["sha"] == main and started[0]["data"]["branch"] == f"mam/{job_id}-1"
+    (clone / "README.md").write_text("dirty\n")
+    refused = fleet.orch("apply", job_id, "--repo-path", str(clone))
+    assert refused.returncode == 64 and "uncommitted changes" in refused.stderr
+
+
+def test_s18_two_jobs_on_one_runner_work_in_two_trees(repo_fleet, tmp_path: Path) -> None:
+    fleet, _origin, daemon = repo_fleet
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    start_runner(fleet, daemon, sync=sync)
+    brief = """set -e
+echo "$MAM_JOB_ID" > "mine-$MAM_JOB_ID"
+touch "$SYNC/$MAM_JOB_ID"
+for i in $(seq 600); do [ "$(ls "$SYNC" | wc -l)" -ge 2 ] && break; sleep 0.1; done
+[ "$(ls mine-* | wc -l)" -eq 1 ]
+[ "$(git rev-parse --abbrev-ref HEAD)" = "mam/$MAM_JOB_ID-1" ]
+"""
+    handles = [fleet.dispatch("gpu-box", brief, "--repo", "demo", *FAST) for _ in range(2)]
+    assert [h.wait() for h in handles] == [0, 0]
+    ids = [h.job_id() for h in handles]
+    for job_id in ids:
+        files = [f["path"] for f in result_of(fleet, job_id)["files"]]
+        assert files == [f"mine-{job_id}"]
+
+
+def test_s18_bad_input_is_said_and_loses_nothing(repo_fleet, tmp_path: Path) -> None:
+    fleet, _origin, daemon = repo_fleet
+    runner = start_runner(fleet, daemon, "--max-result-bytes", "20000")
+    # a repo nobody serves: queued, and the reason says so
+    queued = fleet.dispatch("gpu-box", "true\n", "--repo", "nope", "--detach", *FAST)
+    job_id = queued.job_id()
+    wait_until(lambda: "no runner serves repo nope" in queued.log(), PATIENCE_S,
+               "the reason a job waits")
+    assert fleet.hub_record(job_id)["status"] == "queued"
+    assert fleet.orch("cancel", job_id).returncode == 0
+    # a ref that does not exist: error naming it, no worktree
+    code, job_id = run_job(fleet, "true\n", "--ref", "no-such-branch")
+    assert code == 1
+    assert any("no-such-branch" in str(e.get("detail")) for e in fleet.events_on_wire(job_id))
+    assert not (fleet.base / "ws" / "gpu-box" / "worktrees" / f"{job_id}-1").exists()
+    # a change over the cap: the diffstat and a note, no bundle
+    code, job_id = run_job(fleet, "head -c 300000 /dev/urandom > big.bin\n")
+    assert code == 0
+    result = result_of(fleet, job_id)
+    assert result["note"].startswith("result_too_large") and not result["has_bundle"]
+    assert result["files"] == [{"path": "big.bin", "added": None, "deleted": None}]
+    # an artifact that is a link out: left out; a real one arrives
+    code, job_id = run_job(fleet, 'ln -s /etc/passwd "$MAM_ARTIFACTS_DIR/passwd"\n'
+                                  'echo report > "$MAM_ARTIFACTS_DIR/report.txt"\n')
+    assert code == 0
+    result = result_of(fleet, job_id)
+    assert result["artifacts"] == ["report.txt"]
+    assert any("passwd" in note for note in result["artifact_notes"])
+    # a forged result chunk: refused and logged by the service
+    chunk = {"schema_version": 1, "kind": "result", "job_id": job_id, "attempt_id": 1, "chunk": 0, "chunks": 1,
+             "size": 5, "sha256": "0" * 64, "sealed": {"alg": "A256GCM", "nonce": "A" * 16,
+                                                      "ciphertext": "A" * 30}, "sig": "0" * 64}
+    fleet.tap.publish(names.result_topic(job_id, fleet.topic_root), json.dumps(chunk).encode())
+    serve = next(p for p in fleet._procs if p.name == "serve")
+    wait_until(lambda: "signature or seal does not verify" in serve.log(), PATIENCE_S, "the forged chunk refused")
+    assert runner.alive()
+
+
+def test_s18_a_result_in_flight_survives_a_broker_outage_byte_for_byte(repo_fleet, tmp_path: Path) -> None:
+    fleet, _origin, daemon = repo_fleet
+    go = tmp_path / "go"
+    start_runner(fleet, daemon, sync=go)
+    brief = """set -e
+head -c 2000000 /dev/urandom | base64 > data.txt
+for i in $(seq 1200); do [ -e "$SYNC" ] && break; sleep 0.1; done
+"""
+    handle = fleet.dispatch("gpu-box", brief, "--repo", "demo", "--detach", "--heartbeat", "1",
+                            "--heartbeat-misses", "120", "--ack-timeout", str(int(PATIENCE_S)))
+    assert handle.wait() == 0
+    job_id = handle.job_id()
+    worktree = fleet.base / "ws" / "gpu-box" / "worktrees" / f"{job_id}-1"
+    wait_until(lambda: (worktree / "data.txt").exists(), PATIENCE_S, "the agent to write its change")
+    fleet.kill_broker()
+    go.write_text("go")  # the agent ends while the broker is down: the result waits in the outbox
+    outbox = fleet.base / "ws" / "gpu-box" / ".mam" / "outbox-result"
+    wait_until(lambda: any(outbox.glob("*.tar")), PATIENCE_S, "the result in the runner's outbox")
+    fleet.start_broker()
+    ready = fleet.hub_ws / ".mam" / "results" / job_id / "1" / "change.patch"
+    wait_until(ready.exists, PATIENCE_S * 2, "the result at the hub after the outage")
+    runner_patch = subprocess.run(["git", "diff", "--binary", "--full-index", "--no-renames",
+                                   fleet.hub_record(job_id)["repo_sha"], "HEAD"],
+                                  cwd=worktree, capture_output=True, check=True).stdout
+    assert ready.read_bytes() == runner_patch
+    wait_until(lambda: fleet.hub_record(job_id)["status"] == "completed", PATIENCE_S * 2, "the job to complete")

@@ -1,0 +1,236 @@
+"""PROTOCOL §18 above the transport: the dispatch's `work`, presence `repos`, matching and
+"why it waits", the result chunks and the hub's result inbox (forged, hostile, oversized),
+and the dispatch options that build the work."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from mam.orchestrator import queue
+from mam.orchestrator.dispatch import work_terms
+from mam.orchestrator.results import ResultInbox, read_result
+from mam.runner.results import build_archive
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.errors import DecodeError, SignatureError, UsageError
+from mam.shared.protocol.wire import resultchunk
+from mam.shared.store.registry import Registry
+
+KEYS = crypto.derive_keys("s" * 40)
+
+
+def dispatch(work: wire.Work | None) -> dict[str, object]:
+    sealed = crypto.seal(KEYS.seal_key, job_id="0123abcd", attempt_id=1, dispatch_token="a" * 32,
+                         auth_token="b" * 32, brief="fix it")
+    built = wire.Dispatch.build("0123abcd", "gpu-box", 1, "a" * 32, origin="hub", contract=wire.Contract(),
+                                sealed=sealed, work=work)
+    return crypto.sign(built.to_dict(), KEYS.sign_key)
+
+
+# ------------------------------------------------------------------ work on the wire
+
+def test_s18_work_travels_signed_in_the_dispatch_and_a_plain_job_has_none() -> None:
+    work = wire.Work.build(repo="demo", ref="main")
+    signed = dispatch(work)
+    decoded = wire.decode(wire.encode(signed), "dispatch")
+    assert decoded.work == work
+    crypto.verify(decoded.to_dict(), KEYS.sign_key)
+    tampered = dict(signed, work={"repo": "other"})
+    with pytest.raises(SignatureError):
+        crypto.verify(tampered, KEYS.sign_key)
+    plain = dispatch(None)
+    assert "work" not in plain and wire.decode(wire.encode(plain), "dispatch").work is None
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"repo": "-upload-pack=evil"}, "repo"),
+    ({"repo": "demo", "ref": "--upload-pack=x"}, "ref"),
+    ({"repo": "demo", "ref": "a..b"}, "ref"),
+    ({"repo": "demo", "ref": "x" * 300}, "ref"),
+    ({"repo": "demo", "ref": "main\nevil"}, "ref"),
+    ({"ref": "main"}, "only allowed with repo"),
+    ({"repo": 7}, "repo"),
+    ({"repo": "demo", "ref": ["main"]}, "ref"),
+    ({"repo": None}, "never null"),
+    ({"repo": "demo", "surprise": 1}, "unknown field"),
+    ([], "must be an object"),
+])
+def test_s18_a_bad_work_object_is_refused_in_one_line(bad: object, words: str) -> None:
+    signed = dict(dispatch(None), work=bad)
+    with pytest.raises(DecodeError) as caught:
+        wire.decode(json.dumps(signed).encode(), "dispatch")
+    assert words in caught.value.reason and "\n" not in caught.value.reason
+
+
+def test_s18_dispatch_options_build_the_work_or_refuse_in_one_line() -> None:
+    assert work_terms() is None
+    work = work_terms(repo="demo", ref="v1.2")
+    assert work is not None and work.to_dict() == {"repo": "demo", "ref": "v1.2"}
+    for kwargs, words in [({"ref": "main"}, "--ref needs --repo"), ({"repo": "../x"}, "--repo"),
+                          ({"repo": "d" * 65}, "--repo"), ({"repo": "d", "ref": "-x"}, "--ref")]:
+        with pytest.raises(UsageError, match=words):
+            work_terms(**kwargs)
+
+
+# ------------------------------------------------------------------ presence and matching
+
+def test_s18_presence_announces_repos_signed_and_refuses_hostile_names() -> None:
+    built = wire.Presence.build("gpu-box", "a" * 32, "online", host="h", version="1", max_jobs=1,
+                                repos=["web", "demo"])
+    signed = crypto.sign(built.to_dict(), KEYS.sign_key)
+    assert signed["repos"] == ["demo", "web"]
+    assert wire.decode(wire.encode(signed), "presence").repos == ("demo", "web")
+    assert "repos" not in wire.Presence.build("gpu-box", "a" * 32, "online", host="h", version="1",
+                                              max_jobs=1).to_dict()
+    for hostile in (["../etc"], "demo", ["x"] * 40, ["a", "a"]):
+        with pytest.raises(DecodeError):
+            wire.decode(json.dumps(dict(signed, repos=hostile)).encode(), "presence")
+
+
+def view(session: str, repos: frozenset[str]) -> queue.RunnerView:
+    return queue.RunnerView(session=session, runner_id="a" * 32, status="online", labels=frozenset(), max_jobs=2,
+                            running=frozenset(), verified=True, seen_at=0.0, repos=repos)
+
+
+def test_s18_a_repository_job_goes_only_to_a_runner_serving_it_and_says_why_it_waits() -> None:
+    fleet = queue.Fleet()
+    fleet.update(view("plain", frozenset()))
+    job = queue.QueuedJob("0123abcd", None, frozenset(), 0, 0.0, repo="demo")
+    assert queue.plan([job], fleet, 0.0, 60.0) == []
+    why = queue.why_waiting(job, fleet, [job], 0.0, 60.0)
+    assert "no runner serves repo demo" in why and "--repo demo=URL" in why
+    fleet.update(view("box", frozenset({"demo"})))
+    assert queue.plan([job], fleet, 0.0, 60.0) == [("0123abcd", "box")]
+    pinned = queue.QueuedJob("0123abce", "plain", frozenset(), 0, 0.0, repo="demo")
+    assert "served by box" in queue.why_waiting(pinned, fleet, [pinned], 0.0, 60.0)
+
+
+# ------------------------------------------------------------------ result chunks
+
+TOKEN = "c" * 32
+
+
+def chunks_of(archive: bytes, token: str = TOKEN, job_id: str = "0123abcd", attempt_id: int = 1) -> list[bytes]:
+    digest = hashlib.sha256(archive).hexdigest()
+    key = crypto.result_key(token)
+    count = resultchunk.chunk_count(len(archive))
+    step = resultchunk.MAX_CHUNK_BYTES
+    return [crypto.build_result_chunk(token, key, job_id=job_id, attempt_id=attempt_id, chunk=n, size=len(archive),
+                                      sha256=digest, plaintext=archive[n * step:(n + 1) * step])
+            for n in range(count)]
+
+
+def test_s18_a_result_chunk_opens_only_with_its_token_and_place() -> None:
+    raw = chunks_of(b"x" * 1000)[0]
+    chunk = resultchunk.decode_chunk(raw)
+    assert crypto.open_result_chunk(chunk, TOKEN) == b"x" * 1000
+    with pytest.raises(SignatureError):
+        crypto.open_result_chunk(chunk, "d" * 32)
+    moved = json.loads(raw)
+    moved["attempt_id"] = 2
+    moved["sig"] = crypto.log_sig(moved, TOKEN)  # re-signed by the token holder, but the seal is bound
+    with pytest.raises(SignatureError):
+        crypto.open_result_chunk(resultchunk.decode_chunk(json.dumps(moved).encode()), TOKEN)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"chunks": 7}, "does not fit size"), ({"chunk": 5}, "chunk"), ({"size": -1}, "size"),
+    ({"sha256": "zz"}, "sha256"), ({"extra": 1}, "unknown field"), ({"kind": "log"}, "kind"),
+])
+def test_s18_a_malformed_result_chunk_is_refused(change: dict[str, object], words: str) -> None:
+    obj = dict(json.loads(chunks_of(b"y" * 10)[0]), **change)
+    with pytest.raises(DecodeError, match=words):
+        resultchunk.decode_chunk(json.dumps(obj).encode())
+
+
+def test_s18_an_oversized_result_message_is_refused_before_parsing() -> None:
+    with pytest.raises(DecodeError):
+        resultchunk.decode_chunk(b"{" + b" " * (400 * 1024) + b"}")
+
+
+# ------------------------------------------------------------------ the hub's inbox
+
+@pytest.fixture
+def hub(tmp_path: Path) -> tuple[Registry, str]:
+    registry = Registry(tmp_path)
+    record = registry.register(session="gpu-box")
+    return registry, record["job_id"]
+
+
+def archive_bytes(tmp_path: Path, extra: dict[str, bytes] | None = None) -> bytes:
+    patch = tmp_path / "p.patch"
+    patch.write_bytes(b"diff --git a/x b/x\n" + bytes(range(256)) * 2500)  # ~640 KB: three chunks
+    path = tmp_path / "a.tar"
+    build_archive(path, {"repo": "demo", "head_sha": "1" * 40, "note": None}, {"change.patch": patch})
+    data = path.read_bytes()
+    if extra:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for name, body in extra.items():
+                info = tarfile.TarInfo(name)
+                info.size = len(body)
+                tar.addfile(info, io.BytesIO(body))
+            info = tarfile.TarInfo("result.json")
+            body = b'{"repo": "demo"}'
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+        data = buf.getvalue()
+    return data
+
+
+def test_s18_the_hub_assembles_a_result_in_any_order_once(hub: tuple[Registry, str], tmp_path: Path) -> None:
+    registry, job_id = hub
+    token = registry.get(job_id)["auth_token"]
+    data = archive_bytes(tmp_path)
+    raws = chunks_of(data, token, job_id)
+    assert len(raws) == 3
+    inbox = ResultInbox(registry)
+    assert [inbox.handle(raw) for raw in (raws[2], raws[0], raws[0])] == [None, None, None]
+    assert inbox.handle(raws[1]) == job_id
+    assert inbox.handle(raws[1]) is None  # a resend after completion
+    result = read_result(registry, job_id)
+    assert result is not None and result.summary is not None and result.summary["repo"] == "demo"
+    assert result.patch_path is not None and result.patch_path.read_bytes() == (tmp_path / "p.patch").read_bytes()
+    assert any(line.get("event") == "result_ready" for line in registry.audit(job_id))
+
+
+def test_s18_a_forged_or_foreign_result_is_refused_and_logged(hub: tuple[Registry, str], tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    registry, job_id = hub
+    inbox = ResultInbox(registry)
+    caplog.set_level(logging.WARNING)
+    for raw in chunks_of(b"forged", "e" * 32, job_id):
+        assert inbox.handle(raw) is None
+    assert "does not verify" in caplog.text
+    assert inbox.handle(b"\xff not json") is None
+    assert inbox.handle(chunks_of(b"x", registry.get(job_id)["auth_token"], job_id, attempt_id=9)[0]) is None
+    assert inbox.refused == 3 and read_result(registry, job_id) is None
+
+
+def test_s18_a_hostile_archive_unpacks_nothing_outside_its_folder(hub: tuple[Registry, str],
+                                                                   tmp_path: Path) -> None:
+    registry, job_id = hub
+    token = registry.get(job_id)["auth_token"]
+    data = archive_bytes(tmp_path, {"../../etc/passwd": b"root::0:0", "artifacts/../../x": b"x",
+                                    "/abs": b"a", "artifacts/ok.txt": b"fine"})
+    inbox = ResultInbox(registry)
+    for raw in chunks_of(data, token, job_id):
+        inbox.handle(raw)
+    result = read_result(registry, job_id)
+    assert result is not None and result.artifacts() == ["ok.txt"]
+    assert not (tmp_path / "etc").exists() and not Path("/abs").exists()
+    assert sorted(p.name for p in result.folder.iterdir()) == ["artifacts", "result.json"]
+
+
+def test_s18_a_result_over_the_hub_cap_is_refused(hub: tuple[Registry, str], tmp_path: Path) -> None:
+    registry, job_id = hub
+    inbox = ResultInbox(registry, max_bytes=1000)
+    raw = chunks_of(b"z" * 5000, registry.get(job_id)["auth_token"], job_id)[0]
+    assert inbox.handle(raw) is None and inbox.refused == 1
+    assert not names.hub_result_dir(registry.root, job_id, 1).exists()
