@@ -28,6 +28,7 @@ from mam.orchestrator.dispatch import check_brief, hub_contract, work_terms
 from mam.orchestrator.follow import FOLLOW_POLL_S, AuditTail, is_event_line, settled
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
+from mam.orchestrator.results import read_result
 from mam.orchestrator.runners import receive_presence
 from mam.orchestrator.service import EmbeddedService
 from mam.orchestrator.submit import register_queued
@@ -110,6 +111,26 @@ class Job:
     def cancel(self) -> None:
         """Cancel the job (§6); see `Hub.cancel`."""
         self.hub.cancel(self.id)
+
+    def result(self, attempt: int | None = None) -> dict[str, Any] | None:
+        """The change a repository job brought back (§18), as `mam-orch result --json`
+        prints it: repo, ref, base_sha, head_sha, commits, files, insertions, deletions,
+        note, artifacts, `ready` (False while its chunks still arrive).
+
+        Args:
+            attempt: which attempt (default: the latest one that sent a result).
+        Returns:
+            the result as a dict, or None when no attempt sent one (yet).
+        """
+        found = read_result(self.hub.registry, self.id, attempt)
+        return None if found is None else found.to_dict()
+
+    def patch(self, attempt: int | None = None) -> bytes | None:
+        """The change as `git diff --binary` output (§18), or None when there is none
+        (no result yet, no change, or a change over the runner's `--max-result-bytes`)."""
+        found = read_result(self.hub.registry, self.id, attempt)
+        path = None if found is None else found.patch_path
+        return None if path is None else path.read_bytes()
 
 
 def outcome_of(record: JobRecord, audit: Sequence[dict[str, Any]]) -> Outcome:

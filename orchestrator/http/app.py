@@ -42,7 +42,7 @@ from starlette.staticfiles import StaticFiles
 
 from mam.orchestrator.http.api import cancel_request, dispatch_request
 from mam.orchestrator.http.metrics import HubMetrics
-from mam.orchestrator.http.views import LiveFeed, job_detail, job_row, queue_rows, read_log, runner_rows
+from mam.orchestrator.http.views import LiveFeed, job_detail, job_result, job_row, queue_rows, read_log, runner_rows
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.service import HubService, run_service
 from mam.shared.protocol import names
@@ -55,6 +55,7 @@ log = logging.getLogger("mam.http")
 TOKEN_ENV = "MAM_API_TOKEN"
 BEARER = "Bearer "
 DEFAULT_BIND = "127.0.0.1:8765"
+QUERY_INT_DIGITS = 15  # a query integer (attempt, offset) longer than this is refused, never parsed
 MAX_BODY_BYTES = 1024 * 1024  # a request body larger than this is refused 413 (a brief is at most 512 KiB)
 FEED_POLL_S = 0.25  # the live feed looks for changes this often (the dashboard updates within 1 s)
 SSE_KEEPALIVE_S = 15.0  # an idle event stream gets a comment line this often
@@ -205,6 +206,24 @@ class Api:
             raise UsageError(f"attempt must be 1..{record['attempt_id']} and offset >= 0")
         return JSONResponse(await run_in_threadpool(read_log, self.service.registry.root, job_id, attempt, offset))
 
+    async def job_result(self, request: Request) -> Response:
+        """`GET /api/jobs/{id}/result[?attempt=N]`: the change as `mam-orch result --json` (§18)."""
+        job_id = names.validate_job_id(request.path_params["job_id"])
+        attempt = _query_int(request, "attempt", None)
+        result = await run_in_threadpool(job_result, self.service, job_id, attempt)
+        return JSONResponse(result.to_dict())
+
+    async def job_patch(self, request: Request) -> Response:
+        """`GET /api/jobs/{id}/result/patch[?attempt=N]`: the change as a patch file to download (§18)."""
+        job_id = names.validate_job_id(request.path_params["job_id"])
+        attempt = _query_int(request, "attempt", None)
+        result = await run_in_threadpool(job_result, self.service, job_id, attempt)
+        if result.patch_path is None:
+            raise JobNotFound(f"job {job_id} attempt {result.attempt_id} has no patch: "
+                              f"{(result.summary or {}).get('note') or 'the result is still arriving'}")
+        return FileResponse(result.patch_path, media_type="text/x-diff",
+                            filename=f"mam-{job_id}-{result.attempt_id}.patch")
+
     async def dispatch(self, request: Request) -> Response:
         try:
             body = await self.body_json(request)
@@ -277,8 +296,9 @@ def _query_int(request: Request, name: str, default: int | None) -> Any:
     text = request.query_params.get(name)
     if text is None:
         return default
-    if not text.isdigit():
-        raise UsageError(f"query parameter {name}={text!r} is invalid: expected a non-negative integer")
+    if not text.isdigit() or len(text) > QUERY_INT_DIGITS:
+        raise UsageError(f"query parameter {name}={text[:QUERY_INT_DIGITS]!r} is invalid: expected a "
+                         f"non-negative integer of at most {QUERY_INT_DIGITS} digits")
     return int(text)
 
 
@@ -304,6 +324,8 @@ def create_app(service: HubService, token: str | None = None) -> Starlette:
         Route("/api/jobs", g(api.dispatch), methods=["POST"]),
         Route("/api/jobs/{job_id}", g(api.job)),
         Route("/api/jobs/{job_id}/log", g(api.job_log)),
+        Route("/api/jobs/{job_id}/result", g(api.job_result)),
+        Route("/api/jobs/{job_id}/result/patch", g(api.job_patch, query_token=True)),
         Route("/api/jobs/{job_id}/cancel", g(api.cancel), methods=["POST"]),
         Route("/api/events", g(api.events, query_token=True)),
         Route("/metrics", g(api.metrics_text)),

@@ -20,12 +20,13 @@ from typing import Any
 
 from mam.orchestrator import queue as hubqueue
 from mam.orchestrator.follow import AuditTail, is_event_line
+from mam.orchestrator.results import Result, read_result
 from mam.orchestrator.runners import PRESENCE_STALE_S, STALE
 from mam.orchestrator.service import HubService
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus, PresenceStatus
-from mam.shared.protocol.errors import MamError
-from mam.shared.store.records import RECORD_NAME_RE, JobRecord, describe_target, redact
+from mam.shared.protocol.errors import MamError, UsageError
+from mam.shared.store.records import RECORD_NAME_RE, JobNotFound, JobRecord, describe_target, redact
 
 Row = dict[str, Any]
 
@@ -108,8 +109,25 @@ def job_detail(service: HubService, job_id: str) -> Row:
                      "status": record["status"], "reason": record.get("close_reason"),
                      "log": str(names.hub_log_path(registry.root, job_id, record["attempt_id"]))})
     events = [line.get("event") for line in audit if is_event_line(line, job_id)]
+    result = read_result(registry, job_id)
     return {"record": redact(record), "job": job_row(record, events[-1] if events else None),
-            "attempts": attempts, "audit": redact(audit)}
+            "attempts": attempts, "audit": redact(audit), "result": None if result is None else result.to_dict()}
+
+
+def job_result(service: HubService, job_id: str, attempt: int | None) -> Result:
+    """The result `GET /api/jobs/{id}/result` and `.../result/patch` show (§18): of
+    `attempt` (1..the job's attempt), default the latest attempt that sent one.
+
+    Raises:
+        UsageError: a bad id or attempt (400). JobNotFound: no such job, or no result (404).
+    """
+    record = service.registry.get(job_id)
+    if attempt is not None and not 1 <= attempt <= record["attempt_id"]:
+        raise UsageError(f"attempt must be 1..{record['attempt_id']}")
+    result = read_result(service.registry, job_id, attempt)
+    if result is None:
+        raise JobNotFound(f"job {job_id} has no result (yet): only a repository job sends one (§18)")
+    return result
 
 
 def read_log(root: Path, job_id: str, attempt: int, offset: int | None) -> Row:

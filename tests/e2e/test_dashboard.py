@@ -1,7 +1,8 @@
 """The dashboard of `mam-orch serve --http` in a real browser: Debian's
 chromium driven by Playwright. Broker, service and two runners are real processes; the page
 shows both runners, a job dispatched through the API goes queued → running → completed on
-the page without a reload, and its output tail grows live. Screenshots are saved under the
+the page without a reload, and its output tail grows live; a result that lands after its end
+shows on its page as a diffstat with the patch to download (§18). Screenshots are saved under the
 test's tmp dir (MAM_DASHBOARD_SCREENSHOT=PATH also writes one there, e.g. docs/dashboard.png).
 
 The hub's copy of the agent output (§15, `.mam/logs/<id>/agent.<attempt>.log`) is written
@@ -15,10 +16,12 @@ from pathlib import Path
 
 import pytest
 from harness.httpserve import Serve, gated
+from harness.results import PATCH, deliver_result
 from harness.runnersim import hub_workspace, start_runner
 from harness.waiting import PATIENCE_S
 
 from mam.shared.protocol import names
+from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -81,6 +84,16 @@ def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_br
             (tmp_path / "go-2").touch()
             sync_api.expect(page.locator("#job-status")).to_have_text("completed")
             sync_api.expect(page.locator("#events tbody")).to_contain_text("completed")
+
+            # §18: a result lands after the end; the job page asks for it and offers the patch
+            sync_api.expect(page.locator("#change-section")).to_be_hidden()
+            deliver_result(Registry(hub), job_id, tmp_path / "result")
+            page.evaluate("location.hash = ''")
+            page.evaluate(f"location.hash = '#job/{job_id}'")
+            sync_api.expect(page.locator("#change-facts")).to_contain_text("1 files +1 −0")
+            sync_api.expect(page.locator("#change tbody")).to_contain_text("NOTES.md")
+            href = page.locator("#patch-link").get_attribute("href")
+            assert page.evaluate(f"fetch({href!r}).then((r) => r.text())") == PATCH.decode()
 
             page.evaluate("location.hash = ''")
             sync_api.expect(row_of(page, "recent", job_id)).to_contain_text("completed")

@@ -101,6 +101,35 @@ function renderJob() {
   if (job.status === "queued" && waiting) document.getElementById("job-facts").textContent += " · " + waiting.why_waiting;
   fill("attempts", detail.attempts.map((a) => row([a.attempt_id, a.session, a.status, a.reason, a.log || ""])), "", 5);
   fill("events", state.events.map((e) => row([e.seq, e.event, e.timestamp, e.detail])), "no event yet", 4);
+  renderChange(job.job_id, detail.result);
+  // the result lands after the job's end (§18): ask once when an ended job shows none ready
+  if (TERMINAL.has(job.status) && !(detail.result && detail.result.ready) && !detail.resultAsked) {
+    detail.resultAsked = true;
+    api("/api/jobs/" + job.job_id + "/result").then((result) => {
+      detail.result = result;
+      if (state.job === detail) renderChange(job.job_id, result);
+    }).catch(() => {});
+  }
+}
+
+// A repository job's change (§18): its commits, diffstat and a link to the patch.
+function renderChange(id, result) {
+  const section = document.getElementById("change-section");
+  section.hidden = !result;
+  if (!result) return;
+  const facts = result.ready
+    ? "repo " + result.repo + " @ " + result.ref + " · base " + String(result.base_sha).slice(0, 12) +
+      " → head " + String(result.head_sha).slice(0, 12) + " · " + result.commits_total + " commits · " +
+      result.files_total + " files +" + result.insertions + " −" + result.deletions +
+      (result.note ? " · " + result.note : "") + " · attempt " + result.attempt_id
+    : "attempt " + result.attempt_id + ": the result is still arriving";
+  document.getElementById("change-facts").textContent = facts;
+  const link = document.getElementById("patch-link");
+  link.hidden = !result.has_patch;
+  link.href = "/api/jobs/" + id + "/result/patch?attempt=" + result.attempt_id +
+    (token ? "&token=" + encodeURIComponent(token) : "");
+  fill("change", (result.files || []).map((f) => row([f.path, f.added === null ? "binary" : f.added,
+    f.deleted === null ? "" : f.deleted])), "no file changed", 3);
 }
 
 function showJob(id) {

@@ -1,0 +1,96 @@
+"""A repository job's result where code and people read it (PROTOCOL §18): the HTTP API
+(`GET /api/jobs/{id}/result`, `.../result/patch` to download, the job detail's `result`)
+and `mam.Hub`'s `job.result()` / `job.patch()`, over a hub whose inbox assembled real
+signed, sealed chunks; no broker. Bad ids, attempts and jobs without a result get a JSON
+4xx with a reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from harness.hubclient import RecordingClient
+from harness.results import PATCH, deliver_result
+from harness.workspace import TEST_SECRET
+from starlette.testclient import TestClient
+
+from mam import Hub
+from mam.orchestrator.http import app as hubhttp
+from mam.orchestrator.hub import open_hub
+from mam.orchestrator.service import HubService
+from mam.shared.config import write_env_file
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "api-token-for-tests-0123456789"
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> HubService:
+    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
+    hub_service = HubService(open_hub(tmp_path))
+    hub_service.client = RecordingClient()  # type: ignore[assignment]
+    return hub_service
+
+
+def deliver(service: HubService, job_id: str, tmp_path: Path, *, patch: bytes | None = PATCH) -> None:
+    deliver_result(service.registry, job_id, tmp_path / "runner", patch=patch)
+
+
+def test_s18_http_result_patch_and_job_detail(service: HubService, tmp_path: Path) -> None:
+    api = TestClient(hubhttp.create_app(service, TOKEN), raise_server_exceptions=False)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    job_id = service.registry.register(session="gpu-box")["job_id"]
+    missing = api.get(f"/api/jobs/{job_id}/result", headers=auth)
+    assert missing.status_code == 404 and "has no result" in missing.json()["error"]
+    assert api.get(f"/api/jobs/{job_id}", headers=auth).json()["result"] is None
+    deliver(service, job_id, tmp_path)
+    result = api.get(f"/api/jobs/{job_id}/result", headers=auth).json()
+    assert result["ready"] and result["head_sha"] == "b" * 40 and result["has_patch"] and result["attempt_id"] == 1
+    assert api.get(f"/api/jobs/{job_id}", headers=auth).json()["result"]["files_total"] == 1
+    patch = api.get(f"/api/jobs/{job_id}/result/patch?token={TOKEN}")  # a download link carries the token
+    assert patch.status_code == 200 and patch.content == PATCH
+    assert "attachment" in patch.headers["content-disposition"] and f"mam-{job_id}-1.patch" in \
+        patch.headers["content-disposition"]
+    assert api.get(f"/api/jobs/{job_id}/result/patch").status_code == 401
+    assert api.get(f"/api/jobs/{job_id}/result?token={TOKEN}").status_code == 401  # JSON routes: header only
+
+
+@pytest.mark.parametrize("path, status, words", [
+    ("/api/jobs/{id}/result?attempt=2", 400, "attempt must be 1..1"),
+    ("/api/jobs/{id}/result?attempt=0", 400, "attempt must be 1..1"),
+    ("/api/jobs/{id}/result?attempt=-1", 400, "non-negative integer"),
+    ("/api/jobs/{id}/result?attempt=" + "9" * 5000, 400, "at most 15 digits"),
+    ("/api/jobs/{id}/log?offset=" + "9" * 5000, 400, "at most 15 digits"),
+    ("/api/jobs/.._etc/result", 400, "invalid"),
+    ("/api/jobs/0badf00d/result", 404, ""),
+    ("/api/jobs/0badf00d/result/patch", 404, ""),
+])
+def test_s18_http_bad_result_requests_get_a_json_reason(service: HubService, tmp_path: Path, path: str,
+                                                         status: int, words: str) -> None:
+    api = TestClient(hubhttp.create_app(service), raise_server_exceptions=False)
+    job_id = service.registry.register(session="gpu-box")["job_id"]
+    deliver(service, job_id, tmp_path)
+    response = api.get(path.replace("{id}", job_id))
+    assert response.status_code == status and words in response.json()["error"]
+
+
+def test_s18_http_a_result_without_a_change_has_no_patch_and_says_why(service: HubService, tmp_path: Path) -> None:
+    api = TestClient(hubhttp.create_app(service), raise_server_exceptions=False)
+    job_id = service.registry.register(session="gpu-box")["job_id"]
+    deliver(service, job_id, tmp_path, patch=None)
+    assert api.get(f"/api/jobs/{job_id}/result").json()["note"] == "no_changes"
+    response = api.get(f"/api/jobs/{job_id}/result/patch")
+    assert response.status_code == 404 and "no_changes" in response.json()["error"]
+
+
+def test_s18_python_api_job_result_and_patch(service: HubService, tmp_path: Path) -> None:
+    job_id = service.registry.register(session="gpu-box")["job_id"]
+    hub = Hub(tmp_path, embedded=False)
+    job = hub.job(job_id)
+    assert job.result() is None and job.patch() is None
+    deliver(service, job_id, tmp_path)
+    result = job.result()
+    assert result is not None and result["base_sha"] == "a" * 40 and result["files"][0]["path"] == "NOTES.md"
+    assert job.patch() == PATCH
+    hub.close()
