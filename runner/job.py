@@ -254,7 +254,8 @@ class Supervisor:
             token = self.registry.get(job.job_id)["auth_token"]
             attempt = AttemptWork(job_id=job.job_id, attempt_id=job.attempt_id, work=job.work, root=self.options.root,
                                   mirrors=self.mirrors, exec_argv=self.options.argv,
-                                  log_path=log_path, log_offset=offset, secrets=[*self.logstreams.secrets, token])
+                                  log_path=log_path, log_offset=offset, secrets=[*self.logstreams.secrets, token],
+                                  session=self.options.session)
         except (ValueError, OSError, RegistryError) as exc:
             return None, {}, f"agent not started: {exc}"
         try:

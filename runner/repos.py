@@ -329,6 +329,26 @@ def git_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def runner_identity(session: str) -> dict[str, str]:
+    """The author and committer `mam-runner <mam-runner@SESSION>` as git's environment variables."""
+    email = f"mam-runner@{session}"
+    return {"GIT_AUTHOR_NAME": "mam-runner", "GIT_AUTHOR_EMAIL": email, "GIT_COMMITTER_NAME": "mam-runner",
+            "GIT_COMMITTER_EMAIL": email}
+
+
+def has_identity(tree: Path, env: Mapping[str, str], timeout_s: float = 30.0) -> bool:
+    """Whether git, run in `tree` with `env`, knows who commits (`user.email` or GIT_AUTHOR_EMAIL and
+    GIT_COMMITTER_EMAIL): False on a fresh host, where an agent's `git commit` would fail."""
+    if env.get("GIT_AUTHOR_EMAIL") and env.get("GIT_COMMITTER_EMAIL"):
+        return True
+    try:
+        done = subprocess.run(["git", "config", "--get", "user.email"], cwd=tree, env=dict(env),
+                              capture_output=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0 and bool(done.stdout.strip())
+
+
 def _with_config(env: Mapping[str, str], pairs: Sequence[tuple[str, str]]) -> dict[str, str]:
     """`env` plus config `pairs` given through GIT_CONFIG_COUNT (no quoting issue, not on argv)."""
     out = dict(env)
@@ -1110,9 +1130,7 @@ def collect_result(wt: Worktree, *, job_id: str, attempt_id: int, session: str, 
     admin = _registered_admin(wt.mirror, wt.path)
     if admin is None or not wt.path.is_dir() or wt.path.is_symlink():
         raise RepoError(f"{what} failed: {wt.path} is not a worktree of {wt.mirror}")
-    ident = {"GIT_AUTHOR_NAME": "mam-runner", "GIT_AUTHOR_EMAIL": f"mam-runner@{session}",
-             "GIT_COMMITTER_NAME": "mam-runner", "GIT_COMMITTER_EMAIL": f"mam-runner@{session}"}
-    base_env = git_env(ident)
+    base_env = git_env(runner_identity(session))
     env = _with_config(base_env, _local_filter_overrides(git, admin, timeout_s=timeout_s, env=base_env, what=what))
     tree = ["--git-dir", str(admin), "--work-tree", str(wt.path)]
 

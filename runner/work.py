@@ -94,14 +94,16 @@ class AttemptWork:
         job_id, attempt_id: the attempt; work: the dispatch's `work` (None: a plain job).
         root: the runner's root; mirrors: the runner's repositories (`repos.Repos`).
         exec_argv: the agent's command; log_path/log_offset: the agent's output file and
-        where this attempt's output starts.
+        where this attempt's output starts; session: the runner's session (the fallback
+        committer `mam-runner@<session>`).
         secrets: values masked in the result text (as in the log stream, §15).
     """
 
     def __init__(self, *, job_id: str, attempt_id: int, work: wire.Work | None, root: Path,
                  mirrors: repos.Repos, exec_argv: Iterable[str], log_path: Path,
-                 log_offset: int, secrets: Iterable[str] = ()) -> None:
+                 log_offset: int, secrets: Iterable[str] = (), session: str = "runner") -> None:
         self.job_id, self.attempt_id, self.work, self.root = job_id, attempt_id, work, root
+        self.session = session
         self.mirrors = mirrors
         self.exec_argv = list(exec_argv)
         self.adapter = agents.Adapter()
@@ -141,10 +143,14 @@ class AttemptWork:
         return self.worktree.path if self.worktree is not None else default
 
     def env(self) -> dict[str, str]:
-        """What the agent's environment gains: MAM_ARTIFACTS_DIR (and the repository's commit)."""
+        """What the agent's environment gains: MAM_ARTIFACTS_DIR and, for a repository job,
+        MAM_REPO, MAM_BASE_SHA and, on a host where git knows no committer, the runner's
+        own (`mam-runner`), so that the agent's `git commit` works there too."""
         env = {ARTIFACTS_ENV: str(self.artifacts_dir)}
         if self.worktree is not None:
             env.update({"MAM_REPO": self.worktree.repo, "MAM_BASE_SHA": self.worktree.base_sha})
+            if not repos.has_identity(self.worktree.path, os.environ):
+                env.update(repos.runner_identity(self.session))
         return env
 
     # ------------------------------------------------------------ while and after

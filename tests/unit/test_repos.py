@@ -569,3 +569,20 @@ def test_artifacts_travel_only_as_regular_files_with_safe_names(tmp_path: Path) 
     link = tmp_path / "link"
     link.symlink_to(folder)
     assert work.collect_artifacts(link) == ({}, ["artifacts folder left out: not a folder"])
+
+
+def test_s18_an_agent_on_a_host_without_a_git_identity_commits_as_the_runner(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    git("init", "-q", str(tree))
+    bare = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "GIT_CONFIG_GLOBAL": "/dev/null",
+            "GIT_CONFIG_NOSYSTEM": "1"}
+    assert not repos.has_identity(tree, bare)  # a fresh worker host: `git commit` would fail
+    configured = {**bare, "GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "user.email", "GIT_CONFIG_VALUE_0": "me@x"}
+    assert repos.has_identity(tree, configured)  # the operator's identity is kept
+    ident = repos.runner_identity("gpu-box")
+    assert repos.has_identity(tree, {**bare, **ident})
+    (tree / "f").write_text("x\n")
+    subprocess.run(["git", "add", "f"], cwd=tree, env=bare, check=True)
+    done = subprocess.run(["git", "commit", "-qm", "agent"], cwd=tree, env={**bare, **ident}, capture_output=True)
+    assert done.returncode == 0, done.stderr
+    assert git("log", "-1", "--format=%an <%ae>", cwd=tree).strip() == "mam-runner <mam-runner@gpu-box>"
