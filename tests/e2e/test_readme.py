@@ -44,6 +44,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from harness.gitserver import GIT_ENV
 from harness.procs import processes_under
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env
@@ -207,6 +208,37 @@ def test_readme_one_machine_quick_start_completes_a_job(tmp_path, default_ports)
         assert (hub / ".mam.env").stat().st_mode & 0o777 == 0o600
         # the block's last line stopped the runner and the broker
         assert block.proc.returncode == 0 and session_members(block.proc.pid) == []
+        wait_until(lambda: processes_under(folder) == [], timeout_s=STOP_TIMEOUT_S,
+                   what="the runner and nats-server the block started to be gone")
+    finally:
+        block.stop()
+        for hub in tmp_path.glob("tmp.*/hub"):
+            broker_down(env, hub.parent, hub)
+
+
+@pytest.mark.timeout(BLOCK_TIMEOUT_S + 2 * PATIENCE_S)
+def test_readme_repository_job_quick_start_brings_the_change_back(tmp_path, default_ports):
+    body = readme_blocks()["repository job"]
+    env = {**shell_env(tmp_path), **GIT_ENV}  # a developer's configured git identity
+    shell = tmp_path / "shell"
+    shell.mkdir()
+    block = Block("repository job", body, shell, env)
+    try:
+        code = block.wait()
+        [folder] = list(tmp_path.glob("tmp.*"))
+        assert code == 0, block.output()
+        hub = folder / "hub"
+        [record] = job_records(env, folder, hub)
+        assert record["status"] == "completed", record
+        job_id = record["job_id"]
+        assert f"{job_id}" in block.stdout() and "README.md" in block.stdout(), block.output()
+        mine = folder / "mine"
+        log = subprocess.run(["git", "log", "--format=%s", f"mam/{job_id}"], cwd=mine, capture_output=True,
+                             text=True, check=True).stdout.splitlines()
+        assert len(log) == 3 and log[1:] == ["Add a README", "start"] and job_id in log[0], log
+        shown = subprocess.run(["git", "show", f"mam/{job_id}:README.md"], cwd=mine, capture_output=True,
+                               text=True, check=True).stdout
+        assert shown == "# Demo\nmore\n"  # the runner committed what the agent left uncommitted
         wait_until(lambda: processes_under(folder) == [], timeout_s=STOP_TIMEOUT_S,
                    what="the runner and nats-server the block started to be gone")
     finally:
