@@ -13,6 +13,8 @@ commits in its worktree.
   logged).
 - A broker outage while the result is in flight: it arrives after the broker returns,
   byte for byte.
+- A runner killed (-9) mid-attempt: the retry starts a fresh worktree from the base commit;
+  the crashed attempt's tree is removed when the runner starts again.
 """
 
 from __future__ import annotations
@@ -184,3 +186,30 @@ for i in $(seq 1200); do [ -e "$SYNC" ] && break; sleep 0.1; done
                                   cwd=worktree, capture_output=True, check=True).stdout
     assert ready.read_bytes() == runner_patch
     wait_until(lambda: fleet.hub_record(job_id)["status"] == "completed", PATIENCE_S * 2, "the job to complete")
+
+
+def test_s18_a_retry_after_a_runner_crash_starts_a_fresh_worktree(repo_fleet, tmp_path: Path) -> None:
+    fleet, _origin, daemon = repo_fleet
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    runner = start_runner(fleet, daemon, sync=sync)
+    brief = """set -e
+echo "attempt $MAM_ATTEMPT_ID" > "attempt-$MAM_ATTEMPT_ID.txt"
+if [ "$MAM_ATTEMPT_ID" = 1 ]; then touch "$SYNC/started"; sleep 600; fi
+"""
+    handle = fleet.dispatch("gpu-box", brief, "--repo", "demo", "--retries", "1", "--heartbeat", "1",
+                            "--heartbeat-misses", "3", "--ack-timeout", str(int(PATIENCE_S)))
+    wait_until((sync / "started").exists, PATIENCE_S, "attempt 1's agent to start in its worktree")
+    job_id = handle.job_id()
+    trees = fleet.base / "ws" / "gpu-box" / "worktrees"
+    assert (trees / f"{job_id}-1" / "attempt-1.txt").exists()
+    runner.kill9()  # the runner dies mid-attempt: its worktree is left behind
+    wait_until(lambda: fleet.hub_record(job_id)["attempt_id"] == 2, PATIENCE_S, "the hub to retry the job")
+    start_runner(fleet, daemon, "--replace", sync=sync)
+    assert handle.wait(PATIENCE_S * 2) == 0, handle.log()
+    assert fleet.hub_record(job_id)["status"] == "completed"
+    # attempt 2 ran in a tree of its own, from the base commit: attempt 1's file is not in its change
+    assert [f["path"] for f in result_of(fleet, job_id)["files"]] == ["attempt-2.txt"]
+    assert result_of(fleet, job_id)["attempt_id"] == 2
+    assert not (trees / f"{job_id}-1").exists()  # the crashed attempt's tree is removed at the runner's start
+    assert (trees / f"{job_id}-2" / "attempt-2.txt").exists()
