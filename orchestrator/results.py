@@ -149,6 +149,7 @@ class ResultInbox:
         try:
             with tarfile.open(part, mode="r:") as tar:
                 members = [m for m in tar.getmembers() if _allowed_member(m)]
+                members.sort(key=lambda member: member.name == SUMMARY_FILE)  # last: its presence means ready
                 tar.extractall(folder, members=members, filter="data")
         except (tarfile.TarError, OSError, ValueError) as exc:
             log.warning("job %s: result of attempt %d refused: not a result archive (%s)", chunk.job_id,
