@@ -34,8 +34,6 @@ from mam.shared.protocol.wire.jsoncodec import parse_object
 KIND = "log"
 MAX_CHUNK_BYTES = 64 * 1024
 """Largest plaintext of one chunk, bytes (§15)."""
-MAX_CIPHERTEXT_CHARS = (MAX_CHUNK_BYTES + GCM_TAG_BYTES + 2) // 3 * 4
-"""base64url length (with padding) of the largest chunk's ciphertext and tag, characters."""
 LOG_FIELDS = frozenset({"schema_version", "kind", "job_id", "attempt_id", "chunk", "dropped", "sealed", "sig"})
 
 
@@ -62,17 +60,33 @@ def associated_data(job_id: str, attempt_id: int, chunk: int) -> bytes:
     return f"{job_id}:{attempt_id}:{chunk}".encode()
 
 
-def _from(obj: Mapping[str, Any]) -> LogChunk:
+def ciphertext_chars(plaintext_bytes: int) -> int:
+    """base64url length (with padding) of the ciphertext and tag of `plaintext_bytes`, characters."""
+    return (plaintext_bytes + GCM_TAG_BYTES + 2) // 3 * 4
+
+
+def sealed_envelope(obj: Mapping[str, Any], fields: frozenset[str], kind: str, max_bytes: int) -> Sealed:
+    """Check a chunk's envelope (§15, §18): schema, exactly `fields`, `kind`, and a `sealed`
+    object whose ciphertext holds at most `max_bytes` of plaintext (a chunk's ciphertext is
+    its plaintext plus the tag: nothing larger is ever sent). Returns the `Sealed`.
+
+    Raises:
+        Invalid: the first field that breaks it.
+    """
     check_schema(obj.get("schema_version"))
-    check_fields(obj, LOG_FIELDS)
-    check_choice(obj["kind"], "kind", (KIND,))
+    check_fields(obj, fields)
+    check_choice(obj["kind"], "kind", (kind,))
     sealed = obj["sealed"]
     if not isinstance(sealed, Mapping):
         raise Invalid("sealed must be an object")
     opened = Sealed.from_dict(sealed)
-    # a chunk's ciphertext is its plaintext plus the tag: nothing larger is ever sent
-    if len(opened.ciphertext) > MAX_CIPHERTEXT_CHARS:
-        raise Invalid(f"sealed.ciphertext holds more than {MAX_CHUNK_BYTES} bytes of output")
+    if len(opened.ciphertext) > ciphertext_chars(max_bytes):
+        raise Invalid(f"sealed.ciphertext holds more than {max_bytes} bytes")
+    return opened
+
+
+def _from(obj: Mapping[str, Any]) -> LogChunk:
+    opened = sealed_envelope(obj, LOG_FIELDS, KIND, MAX_CHUNK_BYTES)
     return LogChunk(job_id=check_job_id(obj["job_id"]), attempt_id=check_int(obj["attempt_id"], "attempt_id"),
                     chunk=check_int(obj["chunk"], "chunk", low=0, high=MAX_SAFE_INT),
                     dropped=check_int(obj["dropped"], "dropped", low=0, high=MAX_SAFE_INT),

@@ -16,18 +16,15 @@ from typing import Any
 from mam.shared.protocol.errors import DecodeError
 from mam.shared.protocol.wire.dispatch import Sealed
 from mam.shared.protocol.wire.fields import (
-    GCM_TAG_BYTES,
     SCHEMA_VERSION,
     Invalid,
-    check_choice,
-    check_fields,
     check_hex64,
     check_int,
     check_job_id,
-    check_schema,
     run_check,
 )
 from mam.shared.protocol.wire.jsoncodec import parse_object
+from mam.shared.protocol.wire.logchunk import sealed_envelope
 
 KIND = "result"
 MAX_CHUNK_BYTES = 256 * 1024
@@ -35,7 +32,6 @@ MAX_CHUNK_BYTES = 256 * 1024
 MAX_ARCHIVE_BYTES = 1 << 30
 """Largest archive any chunk may announce, bytes (the runner's own cap is lower, §18)."""
 MAX_CHUNKS = -(-MAX_ARCHIVE_BYTES // MAX_CHUNK_BYTES)
-MAX_CIPHERTEXT_CHARS = (MAX_CHUNK_BYTES + GCM_TAG_BYTES + 2) // 3 * 4
 RESULT_FIELDS = frozenset({"schema_version", "kind", "job_id", "attempt_id", "chunk", "chunks", "size", "sha256",
                            "sealed", "sig"})
 
@@ -77,15 +73,7 @@ def chunk_count(size: int) -> int:
 
 
 def _from(obj: Mapping[str, Any]) -> ResultChunk:
-    check_schema(obj.get("schema_version"))
-    check_fields(obj, RESULT_FIELDS)
-    check_choice(obj["kind"], "kind", (KIND,))
-    sealed = obj["sealed"]
-    if not isinstance(sealed, Mapping):
-        raise Invalid("sealed must be an object")
-    opened = Sealed.from_dict(sealed)
-    if len(opened.ciphertext) > MAX_CIPHERTEXT_CHARS:
-        raise Invalid(f"sealed.ciphertext holds more than {MAX_CHUNK_BYTES} bytes")
+    opened = sealed_envelope(obj, RESULT_FIELDS, KIND, MAX_CHUNK_BYTES)
     size = check_int(obj["size"], "size", low=0, high=MAX_ARCHIVE_BYTES)
     chunks = check_int(obj["chunks"], "chunks", low=1, high=MAX_CHUNKS)
     if chunks != chunk_count(size):
