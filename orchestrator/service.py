@@ -66,6 +66,11 @@ log = logging.getLogger("mam.serve")
 SCAN_S = 0.2  # the registry folder is scanned this often for new and changed records
 TICK_S = 0.1  # the §10 clocks of every job are looked at this often
 SERVICE_START_S = 30.0  # how long an embedded service may take to lock, connect and subscribe
+ENGINE_SUBACK_S = 20.0
+"""How long the engine waits for the SUBACK of its five filters, seconds. A NATS cluster
+electing JetStream leaders after losing a node answers each filter's consumer request in up
+to 5 s; an engine that gave up after the transport's usual 5 s and reconnected (same client
+id) made the broker start that work again, and never got in while the cluster settled."""
 CONFIRM_WAIT_S = 60.0  # a stopping embedded service waits at most this long for cancel confirmations
 LATE_JUDGE_S = DAY_S  # a job the hub closed itself is judged this long for a late terminal (§14)
 NOTE = "hub_note"  # an audit line of what the engine says about a job; every follower prints it
@@ -577,7 +582,7 @@ class HubService:
         root = self.config.topic_root
         client.subscribe([(names.all_events_filter(root), 1), (names.all_states_filter(root), 1),
                           (names.all_logs_filter(root), 1), (names.all_results_filter(root), 1),
-                          (names.all_presence_filter(root), 1)])
+                          (names.all_presence_filter(root), 1)], timeout_s=ENGINE_SUBACK_S)
         self._info("hub service pid %d serving %s: %d open jobs, %d queued", os.getpid(), self.registry.root,
                    len(self.watchers), len(self.queued))
         link = BrokerLink(client)
