@@ -429,7 +429,8 @@ class MqttClient:
         Raises:
             BrokerError: the broker refused a filter (e.g. no permission).
             BrokerUnavailable: no SUBACK within the deadline (the filters stay
-                remembered and are subscribed on the next reconnect).
+                remembered and are subscribed on the next reconnect). A reconnect before
+                the SUBACK ends the wait without error: that connection re-sends them.
         """
         items = [(str(topic), int(qos)) for topic, qos in filters]
         if not items:
@@ -437,6 +438,8 @@ class MqttClient:
         client = self._paho()
         with self._cond:
             self._filters.update(items)
+        with self._cond:
+            epoch = self._connect_count
         rc, mid = client.subscribe(items)
         if rc != MQTTErrorCode.MQTT_ERR_SUCCESS or mid is None:
             raise BrokerUnavailable(f"cannot subscribe on {self.endpoint}: "
@@ -444,6 +447,11 @@ class MqttClient:
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while mid not in self._subacked:
+                if self._connect_count != epoch:
+                    # reconnected meanwhile: this SUBACK never comes; `_on_connect` re-sent the
+                    # remembered filters and retries a refusal, as for every reconnect (§10)
+                    self._subacked.pop(mid, None)
+                    return
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise BrokerUnavailable(

@@ -4,6 +4,7 @@ The same behaviour against a real three-node cluster: tests/e2e/test_cluster.py.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -88,3 +89,36 @@ def test_s13_a_failover_list_caps_the_reconnect_backoff_at_2_s():
     for hosts, cap in ((("hub",), 8), (("nats-1", "nats-2"), 2)):
         paho = mqtt.MqttClient(BrokerConfig(hosts=hosts), "test")._new_paho()
         assert (paho._reconnect_min_delay, paho._reconnect_max_delay) == (1, cap)
+
+
+class Reason:
+    is_failure = False
+
+
+def test_s10_a_reconnect_while_waiting_for_a_suback_ends_the_wait_and_resends_the_filters():
+    client, paho = connected_client(("nats-1", "nats-2"))
+    client.resubscribe_again_s = ()
+    outcome: list[object] = []
+
+    def subscribe() -> None:
+        try:
+            client.subscribe([("root/jobs/+/events", 1)], timeout_s=PATIENCE_S)
+            outcome.append("subscribed")
+        except mqtt.BrokerUnavailable as exc:
+            outcome.append(exc)
+
+    waiting = threading.Thread(target=subscribe)
+    waiting.start()
+    wait_until(lambda: len(paho.subscribed) == 1, PATIENCE_S, "the SUBSCRIBE to be sent")
+    client._on_disconnect(paho, None, None, "connection lost")  # its SUBACK never comes
+    client._on_connect(paho, None, None, Reason())
+    waiting.join(2 * PATIENCE_S)
+    assert outcome == ["subscribed"]  # at once, not BrokerUnavailable after PATIENCE_S
+    assert paho.subscribed[-1] == [("root/jobs/+/events", 1)]  # the new connection sent it again
+    assert client._filters == {"root/jobs/+/events": 1}
+
+
+def test_s10_no_suback_and_no_reconnect_is_broker_unavailable():
+    client, _paho = connected_client(("nats-1",))
+    with pytest.raises(mqtt.BrokerUnavailable, match="no SUBACK"):
+        client.subscribe([("root/runners/+", 1)], timeout_s=0.2)
