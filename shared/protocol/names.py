@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from mam.shared.protocol.errors import ConfigError, UsageError
@@ -124,23 +125,38 @@ def label_problem(value: object) -> str | None:
     return None
 
 
+def _name_list(values: object, what: str, *, noun: str, listing: str, counted: str, limit: int, section: str,
+               check: Callable[[object], object]) -> tuple[str, ...]:
+    """`values` sorted, if it is a list of at most `limit` distinct names that each pass `check`.
+
+    Raises:
+        UsageError: one line naming the bad name (from `check`), the count, or the repeat.
+    """
+    if not isinstance(values, (list, tuple, frozenset, set)):
+        raise UsageError(f"{what} must be a list of {listing}")
+    if len(values) > limit:
+        raise UsageError(f"{what} is invalid: {len(values)} {counted}, at most {limit} are allowed ({section})")
+    for value in values:
+        check(value)
+    if len(set(values)) != len(values):
+        raise UsageError(f"{what} is invalid: a {noun} is listed twice")
+    return tuple(sorted(values))
+
+
+def _check_label(value: object) -> None:
+    problem = label_problem(value)
+    if problem is not None:
+        raise UsageError(f"label {str(value)[:LABEL_SHOWN_CHARS]!r} is invalid: {problem} (§14)")
+
+
 def validate_labels(values: object, what: str = "labels") -> tuple[str, ...]:
     """`values` (a list of labels) sorted, if each is a §14 label, at most 16 and none twice.
 
     Raises:
         UsageError: one line naming the bad label or the count.
     """
-    if not isinstance(values, (list, tuple, frozenset, set)):
-        raise UsageError(f"{what} must be a list of labels")
-    if len(values) > MAX_LABELS:
-        raise UsageError(f"{what} is invalid: {len(values)} labels, at most {MAX_LABELS} are allowed (§14)")
-    for value in values:
-        problem = label_problem(value)
-        if problem is not None:
-            raise UsageError(f"label {str(value)[:LABEL_SHOWN_CHARS]!r} is invalid: {problem} (§14)")
-    if len(set(values)) != len(values):
-        raise UsageError(f"{what} is invalid: a label is listed twice")
-    return tuple(sorted(values))
+    return _name_list(values, what, noun="label", listing="labels", counted="labels", limit=MAX_LABELS,
+                      section="§14", check=_check_label)
 
 
 def parse_labels(text: str, what: str = "--labels") -> tuple[str, ...]:
@@ -179,15 +195,8 @@ def validate_repos(values: object, what: str = "repos") -> tuple[str, ...]:
     Raises:
         UsageError: one line naming the bad name or the count.
     """
-    if not isinstance(values, (list, tuple, frozenset, set)):
-        raise UsageError(f"{what} must be a list of repository names")
-    if len(values) > MAX_REPOS:
-        raise UsageError(f"{what} is invalid: {len(values)} repositories, at most {MAX_REPOS} are allowed (§18)")
-    for value in values:
-        validate_repo(value)
-    if len(set(values)) != len(values):
-        raise UsageError(f"{what} is invalid: a repository is listed twice")
-    return tuple(sorted(values))
+    return _name_list(values, what, noun="repository", listing="repository names", counted="repositories",
+                      limit=MAX_REPOS, section="§18", check=validate_repo)
 
 
 def validate_ref(value: object, what: str = "--ref") -> str:

@@ -31,6 +31,7 @@ and says which.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -187,27 +188,20 @@ def agent_logs(workspace: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted((workspace / ".mam" / "logs").glob("*/agent.log")))
 
 
-@pytest.mark.timeout(BLOCK_TIMEOUT_S + 2 * PATIENCE_S)
-def test_readme_one_machine_quick_start_completes_a_job(tmp_path, default_ports):
-    body = readme_blocks()["one-machine"]
+@contextlib.contextmanager
+def one_machine_block(name: str, tmp_path: Path, env: dict[str, str]) -> Iterator[tuple[Block, Path]]:
+    """Run the README block `name` (it begins `cd "$(mktemp -d)"`) to its end and yield it with
+    that folder; afterwards nothing it started may be left, and its broker is stopped anyway."""
+    body = readme_blocks()[name]
     assert body.startswith('cd "$(mktemp -d)"'), body
-    env = shell_env(tmp_path)
     shell = tmp_path / "shell"
     shell.mkdir()
-    block = Block("one-machine", body, shell, env)
+    block = Block(name, body, shell, env)
     try:
         code = block.wait()
         [folder] = list(tmp_path.glob("tmp.*"))  # the README's `cd "$(mktemp -d)"`
         assert code == 0, block.output()
-        hub, runner = folder / "hub", folder / "gpu-box"
-        [record] = job_records(env, folder, hub)
-        assert (record["status"], record["exit_code"], record["session"]) == ("completed", 0, "gpu-box"), record
-        events = [json.loads(line) for line in block.stdout().splitlines() if line.startswith('{"data"')]
-        assert [e["event"] for e in events if e["job_id"] == record["job_id"]][-1] == "completed", block.output()
-        assert "hello from gpu-box" in agent_logs(runner)
-        assert (hub / ".mam.env").stat().st_mode & 0o777 == 0o600
-        # the block's last line stopped the runner and the broker
-        assert block.proc.returncode == 0 and session_members(block.proc.pid) == []
+        yield block, folder
         wait_until(lambda: processes_under(folder) == [], timeout_s=STOP_TIMEOUT_S,
                    what="the runner and nats-server the block started to be gone")
     finally:
@@ -217,18 +211,25 @@ def test_readme_one_machine_quick_start_completes_a_job(tmp_path, default_ports)
 
 
 @pytest.mark.timeout(BLOCK_TIMEOUT_S + 2 * PATIENCE_S)
-def test_readme_repository_job_quick_start_brings_the_change_back(tmp_path, default_ports):
-    body = readme_blocks()["repository job"]
-    env = {**shell_env(tmp_path), **GIT_ENV}  # a developer's configured git identity
-    shell = tmp_path / "shell"
-    shell.mkdir()
-    block = Block("repository job", body, shell, env)
-    try:
-        code = block.wait()
-        [folder] = list(tmp_path.glob("tmp.*"))
-        assert code == 0, block.output()
-        hub = folder / "hub"
+def test_readme_one_machine_quick_start_completes_a_job(tmp_path, default_ports):
+    env = shell_env(tmp_path)
+    with one_machine_block("one-machine", tmp_path, env) as (block, folder):
+        hub, runner = folder / "hub", folder / "gpu-box"
         [record] = job_records(env, folder, hub)
+        assert (record["status"], record["exit_code"], record["session"]) == ("completed", 0, "gpu-box"), record
+        events = [json.loads(line) for line in block.stdout().splitlines() if line.startswith('{"data"')]
+        assert [e["event"] for e in events if e["job_id"] == record["job_id"]][-1] == "completed", block.output()
+        assert "hello from gpu-box" in agent_logs(runner)
+        assert (hub / ".mam.env").stat().st_mode & 0o777 == 0o600
+        # the block's last line stopped the runner and the broker
+        assert block.proc.returncode == 0 and session_members(block.proc.pid) == []
+
+
+@pytest.mark.timeout(BLOCK_TIMEOUT_S + 2 * PATIENCE_S)
+def test_readme_repository_job_quick_start_brings_the_change_back(tmp_path, default_ports):
+    env = {**shell_env(tmp_path), **GIT_ENV}  # a developer's configured git identity
+    with one_machine_block("repository job", tmp_path, env) as (block, folder):
+        [record] = job_records(env, folder, folder / "hub")
         assert record["status"] == "completed", record
         job_id = record["job_id"]
         assert f"{job_id}" in block.stdout() and "README.md" in block.stdout(), block.output()
@@ -239,12 +240,6 @@ def test_readme_repository_job_quick_start_brings_the_change_back(tmp_path, defa
         shown = subprocess.run(["git", "show", f"mam/{job_id}:README.md"], cwd=mine, capture_output=True,
                                text=True, check=True).stdout
         assert shown == "# Demo\nmore\n"  # the runner committed what the agent left uncommitted
-        wait_until(lambda: processes_under(folder) == [], timeout_s=STOP_TIMEOUT_S,
-                   what="the runner and nats-server the block started to be gone")
-    finally:
-        block.stop()
-        for hub in tmp_path.glob("tmp.*/hub"):
-            broker_down(env, hub.parent, hub)
 
 
 @pytest.mark.timeout(3 * BLOCK_TIMEOUT_S + 2 * PATIENCE_S)
