@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 
-.PHONY: test test-under-load unit lint demo bench system-deps e2e-docker clean
+.PHONY: test test-under-load unit lint demo bench system-deps agents e2e-docker clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,7 @@ $(RUN_STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $(RUN_STAMP)
 
-# Debian packages the broker, multi-host and dashboard (browser) tests use. Installed only when
+# Debian packages the broker, multi-host, dashboard (browser) and agent CLI (npm) tests use. Installed only when
 # running as root with apt-get; elsewhere those tests skip and say why.
 # docker.io, docker-compose and debootstrap: the docker e2e (tests/harness/docker_env.py).
 system-deps:
@@ -34,12 +34,23 @@ system-deps:
 	  command -v debootstrap >/dev/null || [ -x /usr/sbin/debootstrap ] || missing="$$missing debootstrap"; \
 	  command -v redis-server >/dev/null || missing="$$missing redis-server"; \
 	  [ -x /usr/bin/chromium ] || missing="$$missing chromium"; \
+	  command -v npm >/dev/null || missing="$$missing nodejs npm"; \
 	  if [ -n "$$missing" ]; then \
 	    echo "installing Debian packages:$$missing"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
 	      || echo "WARNING: apt-get install$$missing failed; those tests will skip"; \
 	  fi; \
 	fi
+
+# The real agent CLIs the agent tests run (@anthropic-ai/claude-code, pinned in
+# tests/agents/package-lock.json), installed from the npm registry once and kept in
+# tests/agents/node_modules; they talk only to the tests' model server on 127.0.0.1.
+AGENTS_STAMP := tests/agents/node_modules/.installed
+agents: $(AGENTS_STAMP)
+$(AGENTS_STAMP): tests/agents/package.json tests/agents/package-lock.json
+	@if command -v npm >/dev/null; then \
+	  cd tests/agents && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
+	else echo "WARNING: npm is missing; the agent CLI tests will skip"; fi
 
 # mypy and import-linter resolve `mam.*` through a tree of links: the editable
 # install maps the folders with an import hook that neither runs. The layer and
@@ -59,12 +70,12 @@ lint: $(STAMP)
 # (random tags) or store (tmp_path); the docker scenarios (one file, one engine) stay on one
 # worker. TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2
-test: $(STAMP) system-deps lint
+test: $(STAMP) system-deps agents lint
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 # The same suite while two CPU hogs (`yes > /dev/null`) compete for the CPUs:
 # no test may depend on how fast the machine is. tests/load.sh kills them afterwards.
-test-under-load: $(STAMP) system-deps lint
+test-under-load: $(STAMP) system-deps agents lint
 	tests/load.sh $(PY) -m pytest tests
 
 # The multi-host e2e in docker-compose (as root): starts dockerd when none answers

@@ -92,7 +92,7 @@ def run_cmd(
                                 help="This runner's session name: letters, digits, '-' and '_' (PROTOCOL §1)."),
     exec_cmd: str = typer.Option(..., "--exec", metavar="CMD",
                                  help="The agent command, split like a shell and run without one, "
-                                      "e.g. \"claude -p\" (§11)."),
+                                      "e.g. claude or ./agent.sh (§11); the brief is its stdin."),
     workspace: str = cli.workspace_option(),
     workdir: str = typer.Option(None, "--workdir", metavar="DIR",
                                 help="Agents' working directory (default: <workspace>/work/<job_id>/)."),
@@ -110,6 +110,11 @@ def run_cmd(
                                               "and a result_too_large note (§18)."),
     keep_worktrees: bool = typer.Option(False, "--keep-worktrees",
                                         help="Keep worktrees a stopped runner left instead of removing them."),
+    agent: str = typer.Option(None, "--agent", metavar="KIND",
+                              help="How to run and read the agent (§18): claude (Claude Code in print mode "
+                                   "with a stream-json stream: session, turns, tokens, cost; a denied tool "
+                                   "is an error) or command (any executable; its exit status is the "
+                                   "verdict). Default: claude when the executable is named claude."),
 ) -> int:
     """Serve a session: take signed dispatches, run the agent under a heartbeat,
     publish its events; presence and Last Will on one connection (PROTOCOL §5-§7, §11).
@@ -124,7 +129,7 @@ def run_cmd(
 
     return run_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
                    max_jobs=max_jobs, once=once, replace=replace, labels=labels, repos=repo or None,
-                   max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees)
+                   max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees, agent=agent)
 
 
 @app.command("gc")

@@ -255,7 +255,7 @@ class Supervisor:
             attempt = AttemptWork(job_id=job.job_id, attempt_id=job.attempt_id, work=job.work, root=self.options.root,
                                   mirrors=self.mirrors, exec_argv=self.options.argv,
                                   log_path=log_path, log_offset=offset, secrets=[*self.logstreams.secrets, token],
-                                  session=self.options.session)
+                                  session=self.options.session, agent=self.options.agent)
         except (ValueError, OSError, RegistryError) as exc:
             return None, {}, f"agent not started: {exc}"
         try:
@@ -306,6 +306,8 @@ class Supervisor:
             verdict = attempt.outcome(terminal.exit_code)  # §18: a denial or an API error is an `error`
             if verdict is not None:
                 terminal = Terminal(verdict[0], verdict[1], terminal.exit_code)
+            elif terminal.event == EventName.COMPLETED and (summary := attempt.summary()):
+                terminal = Terminal(terminal.event, summary, terminal.exit_code)
         data = {**attempt.agent_data(), **self._send_result(job, attempt)}
         if terminal is not None:
             self.publish_terminal(job, Terminal(terminal.event, terminal.detail, terminal.exit_code,

@@ -586,7 +586,7 @@ class Runner:
 def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None, max_jobs: int,
             once: bool, replace: bool, labels: str | None = None, repos: list[str] | None = None,
             max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-            keep_worktrees: bool = False) -> int:
+            keep_worktrees: bool = False, agent: str | None = None) -> int:
     """`mam-runner run`: validate, resolve config and keys, serve; returns the exit code (0 clean exit).
 
     Raises:
@@ -595,7 +595,7 @@ def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str 
     """
     options = options_from_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
                                max_jobs=max_jobs, once=once, replace=replace, labels=labels, repos=repos,
-                               max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees)
+                               max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees, agent=agent)
     hub_trust = trust.load(options.root)  # before anything talks to the network (§5, §16.1)
     cfg = shared_config.broker_config(workspace=options.root)
     return Runner(options, config=cfg, trust=hub_trust).serve()

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from mam.runner import barrier, logstream
+from mam.runner import agents, barrier, logstream
 from mam.runner.agent import resolve_executable, split_exec
 from mam.runner.repos import REPOS_ENV, RepoSpec, parse_repos
 from mam.shared import config
@@ -97,6 +97,7 @@ class RunnerOptions:
         repos: the repositories it serves (§18; `--repo NAME=URL`, else MAM_RUNNER_REPOS).
         max_result_bytes: a result's change sent at most, bytes (§18).
         keep_worktrees: keep the worktrees a stopped runner left (§18), for a look at them.
+        agent: the agent adapter's kind (`agents.KINDS`: claude, command; §18).
     """
 
     session: str
@@ -117,6 +118,7 @@ class RunnerOptions:
     repos: tuple[RepoSpec, ...] = ()
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
     keep_worktrees: bool = False
+    agent: str = "command"
 
 
 def read_labels(labels: str | None, values: Mapping[str, str]) -> tuple[str, ...]:
@@ -151,7 +153,7 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
                      max_jobs: int, once: bool, replace: bool, labels: str | None = None,
                      environ: Mapping[str, str] | None = None, repos: list[str] | None = None,
                      max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-                     keep_worktrees: bool = False) -> RunnerOptions:
+                     keep_worktrees: bool = False, agent: str | None = None) -> RunnerOptions:
     """Validate `mam-runner run` arguments before any network or registry write.
 
     Args:
@@ -159,6 +161,7 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
         workdir: `--workdir` (created if missing); max_jobs: 1..64; labels: `--labels a,b` (§14).
         repos: `--repo NAME=URL` flags; max_result_bytes: `--max-result-bytes`;
         keep_worktrees: `--keep-worktrees` (§18).
+        agent: `--agent` (None: `agents.default_kind` of the command).
         environ: the process environment (default os.environ).
     Returns:
         RunnerOptions.
@@ -171,6 +174,7 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
     names.validate_session(session)
     argv = split_exec(exec_cmd)
     resolve_executable(argv[0], env.get("PATH"))
+    kind = agent_kind(agent, argv)
     if isinstance(max_jobs, bool) or not isinstance(max_jobs, int) or not 1 <= max_jobs <= MAX_JOBS_LIMIT:
         raise UsageError(f"--max-jobs {max_jobs!r} is invalid: expected 1..{MAX_JOBS_LIMIT}")
     if labels is not None:
@@ -193,7 +197,24 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
                          labels=read_labels(labels, values),
                          log_rate_bps=logstream.rate_from_env(values),
                          repos=parse_repos(repos or [], values.get(REPOS_ENV)),
-                         max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees)
+                         max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees, agent=kind)
 
 
-__all__ = ["MAX_JOBS_LIMIT", "RunnerOptions", "Seconds", "options_from_cli", "read_labels", "read_seconds"]
+def agent_kind(agent: str | None, argv: list[str]) -> str:
+    """`--agent`, else the command's default (§18), checked against the command line.
+
+    Raises:
+        UsageError: an unknown kind, or a command line the adapter cannot read (one line).
+    """
+    kind = agents.default_kind(argv) if agent is None else agent.strip().lower()
+    if kind not in agents.KINDS:
+        raise UsageError(f"--agent {agent!r} is invalid: expected one of {', '.join(agents.KINDS)}")
+    try:
+        agents.new_adapter(kind).argv(list(argv))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return kind
+
+
+__all__ = ["MAX_JOBS_LIMIT", "RunnerOptions", "Seconds", "agent_kind", "options_from_cli", "read_labels",
+           "read_seconds"]

@@ -44,38 +44,47 @@ RESULT_TEXT_CHARS = 4000
 
 
 class LineFollower:
-    """The complete new lines of a growing file from `offset` (the agent's log, §11)."""
+    """The complete new lines of a growing file from `offset` (the agent's log, §11).
+    A line over MAX_LINE_BYTES is left out and counted in `skipped`."""
 
     def __init__(self, path: Path, offset: int) -> None:
         self.path, self.offset = path, offset
+        self.skipped = 0
         self._partial = b""
         self._skipping = False
 
     def read(self, *, final: bool = False) -> list[str]:
-        """New complete lines (with `final`, the unterminated tail too); never raises."""
+        """The new complete lines up to the file's end (with `final`, the unterminated tail
+        too), read READ_BYTES at a time; never raises."""
+        lines: list[str] = []
         try:
             with open(self.path, "rb") as handle:
                 handle.seek(self.offset)
-                data = handle.read(READ_BYTES * 8)
+                while data := handle.read(READ_BYTES):
+                    self.offset += len(data)
+                    self._split(self._partial + data, lines)
         except OSError:
-            return []
-        self.offset += len(data)
-        lines: list[str] = []
-        buf = self._partial + data
+            pass
+        if final and self._partial:
+            if not self._skipping:
+                lines.append(self._partial.decode("utf-8", "replace"))
+            self._partial, self._skipping = b"", False
+        return lines
+
+    def _split(self, buf: bytes, lines: list[str]) -> None:
         parts = buf.split(b"\n")
         self._partial = parts.pop()
-        if final and self._partial:
-            parts.append(self._partial)
-            self._partial = b""
         for part in parts:
             if self._skipping:  # the end of an over-long line
                 self._skipping = False
-                continue
-            if len(part) <= MAX_LINE_BYTES:
+            elif len(part) <= MAX_LINE_BYTES:
                 lines.append(part.decode("utf-8", "replace"))
+            else:
+                self.skipped += 1
         if len(self._partial) > MAX_LINE_BYTES:
+            if not self._skipping:
+                self.skipped += 1
             self._partial, self._skipping = b"", True
-        return lines
 
 
 @dataclass(frozen=True)
@@ -97,17 +106,20 @@ class AttemptWork:
         where this attempt's output starts; session: the runner's session (the fallback
         committer `mam-runner@<session>`).
         secrets: values masked in the result text (as in the log stream, §15).
+        agent: the adapter's kind (`agents.KINDS`).
     """
 
     def __init__(self, *, job_id: str, attempt_id: int, work: wire.Work | None, root: Path,
                  mirrors: repos.Repos, exec_argv: Iterable[str], log_path: Path,
-                 log_offset: int, secrets: Iterable[str] = (), session: str = "runner") -> None:
+                 log_offset: int, secrets: Iterable[str] = (), session: str = "runner",
+                 agent: str = "command") -> None:
         self.job_id, self.attempt_id, self.work, self.root = job_id, attempt_id, work, root
         self.session = session
         self.mirrors = mirrors
         self.exec_argv = list(exec_argv)
-        self.adapter = agents.Adapter()
+        self.adapter = agents.new_adapter(agent)
         self.follower = LineFollower(log_path, log_offset)
+        self._skipped_seen = 0
         self.secrets = list(secrets)
         self.worktree: repos.Worktree | None = None
         self.artifacts_dir = root / "artifacts" / f"{job_id}-{attempt_id}"
@@ -157,20 +169,33 @@ class AttemptWork:
 
     def poll(self) -> str | None:
         """Give the adapter the agent's new output; the budget it found spent, or None."""
-        for line in self.follower.read():
-            self.adapter.feed(line)
+        self._feed(self.follower.read())
         return self.adapter.over_budget()
+
+    def _feed(self, lines: list[str]) -> None:
+        for line in lines:
+            self.adapter.feed(line)
+        report = self.adapter.report()
+        if self.adapter.kind != "command" and self.follower.skipped > self._skipped_seen:
+            log.warning("job %s: %d output line(s) over %d bytes not read as the agent's stream", self.job_id,
+                        self.follower.skipped - self._skipped_seen, MAX_LINE_BYTES)
+            report.unreadable_lines += self.follower.skipped - self._skipped_seen
+            self._skipped_seen = self.follower.skipped
 
     def outcome(self, exit_code: int | None) -> tuple[str, str] | None:
         """After the agent exited: (event, detail) when its own stream says otherwise than its
         exit status (a permission denial, an API error), else None."""
-        for line in self.follower.read(final=True):
-            self.adapter.feed(line)
+        self._feed(self.follower.read(final=True))
         verdict = self.adapter.report().outcome(exit_code)
         if verdict is None:
             return None
         event, detail = verdict
-        return event, self._mask(detail)[:wire.MAX_DETAIL_CHARS]
+        return event, wire.safe_line(self._mask(detail), wire.MAX_DETAIL_CHARS)
+
+    def summary(self) -> str | None:
+        """The agent's final answer as a `completed` event's detail: masked, one line, capped (§18)."""
+        text = self.result_text()
+        return wire.safe_line(text, wire.MAX_DETAIL_CHARS) or None if text else None
 
     def agent_data(self) -> dict[str, Any]:
         """The agent's figures for the terminal event (session id, turns, tokens, cost; §18)."""

@@ -8,6 +8,23 @@ from typing import Any
 MAX_DENIALS_SHOWN = 8
 
 
+@dataclass(frozen=True)
+class AgentPolicy:
+    """What a dispatch allows its agent (§18 `work`): budgets and tools.
+
+    Attributes:
+        max_turns: model turns at most (None: no limit).
+        max_cost_usd: US dollars at most (None: no limit).
+        allow_tools: tool rules the CLI may use without asking, e.g. `Bash(git *)`, `Edit`.
+        permission_mode: the CLI's permission mode (e.g. `acceptEdits`), or None.
+    """
+
+    max_turns: int | None = None
+    max_cost_usd: float | None = None
+    allow_tools: tuple[str, ...] = ()
+    permission_mode: str | None = None
+
+
 @dataclass
 class AgentReport:
     """What an agent's stream said by its end (§18 `data.agent`).
@@ -20,6 +37,7 @@ class AgentReport:
         permission_denials: names of the tools the CLI denied, in order, distinct.
         error: the agent's own reason when its stream reports a failure (an API error).
         budget_exceeded: which budget the CLI stopped on (e.g. `max_turns 3`), or None.
+        unreadable_lines: stream lines that were not the CLI's JSON (counted, never fatal).
     """
 
     kind: str = "command"
@@ -33,12 +51,16 @@ class AgentReport:
     permission_denials: list[str] = field(default_factory=list)
     error: str | None = None
     budget_exceeded: str | None = None
+    unreadable_lines: int = 0
 
     def data(self) -> dict[str, Any]:
         """The terminal event's `data.agent` (§18): kind, session_id, turns, tokens, cost_usd, denials."""
-        return {"kind": self.kind, "session_id": self.session_id, "turns": self.turns,
+        data: dict[str, Any] = {"kind": self.kind, "session_id": self.session_id, "turns": self.turns,
                 "tokens": {"input": self.input_tokens, "output": self.output_tokens, "cached": self.cached_tokens},
                 "cost_usd": self.cost_usd, "permission_denials": list(self.permission_denials)}
+        if self.unreadable_lines:
+            data["unreadable_lines"] = self.unreadable_lines
+        return data
 
     def outcome(self, exit_code: int | None) -> tuple[str, str] | None:
         """(event, detail) when the stream overrides the exit status (§18), else None.
@@ -70,7 +92,8 @@ class Adapter:
 
     kind = "command"
 
-    def __init__(self) -> None:
+    def __init__(self, policy: AgentPolicy | None = None) -> None:
+        self.policy = policy or AgentPolicy()
         self._report = AgentReport(kind=self.kind)
 
     def argv(self, exec_argv: list[str]) -> list[str]:

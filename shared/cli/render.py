@@ -190,9 +190,11 @@ def work_lines(record: Mapping[str, Any], trail: Sequence[Mapping[str, Any]]) ->
     work: Mapping[str, Any] = raw_work if isinstance(raw_work, Mapping) else {}
     attempt = record.get("attempt_id")
     data: dict[str, Any] = {}
-    for entry in trail:  # the current attempt's events, later ones win
-        if "seq" in entry and entry.get("attempt_id") == attempt and isinstance(entry.get("data"), Mapping):
-            data.update(entry["data"])
+    for entry in trail:  # the current attempt's events (their data names the attempt), later ones win
+        event_data = entry.get("data")
+        if "seq" in entry and isinstance(event_data, Mapping) and \
+                entry.get("attempt_id", event_data.get("attempt_id")) == attempt:
+            data.update(event_data)
     lines = []
     if work.get("repo"):
         lines.append(f"{'repo:':<12}{_cell(work['repo'])} @ {_cell(data.get('ref') or work.get('ref') or 'HEAD')} "

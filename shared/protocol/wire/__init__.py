@@ -57,6 +57,7 @@ from mam.shared.protocol.wire.fields import (
     format_ts,
     parse_ts,
     run_check,
+    safe_line,
 )
 from mam.shared.protocol.wire.jsoncodec import MAX_PAYLOAD_BYTES, canonical_json, parse_object
 from mam.shared.protocol.wire.messages import (
@@ -81,6 +82,7 @@ __all__ = [
     "WIRE_TYPES", "Contract", "Control", "Dispatch", "Event", "Expect", "Message", "Presence", "Sealed", "State",
     "Work",
     "b64url_decode", "b64url_encode", "canonical", "decode", "encode", "format_ts", "from_dict", "parse_ts",
+    "safe_line",
 ]
 
 EXPECTS = ("event", "state", "dispatch", "control", "presence")

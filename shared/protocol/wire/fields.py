@@ -115,6 +115,15 @@ def bad_char(text: str) -> str | None:
     return None
 
 
+def safe_line(text: str, max_chars: int) -> str:
+    """`text` as a `detail` may carry it: whitespace runs (newlines too) as one space, other
+    control characters escaped (`\\x1b`), stripped and cut to `max_chars`."""
+    out: list[str] = []
+    for ch in " ".join(text.split()):
+        out.append(ch.encode("unicode_escape").decode("ascii") if bad_char(ch) else ch)
+    return "".join(out)[:max_chars]
+
+
 def check_text(value: object, where: str, max_chars: int, *, empty_ok: bool = False) -> str:
     """`value` if it is a string of at most `max_chars` without control characters. Raises `Invalid`."""
     if not isinstance(value, str):

@@ -1,0 +1,175 @@
+"""The Claude Code adapter (`--agent claude`, PROTOCOL §18).
+
+It runs the real CLI in print mode with a machine-readable stream
+(`claude -p --output-format stream-json --verbose`, the brief on stdin) and reads
+that stream, one JSON object per line:
+
+- `{"type": "system", "subtype": "init", "session_id": ...}` first;
+- `{"type": "assistant", "message": {"id", "usage", "content": [...]}}` per model
+  message (a turn may span several lines with the same message id);
+- `{"type": "result", "subtype": "success" | "error_max_turns" | ..., "is_error",
+  "num_turns", "total_cost_usd", "usage", "result", "permission_denials": [{"tool_name"}],
+  "api_error_status"}` last.
+
+The CLI exits 0 even when it denied a tool (`subtype: success`); the report makes that
+an `error` (`permission_denied`). Budgets go to the CLI (`--max-turns`,
+`--max-budget-usd`) and are watched in the stream as well: a CLI that runs past them
+is stopped by the runner (`over_budget`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from mam.runner.agents.base import Adapter, AgentPolicy
+
+log = logging.getLogger("mam.agent")
+
+MAX_UNREADABLE_LOGGED = 3
+"""Lines of a stream that are not JSON objects logged at most per attempt (the rest are counted)."""
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else 0
+
+
+def _money(value: object) -> float | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e9
+    return float(value) if ok else None  # type: ignore[arg-type]
+
+
+class ClaudeAdapter(Adapter):
+    """Claude Code in print mode with a stream-json stream (§18).
+
+    Args:
+        policy: the dispatch's budgets and tool policy (None: none).
+    """
+
+    kind = "claude"
+
+    def __init__(self, policy: AgentPolicy | None = None) -> None:
+        super().__init__(policy)
+        self._messages: set[str] = set()
+        self._result_seen = False
+
+    def argv(self, exec_argv: list[str]) -> list[str]:
+        """`exec_argv` plus `-p` and the stream flags where absent, then the policy's flags.
+
+        Raises:
+            ValueError: `exec_argv` asks for another output format (one line).
+        """
+        argv = list(exec_argv)
+        chosen: str | None = None
+        for index, arg in enumerate(argv):
+            if arg == "--output-format" or arg.startswith("--output-format="):
+                chosen = arg.partition("=")[2] if "=" in arg else (argv[index + 1:index + 2] or [""])[0]
+                del argv[index:index + (1 if "=" in arg else 2)]
+                break
+        if chosen not in (None, "stream-json"):
+            raise ValueError(f"--output-format {chosen} in --exec: the claude agent reads stream-json; drop it "
+                             "from --exec, or run with --agent command")
+        if "-p" not in argv and "--print" not in argv:
+            argv.append("-p")
+        argv += ["--output-format", "stream-json"] + ([] if "--verbose" in argv else ["--verbose"])
+        policy = self.policy
+        if policy.max_turns is not None:
+            argv += ["--max-turns", str(policy.max_turns)]
+        if policy.max_cost_usd is not None:
+            argv += ["--max-budget-usd", f"{policy.max_cost_usd:g}"]
+        if policy.allow_tools:
+            argv += ["--allowedTools", ",".join(policy.allow_tools)]
+        if policy.permission_mode is not None:
+            argv += ["--permission-mode", policy.permission_mode]
+        return argv
+
+    def feed(self, line: str) -> None:
+        """Read one stream line; a line that is not a JSON object is counted and logged (never raises)."""
+        text = line.strip()
+        if not text:
+            return
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            self._unreadable(text)
+            return
+        try:
+            self._read(obj)
+        except (TypeError, ValueError, AttributeError) as exc:  # a shape we do not know: counted, not fatal
+            self._unreadable(f"{type(exc).__name__}: {exc}")
+
+    def _unreadable(self, text: str) -> None:
+        report = self._report
+        report.unreadable_lines += 1
+        if report.unreadable_lines <= MAX_UNREADABLE_LOGGED:
+            log.warning("claude stream: a line that is not a stream-json object (%d bytes): %r", len(text),
+                        text[:120])
+
+    def _read(self, obj: Mapping[str, Any]) -> None:
+        report = self._report
+        kind = obj.get("type")
+        session = obj.get("session_id")
+        if isinstance(session, str) and session and report.session_id is None:
+            report.session_id = session[:128]
+        if kind == "assistant" and not self._result_seen:
+            message = obj.get("message")
+            if isinstance(message, Mapping):
+                ident = str(message.get("id") or len(self._messages))
+                if ident not in self._messages:  # one turn may print several lines
+                    self._messages.add(ident)
+                    report.turns = len(self._messages)
+                    usage = message.get("usage")
+                    if isinstance(usage, Mapping):
+                        self._add_usage(usage)
+        elif kind == "result":
+            self._read_result(obj)
+
+    def _add_usage(self, usage: Mapping[str, Any]) -> None:
+        report = self._report
+        report.input_tokens += _count(usage.get("input_tokens"))
+        report.output_tokens += _count(usage.get("output_tokens"))
+        report.cached_tokens += _count(usage.get("cache_read_input_tokens"))
+
+    def _read_result(self, obj: Mapping[str, Any]) -> None:
+        report = self._report
+        self._result_seen = True
+        report.turns = _count(obj.get("num_turns")) or report.turns
+        usage = obj.get("usage")
+        if isinstance(usage, Mapping):  # the totals replace the running sums
+            report.input_tokens = report.output_tokens = report.cached_tokens = 0
+            self._add_usage(usage)
+        report.cost_usd = _money(obj.get("total_cost_usd"))
+        text = obj.get("result")
+        report.result_text = text if isinstance(text, str) else None
+        for denial in obj.get("permission_denials") or []:
+            if isinstance(denial, Mapping):
+                report.deny(denial.get("tool_name"))
+        subtype = str(obj.get("subtype") or "")
+        if subtype == "error_max_turns":
+            report.budget_exceeded = f"max_turns {self.policy.max_turns or report.turns}"
+        elif subtype.startswith("error_max_budget"):
+            report.budget_exceeded = f"max_cost_usd {self.policy.max_cost_usd or report.cost_usd}"
+        elif obj.get("is_error") is True:
+            status = obj.get("api_error_status")
+            reason = report.result_text or subtype or "the CLI reported an error"
+            report.error = f"{reason} (HTTP {status})" if isinstance(status, int) and str(status) not in reason \
+                else reason
+
+    def over_budget(self) -> str | None:
+        """`max_turns N` once the stream shows more model turns than allowed, `max_cost_usd X`
+        once its reported cost passes the budget; None otherwise (§18)."""
+        report, policy = self._report, self.policy
+        if self._result_seen:
+            return None  # the CLI ended by itself: its verdict is in the report
+        if policy.max_turns is not None and report.turns > policy.max_turns:
+            return f"max_turns {policy.max_turns}"
+        if policy.max_cost_usd is not None and report.cost_usd is not None and report.cost_usd > policy.max_cost_usd:
+            return f"max_cost_usd {policy.max_cost_usd:g}"
+        return None
+
+
+__all__ = ["ClaudeAdapter"]

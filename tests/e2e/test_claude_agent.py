@@ -1,0 +1,172 @@
+"""The real Claude Code CLI as the agent (PROTOCOL §18), end to end: a real broker, the hub
+service, a runner daemon in its own network namespace started as the card prints it
+(`mam-runner run --session gpu-box --exec claude`), the real `claude` from npm
+(tests/agents) against a scripted model server on that host's 127.0.0.1
+(harness/modelserver.py), and a real `git daemon` serving the repository.
+
+- A text answer: `completed`, the answer as the summary; session, turns, tokens and cost
+  in `show`.
+- A tool call no policy allows: `error` `permission_denied: Bash`, never `completed`.
+- The model server answers 429: `error` with the agent's own reason.
+- Cancel during a long stream: the CLI and its children are gone within the grace.
+- Bad input (an agent claiming to be claude): lines that are not JSON, a 10 MB line, a
+  result text with terminal escapes: reported, escaped at the hub, the runner lives on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psutil
+import pytest
+from harness.fleet import Fleet
+from harness.gitserver import GitDaemon, make_origin
+from harness.modelserver import AGENTS_DIR, Failure, ModelProcess, Step, Text, ToolUse, claude_bin
+from harness.netns import unavailable_reason
+from harness.waiting import PATIENCE_S, wait_until
+
+from mam.shared.cli import render
+
+pytestmark = [pytest.mark.broker, pytest.mark.e2e]
+
+FAST = ("--heartbeat", "1", "--heartbeat-misses", "20", "--ack-timeout", str(int(PATIENCE_S)))
+
+
+class ClaudeFleet:
+    """A fleet with a git daemon on the hub and a model server on gpu-box."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp = tmp_path
+        self.fleet = Fleet("netns", tmp_path)
+        self.origin = make_origin(tmp_path / "served")
+        self.daemon = GitDaemon(self.origin.parent, host=self.fleet.net.address("hub"),
+                                netns=self.fleet.net.ns("hub"))
+        self.model: ModelProcess | None = None
+
+    def start(self, script: list[Step], *runner_args: str, exec_cmd: str = "claude"):
+        """The model server playing `script`, then the runner as the card prints it."""
+        self.model = ModelProcess(lambda argv: self.fleet._popen("gpu-box", argv), self.tmp / "model", script)
+        env = {**self.model.env(self.tmp / "agent-home"),
+               "PATH": f"{AGENTS_DIR / 'node_modules' / '.bin'}:{self.fleet.env['PATH']}"}
+        return self.fleet.start_runner("gpu-box", exec_cmd, "--repo", f"demo={self.daemon.url('demo')}",
+                                       *runner_args, env=env)
+
+    def run(self, *opts: str) -> tuple[int, str]:
+        handle = self.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST, *opts)
+        return handle.wait(), handle.job_id()
+
+    def show_text(self, job_id: str) -> str:
+        """`mam-orch show` as a person sees it on a terminal."""
+        shown = self.fleet.orch("show", job_id, "--json")
+        assert shown.returncode == 0, shown.stderr
+        obj = json.loads(shown.stdout)
+        return render.show_text(obj["record"], obj["audit"])
+
+    def terminal(self, job_id: str) -> dict:
+        return next(e for e in self.fleet.events_on_wire(job_id) if e["event"] in ("completed", "error"))
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.model.stop()
+        self.fleet.close()
+
+
+@pytest.fixture
+def claude_fleet(tmp_path: Path):
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"the Claude Code e2e needs network namespaces: {reason}")
+    if claude_bin() is None:
+        pytest.skip("the Claude Code CLI is not installed: `make test` installs it (npm, tests/agents)")
+    cf = ClaudeFleet(tmp_path)
+    try:
+        with cf.daemon:
+            cf.fleet.serve()
+            yield cf
+    finally:
+        cf.close()
+
+
+def test_s18_the_card_command_runs_claude_and_reports_its_answer_and_spend(claude_fleet: ClaudeFleet) -> None:
+    runner = claude_fleet.start([Text("Nothing needed changing.")])
+    code, job_id = claude_fleet.run()
+    assert code == 0, runner.log()[-3000:]
+    terminal = claude_fleet.terminal(job_id)
+    assert terminal["event"] == "completed" and terminal["detail"] == "Nothing needed changing."
+    agent = terminal["data"]["agent"]
+    assert agent["kind"] == "claude" and len(agent["session_id"]) == 36 and agent["turns"] == 1
+    assert agent["tokens"]["input"] > 0 and agent["cost_usd"] > 0
+    shown = claude_fleet.show_text(job_id)
+    assert f"claude session {agent['session_id']}, 1 turns" in shown, shown
+    assert claude_fleet.fleet.hub_record(job_id)["agent"]["cost_usd"] == agent["cost_usd"]
+    calls = claude_fleet.model.calls()  # type: ignore[union-attr]
+    assert calls and all(c["path"].startswith("/v1/messages") for c in calls), calls
+
+
+def test_s18_a_tool_no_policy_allows_is_permission_denied_not_completed(claude_fleet: ClaudeFleet) -> None:
+    runner = claude_fleet.start([ToolUse("Bash", {"command": "echo hi > a.txt", "description": "write"}),
+                                 Text("All done.")])
+    code, job_id = claude_fleet.run()
+    assert code == 1, runner.log()[-3000:]
+    terminal = claude_fleet.terminal(job_id)
+    assert (terminal["event"], terminal["detail"]) == ("error", "permission_denied: Bash")
+    assert terminal["data"]["agent"]["permission_denials"] == ["Bash"]
+    assert claude_fleet.fleet.hub_record(job_id)["status"] == "error"
+
+
+def test_s18_a_429_from_the_model_is_an_error_with_the_agents_reason(claude_fleet: ClaudeFleet) -> None:
+    runner = claude_fleet.start([Failure(429, "rate_limit_error", "usage limit reached; resets at 18:00",
+                                         {"retry-after": "3600"})])
+    code, job_id = claude_fleet.run()
+    assert code == 1, runner.log()[-3000:]
+    detail = claude_fleet.terminal(job_id)["detail"]
+    assert detail.startswith("agent_error: API Error") and "429" in detail and "resets at 18:00" in detail
+
+
+def agent_processes(worktree: Path) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cwd"]):
+        try:
+            if proc.info["cwd"] and Path(proc.info["cwd"]).is_relative_to(worktree):
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def test_s18_cancel_during_a_long_stream_stops_the_cli_and_its_children(claude_fleet: ClaudeFleet) -> None:
+    claude_fleet.start([Text("word " * 600, chunks=600, delay_s=0.2)])
+    handle = claude_fleet.fleet.dispatch("gpu-box", "Write a lot.", "--repo", "demo", "--detach", *FAST)
+    job_id = handle.job_id()
+    worktree = claude_fleet.fleet.base / "ws" / "gpu-box" / "worktrees" / f"{job_id}-1"
+    wait_until(lambda: any(c["tools"] for c in claude_fleet.model.calls()), PATIENCE_S,  # type: ignore[union-attr]
+               "the CLI streaming from the model")
+    assert agent_processes(worktree), "the CLI runs in the attempt's worktree"
+    assert claude_fleet.fleet.orch("cancel", job_id).returncode == 0
+    wait_until(lambda: claude_fleet.fleet.hub_record(job_id)["status"] == "cancelled", PATIENCE_S, "cancelled")
+    assert agent_processes(worktree) == []
+
+
+def test_s18_a_bad_stream_is_reported_escaped_and_the_runner_lives_on(claude_fleet: ClaudeFleet,
+                                                                       tmp_path: Path) -> None:
+    fake = tmp_path / "claude"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "echo 'this is not json'\n"
+        "head -c 10485760 /dev/zero | tr '\\0' 'x'; echo\n"
+        "printf '%s\\n' '{\"type\":\"result\",\"subtype\":\"success\",\"is_error\":false,\"num_turns\":1,"
+        "\"result\":\"done \\u001b[2J\\u001b]0;pwned\\u0007 now\",\"session_id\":\"s-1\","
+        "\"total_cost_usd\":0.5,\"permission_denials\":[]}'\n")
+    fake.chmod(0o755)
+    runner = claude_fleet.start([], exec_cmd=str(fake))
+    code, job_id = claude_fleet.run()
+    assert code == 0, runner.log()[-3000:]
+    terminal = claude_fleet.terminal(job_id)
+    assert terminal["detail"] == "done \\x1b[2J\\x1b]0;pwned\\x07 now"
+    assert terminal["data"]["agent"]["unreadable_lines"] == 2
+    shown = claude_fleet.show_text(job_id)
+    assert "\x1b" not in shown and "\x07" not in shown and "pwned" in shown
+    assert "not read as the agent's stream" in runner.log() and "not a stream-json object" in runner.log()
+    code, _ = claude_fleet.run()  # the runner takes the next job
+    assert code == 0 and runner.alive()
