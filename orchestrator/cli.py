@@ -285,6 +285,19 @@ def dispatch_cmd(
     ref: str = typer.Option(None, "--ref", metavar="REF",
                             help="With --repo: the branch, tag or commit to start from (default: the "
                                  "remote's default branch)."),
+    max_turns: int = typer.Option(None, "--max-turns", metavar="N",
+                                  help="The agent's model turns at most, 1..1000: passed to the CLI and "
+                                       "enforced by the runner; over it the job ends budget_exceeded (§18)."),
+    max_cost_usd: float = typer.Option(None, "--max-cost-usd", metavar="X",
+                                       help="What the agent may spend at most, US dollars (the CLI's "
+                                            "--max-budget-usd); over it the job ends budget_exceeded."),
+    allow_tools: str = typer.Option(None, "--allow-tools", metavar="RULES",
+                                    help="Tools the agent may use without asking, e.g. 'Bash(git *),Edit' "
+                                         "(Claude Code's --allowedTools); any other tool is denied and "
+                                         "the job ends permission_denied."),
+    permission_mode: str = typer.Option(None, "--permission-mode", metavar="MODE",
+                                        help="The agent CLI's permission mode: default, acceptEdits (file "
+                                             "edits in the worktree allowed), plan or dontAsk."),
     detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
     no_log: bool = typer.Option(False, "--no-log", help="Do not show the agent's output under the events."),
@@ -305,7 +318,8 @@ def dispatch_cmd(
                         timeout_s=timeout, require_online=require_online, detach=detach, as_json=as_json,
                         workspace=workspace, labels=labels, priority=priority, queue_timeout_s=queue_timeout,
                         retries=retries, retry_on=retry_on, show_log=not no_log,
-                        work=work_terms(repo=repo, ref=ref))
+                        work=work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
+                                        allow_tools=allow_tools, permission_mode=permission_mode))
 
 
 @app.command("logs")

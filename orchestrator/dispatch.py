@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -295,18 +295,39 @@ def queue_terms(session: str | None, labels: str | None, *, priority: int, queue
     return terms.checked()
 
 
-def work_terms(*, repo: str | None = None, ref: str | None = None) -> wire.Work | None:
-    """The job's repository (§18) from the dispatch options, or None for a plain job.
+def work_terms(*, repo: str | None = None, ref: str | None = None, max_turns: int | None = None,
+               max_cost_usd: float | None = None, allow_tools: str | Sequence[str] | None = None,
+               permission_mode: str | None = None, cli: bool = True) -> wire.Work | None:
+    """The job's repository and its agent's policy (§18) from the dispatch options, or None
+    for a plain job.
 
     Args:
         repo: `--repo NAME`; ref: `--ref REF` (only with a repo).
+        max_turns, max_cost_usd: the agent's budgets; allow_tools: `Bash(git *),Edit` (a string
+        is split on commas outside parentheses) or a list of rules; permission_mode: the CLI's mode.
+        cli: name the options as flags (`--max-turns`) in errors, else as API fields (`max_turns`).
     Raises:
         UsageError: one line naming the bad option.
     """
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-") if cli else name
+
     if ref is not None and repo is None:
-        raise UsageError("--ref needs --repo NAME (the repository the ref is in)")
+        raise UsageError(f"{flag('ref')} needs {flag('repo')} NAME (the repository the ref is in)")
     if repo is not None:
-        names.validate_repo(repo, "--repo")
+        names.validate_repo(repo, flag("repo"))
     if ref is not None:
-        names.validate_ref(ref)
-    return wire.Work.build(repo=repo, ref=ref) or None
+        names.validate_ref(ref, flag("ref"))
+    if max_turns is not None:
+        names.validate_max_turns(max_turns, flag("max_turns"))
+    if max_cost_usd is not None:
+        max_cost_usd = names.validate_max_cost(max_cost_usd, flag("max_cost_usd"))
+    if permission_mode is not None:
+        names.validate_permission_mode(permission_mode, flag("permission_mode"))
+    rules: tuple[str, ...] = ()
+    if isinstance(allow_tools, str):
+        rules = names.parse_tool_rules(allow_tools, flag("allow_tools"))
+    elif allow_tools is not None:
+        rules = names.validate_tool_rules(list(allow_tools), flag("allow_tools"))
+    return wire.Work.build(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
+                           allow_tools=rules or None, permission_mode=permission_mode) or None

@@ -117,7 +117,7 @@ class AttemptWork:
         self.session = session
         self.mirrors = mirrors
         self.exec_argv = list(exec_argv)
-        self.adapter = agents.new_adapter(agent)
+        self.adapter = agents.new_adapter(agent, agents.AgentPolicy.of_work(work))
         self.follower = LineFollower(log_path, log_offset)
         self._skipped_seen = 0
         self.secrets = list(secrets)
@@ -135,6 +135,9 @@ class AttemptWork:
             RepoError: the fetch failed, the ref does not exist, or git refused the worktree (one line).
         """
         data: dict[str, Any] = {"agent": self.adapter.kind}
+        if self.adapter.kind == "command" and self.adapter.policy:
+            log.warning("job %s: the dispatch's agent policy (budgets, tools) is not applied: this runner's "
+                        "agent is a plain command (--agent command)", self.job_id)
         shutil.rmtree(self.artifacts_dir, ignore_errors=True)
         self.artifacts_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.work is None or self.work.repo is None:

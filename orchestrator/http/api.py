@@ -26,8 +26,9 @@ from mam.shared.store.records import QueueTerms, describe_target, moved
 CANCEL_REASON = "operator (HTTP API)"
 INT_FIELDS = ("priority", "retries", "queue_timeout_sec", "heartbeat_sec", "heartbeat_misses", "ack_timeout_sec",
               "idle_timeout_sec", "timeout_sec")
-WORK_FIELDS = ("repo", "ref")
-DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", *WORK_FIELDS, *INT_FIELDS})
+WORK_FIELDS = ("repo", "ref", "permission_mode")
+POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools")
+DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", *WORK_FIELDS, *POLICY_FIELDS, *INT_FIELDS})
 
 
 def _int(body: Mapping[str, Any], name: str) -> int | None:
@@ -82,11 +83,18 @@ def dispatch_request(service: HubService, body: object) -> dict[str, Any]:
 
 
 def _work(body: Mapping[str, Any]) -> wire.Work | None:
-    """The §18 fields of a `POST /api/jobs` body. Raises UsageError (one line)."""
+    """The §18 fields of a `POST /api/jobs` body: repo, ref, the agent's budgets
+    (`max_turns`, `max_cost_usd`), `allow_tools` (a list of rules), `permission_mode`.
+    Raises UsageError (one line)."""
     for name in WORK_FIELDS:
         if body.get(name) is not None and not isinstance(body[name], str):
             raise UsageError(f"field {name!r} is invalid: expected a string")
-    return work_terms(repo=body.get("repo"), ref=body.get("ref"))
+    tools = body.get("allow_tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(x, str) for x in tools)):
+        raise UsageError("field 'allow_tools' is invalid: expected a list of strings")
+    return work_terms(repo=body.get("repo"), ref=body.get("ref"), max_turns=body.get("max_turns"),
+                      max_cost_usd=body.get("max_cost_usd"), allow_tools=tools,
+                      permission_mode=body.get("permission_mode"), cli=False)
 
 
 def cancel_request(service: HubService, job_id: str) -> dict[str, Any]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mam.shared.protocol import wire
+
 MAX_DENIALS_SHOWN = 8
 
 
@@ -23,6 +25,17 @@ class AgentPolicy:
     max_cost_usd: float | None = None
     allow_tools: tuple[str, ...] = ()
     permission_mode: str | None = None
+
+    @classmethod
+    def of_work(cls, work: wire.Work | None) -> AgentPolicy:
+        """The policy a dispatch's `work` carries (none for a plain job)."""
+        if work is None:
+            return cls()
+        return cls(max_turns=work.max_turns, max_cost_usd=work.max_cost_usd, allow_tools=work.allow_tools,
+                   permission_mode=work.permission_mode)
+
+    def __bool__(self) -> bool:
+        return self != AgentPolicy()
 
 
 @dataclass

@@ -214,6 +214,70 @@ def validate_ref(value: object, what: str = "--ref") -> str:
     return value
 
 
+TOOL_RULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,127}(\([^()\x00-\x1f\x7f,]{1,200}\))?$")
+"""One tool rule of an agent policy (§18): a tool name, optionally with a pattern, e.g. `Bash(git *)`."""
+MAX_TOOL_RULES = 32
+PERMISSION_MODES = ("default", "acceptEdits", "plan", "dontAsk")
+"""Permission modes a dispatch may ask for (§18); never a blanket bypass."""
+MAX_TURNS_LIMIT = 1000
+MAX_COST_USD_LIMIT = 10000.0
+
+
+def validate_tool_rules(values: object, what: str = "allow_tools") -> tuple[str, ...]:
+    """`values` (a list of tool rules, 1-32, each `TOOL_RULE_RE`, distinct) as a tuple.
+    Raises `UsageError` (one line)."""
+    if not isinstance(values, (list, tuple)) or not 1 <= len(values) <= MAX_TOOL_RULES:
+        raise UsageError(f"{what} is invalid: expected 1-{MAX_TOOL_RULES} tool rules")
+    for value in values:
+        if not isinstance(value, str) or not TOOL_RULE_RE.fullmatch(value):
+            raise UsageError(f"{what}: {str(value)[:LABEL_SHOWN_CHARS]!r} is not a tool rule: expected a tool "
+                             "name, optionally with a pattern in parentheses, e.g. Edit or Bash(git *)")
+    if len(set(values)) != len(values):
+        raise UsageError(f"{what} names a tool rule twice")
+    return tuple(values)
+
+
+def parse_tool_rules(text: str, what: str = "--allow-tools") -> tuple[str, ...]:
+    """`Bash(git *),Edit` → ("Bash(git *)", "Edit"): split on commas outside parentheses,
+    each rule stripped, then `validate_tool_rules`. Raises `UsageError` (one line)."""
+    rules, depth, current = [], 0, ""
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth <= 0:
+            rules.append(current.strip())
+            current, depth = "", 0
+        else:
+            current += ch
+    rules.append(current.strip())
+    if not all(rules):
+        raise UsageError(f"{what} has an empty item: give tool rules separated by commas, e.g. Bash(git *),Edit")
+    return validate_tool_rules(rules, what)
+
+
+def validate_max_turns(value: object, what: str = "max_turns") -> int:
+    """`value` if it is an integer 1..1000. Raises `UsageError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TURNS_LIMIT:
+        raise UsageError(f"{what} {repr(value)[:LABEL_SHOWN_CHARS]} is invalid: expected 1..{MAX_TURNS_LIMIT}")
+    return value
+
+
+def validate_max_cost(value: object, what: str = "max_cost_usd") -> float:
+    """`value` as a float if it is a number above 0 and at most 10000 (US dollars). Raises `UsageError`."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= MAX_COST_USD_LIMIT
+    if not ok:
+        raise UsageError(f"{what} {repr(value)[:LABEL_SHOWN_CHARS]} is invalid: expected US dollars above 0, "
+                         f"at most {MAX_COST_USD_LIMIT:g}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def validate_permission_mode(value: object, what: str = "permission_mode") -> str:
+    """`value` if it is one of PERMISSION_MODES. Raises `UsageError`."""
+    if value not in PERMISSION_MODES:
+        raise UsageError(f"{what} {repr(value)[:LABEL_SHOWN_CHARS]} is invalid: expected one of "
+                         f"{', '.join(PERMISSION_MODES)}")
+    return str(value)
+
+
 def strip_remote(session: str) -> str:
     """The bare session of `remote:<session>` (a hub record's `agent_session`, accepted on the
     CLI, §1), else `session` as given."""

@@ -4,8 +4,12 @@ service, a runner daemon in its own network namespace started as the card prints
 (tests/agents) against a scripted model server on that host's 127.0.0.1
 (harness/modelserver.py), and a real `git daemon` serving the repository.
 
-- A text answer: `completed`, the answer as the summary; session, turns, tokens and cost
-  in `show`.
+- The card's command and a job on `demo@main` whose script writes two files and commits
+  (`--allow-tools 'Write,Bash(git *)'`): `result` shows the diffstat and SHAs, `apply`
+  gives branch `mam/<id>`; cost, tokens, turns and session id in `show` and `/metrics`.
+- A text answer: `completed`, the answer as the summary.
+- `--max-turns 2` against a script of five turns: `budget_exceeded` after two; an agent
+  that runs past its budget is stopped by the runner.
 - A tool call no policy allows: `error` `permission_denied: Bash`, never `completed`.
 - The model server answers 429: `error` with the agent's own reason.
 - Cancel during a long stream: the CLI and its children are gone within the grace.
@@ -16,12 +20,13 @@ service, a runner daemon in its own network namespace started as the card prints
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import psutil
 import pytest
 from harness.fleet import Fleet
-from harness.gitserver import GitDaemon, make_origin
+from harness.gitserver import GitDaemon, git, make_origin
 from harness.modelserver import AGENTS_DIR, Failure, ModelProcess, Step, Text, ToolUse, claude_bin
 from harness.netns import unavailable_reason
 from harness.waiting import PATIENCE_S, wait_until
@@ -30,6 +35,7 @@ from mam.shared.cli import render
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 
+HTTP_PORT = 8090  # inside the hub's own namespace
 FAST = ("--heartbeat", "1", "--heartbeat-misses", "20", "--ack-timeout", str(int(PATIENCE_S)))
 
 
@@ -82,10 +88,55 @@ def claude_fleet(tmp_path: Path):
     cf = ClaudeFleet(tmp_path)
     try:
         with cf.daemon:
-            cf.fleet.serve()
+            cf.fleet.serve("--http", f"127.0.0.1:{HTTP_PORT}")
             yield cf
     finally:
         cf.close()
+
+
+EDIT_TWO: list[Step] = [
+    ToolUse("Write", {"file_path": "NOTES.md", "content": "notes\n"}),
+    ToolUse("Write", {"file_path": "src/extra.py", "content": "print('extra')\n"}),
+    ToolUse("Bash", {"command": "git add -A", "description": "stage"}),
+    ToolUse("Bash", {"command": "git commit -qm 'agent: two files'", "description": "commit"}),
+    Text("Wrote NOTES.md and src/extra.py, committed."),
+]
+
+
+def metrics(cf: ClaudeFleet) -> str:
+    fetched = cf.fleet.run_on("orch", [sys.executable, "-c", "import urllib.request; print(urllib.request."
+                                       f"urlopen('http://127.0.0.1:{HTTP_PORT}/metrics').read().decode())"])
+    assert fetched.returncode == 0, fetched.stderr
+    return fetched.stdout
+
+
+def test_s18_the_card_command_edits_two_files_and_the_change_comes_back_with_its_spend(
+        claude_fleet: ClaudeFleet) -> None:
+    cf = claude_fleet
+    runner = cf.start(EDIT_TWO)
+    code, job_id = cf.run("--ref", "main", "--allow-tools", "Write,Bash(git *)")
+    assert code == 0, runner.log()[-3000:]
+    terminal = cf.terminal(job_id)
+    assert terminal["detail"] == "Wrote NOTES.md and src/extra.py, committed."
+    main = git("rev-parse", "main", cwd=cf.origin).strip()
+    shown = cf.fleet.orch("result", job_id, "--json")
+    result = json.loads(shown.stdout)
+    assert result["base_sha"] == main and result["head_sha"] != main and result["files_total"] == 2
+    assert sorted(f["path"] for f in result["files"]) == ["NOTES.md", "src/extra.py"]
+    assert result["commits_total"] == 1
+    clone = cf.tmp / "clone"
+    git("clone", "-q", str(cf.origin), str(clone))
+    applied = cf.fleet.orch("apply", job_id, "--repo-path", str(clone))
+    assert applied.returncode == 0, applied.stderr
+    assert git("show", f"mam/{job_id}:NOTES.md", cwd=clone) == "notes\n"
+    agent = terminal["data"]["agent"]
+    assert agent["turns"] == 5 and agent["tokens"]["output"] > 0 and agent["cost_usd"] > 0
+    text = cf.show_text(job_id)
+    assert f"claude session {agent['session_id']}, 5 turns" in text and f"${agent['cost_usd']:.4f}" in text
+    exposition = metrics(cf)
+    assert f'mam_agent_cost_usd_total{{labels="-",session="gpu-box"}} {agent["cost_usd"]}' in exposition
+    assert f'mam_agent_tokens_total{{kind="output",labels="-",session="gpu-box"}} {agent["tokens"]["output"]}' \
+        in exposition
 
 
 def test_s18_the_card_command_runs_claude_and_reports_its_answer_and_spend(claude_fleet: ClaudeFleet) -> None:
@@ -124,6 +175,31 @@ def test_s18_a_429_from_the_model_is_an_error_with_the_agents_reason(claude_flee
     assert detail.startswith("agent_error: API Error") and "429" in detail and "resets at 18:00" in detail
 
 
+def test_s18_max_turns_2_against_five_turns_ends_budget_exceeded(claude_fleet: ClaudeFleet) -> None:
+    five = [ToolUse("Bash", {"command": f"echo {n}", "description": "count"}) for n in range(5)]
+    runner = claude_fleet.start([*five, Text("done")])
+    code, job_id = claude_fleet.run("--max-turns", "2", "--allow-tools", "Bash(echo *)")
+    assert code == 1, runner.log()[-3000:]
+    assert claude_fleet.terminal(job_id)["detail"] == "budget_exceeded: max_turns 2"
+    assert sum(c["tools"] for c in claude_fleet.model.calls()) <= 3  # type: ignore[union-attr]
+
+
+def test_s18_an_agent_running_past_its_turn_budget_is_stopped_by_the_runner(claude_fleet: ClaudeFleet,
+                                                                           tmp_path: Path) -> None:
+    fake = tmp_path / "claude"  # a CLI that ignores --max-turns: one new model turn every 0.2 s
+    fake.write_text("#!/bin/sh\nn=0\nwhile true; do n=$((n+1))\n"
+                    "  echo '{\"type\":\"assistant\",\"message\":{\"id\":\"m'$n'\",\"content\":[]}}'\n"
+                    "  sleep 0.2\ndone\n")
+    fake.chmod(0o755)
+    runner = claude_fleet.start([], exec_cmd=str(fake))
+    code, job_id = claude_fleet.run("--max-turns", "3")
+    assert code == 1, runner.log()[-3000:]
+    terminal = claude_fleet.terminal(job_id)
+    assert terminal["detail"] == "budget_exceeded: max_turns 3"
+    assert terminal["data"]["agent"]["turns"] >= 4
+    assert "agent stopped: max_turns 3 spent" in runner.log()
+
+
 def agent_processes(worktree: Path) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cwd"]):
@@ -144,8 +220,10 @@ def test_s18_cancel_during_a_long_stream_stops_the_cli_and_its_children(claude_f
                "the CLI streaming from the model")
     assert agent_processes(worktree), "the CLI runs in the attempt's worktree"
     assert claude_fleet.fleet.orch("cancel", job_id).returncode == 0
-    wait_until(lambda: claude_fleet.fleet.hub_record(job_id)["status"] == "cancelled", PATIENCE_S, "cancelled")
+    wait_until(lambda: any(e["event"] == "error" for e in claude_fleet.fleet.events_on_wire(job_id)), PATIENCE_S,
+               "the runner's terminal event")  # published once the agent's process group is gone
     assert agent_processes(worktree) == []
+    assert claude_fleet.fleet.hub_record(job_id)["status"] == "cancelled"
 
 
 def test_s18_a_bad_stream_is_reported_escaped_and_the_runner_lives_on(claude_fleet: ClaudeFleet,

@@ -463,10 +463,10 @@ class Fleet:
         self._procs.append(handle)
         return handle
 
-    def serve(self) -> Proc:
-        """`mam-orch serve --workspace <hub ws>` on `orch`, in the background; returns once it
+    def serve(self, *extra: str) -> Proc:
+        """`mam-orch serve --workspace <hub ws> *extra` on `orch`, in the background; returns once it
         holds the registry's hub lock (§14 "One hub process")."""
-        handle = Proc("serve", self._popen("orch", [*MAM_ORCH, "serve", "--workspace", str(self.hub_ws)]))
+        handle = Proc("serve", self._popen("orch", [*MAM_ORCH, "serve", "--workspace", str(self.hub_ws), *extra]))
         self._procs.append(handle)  # type: ignore[arg-type]
         wait_until(lambda: service_pid(self.hub_ws) is not None or not handle.alive(), START_TIMEOUT_S,
                    "the hub service to hold its lock")

@@ -60,12 +60,51 @@ def test_s18_work_travels_signed_in_the_dispatch_and_a_plain_job_has_none() -> N
     ({"repo": None}, "never null"),
     ({"repo": "demo", "surprise": 1}, "unknown field"),
     ([], "must be an object"),
+    ({"max_turns": 0}, "max_turns"),
+    ({"max_turns": True}, "max_turns"),
+    ({"max_turns": 10**30}, "max_turns"),
+    ({"max_cost_usd": -1}, "max_cost_usd"),
+    ({"max_cost_usd": "1"}, "max_cost_usd"),
+    ({"allow_tools": "Edit"}, "non-empty list"),
+    ({"allow_tools": []}, "non-empty list"),
+    ({"allow_tools": ["Bash(rm -rf /) \x1b[2J"]}, "not a tool rule"),
+    ({"allow_tools": ["Edit"] * 33}, "1-32 tool rules"),
+    ({"allow_tools": ["Bash(a,b)"]}, "not a tool rule"),
+    ({"permission_mode": "bypassPermissions"}, "permission_mode"),
 ])
 def test_s18_a_bad_work_object_is_refused_in_one_line(bad: object, words: str) -> None:
     signed = dict(dispatch(None), work=bad)
     with pytest.raises(DecodeError) as caught:
         wire.decode(json.dumps(signed).encode(), "dispatch")
     assert words in caught.value.reason and "\n" not in caught.value.reason
+
+
+def test_s18_the_agent_policy_travels_signed_in_the_work() -> None:
+    work = work_terms(max_turns=5, max_cost_usd=2, allow_tools="Bash(git *), Edit ,mcp__mam__ask",
+                      permission_mode="acceptEdits")
+    assert work is not None and work.to_dict() == {
+        "max_turns": 5, "max_cost_usd": 2.0, "allow_tools": ["Bash(git *)", "Edit", "mcp__mam__ask"],
+        "permission_mode": "acceptEdits"}
+    decoded = wire.decode(wire.encode(dispatch(work)), "dispatch")
+    assert decoded.work == work and decoded.work.allow_tools == ("Bash(git *)", "Edit", "mcp__mam__ask")
+    assert wire.Work.from_dict(work.to_dict()) == work
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"max_turns": 0}, "--max-turns 0 is invalid: expected 1..1000"),
+    ({"max_cost_usd": float("nan")}, "--max-cost-usd nan is invalid"),
+    ({"max_cost_usd": float("inf")}, "--max-cost-usd inf is invalid"),
+    ({"allow_tools": "Bash(git *"}, "--allow-tools: 'Bash(git *' is not a tool rule"),
+    ({"allow_tools": "Edit,Edit"}, "--allow-tools names a tool rule twice"),
+    ({"allow_tools": "Edit,,Bash"}, "--allow-tools has an empty item"),
+    ({"allow_tools": "Bash(" + "x" * 300 + ")"}, "is not a tool rule"),
+    ({"permission_mode": "bypassPermissions"}, "--permission-mode 'bypassPermissions' is invalid: expected one of"),
+    ({"max_turns": 0, "cli": False}, "max_turns 0 is invalid"),
+])
+def test_s18_a_bad_agent_policy_is_refused_in_one_line(kwargs: dict[str, object], words: str) -> None:
+    with pytest.raises(UsageError) as caught:
+        work_terms(**kwargs)  # type: ignore[arg-type]
+    assert words in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_s18_dispatch_options_build_the_work_or_refuse_in_one_line() -> None:

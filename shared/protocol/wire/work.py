@@ -1,7 +1,8 @@
-"""The `work` object of a dispatch (PROTOCOL §18): the repository the job works on.
-Optional: a dispatch without it is a plain command job, as before.
+"""The `work` object of a dispatch (PROTOCOL §18): the repository the job works on and
+what its agent may do. Optional: a dispatch without it is a plain command job, as before.
 
-    {"repo": "demo", "ref": "main"}
+    {"repo": "demo", "ref": "main", "max_turns": 20, "max_cost_usd": 2.5,
+     "allow_tools": ["Bash(git *)", "Edit"], "permission_mode": "acceptEdits"}
 
 Every key is optional and absent when unset (never null). The dispatch signature covers
 it (§5); it is not sealed: the brief is the secret, and the repository names are in the
@@ -18,20 +19,29 @@ from mam.shared.protocol import names
 from mam.shared.protocol.errors import DecodeError, UsageError
 from mam.shared.protocol.wire.fields import Invalid, run_check, show, type_name
 
-WORK_FIELDS = frozenset({"repo", "ref"})
+WORK_FIELDS = frozenset({"repo", "ref", "max_turns", "max_cost_usd", "allow_tools", "permission_mode"})
+POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "permission_mode")
 
 
 @dataclass(frozen=True)
 class Work:
-    """A job's repository (§18).
+    """A job's repository and its agent's policy (§18).
 
     Attributes:
         repo: the repository name a runner must serve (`names.validate_repo`), or None.
         ref: the branch, tag or commit to start from (None: the remote's default branch); only with `repo`.
+        max_turns: the agent's model turns at most (1..1000), or None.
+        max_cost_usd: what the agent may spend at most, US dollars (0 < x <= 10000), or None.
+        allow_tools: tool rules the agent may use without asking (`Bash(git *)`, `Edit`); () = none.
+        permission_mode: the agent CLI's permission mode (`names.PERMISSION_MODES`), or None.
     """
 
     repo: str | None = None
     ref: str | None = None
+    max_turns: int | None = None
+    max_cost_usd: float | None = None
+    allow_tools: tuple[str, ...] = ()
+    permission_mode: str | None = None
 
     def __post_init__(self) -> None:
         run_check(self._check)
@@ -44,6 +54,14 @@ class Work:
                 if self.repo is None:
                     raise Invalid("ref is only allowed with repo")
                 names.validate_ref(self.ref, "ref")
+            if self.max_turns is not None:
+                names.validate_max_turns(self.max_turns)
+            if self.max_cost_usd is not None:
+                names.validate_max_cost(self.max_cost_usd)
+            if self.allow_tools:
+                names.validate_tool_rules(self.allow_tools)
+            if self.permission_mode is not None:
+                names.validate_permission_mode(self.permission_mode)
         except UsageError as exc:
             raise Invalid(str(exc)) from None
 
@@ -78,8 +96,12 @@ class Work:
         return bool(self.to_dict())
 
     def to_dict(self) -> dict[str, Any]:
-        """The wire object: set keys only."""
-        return {key: value for key in ("repo", "ref") if (value := getattr(self, key)) is not None}
+        """The wire object: set keys only (`allow_tools` as a list)."""
+        out: dict[str, Any] = {key: value for key in ("repo", "ref", "max_turns", "max_cost_usd", "permission_mode")
+                               if (value := getattr(self, key)) is not None}
+        if self.allow_tools:
+            out["allow_tools"] = list(self.allow_tools)
+        return out
 
 
 def _work_from(obj: object) -> Work:
@@ -90,7 +112,14 @@ def _work_from(obj: object) -> Work:
         raise Invalid(f"unknown field {', '.join(show('work.' + key) for key in unknown[:4])}")
     if any(value is None for value in obj.values()):
         raise Invalid("work fields are left out when unset, never null")
-    return Work(**obj)
+    fields = dict(obj)
+    if "allow_tools" in fields:
+        if not isinstance(fields["allow_tools"], list) or not fields["allow_tools"]:
+            raise Invalid(f"work.allow_tools must be a non-empty list, got {type_name(fields['allow_tools'])}")
+        fields["allow_tools"] = tuple(fields["allow_tools"])
+    if isinstance(fields.get("max_cost_usd"), int) and not isinstance(fields["max_cost_usd"], bool):
+        fields["max_cost_usd"] = float(fields["max_cost_usd"])
+    return Work(**fields)
 
 
-__all__ = ["WORK_FIELDS", "Work"]
+__all__ = ["POLICY_FIELDS", "WORK_FIELDS", "Work"]
