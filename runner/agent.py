@@ -101,7 +101,7 @@ def split_exec(cmd: str) -> list[str]:
     expansion of variables, globs, pipes or `#` comments.
 
     Args:
-        cmd: the command line, e.g. ``"claude -p --dangerously-skip-permissions"``.
+        cmd: the command line, e.g. ``"claude --model sonnet"``.
     Returns:
         the argv list, at least one element.
     Raises:

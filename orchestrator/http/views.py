@@ -82,7 +82,8 @@ def queue_rows(service: HubService, now: float | None = None) -> list[Row]:
 
 
 def job_row(record: JobRecord, last_event: str | None = None, now_wall: float | None = None) -> Row:
-    """One job as a table row: status, target, runner, attempt, duration (s), close reason."""
+    """One job as a table row: status, target, runner, attempt, duration (s), close reason, and
+    what its agent spent (`agent`: kind, session_id, turns, tokens, cost_usd; §18) or None."""
     now_wall = time.time() if now_wall is None else now_wall
     start = iso_epoch(record.get("attempt_created_at") or record["created_at"])
     end = iso_epoch(record["updated_at"]) if record["status"] in TERMINAL_STATUSES else now_wall
@@ -92,7 +93,7 @@ def job_row(record: JobRecord, last_event: str | None = None, now_wall: float | 
             "created_at": record["created_at"], "updated_at": record["updated_at"], "duration_s": duration,
             "close_reason": record.get("close_reason"), "exit_code": record.get("exit_code"),
             "late_outcome": record.get("late_outcome"), "retried": record.get("retried", 0),
-            "last_event": last_event}
+            "last_event": last_event, "agent": record.get("agent")}
 
 
 def job_detail(service: HubService, job_id: str) -> Row:

@@ -22,7 +22,7 @@ from mam.shared.store.root import existing_root
 # the `jobs` table: (header, record key); DURATION and BRIEF are computed (`_job_row`)
 JOB_COLUMNS = (("JOB", "job_id"), ("STATUS", "status"), ("RUNNER", "session"), ("ATTEMPT", "attempt_id"),
                ("DURATION", "duration"), ("CLOSE", "close_reason"), ("EXIT", "exit_code"),
-               ("LATE", "late_outcome"), ("BRIEF", "brief"))
+               ("LATE", "late_outcome"), ("AGENT", "agent"), ("BRIEF", "brief"))
 BRIEF_READ_MAX_BYTES = 4096  # the views show the brief's first lines only
 BRIEF_CELL_CHARS = 40  # the BRIEF column of `jobs`
 BRIEF_SHOW_LINES = 3  # the brief lines at the top of `show`
@@ -128,8 +128,18 @@ def _job_row(record: Mapping[str, Any], root: Path | None) -> list[Any]:
     first = brief[0] if brief else None
     if first is not None and len(first) > BRIEF_CELL_CHARS:
         first = first[:BRIEF_CELL_CHARS - 1] + "…"
-    computed = {"duration": format_duration(duration_s(record)), "brief": first}
+    computed = {"duration": format_duration(duration_s(record)), "brief": first, "agent": agent_cell(record)}
     return [computed[k] if k in computed else record.get(k) for _, k in JOB_COLUMNS]
+
+
+def agent_cell(record: Mapping[str, Any]) -> str | None:
+    """What the job's agent spent (§18), e.g. `claude 5 turns $0.0053`, or None."""
+    agent = record.get("agent")
+    if not isinstance(agent, Mapping):
+        return None
+    cost = agent.get("cost_usd")
+    spent = f" ${cost:.4f}" if isinstance(cost, (int, float)) and not isinstance(cost, bool) else ""
+    return f"{agent.get('kind')} {agent.get('turns')} turns{spent}"
 
 
 def print_summary(registry: Registry, job_id: str, out: TextIO | None = None) -> None:

@@ -10,6 +10,7 @@ here by the test while the job runs, standing in for the hub's log writer."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -66,7 +67,11 @@ def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_br
 
             busy = serve.dispatch(gated(tmp_path, "go-1"), session="gpu-box")
             sync_api.expect(row_of(page, "running", busy)).to_contain_text("running")
-            job_id = serve.dispatch("echo dashboard-output\n" + gated(tmp_path, "go-2"), labels=["gpu"])
+            spent = json.dumps({"agent": {"kind": "claude", "session_id": "s-1", "turns": 3, "cost_usd": 0.25,
+                                          "tokens": {"input": 10, "output": 20, "cached": 5}}})
+            job_id = serve.dispatch("echo dashboard-output\n" + gated(tmp_path, "go-2") + f"\nSPENT='{spent}'\n"
+                                    'eval "$MAM_PUBLISH_CMD --event completed --data \\"\\$SPENT\\""\n',
+                                    labels=["gpu"])
             queued = row_of(page, "queue", job_id)
             sync_api.expect(queued).to_contain_text("0 free slots")  # queued behind the busy job, and why
             page.screenshot(path=str(tmp_path / "dashboard-queued.png"), full_page=True)
@@ -84,6 +89,8 @@ def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_br
             (tmp_path / "go-2").touch()
             sync_api.expect(page.locator("#job-status")).to_have_text("completed")
             sync_api.expect(page.locator("#events tbody")).to_contain_text("completed")
+            sync_api.expect(page.locator("#job-facts")).to_contain_text(  # what the agent spent (§18)
+                "claude: 3 turns · 10 in / 20 out / 5 cached tokens · $0.2500 · session s-1")
 
             # §18: a result lands after the end; the job page asks for it and offers the patch
             sync_api.expect(page.locator("#change-section")).to_be_hidden()

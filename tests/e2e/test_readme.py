@@ -12,7 +12,9 @@ How README lines map to processes:
   in it. Each bash runs in its own session, so a runner a block leaves running in the
   background (`mam-runner run ... &`) is stopped with the session (SIGTERM: it drains).
 - One machine: `one-machine` runs to its end (it stops its runner and the broker itself);
-  the test then reads the hub's registry and the runner's agent log.
+  the test then reads the hub's registry and the runner's agent log. `repository job`
+  and `claude job` the same way; for `claude job` the real Claude Code CLI (tests/agents)
+  is on PATH and `ANTHROPIC_BASE_URL` points at a scripted model server on 127.0.0.1.
 - Two machines on one: two folders, `hub-host` and `worker-host`, are the two hosts' current
   directories. `two-machine hub` runs in the background: its last line, `mam-orch runner
   invite`, prints the code on stdout and waits. The test copies `runner.env` from the hub's
@@ -46,6 +48,7 @@ from pathlib import Path
 import psutil
 import pytest
 from harness.gitserver import GIT_ENV
+from harness.modelserver import AGENTS_DIR, ModelServer, Text, ToolUse, claude_bin
 from harness.procs import processes_under
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env
@@ -240,6 +243,28 @@ def test_readme_repository_job_quick_start_brings_the_change_back(tmp_path, defa
         shown = subprocess.run(["git", "show", f"mam/{job_id}:README.md"], cwd=mine, capture_output=True,
                                text=True, check=True).stdout
         assert shown == "# Demo\nmore\n"  # the runner committed what the agent left uncommitted
+
+
+@pytest.mark.timeout(BLOCK_TIMEOUT_S + 2 * PATIENCE_S)
+def test_readme_claude_quick_start_runs_the_real_cli_and_brings_its_commit_back(tmp_path, default_ports):
+    if claude_bin() is None:
+        pytest.skip("the Claude Code CLI is not installed: `make test` installs it (npm, tests/agents)")
+    script = [ToolUse("Write", {"file_path": "README.md", "content": "# demo\nWhat this is for.\n"}),
+              ToolUse("Bash", {"command": "git add README.md", "description": "stage"}),
+              ToolUse("Bash", {"command": "git commit -qm 'Add a README'", "description": "commit"}),
+              Text("Added README.md and committed it.")]
+    with ModelServer(script) as model:
+        env = {**shell_env(tmp_path), **GIT_ENV, **model.env(tmp_path / "claude-home")}
+        env["PATH"] = f"{AGENTS_DIR / 'node_modules' / '.bin'}:{env['PATH']}"
+        with one_machine_block("claude job", tmp_path, env) as (block, folder):
+            [record] = job_records(env, folder, folder / "hub")
+            assert record["status"] == "completed", block.output()
+            assert record["agent"]["kind"] == "claude" and record["agent"]["turns"] == 4, record
+            assert "Added README.md and committed it." in block.stdout(), block.output()
+            log = subprocess.run(["git", "log", "--format=%s", "-1", "--stat"], capture_output=True, text=True,
+                                 cwd=folder / "gpu-box" / "worktrees" / f"{record['job_id']}-1", check=True).stdout
+            assert "Add a README" in log and "README.md" in log, log
+        assert model.paths and all(path.startswith("POST /v1/messages") for path in model.paths), model.paths
 
 
 @pytest.mark.timeout(3 * BLOCK_TIMEOUT_S + 2 * PATIENCE_S)

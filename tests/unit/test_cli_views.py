@@ -97,6 +97,17 @@ def test_jobs_has_duration_runner_and_brief_columns(reg):
     assert "gpu-box" in row and "2m05s" in row and row.endswith("Fix the flaky test")
 
 
+def test_jobs_and_show_say_what_the_agent_spent(reg):
+    record = dict(ended(reg), agent={"kind": "claude", "session_id": "s-1", "turns": 5, "cost_usd": 0.00528,
+                                     "tokens": {"input": 500, "output": 250, "cached": 100}})
+    header, row = jobs_table([record], reg.root).splitlines()
+    assert "AGENT" in header and "claude 5 turns $0.0053" in row
+    trail = [{"seq": 2, "event": "completed", "detail": "done",
+              "data": {"attempt_id": record["attempt_id"], "agent": record["agent"]}}]
+    assert "agent:      claude session s-1, 5 turns, 500 in / 250 out / 100 cached tokens, $0.0053" in \
+        show_text(record, trail, reg.root)
+
+
 def test_json_event_lines_mask_the_dispatch_token(reg):
     record = reg.register(session="gpu-box")
     payload = {"schema_version": 1, "seq": 1, "job_id": record["job_id"], "event": "started", "timestamp": TS,

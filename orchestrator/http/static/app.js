@@ -96,7 +96,8 @@ function renderJob() {
   status.className = "st " + job.status;
   document.getElementById("job-facts").textContent = "target " + job.target + " · runner " + (job.session || "-") +
     " · attempt " + job.attempt_id + " · duration " + duration(job) + (job.close_reason ? " · closed " + job.close_reason : "") +
-    (job.exit_code !== null && job.exit_code !== undefined ? " · agent exit " + job.exit_code : "");
+    (job.exit_code !== null && job.exit_code !== undefined ? " · agent exit " + job.exit_code : "") +
+    agentFacts(job.agent);
   const waiting = state.queue.find((q) => q.job_id === job.job_id);
   if (job.status === "queued" && waiting) document.getElementById("job-facts").textContent += " · " + waiting.why_waiting;
   fill("attempts", detail.attempts.map((a) => row([a.attempt_id, a.session, a.status, a.reason, a.log || ""])), "", 5);
@@ -110,6 +111,16 @@ function renderJob() {
       if (state.job === detail) renderChange(job.job_id, result);
     }).catch(() => {});
   }
+}
+
+// What the agent spent (§18): kind, turns, tokens, cost and its session id.
+function agentFacts(agent) {
+  if (!agent) return "";
+  const tokens = agent.tokens || {};
+  const cost = typeof agent.cost_usd === "number" ? " · $" + agent.cost_usd.toFixed(4) : "";
+  return " · " + agent.kind + ": " + agent.turns + " turns · " + (tokens.input || 0) + " in / " +
+    (tokens.output || 0) + " out / " + (tokens.cached || 0) + " cached tokens" + cost +
+    (agent.session_id ? " · session " + agent.session_id : "");
 }
 
 // A repository job's change (§18): its commits, diffstat and a link to the patch.
