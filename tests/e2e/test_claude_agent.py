@@ -11,7 +11,7 @@ service, a runner daemon in its own network namespace started as the card prints
 - `--max-turns 2` against a script of five turns: `budget_exceeded` after two; an agent
   that runs past its budget is stopped by the runner.
 - A tool call no policy allows: `error` `permission_denied: Bash`, never `completed`.
-- The model server answers 429: `error` with the agent's own reason.
+- The model server answers 429 (a usage limit) or 529: `error` with the agent's own reason.
 - Cancel during a long stream: the CLI and its children are gone within the grace.
 - Bad input (an agent claiming to be claude): lines that are not JSON, a 10 MB line, a
   result text with terminal escapes: reported, escaped at the hub, the runner lives on.
@@ -166,13 +166,17 @@ def test_s18_a_tool_no_policy_allows_is_permission_denied_not_completed(claude_f
     assert claude_fleet.fleet.hub_record(job_id)["status"] == "error"
 
 
-def test_s18_a_429_from_the_model_is_an_error_with_the_agents_reason(claude_fleet: ClaudeFleet) -> None:
-    runner = claude_fleet.start([Failure(429, "rate_limit_error", "usage limit reached; resets at 18:00",
-                                         {"retry-after": "3600"})])
+@pytest.mark.parametrize(("status", "kind", "message"), [
+    (429, "rate_limit_error", "usage limit reached; resets at 18:00"),
+    (529, "overloaded_error", "Overloaded"),
+])
+def test_s18_a_429_or_529_from_the_model_is_an_error_with_the_agents_reason(claude_fleet: ClaudeFleet, status: int,
+                                                                           kind: str, message: str) -> None:
+    runner = claude_fleet.start([Failure(status, kind, message, {"retry-after": "3600"})])
     code, job_id = claude_fleet.run()
     assert code == 1, runner.log()[-3000:]
     detail = claude_fleet.terminal(job_id)["detail"]
-    assert detail.startswith("agent_error: API Error") and "429" in detail and "resets at 18:00" in detail
+    assert detail.startswith("agent_error: API Error") and str(status) in detail and message in detail, detail
 
 
 def test_s18_max_turns_2_against_five_turns_ends_budget_exceeded(claude_fleet: ClaudeFleet) -> None:
