@@ -15,6 +15,7 @@ from typing import Any, TextIO
 
 from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus
+from mam.shared.protocol.errors import MamError
 from mam.shared.store.records import redact
 from mam.shared.store.registry import Registry
 from mam.shared.store.root import existing_root
@@ -22,7 +23,7 @@ from mam.shared.store.root import existing_root
 # the `jobs` table: (header, record key); DURATION and BRIEF are computed (`_job_row`)
 JOB_COLUMNS = (("JOB", "job_id"), ("STATUS", "status"), ("RUNNER", "session"), ("ATTEMPT", "attempt_id"),
                ("DURATION", "duration"), ("CLOSE", "close_reason"), ("EXIT", "exit_code"),
-               ("LATE", "late_outcome"), ("AGENT", "agent"), ("BRIEF", "brief"))
+               ("LATE", "late_outcome"), ("AGENT", "agent"), ("BRIEF", "brief"), ("WAITING", "why_waiting"))
 BRIEF_READ_MAX_BYTES = 4096  # the views show the brief's first lines only
 BRIEF_CELL_CHARS = 40  # the BRIEF column of `jobs`
 BRIEF_SHOW_LINES = 3  # the brief lines at the top of `show`
@@ -130,6 +131,21 @@ def _job_row(record: Mapping[str, Any], root: Path | None) -> list[Any]:
         first = first[:BRIEF_CELL_CHARS - 1] + "…"
     computed = {"duration": format_duration(duration_s(record)), "brief": first, "agent": agent_cell(record)}
     return [computed[k] if k in computed else record.get(k) for _, k in JOB_COLUMNS]
+
+
+def with_why_waiting(registry: Registry, record: dict[str, Any]) -> dict[str, Any]:
+    """A queued hub record with `why_waiting`: the hub engine's latest line on why it waits
+    (§14, a `hub_note` of its audit log), when there is one; other records as they are."""
+    if record.get("status") != JobStatus.QUEUED or record.get("role") not in (None, "hub"):
+        return record
+    try:
+        trail = registry.audit(str(record["job_id"]))
+    except MamError:
+        return record
+    notes = [str(line.get("line", "")) for line in trail if line.get("event") == "hub_note"]
+    if notes:
+        record["why_waiting"] = notes[-1].removeprefix(f"job {record['job_id']}: ")
+    return record
 
 
 def agent_cell(record: Mapping[str, Any]) -> str | None:
@@ -269,7 +285,7 @@ def cli_jobs(*, workspace: str | os.PathLike[str] | None, status: str | None, as
     out = stream or sys.stdout
     registry = Registry(existing_root(workspace))
     records, errors = registry.list(status)
-    safe = [redact(r) for r in records]
+    safe = [with_why_waiting(registry, redact(r)) for r in records]
     if as_json or not out.isatty():
         for record in safe:
             out.write(json.dumps(record, sort_keys=True) + "\n")

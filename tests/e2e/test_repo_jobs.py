@@ -131,6 +131,9 @@ def test_s18_bad_input_is_said_and_loses_nothing(repo_fleet, tmp_path: Path) -> 
     wait_until(lambda: "no runner serves repo nope" in queued.log(), PATIENCE_S,
                "the reason a job waits")
     assert fleet.hub_record(job_id)["status"] == "queued"
+    listed = fleet.orch("jobs", "--status", "queued", "--json")  # `jobs` says why it waits too
+    [row] = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert row["job_id"] == job_id and "no runner serves repo nope" in row["why_waiting"], row
     assert fleet.orch("cancel", job_id).returncode == 0
     # a ref that does not exist: error naming it, no worktree
     code, job_id = run_job(fleet, "true\n", "--ref", "no-such-branch")

@@ -94,7 +94,19 @@ def test_jobs_has_duration_runner_and_brief_columns(reg):
     record = ended(reg)
     header, row = jobs_table([record], reg.root).splitlines()
     assert header.split()[:5] == ["JOB", "STATUS", "RUNNER", "ATTEMPT", "DURATION"] and "BRIEF" in header
-    assert "gpu-box" in row and "2m05s" in row and row.endswith("Fix the flaky test")
+    assert "gpu-box" in row and "2m05s" in row and row.endswith("Fix the flaky test  -")
+
+
+def test_jobs_says_why_a_queued_job_waits(reg, tmp_path):
+    from mam.shared.cli.render import with_why_waiting
+
+    record = reg.register(session="gpu-box")
+    for line in ("a stale reason", "no runner serves repo nope; runners serving it: none"):
+        reg.append_audit(record["job_id"], {"event": "hub_note", "line": f"job {record['job_id']}: {line}"})
+    shown = with_why_waiting(reg, dict(record, status="queued"))
+    reason = "no runner serves repo nope; runners serving it: none"
+    assert shown["why_waiting"] == reason
+    assert jobs_table([shown], reg.root).splitlines()[1].endswith(reason)
 
 
 def test_jobs_and_show_say_what_the_agent_spent(reg):

@@ -57,6 +57,20 @@ def test_settings_come_from_the_env_file_under_the_environment(tmp_path):
     assert (opts.cancel_grace_s, opts.clock_skew_s) == (3.0, 9.0)
 
 
+def test_repositories_come_from_the_env_file_unless_flags_name_them(tmp_path):
+    env_file = tmp_path / "runner.env"
+    env_file.write_text('MAM_RUNNER_REPOS="demo=git://hub:9418/demo, tools=/srv/git/tools.git"\n')
+    environ = env(tmp_path, MAM_ENV_FILE=str(env_file))
+    served = options(tmp_path, environ).repos
+    assert [(spec.name, spec.url) for spec in served] == [("demo", "git://hub:9418/demo"),
+                                                          ("tools", "/srv/git/tools.git")]
+    flagged = options(tmp_path, environ, repos=["other=/srv/git/other.git"]).repos
+    assert [spec.name for spec in flagged] == ["other"]
+    env_file.write_text("MAM_RUNNER_REPOS=demo\n")
+    with pytest.raises(UsageError, match="^MAM_RUNNER_REPOS 'demo': expected NAME=URL"):
+        options(tmp_path, environ)
+
+
 @pytest.mark.parametrize(("name", "value", "message"), [
     ("MAM_CANCEL_GRACE_S", "soon", "MAM_CANCEL_GRACE_S='soon' is invalid: expected a number of seconds"),
     ("MAM_CANCEL_GRACE_S", "3601", "MAM_CANCEL_GRACE_S=3601.0 is out of range 0.0..3600.0"),
