@@ -42,8 +42,8 @@ system-deps:
 	  fi; \
 	fi
 
-# The real agent CLIs the agent tests run (@anthropic-ai/claude-code, pinned in
-# tests/agents/package-lock.json), installed from the npm registry once and kept in
+# The real agent CLIs the agent tests run (@anthropic-ai/claude-code and @openai/codex,
+# pinned in tests/agents/package-lock.json), installed from the npm registry once and kept in
 # tests/agents/node_modules; they talk only to the tests' model server on 127.0.0.1.
 AGENTS_STAMP := tests/agents/node_modules/.installed
 agents: $(AGENTS_STAMP)

@@ -113,8 +113,9 @@ def run_cmd(
     agent: str = typer.Option(None, "--agent", metavar="KIND",
                               help="How to run and read the agent (§18): claude (Claude Code in print mode "
                                    "with a stream-json stream: session, turns, tokens, cost; a denied tool "
-                                   "is an error) or command (any executable; its exit status is the "
-                                   "verdict). Default: claude when the executable is named claude."),
+                                   "is an error), codex (codex exec --json: thread, turns, tokens) or "
+                                   "command (any executable; its exit status is the verdict). Default: "
+                                   "claude or codex when the executable has that name, else command."),
 ) -> int:
     """Serve a session: take signed dispatches, run the agent under a heartbeat,
     publish its events; presence and Last Will on one connection (PROTOCOL §5-§7, §11).

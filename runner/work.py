@@ -135,9 +135,9 @@ class AttemptWork:
             RepoError: the fetch failed, the ref does not exist, or git refused the worktree (one line).
         """
         data: dict[str, Any] = {"agent": self.adapter.kind}
-        if self.adapter.kind == "command" and self.adapter.policy:
-            log.warning("job %s: the dispatch's agent policy (budgets, tools) is not applied: this runner's "
-                        "agent is a plain command (--agent command)", self.job_id)
+        if ignored := self.adapter.ignored():
+            log.warning("job %s: %s of the dispatch not applied: this runner's agent is %s (--agent)", self.job_id,
+                        ", ".join(ignored), self.adapter.kind)
         shutil.rmtree(self.artifacts_dir, ignore_errors=True)
         self.artifacts_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.work is None or self.work.repo is None:
@@ -178,11 +178,10 @@ class AttemptWork:
     def _feed(self, lines: list[str]) -> None:
         for line in lines:
             self.adapter.feed(line)
-        report = self.adapter.report()
         if self.adapter.kind != "command" and self.follower.skipped > self._skipped_seen:
             log.warning("job %s: %d output line(s) over %d bytes not read as the agent's stream", self.job_id,
                         self.follower.skipped - self._skipped_seen, MAX_LINE_BYTES)
-            report.unreadable_lines += self.follower.skipped - self._skipped_seen
+            self.adapter.note_unreadable(count=self.follower.skipped - self._skipped_seen)
             self._skipped_seen = self.follower.skipped
 
     def outcome(self, exit_code: int | None) -> tuple[str, str] | None:

@@ -4,7 +4,8 @@ An adapter knows one agent CLI: the flags that make it print a machine-readable
 stream and carry the dispatch's policy (`argv`), how to read that stream line by
 line (`feed`, never raises), a budget the stream shows spent (`over_budget`), and
 what the stream said when the agent ended (`report`). `command` is any executable,
-whose exit status is its whole verdict; `claude` is the Claude Code CLI.
+whose exit status is its whole verdict; `claude` is the Claude Code CLI, `codex`
+the Codex CLI.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ import os
 
 from mam.runner.agents.base import Adapter, AgentPolicy, AgentReport
 from mam.runner.agents.claude import ClaudeAdapter
+from mam.runner.agents.codex import CodexAdapter
 
-ADAPTERS: dict[str, type[Adapter]] = {"command": Adapter, "claude": ClaudeAdapter}
+ADAPTERS: dict[str, type[Adapter]] = {"command": Adapter, "claude": ClaudeAdapter, "codex": CodexAdapter}
 """The adapters by `--agent` kind."""
 KINDS = tuple(ADAPTERS)
 
 
 def default_kind(argv: list[str] | tuple[str, ...]) -> str:
-    """The kind for an `--exec` command when `--agent` is not given: `claude` when the
-    executable's name is `claude`, else `command`."""
+    """The kind for an `--exec` command when `--agent` is not given: `claude` or `codex`
+    when the executable has that name, else `command`."""
     name = os.path.basename(argv[0]) if argv else ""
     return name if name in ADAPTERS and name != "command" else "command"
 
@@ -31,5 +33,5 @@ def new_adapter(kind: str, policy: AgentPolicy | None = None) -> Adapter:
     return ADAPTERS[kind](policy)
 
 
-__all__ = ["ADAPTERS", "KINDS", "Adapter", "AgentPolicy", "AgentReport", "ClaudeAdapter", "default_kind",
-           "new_adapter"]
+__all__ = ["ADAPTERS", "KINDS", "Adapter", "AgentPolicy", "AgentReport", "ClaudeAdapter", "CodexAdapter",
+           "default_kind", "new_adapter"]

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from mam.shared.protocol import wire
 
 MAX_DENIALS_SHOWN = 8
+MAX_UNREADABLE_LOGGED = 3
+"""Lines of a stream that are not the CLI's JSON logged at most per attempt (the rest are counted)."""
+
+log = logging.getLogger("mam.agent")
+
+
+def count_of(value: object) -> int:
+    """A token or turn count from a stream: a non-negative JSON integer, else 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else 0
+
+
+def money_of(value: object) -> float | None:
+    """A cost in US dollars from a stream: a number 0 <= x < 1e9, else None."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e9
+    return float(value) if ok else None  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -33,9 +50,6 @@ class AgentPolicy:
             return cls()
         return cls(max_turns=work.max_turns, max_cost_usd=work.max_cost_usd, allow_tools=work.allow_tools,
                    permission_mode=work.permission_mode)
-
-    def __bool__(self) -> bool:
-        return self != AgentPolicy()
 
 
 @dataclass
@@ -104,6 +118,8 @@ class Adapter:
     """A plain command (`--agent command`): its argv as given, no stream, no budget."""
 
     kind = "command"
+    ignores: tuple[str, ...] = ("max_turns", "max_cost_usd", "allow_tools", "permission_mode")
+    """The policy fields this agent cannot apply (the runner logs them when a dispatch sets them)."""
 
     def __init__(self, policy: AgentPolicy | None = None) -> None:
         self.policy = policy or AgentPolicy()
@@ -123,3 +139,44 @@ class Adapter:
     def report(self) -> AgentReport:
         """What the stream said so far."""
         return self._report
+
+    def ignored(self) -> list[str]:
+        """The policy fields the dispatch set that this agent cannot apply."""
+        return [name for name in self.ignores if getattr(self.policy, name) not in (None, ())]
+
+    def note_unreadable(self, text: str = "", count: int = 1) -> None:
+        """Count `count` lines that were not the stream's JSON; log the first few (cut)."""
+        self._report.unreadable_lines += count
+        if text and self._report.unreadable_lines <= MAX_UNREADABLE_LOGGED:
+            log.warning("%s stream: a line that is not a JSON object (%d bytes): %r", self.kind, len(text),
+                        text[:120])
+
+
+class StreamAdapter(Adapter):
+    """An agent CLI that prints one JSON object per line: `feed` parses each line and hands
+    the object to `read` (a shape it does not know is counted, never raised), any other
+    line to `read_text`."""
+
+    def feed(self, line: str) -> None:
+        """Read one line of the agent's output (never raises)."""
+        text = line.strip()
+        if not text:
+            return
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            self.read_text(text)
+            return
+        try:
+            self.read(obj)
+        except (TypeError, ValueError, AttributeError) as exc:  # a shape we do not know: counted, not fatal
+            self.note_unreadable(f"{type(exc).__name__}: {exc}")
+
+    def read(self, obj: dict[str, Any]) -> None:
+        """One JSON object of the stream."""
+
+    def read_text(self, text: str) -> None:
+        """A line that is not a JSON object: counted (and the first few logged)."""
+        self.note_unreadable(text)

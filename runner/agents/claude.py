@@ -19,29 +19,13 @@ is stopped by the runner (`over_budget`).
 
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import Mapping
 from typing import Any
 
-from mam.runner.agents.base import Adapter, AgentPolicy
-
-log = logging.getLogger("mam.agent")
-
-MAX_UNREADABLE_LOGGED = 3
-"""Lines of a stream that are not JSON objects logged at most per attempt (the rest are counted)."""
+from mam.runner.agents.base import AgentPolicy, StreamAdapter, count_of, money_of
 
 
-def _count(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else 0
-
-
-def _money(value: object) -> float | None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1e9
-    return float(value) if ok else None  # type: ignore[arg-type]
-
-
-class ClaudeAdapter(Adapter):
+class ClaudeAdapter(StreamAdapter):
     """Claude Code in print mode with a stream-json stream (§18).
 
     Args:
@@ -49,6 +33,7 @@ class ClaudeAdapter(Adapter):
     """
 
     kind = "claude"
+    ignores = ()
 
     def __init__(self, policy: AgentPolicy | None = None) -> None:
         super().__init__(policy)
@@ -85,31 +70,7 @@ class ClaudeAdapter(Adapter):
             argv += ["--permission-mode", policy.permission_mode]
         return argv
 
-    def feed(self, line: str) -> None:
-        """Read one stream line; a line that is not a JSON object is counted and logged (never raises)."""
-        text = line.strip()
-        if not text:
-            return
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            obj = None
-        if not isinstance(obj, dict):
-            self._unreadable(text)
-            return
-        try:
-            self._read(obj)
-        except (TypeError, ValueError, AttributeError) as exc:  # a shape we do not know: counted, not fatal
-            self._unreadable(f"{type(exc).__name__}: {exc}")
-
-    def _unreadable(self, text: str) -> None:
-        report = self._report
-        report.unreadable_lines += 1
-        if report.unreadable_lines <= MAX_UNREADABLE_LOGGED:
-            log.warning("claude stream: a line that is not a stream-json object (%d bytes): %r", len(text),
-                        text[:120])
-
-    def _read(self, obj: Mapping[str, Any]) -> None:
+    def read(self, obj: dict[str, Any]) -> None:
         report = self._report
         kind = obj.get("type")
         session = obj.get("session_id")
@@ -130,19 +91,19 @@ class ClaudeAdapter(Adapter):
 
     def _add_usage(self, usage: Mapping[str, Any]) -> None:
         report = self._report
-        report.input_tokens += _count(usage.get("input_tokens"))
-        report.output_tokens += _count(usage.get("output_tokens"))
-        report.cached_tokens += _count(usage.get("cache_read_input_tokens"))
+        report.input_tokens += count_of(usage.get("input_tokens"))
+        report.output_tokens += count_of(usage.get("output_tokens"))
+        report.cached_tokens += count_of(usage.get("cache_read_input_tokens"))
 
     def _read_result(self, obj: Mapping[str, Any]) -> None:
         report = self._report
         self._result_seen = True
-        report.turns = _count(obj.get("num_turns")) or report.turns
+        report.turns = count_of(obj.get("num_turns")) or report.turns
         usage = obj.get("usage")
         if isinstance(usage, Mapping):  # the totals replace the running sums
             report.input_tokens = report.output_tokens = report.cached_tokens = 0
             self._add_usage(usage)
-        report.cost_usd = _money(obj.get("total_cost_usd"))
+        report.cost_usd = money_of(obj.get("total_cost_usd"))
         text = obj.get("result")
         report.result_text = text if isinstance(text, str) else None
         for denial in obj.get("permission_denials") or []:

@@ -20,78 +20,22 @@ service, a runner daemon in its own network namespace started as the card prints
 from __future__ import annotations
 
 import json
-import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
-from harness.fleet import Fleet
-from harness.gitserver import GitDaemon, git, make_origin
-from harness.modelserver import AGENTS_DIR, Failure, ModelProcess, Step, Text, ToolUse, claude_bin
-from harness.netns import unavailable_reason
+from harness.agentfleet import FAST, AgentFleet, agent_fleet
+from harness.gitserver import git
+from harness.modelserver import Failure, Step, Text, ToolUse
 from harness.waiting import PATIENCE_S, wait_until
-
-from mam.shared.cli import render
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 
-HTTP_PORT = 8090  # inside the hub's own namespace
-FAST = ("--heartbeat", "1", "--heartbeat-misses", "20", "--ack-timeout", str(int(PATIENCE_S)))
-
-
-class ClaudeFleet:
-    """A fleet with a git daemon on the hub and a model server on gpu-box."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.tmp = tmp_path
-        self.fleet = Fleet("netns", tmp_path)
-        self.origin = make_origin(tmp_path / "served")
-        self.daemon = GitDaemon(self.origin.parent, host=self.fleet.net.address("hub"),
-                                netns=self.fleet.net.ns("hub"))
-        self.model: ModelProcess | None = None
-
-    def start(self, script: list[Step], *runner_args: str, exec_cmd: str = "claude"):
-        """The model server playing `script`, then the runner as the card prints it."""
-        self.model = ModelProcess(lambda argv: self.fleet._popen("gpu-box", argv), self.tmp / "model", script)
-        env = {**self.model.env(self.tmp / "agent-home"),
-               "PATH": f"{AGENTS_DIR / 'node_modules' / '.bin'}:{self.fleet.env['PATH']}"}
-        return self.fleet.start_runner("gpu-box", exec_cmd, "--repo", f"demo={self.daemon.url('demo')}",
-                                       *runner_args, env=env)
-
-    def run(self, *opts: str) -> tuple[int, str]:
-        handle = self.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST, *opts)
-        return handle.wait(), handle.job_id()
-
-    def show_text(self, job_id: str) -> str:
-        """`mam-orch show` as a person sees it on a terminal."""
-        shown = self.fleet.orch("show", job_id, "--json")
-        assert shown.returncode == 0, shown.stderr
-        obj = json.loads(shown.stdout)
-        return render.show_text(obj["record"], obj["audit"])
-
-    def terminal(self, job_id: str) -> dict:
-        return next(e for e in self.fleet.events_on_wire(job_id) if e["event"] in ("completed", "error"))
-
-    def close(self) -> None:
-        if self.model is not None:
-            self.model.stop()
-        self.fleet.close()
-
-
 @pytest.fixture
-def claude_fleet(tmp_path: Path):
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"the Claude Code e2e needs network namespaces: {reason}")
-    if claude_bin() is None:
-        pytest.skip("the Claude Code CLI is not installed: `make test` installs it (npm, tests/agents)")
-    cf = ClaudeFleet(tmp_path)
-    try:
-        with cf.daemon:
-            cf.fleet.serve("--http", f"127.0.0.1:{HTTP_PORT}")
-            yield cf
-    finally:
-        cf.close()
+def claude_fleet(tmp_path: Path) -> Iterator[AgentFleet]:
+    with agent_fleet(tmp_path, "claude") as cf:
+        yield cf
 
 
 EDIT_TWO: list[Step] = [
@@ -103,15 +47,8 @@ EDIT_TWO: list[Step] = [
 ]
 
 
-def metrics(cf: ClaudeFleet) -> str:
-    fetched = cf.fleet.run_on("orch", [sys.executable, "-c", "import urllib.request; print(urllib.request."
-                                       f"urlopen('http://127.0.0.1:{HTTP_PORT}/metrics').read().decode())"])
-    assert fetched.returncode == 0, fetched.stderr
-    return fetched.stdout
-
-
 def test_s18_the_card_command_edits_two_files_and_the_change_comes_back_with_its_spend(
-        claude_fleet: ClaudeFleet) -> None:
+        claude_fleet: AgentFleet) -> None:
     cf = claude_fleet
     runner = cf.start(EDIT_TWO)
     code, job_id = cf.run("--ref", "main", "--allow-tools", "Write,Bash(git *)")
@@ -133,13 +70,13 @@ def test_s18_the_card_command_edits_two_files_and_the_change_comes_back_with_its
     assert agent["turns"] == 5 and agent["tokens"]["output"] > 0 and agent["cost_usd"] > 0
     text = cf.show_text(job_id)
     assert f"claude session {agent['session_id']}, 5 turns" in text and f"${agent['cost_usd']:.4f}" in text
-    exposition = metrics(cf)
+    exposition = cf.metrics()
     assert f'mam_agent_cost_usd_total{{labels="-",session="gpu-box"}} {agent["cost_usd"]}' in exposition
     assert f'mam_agent_tokens_total{{kind="output",labels="-",session="gpu-box"}} {agent["tokens"]["output"]}' \
         in exposition
 
 
-def test_s18_the_card_command_runs_claude_and_reports_its_answer_and_spend(claude_fleet: ClaudeFleet) -> None:
+def test_s18_the_card_command_runs_claude_and_reports_its_answer_and_spend(claude_fleet: AgentFleet) -> None:
     runner = claude_fleet.start([Text("Nothing needed changing.")])
     code, job_id = claude_fleet.run()
     assert code == 0, runner.log()[-3000:]
@@ -155,7 +92,7 @@ def test_s18_the_card_command_runs_claude_and_reports_its_answer_and_spend(claud
     assert calls and all(c["path"].startswith("/v1/messages") for c in calls), calls
 
 
-def test_s18_a_tool_no_policy_allows_is_permission_denied_not_completed(claude_fleet: ClaudeFleet) -> None:
+def test_s18_a_tool_no_policy_allows_is_permission_denied_not_completed(claude_fleet: AgentFleet) -> None:
     runner = claude_fleet.start([ToolUse("Bash", {"command": "echo hi > a.txt", "description": "write"}),
                                  Text("All done.")])
     code, job_id = claude_fleet.run()
@@ -170,7 +107,7 @@ def test_s18_a_tool_no_policy_allows_is_permission_denied_not_completed(claude_f
     (429, "rate_limit_error", "usage limit reached; resets at 18:00"),
     (529, "overloaded_error", "Overloaded"),
 ])
-def test_s18_a_429_or_529_from_the_model_is_an_error_with_the_agents_reason(claude_fleet: ClaudeFleet, status: int,
+def test_s18_a_429_or_529_from_the_model_is_an_error_with_the_agents_reason(claude_fleet: AgentFleet, status: int,
                                                                            kind: str, message: str) -> None:
     runner = claude_fleet.start([Failure(status, kind, message, {"retry-after": "3600"})])
     code, job_id = claude_fleet.run()
@@ -179,7 +116,7 @@ def test_s18_a_429_or_529_from_the_model_is_an_error_with_the_agents_reason(clau
     assert detail.startswith("agent_error: API Error") and str(status) in detail and message in detail, detail
 
 
-def test_s18_max_turns_2_against_five_turns_ends_budget_exceeded(claude_fleet: ClaudeFleet) -> None:
+def test_s18_max_turns_2_against_five_turns_ends_budget_exceeded(claude_fleet: AgentFleet) -> None:
     five = [ToolUse("Bash", {"command": f"echo {n}", "description": "count"}) for n in range(5)]
     runner = claude_fleet.start([*five, Text("done")])
     code, job_id = claude_fleet.run("--max-turns", "2", "--allow-tools", "Bash(echo *)")
@@ -188,7 +125,7 @@ def test_s18_max_turns_2_against_five_turns_ends_budget_exceeded(claude_fleet: C
     assert sum(c["tools"] for c in claude_fleet.model.calls()) <= 3  # type: ignore[union-attr]
 
 
-def test_s18_an_agent_running_past_its_turn_budget_is_stopped_by_the_runner(claude_fleet: ClaudeFleet,
+def test_s18_an_agent_running_past_its_turn_budget_is_stopped_by_the_runner(claude_fleet: AgentFleet,
                                                                            tmp_path: Path) -> None:
     fake = tmp_path / "claude"  # a CLI that ignores --max-turns: one new model turn every 0.2 s
     fake.write_text("#!/bin/sh\nn=0\nwhile true; do n=$((n+1))\n"
@@ -215,7 +152,7 @@ def agent_processes(worktree: Path) -> list[psutil.Process]:
     return found
 
 
-def test_s18_cancel_during_a_long_stream_stops_the_cli_and_its_children(claude_fleet: ClaudeFleet) -> None:
+def test_s18_cancel_during_a_long_stream_stops_the_cli_and_its_children(claude_fleet: AgentFleet) -> None:
     claude_fleet.start([Text("word " * 600, chunks=600, delay_s=0.2)])
     handle = claude_fleet.fleet.dispatch("gpu-box", "Write a lot.", "--repo", "demo", "--detach", *FAST)
     job_id = handle.job_id()
@@ -230,7 +167,7 @@ def test_s18_cancel_during_a_long_stream_stops_the_cli_and_its_children(claude_f
     assert claude_fleet.fleet.hub_record(job_id)["status"] == "cancelled"
 
 
-def test_s18_a_bad_stream_is_reported_escaped_and_the_runner_lives_on(claude_fleet: ClaudeFleet,
+def test_s18_a_bad_stream_is_reported_escaped_and_the_runner_lives_on(claude_fleet: AgentFleet,
                                                                        tmp_path: Path) -> None:
     fake = tmp_path / "claude"
     fake.write_text(
@@ -249,6 +186,6 @@ def test_s18_a_bad_stream_is_reported_escaped_and_the_runner_lives_on(claude_fle
     assert terminal["data"]["agent"]["unreadable_lines"] == 2
     shown = claude_fleet.show_text(job_id)
     assert "\x1b" not in shown and "\x07" not in shown and "pwned" in shown
-    assert "not read as the agent's stream" in runner.log() and "not a stream-json object" in runner.log()
+    assert "not read as the agent's stream" in runner.log() and "not a JSON object" in runner.log()
     code, _ = claude_fleet.run()  # the runner takes the next job
     assert code == 0 and runner.alive()

@@ -1,9 +1,11 @@
-"""A scripted model server on 127.0.0.1 speaking the Anthropic Messages API with streaming
-(Server-Sent Events), for the real Claude Code CLI in tests (`ANTHROPIC_BASE_URL`).
+"""A scripted model server on 127.0.0.1 speaking the Anthropic Messages API and the OpenAI
+Responses API with streaming (Server-Sent Events), for the real Claude Code CLI
+(`ANTHROPIC_BASE_URL`) and Codex CLI (a `model_providers` entry) in tests.
 
-Each `POST /v1/messages` that carries tools (the agent's main loop) answers with the next
-step of the script; other requests (a title or a quota probe, should the CLI send one) get a
-short text. Every request is recorded. It listens on loopback only and contacts nothing.
+Each `POST /v1/messages` that carries tools (the agent's main loop), and each `POST
+/v1/responses`, answers with the next step of the script; other requests (a title or a
+quota probe, should the CLI send one) get a short text. Every request is recorded. It
+listens on loopback only and contacts nothing.
 
     with ModelServer([ToolUse("Bash", {"command": "git commit ..."}), Text("done")]) as model:
         env = model.env()   # ANTHROPIC_BASE_URL, a dummy key, nonessential traffic off
@@ -69,6 +71,30 @@ def claude_env(url: str, home: Path) -> dict[str, str]:
             "HOME": str(home)}
 
 
+CODEX_CONFIG = """model = "o4-mini"
+model_provider = "local"
+
+[model_providers.local]
+name = "local"
+base_url = "{url}/v1"
+wire_api = "responses"
+env_key = "OPENAI_API_KEY"
+request_max_retries = 0
+stream_max_retries = 0
+"""
+"""The Codex CLI's config.toml in tests: our server only, no retries of a failed request."""
+
+
+def codex_env(url: str, home: Path) -> dict[str, str]:
+    """Environment for the real Codex CLI against the server at `url`: CODEX_HOME at
+    `home/.codex` holding CODEX_CONFIG, a dummy key, HOME at `home`."""
+    codex_home = home / ".codex"
+    codex_home.mkdir(parents=True, exist_ok=True)
+    (codex_home / "config.toml").write_text(CODEX_CONFIG.format(url=url))
+    return {"CODEX_HOME": str(codex_home), "OPENAI_API_KEY": "sk-test-not-a-real-key", "HOME": str(home),
+            "RUST_LOG": "error"}
+
+
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
 
@@ -120,6 +146,18 @@ class ModelServer:
                         with open(server.request_log, "a") as out:
                             out.write(json.dumps({"path": self.path, "tools": bool(body.get("tools")),
                                                   "host": self.headers.get("Host")}) + "\n")
+                if self.path.startswith("/v1/responses"):
+                    step = Text("done")
+                    with server._lock:
+                        if server._calls < len(server.script):
+                            step = server.script[server._calls]
+                        server._calls += 1
+                    if isinstance(step, Failure):
+                        self._json(step.status, {"error": {"type": step.kind, "message": step.message}},
+                                   step.headers)
+                    else:
+                        self._responses(step)
+                    return
                 if self.path.startswith("/v1/messages/count_tokens"):
                     self._json(200, {"input_tokens": 10})
                     return
@@ -147,6 +185,44 @@ class ModelServer:
                     self.send_header(key, value)
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _responses(self, step: Text | ToolUse) -> None:
+                """The OpenAI Responses API's stream (`wire_api = "responses"`, Codex CLI)."""
+                with server._lock:
+                    n = len(server.requests)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                out = self.wfile
+                out.write(_sse("response.created", {"type": "response.created", "response": {"id": f"resp_{n}"}}))
+                if isinstance(step, ToolUse):
+                    item: dict[str, Any] = {"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}",
+                                            "name": step.name, "arguments": json.dumps(step.input)}
+                else:
+                    out.write(_sse("response.output_item.added", {
+                        "type": "response.output_item.added", "output_index": 0, "item": {
+                            "type": "message", "id": f"msg_{n}", "role": "assistant", "status": "in_progress",
+                            "content": []}}))
+                    size = max(1, -(-len(step.text) // max(1, step.chunks)))
+                    for start in range(0, max(1, len(step.text)), size):
+                        out.write(_sse("response.output_text.delta", {
+                            "type": "response.output_text.delta", "item_id": f"msg_{n}", "output_index": 0,
+                            "content_index": 0, "delta": step.text[start:start + size]}))
+                        out.flush()
+                        if step.delay_s:
+                            time.sleep(step.delay_s)
+                    item = {"type": "message", "id": f"msg_{n}", "role": "assistant", "status": "completed",
+                            "content": [{"type": "output_text", "text": step.text, "annotations": []}]}
+                out.write(_sse("response.output_item.done", {"type": "response.output_item.done", "output_index": 0,
+                                                             "item": item}))
+                out.write(_sse("response.completed", {"type": "response.completed", "response": {
+                    "id": f"resp_{n}", "usage": {"input_tokens": 100, "input_tokens_details": {"cached_tokens": 20},
+                                                 "output_tokens": 50, "output_tokens_details": {"reasoning_tokens": 0},
+                                                 "total_tokens": 150}}}))
+                out.flush()
 
             def _stream(self, step: Text | ToolUse, *, streaming: bool) -> None:
                 with server._lock:
@@ -281,15 +357,21 @@ AGENTS_DIR = Path(__file__).resolve().parents[1] / "agents"
 """tests/agents: the npm project that installs the real agent CLIs (`make test` runs npm ci there)."""
 
 
-def claude_bin() -> str | None:
-    """The real Claude Code CLI installed for the tests, else one on PATH, else None."""
-    local = AGENTS_DIR / "node_modules" / ".bin" / "claude"
+def agent_bin(name: str) -> str | None:
+    """The real agent CLI `name` (claude, codex) installed for the tests, else one on PATH, else None."""
+    local = AGENTS_DIR / "node_modules" / ".bin" / name
     if local.exists() and os.access(local, os.X_OK):
         return str(local)
-    return shutil.which("claude")
+    return shutil.which(name)
 
 
-__all__ = ["AGENTS_DIR", "CLAUDE_ENV_PINS", "Failure", "ModelProcess", "ModelServer", "Text", "ToolUse", "claude_bin"]
+def claude_bin() -> str | None:
+    """The real Claude Code CLI for the tests, or None."""
+    return agent_bin("claude")
+
+
+__all__ = ["AGENTS_DIR", "CLAUDE_ENV_PINS", "CODEX_CONFIG", "Failure", "ModelProcess", "ModelServer", "Text",
+           "ToolUse", "agent_bin", "claude_bin", "claude_env", "codex_env"]
 
 if __name__ == "__main__":
     main(sys.argv[1:])

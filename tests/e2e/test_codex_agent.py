@@ -1,0 +1,74 @@
+"""The real Codex CLI as the agent (PROTOCOL §18), end to end: a real broker, the hub
+service, a runner daemon in its own network namespace started as `mam-runner run --session
+gpu-box --exec codex`, the real `codex` from npm (tests/agents) against the scripted model
+server's Responses API on that host's 127.0.0.1, and a real `git daemon`.
+
+- A job on `demo@main` whose script writes two files (`--permission-mode acceptEdits`: the
+  workspace-write sandbox): `result` and `apply` as for any repository job; the thread id and
+  tokens in `show` and `/metrics`.
+- The model server fails the request: `error` with Codex's own reason, not `completed`.
+- A command asking to escape the sandbox, which Codex rejects: `error` `permission_denied`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from harness.agentfleet import AgentFleet, agent_fleet
+from harness.gitserver import git
+from harness.modelserver import Failure, Text, ToolUse
+
+pytestmark = [pytest.mark.broker, pytest.mark.e2e]
+
+HIGH_DEMAND = "We’re currently experiencing high demand, which may cause temporary errors."
+
+
+@pytest.fixture
+def codex_fleet(tmp_path: Path) -> Iterator[AgentFleet]:
+    with agent_fleet(tmp_path, "codex") as cf:
+        yield cf
+
+
+def test_s18_a_codex_job_edits_two_files_and_the_change_comes_back(codex_fleet: AgentFleet) -> None:
+    cf = codex_fleet
+    runner = cf.start([ToolUse("exec_command", {"cmd": "printf 'notes\\n' > NOTES.md && "
+                                                       "printf 'print(1)\\n' > src/extra.py"}),
+                       Text("Wrote NOTES.md and src/extra.py.")])
+    code, job_id = cf.run("--ref", "main", "--permission-mode", "acceptEdits")
+    assert code == 0, runner.log()[-3000:]
+    terminal = cf.terminal(job_id)
+    assert terminal["detail"] == "Wrote NOTES.md and src/extra.py."
+    agent = terminal["data"]["agent"]
+    assert agent["kind"] == "codex" and agent["turns"] == 2 and agent["cost_usd"] is None
+    assert agent["tokens"] == {"input": 200, "output": 100, "cached": 40}
+    result = json.loads(cf.fleet.orch("result", job_id, "--json").stdout)
+    main = git("rev-parse", "main", cwd=cf.origin).strip()
+    assert result["base_sha"] == main and result["files_total"] == 2
+    assert sorted(f["path"] for f in result["files"]) == ["NOTES.md", "src/extra.py"]
+    clone = cf.tmp / "clone"
+    git("clone", "-q", str(cf.origin), str(clone))
+    applied = cf.fleet.orch("apply", job_id, "--repo-path", str(clone))
+    assert applied.returncode == 0, applied.stderr
+    assert git("show", f"mam/{job_id}:src/extra.py", cwd=clone) == "print(1)\n"
+    assert f"codex session {agent['session_id']}, 2 turns, 200 in / 100 out / 40 cached" in cf.show_text(job_id)
+    assert 'mam_agent_tokens_total{kind="input",labels="-",session="gpu-box"} 200.0' in cf.metrics()
+    assert cf.model is not None and all(c["path"].startswith("/v1/responses") for c in cf.model.calls())
+
+
+def test_s18_a_failed_model_request_is_an_error_with_codexs_reason(codex_fleet: AgentFleet) -> None:
+    runner = codex_fleet.start([Failure(500, "server_error", "boom")])
+    code, job_id = codex_fleet.run()
+    assert code == 1, runner.log()[-3000:]
+    assert codex_fleet.terminal(job_id)["detail"] == f"agent_error: {HIGH_DEMAND}"
+
+
+def test_s18_a_command_codex_rejects_is_permission_denied_not_completed(codex_fleet: AgentFleet) -> None:
+    escape = {"cmd": "touch /etc/mam-escaped", "sandbox_permissions": "require_escalated", "justification": "x"}
+    runner = codex_fleet.start([ToolUse("exec_command", escape), Text("Done.")])
+    code, job_id = codex_fleet.run("--permission-mode", "acceptEdits")
+    assert code == 1, runner.log()[-3000:]
+    assert codex_fleet.terminal(job_id)["detail"] == "permission_denied: exec_command (escalation)"
+    assert not Path("/etc/mam-escaped").exists()

@@ -1,0 +1,95 @@
+"""A fleet for the real agent CLIs end to end (PROTOCOL §18): a real broker, the hub service
+with its HTTP API in the hub's namespace, a `git daemon` serving `demo` on the hub, and on
+gpu-box a scripted model server (its 127.0.0.1) and the runner, started as the card
+prints it (`mam-runner run --session gpu-box --exec claude|codex`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from harness.fleet import Fleet, Runner
+from harness.gitserver import GitDaemon, make_origin
+from harness.modelserver import AGENTS_DIR, ModelProcess, Step, agent_bin, claude_env, codex_env
+from harness.netns import unavailable_reason
+from harness.waiting import PATIENCE_S
+from mam.shared.cli import render
+
+HTTP_PORT = 8090  # inside the hub's own namespace
+FAST = ("--heartbeat", "1", "--heartbeat-misses", "20", "--ack-timeout", str(int(PATIENCE_S)))
+
+
+class AgentFleet:
+    """The fleet, its git daemon and (once `start`ed) the model server and the runner.
+
+    Args:
+        tmp_path: the test's folder; agent: `claude` or `codex` (the CLI and its environment).
+    """
+
+    def __init__(self, tmp_path: Path, agent: str) -> None:
+        self.tmp, self.agent = tmp_path, agent
+        self.fleet = Fleet("netns", tmp_path)
+        self.origin = make_origin(tmp_path / "served")
+        self.daemon = GitDaemon(self.origin.parent, host=self.fleet.net.address("hub"),
+                                netns=self.fleet.net.ns("hub"))
+        self.model: ModelProcess | None = None
+
+    def start(self, script: list[Step], *runner_args: str, exec_cmd: str | None = None) -> Runner:
+        """The model server playing `script` on gpu-box, then the runner with `--exec` the
+        agent (or `exec_cmd`) and `--repo demo=git://hub/demo.git`."""
+        self.model = ModelProcess(lambda argv: self.fleet._popen("gpu-box", argv), self.tmp / "model", script)
+        make_env = claude_env if self.agent == "claude" else codex_env
+        env = {**make_env(self.model.url, self.tmp / "agent-home"),
+               "PATH": f"{AGENTS_DIR / 'node_modules' / '.bin'}:{self.fleet.env['PATH']}"}
+        return self.fleet.start_runner("gpu-box", exec_cmd or self.agent, "--repo",
+                                       f"demo={self.daemon.url('demo')}", *runner_args, env=env)
+
+    def run(self, *opts: str) -> tuple[int, str]:
+        """Dispatch "Make the change." on repo demo and wait; (exit code, job id)."""
+        handle = self.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST, *opts)
+        return handle.wait(), handle.job_id()
+
+    def show_text(self, job_id: str) -> str:
+        """`mam-orch show` as a person sees it on a terminal."""
+        shown = self.fleet.orch("show", job_id, "--json")
+        assert shown.returncode == 0, shown.stderr
+        obj = json.loads(shown.stdout)
+        return render.show_text(obj["record"], obj["audit"])
+
+    def terminal(self, job_id: str) -> dict:
+        """The job's terminal event as the wire carried it."""
+        return next(e for e in self.fleet.events_on_wire(job_id) if e["event"] in ("completed", "error"))
+
+    def metrics(self) -> str:
+        """`GET /metrics` of the hub's HTTP API, from inside the hub's namespace."""
+        fetched = self.fleet.run_on("orch", [sys.executable, "-c", "import urllib.request; print(urllib.request."
+                                             f"urlopen('http://127.0.0.1:{HTTP_PORT}/metrics').read().decode())"])
+        assert fetched.returncode == 0, fetched.stderr
+        return fetched.stdout
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.model.stop()
+        self.fleet.close()
+
+
+@contextmanager
+def agent_fleet(tmp_path: Path, agent: str) -> Iterator[AgentFleet]:
+    """An `AgentFleet` with the hub serving; skips where namespaces or the CLI are missing."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"the {agent} e2e needs network namespaces: {reason}")
+    if agent_bin(agent) is None:
+        pytest.skip(f"the {agent} CLI is not installed: `make test` installs it (npm, tests/agents)")
+    cf = AgentFleet(tmp_path, agent)
+    try:
+        with cf.daemon:
+            cf.fleet.serve("--http", f"127.0.0.1:{HTTP_PORT}")
+            yield cf
+    finally:
+        cf.close()
