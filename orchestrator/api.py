@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -131,6 +132,12 @@ class Job:
         found = read_result(self.hub.registry, self.id, attempt)
         path = None if found is None else found.patch_path
         return None if path is None else path.read_bytes()
+
+    def artifacts(self, attempt: int | None = None) -> dict[str, Path]:
+        """The files the agent left in `$MAM_ARTIFACTS_DIR` (§18), by name: their paths under
+        `.mam/artifacts/<id>/<attempt>/` (empty: none, or no result yet)."""
+        found = read_result(self.hub.registry, self.id, attempt)
+        return {} if found is None else {name: found.artifact_path(name) for name in found.artifacts()}
 
 
 def outcome_of(record: JobRecord, audit: Sequence[dict[str, Any]]) -> Outcome:

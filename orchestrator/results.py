@@ -149,8 +149,10 @@ class ResultInbox:
         try:
             with tarfile.open(part, mode="r:") as tar:
                 members = [m for m in tar.getmembers() if _allowed_member(m)]
-                members.sort(key=lambda member: member.name == SUMMARY_FILE)  # last: its presence means ready
-                tar.extractall(folder, members=members, filter="data")
+                tar.extractall(folder, members=[m for m in members if m.name != SUMMARY_FILE], filter="data")
+                self._move_artifacts(folder, chunk.job_id, chunk.attempt_id)
+                # last: its presence means the result (and its artifacts) is whole
+                tar.extractall(folder, members=[m for m in members if m.name == SUMMARY_FILE], filter="data")
         except (tarfile.TarError, OSError, ValueError) as exc:
             log.warning("job %s: result of attempt %d refused: not a result archive (%s)", chunk.job_id,
                         chunk.attempt_id, exc)
@@ -163,6 +165,19 @@ class ResultInbox:
                                                   "source": "hub"})
         log.info("job %s: result of attempt %d received (%d bytes)", chunk.job_id, chunk.attempt_id, chunk.size)
         return True
+
+
+    def _move_artifacts(self, folder: Path, job_id: str, attempt_id: int) -> None:
+        """`artifacts/` of an unpacked archive to `.mam/artifacts/<id>/<attempt>/` (0700), replacing
+        what an earlier copy of the same attempt left there."""
+        unpacked = folder / "artifacts"
+        if not unpacked.is_dir():
+            return
+        target = names.hub_artifacts_dir(self.registry.root, job_id, attempt_id)
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(unpacked, target)
+        os.chmod(target, 0o700)
 
 
 def _allowed_member(member: tarfile.TarInfo) -> bool:
@@ -188,13 +203,14 @@ class Result:
     """One attempt's result as the hub holds it (§18).
 
     Attributes:
-        job_id, attempt_id: whose; folder: `.mam/results/<id>/<attempt>/`;
+        job_id, attempt_id: whose; root: the hub's workspace; folder: `.mam/results/<id>/<attempt>/`;
         summary: `result.json` (repo, ref, base_sha, head_sha, commits, files, insertions,
         deletions, note, agent); None while it has not arrived.
     """
 
     job_id: str
     attempt_id: int
+    root: Path
     folder: Path
     summary: dict[str, Any] | None
 
@@ -208,10 +224,28 @@ class Result:
         path = self.folder / BUNDLE_FILE
         return path if path.is_file() else None
 
+    @property
+    def artifacts_dir(self) -> Path:
+        """`.mam/artifacts/<id>/<attempt>/`, where this attempt's artifacts land (§18)."""
+        return names.hub_artifacts_dir(self.root, self.job_id, self.attempt_id)
+
     def artifacts(self) -> list[str]:
         """The artifact names received, sorted."""
-        folder = self.folder / "artifacts"
+        folder = self.artifacts_dir
         return sorted(p.name for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+
+    def artifact_path(self, name: str) -> Path:
+        """The file of artifact `name`.
+
+        Raises:
+            UsageError: not an artifact name (§18). FileNotFoundError: no such artifact.
+        """
+        if not isinstance(name, str) or not names.ARTIFACT_RE.fullmatch(name):
+            raise UsageError(f"artifact {name[:60]!r} is invalid: not an artifact name")
+        path = self.artifacts_dir / name
+        if not path.is_file() or path.is_symlink():
+            raise FileNotFoundError(f"job {self.job_id} attempt {self.attempt_id} has no artifact {name!r}")
+        return path
 
     def to_dict(self) -> dict[str, Any]:
         """JSON for `result --json`, `job.result()` and the HTTP API."""
@@ -248,7 +282,7 @@ def read_result(registry: Registry, job_id: str, attempt_id: int | None = None) 
         summary: dict[str, Any] | None = read_json_object(folder / SUMMARY_FILE, SUMMARY_MAX_BYTES)
     except (OSError, MamError, ValueError):
         summary = None
-    return Result(job_id=job_id, attempt_id=attempt_id, folder=folder, summary=summary)
+    return Result(job_id=job_id, attempt_id=attempt_id, root=registry.root, folder=folder, summary=summary)
 
 
 def format_result(result: Result) -> str:
@@ -276,7 +310,7 @@ def format_result(result: Result) -> str:
         lines.append(f"  summary: {agent['result_text']}")
     artifacts = result.artifacts()
     if artifacts:
-        lines.append(f"  artifacts: {', '.join(artifacts)} (in {result.folder / 'artifacts'})")
+        lines.append(f"  artifacts: {', '.join(artifacts)} (in {result.artifacts_dir})")
     return "\n".join(lines) + "\n"
 
 

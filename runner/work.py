@@ -263,11 +263,12 @@ class AttemptWork:
 
 def collect_artifacts(folder: Path) -> tuple[dict[str, Path], list[str]]:
     """The regular files directly in `folder` that may travel (§18): names matching
-    `names.ARTIFACT_RE`, at most MAX_ARTIFACT_FILES and MAX_ARTIFACTS_BYTES in all; links,
-    folders, devices and bad names are left out. Returns (name → path, notes on what was left out)."""
+    `names.ARTIFACT_RE`, at most MAX_ARTIFACT_FILES and MAX_ARTIFACTS_BYTES in all (in name
+    order: the first ones are kept, the rest noted `artifacts_too_large`); links, folders,
+    devices and bad names are left out. Returns (name → path, notes on what was left out)."""
     found: dict[str, Path] = {}
     notes: list[str] = []
-    total = 0
+    total, full = 0, False
     try:
         if not stat.S_ISDIR(os.lstat(folder).st_mode):  # the agent replaced the folder with a link
             return found, ["artifacts folder left out: not a folder"]
@@ -286,8 +287,9 @@ def collect_artifacts(folder: Path) -> tuple[dict[str, Path], list[str]]:
             notes.append(f"artifact {shown!r} left out: its name is not allowed")
         elif len(found) >= MAX_ARTIFACT_FILES:
             notes.append(f"artifact {shown!r} left out: more than {MAX_ARTIFACT_FILES} files")
-        elif total + entry.stat(follow_symlinks=False).st_size > MAX_ARTIFACTS_BYTES:
-            notes.append(f"artifact {shown!r} left out: over {MAX_ARTIFACTS_BYTES} bytes in all")
+        elif full or total + entry.stat(follow_symlinks=False).st_size > MAX_ARTIFACTS_BYTES:
+            full = True  # the first ones are kept, in name order
+            notes.append(f"artifacts_too_large: {shown!r} left out, over {MAX_ARTIFACTS_BYTES} bytes in all")
         else:
             total += entry.stat(follow_symlinks=False).st_size
             found[entry.name] = Path(entry.path)

@@ -224,6 +224,18 @@ class Api:
         return FileResponse(result.patch_path, media_type="text/x-diff",
                             filename=f"mam-{job_id}-{result.attempt_id}.patch")
 
+    async def job_artifact(self, request: Request) -> Response:
+        """`GET /api/jobs/{id}/artifacts/{name}[?attempt=N]`: one artifact the agent left, to
+        download (§18)."""
+        job_id = names.validate_job_id(request.path_params["job_id"])
+        attempt = _query_int(request, "attempt", None)
+        result = await run_in_threadpool(job_result, self.service, job_id, attempt)
+        try:
+            path = result.artifact_path(request.path_params["name"])
+        except FileNotFoundError as exc:
+            raise JobNotFound(str(exc)) from None
+        return FileResponse(path, media_type="application/octet-stream", filename=path.name)
+
     async def dispatch(self, request: Request) -> Response:
         try:
             body = await self.body_json(request)
@@ -326,6 +338,7 @@ def create_app(service: HubService, token: str | None = None) -> Starlette:
         Route("/api/jobs/{job_id}/log", g(api.job_log)),
         Route("/api/jobs/{job_id}/result", g(api.job_result)),
         Route("/api/jobs/{job_id}/result/patch", g(api.job_patch, query_token=True)),
+        Route("/api/jobs/{job_id}/artifacts/{name}", g(api.job_artifact, query_token=True)),
         Route("/api/jobs/{job_id}/cancel", g(api.cancel), methods=["POST"]),
         Route("/api/events", g(api.events, query_token=True)),
         Route("/metrics", g(api.metrics_text)),

@@ -209,9 +209,10 @@ def show_head(record: Mapping[str, Any], root: Path | None) -> list[str]:
     return lines
 
 
-def work_lines(record: Mapping[str, Any], trail: Sequence[Mapping[str, Any]]) -> list[str]:
+def work_lines(record: Mapping[str, Any], trail: Sequence[Mapping[str, Any]], root: Path | None = None) -> list[str]:
     """`show`'s lines for a repository or agent job (§18): the repository at its commit, the
-    agent's figures and the result, from the record and the attempt's last events."""
+    agent's figures and the result, from the record and the attempt's last events, and (with
+    the hub's `root`) the artifacts that arrived."""
     raw_work = record.get("work")
     work: Mapping[str, Any] = raw_work if isinstance(raw_work, Mapping) else {}
     attempt = record.get("attempt_id")
@@ -241,6 +242,11 @@ def work_lines(record: Mapping[str, Any], trail: Sequence[Mapping[str, Any]]) ->
                    if result.get("head_sha") else "artifacts only")
         note = f" ({_cell(result['note'])})" if result.get("note") else ""
         lines.append(f"{'result:':<12}{summary}{note}; `mam-orch result {_cell(record.get('job_id'))}`")
+    if root is not None and isinstance(attempt, int) and record.get("role") in (None, "hub"):
+        folder = names.hub_artifacts_dir(root, str(record.get("job_id")), attempt)
+        found = sorted(p.name for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+        if found:
+            lines.append(f"{'artifacts:':<12}{_cell(', '.join(found))} (in {_cell(folder)})")
     return lines
 
 
@@ -248,7 +254,7 @@ def show_text(record: Mapping[str, Any], trail: Sequence[Mapping[str, Any]], roo
     """The `show` view: the summary (`show_head`), the record as `key: value` lines, its
     attempts, then the audit trail."""
     width = max(len(k) for k in record) if record else 0
-    lines = show_head(record, root) + work_lines(record, trail)
+    lines = show_head(record, root) + work_lines(record, trail, root)
     lines += ["", "record:"]
     lines += [f"  {k.ljust(width)}  {_cell(record[k])}" for k in sorted(record)]
     lines.append("")

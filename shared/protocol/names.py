@@ -609,6 +609,12 @@ def hub_result_dir(root: Path, job_id: str, attempt_id: int) -> Path:
     return mam_dir(root) / "results" / validate_job_id(job_id) / str(validate_attempt(attempt_id))
 
 
+def hub_artifacts_dir(root: Path, job_id: str, attempt_id: int) -> Path:
+    """`<root>/.mam/artifacts/<job_id>/<attempt_id>/`: the files an attempt's agent left in its
+    `$MAM_ARTIFACTS_DIR`, at the hub (§18)."""
+    return mam_dir(root) / "artifacts" / validate_job_id(job_id) / str(validate_attempt(attempt_id))
+
+
 def hub_log_path(root: Path, job_id: str, attempt_id: int) -> Path:
     """`<root>/.mam/logs/<job_id>/agent.<attempt_id>.log`: the hub's copy of an attempt's output (§15)."""
     return job_logs_dir(root, job_id) / f"agent.{validate_attempt(attempt_id)}.log"

@@ -148,11 +148,22 @@ def test_s18_bad_input_is_said_and_loses_nothing(repo_fleet, tmp_path: Path) -> 
     assert result["files"] == [{"path": "big.bin", "added": None, "deleted": None}]
     # an artifact that is a link out: left out; a real one arrives
     code, job_id = run_job(fleet, 'ln -s /etc/passwd "$MAM_ARTIFACTS_DIR/passwd"\n'
-                                  'echo report > "$MAM_ARTIFACTS_DIR/report.txt"\n')
+                                  'echo x > "$MAM_ARTIFACTS_DIR/-rf"; echo x > "$MAM_ARTIFACTS_DIR/.profile"\n'
+                                  'echo report > "$MAM_ARTIFACTS_DIR/report.txt"\n'
+                                  'head -c 15000000 /dev/zero > "$MAM_ARTIFACTS_DIR/a-15mb.bin"\n'
+                                  'head -c 6000000 /dev/zero > "$MAM_ARTIFACTS_DIR/b-6mb.bin"\n')
     assert code == 0
     result = result_of(fleet, job_id)
-    assert result["artifacts"] == ["report.txt"]
-    assert any("passwd" in note for note in result["artifact_notes"])
+    assert result["artifacts"] == ["a-15mb.bin"]  # in name order, until the 20 MB cap
+    notes = result["artifact_notes"]
+    assert any("passwd" in note and "not a regular file" in note for note in notes), notes
+    assert any("'-rf'" in note and "not allowed" in note for note in notes), notes
+    assert any("'.profile'" in note and "not allowed" in note for note in notes), notes
+    assert [n for n in notes if n.startswith("artifacts_too_large")] == [
+        "artifacts_too_large: 'b-6mb.bin' left out, over 20971520 bytes in all",
+        "artifacts_too_large: 'report.txt' left out, over 20971520 bytes in all"]
+    hub_files = list((fleet.hub_ws / ".mam" / "artifacts").rglob("*"))
+    assert not any(p.name in ("passwd", "-rf", ".profile") for p in hub_files)
     # a forged result chunk: refused and logged by the service
     chunk = {"schema_version": 1, "kind": "result", "job_id": job_id, "attempt_id": 1, "chunk": 0, "chunks": 1,
              "size": 5, "sha256": "0" * 64, "sealed": {"alg": "A256GCM", "nonce": "A" * 16,
@@ -169,6 +180,9 @@ def test_s18_a_result_in_flight_survives_a_broker_outage_byte_for_byte(repo_flee
     start_runner(fleet, daemon, sync=go)
     brief = """set -e
 head -c 2000000 /dev/urandom | base64 > data.txt
+head -c 5242880 /dev/urandom > "$MAM_ARTIFACTS_DIR/big.bin"
+echo "all green" > "$MAM_ARTIFACTS_DIR/report.txt"
+cp "$MAM_ARTIFACTS_DIR/big.bin" "$SYNC.big"
 for i in $(seq 1200); do [ -e "$SYNC" ] && break; sleep 0.1; done
 """
     handle = fleet.dispatch("gpu-box", brief, "--repo", "demo", "--detach", "--heartbeat", "1",
@@ -188,6 +202,10 @@ for i in $(seq 1200); do [ -e "$SYNC" ] && break; sleep 0.1; done
                                    fleet.hub_record(job_id)["repo_sha"], "HEAD"],
                                   cwd=worktree, capture_output=True, check=True).stdout
     assert ready.read_bytes() == runner_patch
+    artifacts = fleet.hub_ws / ".mam" / "artifacts" / job_id / "1"  # §18: both, byte for byte
+    assert sorted(p.name for p in artifacts.iterdir()) == ["big.bin", "report.txt"]
+    assert (artifacts / "big.bin").read_bytes() == Path(f"{go}.big").read_bytes()
+    assert (artifacts / "report.txt").read_text() == "all green\n"
     wait_until(lambda: fleet.hub_record(job_id)["status"] == "completed", PATIENCE_S * 2, "the job to complete")
 
 

@@ -20,11 +20,14 @@ SUMMARY = {"repo": "demo", "ref": "main", "base_sha": "a" * 40, "head_sha": "b" 
 
 
 def deliver_result(registry: Registry, job_id: str, scratch: Path, *, patch: bytes | None = PATCH,
-                   attempt_id: int = 1) -> None:
+                   attempt_id: int = 1, artifacts: dict[str, bytes] | None = None) -> None:
     """Land a result for `job_id` at the hub of `registry`: SUMMARY with `patch` as its
-    change.patch, or with no patch and the note `no_changes`."""
+    change.patch, or with no patch and the note `no_changes`; `artifacts` by name."""
     scratch.mkdir(parents=True, exist_ok=True)
     files = {}
+    for name, data in (artifacts or {}).items():
+        (scratch / f"artifact-{name}").write_bytes(data)
+        files[f"artifacts/{name}"] = scratch / f"artifact-{name}"
     if patch is not None:
         (scratch / "change.patch").write_bytes(patch)
         files["change.patch"] = scratch / "change.patch"

@@ -264,7 +264,14 @@ def test_s18_a_hostile_archive_unpacks_nothing_outside_its_folder(hub: tuple[Reg
     result = read_result(registry, job_id)
     assert result is not None and result.artifacts() == ["ok.txt"]
     assert not (tmp_path / "etc").exists() and not Path("/abs").exists()
-    assert sorted(p.name for p in result.folder.iterdir()) == ["artifacts", "result.json"]
+    assert sorted(p.name for p in result.folder.iterdir()) == ["result.json"]
+    assert result.artifacts_dir == names.hub_artifacts_dir(registry.root, job_id, 1)
+    assert (result.artifacts_dir / "ok.txt").read_bytes() == b"fine"
+    assert result.artifacts_dir.stat().st_mode & 0o777 == 0o700
+    assert result.artifact_path("ok.txt").read_bytes() == b"fine"
+    for bad in ("../result.json", ".hidden", "nope.txt"):
+        with pytest.raises((UsageError, FileNotFoundError)):
+            result.artifact_path(bad)
 
 
 def test_s18_a_result_over_the_hub_cap_is_refused(hub: tuple[Registry, str], tmp_path: Path) -> None:

@@ -571,6 +571,20 @@ def test_artifacts_travel_only_as_regular_files_with_safe_names(tmp_path: Path) 
     assert work.collect_artifacts(link) == ({}, ["artifacts folder left out: not a folder"])
 
 
+def test_artifacts_over_the_cap_keep_the_first_ones_and_say_artifacts_too_large(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mam.runner import work
+
+    monkeypatch.setattr(work, "MAX_ARTIFACTS_BYTES", 1000)
+    folder = tmp_path / "artifacts"
+    folder.mkdir()
+    for name, size in (("a.log", 400), ("b.log", 500), ("c.log", 200), ("d.log", 50)):
+        (folder / name).write_bytes(b"x" * size)
+    found, notes = work.collect_artifacts(folder)
+    assert list(found) == ["a.log", "b.log"]
+    assert notes == [f"artifacts_too_large: '{name}' left out, over 1000 bytes in all" for name in ("c.log", "d.log")]
+
+
 def test_s18_an_agent_on_a_host_without_a_git_identity_commits_as_the_runner(tmp_path: Path) -> None:
     tree = tmp_path / "tree"
     git("init", "-q", str(tree))

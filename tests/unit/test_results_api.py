@@ -84,6 +84,25 @@ def test_s18_http_a_result_without_a_change_has_no_patch_and_says_why(service: H
     assert response.status_code == 404 and "no_changes" in response.json()["error"]
 
 
+def test_s18_http_and_python_api_list_and_download_artifacts(service: HubService, tmp_path: Path) -> None:
+    api = TestClient(hubhttp.create_app(service, TOKEN), raise_server_exceptions=False)
+    job_id = service.registry.register(session="gpu-box")["job_id"]
+    report = bytes(range(256)) * 40
+    deliver_result(service.registry, job_id, tmp_path / "runner", artifacts={"report.bin": report, "a.txt": b"a\n"})
+    detail = api.get(f"/api/jobs/{job_id}", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    assert detail["result"]["artifacts"] == ["a.txt", "report.bin"]
+    got = api.get(f"/api/jobs/{job_id}/artifacts/report.bin?token={TOKEN}")
+    assert got.status_code == 200 and got.content == report and "report.bin" in got.headers["content-disposition"]
+    for name, status in (("nope.txt", 404), ("...", 400), (".hidden", 400), ("a%2F..%2F..%2Fx", 404)):
+        bad = api.get(f"/api/jobs/{job_id}/artifacts/{name}?token={TOKEN}")
+        assert bad.status_code == status, (name, bad.text)
+    assert api.get(f"/api/jobs/{job_id}/artifacts/a.txt").status_code == 401
+    hub = Hub(tmp_path, embedded=False)
+    paths = hub.job(job_id).artifacts()
+    assert sorted(paths) == ["a.txt", "report.bin"] and paths["report.bin"].read_bytes() == report
+    hub.close()
+
+
 def test_s18_python_api_job_result_and_patch(service: HubService, tmp_path: Path) -> None:
     job_id = service.registry.register(session="gpu-box")["job_id"]
     hub = Hub(tmp_path, embedded=False)

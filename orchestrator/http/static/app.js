@@ -141,6 +141,17 @@ function renderChange(id, result) {
     (token ? "&token=" + encodeURIComponent(token) : "");
   fill("change", (result.files || []).map((f) => row([f.path, f.added === null ? "binary" : f.added,
     f.deleted === null ? "" : f.deleted])), "no file changed", 3);
+  // the files the agent left in $MAM_ARTIFACTS_DIR, each a download link
+  const names = result.artifacts || [];
+  document.getElementById("artifacts-block").hidden = !names.length && !(result.artifact_notes || []).length;
+  fill("artifacts", names.map((name) => {
+    const a = el("a", name);
+    a.href = "/api/jobs/" + id + "/artifacts/" + encodeURIComponent(name) + "?attempt=" + result.attempt_id +
+      (token ? "&token=" + encodeURIComponent(token) : "");
+    a.setAttribute("download", name);
+    return row([a]);
+  }), "no artifact", 1);
+  document.getElementById("artifact-notes").textContent = (result.artifact_notes || []).join(" · ");
 }
 
 function showJob(id) {
