@@ -6,7 +6,8 @@ server's Responses API on that host's 127.0.0.1, and a real `git daemon`.
 - A job on `demo@main` whose script writes two files (`--permission-mode acceptEdits`: the
   workspace-write sandbox): `result` and `apply` as for any repository job; the thread id and
   tokens in `show` and `/metrics`.
-- The model server fails the request: `error` with Codex's own reason, not `completed`.
+- The model server fails the request, or cuts the stream: `error` with Codex's own reason,
+  not `completed`.
 - A command asking to escape the sandbox, which Codex rejects: `error` `permission_denied`.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 from harness.agentfleet import AgentFleet, agent_fleet
 from harness.gitserver import git
-from harness.modelserver import Failure, Text, ToolUse
+from harness.modelserver import Cut, Failure, Step, Text, ToolUse
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 
@@ -58,11 +59,17 @@ def test_s18_a_codex_job_edits_two_files_and_the_change_comes_back(codex_fleet: 
     assert cf.model is not None and all(c["path"].startswith("/v1/responses") for c in cf.model.calls())
 
 
-def test_s18_a_failed_model_request_is_an_error_with_codexs_reason(codex_fleet: AgentFleet) -> None:
-    runner = codex_fleet.start([Failure(500, "server_error", "boom")])
+@pytest.mark.parametrize(("step", "reason"), [
+    (Failure(500, "server_error", "boom"), HIGH_DEMAND),
+    (Cut(), "stream disconnected before completion"),
+])
+def test_s18_a_failed_model_request_or_stream_is_an_error_with_codexs_reason(codex_fleet: AgentFleet, step: Step,
+                                                                            reason: str) -> None:
+    runner = codex_fleet.start([step])
     code, job_id = codex_fleet.run()
     assert code == 1, runner.log()[-3000:]
-    assert codex_fleet.terminal(job_id)["detail"] == f"agent_error: {HIGH_DEMAND}"
+    detail = codex_fleet.terminal(job_id)["detail"]
+    assert detail.startswith("agent_error: ") and reason in detail, detail
 
 
 def test_s18_a_command_codex_rejects_is_permission_denied_not_completed(codex_fleet: AgentFleet) -> None:

@@ -61,7 +61,12 @@ class Failure:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-Step = Text | ToolUse | Failure
+@dataclass(frozen=True)
+class Cut:
+    """A stream that starts and then breaks off: the connection closes before the response ends."""
+
+
+Step = Text | ToolUse | Failure | Cut
 
 
 def claude_env(url: str, home: Path) -> dict[str, str]:
@@ -186,7 +191,7 @@ class ModelServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def _responses(self, step: Text | ToolUse) -> None:
+            def _responses(self, step: Text | ToolUse | Cut) -> None:
                 """The OpenAI Responses API's stream (`wire_api = "responses"`, Codex CLI)."""
                 with server._lock:
                     n = len(server.requests)
@@ -198,6 +203,9 @@ class ModelServer:
                 self.close_connection = True
                 out = self.wfile
                 out.write(_sse("response.created", {"type": "response.created", "response": {"id": f"resp_{n}"}}))
+                if isinstance(step, Cut):
+                    out.flush()
+                    return  # Connection: close, and no response.completed
                 if isinstance(step, ToolUse):
                     item: dict[str, Any] = {"type": "function_call", "id": f"fc_{n}", "call_id": f"call_{n}",
                                             "name": step.name, "arguments": json.dumps(step.input)}
@@ -224,9 +232,16 @@ class ModelServer:
                                                  "total_tokens": 150}}}))
                 out.flush()
 
-            def _stream(self, step: Text | ToolUse, *, streaming: bool) -> None:
+            def _stream(self, step: Text | ToolUse | Cut, *, streaming: bool) -> None:
                 with server._lock:
                     n = len(server.requests)
+                if isinstance(step, Cut):  # the headers of a stream, then the connection closes
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    self.close_connection = True
+                    return
                 usage = {"input_tokens": 100, "output_tokens": 1, "cache_read_input_tokens": 20,
                          "cache_creation_input_tokens": 0}
                 if isinstance(step, ToolUse):
@@ -297,7 +312,7 @@ def step_to_json(step: Step) -> dict[str, Any]:
 
 
 def step_from_json(obj: dict[str, Any]) -> Step:
-    kinds: dict[str, type[Any]] = {"Text": Text, "ToolUse": ToolUse, "Failure": Failure}
+    kinds: dict[str, type[Any]] = {"Text": Text, "ToolUse": ToolUse, "Failure": Failure, "Cut": Cut}
     fields = dict(obj)
     return kinds[fields.pop("step")](**fields)  # type: ignore[no-any-return]
 
@@ -370,7 +385,7 @@ def claude_bin() -> str | None:
     return agent_bin("claude")
 
 
-__all__ = ["AGENTS_DIR", "CLAUDE_ENV_PINS", "CODEX_CONFIG", "Failure", "ModelProcess", "ModelServer", "Text",
+__all__ = ["AGENTS_DIR", "CLAUDE_ENV_PINS", "CODEX_CONFIG", "Cut", "Failure", "ModelProcess", "ModelServer", "Text",
            "ToolUse", "agent_bin", "claude_bin", "claude_env", "codex_env"]
 
 if __name__ == "__main__":
