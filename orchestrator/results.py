@@ -4,8 +4,9 @@
 verifies with one of the job's auth tokens (any of its attempts: a result may come after
 a retry began) is written at its place in `.mam/results/<id>/<attempt>/archive.part`; when
 every chunk is in and the SHA-256 matches, the archive is unpacked there (`result.json`,
-`change.bundle`, `change.patch`, `artifacts/`; tar's `data` filter: no absolute paths,
-links or escapes) and `result_ready` is logged in the job's audit. Forged, malformed or
+`change.bundle`, `change.patch`, `artifacts/<name>`: the bytes of regular files at those
+names only, no absolute paths, links or escapes; the artifacts then move to
+`.mam/artifacts/<id>/<attempt>/`) and `result_ready` is logged in the job's audit. Forged, malformed or
 oversized chunks are refused with one warning line; nothing raises on bad input.
 """
 
@@ -149,10 +150,10 @@ class ResultInbox:
         try:
             with tarfile.open(part, mode="r:") as tar:
                 members = [m for m in tar.getmembers() if _allowed_member(m)]
-                tar.extractall(folder, members=[m for m in members if m.name != SUMMARY_FILE], filter="data")
+                _extract(tar, [m for m in members if m.name != SUMMARY_FILE], folder)
                 self._move_artifacts(folder, chunk.job_id, chunk.attempt_id)
                 # last: its presence means the result (and its artifacts) is whole
-                tar.extractall(folder, members=[m for m in members if m.name == SUMMARY_FILE], filter="data")
+                _extract(tar, [m for m in members if m.name == SUMMARY_FILE], folder)
         except (tarfile.TarError, OSError, ValueError) as exc:
             log.warning("job %s: result of attempt %d refused: not a result archive (%s)", chunk.job_id,
                         chunk.attempt_id, exc)
@@ -178,6 +179,21 @@ class ResultInbox:
         shutil.rmtree(target, ignore_errors=True)
         os.replace(unpacked, target)
         os.chmod(target, 0o700)
+
+
+def _extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], folder: Path) -> None:
+    """Write `members` (regular files `_allowed_member` passed) under `folder`, 0600, copying
+    their bytes only: no owner, mode, link or device of the archive is taken (the same on every
+    Python 3.11; `extractall(filter=...)` needs 3.11.4, and Debian 12 ships 3.11.2)."""
+    for member in members:
+        source = tar.extractfile(member)
+        if source is None:
+            continue
+        target = folder / member.name
+        target.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as out, source:
+            shutil.copyfileobj(source, out, 1 << 20)
 
 
 def _allowed_member(member: tarfile.TarInfo) -> bool:
