@@ -394,6 +394,7 @@ def test_compose_file_validates(path: Path, tmp_path: Path):
     for name in ("MAM_BROKER_PASS", "MAM_OBSERVER_PASS", "MAM_HOME_PASS", "MAM_SYS_PASS",
                  "TS_AUTHKEY", "MAM_SESSION", "MAM_DISPATCH_SECRET", "MQTT_PASSWORD"):
         env.setdefault(name, "placeholder-" + name.lower())
+    env.setdefault("MAM_E2E_GIT", str(tmp_path))  # the e2e's git server repositories: a host folder
     result = subprocess.run([*compose, "-p", "mam-check", "-f", str(path), "--profile", "plain", "--profile", "tls",
                              "config", "--quiet"], capture_output=True, text=True, env=env, timeout=60,
                             cwd=path.parent)

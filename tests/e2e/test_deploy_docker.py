@@ -6,7 +6,9 @@ iptables rules generated from deploy/tailscale/policy.hujson enforce the tailnet
 `mam-orch` runs inside the hub container. Scenarios: the happy path on each runner (§3-§5,
 §9 exit 0), cancel with the agent's tree gone (§6, exit 4), `docker kill` of a runner mid-job
 then `redispatch` elsewhere (§8), a network cut longer than the MQTT keepalive (§7 Last Will,
-§17 outbox: nothing runs twice), a broker restart mid-job, a hub restart then `watch`.
+§17 outbox: nothing runs twice), a broker restart mid-job, a hub restart then `watch`, and a
+repository job (§18): runner-a fetches `demo` from the hub node's git server container over
+the tailnet (tcp/9418, granted by the policy) and the change comes back to the hub.
 
 Runs as root: harness.docker_env installs docker.io/docker-compose/debootstrap, starts dockerd
 when none answers (and stops it after), and builds the images offline (the debootstrapped base
@@ -24,6 +26,7 @@ from collections.abc import Iterator
 import pytest
 from harness import docker_env
 from harness.docker_fleet import COMPOSE_FILE, DOMAIN, RUNNERS, STOP_TIMEOUT_S, DockerFleet, in_tailnet_range
+from harness.gitserver import git
 from harness.waiting import PATIENCE_S, wait_until
 
 # The first run debootstraps the base image (about a minute) inside the first test's setup.
@@ -112,6 +115,7 @@ def test_compose_file_validates_with_the_installed_compose(compose):
     """One file for compose v1 (docker-compose 1.29) and v2: no top-level `name:`; `config` accepts it."""
     env = {name: "x" for name in ("MAM_BROKER_PASS", "MAM_OBSERVER_PASS", "MAM_HOME_PASS", "MAM_SYS_PASS",
                                   "MAM_DISPATCH_SECRET")}
+    env["MAM_E2E_GIT"] = "/srv/repositories"  # a host folder: bind-mounted into the git server
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MAM_")}
     result = subprocess.run([*compose, "-p", "mam-e2e-config", "-f", str(COMPOSE_FILE), "config"],
                             capture_output=True, text=True, env={**clean, **env}, timeout=PATIENCE_S)
@@ -163,6 +167,27 @@ def test_happy_path_on_each_runner(fleet):
         assert code == 0, out
         assert events[-1]["event"] == "completed" and events[-1]["data"]["session"] == session, out
         assert fleet.record(job_id)["status"] == "completed"
+
+
+def test_repository_job_fetches_from_the_git_server_and_the_change_comes_back(fleet):
+    """§18 across hosts: runner-a fetches `demo@main` from git.mam-e2e.ts.net:9418 and runs the
+    brief in a worktree; `result` at the hub shows both files and the base commit; runner-b may
+    not reach the git server's other ports."""
+    # a dispatch that follows the job to its end also takes its result in (§18)
+    code, events, out = fleet.orch("dispatch", "--session", "runner-a", "--repo", "demo", "--ref", "main",
+                                   "--brief", "echo notes > NOTES.md\nprintf 'print(2)\\n' > src/app.py")
+    assert code == 0, out
+    assert events[-1]["event"] == "completed" and events[-1]["data"]["session"] == "runner-a", out
+    job_id = events[-1]["job_id"]
+
+    def ready() -> dict | None:
+        code, rows, _ = fleet.orch("result", job_id, "--json")
+        return rows[0] if code == 0 and rows and rows[0].get("ready") else None
+
+    result = wait_until(ready, PATIENCE_S, "the result at the hub")
+    assert result["base_sha"] == git("rev-parse", "main", cwd=fleet.origin).strip()
+    assert sorted(f["path"] for f in result["files"]) == ["NOTES.md", "src/app.py"]
+    assert fleet.probe("runner-b", f"git.{DOMAIN}", 22) == errno.EHOSTUNREACH
 
 
 def test_cancel_stops_the_agent_tree(fleet):

@@ -7,7 +7,7 @@ and debootstrap when missing. `Engine.start()` uses the engine that answers on
 100.64.0.0/10 (`DOCKERD_BIP`, `DOCKERD_POOL`; iptables on) and `stop()` stops only a daemon it
 started. `build_images(client)` makes the three images offline:
 
-- `BASE_IMAGE`: debootstrap (minbase + python3, venv, iproute2, iptables, procps, bookworm, from
+- `BASE_IMAGE`: debootstrap (minbase + python3, venv, iproute2, iptables, procps, git, bookworm, from
   the Debian mirror of /etc/apt/sources*) imported with `docker import`; built only when missing.
 - `FLEET_IMAGE`: deploy/docker/Dockerfile on `BASE_IMAGE`, installing the checkout's wheel
   (`pip wheel --no-deps .`) and a wheelhouse of its dependencies (`pip download`, on the host)
@@ -42,11 +42,11 @@ BUILD_DIR = REPO / "build" / "docker"
 WHEELHOUSE = REPO / "deploy" / "docker" / "wheelhouse"
 SOCKET = "/var/run/docker.sock"
 
-BASE_IMAGE = "mam-e2e-base:bookworm"
+BASE_IMAGE = "mam-e2e-base:bookworm-git"
 FLEET_IMAGE = "mam-fleet:e2e"
 BROKER_IMAGE = "mam-nats:e2e"
 SUITE = "bookworm"
-BASE_PACKAGES = "python3,python3-venv,iproute2,iptables,procps"
+BASE_PACKAGES = "python3,python3-venv,iproute2,iptables,procps,git"
 FALLBACK_MIRROR = "http://deb.debian.org/debian"
 
 # Every address the engine hands out stays in Tailscale's CGNAT range 100.64.0.0/10, and clear

@@ -15,9 +15,11 @@ import ipaddress
 import json
 import os
 import secrets
+import shutil
 import subprocess
 
 from harness import docker_env, tailnet_policy
+from harness.gitserver import make_origin
 from harness.waiting import PATIENCE_S, wait_until
 from mam.orchestrator.init import broker_password
 
@@ -31,9 +33,9 @@ RUNNERS = ("runner-a", "runner-b", "runner-c")
 BROKER_NODE = frozenset({"tag:mam-broker"})
 RUNNER_NODE = frozenset({"tag:mam-runner"})
 OBSERVER_NODE = frozenset({"group:mam-observers"})
-# service -> (last octet, tailnet identities, tailnet node): the hub shares the broker's node
-# (deploy/tailscale/docker-compose.hub.yaml puts both behind one sidecar).
-HOSTS = {"broker": (10, BROKER_NODE, "hub"), "hub": (20, BROKER_NODE, "hub"),
+# service -> (last octet, tailnet identities, tailnet node): the hub and its git server share the
+# broker's node (deploy/tailscale/docker-compose.hub.yaml puts the hub and broker behind one sidecar).
+HOSTS = {"broker": (10, BROKER_NODE, "hub"), "hub": (20, BROKER_NODE, "hub"), "git": (50, BROKER_NODE, "hub"),
          "runner-a": (31, RUNNER_NODE, ""), "runner-b": (32, RUNNER_NODE, ""), "runner-c": (33, RUNNER_NODE, ""),
          "observer": (40, OBSERVER_NODE, "")}
 SECRET_VARS = ("MAM_BROKER_PASS", "MAM_OBSERVER_PASS", "MAM_HOME_PASS", "MAM_SYS_PASS", "MAM_DISPATCH_SECRET")
@@ -73,7 +75,8 @@ def free_prefix(client) -> str:
 
 
 class DockerFleet:
-    """One compose project: broker, hub, runner-a/b/c and observer on the tailnet-like network."""
+    """One compose project: broker, hub, git, runner-a/b/c and observer on the tailnet-like network;
+    `origin` is the bare repository `demo.git` the git server serves."""
 
     def __init__(self, client, compose: list[str]) -> None:
         self.client = client
@@ -84,9 +87,13 @@ class DockerFleet:
         self.chain = self.project.upper()  # iptables chain names: at most 28 characters
         # broker_password(): nats-server reads an environment value like a config value, and a
         # random one that starts with a digit ('5Vx…') stops it (a CI run: no runner came online)
+        self.git_dir = docker_env.BUILD_DIR / f"git-{self.project}"  # the git server's repositories
+        shutil.rmtree(self.git_dir, ignore_errors=True)
+        self.origin = make_origin(self.git_dir)
         self.env = {**os.environ, **{name: broker_password() for name in SECRET_VARS},
                     "MAM_FLEET_IMAGE": docker_env.FLEET_IMAGE, "MAM_BROKER_IMAGE": docker_env.BROKER_IMAGE,
-                    "MAM_BASE_IMAGE": docker_env.BASE_IMAGE, "MAM_E2E_NET": self.prefix}
+                    "MAM_BASE_IMAGE": docker_env.BASE_IMAGE, "MAM_E2E_NET": self.prefix,
+                    "MAM_E2E_GIT": str(self.git_dir)}
         self.hosts = [tailnet_policy.Host(name, f"{self.prefix}.{octet}", ids, node)
                       for name, (octet, ids, node) in HOSTS.items()]
 
@@ -109,6 +116,7 @@ class DockerFleet:
     def down(self) -> None:
         self.run_compose("down", "-v", "--remove-orphans", "-t", str(STOP_TIMEOUT_S))
         docker_env.remove_policy(self.chain, self.subnet)
+        shutil.rmtree(self.git_dir, ignore_errors=True)
 
     # -- containers
 

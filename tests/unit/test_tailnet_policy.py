@@ -59,7 +59,8 @@ def test_the_policy_passes_its_own_tests_block(policy):
 
 
 def test_rules_open_only_the_granted_ports(policy, hosts):
-    """Runners → broker node tcp/1883, observers → broker node tcp/8080, the hub ↔ broker (one node),
+    """Runners → broker node tcp/1883 and tcp/9418 (git), observers → broker node tcp/8080, the hub,
+    broker and git server among themselves (one node),
     replies; every other connection inside the subnet is rejected last."""
     rules = iptables_rules(policy, hosts, SUBNET, CHAIN)
     ip = {h.name: h.ip for h in hosts}
@@ -68,10 +69,11 @@ def test_rules_open_only_the_granted_ports(policy, hosts):
                          "icmp-admin-prohibited"]
     opened = {(r[r.index("-s") + 1], r[r.index("-d") + 1], r[r.index("--dport") + 1] if "--dport" in r else "all")
               for r in rules[2:-1]}
-    expected = {(ip[a] + "/32", ip[b] + "/32", "all") for a, b in (("broker", "hub"), ("hub", "broker"))}
+    hub_node = ("broker", "hub", "git")
+    expected = {(ip[a] + "/32", ip[b] + "/32", "all") for a in hub_node for b in hub_node if a != b}
     for runner in ("runner-a", "runner-b", "runner-c"):
-        expected |= {(ip[runner] + "/32", ip[dst] + "/32", "1883") for dst in ("broker", "hub")}
-    expected |= {(ip["observer"] + "/32", ip[dst] + "/32", "8080") for dst in ("broker", "hub")}
+        expected |= {(ip[runner] + "/32", ip[dst] + "/32", port) for dst in hub_node for port in ("1883", "9418")}
+    expected |= {(ip["observer"] + "/32", ip[dst] + "/32", "8080") for dst in hub_node}
     assert opened == expected
     assert all(r[r.index("-p") + 1] == "tcp" for r in rules[2:-1] if "-p" in r)
 
