@@ -24,6 +24,7 @@ from mam.orchestrator.hub import DAY_S, Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.logs import OutputView
 from mam.orchestrator.queuewait import retry_reason
+from mam.orchestrator.results import ResultInbox
 from mam.orchestrator.service import NOTE
 from mam.orchestrator.watch import Detached, Watcher, WatchOptions, render_event
 from mam.shared.cli.render import print_summary, printable
@@ -224,7 +225,8 @@ def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s
             log.warning("%s; a close will not publish a cancel", exc)
     watcher = Watcher(hub.registry, job_id, config=cfg, keys=keys,
                       options=WatchOptions(remote=remote, ack_timeout_s=ack_timeout_s,
-                                           idle_timeout_s=idle_timeout_s, timeout_s=timeout_s))
+                                           idle_timeout_s=idle_timeout_s, timeout_s=timeout_s),
+                      results=ResultInbox(hub.registry) if remote else None)  # §18: no service takes them
     watcher.human = watcher.human and not as_json
     try:
         code = watcher.run()

@@ -346,15 +346,20 @@ def announced(registry: Registry, job_id: str) -> dict[str, Any] | None:
     return None
 
 
-def await_result(registry: Registry, job_id: str, timeout_s: float = RESULT_SETTLE_S) -> bool:
-    """Wait until the result the terminal event announced is in (at most `timeout_s`); True
-    when it is, or when none was announced."""
+def result_arrived(registry: Registry, job_id: str) -> bool:
+    """True when the result the current attempt's terminal event announced is whole at the
+    hub (§18), or when none was announced."""
     if announced(registry, job_id) is None:
         return True
     attempt = int(registry.get(job_id)["attempt_id"])
-    ready = names.hub_result_dir(registry.root, job_id, attempt) / SUMMARY_FILE
+    return (names.hub_result_dir(registry.root, job_id, attempt) / SUMMARY_FILE).exists()
+
+
+def await_result(registry: Registry, job_id: str, timeout_s: float = RESULT_SETTLE_S) -> bool:
+    """Wait until the result the terminal event announced is in (at most `timeout_s`); True
+    when it is, or when none was announced."""
     deadline = time.monotonic() + timeout_s
-    while not ready.exists():
+    while not result_arrived(registry, job_id):
         if time.monotonic() >= deadline:
             log.warning("job %s: its result has not arrived in %g s; `mam-orch serve` receives it later",
                         job_id, timeout_s)

@@ -41,6 +41,7 @@ from mam.orchestrator.hub import DAY_S
 from mam.orchestrator.identity.roster import Revocations
 from mam.orchestrator.logs import LogRouter, OutputView, await_chunks
 from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S, BrokerLink, mirror_state, note_late_terminal
+from mam.orchestrator.results import RESULT_SETTLE_S, ResultInbox, result_arrived
 from mam.shared.config import BrokerConfig, env_float
 from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import EVENT_STATUS, TERMINAL_STATUSES, CloseReason, JobStatus
@@ -122,14 +123,19 @@ class Watcher:
         options: `WatchOptions`.
         keys: `DispatchKeys` to publish a cancel on close (None: hub-only close).
         out: where accepted events go (stdout).
+        results: where the job's result chunks go (§18) when this watch is the only hub
+            process: it then subscribes to them and, after the end, waits for the result the
+            terminal event announced (at most RESULT_SETTLE_S); None: another process takes them.
     Raises:
         UsageError: a bad job id. TypeError: neither `client` nor `config`.
     """
 
     def __init__(self, registry: Registry, job_id: str, *, client: Transport | None = None,
                  config: BrokerConfig | None = None, options: WatchOptions = WatchOptions(),
-                 keys: DispatchKeys | None = None, out: TextIO | None = None, show_log: bool = True) -> None:
+                 keys: DispatchKeys | None = None, out: TextIO | None = None, show_log: bool = True,
+                 results: ResultInbox | None = None) -> None:
         self.registry = registry
+        self.results = results
         self.job_id = names.validate_job_id(job_id)
         self.client = client
         if config is None:
@@ -202,6 +208,9 @@ class Watcher:
         parsed = names.parse_job_topic(topic, self.config.topic_root)
         if parsed is not None and parsed[1] == "log":  # §15: output, not liveness
             self._show(self.logs.handle(raw))
+            return False
+        if parsed is not None and parsed[1] == "result" and self.results is not None:  # §18: not liveness
+            self.results.handle(raw)
             return False
         kind = TOPIC_KINDS.get(parsed[1] if parsed else "")
         if kind is None:
@@ -381,9 +390,12 @@ class Watcher:
             self.client = client
             self._owns_client = True
         try:
-            self.client.subscribe([(names.events_topic(self.job_id, self.config.topic_root), 1),
-                                   (names.state_topic(self.job_id, self.config.topic_root), 1),
-                                   (names.log_topic(self.job_id, self.config.topic_root), 1)])
+            root = self.config.topic_root
+            topics = [names.events_topic(self.job_id, root), names.state_topic(self.job_id, root),
+                      names.log_topic(self.job_id, root)]
+            if self.results is not None:
+                topics.append(names.result_topic(self.job_id, root))
+            self.client.subscribe([(topic, 1) for topic in topics])
         except Exception as exc:  # noqa: BLE001 - any broker failure here is "unreachable"
             log.error("cannot subscribe: %s", exc)
             return False
@@ -425,6 +437,22 @@ class Watcher:
         if late:
             print(f"job {self.job_id}: the hub closed it, but its runner later reported {late} "
                   f"(late_outcome; the record keeps its status)", file=sys.stderr)
+
+    def _await_result(self, messages: Any) -> None:
+        """After the end (§18): handle messages until the result the terminal event announced
+        is in, at most RESULT_SETTLE_S (then `mam-orch serve` receives it later)."""
+        deadline = time.monotonic() + RESULT_SETTLE_S
+        while not result_arrived(self.registry, self.job_id):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning("job %s: its result has not arrived in %g s; `mam-orch serve` receives it later",
+                            self.job_id, RESULT_SETTLE_S)
+                return
+            try:
+                message = messages.get(timeout=min(left, REGISTRY_POLL_S))  # or another process wrote it
+            except queue.Empty:
+                continue
+            self.handle(message.topic, message.payload)
 
     def _wait_unqueued(self) -> JobRecord:
         """§14: a queued job has no clock yet; wait until whoever queued it publishes (or closes) it.
@@ -594,6 +622,8 @@ class Watcher:
                     continue
                 self.handle(message.topic, message.payload)
             self._show(await_chunks(self.logs, self.job_id, self.log_chunks, client.messages, self.handle))
+            if self.results is not None:
+                self._await_result(client.messages)
             if self.output is not None and self.human:
                 self.output.flush()
             if self.terminal == JobStatus.CANCELLED:

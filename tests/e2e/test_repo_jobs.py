@@ -24,7 +24,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness.fleet import Fleet
+from harness.fleet import MAM_ORCH, Fleet, Proc
 from harness.gitserver import GitDaemon, git, make_origin
 from harness.netns import unavailable_reason
 from harness.waiting import PATIENCE_S, wait_until
@@ -234,3 +234,31 @@ if [ "$MAM_ATTEMPT_ID" = 1 ]; then touch "$SYNC/started"; sleep 600; fi
     assert result_of(fleet, job_id)["attempt_id"] == 2
     assert not (trees / f"{job_id}-1").exists()  # the crashed attempt's tree is removed at the runner's start
     assert (trees / f"{job_id}-2" / "attempt-2.txt").exists()
+
+
+def test_s18_detach_then_watch_with_no_service_takes_the_result_in(tmp_path: Path) -> None:
+    """With no `mam-orch serve`, the `watch` that follows a detached job is the only hub
+    process: it takes the result chunks in, and waits for them after the end."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"the multi-host repository e2e needs network namespaces: {reason}")
+    fleet = Fleet("netns", tmp_path)
+    try:
+        origin = make_origin(tmp_path / "served")
+        with GitDaemon(origin.parent, host=fleet.net.address("hub"), netns=fleet.net.ns("hub")) as daemon:
+            go = tmp_path / "go"
+            start_runner(fleet, daemon, sync=go)
+            brief = EDIT_TWO + 'for i in $(seq 1200); do [ -e "$SYNC" ] && break; sleep 0.1; done\n'
+            handle = fleet.dispatch("gpu-box", brief, "--repo", "demo", "--detach", *FAST)
+            assert handle.wait() == 0, handle.log()
+            job_id = handle.job_id()
+            watch = Proc("watch", fleet._popen("orch", [*MAM_ORCH, "watch", job_id, "--workspace",
+                                                        str(fleet.hub_ws)]))
+            fleet._procs.append(watch)
+            wait_until(lambda: "subscribed to its events" in watch.log(), PATIENCE_S, "the watch to subscribe")
+            go.write_text("go")  # the agent ends only now: its result goes to the subscribed watch
+            assert watch.wait() == 0, watch.log()
+            result = result_of(fleet, job_id)
+            assert result["ready"] and sorted(f["path"] for f in result["files"]) == ["NOTES.md", "src/app.py"]
+    finally:
+        fleet.close()
