@@ -180,6 +180,12 @@ def utc_now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def utc_now_us() -> str:
+    """UTC time to the microsecond, `YYYY-MM-DDTHH:MM:SS.ffffffZ` (§3 accepts the fraction): a
+    record's `queued_at`, so that jobs queued within one second leave in their order (§14)."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 # ------------------------------------------------------------------ errors
 
 class Refusal(TransitionRefused):
@@ -304,7 +310,7 @@ def new_record(*, job_id: str, session: str | None, role: str, attempt_id: int, 
     }
     if queue is not None:
         record.update(queue.fields())  # type: ignore[typeddict-item]  # the NotRequired §14 fields
-        record["queued_at"] = now
+        record["queued_at"] = utc_now_us()
     if work:
         record["work"] = work.to_dict()
     return record
@@ -489,7 +495,7 @@ def next_attempt(record: JobRecord, status: str = JobStatus.PENDING) -> JobRecor
         "close_reason": record.get("close_reason"), "exit_code": record.get("exit_code")}]
     new["attempt_history"] = history[-MAX_EARLIER_TOKENS:]
     if status == JobStatus.QUEUED:
-        new["queued_at"] = new["updated_at"]
+        new["queued_at"] = utc_now_us()
     earlier = [*record.get("earlier_auth_tokens", []), record["auth_token"]][-MAX_EARLIER_TOKENS:]
     new.update({"attempt_id": record["attempt_id"] + 1, "dispatch_token": names.new_dispatch_token(),
                 "auth_token": names.new_auth_token(), "last_seq": 0, "close_reason": None,

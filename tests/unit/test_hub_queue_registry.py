@@ -12,7 +12,7 @@ from harness.workspace import TEST_SECRET
 from test_hub_watch import RecordingClient, deliver
 
 from mam.orchestrator import queuewait
-from mam.orchestrator.queue import Fleet, RunnerView, plan
+from mam.orchestrator.queue import Fleet, RunnerView, plan, queue_order
 from mam.orchestrator.queuewait import (
     PresenceFeed,
     close_queue_timeout,
@@ -79,6 +79,14 @@ def test_s14_bad_terms_are_refused_before_anything_is_written(reg, terms, messag
     with pytest.raises(UsageError, match=message):
         reg.register(session=terms.target_session, queue=terms)
     assert reg.list()[0] == []
+
+
+def test_s14_jobs_queued_within_one_second_leave_first_in_first_out(reg) -> None:
+    ids = [labelled(reg)["job_id"] for _ in range(50)]  # fast: many of them queued in one second
+    queued = [queued_job(reg.get(job_id)) for job_id in sorted(ids)]  # job-id order is random order
+    slots = fleet_of("gpu-box", max_jobs=50)
+    assert [job_id for job_id, _ in plan(queued, slots, time.monotonic(), 210.0)] == ids
+    assert [job.job_id for job in sorted(queued, key=queue_order)] == ids
 
 
 def pick(reg: Registry, job_id: str, fleet: Fleet) -> str | None:
