@@ -19,6 +19,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -41,6 +42,14 @@ class Text:
     text: str
     chunks: int = 1
     delay_s: float = 0.0
+
+    def pieces(self) -> Iterator[str]:
+        """The text in `chunks` pieces, waiting `delay_s` after each one."""
+        size = max(1, -(-len(self.text) // max(1, self.chunks)))
+        for start in range(0, max(1, len(self.text)), size):
+            yield self.text[start:start + size]
+            if self.delay_s:
+                time.sleep(self.delay_s)
 
 
 @dataclass(frozen=True)
@@ -191,17 +200,21 @@ class ModelServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def _responses(self, step: Text | ToolUse | Cut) -> None:
-                """The OpenAI Responses API's stream (`wire_api = "responses"`, Codex CLI)."""
-                with server._lock:
-                    n = len(server.requests)
+            def _open_stream(self) -> Any:
+                """Send a 200 with SSE headers; the connection closes after the stream."""
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Cache-Control", "no-cache")
                 self.send_header("Connection", "close")
                 self.end_headers()
                 self.close_connection = True
-                out = self.wfile
+                return self.wfile
+
+            def _responses(self, step: Text | ToolUse | Cut) -> None:
+                """The OpenAI Responses API's stream (`wire_api = "responses"`, Codex CLI)."""
+                with server._lock:
+                    n = len(server.requests)
+                out = self._open_stream()
                 out.write(_sse("response.created", {"type": "response.created", "response": {"id": f"resp_{n}"}}))
                 if isinstance(step, Cut):
                     out.flush()
@@ -214,14 +227,11 @@ class ModelServer:
                         "type": "response.output_item.added", "output_index": 0, "item": {
                             "type": "message", "id": f"msg_{n}", "role": "assistant", "status": "in_progress",
                             "content": []}}))
-                    size = max(1, -(-len(step.text) // max(1, step.chunks)))
-                    for start in range(0, max(1, len(step.text)), size):
+                    for piece in step.pieces():
                         out.write(_sse("response.output_text.delta", {
                             "type": "response.output_text.delta", "item_id": f"msg_{n}", "output_index": 0,
-                            "content_index": 0, "delta": step.text[start:start + size]}))
+                            "content_index": 0, "delta": piece}))
                         out.flush()
-                        if step.delay_s:
-                            time.sleep(step.delay_s)
                     item = {"type": "message", "id": f"msg_{n}", "role": "assistant", "status": "completed",
                             "content": [{"type": "output_text", "text": step.text, "annotations": []}]}
                 out.write(_sse("response.output_item.done", {"type": "response.output_item.done", "output_index": 0,
@@ -236,11 +246,7 @@ class ModelServer:
                 with server._lock:
                     n = len(server.requests)
                 if isinstance(step, Cut):  # the headers of a stream, then the connection closes
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/event-stream")
-                    self.send_header("Connection", "close")
-                    self.end_headers()
-                    self.close_connection = True
+                    self._open_stream()
                     return
                 usage = {"input_tokens": 100, "output_tokens": 1, "cache_read_input_tokens": 20,
                          "cache_creation_input_tokens": 0}
@@ -255,13 +261,7 @@ class ModelServer:
                                      "content": [full], "stop_reason": stop, "stop_sequence": None,
                                      "usage": {**usage, "output_tokens": 50}})
                     return
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.send_header("Connection", "close")
-                self.end_headers()
-                self.close_connection = True
-                out = self.wfile
+                out = self._open_stream()
                 out.write(_sse("message_start", {"type": "message_start", "message": {
                     "id": f"msg_{n}", "type": "message", "role": "assistant", "model": MODEL, "content": [],
                     "stop_reason": None, "stop_sequence": None, "usage": usage}}))
@@ -271,14 +271,10 @@ class ModelServer:
                     out.write(_sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {
                         "type": "input_json_delta", "partial_json": json.dumps(step.input)}}))
                 else:
-                    size = max(1, -(-len(step.text) // max(1, step.chunks)))
-                    for start in range(0, max(1, len(step.text)), size):
+                    for piece in step.pieces():
                         out.write(_sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                               "delta": {"type": "text_delta",
-                                                                         "text": step.text[start:start + size]}}))
+                                                               "delta": {"type": "text_delta", "text": piece}}))
                         out.flush()
-                        if step.delay_s:
-                            time.sleep(step.delay_s)
                 out.write(_sse("content_block_stop", {"type": "content_block_stop", "index": 0}))
                 out.write(_sse("message_delta", {"type": "message_delta",
                                                  "delta": {"stop_reason": stop, "stop_sequence": None},
