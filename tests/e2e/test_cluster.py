@@ -45,7 +45,11 @@ JOB_S = 6
 """Length of each job, seconds (the agent sleeps that long after its marker line)."""
 FAULT_AT_S = 2.0
 """How far into the jobs (after the hub saw both `started`) the node dies, seconds."""
-JOB_PATIENCE_S = PATIENCE_S + JOB_S
+JOB_PATIENCE_S = 3 * PATIENCE_S + JOB_S
+"""How long each dispatch may take to end after its node was killed, seconds: the one deadline
+the test waits on. A fresh-clone `make test` once saw the two remaining nodes refuse
+subscriptions and PUBACKs for more than 70 s after a kill on two busy cores, so the bound
+is generous; a dispatch ends as soon as its job is in (nothing waits this long otherwise)."""
 BRIEF = 'echo "$MAM_SESSION $MAM_JOB_ID $MAM_ATTEMPT_ID $$" >> "$MARKS"\nsleep ' + str(JOB_S) + "\n"
 RECONNECT_TARGET_S = 5.0
 PROBE_INTERVAL_S = 1.0
@@ -104,7 +108,7 @@ def started_on_hub(run: Dispatch) -> None:
     assert run.events("started"), f"{run.name} exited {run.proc.returncode}: {run.log()[-3000:]}"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_cluster_each_node_sigkilled_in_turn_nothing_lost_nothing_twice_cleared_stays_cleared(
         cluster_fleet: ClusterFleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     fleet = cluster_fleet
