@@ -112,6 +112,7 @@ class Follower:
         self.tail = AuditTail(registry.audit_path(job_id))
         self.tail.offset = offset
         self.published = False  # an attempt was published while followed
+        self.events_shown = True  # False for `--detach`: its stdout is the job id line only
         self.output = OutputView(self.out) if self.human and show_log else None
         self._log_at: tuple[int, int] = (0, 0)  # (attempt, offset) of the hub's output copy shown so far
 
@@ -121,8 +122,9 @@ class Follower:
         record = self.registry.get(self.job_id)
         for line in self.tail.read():
             if is_event_line(line, self.job_id):
-                self.out.write(render_event(line, self.human))
-                self.out.flush()
+                if self.events_shown:
+                    self.out.write(render_event(line, self.human))
+                    self.out.flush()
             elif line.get("event") == NOTE and isinstance(line.get("line"), str):
                 print(printable(line["line"]), file=sys.stderr, flush=True)
             elif line.get("event") == "status_changed" and line.get("to") == JobStatus.PENDING:
@@ -162,6 +164,7 @@ class Follower:
         Raises:
             Detached: Ctrl-C (the job goes on).
         """
+        self.events_shown = not until_published  # a fast job's events may be in before the publish is seen
         try:
             while True:
                 record = self.step()
