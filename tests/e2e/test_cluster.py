@@ -4,7 +4,9 @@
 The nodes are configured and started by what `mam-orch init --cluster` writes and prints
 (harness/cluster.py), one per network namespace; hub, runners and the wire tap use the
 fail-over list `nats-1,nats-2,nats-3`. Each node in turn is SIGKILLed while a job runs on
-each runner, then restarted (same store) before the next: every job completes once (0 lost,
+each runner, then restarted (same store), and the next dies only once every node reports
+healthy again (a rolling restart's rule: a node that has not caught up leaves no quorum when
+a second one goes; docs/deployment.md): every job completes once (0 lost,
 0 run twice), and after all three were restarted and `mam-orch gc --reclear` ran (nats-server
 may bring cleared retained messages back after a SIGKILL, also in a cluster: the count is
 printed), no node hands a cleared dispatch to a new subscriber. The time from the kill to
@@ -103,9 +105,14 @@ def tails(runners: list) -> str:
     return "\n".join(f"--- {r.name}\n{r.log()[-3000:]}" for r in runners)
 
 
-def started_on_hub(run: Dispatch) -> None:
-    wait_until(lambda: run.events("started") or not run.alive(), PATIENCE_S, f"{run.name}: started on the hub")
-    assert run.events("started"), f"{run.name} exited {run.proc.returncode}: {run.log()[-3000:]}"
+def started_on_hub(run: Dispatch, fleet: ClusterFleet, runners: list) -> None:
+    """Wait until the dispatch saw its job's `started` event; on failure, say why with every log."""
+    try:
+        wait_until(lambda: run.events("started") or not run.alive(), PATIENCE_S, f"{run.name}: started on the hub")
+        assert run.events("started"), f"{run.name} exited {run.proc.returncode}"
+    except AssertionError as exc:
+        nodes = "\n".join(f"--- {node}\n{fleet.node_log(node)[-1500:]}" for node in NODES)
+        raise AssertionError(f"{exc}\n--- {run.name}\n{run.log()[-3000:]}\n{tails(runners)}\n{nodes}") from None
 
 
 @pytest.mark.timeout(900)
@@ -116,10 +123,12 @@ def test_cluster_each_node_sigkilled_in_turn_nothing_lost_nothing_twice_cleared_
     runners = [fleet.start_runner(session, SHELL_AGENT, env={"MARKS": str(marks_file)}) for session in SESSIONS]
     jobs: list[tuple[str, str]] = []
     figures: dict[str, str] = {}
+    healthy: dict[str, str] = {}
+    fleet.wait_cluster_healthy(NODES[0])
     for _ in NODES:
         runs = {session: fleet.dispatch(session, BRIEF, *CONTRACT) for session in SESSIONS}
         for run in runs.values():
-            started_on_hub(run)
+            started_on_hub(run, fleet, runners)
         time.sleep(FAULT_AT_S)  # the fault's own timing, not a wait for something observable
         # the next victim: a node not killed yet, preferring the one most runners are on now
         left = [node for node in NODES if node not in figures]
@@ -145,11 +154,16 @@ def test_cluster_each_node_sigkilled_in_turn_nothing_lost_nothing_twice_cleared_
         delays = [min(reconnects_after(r.log(), killed_at)) for r in on_it]
         figures[node] = f"{max(delays):.1f}s" if delays else "no runner on it"
         fleet.start_node(node)
+        restarted_at = time.monotonic()
         fleet.wait_node_ready(node)
+        # a rolling restart takes the next node down only once the cluster is healthy again
+        fleet.wait_cluster_healthy(node)
+        healthy[node] = f"{time.monotonic() - restarted_at:.1f}s"
     with capsys.disabled():
         shown = " ".join(f"{node}={figure}" for node, figure in figures.items())
         print(f"\nCLUSTER fail-over (SIGKILL of a node -> every runner reconnected): {shown} "
-              f"(target {RECONNECT_TARGET_S:g} s)")
+              f"(target {RECONNECT_TARGET_S:g} s); restart -> cluster healthy: "
+              f"{' '.join(f'{node}={figure}' for node, figure in healthy.items())}")
 
     marks = [line.split() for line in marks_file.read_text().splitlines()]
     for session, job_id in jobs:

@@ -49,6 +49,53 @@ if len(sys.argv) > 4:
         print(json.dumps(sorted(found)))
 """
 
+# Run as `python -c HEALTHZ DEADLINE_S` on a node's host, MAM_SYS_PASS in its environment: ask
+# every node of the cluster for its health through the local node's native port, as the system
+# user (`$SYS.REQ.SERVER.PING.HEALTHZ`, nats-server's /healthz: JetStream's meta leader known,
+# every stream and consumer current), until all three answer "ok"; print the last answers.
+HEALTHZ = """
+import asyncio, json, os, sys, time
+import nats
+
+async def ask(nc):
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish("$SYS.REQ.SERVER.PING.HEALTHZ", b"", reply=inbox)
+    answers, until = {}, time.monotonic() + 1.0
+    while len(answers) < 3 and time.monotonic() < until:
+        try:
+            msg = await sub.next_msg(timeout=max(0.05, until - time.monotonic()))
+        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+            break
+        body = json.loads(msg.data)
+        answers[body["server"]["name"]] = body.get("data", {}).get("status") or body.get("error")
+    await sub.unsubscribe()
+    return answers
+
+async def main():
+    deadline = time.monotonic() + float(sys.argv[1])
+    answers = {}
+    while time.monotonic() < deadline:
+        try:
+            nc = await nats.connect("nats://127.0.0.1:4222", user="sys", password=os.environ["MAM_SYS_PASS"],
+                                    connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+        except Exception as exc:
+            answers = {"connect": repr(exc)}
+        else:
+            try:
+                answers = await ask(nc)
+            finally:
+                await nc.close()
+            if len(answers) == 3 and all(status == "ok" for status in answers.values()):
+                print(json.dumps(answers))
+                return 0
+        await asyncio.sleep(0.5)
+    print(json.dumps(answers))
+    return 1
+
+sys.exit(asyncio.run(main()))
+"""
+
 
 class ClusterFleet(Fleet):
     """`Fleet` in mode "netns" with a three-node NATS cluster as its broker.
@@ -112,6 +159,21 @@ class ClusterFleet(Fleet):
         done = self._probe(node)
         if done.returncode != 0:
             raise AssertionError(f"{node} did not accept MQTT: {done.stderr[-1500:]}\n{self.node_log(node)[-3000:]}")
+
+    def wait_cluster_healthy(self, node: str) -> None:
+        """Wait until every node reports itself healthy to `node` (nats-server's healthz: JetStream
+        current), the check before the next node of a rolling restart may go (docs/deployment.md
+        "NATS cluster"). One deadline: PATIENCE_S.
+
+        Raises:
+            AssertionError: not healthy in time; the message has the nodes' last answers.
+        """
+        secret = read_env_file(self.base / "cluster" / "nats.env")["MAM_SYS_PASS"]
+        done = self.run_on(node, [sys.executable, "-c", HEALTHZ, str(PATIENCE_S)],
+                           timeout_s=PATIENCE_S + START_TIMEOUT_S, env={"MAM_SYS_PASS": secret})
+        if done.returncode != 0:
+            raise AssertionError(f"the cluster did not report healthy to {node}: {done.stdout.strip()[-500:]} "
+                                 f"{done.stderr[-1000:]}")
 
     def retained_on(self, node: str, topic_filter: str) -> list[str]:
         """Topics under `topic_filter` that `node` hands a new subscriber as retained (non-empty)."""
