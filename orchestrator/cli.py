@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 
+from mam.orchestrator import asks
 from mam.orchestrator.broker import embedded as broker
 from mam.orchestrator.broker import probe
 from mam.orchestrator.cancel import cancel
@@ -16,6 +17,7 @@ from mam.orchestrator.dispatch import work_terms
 from mam.orchestrator.follow import watch_cli
 from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
 from mam.orchestrator.hints import command
+from mam.orchestrator.hub import open_hub
 from mam.orchestrator.identity.cli import runner_app
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.logs import logs_cli
@@ -26,11 +28,12 @@ from mam.orchestrator.service import serve_cli
 from mam.orchestrator.submit import dispatch_cli
 from mam.shared import cli
 from mam.shared.config import describe
+from mam.shared.protocol import names
 from mam.shared.protocol.errors import BrokerUnavailable, ExitCode, MamError
 
 # `--help` lists the commands in the order a new operator uses them, one example each
 WORKFLOW = ("init", "config", "broker", "serve", "runner", "runners", "dispatch", "watch", "logs", "result",
-            "apply", "jobs", "show", "cancel", "redispatch", "gc")
+            "apply", "jobs", "show", "approve", "deny", "cancel", "redispatch", "gc")
 EXAMPLES = {
     "init": "mam-orch init --broker hub.example.net",
     "config": "mam-orch config --check",
@@ -45,6 +48,8 @@ EXAMPLES = {
     "apply": "mam-orch apply 918b0612 --repo-path ~/src/demo",
     "jobs": "mam-orch jobs --status running",
     "show": "mam-orch show 918b0612",
+    "approve": "mam-orch approve 918b0612",
+    "deny": "mam-orch deny 918b0612 --reason 'no pushes to main'",
     "cancel": "mam-orch cancel 918b0612",
     "redispatch": "mam-orch redispatch 918b0612 --session gpu-box-2",
     "gc": "mam-orch gc --dry-run",
@@ -376,6 +381,55 @@ def apply_cmd(
     """
     cli.setup_logging()
     return apply_cli(job_id, workspace=workspace, repo_path=repo_path, attempt=attempt)
+
+
+_REQUEST_ARGUMENT = typer.Argument(None, metavar="REQUEST_ID",
+                                   help="The request (16 hex characters; default: the job's only waiting one).")
+
+
+def _answer(job_id: str, request_id: str | None, *, allow: bool, reason: str | None, workspace: str,
+            as_json: bool) -> int:
+    cli.setup_logging(False if as_json else None)
+    names.validate_job_id(job_id)
+    done = asks.answer(open_hub(workspace), job_id, request_id, allow=allow, message=reason)
+    print(f"job {job_id} request {done.request_id} ({done.tool}): {'allowed' if allow else 'denied'} "
+          f"by {done.answered_by}", file=sys.stderr)
+    if not cli.human_view(as_json):
+        print(json.dumps(done.to_dict()), flush=True)
+    return 0
+
+
+@app.command("approve")
+def approve_cmd(
+    job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
+    request_id: str = _REQUEST_ARGUMENT,
+    workspace: str = cli.workspace_option(),
+    as_json: bool = cli.json_option(),
+) -> int:
+    """Allow an agent's waiting permission request: the runner hands the answer to the agent (§19).
+
+    The answer is signed (v2 for an enrolled runner) and recorded with who gave it.
+    Exit 1 when the request is unknown, answered already, of an older attempt, or the
+    job ended; 3 when the broker is unreachable (nothing recorded); 64 when several
+    requests wait and none is named.
+    """
+    return _answer(job_id, request_id, allow=True, reason=None, workspace=workspace, as_json=as_json)
+
+
+@app.command("deny")
+def deny_cmd(
+    job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
+    request_id: str = _REQUEST_ARGUMENT,
+    reason: str = typer.Option(None, "--reason", metavar="TEXT",
+                               help="What the agent is told, 1-256 characters (default: denied by user@host)."),
+    workspace: str = cli.workspace_option(),
+    as_json: bool = cli.json_option(),
+) -> int:
+    """Deny an agent's waiting permission request; the agent gets the reason and goes on (§19).
+
+    Exit codes as for approve.
+    """
+    return _answer(job_id, request_id, allow=False, reason=reason, workspace=workspace, as_json=as_json)
 
 
 @app.command("cancel")

@@ -42,9 +42,10 @@ from mam.orchestrator.identity.roster import Revocations
 from mam.orchestrator.logs import LogRouter, OutputView, await_chunks
 from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S, BrokerLink, mirror_state, note_late_terminal
 from mam.orchestrator.results import RESULT_SETTLE_S, ResultInbox, result_arrived
+from mam.shared.cli.render import printable
 from mam.shared.config import BrokerConfig, env_float
 from mam.shared.protocol import names, wire
-from mam.shared.protocol.codes import EVENT_STATUS, TERMINAL_STATUSES, CloseReason, JobStatus
+from mam.shared.protocol.codes import EVENT_STATUS, TERMINAL_STATUSES, CloseReason, EventName, JobStatus
 from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, ExitCode, TransitionRefused
 from mam.shared.store.records import HUB_DECISIONS, STATUS_EXIT, JobRecord, exit_code_of, redact, utc_now
@@ -95,6 +96,9 @@ def render_event(payload: dict[str, Any], human: bool) -> str:
     data = payload.get("data", {})
     stamp = str(payload.get("timestamp", ""))[CLOCK_CHARS]
     extra = f" (exit {data['exit_code']})" if "exit_code" in data else ""
+    if payload.get("event") == EventName.PERMISSION_REQUIRED and "request_id" in data:  # §19: how to answer
+        extra = (f": {printable(str(data.get('input', '')))} (request {printable(str(data['request_id']))}; "
+                 f"answer with mam-orch approve|deny {payload['job_id']})")
     return (f"{stamp} {payload['job_id']} #{payload['seq']:<4} {payload['event']:<20} "
             f"{payload.get('detail', '')}{extra}\n")
 

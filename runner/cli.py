@@ -25,11 +25,12 @@ app = cli.new_app(
     "mam-runner",
     "The worker side of mam-fleet: take dispatched jobs for a session, run the "
     "agent under a heartbeat, and publish its events.",
-    ("enroll", "trust-hub", "run", "publish", "jobs", "show", "gc"),
+    ("enroll", "trust-hub", "run", "publish", "ask", "jobs", "show", "gc"),
     {"enroll": "mam-runner enroll --session gpu-box",
      "trust-hub": "mam-runner trust-hub -- HUB_PUBLIC_KEY",
      "run": "mam-runner run --session gpu-box --repo demo=git://hub:9418/demo --exec claude",
      "publish": "mam-runner publish --job \"$MAM_JOB_ID\" --event progress --detail 'tests pass'",
+     "ask": "mam-runner ask --tool Bash --input '{\"command\": \"git push\"}'",
      "jobs": "mam-runner jobs --status running",
      "show": "mam-runner show 918b0612",
      "gc": "mam-runner gc --ttl 3600"},
@@ -77,6 +78,26 @@ def publish_cmd(
     return publish_cli(job_id=job, event=event, detail=detail, data=data, attempt_id=attempt_id,
                        dispatch_token=dispatch_token, heartbeat_s=heartbeat, watch_pid=watch_pid,
                        attempts=attempts, workspace=workspace)
+
+
+@app.command("ask")
+def ask_cmd(
+    tool: str = typer.Option(..., "--tool", metavar="NAME", help="The tool the agent wants to use, e.g. Bash."),
+    input_json: str = typer.Option("{}", "--input", metavar="JSON",
+                                   help="The tool's input, a JSON object of at most 64 KiB; the hub is shown a "
+                                        "one-line summary with secrets masked."),
+) -> int:
+    """Ask a person at the hub for permission to use a tool, and wait for the answer (PROTOCOL §19).
+
+    Inside a job only (it reads MAM_JOB_ID, MAM_ATTEMPT_ID, MAM_DISPATCH_TOKEN and
+    MAM_RUNNER_SOCKET). The hub sees a `permission_required` event and answers with
+    `mam-orch approve` or `deny`. Prints {"behavior": "allow"|"deny", "message", "request_id"}.
+    Exit codes: 0 allowed; 1 denied, or refused by the runner; 2 no answer (the runner
+    stopped); 64 bad arguments or not inside a job.
+    """
+    from mam.runner.ask import ask_cli
+
+    return ask_cli(tool, input_json)
 
 
 REPO_OPTION = typer.Option(None, "--repo", metavar="NAME=URL",

@@ -88,15 +88,16 @@ def parse_argv(argv: list[str], environ: dict[str, str] | os._Environ[str]) -> d
             "event": opts["event"], "detail": opts.get("detail", ""), "data": data, "_root": workspace}
 
 
-def exchange(path: str, line: bytes) -> dict[str, Any] | None:
-    """Send `line`, read the one-line answer; None when the daemon cannot be reached."""
+def exchange(path: str, line: bytes, reply_timeout_s: float | None = REPLY_TIMEOUT_S) -> dict[str, Any] | None:
+    """Send `line`, read the one-line answer (waiting at most `reply_timeout_s`; None: until
+    the daemon answers or closes); None when the daemon cannot be reached or gave no answer."""
     address, fd = unix_address(Path(path))
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(CONNECT_TIMEOUT_S)
             sock.connect(address)
             sock.sendall(line)
-            sock.settimeout(REPLY_TIMEOUT_S)
+            sock.settimeout(reply_timeout_s)
             reply = b""
             while b"\n" not in reply and len(reply) < MAX_REPLY_BYTES:
                 chunk = sock.recv(MAX_REPLY_BYTES)

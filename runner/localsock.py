@@ -9,6 +9,13 @@ checks and the §12 barrier of a terminal event), or `{"ok": false,
 reject with exit 64). The connection is then closed and the event is sent
 on the daemon's own connection by a sender thread (`send`).
 
+A client may instead ask a person (§19): `{"job_id", "attempt_id", "dispatch_token",
+"ask": {"tool": NAME, "input": {...}}}`. The daemon records a `permission_required`
+event with a new request id, the tool and a masked, capped summary of the input, and
+keeps the connection open until the hub's signed answer arrives (`answer`), the job
+ends or the daemon stops; the one line back is `{"ok": true, "request_id", "behavior":
+"allow"|"deny", "message"}` (or `{"ok": false, ...}` when nothing was asked).
+
 One selector thread serves every client: lines are capped (MAX_LINE_BYTES),
 clients are capped (MAX_CLIENTS) and idle ones dropped (CLIENT_IDLE_S); bad
 input of any kind is refused with one line and never stops the daemon. A
@@ -36,8 +43,9 @@ from typing import Any
 from mam.runner import publish
 from mam.runner.fastpath import CONNECT_TIMEOUT_S, unix_address
 from mam.shared.protocol import names
-from mam.shared.protocol.codes import TERMINAL_EVENTS
+from mam.shared.protocol.codes import TERMINAL_EVENTS, EventName
 from mam.shared.protocol.errors import MamError, ProtocolError, RegistryError, UsageError
+from mam.shared.protocol.wire import safe_line
 from mam.shared.store.registry import Registry
 
 log = logging.getLogger("mam.socket")
@@ -56,6 +64,13 @@ DIR_MODE = 0o700
 SOCKET_MODE = 0o600
 BACKLOG = 16
 FIELDS = frozenset({"job_id", "attempt_id", "dispatch_token", "event", "detail", "data"})
+ASK_FIELDS = frozenset({"job_id", "attempt_id", "dispatch_token", "ask"})
+MAX_TOOL_CHARS = 128
+"""Longest tool name of a permission request, characters."""
+MAX_INPUT_SUMMARY_CHARS = 512
+"""Longest summary of a tool's input in a `permission_required` event, characters (§19)."""
+MAX_WAITING_ASKS = 8
+"""Permission requests of one job that may wait for an answer at once; one more is refused (§19)."""
 
 
 def parse_request(line: bytes) -> publish.PublishRequest:
@@ -87,11 +102,63 @@ def parse_request(line: bytes) -> publish.PublishRequest:
                                 value["dispatch_token"])
 
 
+@dataclass(frozen=True)
+class AskRequest:
+    """An agent's request for a person's permission (§19), validated."""
+
+    job_id: str
+    attempt_id: int
+    dispatch_token: str
+    tool: str
+    input: dict[str, Any]
+
+
+def parse_ask(value: dict[str, Any]) -> AskRequest:
+    """A parsed request line holding `ask` as a validated `AskRequest` (§19).
+
+    Raises:
+        UsageError: unknown/missing fields, bad types or values.
+    """
+    unknown = sorted(str(key) for key in value.keys() - ASK_FIELDS)
+    if unknown:
+        raise UsageError(f"unknown request field(s): {', '.join(unknown)[:200]}")
+    ask = value.get("ask")
+    if not isinstance(ask, dict) or set(ask) - {"tool", "input"}:
+        raise UsageError("request field 'ask' must be an object with 'tool' and 'input'")
+    tool, tool_input = ask.get("tool"), ask.get("input", {})
+    if not isinstance(tool, str) or not tool or len(tool) > MAX_TOOL_CHARS or safe_line(tool, MAX_TOOL_CHARS) != tool:
+        raise UsageError(f"the tool name must be 1-{MAX_TOOL_CHARS} characters on one line")
+    if not isinstance(tool_input, dict):
+        raise UsageError("the tool input must be a JSON object")
+    attempt = value.get("attempt_id")
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+        raise UsageError("request field 'attempt_id' must be an integer >= 1")
+    names.validate_job_id(value.get("job_id"))
+    names.validate_token(value.get("dispatch_token"))
+    return AskRequest(value["job_id"], attempt, value["dispatch_token"], tool, tool_input)
+
+
+def input_summary(tool_input: Mapping[str, Any]) -> str:
+    """One line for a person: the `command` of a shell tool, else the input as compact JSON."""
+    command = tool_input.get("command")
+    text = command if isinstance(command, str) and len(tool_input) <= 2 else json.dumps(
+        tool_input, ensure_ascii=False, separators=(",", ":"), default=str)
+    return safe_line(text, MAX_INPUT_SUMMARY_CHARS)
+
+
 @dataclass
 class _Client:
     sock: socket.socket
     since: float
     buffer: bytearray = field(default_factory=bytearray)
+
+
+@dataclass
+class _Waiting:
+    """A client whose permission request waits for the hub's answer."""
+
+    client: _Client
+    request: AskRequest
 
 
 class PublishServer:
@@ -107,12 +174,18 @@ class PublishServer:
         send: sends one `Published` on the daemon's connection (called on the sender thread).
         before_terminal: called with the job id before an agent's terminal event is recorded: sends
             the job's remaining output (§15) and returns data for the event (`log_chunks`...).
+        mask: (job_id, text) -> the text with the job's secrets masked (§15), for what a
+            permission request shows the hub.
     """
 
     def __init__(self, registry: Registry, *, held: Callable[[str], bool],
                  send: Callable[[publish.Published], None],
-                 before_terminal: Callable[[str], Mapping[str, int]] | None = None) -> None:
+                 before_terminal: Callable[[str], Mapping[str, int]] | None = None,
+                 mask: Callable[[str, str], str] | None = None) -> None:
         self.registry = registry
+        self.mask = mask or (lambda job_id, text: text)
+        self._waiting: dict[str, _Waiting] = {}  # request id -> its client (§19)
+        self._waiting_lock = threading.Lock()
         self.path = names.runner_socket_path(registry.root)
         self.held = held
         self.send = send
@@ -215,6 +288,11 @@ class PublishServer:
                     self._finish(selector, clients, client, {"ok": False, "reason": "no request line in time"})
             for client in list(clients.values()):
                 self._finish(selector, clients, client, {"ok": False, "reason": "the runner is stopping"})
+        with self._waiting_lock:
+            waiting, self._waiting = list(self._waiting.values()), {}
+        for parked in waiting:
+            self._close(parked.client, {"ok": False, "reason": "the runner is stopping; no answer came",
+                                        "no_answer": True})
 
     def _accept(self, selector: selectors.BaseSelector, clients: dict[int, _Client]) -> None:
         assert self._listener is not None
@@ -248,7 +326,18 @@ class PublishServer:
         elif not newline:
             return
         else:
-            answer = self.handle(line)
+            ask = self._ask_of(line)
+            if isinstance(ask, AskRequest):
+                # the selector lets it go first: once parked, the hub's answer closes it (any thread)
+                with contextlib.suppress(KeyError, ValueError):
+                    selector.unregister(client.sock)
+                clients.pop(client.sock.fileno(), None)
+                refusal = self.ask(ask, client)
+                if refusal is None:
+                    return
+                answer = refusal
+            else:
+                answer = ask if ask is not None else self.handle(line)
         self._finish(selector, clients, client, answer)
 
     def _finish(self, selector: selectors.BaseSelector, clients: dict[int, _Client], client: _Client,
@@ -259,6 +348,11 @@ class PublishServer:
         if answer is not None:
             self._reply(client.sock, answer)
         client.sock.close()
+
+    def _close(self, client: _Client, answer: dict[str, Any]) -> None:
+        self._reply(client.sock, answer)
+        with contextlib.suppress(OSError):
+            client.sock.close()
 
     @staticmethod
     def _reply(sock: socket.socket, answer: dict[str, Any]) -> None:
@@ -288,6 +382,82 @@ class PublishServer:
         self._outgoing.put(published)
         log.debug("job %s seq %d (%s) from the local socket", request.job_id, published.seq, request.event)
         return {"ok": True, "seq": published.seq}
+
+    # ------------------------------------------------------------ permission requests (§19)
+
+    @staticmethod
+    def _ask_of(line: bytes) -> AskRequest | dict[str, Any] | None:
+        """The line's `AskRequest`, a refusal for a bad one, or None when it asks nothing."""
+        try:
+            value = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return None
+        if not isinstance(value, dict) or "ask" not in value:
+            return None
+        try:
+            return parse_ask(value)
+        except UsageError as exc:
+            return {"ok": False, "reason": str(exc), "usage": True}
+
+    def ask(self, request: AskRequest, client: _Client) -> dict[str, Any] | None:
+        """Record the `permission_required` event of `request` and park `client` until `answer`;
+        None once parked, else the refusal to send back (nothing was asked)."""
+        if not self.held(request.job_id):
+            return {"ok": False, "reason": f"job {request.job_id} is not running under this runner"}
+        with self._waiting_lock:
+            count = sum(1 for parked in self._waiting.values() if parked.request.job_id == request.job_id)
+            if count >= MAX_WAITING_ASKS:
+                log.warning("job %s: permission request for %s refused: %d already wait for an answer",
+                            request.job_id, request.tool, count)
+                return {"ok": False, "reason": f"too many permission requests of job {request.job_id} "
+                                               f"wait for an answer (at most {MAX_WAITING_ASKS})"}
+            request_id = names.new_request_id()
+            self._waiting[request_id] = _Waiting(client, request)
+        data = {"request_id": request_id, "tool": request.tool,
+                "input": self.mask(request.job_id, input_summary(request.input))}
+        try:
+            event = publish.make_request(request.job_id, EventName.PERMISSION_REQUIRED,
+                                         f"asks to use {request.tool}",
+                                         json.dumps(data, ensure_ascii=False), request.attempt_id,
+                                         request.dispatch_token)
+            published = publish.record(self.registry, event)
+        except Exception as exc:  # stale attempt, ended job, bad detail: nothing was asked
+            with self._waiting_lock:
+                self._waiting.pop(request_id, None)
+            reason = str(exc) if isinstance(exc, MamError | ProtocolError) else type(exc).__name__
+            return {"ok": False, "reason": f"the permission request was not recorded: {reason}"}
+        self._outgoing.put(published)
+        log.info("job %s asks to use %s (request %s)", request.job_id, request.tool, request_id)
+        return None
+
+    def waiting(self, job_id: str) -> dict[str, int]:
+        """The job's requests that wait for an answer: request id -> attempt."""
+        with self._waiting_lock:
+            return {rid: p.request.attempt_id for rid, p in self._waiting.items() if p.request.job_id == job_id}
+
+    def answer(self, job_id: str, attempt_id: int, request_id: str, *, allow: bool, message: str) -> str | None:
+        """Hand the hub's verified answer to the waiting agent (§19); None when delivered, else
+        why it was refused: no such request waits (never asked, answered already, the job
+        ended), or it is another job's or attempt's."""
+        with self._waiting_lock:
+            parked = self._waiting.get(request_id)
+            if parked is None:
+                return f"request {request_id} is not waiting for an answer (unknown or answered)"
+            if parked.request.job_id != job_id or parked.request.attempt_id != attempt_id:
+                return (f"request {request_id} belongs to job {parked.request.job_id} attempt "
+                        f"{parked.request.attempt_id}, not {job_id} attempt {attempt_id}")
+            del self._waiting[request_id]
+        self._close(parked.client, {"ok": True, "request_id": request_id,
+                                    "behavior": "allow" if allow else "deny", "message": message})
+        return None
+
+    def drop_asks(self, job_id: str, reason: str) -> None:
+        """Answer every request of a job that ended: `deny` with `reason` (the agent is gone or going)."""
+        with self._waiting_lock:
+            dropped = [rid for rid, p in self._waiting.items() if p.request.job_id == job_id]
+            parked = [self._waiting.pop(rid) for rid in dropped]
+        for rid, item in zip(dropped, parked, strict=True):
+            self._close(item.client, {"ok": True, "request_id": rid, "behavior": "deny", "message": reason})
 
     def _send_loop(self) -> None:
         while (published := self._outgoing.get()) is not None:

@@ -419,6 +419,16 @@ class LogStreams:
             self._streams[job_id] = stream
         stream.start()
 
+    def mask(self, registry: Registry, job_id: str, text: str) -> str:
+        """`text` with every secret of the job's stream masked (§15): for what else the hub
+        is shown of the agent's words, e.g. a permission request's input (§19)."""
+        try:
+            token = registry.get(job_id).get("auth_token") or ""
+        except (MamError, OSError):
+            token = ""
+        return Masker([*self.secrets, token]).feed(text.encode("utf-8", "replace"), final=True).decode(
+            "utf-8", "replace")
+
     def finish(self, job_id: str) -> dict[str, int]:
         """§15 barrier: all output sent before the terminal event. Returns the terminal event's
         data (`{}` without a stream); a second call returns the first one's answer at once."""

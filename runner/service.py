@@ -47,7 +47,7 @@ from mam.runner.trust import HubTrust
 from mam.shared import config as shared_config
 from mam.shared.config import BrokerConfig
 from mam.shared.protocol import names
-from mam.shared.protocol.codes import TERMINAL_STATUSES, PresenceStatus
+from mam.shared.protocol.codes import TERMINAL_STATUSES, ControlAction, PresenceStatus
 from mam.shared.protocol.errors import BrokerError, ExitCode, MamError
 from mam.shared.store.records import JobRecord
 from mam.shared.store.registry import JobNotFound, Refusal, Registry
@@ -233,8 +233,15 @@ class Runner:
         # controls first, each with its own SUBACK: a replayed dispatch of a cancelled attempt is refused.
         client.subscribe([(names.all_controls_filter(self.config.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
         client.subscribe([(names.all_dispatches_filter(self.config.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
+        try:
+            client.subscribe([(names.all_answers_filter(self.config.topic_root), mqtt.QOS_AT_LEAST_ONCE)])  # §19
+        except BrokerError as exc:  # a runner user from before §19: jobs run, their agents' asks get no answer
+            log.warning("answers to permission requests cannot reach this runner: %s; give its broker user the "
+                        "rights of `mam-orch runner add` again (docs/security.md)", exc)
+        logstreams = self._supervisor.logstreams
         self._socket = PublishServer(registry, held=lambda job_id: job_id in self.running, send=self._send,
-                                     before_terminal=self._supervisor.logstreams.finish)  # §15
+                                     before_terminal=logstreams.finish,  # §15
+                                     mask=lambda job_id, text: logstreams.mask(registry, job_id, text))
         self._supervisor.socket_path = self._socket.start()  # listening before `online` (§17)
         self._publish_presence(PresenceStatus.ONLINE)
         self._resender = Resender(Outbox(self.options.root), client, self._record)
@@ -365,6 +372,8 @@ class Runner:
                 job = self._jobs.pop(job_id, None)
             if job is not None and job.thread is not None:
                 job.thread.join()
+            if self._socket is not None:
+                self._socket.drop_asks(job_id, "the job ended before an answer came")
             changed = True
         if changed and self.client is not None and not self._shutdown_done:
             self._publish_presence()
@@ -439,6 +448,10 @@ class Runner:
                 self._on_dispatch(job_id, message.topic, message.payload)
             elif leaf == "control":
                 self._on_control(job_id, message.payload)
+            return
+        answered = names.parse_answer_topic(message.topic, self.config.topic_root)
+        if answered is not None:
+            self._on_answer(*answered, message.topic, message.payload)
             return
         if message.topic == self.presence.topic and self.presence.on_message(message.payload, message.retain):
             self._draining.set()
@@ -535,6 +548,10 @@ class Runner:
         if isinstance(control, Refuse):
             log.warning("refused control %s: %s", job_id, control.text)
             return
+        if control.action != ControlAction.CANCEL:
+            log.warning("refused control %s: %s on the control topic (answers have their own, §19)",
+                        job_id, control.action)
+            return
         self.tombstones.remember(job_id, control.attempt_id)
         with self._jobs_lock:
             job = self._jobs.get(job_id)
@@ -548,6 +565,39 @@ class Runner:
             return
         self._drop_pending_for(job_id, control.attempt_id)
         self._cancel_unsupervised(job_id, control.attempt_id)
+
+    def _on_answer(self, job_id: str, request_id: str, topic: str, payload: bytes) -> None:
+        """§19: the hub's signed allow or deny of a permission request goes to the agent waiting
+        for it; the retained answer is then cleared. Anything else is refused with a reason."""
+        control = check_control(job_id, payload, self.trust)
+        if isinstance(control, Ignore):
+            return
+        if isinstance(control, Refuse):
+            log.warning("refused answer %s: %s", job_id, control.text)
+            return
+        if control.action == ControlAction.CANCEL or control.request_id != request_id:
+            log.warning("refused answer %s: %s", job_id, "a cancel is no answer" if control.action ==
+                        ControlAction.CANCEL else f"request {control.request_id} does not match the topic")
+            return
+        if self._socket is None:
+            return
+        waiting = self._socket.waiting(job_id)
+        if request_id not in waiting:
+            # a retained answer this runner delivered before, or another runner's: nothing to do
+            log.debug("answer %s of job %s: no such request waits here", request_id, job_id)
+            return
+        refused = self._socket.answer(job_id, control.attempt_id, request_id,
+                                      allow=control.action == ControlAction.ALLOW, message=control.reason)
+        if refused is not None:
+            log.warning("refused answer %s: %s", job_id, refused)
+            return
+        log.info("job %s request %s: %s (%s)", job_id, request_id,
+                 "allowed" if control.action == ControlAction.ALLOW else "denied", control.reason)
+        try:
+            assert self.client is not None
+            self.client.publish(topic, b"", retain=True)  # delivered: clear it (§2)
+        except BrokerError as exc:
+            log.info("answer %s of job %s not cleared: %s", request_id, job_id, exc)
 
     def _drop_pending_for(self, job_id: str, attempt_id: int) -> None:
         topic = names.dispatch_topic(job_id, self.config.topic_root)

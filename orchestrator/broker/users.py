@@ -64,8 +64,11 @@ def runner_topics(session: str, topic_root: str | None = None) -> tuple[list[str
     root = names.topic_root(topic_root)
     user = runner_user(session)
     own = names.presence_topic(user, root)
-    publish = [f"{root}/jobs/+/{leaf}" for leaf in PUBLISH_LEAVES] + [own, names.enrol_topic(user, "request", root)]
-    subscribe = [f"{root}/jobs/+/{leaf}" for leaf in SUBSCRIBE_LEAVES] + [own, names.enrol_topic(user, "answer", root)]
+    answers = names.all_answers_filter(root)  # §19: read, and cleared once delivered
+    publish = [f"{root}/jobs/+/{leaf}" for leaf in PUBLISH_LEAVES] + [answers, own,
+                                                                     names.enrol_topic(user, "request", root)]
+    subscribe = [f"{root}/jobs/+/{leaf}" for leaf in SUBSCRIBE_LEAVES] + [answers, own,
+                                                                         names.enrol_topic(user, "answer", root)]
     return publish, subscribe
 
 
@@ -77,6 +80,7 @@ def mosquitto_acl_block(session: str, topic_root: str | None = None) -> str:
     rights = (("write", "events"), ("readwrite", "state"), ("write", "log"), ("write", "result"), ("read", "dispatch"),
               ("read", "control"))
     return "".join([f"user {user}\n", *(f"topic {access} {root}/jobs/+/{leaf}\n" for access, leaf in rights),
+                    f"topic readwrite {names.all_answers_filter(root)}\n",
                     f"topic write {names.enrol_topic(user, 'request', root)}\n",
                     f"topic read {names.enrol_topic(user, 'answer', root)}\n"])
 

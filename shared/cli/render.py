@@ -270,6 +270,13 @@ def show_text(record: Mapping[str, Any], trail: Sequence[Mapping[str, Any]], roo
         if event == "status_changed":
             detail = (f"{_cell(rest.get('from'))} -> {_cell(rest.get('to'))} by {_cell(rest.get('source'))}"
                       f" ({_cell(rest.get('reason'))})")
+        elif event == "permission_required" and isinstance(rest.get("data"), dict):  # §19
+            data = rest["data"]
+            detail = (f"seq {_cell(rest.get('seq'))} {_cell(rest.get('detail'))}: {_cell(data.get('input'))} "
+                      f"(request {_cell(data.get('request_id'))})")
+        elif event == "permission_answered":
+            detail = (f"{_cell(rest.get('behavior'))} by {_cell(rest.get('by'))} (request "
+                      f"{_cell(rest.get('request_id'))}): {_cell(rest.get('message'))}")
         elif "seq" in rest:
             detail = f"seq {_cell(rest.get('seq'))} {_cell(rest.get('detail'))}"
         else:

@@ -67,9 +67,12 @@ class PresenceStatus(StrEnum):
 
 
 class ControlAction(StrEnum):
-    """A control message's `action` (§6)."""
+    """A control message's `action`: a cancel (§6), or a person's answer to an agent's
+    permission request (§19)."""
 
     CANCEL = "cancel"
+    ALLOW = "allow"
+    DENY = "deny"
 
 
 TERMINAL_EVENTS = frozenset({EventName.COMPLETED, EventName.ERROR})

@@ -18,6 +18,7 @@ DEFAULT_TOPIC_ROOT = "python/mqtt"
 JOB_ID_RE = re.compile(r"^[0-9a-f]{8}$")
 SESSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 TOKEN_RE = re.compile(r"^[0-9a-f]{32}$")
+REQUEST_ID_RE = re.compile(r"^[0-9a-f]{16}$")
 RUNNER_ID_RE = TOKEN_RE
 REMOTE_PREFIX = "remote:"
 SESSION_MAX_LEN = 63
@@ -57,6 +58,20 @@ def new_auth_token() -> str:
     import secrets  # lazy: not on the `mam-runner publish` fast path
 
     return secrets.token_urlsafe(32)
+
+
+def new_request_id() -> str:
+    """A fresh permission request id, 16 hex characters (§19)."""
+    import secrets
+
+    return secrets.token_hex(8)
+
+
+def validate_request_id(value: object) -> str:
+    """Return `value` if it is a permission request id (§19), else raise `UsageError`."""
+    if not isinstance(value, str) or not REQUEST_ID_RE.fullmatch(value):
+        raise UsageError(f"request id {value!r} is invalid: expected 16 lowercase hex characters")
+    return value
 
 
 def validate_job_id(value: object) -> str:
@@ -346,6 +361,29 @@ def log_topic(job_id: str, root: str | None = None) -> str:
 def all_dispatches_filter(root: str | None = None) -> str:
     """Subscription filter for every job's dispatch: `ROOT/jobs/+/dispatch` (§11)."""
     return f"{topic_root(root)}/jobs/+/dispatch"
+
+
+def answer_topic(job_id: str, request_id: str, root: str | None = None) -> str:
+    """`ROOT/jobs/<job_id>/answers/<request_id>`: the hub's retained, signed answer to one
+    permission request (§2, §19)."""
+    return f"{topic_root(root)}/jobs/{validate_job_id(job_id)}/answers/{validate_request_id(request_id)}"
+
+
+def all_answers_filter(root: str | None = None) -> str:
+    """Subscription filter for every answer: `ROOT/jobs/+/answers/+` (§19)."""
+    return f"{topic_root(root)}/jobs/+/answers/+"
+
+
+def parse_answer_topic(topic: str, root: str | None = None) -> tuple[str, str] | None:
+    """Split `ROOT/jobs/<job_id>/answers/<request_id>` into (job_id, request_id), or None."""
+    prefix = f"{topic_root(root)}/jobs/"
+    if not topic.startswith(prefix):
+        return None
+    parts = topic[len(prefix):].split("/")
+    if len(parts) != 3 or parts[1] != "answers" or not JOB_ID_RE.fullmatch(parts[0]) \
+            or not REQUEST_ID_RE.fullmatch(parts[2]):
+        return None
+    return parts[0], parts[2]
 
 
 def all_controls_filter(root: str | None = None) -> str:

@@ -26,10 +26,11 @@ def test_s16_runner_user_entry_grants_only_the_runner_subjects():
     line = users.nats_user_entry("gpu-box", PASSWORD, "python/mqtt")
     assert line.endswith("  # runner gpu-box\n") and line.count("\n") == 1
     assert '"python.mqtt.jobs.*.events", "python.mqtt.jobs.*.state", "python.mqtt.jobs.*.log", ' \
-           '"python.mqtt.jobs.*.result", "python.mqtt.runners.gpu-box", "python.mqtt.enrol.gpu-box.request"] }, ' \
-           'subscribe: { allow: ' \
+           '"python.mqtt.jobs.*.result", "python.mqtt.jobs.*.answers.*", "python.mqtt.runners.gpu-box", ' \
+           '"python.mqtt.enrol.gpu-box.request"] }, subscribe: { allow: ' \
            '["python.mqtt.jobs.*.dispatch", "python.mqtt.jobs.*.control", "python.mqtt.jobs.*.state", ' \
-           '"python.mqtt.runners.gpu-box", "python.mqtt.enrol.gpu-box.answer"]' in line
+           '"python.mqtt.jobs.*.answers.*", "python.mqtt.runners.gpu-box", "python.mqtt.enrol.gpu-box.answer"]' \
+           in line
     assert "dispatch\", \"python.mqtt.runners" not in line.split("subscribe")[0]  # never publishes a dispatch
 
 

@@ -23,6 +23,7 @@ from mam.shared.protocol.codes import (
     PRESENCE_STATUSES,
     TERMINAL_EVENTS,
     TERMINAL_STATUSES,
+    ControlAction,
 )
 from mam.shared.protocol.errors import UsageError
 from mam.shared.protocol.wire.fields import (
@@ -245,6 +246,7 @@ class Control:
     kind: str = "control"
     schema_version: int = SCHEMA_VERSION
     sig_alg: str | None = None  # §16: "ed25519" on v2
+    request_id: str | None = None  # §19: the permission request an allow/deny answers
 
     def __post_init__(self) -> None:
         run_check(self._check)
@@ -257,6 +259,11 @@ class Control:
         check_int(self.attempt_id, "attempt_id")
         check_text(self.reason, "reason", MAX_REASON_CHARS)
         check_timestamp(self.issued_at, "issued_at")
+        if self.action == ControlAction.CANCEL:
+            if self.request_id is not None:
+                raise Invalid("request_id is only for an allow or deny (§19)")
+        elif not isinstance(self.request_id, str) or not names.REQUEST_ID_RE.fullmatch(self.request_id):
+            raise Invalid(f"request_id {show(self.request_id)} is invalid: expected 16 lowercase hex characters")
         if self.sig is not None:
             check_sig(self.sig, self.sig_alg)
 
@@ -273,6 +280,19 @@ class Control:
         return build(cls, job_id=job_id, attempt_id=attempt_id, reason=reason, issued_at=ts_arg(issued_at))
 
     @classmethod
+    def answer(cls, job_id: str, attempt_id: int, request_id: str, *, allow: bool, reason: str,
+               issued_at: datetime | str | None = None) -> Control:
+        """An unsigned answer to a permission request (§19): action `allow` or `deny`.
+
+        Args:
+            reason: who answered and why, shown to the agent on a deny (<= 256 chars).
+        Raises:
+            UsageError: a field breaks §19.
+        """
+        return build(cls, job_id=job_id, attempt_id=attempt_id, reason=reason, request_id=request_id,
+                     action=str(ControlAction.ALLOW if allow else ControlAction.DENY), issued_at=ts_arg(issued_at))
+
+    @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> Control:
         """Apply the §6 rules to a parsed payload (sig required); raises `DecodeError`."""
         return decode_object(obj, _control_from)
@@ -282,6 +302,8 @@ class Control:
         out: dict[str, Any] = {"schema_version": self.schema_version, "kind": self.kind, "action": self.action,
                                "job_id": self.job_id, "attempt_id": self.attempt_id, "reason": self.reason,
                                "issued_at": self.issued_at}
+        if self.request_id is not None:
+            out["request_id"] = self.request_id
         if self.sig_alg is not None:
             out["sig_alg"] = self.sig_alg
         if self.sig is not None:
@@ -411,7 +433,7 @@ def _state_from(obj: dict[str, Any]) -> State:
 
 
 def _control_from(obj: dict[str, Any]) -> Control:
-    check_fields(obj, CONTROL_FIELDS, optional=V2_SIGNED_FIELDS)
+    check_fields(obj, CONTROL_FIELDS, optional=V2_SIGNED_FIELDS | {"request_id"})
     if obj["sig"] is None:
         raise Invalid("sig must be a string, got null")
     return Control(**obj)

@@ -1,0 +1,168 @@
+"""A person answers an agent's permission request from the hub (PROTOCOL §19).
+
+The hub learns a request from the runner's signed `permission_required` event (kept in the
+job's audit log with the other accepted events, §3.2); it answers with a signed `control`
+whose action is `allow` or `deny`, retained on `ROOT/jobs/<job_id>/answers/<request_id>`
+(the runner clears it once the agent has it), and a `permission_answered` audit line saying
+who answered and when. A request is pending while its attempt is the job's current one, the
+job has not ended and no answer is on record.
+
+    asks_of(registry, "918b0612")                # every request of the job, answered or not
+    answer(hub, "918b0612", None, allow=True)    # the one pending request
+"""
+
+from __future__ import annotations
+
+import getpass
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from mam.orchestrator.hub import Hub
+from mam.orchestrator.identity import roster
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.codes import TERMINAL_STATUSES, EventName
+from mam.shared.protocol.errors import MamError, UsageError
+from mam.shared.store.registry import Registry
+
+ANSWERED = "permission_answered"
+"""The audit line of an answer the hub sent (§19)."""
+MAX_MESSAGE_CHARS = 256
+"""Longest `deny --reason` (the control's `reason`, §6)."""
+
+
+class AnswerRefused(MamError):
+    """The request cannot be answered: unknown, answered already, of an older attempt, or the job ended."""
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One permission request of a job, with its answer when there is one (§19)."""
+
+    job_id: str
+    attempt_id: int
+    request_id: str
+    tool: str
+    input: str
+    asked_at: str
+    behavior: str | None = None  # "allow" | "deny" once answered
+    answered_by: str | None = None
+    answered_at: str | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job_id": self.job_id, "attempt_id": self.attempt_id, "request_id": self.request_id,
+                "tool": self.tool, "input": self.input, "asked_at": self.asked_at, "behavior": self.behavior,
+                "answered_by": self.answered_by, "answered_at": self.answered_at, "message": self.message}
+
+
+def asks_of(registry: Registry, job_id: str) -> list[Ask]:
+    """Every permission request of the job, oldest first, with its answer if any (§19).
+
+    Raises:
+        UsageError: bad job id. RegistryError: the audit log cannot be read.
+    """
+    names.validate_job_id(job_id)
+    asked: dict[str, Ask] = {}
+    for line in registry.audit(job_id):
+        data = line.get("data")
+        if line.get("event") == EventName.PERMISSION_REQUIRED and isinstance(data, dict):
+            request_id = data.get("request_id")
+            if isinstance(request_id, str) and names.REQUEST_ID_RE.fullmatch(request_id) and request_id not in asked:
+                asked[request_id] = Ask(job_id, int(data.get("attempt_id") or 0), request_id,
+                                        str(data.get("tool") or "?"), str(data.get("input") or ""),
+                                        str(line.get("timestamp") or ""))
+        elif line.get("event") == ANSWERED and line.get("request_id") in asked:
+            old = asked[line["request_id"]]
+            asked[old.request_id] = Ask(old.job_id, old.attempt_id, old.request_id, old.tool, old.input,
+                                        old.asked_at, str(line.get("behavior")), str(line.get("by") or ""),
+                                        str(line.get("timestamp") or ""), str(line.get("message") or ""))
+    return list(asked.values())
+
+
+def pending(registry: Registry, job_id: str) -> list[Ask]:
+    """The job's requests that wait for a person: unanswered, of its current attempt, job not ended."""
+    record = registry.get(job_id)
+    if record["status"] in TERMINAL_STATUSES:
+        return []
+    return [ask for ask in asks_of(registry, job_id)
+            if ask.behavior is None and ask.attempt_id == record["attempt_id"]]
+
+
+def operator() -> str:
+    """Who answers from this process: `user@host`."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def choose(registry: Registry, job_id: str, request_id: str | None) -> Ask:
+    """The request to answer: `request_id`, or the job's only pending one.
+
+    Raises:
+        AnswerRefused: unknown, answered already, of an older attempt, or the job ended; no pending one.
+        UsageError: several pending and none named (the ids are listed).
+    """
+    record = registry.get(job_id)
+    if request_id is None:
+        waiting = pending(registry, job_id)
+        if not waiting:
+            raise AnswerRefused(f"job {job_id} has no permission request waiting for an answer")
+        if len(waiting) > 1:
+            listed = ", ".join(f"{ask.request_id} ({ask.tool})" for ask in waiting)
+            raise UsageError(f"job {job_id} has {len(waiting)} requests waiting: {listed}; name one")
+        return waiting[0]
+    names.validate_request_id(request_id)
+    found = {ask.request_id: ask for ask in asks_of(registry, job_id)}.get(request_id)
+    if found is None:
+        raise AnswerRefused(f"job {job_id} never asked request {request_id}")
+    if found.behavior is not None:
+        raise AnswerRefused(f"request {request_id} of job {job_id} was answered already "
+                            f"({found.behavior} by {found.answered_by} at {found.answered_at})")
+    if record["status"] in TERMINAL_STATUSES:
+        raise AnswerRefused(f"job {job_id} is {record['status']}; nothing waits for an answer")
+    if found.attempt_id != record["attempt_id"]:
+        raise AnswerRefused(f"request {request_id} is of attempt {found.attempt_id}; job {job_id} is on "
+                            f"attempt {record['attempt_id']}")
+    return found
+
+
+def answer(hub: Hub, job_id: str, request_id: str | None, *, allow: bool, message: str | None = None,
+           by: str | None = None) -> Ask:
+    """Answer one permission request (§19): a signed control (v2 for an enrolled session, §16)
+    retained on the request's answer topic, then a `permission_answered` audit line.
+
+    Args:
+        hub: the hub (its registry, keys and broker settings).
+        request_id: the request; None: the job's only pending one.
+        allow: allow or deny.
+        message: what the agent is told (a deny's reason); default "approved/denied by <by>".
+        by: who answers (default `operator()`).
+    Returns:
+        the request with its answer.
+    Raises:
+        AnswerRefused (1), UsageError (64), ConfigError (64), BrokerError (3: nothing recorded).
+    """
+    who = by or operator()
+    text = " ".join((message or f"{'approved' if allow else 'denied'} by {who}").split())
+    if not text or len(text) > MAX_MESSAGE_CHARS:
+        raise UsageError(f"the reason must be 1-{MAX_MESSAGE_CHARS} characters")
+    registry = hub.registry
+    ask = choose(registry, job_id, request_id)
+    record = registry.get(job_id)
+    control = wire.Control.answer(job_id, ask.attempt_id, ask.request_id, allow=allow, reason=text)
+    session = record.get("session")
+    signed = roster.sign_control_v2(hub.root, session, control) if session else None
+    payload = wire.encode(signed or crypto.sign(control.to_dict(), hub.keys().sign_key))
+    client = hub.connect("answer", record)
+    try:
+        client.publish(names.answer_topic(job_id, ask.request_id, client.config.topic_root), payload, retain=True)
+    finally:
+        client.close()
+    behavior = "allow" if allow else "deny"
+    registry.append_audit(job_id, {"event": ANSWERED, "request_id": ask.request_id, "attempt_id": ask.attempt_id,
+                                   "behavior": behavior, "by": who, "message": text})
+    return Ask(ask.job_id, ask.attempt_id, ask.request_id, ask.tool, ask.input, ask.asked_at, behavior, who,
+               None, text)

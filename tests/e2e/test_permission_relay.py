@@ -1,0 +1,160 @@
+"""A person answers an agent's permission request from the hub (PROTOCOL §19), over real
+brokers with real processes: the agent (the shell agent running `mam-runner ask`) blocks
+until `mam-orch approve` / `deny` answers; the answers are signed, recorded with who gave
+them, delivered once and refused when forged, unknown, repeated or late.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+from harness.jobkit import WatchProcess
+from harness.runnersim import MAM_ORCH, MAM_RUNNER, hub_env, hub_workspace, orch, retained, runner_log, start_runner
+from harness.waiting import PATIENCE_S, wait_until
+from harness.workspace import TEST_SECRET
+
+from mam.orchestrator.asks import ANSWERED
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.store.registry import Registry
+from mam.shared.transport import mqtt
+
+pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
+
+SESSION = "gpu-box"
+ASK = shlex.join([*MAM_RUNNER, "ask"])
+PUSH = {"command": "git push origin main"}
+WRITE = {"file_path": "notes.md", "content": "x"}
+
+
+def ask_step(n: int, tool: str, tool_input: dict) -> str:
+    """One brief line: ask, keep the answer and the exit code in $OUT.<n> (a deny is no failure)."""
+    return (f'rc=0; {ASK} --tool {tool} --input {shlex.quote(json.dumps(tool_input))} > "$OUT.{n}.tmp" || rc=$?; '
+            f'echo "rc=$rc" >> "$OUT.{n}.tmp"; mv "$OUT.{n}.tmp" "$OUT.{n}"')
+
+
+def dispatch(hub: Path, brief: str) -> WatchProcess:
+    return WatchProcess([*MAM_ORCH, "dispatch", "--session", SESSION, "--brief", brief, "--ack-timeout",
+                         str(int(PATIENCE_S)), "--workspace", str(hub)], hub_env())
+
+
+def asked(watch: WatchProcess, count: int) -> list[dict]:
+    """The first `count` permission requests the hub saw (their event data)."""
+    def seen() -> list[dict] | None:
+        events = watch.events("permission_required")
+        return [event["data"] for event in events[:count]] if len(events) >= count else None
+    return wait_until(seen, what=f"permission request {count} at the hub")
+
+
+def answer_of(out: Path, n: int) -> tuple[dict, str]:
+    path = Path(f"{out}.{n}")
+    wait_until(path.exists, what=f"the agent's answer {n}")
+    first, rc = path.read_text().splitlines()
+    return json.loads(first), rc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    proc.wait(PATIENCE_S)
+
+
+def test_approve_then_deny_with_a_reason_reach_the_waiting_agent_and_are_recorded(broker, tmp_path):
+    hub = hub_workspace(broker, tmp_path)
+    ws, out = tmp_path / "runner", tmp_path / "out"
+    runner = start_runner(broker, ws, SESSION, OUT=str(out))
+    watch = dispatch(hub, "\n".join([ask_step(1, "Bash", PUSH), ask_step(2, "Write", WRITE)]))
+    try:
+        first = asked(watch, 1)[0]
+        job_id = watch.events("permission_required")[0]["job_id"]
+        assert first["tool"] == "Bash" and first["input"] == "git push origin main", first
+        assert watch.events("permission_required")[0]["detail"] == "asks to use Bash"
+        approved = orch(hub, "approve", job_id, "--json")
+        assert approved.returncode == 0, approved.stderr
+        assert f"request {first['request_id']} (Bash): allowed by " in approved.stderr
+        assert answer_of(out, 1) == ({"behavior": "allow", "message": json.loads(approved.stdout)["message"],
+                                      "request_id": first["request_id"]}, "rc=0")
+        second = asked(watch, 2)[1]
+        denied = orch(hub, "deny", job_id, second["request_id"], "--reason", "no writes today")
+        assert denied.returncode == 0, denied.stderr
+        assert answer_of(out, 2) == ({"behavior": "deny", "message": "no writes today",
+                                      "request_id": second["request_id"]}, "rc=1")
+        assert watch.wait(PATIENCE_S) == 0, watch.log() + runner_log(ws)
+        # the runner cleared each delivered answer
+        topic = names.answer_topic(job_id, first["request_id"], broker.topic_root)
+        assert wait_until(lambda: retained(broker, topic) is None, what="the delivered answer cleared")
+    finally:
+        watch.kill()
+        stop(runner)
+    lines = [line for line in Registry(hub).audit(job_id) if line.get("event") == ANSWERED]
+    assert [(line["request_id"], line["behavior"]) for line in lines] == [
+        (first["request_id"], "allow"), (second["request_id"], "deny")]
+    assert all("@" in line["by"] for line in lines) and lines[1]["message"] == "no writes today"
+    # late, repeated, unknown: refused with one line each, exit 1
+    again = orch(hub, "approve", job_id, first["request_id"])
+    assert again.returncode == 1 and "answered already (allow by " in again.stderr, again.stderr
+    unknown = orch(hub, "deny", job_id, "0123456789abcdef")
+    assert unknown.returncode == 1 and "never asked request 0123456789abcdef" in unknown.stderr
+    none = orch(hub, "approve", job_id)
+    assert none.returncode == 1 and "no permission request waiting" in none.stderr
+    malformed = orch(hub, "approve", job_id, "not-a-request")
+    assert malformed.returncode == 64 and malformed.stderr.count("\n") == 1, malformed.stderr
+    oversized = orch(hub, "deny", job_id, "--reason", "x" * 300)
+    assert oversized.returncode == 64 and "1-256 characters" in oversized.stderr
+
+
+def test_a_forged_or_misplaced_answer_is_refused_and_the_agent_keeps_waiting(nats_broker, tmp_path):
+    """Hostile: an allow signed with another key, an allow for this request on the control
+    topic, and a cancel on the answer topic are each refused in the runner's log; nothing
+    reaches the agent, and the hub's real answer still does."""
+    hub = hub_workspace(nats_broker, tmp_path)
+    ws, out = tmp_path / "runner", tmp_path / "out"
+    runner = start_runner(nats_broker, ws, SESSION, OUT=str(out))
+    watch = dispatch(hub, ask_step(1, "Bash", PUSH))
+    try:
+        request_id = asked(watch, 1)[0]["request_id"]
+        event = watch.events("permission_required")[0]
+        job_id, attempt = event["job_id"], event["data"]["attempt_id"]
+        root = nats_broker.topic_root
+        forged = wire.Control.answer(job_id, attempt, request_id, allow=True, reason="forged")
+        wrong_key = crypto.derive_keys("another-secret-of-at-least-32-characters!")
+        good = crypto.derive_keys(TEST_SECRET)
+        misplaced = wire.encode(crypto.sign(forged.to_dict(), good.sign_key))
+        cancel_there = wire.encode(crypto.sign(wire.Control.cancel(job_id, attempt, "x").to_dict(), good.sign_key))
+        with mqtt.MqttClient(nats_broker.config(), "attacker").connect() as attacker:
+            attacker.publish(names.answer_topic(job_id, request_id, root),
+                             wire.encode(crypto.sign(forged.to_dict(), wrong_key.sign_key)), retain=True)
+            wait_until(lambda: "refused answer" in runner_log(ws), what="the forged answer refused")
+            attacker.publish(names.control_topic(job_id, root), misplaced, retain=False)
+            wait_until(lambda: "allow on the control topic" in runner_log(ws), what="the misplaced allow refused")
+            attacker.publish(names.answer_topic(job_id, request_id, root), cancel_there, retain=False)
+            wait_until(lambda: "a cancel is no answer" in runner_log(ws), what="the cancel as an answer refused")
+        assert not Path(f"{out}.1").exists() and watch.proc.poll() is None
+        approved = orch(hub, "approve", job_id)
+        assert approved.returncode == 0, approved.stderr
+        assert answer_of(out, 1)[0]["behavior"] == "allow"
+        assert watch.wait(PATIENCE_S) == 0, watch.log() + runner_log(ws)
+    finally:
+        watch.kill()
+        stop(runner)
+
+
+def test_ask_outside_a_job_or_with_bad_input_exits_64_with_one_line(tmp_path):
+    env = hub_env()
+    outside = subprocess.run([*MAM_RUNNER, "ask", "--tool", "Bash"], env=env, capture_output=True, text=True,
+                             timeout=PATIENCE_S)
+    assert outside.returncode == 64 and "inside a job only" in outside.stderr and outside.stderr.count("\n") == 1
+    inside = {**env, "MAM_JOB_ID": "918b0612", "MAM_ATTEMPT_ID": "1", "MAM_DISPATCH_TOKEN": "0" * 32,
+              "MAM_RUNNER_SOCKET": str(tmp_path / "none.sock")}
+    for bad, reason in (("[1]", "must be a JSON object"), ("{nope", "not valid JSON"),
+                        ("{\"a\": \"" + "x" * 70_000 + "\"}", "larger than")):
+        done = subprocess.run([*MAM_RUNNER, "ask", "--tool", "Bash", "--input", bad], env=inside,
+                              capture_output=True, text=True, timeout=PATIENCE_S)
+        assert done.returncode == 64 and reason in done.stderr, (bad[:20], done.stderr)
+    absent = subprocess.run([*MAM_RUNNER, "ask", "--tool", "Bash"], env=inside, capture_output=True, text=True,
+                            timeout=PATIENCE_S)
+    assert absent.returncode == 2 and json.loads(absent.stdout)["behavior"] == "deny", absent

@@ -1,0 +1,235 @@
+"""Permission requests and their answers (PROTOCOL §19) without a broker: the answer's wire
+rules, its topic, the runner socket's side (park, answer, cap, drop) and the hub's reading of
+a job's requests from its audit log."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from mam.orchestrator import asks
+from mam.runner import localsock
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.errors import DecodeError, UsageError
+from mam.shared.store.registry import Contract, Registry
+
+pytestmark = pytest.mark.timeout(60)
+
+JOB = "918b0612"
+TOKEN = "0123456789abcdef0123456789abcdef"
+AUTH = "auth-token-for-the-unit-tests-0123456789"
+RID = "0123456789abcdef"
+KEYS = crypto.derive_keys("test-dispatch-secret-0123456789abcdef")
+
+
+# ---------------------------------------------------------------- wire and topics
+
+
+def test_an_answer_is_a_signed_control_with_a_request_id_that_round_trips():
+    control = wire.Control.answer(JOB, 2, RID, allow=False, reason="no writes today")
+    raw = wire.encode(crypto.sign(control.to_dict(), KEYS.sign_key))
+    decoded = wire.decode(raw, "control")
+    crypto.verify(decoded, KEYS.sign_key)
+    assert (decoded.action, decoded.request_id, decoded.attempt_id, decoded.reason) == ("deny", RID, 2,
+                                                                                       "no writes today")
+    assert json.loads(raw)["action"] == "deny"
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"action": "cancel"}, "request_id is only for an allow or deny"),
+    ({"request_id": None}, "request_id"),
+    ({"request_id": "XYZ"}, "request_id 'XYZ' is invalid"),
+    ({"request_id": "0" * 64}, "16 lowercase hex"),
+    ({"action": "approve"}, "action"),
+])
+def test_an_answer_that_breaks_the_rules_is_malformed(change, reason):
+    body = {**wire.Control.answer(JOB, 1, RID, allow=True, reason="ok").to_dict(), **change, "sig": "0" * 64}
+    if body.get("request_id") is None:
+        body.pop("request_id")
+    with pytest.raises(DecodeError) as caught:
+        wire.decode(json.dumps(body), "control")
+    assert reason in str(caught.value)
+
+
+def test_answer_topics_are_built_and_parsed_strictly():
+    topic = names.answer_topic(JOB, RID, "python/mqtt")
+    assert topic == f"python/mqtt/jobs/{JOB}/answers/{RID}"
+    assert names.parse_answer_topic(topic, "python/mqtt") == (JOB, RID)
+    assert names.all_answers_filter("python/mqtt") == "python/mqtt/jobs/+/answers/+"
+    for bad in (f"python/mqtt/jobs/{JOB}/answers", f"python/mqtt/jobs/{JOB}/answers/{RID}/x",
+                f"python/mqtt/jobs/{JOB}/control", f"python/mqtt/jobs/{JOB}/answers/../etc",
+                f"other/jobs/{JOB}/answers/{RID}"):
+        assert names.parse_answer_topic(bad, "python/mqtt") is None
+    assert names.parse_job_topic(topic, "python/mqtt") is None  # never taken for a dispatch or control
+    with pytest.raises(UsageError):
+        names.answer_topic(JOB, "nope")
+
+
+# ---------------------------------------------------------------- the runner's socket
+
+
+def server(root: Path) -> localsock.PublishServer:
+    registry = Registry(root)
+    registry.mirror(job_id=JOB, session="gpu-box", attempt_id=1, dispatch_token=TOKEN, auth_token=AUTH,
+                    contract=Contract())
+    return localsock.PublishServer(registry, held=lambda job_id: job_id == JOB, send=lambda p: None,
+                                   mask=lambda job_id, text: text.replace("s3cret", "***"))
+
+
+def request(tool: str = "Bash", tool_input: dict | None = None, **fields: object) -> localsock.AskRequest:
+    value = {"job_id": JOB, "attempt_id": 1, "dispatch_token": TOKEN,
+             "ask": {"tool": tool, "input": tool_input if tool_input is not None else {"command": "git push"}},
+             **fields}
+    return localsock.parse_ask(value)
+
+
+@pytest.fixture
+def client():
+    """Makes (the daemon's side as a parked client, the agent's side) socket pairs; all closed after."""
+    made: list[socket.socket] = []
+
+    def make() -> tuple[localsock._Client, socket.socket]:
+        ours, theirs = socket.socketpair()
+        theirs.settimeout(5)
+        made.extend((ours, theirs))
+        return localsock._Client(ours, 0.0), theirs
+    yield make
+    for sock in made:
+        sock.close()
+
+
+def reply(theirs: socket.socket) -> dict:
+    return json.loads(theirs.makefile("rb").readline())
+
+
+def test_a_request_is_recorded_as_a_masked_event_and_waits_for_its_answer(tmp_path, client):
+    srv = server(tmp_path)
+    parked, theirs = client()
+    assert srv.ask(request(tool_input={"command": "curl -H 'token: s3cret' x"}), parked) is None
+    event = srv._outgoing.get_nowait().event
+    assert event["event"] == "permission_required" and event["detail"] == "asks to use Bash"
+    request_id = event["data"]["request_id"]
+    assert event["data"]["tool"] == "Bash" and event["data"]["input"] == "curl -H 'token: ***' x"
+    assert srv.waiting(JOB) == {request_id: 1}
+    refused = srv.answer(JOB, 2, request_id, allow=True, message="m")
+    assert refused is not None and "attempt 1, not" in refused  # another attempt's answer is not this one's
+    assert srv.answer(JOB, 1, "f" * 16, allow=True, message="m") == (
+        f"request {'f' * 16} is not waiting for an answer (unknown or answered)")
+    assert srv.answer(JOB, 1, request_id, allow=False, message="no writes") is None
+    assert reply(theirs) == {"ok": True, "request_id": request_id, "behavior": "deny", "message": "no writes"}
+    assert srv.answer(JOB, 1, request_id, allow=True, message="again") is not None  # delivered once
+    assert srv.waiting(JOB) == {}
+
+
+def test_a_flood_of_requests_is_capped_and_an_ended_job_denies_what_waits(tmp_path, client):
+    srv = server(tmp_path)
+    theirs = []
+    for _ in range(localsock.MAX_WAITING_ASKS):
+        parked, other = client()
+        assert srv.ask(request(), parked) is None
+        theirs.append(other)
+    refused = srv.ask(request(), client()[0])
+    assert refused is not None and f"at most {localsock.MAX_WAITING_ASKS}" in refused["reason"]
+    assert len(srv.waiting(JOB)) == localsock.MAX_WAITING_ASKS
+    srv.drop_asks(JOB, "the job ended before an answer came")
+    answers = [reply(other) for other in theirs]
+    assert {a["behavior"] for a in answers} == {"deny"} and srv.waiting(JOB) == {}
+
+
+def test_a_request_for_a_job_not_held_or_with_a_stale_token_asks_nothing(tmp_path, client):
+    srv = server(tmp_path)
+    assert srv.ask(request(job_id="0badc0de"), client()[0]) == {
+        "ok": False, "reason": "job 0badc0de is not running under this runner"}
+    stale = srv.ask(request(dispatch_token="f" * 32), client()[0])
+    assert stale is not None and stale["reason"].startswith("the permission request was not recorded")
+    assert srv.waiting(JOB) == {} and srv._outgoing.empty()
+
+
+@pytest.mark.parametrize(("value", "reason"), [
+    ({"ask": {"tool": "Bash"}, "extra": 1}, "unknown request field"),
+    ({"ask": "Bash"}, "'ask' must be an object"),
+    ({"ask": {"tool": ""}}, "tool name"),
+    ({"ask": {"tool": "a\nb"}}, "tool name"),
+    ({"ask": {"tool": "x" * 200}}, "tool name"),
+    ({"ask": {"tool": "Bash", "input": [1]}}, "must be a JSON object"),
+    ({"ask": {"tool": "Bash", "why": 1}}, "'ask' must be an object"),
+    ({"ask": {"tool": "Bash"}, "attempt_id": "1"}, "attempt_id"),
+    ({"ask": {"tool": "Bash"}, "job_id": "../x"}, "job id"),
+])
+def test_bad_requests_are_refused_with_one_reason(value, reason):
+    base = {"job_id": JOB, "attempt_id": 1, "dispatch_token": TOKEN}
+    with pytest.raises(UsageError) as caught:
+        localsock.parse_ask({**base, **value})
+    assert reason in str(caught.value)
+
+
+def test_the_summary_shows_a_command_or_compact_json_on_one_capped_line():
+    assert localsock.input_summary({"command": "git push\norigin"}) == "git push origin"
+    assert localsock.input_summary({"file_path": "a", "content": "b"}) == '{"file_path":"a","content":"b"}'
+    assert len(localsock.input_summary({"content": "x" * 5000})) == localsock.MAX_INPUT_SUMMARY_CHARS
+
+
+# ---------------------------------------------------------------- the hub's view
+
+
+def hub_job(root: Path, *lines: dict) -> Registry:
+    registry = Registry(root)
+    registry.register(session="gpu-box", job_id=JOB)
+    for line in lines:
+        registry.append_audit(JOB, line)
+    return registry
+
+
+def asked(request_id: str, attempt: int = 1, tool: str = "Bash") -> dict:
+    return {"event": "permission_required", "job_id": JOB, "timestamp": "2026-12-04T10:00:00Z",
+            "data": {"request_id": request_id, "attempt_id": attempt, "tool": tool, "input": "git push"}}
+
+
+def test_the_hub_reads_requests_and_answers_from_the_audit_log(tmp_path):
+    other = "f" * 16
+    registry = hub_job(tmp_path, asked(RID), asked(other, tool="Write"),
+                       {"event": asks.ANSWERED, "request_id": RID, "behavior": "allow", "by": "ann@hub",
+                        "message": "approved by ann@hub"})
+    found = asks.asks_of(registry, JOB)
+    assert [(a.request_id, a.behavior, a.answered_by) for a in found] == [(RID, "allow", "ann@hub"),
+                                                                           (other, None, None)]
+    assert [a.request_id for a in asks.pending(registry, JOB)] == [other]
+    assert asks.choose(registry, JOB, None).request_id == other
+    with pytest.raises(asks.AnswerRefused, match="answered already"):
+        asks.choose(registry, JOB, RID)
+    with pytest.raises(asks.AnswerRefused, match="never asked"):
+        asks.choose(registry, JOB, "a" * 16)
+
+
+def test_the_hub_refuses_a_stale_attempt_an_ended_job_and_an_unnamed_choice_of_several(tmp_path):
+    registry = hub_job(tmp_path, asked(RID, attempt=0), asked("a" * 16), asked("b" * 16))
+    with pytest.raises(asks.AnswerRefused, match="of attempt 0; job 918b0612 is on attempt 1"):
+        asks.choose(registry, JOB, RID)
+    with pytest.raises(UsageError, match="has 2 requests waiting: aaaaaaaaaaaaaaaa"):
+        asks.choose(registry, JOB, None)
+    registry.close(JOB, "cancelled")
+    assert asks.pending(registry, JOB) == []
+    with pytest.raises(asks.AnswerRefused, match="is cancelled; nothing waits"):
+        asks.choose(registry, JOB, "a" * 16)
+    with pytest.raises(UsageError):
+        asks.choose(registry, JOB, "not-hex")
+
+
+def test_the_views_show_the_request_its_input_and_how_to_answer_with_controls_escaped(tmp_path):
+    from mam.orchestrator.watch import render_event
+    from mam.shared.cli.render import show_text
+
+    event = {"job_id": JOB, "seq": 3, "event": "permission_required", "timestamp": "2026-12-04T18:17:45Z",
+             "detail": "asks to use Bash", "data": {"request_id": RID, "input": "git push\x1b[31m"}}
+    line = render_event(event, True)
+    assert line.endswith(f"asks to use Bash: git push?[31m (request {RID}; answer with mam-orch "
+                         f"approve|deny {JOB})\n"), line
+    registry = hub_job(tmp_path, {**asked(RID), "seq": 3, "detail": "asks to use Bash"},
+                       {"event": asks.ANSWERED, "request_id": RID, "behavior": "deny", "by": "ann@hub",
+                        "message": "not today"})
+    text = show_text(registry.get(JOB), registry.audit(JOB), tmp_path)
+    assert f"seq 3 asks to use Bash: git push (request {RID})" in text
+    assert f"deny by ann@hub (request {RID}): not today" in text
