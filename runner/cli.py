@@ -25,12 +25,13 @@ app = cli.new_app(
     "mam-runner",
     "The worker side of mam-fleet: take dispatched jobs for a session, run the "
     "agent under a heartbeat, and publish its events.",
-    ("enroll", "trust-hub", "run", "publish", "ask", "jobs", "show", "gc"),
+    ("enroll", "trust-hub", "run", "publish", "ask", "permission-tool", "jobs", "show", "gc"),
     {"enroll": "mam-runner enroll --session gpu-box",
      "trust-hub": "mam-runner trust-hub -- HUB_PUBLIC_KEY",
      "run": "mam-runner run --session gpu-box --repo demo=git://hub:9418/demo --exec claude",
      "publish": "mam-runner publish --job \"$MAM_JOB_ID\" --event progress --detail 'tests pass'",
      "ask": "mam-runner ask --tool Bash --input '{\"command\": \"git push\"}'",
+     "permission-tool": "mam-runner permission-tool   # started by the runner for claude",
      "jobs": "mam-runner jobs --status running",
      "show": "mam-runner show 918b0612",
      "gc": "mam-runner gc --ttl 3600"},
@@ -98,6 +99,19 @@ def ask_cmd(
     from mam.runner.ask import ask_cli
 
     return ask_cli(tool, input_json)
+
+
+@app.command("permission-tool")
+def permission_tool_cmd() -> None:
+    """Serve the MCP permission tool Claude Code asks before a tool call no policy allows (§19).
+
+    The runner starts it for the claude agent (`--permission-prompt-tool mcp__mam__permission`);
+    it speaks MCP on stdin/stdout and relays each request to a person at the hub, like
+    `mam-runner ask`. Inside a job only.
+    """
+    from mam.runner.permission_tool import serve
+
+    serve()
 
 
 REPO_OPTION = typer.Option(None, "--repo", metavar="NAME=URL",

@@ -166,6 +166,8 @@ class Supervisor:
         self.on_end = on_end
         self.stopping = stopping or threading.Event()
         self.socket_path: Path | None = None  # the daemon's local publish socket (§17), set once it listens
+        # the tools a person at the hub denied a job (§19), from that socket: (job_id) -> names
+        self.denied_tools: Callable[[str], set[str]] = lambda job_id: set()
         self.beats = Beats(registry, client, drain_s=options.heartbeat_drain_s)  # §12: one thread, every job
         self.logstreams = LogStreams(root=options.root, client=client, config=config,  # §15
                                      rate_bps=options.log_rate_bps, environ=environ)
@@ -255,7 +257,8 @@ class Supervisor:
             attempt = AttemptWork(job_id=job.job_id, attempt_id=job.attempt_id, work=job.work, root=self.options.root,
                                   mirrors=self.mirrors, exec_argv=self.options.argv,
                                   log_path=log_path, log_offset=offset, secrets=[*self.logstreams.secrets, token],
-                                  session=self.options.session, agent=self.options.agent)
+                                  session=self.options.session, agent=self.options.agent,
+                                  ask_socket=self.socket_path is not None)
         except (ValueError, OSError, RegistryError) as exc:
             return None, {}, f"agent not started: {exc}"
         try:
@@ -303,7 +306,8 @@ class Supervisor:
             terminal = Terminal(EventName.ERROR, f"budget_exceeded: {attempt.adapter.over_budget()}",
                                 terminal.exit_code)
         elif terminal is not None and reason is StopReason.EXITED:
-            verdict = attempt.outcome(terminal.exit_code)  # §18: a denial or an API error is an `error`
+            # §18: a denial no person decided (§19) or an API error is an `error`
+            verdict = attempt.outcome(terminal.exit_code, self.denied_tools(job.job_id))
             if verdict is not None:
                 terminal = Terminal(verdict[0], verdict[1], terminal.exit_code)
             elif terminal.event == EventName.COMPLETED and (summary := attempt.summary()):

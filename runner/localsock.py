@@ -185,6 +185,7 @@ class PublishServer:
         self.registry = registry
         self.mask = mask or (lambda job_id, text: text)
         self._waiting: dict[str, _Waiting] = {}  # request id -> its client (§19)
+        self._denied: dict[str, set[str]] = {}  # job id -> tools the hub denied it (§19)
         self._waiting_lock = threading.Lock()
         self.path = names.runner_socket_path(registry.root)
         self.held = held
@@ -447,13 +448,22 @@ class PublishServer:
                 return (f"request {request_id} belongs to job {parked.request.job_id} attempt "
                         f"{parked.request.attempt_id}, not {job_id} attempt {attempt_id}")
             del self._waiting[request_id]
+            if not allow:
+                self._denied.setdefault(job_id, set()).add(parked.request.tool)
         self._close(parked.client, {"ok": True, "request_id": request_id,
                                     "behavior": "allow" if allow else "deny", "message": message})
         return None
 
-    def drop_asks(self, job_id: str, reason: str) -> None:
-        """Answer every request of a job that ended: `deny` with `reason` (the agent is gone or going)."""
+    def denied_tools(self, job_id: str) -> set[str]:
+        """The tools a person at the hub denied the job so far (a decision, not a failure)."""
         with self._waiting_lock:
+            return set(self._denied.get(job_id, ()))
+
+    def drop_asks(self, job_id: str, reason: str) -> None:
+        """Answer every request of a job that ended: `deny` with `reason` (the agent is gone or
+        going); forget the job's denied tools."""
+        with self._waiting_lock:
+            self._denied.pop(job_id, None)
             dropped = [rid for rid, p in self._waiting.items() if p.request.job_id == job_id]
             parked = [self._waiting.pop(rid) for rid in dropped]
         for rid, item in zip(dropped, parked, strict=True):

@@ -243,6 +243,7 @@ class Runner:
                                      before_terminal=logstreams.finish,  # §15
                                      mask=lambda job_id, text: logstreams.mask(registry, job_id, text))
         self._supervisor.socket_path = self._socket.start()  # listening before `online` (§17)
+        self._supervisor.denied_tools = self._socket.denied_tools  # §19
         self._publish_presence(PresenceStatus.ONLINE)
         self._resender = Resender(Outbox(self.options.root), client, self._record)
         self._resender.start()  # §17: what an earlier run or a failed `publish` left is sent now

@@ -17,16 +17,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import stat
-from collections.abc import Iterable
+import sys
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mam.runner import agents, repos
+from mam.runner import agents, permission_tool, repos
 from mam.runner.logstream import Masker
 from mam.runner.results import Manifest, build_archive, outbox_paths
 from mam.shared.protocol import names, wire
@@ -107,12 +109,14 @@ class AttemptWork:
         committer `mam-runner@<session>`).
         secrets: values masked in the result text (as in the log stream, §15).
         agent: the adapter's kind (`agents.KINDS`).
+        ask_socket: the daemon's socket listens, so the agent can ask a person (§19): the
+            claude agent gets the MCP permission tool (`permission_tool`).
     """
 
     def __init__(self, *, job_id: str, attempt_id: int, work: wire.Work | None, root: Path,
                  mirrors: repos.Repos, exec_argv: Iterable[str], log_path: Path,
                  log_offset: int, secrets: Iterable[str] = (), session: str = "runner",
-                 agent: str = "command") -> None:
+                 agent: str = "command", ask_socket: bool = False) -> None:
         self.job_id, self.attempt_id, self.work, self.root = job_id, attempt_id, work, root
         self.session = session
         self.mirrors = mirrors
@@ -123,6 +127,8 @@ class AttemptWork:
         self.secrets = list(secrets)
         self.worktree: repos.Worktree | None = None
         self.artifacts_dir = root / "artifacts" / f"{job_id}-{attempt_id}"
+        self.ask_socket = ask_socket
+        self.mcp_config = names.run_dir(root) / f"mcp-{job_id}-{attempt_id}.json"
 
     # ------------------------------------------------------------ before the agent
 
@@ -140,6 +146,12 @@ class AttemptWork:
                         ", ".join(ignored), self.adapter.kind)
         shutil.rmtree(self.artifacts_dir, ignore_errors=True)
         self.artifacts_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.ask_socket and isinstance(self.adapter, agents.ClaudeAdapter) \
+                and "--permission-prompt-tool" not in self.exec_argv:
+            self.mcp_config.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with os.fdopen(os.open(self.mcp_config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+                json.dump(permission_tool.mcp_config(sys.executable), out)
+            self.adapter.ask_person(self.mcp_config)  # §19: a person answers what no policy allows
         if self.work is None or self.work.repo is None:
             return data
         name = self.work.repo
@@ -184,11 +196,13 @@ class AttemptWork:
             self.adapter.note_unreadable(count=self.follower.skipped - self._skipped_seen)
             self._skipped_seen = self.follower.skipped
 
-    def outcome(self, exit_code: int | None) -> tuple[str, str] | None:
+    def outcome(self, exit_code: int | None, decided: Collection[str] = ()) -> tuple[str, str] | None:
         """After the agent exited: (event, detail) when its own stream says otherwise than its
-        exit status (a permission denial, an API error), else None."""
+        exit status (a permission denial no person decided, `decided` (§19); an API error),
+        else None."""
         self._feed(self.follower.read(final=True))
-        verdict = self.adapter.report().outcome(exit_code)
+        self.mcp_config.unlink(missing_ok=True)  # the CLI and its permission tool are gone
+        verdict = self.adapter.report().outcome(exit_code, decided)
         if verdict is None:
             return None
         event, detail = verdict

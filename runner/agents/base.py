@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,17 +90,18 @@ class AgentReport:
             data["unreadable_lines"] = self.unreadable_lines
         return data
 
-    def outcome(self, exit_code: int | None) -> tuple[str, str] | None:
+    def outcome(self, exit_code: int | None, decided: Collection[str] = ()) -> tuple[str, str] | None:
         """(event, detail) when the stream overrides the exit status (§18), else None.
 
-        A permission denial is `error` `permission_denied: <tools>` even after exit 0;
-        then a budget the CLI stopped on (`budget_exceeded: ...`); then the agent's own
-        error (`agent_error: ...`). A non-zero exit with none of these is left to the
-        exit status.
+        A permission denial is `error` `permission_denied: <tools>` even after exit 0, unless
+        its tool is in `decided` (a person at the hub denied it, §19: listed, no failure);
+        then a budget the CLI stopped on (`budget_exceeded: ...`); then the agent's own error
+        (`agent_error: ...`). A non-zero exit with none of these is left to the exit status.
         """
-        if self.permission_denials:
-            shown = ", ".join(self.permission_denials[:MAX_DENIALS_SHOWN])
-            more = len(self.permission_denials) - MAX_DENIALS_SHOWN
+        undecided = [tool for tool in self.permission_denials if tool not in decided]
+        if undecided:
+            shown = ", ".join(undecided[:MAX_DENIALS_SHOWN])
+            more = len(undecided) - MAX_DENIALS_SHOWN
             return "error", f"permission_denied: {shown}" + (f" (+{more} more)" if more > 0 else "")
         if self.budget_exceeded:
             return "error", f"budget_exceeded: {self.budget_exceeded}"

@@ -20,9 +20,11 @@ is stopped by the runner (`over_budget`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from mam.runner.agents.base import AgentPolicy, StreamAdapter, count_of, money_of
+from mam.runner.permission_tool import PROMPT_TOOL
 
 
 class ClaudeAdapter(StreamAdapter):
@@ -39,6 +41,12 @@ class ClaudeAdapter(StreamAdapter):
         super().__init__(policy)
         self._messages: set[str] = set()
         self._result_seen = False
+        self.permission_config: Path | None = None  # an --mcp-config with the permission tool (§19)
+
+    def ask_person(self, mcp_config: Path) -> None:
+        """Give the CLI the permission tool of `mcp_config`: what no policy allows is asked of a
+        person at the hub (§19)."""
+        self.permission_config = mcp_config
 
     def argv(self, exec_argv: list[str]) -> list[str]:
         """`exec_argv` plus `-p` and the stream flags where absent, then the policy's flags.
@@ -68,6 +76,8 @@ class ClaudeAdapter(StreamAdapter):
             argv += ["--allowedTools", ",".join(policy.allow_tools)]
         if policy.permission_mode is not None:
             argv += ["--permission-mode", policy.permission_mode]
+        if self.permission_config is not None:  # §19: what no policy allows is asked of a person
+            argv += ["--mcp-config", str(self.permission_config), "--permission-prompt-tool", PROMPT_TOOL]
         return argv
 
     def read(self, obj: dict[str, Any]) -> None:

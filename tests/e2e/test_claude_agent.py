@@ -10,7 +10,11 @@ service, a runner daemon in its own network namespace started as the card prints
 - A text answer: `completed`, the answer as the summary.
 - `--max-turns 2` against a script of five turns: `budget_exceeded` after two; an agent
   that runs past its budget is stopped by the runner.
-- A tool call no policy allows: `error` `permission_denied: Bash`, never `completed`.
+- A tool call no policy allows and nobody may be asked about (`--permission-mode dontAsk`):
+  `error` `permission_denied: Bash`, never `completed`.
+- A tool call no policy allows asks a person at the hub (§19): approved, it runs and its
+  change comes back; denied with a reason, the model is told the reason and the job
+  completes with the denial listed.
 - The model server answers 429 (a usage limit) or 529: `error` with the agent's own reason.
 - Cancel during a long stream: the CLI and its children are gone within the grace.
 - Bad input (an agent claiming to be claude): lines that are not JSON, a 10 MB line, a
@@ -93,14 +97,55 @@ def test_s18_the_card_command_runs_claude_and_reports_its_answer_and_spend(claud
 
 
 def test_s18_a_tool_no_policy_allows_is_permission_denied_not_completed(claude_fleet: AgentFleet) -> None:
+    """With `--permission-mode dontAsk` the CLI asks nobody (§19): it denies the tool itself."""
     runner = claude_fleet.start([ToolUse("Bash", {"command": "echo hi > a.txt", "description": "write"}),
                                  Text("All done.")])
-    code, job_id = claude_fleet.run()
+    code, job_id = claude_fleet.run("--permission-mode", "dontAsk")
     assert code == 1, runner.log()[-3000:]
     terminal = claude_fleet.terminal(job_id)
     assert (terminal["event"], terminal["detail"]) == ("error", "permission_denied: Bash")
     assert terminal["data"]["agent"]["permission_denials"] == ["Bash"]
     assert claude_fleet.fleet.hub_record(job_id)["status"] == "error"
+
+
+def asked_on_hub(handle) -> dict:
+    """The first permission request the dispatch saw (§19)."""
+    return wait_until(lambda: (handle.events("permission_required") or [None])[0], PATIENCE_S,
+                      "a permission request at the hub")
+
+
+def test_s19_a_person_approves_the_tool_call_claude_asks_for_and_it_runs(claude_fleet: AgentFleet) -> None:
+    cf = claude_fleet
+    runner = cf.start([ToolUse("Bash", {"command": "echo hi > a.txt", "description": "write"}), Text("Wrote a.txt.")])
+    handle = cf.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST)
+    asked = asked_on_hub(handle)
+    assert (asked["data"]["tool"], asked["data"]["input"]) == ("Bash", "echo hi > a.txt"), asked
+    approved = cf.fleet.orch("approve", asked["job_id"])
+    assert approved.returncode == 0, approved.stderr
+    assert handle.wait() == 0, runner.log()[-3000:]
+    terminal = cf.terminal(asked["job_id"])
+    assert (terminal["event"], terminal["detail"]) == ("completed", "Wrote a.txt."), terminal
+    assert terminal["data"]["agent"]["permission_denials"] == []
+    result = json.loads(cf.fleet.orch("result", asked["job_id"], "--json").stdout)
+    assert [f["path"] for f in result["files"]] == ["a.txt"]  # the tool ran for real, in the worktree
+
+
+def test_s19_a_person_denies_with_a_reason_the_agent_hears_it_and_the_job_completes(
+        claude_fleet: AgentFleet) -> None:
+    cf = claude_fleet
+    runner = cf.start([ToolUse("Bash", {"command": "echo hi > a.txt", "description": "write"}),
+                       Text("I may not write files today.")])
+    handle = cf.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST)
+    asked = asked_on_hub(handle)
+    denied = cf.fleet.orch("deny", asked["job_id"], "--reason", "no files today")
+    assert denied.returncode == 0, denied.stderr
+    assert handle.wait() == 0, runner.log()[-3000:]
+    terminal = cf.terminal(asked["job_id"])
+    assert (terminal["event"], terminal["detail"]) == ("completed", "I may not write files today.")
+    assert terminal["data"]["agent"]["permission_denials"] == ["Bash"]  # listed, a person's decision
+    told = [r for call in cf.model.calls() for r in call.get("tool_results", [])]  # type: ignore[union-attr]
+    assert any("no files today" in text for text in told), told
+    assert "permission_answered deny by " in cf.show_text(asked["job_id"])
 
 
 @pytest.mark.parametrize(("status", "kind", "message"), [

@@ -109,6 +109,17 @@ def codex_env(url: str, home: Path) -> dict[str, str]:
             "RUST_LOG": "error"}
 
 
+def tool_results(body: dict[str, Any]) -> list[str]:
+    """The text of every `tool_result` block in a Messages API request (what the CLI told
+    the model its tools answered), as JSON text."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return []
+    return [json.dumps(block.get("content")) for message in messages if isinstance(message, dict)
+            and isinstance(message.get("content"), list) for block in message["content"]
+            if isinstance(block, dict) and block.get("type") == "tool_result"]
+
+
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
 
@@ -159,7 +170,8 @@ class ModelServer:
                     if server.request_log is not None:
                         with open(server.request_log, "a") as out:
                             out.write(json.dumps({"path": self.path, "tools": bool(body.get("tools")),
-                                                  "host": self.headers.get("Host")}) + "\n")
+                                                  "host": self.headers.get("Host"),
+                                                  "tool_results": tool_results(body)}) + "\n")
                 if self.path.startswith("/v1/responses"):
                     step = Text("done")
                     with server._lock:
@@ -343,7 +355,8 @@ class ModelProcess:
         return claude_env(self.url, home)
 
     def calls(self) -> list[dict[str, Any]]:
-        """Every request received so far: path, whether it was a main-loop call, Host header."""
+        """Every request received so far: path, whether it was a main-loop call, Host header,
+        the tool results it carried."""
         if not self.request_log.exists():
             return []
         return [json.loads(line) for line in self.request_log.read_text().splitlines() if line.strip()]

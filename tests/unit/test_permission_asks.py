@@ -233,3 +233,49 @@ def test_the_views_show_the_request_its_input_and_how_to_answer_with_controls_es
     text = show_text(registry.get(JOB), registry.audit(JOB), tmp_path)
     assert f"seq 3 asks to use Bash: git push (request {RID})" in text
     assert f"deny by ann@hub (request {RID}): not today" in text
+
+
+# ---------------------------------------------------------------- Claude Code's permission tool
+
+
+def test_the_claude_cli_gets_the_permission_tool_and_only_undecided_denials_fail_the_job(tmp_path):
+    from mam.runner.agents import AgentPolicy, ClaudeAdapter
+    from mam.runner.permission_tool import PROMPT_TOOL
+
+    adapter = ClaudeAdapter(AgentPolicy())
+    assert "--permission-prompt-tool" not in adapter.argv(["claude"])
+    adapter.ask_person(tmp_path / "mcp.json")
+    argv = adapter.argv(["claude"])
+    assert argv[-4:] == ["--mcp-config", str(tmp_path / "mcp.json"), "--permission-prompt-tool", PROMPT_TOOL]
+    assert PROMPT_TOOL == "mcp__mam__permission"
+    report = adapter.report()
+    report.deny("Bash")
+    report.deny("Write")
+    assert report.outcome(0, decided={"Bash", "Write"}) is None  # a person decided both: no failure
+    assert report.outcome(0, decided={"Bash"}) == ("error", "permission_denied: Write")
+    assert report.outcome(0) == ("error", "permission_denied: Bash, Write")
+
+
+def test_the_permission_tool_denies_what_it_cannot_ask_and_starts_itself_from_this_python():
+    from mam.runner import permission_tool
+
+    answer = json.loads(permission_tool.decide("Bash", {"command": "ls"}, environ={}))
+    assert answer["behavior"] == "deny" and "inside a job only" in answer["message"]
+    inside = {"MAM_JOB_ID": JOB, "MAM_ATTEMPT_ID": "1", "MAM_DISPATCH_TOKEN": TOKEN,
+              "MAM_RUNNER_SOCKET": "/nonexistent/runner.sock"}
+    answer = json.loads(permission_tool.decide("Bash", {"command": "ls"}, environ=inside))
+    assert answer == {"behavior": "deny", "message": "the runner daemon gave no answer"}
+    config = permission_tool.mcp_config("/usr/bin/python3")
+    assert config == {"mcpServers": {"mam": {"type": "stdio", "command": "/usr/bin/python3",
+                                             "args": ["-m", "mam.runner", "permission-tool"]}}}
+
+
+def test_a_denied_tool_is_remembered_for_the_job_until_it_ends(tmp_path, client):
+    srv = server(tmp_path)
+    parked, theirs = client()
+    assert srv.ask(request(tool="Write"), parked) is None
+    request_id = srv._outgoing.get_nowait().event["data"]["request_id"]
+    assert srv.answer(JOB, 1, request_id, allow=False, message="no") is None
+    assert srv.denied_tools(JOB) == {"Write"}
+    srv.drop_asks(JOB, "ended")
+    assert srv.denied_tools(JOB) == set()
