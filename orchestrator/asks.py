@@ -77,6 +77,12 @@ def asks_of(registry: Registry, job_id: str) -> list[Ask]:
             asked[old.request_id] = Ask(old.job_id, old.attempt_id, old.request_id, old.tool, old.input,
                                         old.asked_at, str(line.get("behavior")), str(line.get("by") or ""),
                                         str(line.get("timestamp") or ""), str(line.get("message") or ""))
+        elif line.get("event") == EventName.PROGRESS and isinstance(data, dict) and data.get("by") == "timeout" \
+                and data.get("request_id") in asked:  # the runner denied it: nobody answered in time
+            old = asked[data["request_id"]]
+            asked[old.request_id] = Ask(old.job_id, old.attempt_id, old.request_id, old.tool, old.input,
+                                        old.asked_at, "deny", "timeout", str(line.get("timestamp") or ""),
+                                        str(line.get("detail") or ""))
     return list(asked.values())
 
 

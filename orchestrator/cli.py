@@ -298,11 +298,18 @@ def dispatch_cmd(
                                             "--max-budget-usd); over it the job ends budget_exceeded."),
     allow_tools: str = typer.Option(None, "--allow-tools", metavar="RULES",
                                     help="Tools the agent may use without asking, e.g. 'Bash(git *),Edit' "
-                                         "(Claude Code's --allowedTools); any other tool is denied and "
-                                         "the job ends permission_denied."),
+                                         "(Claude Code's --allowedTools); for any other tool it asks you "
+                                         "(mam-orch approve|deny)."),
     permission_mode: str = typer.Option(None, "--permission-mode", metavar="MODE",
                                         help="The agent CLI's permission mode: default, acceptEdits (file "
-                                             "edits in the worktree allowed), plan or dontAsk."),
+                                             "edits in the worktree allowed), plan or dontAsk (deny what "
+                                             "--allow-tools does not allow, asking nobody)."),
+    ask_timeout: int = typer.Option(None, "--ask-timeout", metavar="S",
+                                    help="How long the agent's permission request waits for an answer, "
+                                         "seconds (default 1800); then --on-ask-timeout."),
+    on_ask_timeout: str = typer.Option(None, "--on-ask-timeout", metavar="deny|cancel",
+                                       help="After --ask-timeout: deny the request and let the agent go on "
+                                            "(default), or cancel the job."),
     detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
     no_log: bool = typer.Option(False, "--no-log", help="Do not show the agent's output under the events."),
@@ -324,7 +331,8 @@ def dispatch_cmd(
                         workspace=workspace, labels=labels, priority=priority, queue_timeout_s=queue_timeout,
                         retries=retries, retry_on=retry_on, show_log=not no_log,
                         work=work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
-                                        allow_tools=allow_tools, permission_mode=permission_mode))
+                                        allow_tools=allow_tools, permission_mode=permission_mode,
+                                        ask_timeout_s=ask_timeout, on_ask_timeout=on_ask_timeout))
 
 
 @app.command("logs")

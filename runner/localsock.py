@@ -155,10 +155,14 @@ class _Client:
 
 @dataclass
 class _Waiting:
-    """A client whose permission request waits for the hub's answer."""
+    """A client whose permission request waits for the hub's answer until `deadline`
+    (monotonic seconds), then `on_timeout` (deny or cancel, §19)."""
 
     client: _Client
     request: AskRequest
+    timeout_s: int
+    on_timeout: str
+    deadline: float
 
 
 class PublishServer:
@@ -176,14 +180,20 @@ class PublishServer:
             the job's remaining output (§15) and returns data for the event (`log_chunks`...).
         mask: (job_id, text) -> the text with the job's secrets masked (§15), for what a
             permission request shows the hub.
+        ask_terms: (job_id) -> (seconds a request waits, "deny" or "cancel" then), §19.
+        cancel: (job_id, reason) stops a job whose request timed out with "cancel".
     """
 
     def __init__(self, registry: Registry, *, held: Callable[[str], bool],
                  send: Callable[[publish.Published], None],
                  before_terminal: Callable[[str], Mapping[str, int]] | None = None,
-                 mask: Callable[[str, str], str] | None = None) -> None:
+                 mask: Callable[[str, str], str] | None = None,
+                 ask_terms: Callable[[str], tuple[int, str]] | None = None,
+                 cancel: Callable[[str, str], None] | None = None) -> None:
         self.registry = registry
         self.mask = mask or (lambda job_id, text: text)
+        self.ask_terms = ask_terms or (lambda job_id: (names.DEFAULT_ASK_TIMEOUT_S, "deny"))
+        self.cancel = cancel or (lambda job_id, reason: None)
         self._waiting: dict[str, _Waiting] = {}  # request id -> its client (§19)
         self._denied: dict[str, set[str]] = {}  # job id -> tools the hub denied it (§19)
         self._waiting_lock = threading.Lock()
@@ -287,6 +297,7 @@ class PublishServer:
                 now = time.monotonic()
                 for client in [c for c in clients.values() if now - c.since > CLIENT_IDLE_S]:
                     self._finish(selector, clients, client, {"ok": False, "reason": "no request line in time"})
+                self._expire_asks(now)
             for client in list(clients.values()):
                 self._finish(selector, clients, client, {"ok": False, "reason": "the runner is stopping"})
         with self._waiting_lock:
@@ -413,7 +424,9 @@ class PublishServer:
                 return {"ok": False, "reason": f"too many permission requests of job {request.job_id} "
                                                f"wait for an answer (at most {MAX_WAITING_ASKS})"}
             request_id = names.new_request_id()
-            self._waiting[request_id] = _Waiting(client, request)
+            timeout_s, on_timeout = self.ask_terms(request.job_id)
+            self._waiting[request_id] = _Waiting(client, request, timeout_s, on_timeout,
+                                                 time.monotonic() + timeout_s)
         data = {"request_id": request_id, "tool": request.tool,
                 "input": self.mask(request.job_id, input_summary(request.input))}
         try:
@@ -453,6 +466,30 @@ class PublishServer:
         self._close(parked.client, {"ok": True, "request_id": request_id,
                                     "behavior": "allow" if allow else "deny", "message": message})
         return None
+
+    def _expire_asks(self, now: float) -> None:
+        """Requests nobody answered in time (§19): denied (the agent goes on) or, with
+        `cancel`, denied and the job cancelled; a `progress` event tells the hub."""
+        with self._waiting_lock:
+            expired = [(rid, parked) for rid, parked in self._waiting.items() if now >= parked.deadline]
+            for rid, parked in expired:
+                del self._waiting[rid]
+                self._denied.setdefault(parked.request.job_id, set()).add(parked.request.tool)
+        for rid, parked in expired:
+            request, then = parked.request, "denied" if parked.on_timeout == "deny" else "cancelling the job"
+            message = f"no answer within {parked.timeout_s} s"
+            log.warning("job %s request %s (%s): %s: %s", request.job_id, rid, request.tool, message, then)
+            try:
+                event = publish.make_request(request.job_id, EventName.PROGRESS,
+                                             f"no answer to request {rid} within {parked.timeout_s} s: {then}",
+                                             json.dumps({"request_id": rid, "behavior": "deny", "by": "timeout"}),
+                                             request.attempt_id, request.dispatch_token)
+                self._outgoing.put(publish.record(self.registry, event))
+            except Exception as exc:  # the job ended meanwhile: nothing to tell the hub
+                log.info("job %s: the timeout of request %s not recorded: %s", request.job_id, rid, exc)
+            self._close(parked.client, {"ok": True, "request_id": rid, "behavior": "deny", "message": message})
+            if parked.on_timeout == "cancel":
+                self.cancel(request.job_id, f"no answer to a permission request within {parked.timeout_s} s")
 
     def denied_tools(self, job_id: str) -> set[str]:
         """The tools a person at the hub denied the job so far (a decision, not a failure)."""

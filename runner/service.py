@@ -241,7 +241,8 @@ class Runner:
         logstreams = self._supervisor.logstreams
         self._socket = PublishServer(registry, held=lambda job_id: job_id in self.running, send=self._send,
                                      before_terminal=logstreams.finish,  # §15
-                                     mask=lambda job_id, text: logstreams.mask(registry, job_id, text))
+                                     mask=lambda job_id, text: logstreams.mask(registry, job_id, text),
+                                     ask_terms=self._ask_terms, cancel=self._cancel_one)  # §19
         self._supervisor.socket_path = self._socket.start()  # listening before `online` (§17)
         self._supervisor.denied_tools = self._socket.denied_tools  # §19
         self._publish_presence(PresenceStatus.ONLINE)
@@ -355,6 +356,19 @@ class Runner:
         self.presence.publish(self.client, status, self.running)
 
     # ------------------------------------------------------------ jobs
+
+    def _ask_terms(self, job_id: str) -> tuple[int, str]:
+        """How long the job's permission requests wait for a person, and what then (§19)."""
+        with self._jobs_lock:
+            job = self._jobs.get(job_id)
+        work = job.work if job is not None else None
+        return work.ask_terms() if work is not None else (names.DEFAULT_ASK_TIMEOUT_S, "deny")
+
+    def _cancel_one(self, job_id: str, reason: str) -> None:
+        with self._jobs_lock:
+            job = self._jobs.get(job_id)
+        if job is not None and job.request_cancel(reason):
+            log.info("job %s: cancelled here: %s", job_id, reason)
 
     def _cancel_all(self, reason: str) -> None:
         with self._jobs_lock:

@@ -293,6 +293,29 @@ def validate_permission_mode(value: object, what: str = "permission_mode") -> st
     return str(value)
 
 
+ASK_TIMEOUT_ACTIONS = ("deny", "cancel")
+"""What a runner does with a permission request nobody answered in time (§19)."""
+DEFAULT_ASK_TIMEOUT_S = 1800
+"""How long a permission request waits for a person by default, seconds (§19)."""
+MAX_ASK_TIMEOUT_S = 7 * 86400
+
+
+def validate_ask_timeout(value: object, what: str = "ask_timeout_s") -> int:
+    """`value` if it is an integer number of seconds 1..7 days. Raises `UsageError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_ASK_TIMEOUT_S:
+        raise UsageError(f"{what} {repr(value)[:LABEL_SHOWN_CHARS]} is invalid: expected whole seconds "
+                         f"1..{MAX_ASK_TIMEOUT_S}")
+    return value
+
+
+def validate_ask_timeout_action(value: object, what: str = "on_ask_timeout") -> str:
+    """`value` if it is one of ASK_TIMEOUT_ACTIONS. Raises `UsageError`."""
+    if value not in ASK_TIMEOUT_ACTIONS:
+        raise UsageError(f"{what} {repr(value)[:LABEL_SHOWN_CHARS]} is invalid: expected one of "
+                         f"{', '.join(ASK_TIMEOUT_ACTIONS)}")
+    return str(value)
+
+
 def strip_remote(session: str) -> str:
     """The bare session of `remote:<session>` (a hub record's `agent_session`, accepted on the
     CLI, §1), else `session` as given."""

@@ -158,3 +158,50 @@ def test_ask_outside_a_job_or_with_bad_input_exits_64_with_one_line(tmp_path):
     absent = subprocess.run([*MAM_RUNNER, "ask", "--tool", "Bash"], env=inside, capture_output=True, text=True,
                             timeout=PATIENCE_S)
     assert absent.returncode == 2 and json.loads(absent.stdout)["behavior"] == "deny", absent
+
+
+def dispatch_with(hub: Path, brief: str, *opts: str) -> WatchProcess:
+    return WatchProcess([*MAM_ORCH, "dispatch", "--session", SESSION, "--brief", brief, "--ack-timeout",
+                         str(int(PATIENCE_S)), *opts, "--workspace", str(hub)], hub_env())
+
+
+def test_nobody_answers_the_request_is_denied_after_the_ask_timeout_and_the_job_goes_on(nats_broker, tmp_path):
+    hub = hub_workspace(nats_broker, tmp_path)
+    ws, out = tmp_path / "runner", tmp_path / "out"
+    runner = start_runner(nats_broker, ws, SESSION, OUT=str(out))
+    watch = dispatch_with(hub, ask_step(1, "Bash", PUSH), "--ask-timeout", "2")
+    try:
+        request_id = asked(watch, 1)[0]["request_id"]
+        answer, rc = answer_of(out, 1)
+        assert (answer["behavior"], answer["message"], rc) == ("deny", "no answer within 2 s", "rc=1")
+        assert watch.wait(PATIENCE_S) == 0, watch.log() + runner_log(ws)  # the agent went on
+    finally:
+        watch.kill()
+        stop(runner)
+    job_id = watch.events("permission_required")[0]["job_id"]
+    told = [e["detail"] for e in watch.events("progress") if e["data"].get("request_id") == request_id]
+    assert told == [f"no answer to request {request_id} within 2 s: denied"]
+    late = orch(hub, "approve", job_id, request_id)
+    assert late.returncode == 1 and "answered already (deny by timeout" in late.stderr, late.stderr
+    assert Registry(hub).get(job_id)["status"] == "completed"
+
+
+def test_nobody_answers_with_on_ask_timeout_cancel_the_job_is_cancelled_never_timed_out(nats_broker, tmp_path):
+    hub = hub_workspace(nats_broker, tmp_path)
+    ws, out = tmp_path / "runner", tmp_path / "out"
+    runner = start_runner(nats_broker, ws, SESSION, OUT=str(out))
+    watch = dispatch_with(hub, ask_step(1, "Bash", PUSH) + '\ntouch "$OUT.after"', "--ask-timeout", "2",
+                          "--on-ask-timeout", "cancel")
+    try:
+        asked(watch, 1)
+        code = watch.wait(PATIENCE_S)
+    finally:
+        watch.kill()
+        stop(runner)
+    job_id = watch.events("permission_required")[0]["job_id"]
+    record = Registry(hub).get(job_id)
+    assert code == 1 and record["status"] == "error", (code, record, watch.log())
+    assert record.get("close_reason") != "deadline_timeout"
+    assert watch.events("error")[0]["detail"] == "cancelled"
+    assert not Path(f"{out}.after").exists()  # the agent did not go on
+    assert "no answer to a permission request within 2 s" in runner_log(ws)

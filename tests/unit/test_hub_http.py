@@ -70,11 +70,13 @@ def test_s14_http_runners_show_status_labels_slots_version(service, api):
 
 def test_s14_http_dispatch_queues_through_the_dispatch_path_and_the_queue_says_why(service, api):
     response = dispatch(api, priority=3, retries=1, retry_on=["error"], heartbeat_sec=2, timeout_sec=600,
-                        max_turns=4, max_cost_usd=1.5, allow_tools=["Bash(git *)", "Edit"])
+                        max_turns=4, max_cost_usd=1.5, allow_tools=["Bash(git *)", "Edit"], ask_timeout_s=300,
+                        on_ask_timeout="cancel")
     assert response.status_code == 201, response.text
     job_id = response.json()["job_id"]
     assert service.registry.get(job_id)["work"] == {"max_turns": 4, "max_cost_usd": 1.5,
-                                                    "allow_tools": ["Bash(git *)", "Edit"]}
+                                                    "allow_tools": ["Bash(git *)", "Edit"], "ask_timeout_s": 300,
+                                                    "on_ask_timeout": "cancel"}
     record = service.registry.get(job_id)
     assert record["status"] == "queued" and record["target"] == {"labels": ["gpu"]}
     assert (record["priority"], record["retries"], record["retry_on"]) == (3, 1, ["error"])
@@ -110,6 +112,9 @@ def test_s14_http_dispatch_queues_through_the_dispatch_path_and_the_queue_says_w
     (json.dumps({"brief": "x", "labels": ["gpu"], "max_turns": 0}).encode(), "max_turns 0 is invalid"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "max_cost_usd": "9"}).encode(), "max_cost_usd '9' is invalid"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "permission_mode": 3}).encode(), "expected a string"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "ask_timeout_s": "60"}).encode(), "expected whole seconds"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "ask_timeout_s": 0}).encode(), "ask_timeout_s 0 is invalid"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "on_ask_timeout": "later"}).encode(), "on_ask_timeout"),
 ])
 def test_s14_http_bad_dispatch_bodies_get_400_with_a_reason(service, api, body, why):
     response = api.post("/api/jobs", content=body, headers={"content-type": "application/json"})

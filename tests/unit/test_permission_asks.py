@@ -279,3 +279,53 @@ def test_a_denied_tool_is_remembered_for_the_job_until_it_ends(tmp_path, client)
     assert srv.denied_tools(JOB) == {"Write"}
     srv.drop_asks(JOB, "ended")
     assert srv.denied_tools(JOB) == set()
+
+
+# ---------------------------------------------------------------- nobody answers (§19)
+
+
+def test_a_request_nobody_answers_is_denied_at_its_deadline_and_the_hub_is_told(tmp_path, client):
+    import time
+
+    cancelled: list[tuple[str, str]] = []
+    srv = server(tmp_path)
+    srv.ask_terms = lambda job_id: (1, "cancel")
+    srv.cancel = lambda job_id, reason: cancelled.append((job_id, reason))
+    parked, theirs = client()
+    assert srv.ask(request(tool="Write"), parked) is None
+    request_id = srv._outgoing.get_nowait().event["data"]["request_id"]
+    srv._expire_asks(time.monotonic())  # not yet
+    assert srv.waiting(JOB) == {request_id: 1} and not cancelled
+    srv._expire_asks(time.monotonic() + 1.5)
+    assert reply(theirs) == {"ok": True, "request_id": request_id, "behavior": "deny",
+                             "message": "no answer within 1 s"}
+    told = srv._outgoing.get_nowait().event
+    assert told["event"] == "progress" and told["data"]["by"] == "timeout"
+    assert told["detail"] == f"no answer to request {request_id} within 1 s: cancelling the job"
+    assert cancelled == [(JOB, "no answer to a permission request within 1 s")]
+    assert srv.denied_tools(JOB) == {"Write"} and srv.waiting(JOB) == {}
+
+
+@pytest.mark.parametrize(("kwargs", "reason"), [
+    ({"ask_timeout_s": 0}, "--ask-timeout 0 is invalid: expected whole seconds 1..604800"),
+    ({"ask_timeout_s": 10**9}, "--ask-timeout"),
+    ({"ask_timeout_s": True}, "--ask-timeout"),
+    ({"on_ask_timeout": "retry"}, "--on-ask-timeout 'retry' is invalid: expected one of deny, cancel"),
+])
+def test_ask_timeout_terms_are_checked_at_dispatch(kwargs, reason):
+    from mam.orchestrator.dispatch import work_terms
+
+    with pytest.raises(UsageError) as caught:
+        work_terms(**kwargs)
+    assert reason in str(caught.value)
+
+
+def test_ask_timeout_terms_travel_in_work_and_default_to_deny_after_30_minutes():
+    from mam.orchestrator.dispatch import work_terms
+
+    work = work_terms(ask_timeout_s=600, on_ask_timeout="cancel")
+    assert work is not None and work.to_dict() == {"ask_timeout_s": 600, "on_ask_timeout": "cancel"}
+    assert wire.Work.from_dict(work.to_dict()).ask_terms() == (600, "cancel")
+    assert wire.Work(repo="demo").ask_terms() == (1800, "deny")
+    with pytest.raises(DecodeError):
+        wire.Work.from_dict({"ask_timeout_s": "600"})

@@ -2,7 +2,8 @@
 what its agent may do. Optional: a dispatch without it is a plain command job, as before.
 
     {"repo": "demo", "ref": "main", "max_turns": 20, "max_cost_usd": 2.5,
-     "allow_tools": ["Bash(git *)", "Edit"], "permission_mode": "acceptEdits"}
+     "allow_tools": ["Bash(git *)", "Edit"], "permission_mode": "acceptEdits",
+     "ask_timeout_s": 600, "on_ask_timeout": "cancel"}
 
 Every key is optional and absent when unset (never null). The dispatch signature covers
 it (§5); it is not sealed: the brief is the secret, and the repository names are in the
@@ -19,7 +20,8 @@ from mam.shared.protocol import names
 from mam.shared.protocol.errors import DecodeError, UsageError
 from mam.shared.protocol.wire.fields import Invalid, run_check, show, type_name
 
-WORK_FIELDS = frozenset({"repo", "ref", "max_turns", "max_cost_usd", "allow_tools", "permission_mode"})
+WORK_FIELDS = frozenset({"repo", "ref", "max_turns", "max_cost_usd", "allow_tools", "permission_mode",
+                         "ask_timeout_s", "on_ask_timeout"})
 POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "permission_mode")
 
 
@@ -34,6 +36,9 @@ class Work:
         max_cost_usd: what the agent may spend at most, US dollars (0 < x <= 10000), or None.
         allow_tools: tool rules the agent may use without asking (`Bash(git *)`, `Edit`); () = none.
         permission_mode: the agent CLI's permission mode (`names.PERMISSION_MODES`), or None.
+        ask_timeout_s: how long a permission request waits for a person, seconds (§19; None:
+            `names.DEFAULT_ASK_TIMEOUT_S`).
+        on_ask_timeout: `deny` the request (None: the default) or `cancel` the job then (§19).
     """
 
     repo: str | None = None
@@ -42,6 +47,8 @@ class Work:
     max_cost_usd: float | None = None
     allow_tools: tuple[str, ...] = ()
     permission_mode: str | None = None
+    ask_timeout_s: int | None = None
+    on_ask_timeout: str | None = None
 
     def __post_init__(self) -> None:
         run_check(self._check)
@@ -62,6 +69,10 @@ class Work:
                 names.validate_tool_rules(self.allow_tools)
             if self.permission_mode is not None:
                 names.validate_permission_mode(self.permission_mode)
+            if self.ask_timeout_s is not None:
+                names.validate_ask_timeout(self.ask_timeout_s)
+            if self.on_ask_timeout is not None:
+                names.validate_ask_timeout_action(self.on_ask_timeout)
         except UsageError as exc:
             raise Invalid(str(exc)) from None
 
@@ -86,6 +97,10 @@ class Work:
         """
         return run_check(lambda: _work_from(obj))
 
+    def ask_terms(self) -> tuple[int, str]:
+        """(seconds a permission request waits, what then: deny or cancel), defaults filled (§19)."""
+        return (self.ask_timeout_s or names.DEFAULT_ASK_TIMEOUT_S, self.on_ask_timeout or "deny")
+
     @classmethod
     def of_record(cls, record: Mapping[str, Any]) -> Work | None:
         """The work stored in a registry record (`work`), or None for a plain job."""
@@ -97,7 +112,8 @@ class Work:
 
     def to_dict(self) -> dict[str, Any]:
         """The wire object: set keys only (`allow_tools` as a list)."""
-        out: dict[str, Any] = {key: value for key in ("repo", "ref", "max_turns", "max_cost_usd", "permission_mode")
+        out: dict[str, Any] = {key: value for key in ("repo", "ref", "max_turns", "max_cost_usd", "permission_mode",
+                                                      "ask_timeout_s", "on_ask_timeout")
                                if (value := getattr(self, key)) is not None}
         if self.allow_tools:
             out["allow_tools"] = list(self.allow_tools)
