@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from mam.orchestrator.asks import answer_from, asks_of, pending
 from mam.orchestrator.control import close_remote
 from mam.orchestrator.dispatch import check_brief, hub_contract, work_terms
 from mam.orchestrator.follow import FOLLOW_POLL_S, AuditTail, is_event_line, settled
@@ -133,11 +134,57 @@ class Job:
         path = None if found is None else found.patch_path
         return None if path is None else path.read_bytes()
 
+    def asks(self, *, waiting: bool = False) -> list[PermissionRequest]:
+        """The agent's permission requests (§19), oldest first; `waiting`: only those a person
+        must still answer."""
+        found = pending(self.hub.registry, self.id) if waiting else asks_of(self.hub.registry, self.id)
+        return [PermissionRequest(self.hub, **ask.to_dict()) for ask in found]
+
     def artifacts(self, attempt: int | None = None) -> dict[str, Path]:
         """The files the agent left in `$MAM_ARTIFACTS_DIR` (§18), by name: their paths under
         `.mam/artifacts/<id>/<attempt>/` (empty: none, or no result yet)."""
         found = read_result(self.hub.registry, self.id, attempt)
         return {} if found is None else {name: found.artifact_path(name) for name in found.artifacts()}
+
+
+@dataclass(frozen=True)
+class PermissionRequest:
+    """An agent's request for a person's permission (§19), answered with `approve()` or `deny()`.
+
+    Attributes:
+        job_id, attempt_id, request_id; tool: e.g. "Bash"; input: its one-line, masked summary;
+        asked_at: UTC timestamp; behavior: "allow" | "deny" once answered, else None;
+        answered_by, answered_at, message: who answered, when, and what the agent was told.
+    """
+
+    hub: Hub = field(repr=False, compare=False)
+    job_id: str
+    attempt_id: int
+    request_id: str
+    tool: str
+    input: str
+    asked_at: str
+    behavior: str | None
+    answered_by: str | None
+    answered_at: str | None
+    message: str | None
+
+    def approve(self) -> PermissionRequest:
+        """Allow it: the runner hands the answer to the waiting agent. Returns it answered.
+
+        Raises:
+            AnswerRefused: unknown, answered already, of an older attempt, or the job ended.
+            BrokerError: not sent (nothing recorded).
+        """
+        return self._answer(True, None)
+
+    def deny(self, reason: str | None = None) -> PermissionRequest:
+        """Deny it; the agent is told `reason` (1-256 characters) and goes on. Raises as `approve`."""
+        return self._answer(False, reason)
+
+    def _answer(self, allow: bool, reason: str | None) -> PermissionRequest:
+        done = answer_from(self.hub._hub, self.job_id, self.request_id, allow=allow, message=reason)
+        return PermissionRequest(self.hub, **done.to_dict())
 
 
 def outcome_of(record: JobRecord, audit: Sequence[dict[str, Any]]) -> Outcome:

@@ -7,8 +7,8 @@ whose action is `allow` or `deny`, retained on `ROOT/jobs/<job_id>/answers/<requ
 who answered and when. A request is pending while its attempt is the job's current one, the
 job has not ended and no answer is on record.
 
-    asks_of(registry, "918b0612")                # every request of the job, answered or not
-    answer(hub, "918b0612", None, allow=True)    # the one pending request
+    asks_of(registry, "918b0612")                     # every request of the job, answered or not
+    answer_from(hub, "918b0612", None, allow=True)    # the one pending request, its own connection
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from mam.orchestrator.hub import Hub
 from mam.orchestrator.identity import roster
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.codes import TERMINAL_STATUSES, EventName
+from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.protocol.errors import MamError, UsageError
 from mam.shared.store.registry import Registry
+from mam.shared.transport import Transport
 
 ANSWERED = "permission_answered"
 """The audit line of an answer the hub sent (§19)."""
@@ -135,13 +137,26 @@ def choose(registry: Registry, job_id: str, request_id: str | None) -> Ask:
     return found
 
 
-def answer(hub: Hub, job_id: str, request_id: str | None, *, allow: bool, message: str | None = None,
-           by: str | None = None) -> Ask:
-    """Answer one permission request (§19): a signed control (v2 for an enrolled session, §16)
-    retained on the request's answer topic, then a `permission_answered` audit line.
+def told(allow: bool, message: str | None, who: str) -> str:
+    """What the agent is told: `message` on one line, or "approved/denied by <who>".
+
+    Raises:
+        UsageError: not 1-256 characters.
+    """
+    text = " ".join((message or f"{'approved' if allow else 'denied'} by {who}").split())
+    if not text or len(text) > MAX_MESSAGE_CHARS:
+        raise UsageError(f"the reason must be 1-{MAX_MESSAGE_CHARS} characters")
+    return text
+
+
+def answer(registry: Registry, client: Transport, keys: DispatchKeys, job_id: str, request_id: str | None, *,
+           allow: bool, message: str | None = None, by: str | None = None) -> Ask:
+    """Answer one permission request (§19) on a connected `client`: a signed control (v2 for
+    an enrolled session, §16) retained on the request's answer topic, then a
+    `permission_answered` audit line.
 
     Args:
-        hub: the hub (its registry, keys and broker settings).
+        registry: the hub registry; keys: the dispatch keys (v1 signature).
         request_id: the request; None: the job's only pending one.
         allow: allow or deny.
         message: what the agent is told (a deny's reason); default "approved/denied by <by>".
@@ -149,26 +164,42 @@ def answer(hub: Hub, job_id: str, request_id: str | None, *, allow: bool, messag
     Returns:
         the request with its answer.
     Raises:
-        AnswerRefused (1), UsageError (64), ConfigError (64), BrokerError (3: nothing recorded).
+        AnswerRefused (1), UsageError (64), BrokerError (3: nothing recorded).
     """
     who = by or operator()
-    text = " ".join((message or f"{'approved' if allow else 'denied'} by {who}").split())
-    if not text or len(text) > MAX_MESSAGE_CHARS:
-        raise UsageError(f"the reason must be 1-{MAX_MESSAGE_CHARS} characters")
-    registry = hub.registry
+    text = told(allow, message, who)
     ask = choose(registry, job_id, request_id)
-    record = registry.get(job_id)
+    session = registry.get(job_id).get("session")
     control = wire.Control.answer(job_id, ask.attempt_id, ask.request_id, allow=allow, reason=text)
-    session = record.get("session")
-    signed = roster.sign_control_v2(hub.root, session, control) if session else None
-    payload = wire.encode(signed or crypto.sign(control.to_dict(), hub.keys().sign_key))
-    client = hub.connect("answer", record)
-    try:
-        client.publish(names.answer_topic(job_id, ask.request_id, client.config.topic_root), payload, retain=True)
-    finally:
-        client.close()
+    signed = roster.sign_control_v2(registry.root, session, control) if session else None
+    payload = wire.encode(signed or crypto.sign(control.to_dict(), keys.sign_key))
+    client.publish(names.answer_topic(job_id, ask.request_id, client.config.topic_root), payload, retain=True)
     behavior = "allow" if allow else "deny"
     registry.append_audit(job_id, {"event": ANSWERED, "request_id": ask.request_id, "attempt_id": ask.attempt_id,
                                    "behavior": behavior, "by": who, "message": text})
     return Ask(ask.job_id, ask.attempt_id, ask.request_id, ask.tool, ask.input, ask.asked_at, behavior, who,
                None, text)
+
+
+def answer_from(hub: Hub, job_id: str, request_id: str | None, *, allow: bool, message: str | None = None) -> Ask:
+    """`answer` on a connection of its own (`mam-orch approve|deny`).
+
+    Raises:
+        as `answer`; ConfigError (64) for the keys or broker settings.
+    """
+    told(allow, message, operator())  # bad input, then a refusal, before any connection is made
+    choose(hub.registry, job_id, request_id)
+    keys = hub.keys()
+    client = hub.connect("answer", hub.registry.get(job_id))
+    try:
+        return answer(hub.registry, client, keys, job_id, request_id, allow=allow, message=message)
+    finally:
+        client.close()
+
+
+def pending_everywhere(registry: Registry) -> list[Ask]:
+    """Every request that waits for a person, of every unfinished hub job, oldest first."""
+    records, _ = registry.list()
+    found = [ask for record in records if record.get("role") == "hub" and record["status"] not in TERMINAL_STATUSES
+             for ask in pending(registry, record["job_id"])]
+    return sorted(found, key=lambda ask: ask.asked_at)

@@ -33,7 +33,7 @@ from mam.shared.protocol.errors import BrokerUnavailable, ExitCode, MamError
 
 # `--help` lists the commands in the order a new operator uses them, one example each
 WORKFLOW = ("init", "config", "broker", "serve", "runner", "runners", "dispatch", "watch", "logs", "result",
-            "apply", "jobs", "show", "approve", "deny", "cancel", "redispatch", "gc")
+            "apply", "jobs", "show", "asks", "approve", "deny", "cancel", "redispatch", "gc")
 EXAMPLES = {
     "init": "mam-orch init --broker hub.example.net",
     "config": "mam-orch config --check",
@@ -48,6 +48,7 @@ EXAMPLES = {
     "apply": "mam-orch apply 918b0612 --repo-path ~/src/demo",
     "jobs": "mam-orch jobs --status running",
     "show": "mam-orch show 918b0612",
+    "asks": "mam-orch asks",
     "approve": "mam-orch approve 918b0612",
     "deny": "mam-orch deny 918b0612 --reason 'no pushes to main'",
     "cancel": "mam-orch cancel 918b0612",
@@ -391,6 +392,45 @@ def apply_cmd(
     return apply_cli(job_id, workspace=workspace, repo_path=repo_path, attempt=attempt)
 
 
+INPUT_CELL_CHARS = 60
+"""Characters of a request's input shown in the `asks` table (the JSON view has it whole)."""
+
+
+@app.command("asks")
+def asks_cmd(
+    job_id: str = typer.Argument(None, metavar="[JOB_ID]",
+                                 help="One job's requests, answered ones too (default: every waiting one)."),
+    workspace: str = cli.workspace_option(),
+    as_json: bool = cli.json_option(),
+) -> int:
+    """List the agents' permission requests that wait for a person, oldest first (§19).
+
+    With JOB_ID: every request of that job with its answer (who, when). On a pipe, or
+    with --json, one JSON object per request.
+    """
+    from mam.shared.cli.render import table
+
+    registry = open_hub(workspace).registry
+    found = asks.asks_of(registry, names.validate_job_id(job_id)) if job_id else asks.pending_everywhere(registry)
+    if not cli.human_view(as_json):
+        for ask in found:
+            print(json.dumps(ask.to_dict()))
+        return 0
+    if not found:
+        print("no permission request waits for an answer" if job_id is None else f"job {job_id} asked nothing")
+        return 0
+    rows = [[ask.job_id, ask.request_id, ask.tool, ask.asked_at, _cut(ask.input, INPUT_CELL_CHARS),
+             f"{ask.behavior} by {ask.answered_by}" if ask.behavior else "waiting"] for ask in found]
+    print(table(["JOB", "REQUEST", "TOOL", "ASKED", "INPUT", "ANSWER"], rows), end="")
+    if job_id is None:
+        print(f"answer with: {command('approve|deny <job> [<request>]', workspace)}")
+    return 0
+
+
+def _cut(text: str, chars: int) -> str:
+    return text if len(text) <= chars else text[:chars - 1] + "…"
+
+
 _REQUEST_ARGUMENT = typer.Argument(None, metavar="REQUEST_ID",
                                    help="The request (16 hex characters; default: the job's only waiting one).")
 
@@ -399,7 +439,7 @@ def _answer(job_id: str, request_id: str | None, *, allow: bool, reason: str | N
             as_json: bool) -> int:
     cli.setup_logging(False if as_json else None)
     names.validate_job_id(job_id)
-    done = asks.answer(open_hub(workspace), job_id, request_id, allow=allow, message=reason)
+    done = asks.answer_from(open_hub(workspace), job_id, request_id, allow=allow, message=reason)
     print(f"job {job_id} request {done.request_id} ({done.tool}): {'allowed' if allow else 'denied'} "
           f"by {done.answered_by}", file=sys.stderr)
     if not cli.human_view(as_json):

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from mam.orchestrator import asks
 from mam.orchestrator.http.api import cancel_request, dispatch_request
 from mam.orchestrator.http.metrics import HubMetrics
 from mam.orchestrator.http.views import LiveFeed, job_detail, job_result, job_row, queue_rows, read_log, runner_rows
@@ -243,6 +245,40 @@ class Api:
             return _error(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
         return JSONResponse(await run_in_threadpool(dispatch_request, self.service, body), status_code=201)
 
+    async def asks(self, request: Request) -> Response:
+        """`GET /api/asks`: every permission request waiting for a person (§19), oldest first."""
+        found = await run_in_threadpool(asks.pending_everywhere, self.service.registry)
+        return JSONResponse({"asks": [ask.to_dict() for ask in found]})
+
+    async def job_asks(self, request: Request) -> Response:
+        """`GET /api/jobs/{id}/asks`: the job's requests, answered ones too (§19)."""
+        job_id = names.validate_job_id(request.path_params["job_id"])
+        found = await run_in_threadpool(asks.asks_of, self.service.registry, job_id)
+        return JSONResponse({"asks": [ask.to_dict() for ask in found]})
+
+    async def answer(self, request: Request) -> Response:
+        """`POST /api/jobs/{id}/asks/{request}/approve|deny` (body `{"reason": TEXT}` optional for
+        a deny): `mam-orch approve|deny` on the service's connection (§19); 409 when refused."""
+        job_id = names.validate_job_id(request.path_params["job_id"])
+        request_id = names.validate_request_id(request.path_params["request_id"])
+        if request.path_params["verb"] not in ("approve", "deny"):
+            return _error(404, "not found: the action is approve or deny")
+        allow = request.path_params["verb"] == "approve"
+        body = await self.body_json(request) if int(request.headers.get("content-length") or 0) else {}
+        reason = body.get("reason") if isinstance(body, dict) else None
+        if reason is not None and not isinstance(reason, str):
+            raise UsageError("field 'reason' is invalid: expected a string")
+        client = self.service.client
+        if client is None:
+            raise BrokerError("the hub service has no broker connection now; try again")
+        try:
+            done = await run_in_threadpool(partial(asks.answer, self.service.registry, client, self.service.keys,
+                                                   job_id, request_id, allow=allow, message=reason,
+                                                   by=f"api@{asks.operator().split('@')[-1]}"))
+        except asks.AnswerRefused as exc:
+            return _error(409, str(exc))
+        return JSONResponse(done.to_dict())
+
     async def cancel(self, request: Request) -> Response:
         job_id = request.path_params["job_id"]
         return JSONResponse(await run_in_threadpool(cancel_request, self.service, job_id))
@@ -340,6 +376,9 @@ def create_app(service: HubService, token: str | None = None) -> Starlette:
         Route("/api/jobs/{job_id}/result/patch", g(api.job_patch, query_token=True)),
         Route("/api/jobs/{job_id}/artifacts/{name}", g(api.job_artifact, query_token=True)),
         Route("/api/jobs/{job_id}/cancel", g(api.cancel), methods=["POST"]),
+        Route("/api/asks", g(api.asks)),
+        Route("/api/jobs/{job_id}/asks", g(api.job_asks)),
+        Route("/api/jobs/{job_id}/asks/{request_id}/{verb:str}", g(api.answer), methods=["POST"]),
         Route("/api/events", g(api.events, query_token=True)),
         Route("/metrics", g(api.metrics_text)),
         Mount("/static", StaticFiles(directory=STATIC)),

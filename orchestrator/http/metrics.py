@@ -22,10 +22,11 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mam.orchestrator import asks
 from mam.orchestrator.http.views import Row, iso_epoch, runner_rows
 from mam.orchestrator.service import HubService
 from mam.shared.protocol import names
-from mam.shared.protocol.codes import JobStatus, PresenceStatus
+from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus, PresenceStatus
 from mam.shared.store.fsio import read_json_object
 from mam.shared.store.records import RECORD_NAME_RE, JobRecord, target_of
 
@@ -63,6 +64,14 @@ class HubCollector(Collector):
         yield CounterMetricFamily("mam_retries", "Retries made (§14)",
                                   value=sum(int(record.get("retried", 0)) for record in records))
         yield from agent_spend(records)
+        pending = GaugeMetricFamily("mam_permission_pending", "Agents' permission requests waiting for a person "
+                                    "(§19), by runner", labels=["session"])
+        waiting = Counter(record.get("session") or "-" for record in records
+                          if record["status"] not in TERMINAL_STATUSES and record["status"] != JobStatus.QUEUED
+                          for _ in asks.pending(self.service.registry, record["job_id"]))
+        for session, count in sorted(waiting.items()):
+            pending.add_metric([session], count)
+        yield pending
         yield from self._queue()
         yield from self._runners()
         yield from self._messages()

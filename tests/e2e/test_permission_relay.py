@@ -18,6 +18,7 @@ from harness.runnersim import MAM_ORCH, MAM_RUNNER, hub_env, hub_workspace, orch
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import TEST_SECRET
 
+from mam.orchestrator.api import Hub
 from mam.orchestrator.asks import ANSWERED
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.store.registry import Registry
@@ -67,7 +68,8 @@ def test_approve_then_deny_with_a_reason_reach_the_waiting_agent_and_are_recorde
     hub = hub_workspace(broker, tmp_path)
     ws, out = tmp_path / "runner", tmp_path / "out"
     runner = start_runner(broker, ws, SESSION, OUT=str(out))
-    watch = dispatch(hub, "\n".join([ask_step(1, "Bash", PUSH), ask_step(2, "Write", WRITE)]))
+    watch = dispatch(hub, "\n".join([ask_step(1, "Bash", PUSH), ask_step(2, "Write", WRITE),
+                                     ask_step(3, "Edit", {"file_path": "a.py"})]))
     try:
         first = asked(watch, 1)[0]
         job_id = watch.events("permission_required")[0]["job_id"]
@@ -83,6 +85,13 @@ def test_approve_then_deny_with_a_reason_reach_the_waiting_agent_and_are_recorde
         assert denied.returncode == 0, denied.stderr
         assert answer_of(out, 2) == ({"behavior": "deny", "message": "no writes today",
                                       "request_id": second["request_id"]}, "rc=1")
+        third = asked(watch, 3)[2]
+        with Hub(hub, embedded=False) as api:  # the Python API answers the same way
+            waiting = api.job(job_id).asks(waiting=True)
+            assert [(a.request_id, a.tool, a.input) for a in waiting] == [(third["request_id"], "Edit",
+                                                                           '{"file_path":"a.py"}')]
+            assert waiting[0].approve().behavior == "allow"
+        assert answer_of(out, 3)[0]["behavior"] == "allow"
         assert watch.wait(PATIENCE_S) == 0, watch.log() + runner_log(ws)
         # the runner cleared each delivered answer
         topic = names.answer_topic(job_id, first["request_id"], broker.topic_root)
@@ -92,8 +101,11 @@ def test_approve_then_deny_with_a_reason_reach_the_waiting_agent_and_are_recorde
         stop(runner)
     lines = [line for line in Registry(hub).audit(job_id) if line.get("event") == ANSWERED]
     assert [(line["request_id"], line["behavior"]) for line in lines] == [
-        (first["request_id"], "allow"), (second["request_id"], "deny")]
+        (first["request_id"], "allow"), (second["request_id"], "deny"), (third["request_id"], "allow")]
     assert all("@" in line["by"] for line in lines) and lines[1]["message"] == "no writes today"
+    listed = orch(hub, "asks", job_id)  # on a pipe: one JSON object per request, answers with them
+    assert [json.loads(line)["behavior"] for line in listed.stdout.splitlines()] == ["allow", "deny", "allow"]
+    assert orch(hub, "asks").stdout == ""  # nothing waits any more
     # late, repeated, unknown: refused with one line each, exit 1
     again = orch(hub, "approve", job_id, first["request_id"])
     assert again.returncode == 1 and "answered already (allow by " in again.stderr, again.stderr

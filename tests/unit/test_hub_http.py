@@ -20,7 +20,7 @@ from mam.orchestrator.hub import open_hub
 from mam.orchestrator.queue import RunnerView
 from mam.orchestrator.service import HubService
 from mam.shared.config import write_env_file
-from mam.shared.protocol import crypto, names
+from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.crypto import MAX_BRIEF_BYTES
 from mam.shared.protocol.errors import ConfigError, UsageError
 from mam.shared.store.registry import Contract, Registry
@@ -296,3 +296,35 @@ def test_s14_live_feed_counts_a_retry_that_ends_between_two_polls_as_a_new_finis
     service.registry.transition(record["job_id"], "completed", source="runner", exit_code=0, **identity)
     feed.poll()
     assert finished == ["error", "completed"]
+
+
+def test_s19_http_lists_waiting_requests_answers_them_signed_and_refuses_twice(service, api):
+    from mam.orchestrator.asks import ANSWERED
+
+    registry = service.registry
+    record = registry.register(session="gpu-box", job_id="918b0612")
+    rid = "0123456789abcdef"
+    registry.append_audit(record["job_id"], {
+        "event": "permission_required", "job_id": record["job_id"], "timestamp": "2026-12-04T10:00:00Z",
+        "data": {"request_id": rid, "attempt_id": 1, "tool": "Bash", "input": "git push"}})
+    waiting = api.get("/api/asks").json()["asks"]
+    assert [(a["job_id"], a["request_id"], a["tool"], a["behavior"]) for a in waiting] == [
+        ("918b0612", rid, "Bash", None)]
+    assert 'mam_permission_pending{session="gpu-box"} 1.0' in api.get("/metrics").text
+    bad = api.post(f"/api/jobs/918b0612/asks/{rid}/deny", json={"reason": 5})
+    assert bad.status_code == 400 and "'reason'" in bad.json()["error"]
+    assert api.post(f"/api/jobs/918b0612/asks/{rid}/maybe").status_code == 404
+    assert api.post("/api/jobs/918b0612/asks/nothex/approve").status_code == 400
+    denied = api.post(f"/api/jobs/918b0612/asks/{rid}/deny", json={"reason": "not on main"})
+    assert denied.status_code == 200, denied.text
+    assert (denied.json()["behavior"], denied.json()["message"]) == ("deny", "not on main")
+    topic, payload, retain = service.client.published[-1]
+    assert topic.endswith(f"/jobs/918b0612/answers/{rid}") and retain
+    control = wire.decode(payload, "control")
+    assert (control.action, control.request_id, control.reason) == ("deny", rid, "not on main")
+    assert [line["event"] for line in registry.audit("918b0612")][-1] == ANSWERED
+    again = api.post(f"/api/jobs/918b0612/asks/{rid}/approve")
+    assert again.status_code == 409 and "answered already" in again.json()["error"]
+    assert api.get("/api/asks").json()["asks"] == []
+    assert api.get("/api/jobs/918b0612/asks").json()["asks"][0]["behavior"] == "deny"
+    assert "mam_permission_pending{" not in api.get("/metrics").text
