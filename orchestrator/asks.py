@@ -15,47 +15,23 @@ from __future__ import annotations
 
 import getpass
 import socket
-from dataclasses import dataclass
-from typing import Any
 
 from mam.orchestrator.hub import Hub
 from mam.orchestrator.identity import roster
 from mam.shared.protocol import crypto, names, wire
-from mam.shared.protocol.codes import TERMINAL_STATUSES, EventName
+from mam.shared.protocol.codes import TERMINAL_STATUSES
 from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.protocol.errors import MamError, UsageError
+from mam.shared.store.asklog import ANSWERED, Ask, asks_in, waiting_in
 from mam.shared.store.registry import Registry
 from mam.shared.transport import Transport
 
-ANSWERED = "permission_answered"
-"""The audit line of an answer the hub sent (§19)."""
 MAX_MESSAGE_CHARS = 256
 """Longest `deny --reason` (the control's `reason`, §6)."""
 
 
 class AnswerRefused(MamError):
     """The request cannot be answered: unknown, answered already, of an older attempt, or the job ended."""
-
-
-@dataclass(frozen=True)
-class Ask:
-    """One permission request of a job, with its answer when there is one (§19)."""
-
-    job_id: str
-    attempt_id: int
-    request_id: str
-    tool: str
-    input: str
-    asked_at: str
-    behavior: str | None = None  # "allow" | "deny" once answered
-    answered_by: str | None = None
-    answered_at: str | None = None
-    message: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"job_id": self.job_id, "attempt_id": self.attempt_id, "request_id": self.request_id,
-                "tool": self.tool, "input": self.input, "asked_at": self.asked_at, "behavior": self.behavior,
-                "answered_by": self.answered_by, "answered_at": self.answered_at, "message": self.message}
 
 
 def asks_of(registry: Registry, job_id: str) -> list[Ask]:
@@ -65,27 +41,7 @@ def asks_of(registry: Registry, job_id: str) -> list[Ask]:
         UsageError: bad job id. RegistryError: the audit log cannot be read.
     """
     names.validate_job_id(job_id)
-    asked: dict[str, Ask] = {}
-    for line in registry.audit(job_id):
-        data = line.get("data")
-        if line.get("event") == EventName.PERMISSION_REQUIRED and isinstance(data, dict):
-            request_id = data.get("request_id")
-            if isinstance(request_id, str) and names.REQUEST_ID_RE.fullmatch(request_id) and request_id not in asked:
-                asked[request_id] = Ask(job_id, int(data.get("attempt_id") or 0), request_id,
-                                        str(data.get("tool") or "?"), str(data.get("input") or ""),
-                                        str(line.get("timestamp") or ""))
-        elif line.get("event") == ANSWERED and line.get("request_id") in asked:
-            old = asked[line["request_id"]]
-            asked[old.request_id] = Ask(old.job_id, old.attempt_id, old.request_id, old.tool, old.input,
-                                        old.asked_at, str(line.get("behavior")), str(line.get("by") or ""),
-                                        str(line.get("timestamp") or ""), str(line.get("message") or ""))
-        elif line.get("event") == EventName.PROGRESS and isinstance(data, dict) and data.get("by") == "timeout" \
-                and data.get("request_id") in asked:  # the runner denied it: nobody answered in time
-            old = asked[data["request_id"]]
-            asked[old.request_id] = Ask(old.job_id, old.attempt_id, old.request_id, old.tool, old.input,
-                                        old.asked_at, "deny", "timeout", str(line.get("timestamp") or ""),
-                                        str(line.get("detail") or ""))
-    return list(asked.values())
+    return asks_in(job_id, registry.audit(job_id))
 
 
 def pending(registry: Registry, job_id: str) -> list[Ask]:
@@ -93,8 +49,7 @@ def pending(registry: Registry, job_id: str) -> list[Ask]:
     record = registry.get(job_id)
     if record["status"] in TERMINAL_STATUSES:
         return []
-    return [ask for ask in asks_of(registry, job_id)
-            if ask.behavior is None and ask.attempt_id == record["attempt_id"]]
+    return waiting_in(record, registry.audit(job_id))
 
 
 def operator() -> str:
@@ -203,3 +158,7 @@ def pending_everywhere(registry: Registry) -> list[Ask]:
     found = [ask for record in records if record.get("role") == "hub" and record["status"] not in TERMINAL_STATUSES
              for ask in pending(registry, record["job_id"])]
     return sorted(found, key=lambda ask: ask.asked_at)
+
+
+__all__ = ["ANSWERED", "Ask", "AnswerRefused", "answer", "answer_from", "asks_of", "choose", "operator", "pending",
+           "pending_everywhere", "told"]

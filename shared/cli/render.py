@@ -16,6 +16,7 @@ from typing import Any, TextIO
 from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus
 from mam.shared.protocol.errors import MamError
+from mam.shared.store.asklog import waiting_in
 from mam.shared.store.records import redact
 from mam.shared.store.registry import Registry
 from mam.shared.store.root import existing_root
@@ -134,13 +135,20 @@ def _job_row(record: Mapping[str, Any], root: Path | None) -> list[Any]:
 
 
 def with_why_waiting(registry: Registry, record: dict[str, Any]) -> dict[str, Any]:
-    """A queued hub record with `why_waiting`: the hub engine's latest line on why it waits
-    (§14, a `hub_note` of its audit log), when there is one; other records as they are."""
-    if record.get("status") != JobStatus.QUEUED or record.get("role") not in (None, "hub"):
+    """A hub record with `why_waiting`: for a queued job the hub engine's latest line on why it
+    waits (§14, a `hub_note` of its audit log), for a running one the permission requests it
+    waits on (§19); other records as they are."""
+    waits = record.get("status") in (JobStatus.PENDING, JobStatus.RUNNING)
+    if (record.get("status") != JobStatus.QUEUED and not waits) or record.get("role") not in (None, "hub"):
         return record
     try:
         trail = registry.audit(str(record["job_id"]))
     except MamError:
+        return record
+    if waits:
+        asked = waiting_in(record, trail)
+        if asked:
+            record["why_waiting"] = f"waiting for approval: {', '.join(ask.tool for ask in asked)}"
         return record
     notes = [str(line.get("line", "")) for line in trail if line.get("event") == "hub_note"]
     if notes:

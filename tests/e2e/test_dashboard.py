@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 
 import pytest
 from harness.httpserve import Serve, gated
 from harness.results import PATCH, deliver_result
-from harness.runnersim import hub_workspace, start_runner
+from harness.runnersim import MAM_RUNNER, hub_workspace, start_runner
 from harness.waiting import PATIENCE_S
 
 from mam.shared.protocol import names
@@ -119,3 +120,56 @@ def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_br
             for proc in runners:
                 proc.terminate()
                 proc.wait(PATIENCE_S)
+
+
+def test_dashboard_approve_and_deny_answer_the_waiting_agent_without_a_reload(nats_broker, tmp_path):
+    """§19 in the browser: the agent's request appears under "Waiting for you" without a
+    reload; Approve reaches the agent; a typed reason and Deny reach it too; the panel empties."""
+    if (why := browser_missing()) is not None:
+        pytest.skip(why)
+    hub = hub_workspace(nats_broker, tmp_path)
+    out = tmp_path / "out"
+    runner = start_runner(nats_broker, tmp_path / "gpu", "gpu-box", OUT=str(out))
+    ask = shlex.join([*MAM_RUNNER, "ask"])
+    steps = [f'rc=0; {ask} --tool {tool} --input {shlex.quote(json.dumps(given))} > "$OUT.{n}.tmp" || rc=$?; '
+             f'echo "rc=$rc" >> "$OUT.{n}.tmp"; mv "$OUT.{n}.tmp" "$OUT.{n}"'
+             for n, tool, given in ((1, "Bash", {"command": "git push origin main"}),
+                                    (2, "Write", {"file_path": "notes.md", "content": "x"}))]
+    serve = Serve(hub)
+    with sync_api.sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
+            viewport=VIEWPORT)
+        try:
+            page = context.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.set_default_timeout(WAIT_MS)
+            page.goto(serve.url + "/")
+            page.evaluate("window.__sameDocument = true")
+            sync_api.expect(page.locator("#asks-section")).to_be_hidden()
+            job_id = serve.dispatch("\n".join(steps), session="gpu-box")
+            first = page.locator("#asks tbody tr", has_text="git push origin main")
+            sync_api.expect(first).to_contain_text(job_id)
+            sync_api.expect(row_of(page, "running", job_id)).to_contain_text("waiting for approval")
+            page.screenshot(path=str(tmp_path / "dashboard-asks.png"), full_page=True)
+            first.locator("button[data-verb=approve]").click()
+            second = page.locator("#asks tbody tr", has_text="notes.md")
+            sync_api.expect(second).to_contain_text("Write")
+            second.locator("input").fill("not in this repository")
+            second.locator("button[data-verb=deny]").click()
+            sync_api.expect(page.locator("#asks-section")).to_be_hidden()
+            sync_api.expect(row_of(page, "recent", job_id)).to_contain_text("completed")  # both were answered
+            answers = []
+            for n in (1, 2):
+                given, rc = Path(f"{out}.{n}").read_text().splitlines()
+                answers.append((json.loads(given)["behavior"], json.loads(given)["message"], rc))
+            assert answers[0][0] == "allow" and answers[0][2] == "rc=0"
+            assert answers[1] == ("deny", "not in this repository", "rc=1")
+            assert page.evaluate("window.__sameDocument") is True
+            assert errors == []
+        finally:
+            context.close()
+            assert serve.stop() == 0, serve.log()
+            runner.terminate()
+            runner.wait(PATIENCE_S)

@@ -329,3 +329,14 @@ def test_ask_timeout_terms_travel_in_work_and_default_to_deny_after_30_minutes()
     assert wire.Work(repo="demo").ask_terms() == (1800, "deny")
     with pytest.raises(DecodeError):
         wire.Work.from_dict({"ask_timeout_s": "600"})
+
+
+def test_jobs_says_a_running_job_waits_for_approval_until_it_is_answered(tmp_path):
+    from mam.shared.cli.render import with_why_waiting
+
+    registry = hub_job(tmp_path, asked(RID, tool="Bash"))
+    with registry.transaction(JOB) as txn:  # the runner's `started` moved it (§4)
+        txn.update({**txn.record, "status": "running"}, source="remote_mirror", reason="event started")
+    assert with_why_waiting(registry, registry.get(JOB))["why_waiting"] == "waiting for approval: Bash"
+    registry.append_audit(JOB, {"event": asks.ANSWERED, "request_id": RID, "behavior": "allow", "by": "ann@hub"})
+    assert "why_waiting" not in with_why_waiting(registry, registry.get(JOB))

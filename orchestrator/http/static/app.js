@@ -8,12 +8,20 @@ const params = new URLSearchParams(location.search);
 const token = params.get("token") || sessionStorage.getItem("mam_token") || "";
 if (params.get("token")) sessionStorage.setItem("mam_token", token);
 
-const state = { runners: [], queue: [], jobs: new Map(), job: null, events: [], logAttempt: null };
+const ASKS_POLL_MS = 3000;       // the requests waiting for a person are looked up this often (§19)
+const state = { runners: [], queue: [], jobs: new Map(), job: null, events: [], logAttempt: null, asks: [] };
 const TERMINAL = new Set(["completed", "error", "cancelled"]);
 
 function api(path) {
   const headers = token ? { Authorization: "Bearer " + token } : {};
   return fetch(path, { headers }).then((r) => r.ok ? r.json() : r.json().then((b) => Promise.reject(b.error)));
+}
+
+function post(path, body) {
+  const headers = { "Content-Type": "application/json" };
+  if (token) headers.Authorization = "Bearer " + token;
+  return fetch(path, { method: "POST", headers, body: JSON.stringify(body || {}) })
+    .then((r) => r.ok ? r.json() : r.json().then((b) => Promise.reject(b.error)));
 }
 
 function el(tag, text, cls) {
@@ -77,13 +85,43 @@ function renderFleet() {
   const jobs = [...state.jobs.values()].sort((a, b) => b.created_at.localeCompare(a.created_at));
   const open = jobs.filter((j) => j.status === "pending" || j.status === "running");
   const ended = jobs.filter((j) => TERMINAL.has(j.status)).slice(0, RECENT_MAX);
+  const asking = new Set(state.asks.map((a) => a.job_id));  // §19: a person's answer is what it waits for
   fill("running", open.map((j) => row([jobLink(j.job_id), badge(j.status), j.session, j.attempt_id, duration(j),
-    j.last_event])), "no job runs", 6);
+    asking.has(j.job_id) ? "waiting for approval" : j.last_event])), "no job runs", 6);
   fill("recent", ended.map((j) => row([jobLink(j.job_id), badge(j.status), j.session, j.attempt_id, duration(j),
     j.last_event, j.close_reason || (j.late_outcome ? "late " + j.late_outcome : "")])), "no job ended yet", 7);
   const online = state.runners.filter((r) => r.status === "online").length;
   document.getElementById("summary").textContent =
     online + " runners online · " + state.queue.length + " queued · " + open.length + " running";
+}
+
+// Agents' permission requests that wait for a person (§19), each with Approve and Deny.
+function loadAsks() {
+  return api("/api/asks").then((found) => { state.asks = found.asks; renderAsks(); render(); }).catch(() => {});
+}
+
+function renderAsks() {
+  document.getElementById("asks-section").hidden = !state.asks.length;
+  fill("asks", state.asks.map((a) => {
+    const reason = el("input");
+    reason.placeholder = "denied by the dashboard";
+    reason.maxLength = 256;
+    const buttons = el("span");
+    const answer = (verb) => {
+      const body = verb === "deny" && reason.value.trim() ? { reason: reason.value.trim() } : {};
+      for (const b of buttons.children) b.disabled = true;
+      post("/api/jobs/" + a.job_id + "/asks/" + a.request_id + "/" + verb, body)
+        .then(() => loadAsks())
+        .catch((err) => { buttons.replaceChildren(el("span", "refused: " + err, "error")); });
+    };
+    for (const verb of ["approve", "deny"]) {
+      const b = el("button", verb === "approve" ? "Approve" : "Deny");
+      b.dataset.verb = verb;
+      b.addEventListener("click", () => answer(verb));
+      buttons.appendChild(b);
+    }
+    return row([jobLink(a.job_id), a.tool, el("code", a.input), a.asked_at, reason, buttons]);
+  }), "nothing waits for you", 6);
 }
 
 function renderJob() {
@@ -209,6 +247,7 @@ function connect() {
   });
   source.addEventListener("event", (e) => {
     const msg = JSON.parse(e.data);
+    if (msg.event && msg.event.event === "permission_required") loadAsks();
     if (state.job && state.job.job.job_id === msg.job_id) { state.events.push(msg.event); renderJob(); }
   });
   source.addEventListener("log", (e) => {
@@ -222,7 +261,9 @@ Promise.all([api("/api/runners"), api("/api/queue"), api("/api/jobs")]).then(([r
   state.queue = q.queue;
   for (const job of j.jobs) state.jobs.set(job.job_id, job);
   route();
+  loadAsks();
 }).catch((err) => { document.getElementById("conn").textContent = "error: " + err; });
 window.addEventListener("hashchange", route);
 setInterval(render, 1000);
+setInterval(loadAsks, ASKS_POLL_MS);  // answers given elsewhere (the CLI) leave the list too
 connect();
