@@ -169,21 +169,22 @@ class PermissionRequest:
     answered_at: str | None
     message: str | None
 
-    def approve(self) -> PermissionRequest:
-        """Allow it: the runner hands the answer to the waiting agent. Returns it answered.
+    def approve(self, *, always: bool = False) -> PermissionRequest:
+        """Allow it: the runner hands the answer to the waiting agent (`always`: and allows the
+        same tool with the same input again without asking). Returns it answered.
 
         Raises:
             AnswerRefused: unknown, answered already, of an older attempt, or the job ended.
             BrokerError: not sent (nothing recorded).
         """
-        return self._answer(True, None)
+        return self._answer(True, None, always)
 
     def deny(self, reason: str | None = None) -> PermissionRequest:
         """Deny it; the agent is told `reason` (1-256 characters) and goes on. Raises as `approve`."""
         return self._answer(False, reason)
 
-    def _answer(self, allow: bool, reason: str | None) -> PermissionRequest:
-        done = answer_from(self.hub._hub, self.job_id, self.request_id, allow=allow, message=reason)
+    def _answer(self, allow: bool, reason: str | None, always: bool = False) -> PermissionRequest:
+        done = answer_from(self.hub._hub, self.job_id, self.request_id, allow=allow, message=reason, always=always)
         return PermissionRequest(self.hub, **done.to_dict())
 
 

@@ -105,7 +105,7 @@ def told(allow: bool, message: str | None, who: str) -> str:
 
 
 def answer(registry: Registry, client: Transport, keys: DispatchKeys, job_id: str, request_id: str | None, *,
-           allow: bool, message: str | None = None, by: str | None = None) -> Ask:
+           allow: bool, message: str | None = None, by: str | None = None, always: bool = False) -> Ask:
     """Answer one permission request (§19) on a connected `client`: a signed control (v2 for
     an enrolled session, §16) retained on the request's answer topic, then a
     `permission_answered` audit line.
@@ -116,27 +116,33 @@ def answer(registry: Registry, client: Transport, keys: DispatchKeys, job_id: st
         allow: allow or deny.
         message: what the agent is told (a deny's reason); default "approved/denied by <by>".
         by: who answers (default `operator()`).
+        always: with `allow`: the runner allows the same tool with the same input again
+            without asking, for the rest of the attempt.
     Returns:
         the request with its answer.
     Raises:
         AnswerRefused (1), UsageError (64), BrokerError (3: nothing recorded).
     """
+    if always and not allow:
+        raise UsageError("--always goes with approve only")
     who = by or operator()
     text = told(allow, message, who)
     ask = choose(registry, job_id, request_id)
     session = registry.get(job_id).get("session")
-    control = wire.Control.answer(job_id, ask.attempt_id, ask.request_id, allow=allow, reason=text)
+    control = wire.Control.answer(job_id, ask.attempt_id, ask.request_id, allow=allow, reason=text, always=always)
     signed = roster.sign_control_v2(registry.root, session, control) if session else None
     payload = wire.encode(signed or crypto.sign(control.to_dict(), keys.sign_key))
     client.publish(names.answer_topic(job_id, ask.request_id, client.config.topic_root), payload, retain=True)
     behavior = "allow" if allow else "deny"
-    registry.append_audit(job_id, {"event": ANSWERED, "request_id": ask.request_id, "attempt_id": ask.attempt_id,
-                                   "behavior": behavior, "by": who, "message": text})
+    line = {"event": ANSWERED, "request_id": ask.request_id, "attempt_id": ask.attempt_id, "behavior": behavior,
+            "by": who, "message": text}
+    registry.append_audit(job_id, {**line, "always": True} if always else line)
     return Ask(ask.job_id, ask.attempt_id, ask.request_id, ask.tool, ask.input, ask.asked_at, behavior, who,
                None, text)
 
 
-def answer_from(hub: Hub, job_id: str, request_id: str | None, *, allow: bool, message: str | None = None) -> Ask:
+def answer_from(hub: Hub, job_id: str, request_id: str | None, *, allow: bool, message: str | None = None,
+                always: bool = False) -> Ask:
     """`answer` on a connection of its own (`mam-orch approve|deny`).
 
     Raises:
@@ -147,7 +153,7 @@ def answer_from(hub: Hub, job_id: str, request_id: str | None, *, allow: bool, m
     keys = hub.keys()
     client = hub.connect("answer", hub.registry.get(job_id))
     try:
-        return answer(hub.registry, client, keys, job_id, request_id, allow=allow, message=message)
+        return answer(hub.registry, client, keys, job_id, request_id, allow=allow, message=message, always=always)
     finally:
         client.close()
 

@@ -436,12 +436,13 @@ _REQUEST_ARGUMENT = typer.Argument(None, metavar="REQUEST_ID",
 
 
 def _answer(job_id: str, request_id: str | None, *, allow: bool, reason: str | None, workspace: str,
-            as_json: bool) -> int:
+            as_json: bool, always: bool = False) -> int:
     cli.setup_logging(False if as_json else None)
     names.validate_job_id(job_id)
-    done = asks.answer_from(open_hub(workspace), job_id, request_id, allow=allow, message=reason)
+    done = asks.answer_from(open_hub(workspace), job_id, request_id, allow=allow, message=reason, always=always)
     print(f"job {job_id} request {done.request_id} ({done.tool}): {'allowed' if allow else 'denied'} "
-          f"by {done.answered_by}", file=sys.stderr)
+          f"by {done.answered_by}{'; the same request is allowed again without asking' if always else ''}",
+          file=sys.stderr)
     if not cli.human_view(as_json):
         print(json.dumps(done.to_dict()), flush=True)
     return 0
@@ -451,6 +452,8 @@ def _answer(job_id: str, request_id: str | None, *, allow: bool, reason: str | N
 def approve_cmd(
     job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
     request_id: str = _REQUEST_ARGUMENT,
+    always: bool = typer.Option(False, "--always", help="Also allow the same tool with the same input again, "
+                                                         "without asking, for the rest of this attempt."),
     workspace: str = cli.workspace_option(),
     as_json: bool = cli.json_option(),
 ) -> int:
@@ -461,7 +464,7 @@ def approve_cmd(
     job ended; 3 when the broker is unreachable (nothing recorded); 64 when several
     requests wait and none is named.
     """
-    return _answer(job_id, request_id, allow=True, reason=None, workspace=workspace, as_json=as_json)
+    return _answer(job_id, request_id, allow=True, reason=None, workspace=workspace, as_json=as_json, always=always)
 
 
 @app.command("deny")

@@ -138,6 +138,11 @@ def parse_ask(value: dict[str, Any]) -> AskRequest:
     return AskRequest(value["job_id"], attempt, value["dispatch_token"], tool, tool_input)
 
 
+def _always_key(request: AskRequest) -> tuple[str, str]:
+    """What makes two requests "the same" for an `always` allow: the tool and its whole input."""
+    return request.tool, json.dumps(request.input, sort_keys=True, separators=(",", ":"), default=str)
+
+
 def input_summary(tool_input: Mapping[str, Any]) -> str:
     """One line for a person: the `command` of a shell tool, else the input as compact JSON."""
     command = tool_input.get("command")
@@ -196,6 +201,8 @@ class PublishServer:
         self.cancel = cancel or (lambda job_id, reason: None)
         self._waiting: dict[str, _Waiting] = {}  # request id -> its client (§19)
         self._denied: dict[str, set[str]] = {}  # job id -> tools the hub denied it (§19)
+        # job id -> (tool, input as canonical JSON) -> (request id, message) the hub allowed always (§19)
+        self._always: dict[str, dict[tuple[str, str], tuple[str, str]]] = {}
         self._waiting_lock = threading.Lock()
         self.path = names.runner_socket_path(registry.root)
         self.held = held
@@ -417,6 +424,10 @@ class PublishServer:
         if not self.held(request.job_id):
             return {"ok": False, "reason": f"job {request.job_id} is not running under this runner"}
         with self._waiting_lock:
+            allowed = self._always.get(request.job_id, {}).get(_always_key(request))
+        if allowed is not None:
+            return self._allow_again(request, client, *allowed)
+        with self._waiting_lock:
             count = sum(1 for parked in self._waiting.values() if parked.request.job_id == request.job_id)
             if count >= MAX_WAITING_ASKS:
                 log.warning("job %s: permission request for %s refused: %d already wait for an answer",
@@ -449,10 +460,31 @@ class PublishServer:
         with self._waiting_lock:
             return {rid: p.request.attempt_id for rid, p in self._waiting.items() if p.request.job_id == job_id}
 
-    def answer(self, job_id: str, attempt_id: int, request_id: str, *, allow: bool, message: str) -> str | None:
+    def _allow_again(self, request: AskRequest, client: _Client, request_id: str, message: str
+                     ) -> dict[str, Any] | None:
+        """The same request as one the hub allowed `always` (§19): allowed without a person, and
+        a `progress` event says so; None once answered, else the refusal (nothing recorded)."""
+        data = {"tool": request.tool, "input": self.mask(request.job_id, input_summary(request.input)),
+                "always_of": request_id}
+        try:
+            event = publish.make_request(request.job_id, EventName.PROGRESS,
+                                         f"allowed {request.tool} again without asking (always, request {request_id})",
+                                         json.dumps(data, ensure_ascii=False), request.attempt_id,
+                                         request.dispatch_token)
+            published = publish.record(self.registry, event)
+        except Exception as exc:  # stale attempt, ended job
+            reason = str(exc) if isinstance(exc, MamError | ProtocolError) else type(exc).__name__
+            return {"ok": False, "reason": f"the permission request was not recorded: {reason}"}
+        self._outgoing.put(published)
+        self._close(client, {"ok": True, "request_id": request_id, "behavior": "allow", "message": message})
+        return None
+
+    def answer(self, job_id: str, attempt_id: int, request_id: str, *, allow: bool, message: str,
+               always: bool = False) -> str | None:
         """Hand the hub's verified answer to the waiting agent (§19); None when delivered, else
         why it was refused: no such request waits (never asked, answered already, the job
-        ended), or it is another job's or attempt's."""
+        ended), or it is another job's or attempt's. `always` (an allow): the same tool with
+        the same input is allowed without asking for the rest of the job's attempt."""
         with self._waiting_lock:
             parked = self._waiting.get(request_id)
             if parked is None:
@@ -463,6 +495,8 @@ class PublishServer:
             del self._waiting[request_id]
             if not allow:
                 self._denied.setdefault(job_id, set()).add(parked.request.tool)
+            elif always:
+                self._always.setdefault(job_id, {})[_always_key(parked.request)] = (request_id, message)
         self._close(parked.client, {"ok": True, "request_id": request_id,
                                     "behavior": "allow" if allow else "deny", "message": message})
         return None
@@ -501,6 +535,7 @@ class PublishServer:
         going); forget the job's denied tools."""
         with self._waiting_lock:
             self._denied.pop(job_id, None)
+            self._always.pop(job_id, None)
             dropped = [rid for rid, p in self._waiting.items() if p.request.job_id == job_id]
             parked = [self._waiting.pop(rid) for rid in dropped]
         for rid, item in zip(dropped, parked, strict=True):

@@ -602,7 +602,8 @@ class Runner:
             log.debug("answer %s of job %s: no such request waits here", request_id, job_id)
             return
         refused = self._socket.answer(job_id, control.attempt_id, request_id,
-                                      allow=control.action == ControlAction.ALLOW, message=control.reason)
+                                      allow=control.action == ControlAction.ALLOW, message=control.reason,
+                                      always=control.always is True)
         if refused is not None:
             log.warning("refused answer %s: %s", job_id, refused)
             return

@@ -257,24 +257,29 @@ class Api:
         return JSONResponse({"asks": [ask.to_dict() for ask in found]})
 
     async def answer(self, request: Request) -> Response:
-        """`POST /api/jobs/{id}/asks/{request}/approve|deny` (body `{"reason": TEXT}` optional for
-        a deny): `mam-orch approve|deny` on the service's connection (§19); 409 when refused."""
+        """`POST /api/jobs/{id}/asks/{request}/approve|deny` (optional body `{"reason": TEXT}` for a
+        deny, `{"always": true}` for an approve): `mam-orch approve|deny` on the service's
+        connection (§19); 409 when refused."""
         job_id = names.validate_job_id(request.path_params["job_id"])
         request_id = names.validate_request_id(request.path_params["request_id"])
         if request.path_params["verb"] not in ("approve", "deny"):
             return _error(404, "not found: the action is approve or deny")
         allow = request.path_params["verb"] == "approve"
         body = await self.body_json(request) if int(request.headers.get("content-length") or 0) else {}
-        reason = body.get("reason") if isinstance(body, dict) else None
+        if not isinstance(body, dict) or set(body) - {"reason", "always"}:
+            raise UsageError("the body is an object with 'reason' (deny) or 'always' (approve) only")
+        reason, always = body.get("reason"), body.get("always", False)
         if reason is not None and not isinstance(reason, str):
             raise UsageError("field 'reason' is invalid: expected a string")
+        if not isinstance(always, bool):
+            raise UsageError("field 'always' is invalid: expected true or false")
         client = self.service.client
         if client is None:
             raise BrokerError("the hub service has no broker connection now; try again")
         try:
             done = await run_in_threadpool(partial(asks.answer, self.service.registry, client, self.service.keys,
                                                    job_id, request_id, allow=allow, message=reason,
-                                                   by=f"api@{asks.operator().split('@')[-1]}"))
+                                                   by=f"api@{asks.operator().split('@')[-1]}", always=always))
         except asks.AnswerRefused as exc:
             return _error(409, str(exc))
         return JSONResponse(done.to_dict())

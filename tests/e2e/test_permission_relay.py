@@ -217,3 +217,32 @@ def test_nobody_answers_with_on_ask_timeout_cancel_the_job_is_cancelled_never_ti
     assert watch.events("error")[0]["detail"] == "cancelled"
     assert not Path(f"{out}.after").exists()  # the agent did not go on
     assert "no answer to a permission request within 2 s" in runner_log(ws)
+
+
+def test_approve_always_answers_the_same_request_again_without_a_person(nats_broker, tmp_path):
+    hub = hub_workspace(nats_broker, tmp_path)
+    ws, out = tmp_path / "runner", tmp_path / "out"
+    runner = start_runner(nats_broker, ws, SESSION, OUT=str(out))
+    other = {"command": "git push --force"}
+    watch = dispatch(hub, "\n".join([ask_step(1, "Bash", PUSH), ask_step(2, "Bash", PUSH), ask_step(3, "Bash", other)]))
+    try:
+        first = asked(watch, 1)[0]
+        job_id = watch.events("permission_required")[0]["job_id"]
+        approved = orch(hub, "approve", job_id, "--always")
+        assert approved.returncode == 0 and "allowed again without asking" in approved.stderr, approved.stderr
+        assert answer_of(out, 1)[0]["behavior"] == "allow"
+        assert answer_of(out, 2) == ({"behavior": "allow", "message": answer_of(out, 1)[0]["message"],
+                                      "request_id": first["request_id"]}, "rc=0")  # nobody was asked
+        third = asked(watch, 2)[1]  # another input is another request
+        assert third["input"] == "git push --force"
+        assert orch(hub, "deny", job_id).returncode == 0
+        assert answer_of(out, 3)[0]["behavior"] == "deny"
+        assert watch.wait(PATIENCE_S) == 0, watch.log() + runner_log(ws)
+    finally:
+        watch.kill()
+        stop(runner)
+    again = [e["detail"] for e in watch.events("progress") if e["data"].get("always_of") == first["request_id"]]
+    assert again == [f"allowed Bash again without asking (always, request {first['request_id']})"]
+    assert len(watch.events("permission_required")) == 2
+    lines = [line for line in Registry(hub).audit(job_id) if line.get("event") == ANSWERED]
+    assert lines[0]["always"] is True and "always" not in lines[1]

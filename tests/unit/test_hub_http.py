@@ -313,6 +313,10 @@ def test_s19_http_lists_waiting_requests_answers_them_signed_and_refuses_twice(s
     assert 'mam_permission_pending{session="gpu-box"} 1.0' in api.get("/metrics").text
     bad = api.post(f"/api/jobs/918b0612/asks/{rid}/deny", json={"reason": 5})
     assert bad.status_code == 400 and "'reason'" in bad.json()["error"]
+    for body in ({"always": "yes"}, {"why": 1}, [1]):
+        assert api.post(f"/api/jobs/918b0612/asks/{rid}/approve", json=body).status_code == 400
+    bad = api.post(f"/api/jobs/918b0612/asks/{rid}/deny", json={"always": True})
+    assert bad.status_code == 400 and "approve only" in bad.json()["error"]
     assert api.post(f"/api/jobs/918b0612/asks/{rid}/maybe").status_code == 404
     assert api.post("/api/jobs/918b0612/asks/nothex/approve").status_code == 400
     denied = api.post(f"/api/jobs/918b0612/asks/{rid}/deny", json={"reason": "not on main"})

@@ -44,6 +44,9 @@ def test_an_answer_is_a_signed_control_with_a_request_id_that_round_trips():
     ({"request_id": "XYZ"}, "request_id 'XYZ' is invalid"),
     ({"request_id": "0" * 64}, "16 lowercase hex"),
     ({"action": "approve"}, "action"),
+    ({"always": False}, "always is only true"),
+    ({"always": True, "action": "deny"}, "only on an allow"),
+    ({"always": "yes"}, "always is only true"),
 ])
 def test_an_answer_that_breaks_the_rules_is_malformed(change, reason):
     body = {**wire.Control.answer(JOB, 1, RID, allow=True, reason="ok").to_dict(), **change, "sig": "0" * 64}
@@ -340,3 +343,24 @@ def test_jobs_says_a_running_job_waits_for_approval_until_it_is_answered(tmp_pat
     assert with_why_waiting(registry, registry.get(JOB))["why_waiting"] == "waiting for approval: Bash"
     registry.append_audit(JOB, {"event": asks.ANSWERED, "request_id": RID, "behavior": "allow", "by": "ann@hub"})
     assert "why_waiting" not in with_why_waiting(registry, registry.get(JOB))
+
+
+def test_an_allow_always_answers_the_same_tool_and_input_again_and_nothing_else(tmp_path, client):
+    srv = server(tmp_path)
+    parked, theirs = client()
+    assert srv.ask(request(tool_input={"command": "git push", "timeout": 5}), parked) is None
+    request_id = srv._outgoing.get_nowait().event["data"]["request_id"]
+    assert srv.answer(JOB, 1, request_id, allow=True, message="ok by ann", always=True) is None
+    reply(theirs)
+    again, theirs = client()
+    assert srv.ask(request(tool_input={"timeout": 5, "command": "git push"}), again) is None  # same, keys reordered
+    assert reply(theirs) == {"ok": True, "request_id": request_id, "behavior": "allow", "message": "ok by ann"}
+    told = srv._outgoing.get_nowait().event
+    assert told["event"] == "progress" and told["data"]["always_of"] == request_id
+    other, _ = client()
+    assert srv.ask(request(tool_input={"command": "git push --force"}), other) is None  # asks a person
+    assert len(srv.waiting(JOB)) == 1
+    srv.drop_asks(JOB, "ended")
+    last, _ = client()
+    assert srv.ask(request(tool_input={"command": "git push", "timeout": 5}), last) is None
+    assert len(srv.waiting(JOB)) == 1  # the job's always ended with it

@@ -247,6 +247,7 @@ class Control:
     schema_version: int = SCHEMA_VERSION
     sig_alg: str | None = None  # §16: "ed25519" on v2
     request_id: str | None = None  # §19: the permission request an allow/deny answers
+    always: bool | None = None  # §19: an allow that also allows the same request again (true or absent)
 
     def __post_init__(self) -> None:
         run_check(self._check)
@@ -264,6 +265,8 @@ class Control:
                 raise Invalid("request_id is only for an allow or deny (§19)")
         elif not isinstance(self.request_id, str) or not names.REQUEST_ID_RE.fullmatch(self.request_id):
             raise Invalid(f"request_id {show(self.request_id)} is invalid: expected 16 lowercase hex characters")
+        if self.always is not None and (self.always is not True or self.action != ControlAction.ALLOW):
+            raise Invalid("always is only true, and only on an allow (§19)")
         if self.sig is not None:
             check_sig(self.sig, self.sig_alg)
 
@@ -281,15 +284,17 @@ class Control:
 
     @classmethod
     def answer(cls, job_id: str, attempt_id: int, request_id: str, *, allow: bool, reason: str,
-               issued_at: datetime | str | None = None) -> Control:
+               always: bool = False, issued_at: datetime | str | None = None) -> Control:
         """An unsigned answer to a permission request (§19): action `allow` or `deny`.
 
         Args:
             reason: who answered and why, shown to the agent on a deny (<= 256 chars).
+            always: with `allow`: the same request (tool and input) is allowed again without asking.
         Raises:
             UsageError: a field breaks §19.
         """
         return build(cls, job_id=job_id, attempt_id=attempt_id, reason=reason, request_id=request_id,
+                     always=True if always else None,
                      action=str(ControlAction.ALLOW if allow else ControlAction.DENY), issued_at=ts_arg(issued_at))
 
     @classmethod
@@ -304,6 +309,8 @@ class Control:
                                "issued_at": self.issued_at}
         if self.request_id is not None:
             out["request_id"] = self.request_id
+        if self.always is not None:
+            out["always"] = self.always
         if self.sig_alg is not None:
             out["sig_alg"] = self.sig_alg
         if self.sig is not None:
@@ -433,7 +440,7 @@ def _state_from(obj: dict[str, Any]) -> State:
 
 
 def _control_from(obj: dict[str, Any]) -> Control:
-    check_fields(obj, CONTROL_FIELDS, optional=V2_SIGNED_FIELDS | {"request_id"})
+    check_fields(obj, CONTROL_FIELDS, optional=V2_SIGNED_FIELDS | {"request_id", "always"})
     if obj["sig"] is None:
         raise Invalid("sig must be a string, got null")
     return Control(**obj)
