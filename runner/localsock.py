@@ -201,6 +201,7 @@ class PublishServer:
         self.cancel = cancel or (lambda job_id, reason: None)
         self._waiting: dict[str, _Waiting] = {}  # request id -> its client (§19)
         self._denied: dict[str, set[str]] = {}  # job id -> tools the hub denied it (§19)
+        self._flooded: set[str] = set()  # jobs whose asks were refused for too many waiting (logged once)
         # job id -> (tool, input as canonical JSON) -> (request id, message) the hub allowed always (§19)
         self._always: dict[str, dict[tuple[str, str], tuple[str, str]]] = {}
         self._waiting_lock = threading.Lock()
@@ -430,8 +431,11 @@ class PublishServer:
         with self._waiting_lock:
             count = sum(1 for parked in self._waiting.values() if parked.request.job_id == request.job_id)
             if count >= MAX_WAITING_ASKS:
-                log.warning("job %s: permission request for %s refused: %d already wait for an answer",
-                            request.job_id, request.tool, count)
+                first = request.job_id not in self._flooded
+                self._flooded.add(request.job_id)
+                if first:  # said once per job: a flood of asks is not a flood of log lines
+                    log.warning("job %s: permission requests refused while %d wait for an answer (this is "
+                                "said once)", request.job_id, count)
                 return {"ok": False, "reason": f"too many permission requests of job {request.job_id} "
                                                f"wait for an answer (at most {MAX_WAITING_ASKS})"}
             request_id = names.new_request_id()
@@ -536,6 +540,7 @@ class PublishServer:
         with self._waiting_lock:
             self._denied.pop(job_id, None)
             self._always.pop(job_id, None)
+            self._flooded.discard(job_id)
             dropped = [rid for rid, p in self._waiting.items() if p.request.job_id == job_id]
             parked = [self._waiting.pop(rid) for rid in dropped]
         for rid, item in zip(dropped, parked, strict=True):

@@ -7,8 +7,10 @@ them, delivered once and refused when forged, unknown, repeated or late.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
+import socket
 import subprocess
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from harness.workspace import TEST_SECRET
 
 from mam.orchestrator.api import Hub
 from mam.orchestrator.asks import ANSWERED
+from mam.runner import localsock
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.store.registry import Registry
 from mam.shared.transport import mqtt
@@ -246,3 +249,47 @@ def test_approve_always_answers_the_same_request_again_without_a_person(nats_bro
     assert len(watch.events("permission_required")) == 2
     lines = [line for line in Registry(hub).audit(job_id) if line.get("event") == ANSWERED]
     assert lines[0]["always"] is True and "always" not in lines[1]
+
+
+def test_a_flood_of_1000_requests_is_capped_at_8_waiting_and_said_once(nats_broker, tmp_path):
+    """Hostile: 1,000 asks over the socket with the job's own identity: 8 wait, 992 are refused
+    with one line each, the runner says so once, the hub sees 8 requests, the daemon goes on."""
+    hub = hub_workspace(nats_broker, tmp_path)
+    ws, gate = tmp_path / "runner", tmp_path / "gate"
+    runner = start_runner(nats_broker, ws, SESSION, GATE=str(gate))
+    watch = dispatch(hub, 'while [ ! -e "$GATE" ]; do sleep 0.05; done')
+    parked: list[socket.socket] = []
+    try:
+        job_id = wait_until(lambda: (watch.events("started") or [None])[0], what="started")["job_id"]
+        record = Registry(ws).get(job_id)
+        line = json.dumps({"job_id": job_id, "attempt_id": record["attempt_id"],
+                           "dispatch_token": record["dispatch_token"],
+                           "ask": {"tool": "Bash", "input": {"command": "rm -rf /"}}}).encode() + b"\n"
+        address, folder_fd = localsock.unix_address(names.runner_socket_path(ws))  # a long path: via /proc
+        refusals = []
+        for _ in range(1000):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(PATIENCE_S)
+            sock.connect(address)
+            sock.sendall(line)
+            if len(parked) < localsock.MAX_WAITING_ASKS:
+                parked.append(sock)  # it waits for an answer: no reply now
+                wait_until(lambda: len(watch.events("permission_required")) >= len(parked), what="recorded")
+                continue
+            with sock:
+                refusals.append(json.loads(sock.makefile("rb").readline()))
+        if folder_fd is not None:
+            os.close(folder_fd)
+        assert len(refusals) == 992 and all(r["ok"] is False and "at most 8" in r["reason"] for r in refusals)
+        assert runner_log(ws).count("permission requests refused") == 1
+        gate.touch()
+        assert watch.wait(PATIENCE_S) == 0, watch.log() + runner_log(ws)
+        for sock in parked:  # the job ended: each waiting request is denied
+            assert json.loads(sock.makefile("rb").readline())["behavior"] == "deny"
+    finally:
+        gate.touch()
+        for sock in parked:
+            sock.close()
+        watch.kill()
+        stop(runner)
+    assert len(watch.events("permission_required")) == 8
