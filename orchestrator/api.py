@@ -235,12 +235,13 @@ class Hub:
                  heartbeat_misses: int | None = None, ack_timeout_s: int | None = None,
                  idle_timeout_s: int | None = None, timeout_s: int | None = None, repo: str | None = None,
                  ref: str | None = None, max_turns: int | None = None, max_cost_usd: float | None = None,
-                 allow_tools: Sequence[str] | None = None, permission_mode: str | None = None,
-                 ask_timeout_s: int | None = None, on_ask_timeout: str | None = None) -> Job:
+                 allow_tools: Sequence[str] | None = None, deny_tools: Sequence[str] | None = None,
+                 permission_mode: str | None = None, ask_timeout_s: int | None = None,
+                 on_ask_timeout: str | None = None) -> Job:
         """Queue a job for one runner `session` or any runner carrying all `labels` (§14);
         with `repo` (and `ref`), on a worktree of that repository; `max_turns`,
-        `max_cost_usd`, `allow_tools` (e.g. ["Bash(git *)", "Edit"]) and `permission_mode`
-        are its agent's policy (§18); `ask_timeout_s` and `on_ask_timeout` ("deny" or
+        `max_cost_usd`, `allow_tools` (e.g. ["Bash(git *)", "Edit"]), `deny_tools` (rules never
+        allowed) and `permission_mode` are its agent's policy (§18); `ask_timeout_s` and `on_ask_timeout` ("deny" or
         "cancel") say how long its permission requests wait for a person, and what then (§19).
 
         Returns:
@@ -256,7 +257,7 @@ class Hub:
         contract = hub_contract(self.registry.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
                                 ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
         work = work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
-                          allow_tools=allow_tools, permission_mode=permission_mode,
+                          allow_tools=allow_tools, deny_tools=deny_tools, permission_mode=permission_mode,
                           ask_timeout_s=ask_timeout_s, on_ask_timeout=on_ask_timeout, cli=False)
         self._hub.keys()
         self.ensure_service()

@@ -301,6 +301,9 @@ def dispatch_cmd(
                                     help="Tools the agent may use without asking, e.g. 'Bash(git *),Edit' "
                                          "(Claude Code's --allowedTools); for any other tool it asks you "
                                          "(mam-orch approve|deny)."),
+    deny_tools: str = typer.Option(None, "--deny-tools", metavar="RULES",
+                                   help="Tools the agent may never use, same form, e.g. 'Bash(git push *)': "
+                                        "denied without asking anyone (Claude Code's --disallowedTools)."),
     permission_mode: str = typer.Option(None, "--permission-mode", metavar="MODE",
                                         help="The agent CLI's permission mode: default, acceptEdits (file "
                                              "edits in the worktree allowed), plan or dontAsk (deny what "
@@ -332,8 +335,9 @@ def dispatch_cmd(
                         workspace=workspace, labels=labels, priority=priority, queue_timeout_s=queue_timeout,
                         retries=retries, retry_on=retry_on, show_log=not no_log,
                         work=work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
-                                        allow_tools=allow_tools, permission_mode=permission_mode,
-                                        ask_timeout_s=ask_timeout, on_ask_timeout=on_ask_timeout))
+                                        allow_tools=allow_tools, deny_tools=deny_tools,
+                                        permission_mode=permission_mode, ask_timeout_s=ask_timeout,
+                                        on_ask_timeout=on_ask_timeout))
 
 
 @app.command("logs")

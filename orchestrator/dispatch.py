@@ -297,15 +297,17 @@ def queue_terms(session: str | None, labels: str | None, *, priority: int, queue
 
 def work_terms(*, repo: str | None = None, ref: str | None = None, max_turns: int | None = None,
                max_cost_usd: float | None = None, allow_tools: str | Sequence[str] | None = None,
-               permission_mode: str | None = None, ask_timeout_s: int | None = None,
-               on_ask_timeout: str | None = None, cli: bool = True) -> wire.Work | None:
+               deny_tools: str | Sequence[str] | None = None, permission_mode: str | None = None,
+               ask_timeout_s: int | None = None, on_ask_timeout: str | None = None,
+               cli: bool = True) -> wire.Work | None:
     """The job's repository and its agent's policy (§18) from the dispatch options, or None
     for a plain job.
 
     Args:
         repo: `--repo NAME`; ref: `--ref REF` (only with a repo).
         max_turns, max_cost_usd: the agent's budgets; allow_tools: `Bash(git *),Edit` (a string
-        is split on commas outside parentheses) or a list of rules; permission_mode: the CLI's mode.
+        is split on commas outside parentheses) or a list of rules; deny_tools: the same form,
+        rules never allowed (§19); permission_mode: the CLI's mode.
         ask_timeout_s, on_ask_timeout: how long a permission request waits for a person and
         what then, deny or cancel (§19).
         cli: name the options as flags (`--max-turns`) in errors, else as API fields (`max_turns`).
@@ -331,11 +333,15 @@ def work_terms(*, repo: str | None = None, ref: str | None = None, max_turns: in
         names.validate_ask_timeout(ask_timeout_s, "--ask-timeout" if cli else "ask_timeout_s")
     if on_ask_timeout is not None:
         names.validate_ask_timeout_action(on_ask_timeout, flag("on_ask_timeout"))
-    rules: tuple[str, ...] = ()
-    if isinstance(allow_tools, str):
-        rules = names.parse_tool_rules(allow_tools, flag("allow_tools"))
-    elif allow_tools is not None:
-        rules = names.validate_tool_rules(list(allow_tools), flag("allow_tools"))
+    rules = _tool_rules(allow_tools, flag("allow_tools"))
+    denied = _tool_rules(deny_tools, flag("deny_tools"))
     return wire.Work.build(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
-                           allow_tools=rules or None, permission_mode=permission_mode,
+                           allow_tools=rules or None, deny_tools=denied or None, permission_mode=permission_mode,
                            ask_timeout_s=ask_timeout_s, on_ask_timeout=on_ask_timeout) or None
+
+
+def _tool_rules(value: str | Sequence[str] | None, what: str) -> tuple[str, ...]:
+    """`Bash(git *),Edit` (a string, split on commas outside parentheses) or a list of rules."""
+    if isinstance(value, str):
+        return names.parse_tool_rules(value, what)
+    return names.validate_tool_rules(list(value), what) if value is not None else ()

@@ -143,12 +143,16 @@ def _always_key(request: AskRequest) -> tuple[str, str]:
     return request.tool, json.dumps(request.input, sort_keys=True, separators=(",", ":"), default=str)
 
 
-def input_summary(tool_input: Mapping[str, Any]) -> str:
-    """One line for a person: the `command` of a shell tool, else the input as compact JSON."""
+def _subject(tool_input: Mapping[str, Any]) -> str:
+    """What a request is about: the `command` of a shell tool, else the input as compact JSON."""
     command = tool_input.get("command")
-    text = command if isinstance(command, str) and len(tool_input) <= 2 else json.dumps(
+    return command if isinstance(command, str) and len(tool_input) <= 2 else json.dumps(
         tool_input, ensure_ascii=False, separators=(",", ":"), default=str)
-    return safe_line(text, MAX_INPUT_SUMMARY_CHARS)
+
+
+def input_summary(tool_input: Mapping[str, Any]) -> str:
+    """One line for a person: the request's subject (`_subject`), capped."""
+    return safe_line(_subject(tool_input), MAX_INPUT_SUMMARY_CHARS)
 
 
 @dataclass
@@ -187,6 +191,8 @@ class PublishServer:
             permission request shows the hub.
         ask_terms: (job_id) -> (seconds a request waits, "deny" or "cancel" then), §19.
         cancel: (job_id, reason) stops a job whose request timed out with "cancel".
+        tool_rules: (job_id) -> (allow rules, deny rules) of its dispatch: a request they cover
+            is answered at once, asking nobody (§19).
     """
 
     def __init__(self, registry: Registry, *, held: Callable[[str], bool],
@@ -194,11 +200,13 @@ class PublishServer:
                  before_terminal: Callable[[str], Mapping[str, int]] | None = None,
                  mask: Callable[[str, str], str] | None = None,
                  ask_terms: Callable[[str], tuple[int, str]] | None = None,
-                 cancel: Callable[[str, str], None] | None = None) -> None:
+                 cancel: Callable[[str, str], None] | None = None,
+                 tool_rules: Callable[[str], tuple[tuple[str, ...], tuple[str, ...]]] | None = None) -> None:
         self.registry = registry
         self.mask = mask or (lambda job_id, text: text)
         self.ask_terms = ask_terms or (lambda job_id: (names.DEFAULT_ASK_TIMEOUT_S, "deny"))
         self.cancel = cancel or (lambda job_id, reason: None)
+        self.tool_rules = tool_rules or (lambda job_id: ((), ()))
         self._waiting: dict[str, _Waiting] = {}  # request id -> its client (§19)
         self._denied: dict[str, set[str]] = {}  # job id -> tools the hub denied it (§19)
         self._flooded: set[str] = set()  # jobs whose asks were refused for too many waiting (logged once)
@@ -428,6 +436,12 @@ class PublishServer:
             allowed = self._always.get(request.job_id, {}).get(_always_key(request))
         if allowed is not None:
             return self._allow_again(request, client, *allowed)
+        allow_rules, deny_rules = self.tool_rules(request.job_id)
+        subject = _subject(request.input)
+        for rules, allow in ((deny_rules, False), (allow_rules, True)):  # a deny rule wins
+            rule = next((r for r in rules if names.tool_rule_matches(r, request.tool, subject)), None)
+            if rule is not None:
+                return self._by_policy(request, client, rule, allow)
         with self._waiting_lock:
             count = sum(1 for parked in self._waiting.values() if parked.request.job_id == request.job_id)
             if count >= MAX_WAITING_ASKS:
@@ -468,19 +482,35 @@ class PublishServer:
                      ) -> dict[str, Any] | None:
         """The same request as one the hub allowed `always` (§19): allowed without a person, and
         a `progress` event says so; None once answered, else the refusal (nothing recorded)."""
-        data = {"tool": request.tool, "input": self.mask(request.job_id, input_summary(request.input)),
-                "always_of": request_id}
+        return self._answer_now(request, client, f"allowed {request.tool} again without asking (always, request "
+                                f"{request_id})", {"always_of": request_id}, request_id, True, message)
+
+    def _by_policy(self, request: AskRequest, client: _Client, rule: str, allow: bool) -> dict[str, Any] | None:
+        """A request the dispatch's tool rules cover (§19): answered at once, asking nobody."""
+        verb = "allowed" if allow else "denied"
+        if not allow:
+            with self._waiting_lock:
+                self._denied.setdefault(request.job_id, set()).add(request.tool)
+        return self._answer_now(request, client, f"{verb} {request.tool} by the job's policy ({rule})",
+                                {"rule": rule, "by": "policy", "behavior": "allow" if allow else "deny"}, "", allow,
+                                f"{verb} by the job's policy ({rule})")
+
+    def _answer_now(self, request: AskRequest, client: _Client, detail: str, extra: dict[str, Any],
+                    request_id: str, allow: bool, message: str) -> dict[str, Any] | None:
+        """Answer without a person and record a `progress` event saying why; None once answered,
+        else the refusal (a stale attempt or an ended job: nothing recorded)."""
+        data = {"tool": request.tool, "input": self.mask(request.job_id, input_summary(request.input)), **extra}
         try:
-            event = publish.make_request(request.job_id, EventName.PROGRESS,
-                                         f"allowed {request.tool} again without asking (always, request {request_id})",
+            event = publish.make_request(request.job_id, EventName.PROGRESS, safe_line(detail, 1024),
                                          json.dumps(data, ensure_ascii=False), request.attempt_id,
                                          request.dispatch_token)
             published = publish.record(self.registry, event)
-        except Exception as exc:  # stale attempt, ended job
+        except Exception as exc:
             reason = str(exc) if isinstance(exc, MamError | ProtocolError) else type(exc).__name__
             return {"ok": False, "reason": f"the permission request was not recorded: {reason}"}
         self._outgoing.put(published)
-        self._close(client, {"ok": True, "request_id": request_id, "behavior": "allow", "message": message})
+        self._close(client, {"ok": True, "request_id": request_id, "behavior": "allow" if allow else "deny",
+                             "message": message})
         return None
 
     def answer(self, job_id: str, attempt_id: int, request_id: str, *, allow: bool, message: str,

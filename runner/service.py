@@ -242,7 +242,8 @@ class Runner:
         self._socket = PublishServer(registry, held=lambda job_id: job_id in self.running, send=self._send,
                                      before_terminal=logstreams.finish,  # §15
                                      mask=lambda job_id, text: logstreams.mask(registry, job_id, text),
-                                     ask_terms=self._ask_terms, cancel=self._cancel_one)  # §19
+                                     ask_terms=self._ask_terms, cancel=self._cancel_one,  # §19
+                                     tool_rules=self._tool_rules)
         self._supervisor.socket_path = self._socket.start()  # listening before `online` (§17)
         self._supervisor.denied_tools = self._socket.denied_tools  # §19
         self._publish_presence(PresenceStatus.ONLINE)
@@ -363,6 +364,13 @@ class Runner:
             job = self._jobs.get(job_id)
         work = job.work if job is not None else None
         return work.ask_terms() if work is not None else (names.DEFAULT_ASK_TIMEOUT_S, "deny")
+
+    def _tool_rules(self, job_id: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The job's (allow, deny) tool rules, which answer its agent's requests asking nobody (§19)."""
+        with self._jobs_lock:
+            job = self._jobs.get(job_id)
+        work = job.work if job is not None else None
+        return (work.allow_tools, work.deny_tools) if work is not None else ((), ())
 
     def _cancel_one(self, job_id: str, reason: str) -> None:
         with self._jobs_lock:

@@ -27,7 +27,7 @@ CANCEL_REASON = "operator (HTTP API)"
 INT_FIELDS = ("priority", "retries", "queue_timeout_sec", "heartbeat_sec", "heartbeat_misses", "ack_timeout_sec",
               "idle_timeout_sec", "timeout_sec")
 WORK_FIELDS = ("repo", "ref", "permission_mode", "on_ask_timeout")
-POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "ask_timeout_s")
+POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "deny_tools", "ask_timeout_s")
 DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", *WORK_FIELDS, *POLICY_FIELDS, *INT_FIELDS})
 
 
@@ -92,11 +92,13 @@ def _work(body: Mapping[str, Any]) -> wire.Work | None:
     timeout = body.get("ask_timeout_s")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int)):
         raise UsageError("field 'ask_timeout_s' is invalid: expected whole seconds")
-    tools = body.get("allow_tools")
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(x, str) for x in tools)):
-        raise UsageError("field 'allow_tools' is invalid: expected a list of strings")
+    for name in ("allow_tools", "deny_tools"):
+        tools = body.get(name)
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(x, str) for x in tools)):
+            raise UsageError(f"field {name!r} is invalid: expected a list of strings")
     return work_terms(repo=body.get("repo"), ref=body.get("ref"), max_turns=body.get("max_turns"),
-                      max_cost_usd=body.get("max_cost_usd"), allow_tools=tools,
+                      max_cost_usd=body.get("max_cost_usd"), allow_tools=body.get("allow_tools"),
+                      deny_tools=body.get("deny_tools"),
                       permission_mode=body.get("permission_mode"), ask_timeout_s=timeout,
                       on_ask_timeout=body.get("on_ask_timeout"), cli=False)
 

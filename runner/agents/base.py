@@ -36,12 +36,14 @@ class AgentPolicy:
         max_turns: model turns at most (None: no limit).
         max_cost_usd: US dollars at most (None: no limit).
         allow_tools: tool rules the CLI may use without asking, e.g. `Bash(git *)`, `Edit`.
+        deny_tools: tool rules the CLI may never use (it asks nobody about them).
         permission_mode: the CLI's permission mode (e.g. `acceptEdits`), or None.
     """
 
     max_turns: int | None = None
     max_cost_usd: float | None = None
     allow_tools: tuple[str, ...] = ()
+    deny_tools: tuple[str, ...] = ()
     permission_mode: str | None = None
 
     @classmethod
@@ -50,6 +52,7 @@ class AgentPolicy:
         if work is None:
             return cls()
         return cls(max_turns=work.max_turns, max_cost_usd=work.max_cost_usd, allow_tools=work.allow_tools,
+                   deny_tools=work.deny_tools,
                    permission_mode=work.permission_mode)
 
 
@@ -120,8 +123,9 @@ class Adapter:
     """A plain command (`--agent command`): its argv as given, no stream, no budget."""
 
     kind = "command"
-    ignores: tuple[str, ...] = ("max_turns", "max_cost_usd", "allow_tools", "permission_mode")
-    """The policy fields this agent cannot apply (the runner logs them when a dispatch sets them)."""
+    ignores: tuple[str, ...] = ("max_turns", "max_cost_usd", "permission_mode")
+    """The policy fields this agent cannot apply (the runner logs them when a dispatch sets them); the
+    tool rules answer its `mam-runner ask` requests (§19)."""
 
     def __init__(self, policy: AgentPolicy | None = None) -> None:
         self.policy = policy or AgentPolicy()

@@ -74,6 +74,8 @@ class ClaudeAdapter(StreamAdapter):
             argv += ["--max-budget-usd", f"{policy.max_cost_usd:g}"]
         if policy.allow_tools:
             argv += ["--allowedTools", ",".join(policy.allow_tools)]
+        if policy.deny_tools:
+            argv += ["--disallowedTools", ",".join(policy.deny_tools)]
         if policy.permission_mode is not None:
             argv += ["--permission-mode", policy.permission_mode]
         if self.permission_config is not None:  # §19: what no policy allows is asked of a person

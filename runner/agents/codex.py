@@ -44,7 +44,7 @@ class CodexAdapter(StreamAdapter):
     """
 
     kind = "codex"
-    ignores = ("max_cost_usd", "allow_tools")
+    ignores = ("max_cost_usd", "allow_tools", "deny_tools")
 
     def __init__(self, policy: AgentPolicy | None = None) -> None:
         super().__init__(policy)

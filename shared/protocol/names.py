@@ -252,6 +252,18 @@ def validate_tool_rules(values: object, what: str = "allow_tools") -> tuple[str,
     return tuple(values)
 
 
+def tool_rule_matches(rule: str, tool: str, subject: str) -> bool:
+    """True when `rule` (`Name` or `Name(pattern)`, §18) covers a call of `tool` whose input
+    reads `subject` (a shell tool's command, else its input as JSON): the names are equal and
+    the pattern, if any, matches as a shell glob (`Bash(git push *)`)."""
+    import fnmatch
+
+    name, paren, pattern = rule.partition("(")
+    if name != tool:
+        return False
+    return not paren or fnmatch.fnmatchcase(subject, pattern[:-1])
+
+
 def parse_tool_rules(text: str, what: str = "--allow-tools") -> tuple[str, ...]:
     """`Bash(git *),Edit` → ("Bash(git *)", "Edit"): split on commas outside parentheses,
     each rule stripped, then `validate_tool_rules`. Raises `UsageError` (one line)."""

@@ -293,3 +293,27 @@ def test_a_flood_of_1000_requests_is_capped_at_8_waiting_and_said_once(nats_brok
         watch.kill()
         stop(runner)
     assert len(watch.events("permission_required")) == 8
+
+
+def test_the_jobs_tool_rules_answer_known_requests_and_a_person_the_rest(nats_broker, tmp_path):
+    hub = hub_workspace(nats_broker, tmp_path)
+    ws, out = tmp_path / "runner", tmp_path / "out"
+    runner = start_runner(nats_broker, ws, SESSION, OUT=str(out))
+    steps = [ask_step(1, "Bash", PUSH), ask_step(2, "Bash", {"command": "git status"}),
+             ask_step(3, "Bash", {"command": "npm install"})]
+    watch = dispatch_with(hub, "\n".join(steps), "--allow-tools", "Bash(git *)", "--deny-tools", "Bash(git push *)")
+    try:
+        assert answer_of(out, 1) == ({"behavior": "deny", "message": "denied by the job's policy (Bash(git push *))",
+                                      "request_id": ""}, "rc=1")
+        assert answer_of(out, 2)[0]["behavior"] == "allow"
+        third = asked(watch, 1)[0]  # the only request a person sees
+        assert third["input"] == "npm install"
+        assert orch(hub, "approve", watch.events("permission_required")[0]["job_id"]).returncode == 0
+        assert answer_of(out, 3)[0]["behavior"] == "allow"
+        assert watch.wait(PATIENCE_S) == 0, watch.log() + runner_log(ws)
+    finally:
+        watch.kill()
+        stop(runner)
+    by_policy = [e["detail"] for e in watch.events("progress") if e["data"].get("by") == "policy"]
+    assert by_policy == ["denied Bash by the job's policy (Bash(git push *))",
+                         "allowed Bash by the job's policy (Bash(git *))"]

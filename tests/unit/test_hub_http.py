@@ -113,6 +113,7 @@ def test_s14_http_dispatch_queues_through_the_dispatch_path_and_the_queue_says_w
     (json.dumps({"brief": "x", "labels": ["gpu"], "max_cost_usd": "9"}).encode(), "max_cost_usd '9' is invalid"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "permission_mode": 3}).encode(), "expected a string"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "ask_timeout_s": "60"}).encode(), "expected whole seconds"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "deny_tools": "Edit"}).encode(), "'deny_tools' is invalid"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "ask_timeout_s": 0}).encode(), "ask_timeout_s 0 is invalid"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "on_ask_timeout": "later"}).encode(), "on_ask_timeout"),
 ])

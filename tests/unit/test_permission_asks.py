@@ -364,3 +364,51 @@ def test_an_allow_always_answers_the_same_tool_and_input_again_and_nothing_else(
     last, _ = client()
     assert srv.ask(request(tool_input={"command": "git push", "timeout": 5}), last) is None
     assert len(srv.waiting(JOB)) == 1  # the job's always ended with it
+
+
+# ---------------------------------------------------------------- the dispatch's tool rules (§19)
+
+
+@pytest.mark.parametrize(("rule", "tool", "subject", "matches"), [
+    ("Bash", "Bash", "anything", True),
+    ("Bash(git push *)", "Bash", "git push origin main", True),
+    ("Bash(git push *)", "Bash", "git pull", False),
+    ("Bash(git *)", "Edit", "git x", False),
+    ("Edit", "Editor", "", False),
+])
+def test_a_tool_rule_covers_its_tool_and_a_glob_of_its_subject(rule, tool, subject, matches):
+    assert names.tool_rule_matches(rule, tool, subject) is matches
+
+
+def test_the_dispatch_rules_answer_known_requests_at_once_and_a_deny_rule_wins(tmp_path, client):
+    srv = server(tmp_path)
+    srv.tool_rules = lambda job_id: (("Bash(git *)",), ("Bash(git push *)",))
+    denied, theirs = client()
+    assert srv.ask(request(tool_input={"command": "git push origin main"}), denied) is None
+    assert reply(theirs)["behavior"] == "deny"
+    told = srv._outgoing.get_nowait().event
+    assert told["detail"] == "denied Bash by the job's policy (Bash(git push *))" and told["data"]["by"] == "policy"
+    allowed, theirs = client()
+    assert srv.ask(request(tool_input={"command": "git status"}), allowed) is None
+    assert reply(theirs) == {"ok": True, "request_id": "", "behavior": "allow",
+                             "message": "allowed by the job's policy (Bash(git *))"}
+    srv._outgoing.get_nowait()
+    other, _ = client()
+    assert srv.ask(request(tool_input={"command": "npm install"}), other) is None
+    assert len(srv.waiting(JOB)) == 1  # no rule covers it: a person is asked
+    assert srv.denied_tools(JOB) == {"Bash"}  # the policy's deny is a decision, not a failure
+
+
+def test_deny_tools_travel_in_work_and_reach_claude_as_disallowed_tools():
+    from mam.orchestrator.dispatch import work_terms
+    from mam.runner.agents import AgentPolicy, ClaudeAdapter
+
+    work = work_terms(deny_tools="Bash(git push *), WebFetch")
+    assert work is not None and work.to_dict() == {"deny_tools": ["Bash(git push *)", "WebFetch"]}
+    assert wire.Work.from_dict(work.to_dict()) == work
+    argv = ClaudeAdapter(AgentPolicy.of_work(work)).argv(["claude"])
+    assert argv[argv.index("--disallowedTools") + 1] == "Bash(git push *),WebFetch"
+    with pytest.raises(UsageError, match="--deny-tools"):
+        work_terms(deny_tools="Bash(")
+    with pytest.raises(DecodeError):
+        wire.Work.from_dict({"deny_tools": []})

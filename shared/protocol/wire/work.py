@@ -20,9 +20,9 @@ from mam.shared.protocol import names
 from mam.shared.protocol.errors import DecodeError, UsageError
 from mam.shared.protocol.wire.fields import Invalid, run_check, show, type_name
 
-WORK_FIELDS = frozenset({"repo", "ref", "max_turns", "max_cost_usd", "allow_tools", "permission_mode",
-                         "ask_timeout_s", "on_ask_timeout"})
-POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "permission_mode")
+WORK_FIELDS = frozenset({"repo", "ref", "max_turns", "max_cost_usd", "allow_tools", "deny_tools",
+                         "permission_mode", "ask_timeout_s", "on_ask_timeout"})
+POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "deny_tools", "permission_mode")
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class Work:
         max_turns: the agent's model turns at most (1..1000), or None.
         max_cost_usd: what the agent may spend at most, US dollars (0 < x <= 10000), or None.
         allow_tools: tool rules the agent may use without asking (`Bash(git *)`, `Edit`); () = none.
+        deny_tools: tool rules it may never use, asking nobody (they win over `allow_tools`); () = none.
         permission_mode: the agent CLI's permission mode (`names.PERMISSION_MODES`), or None.
         ask_timeout_s: how long a permission request waits for a person, seconds (§19; None:
             `names.DEFAULT_ASK_TIMEOUT_S`).
@@ -46,6 +47,7 @@ class Work:
     max_turns: int | None = None
     max_cost_usd: float | None = None
     allow_tools: tuple[str, ...] = ()
+    deny_tools: tuple[str, ...] = ()
     permission_mode: str | None = None
     ask_timeout_s: int | None = None
     on_ask_timeout: str | None = None
@@ -67,6 +69,8 @@ class Work:
                 names.validate_max_cost(self.max_cost_usd)
             if self.allow_tools:
                 names.validate_tool_rules(self.allow_tools)
+            if self.deny_tools:
+                names.validate_tool_rules(self.deny_tools, "deny_tools")
             if self.permission_mode is not None:
                 names.validate_permission_mode(self.permission_mode)
             if self.ask_timeout_s is not None:
@@ -117,6 +121,8 @@ class Work:
                                if (value := getattr(self, key)) is not None}
         if self.allow_tools:
             out["allow_tools"] = list(self.allow_tools)
+        if self.deny_tools:
+            out["deny_tools"] = list(self.deny_tools)
         return out
 
 
@@ -129,10 +135,11 @@ def _work_from(obj: object) -> Work:
     if any(value is None for value in obj.values()):
         raise Invalid("work fields are left out when unset, never null")
     fields = dict(obj)
-    if "allow_tools" in fields:
-        if not isinstance(fields["allow_tools"], list) or not fields["allow_tools"]:
-            raise Invalid(f"work.allow_tools must be a non-empty list, got {type_name(fields['allow_tools'])}")
-        fields["allow_tools"] = tuple(fields["allow_tools"])
+    for key in ("allow_tools", "deny_tools"):
+        if key in fields:
+            if not isinstance(fields[key], list) or not fields[key]:
+                raise Invalid(f"work.{key} must be a non-empty list, got {type_name(fields[key])}")
+            fields[key] = tuple(fields[key])
     if isinstance(fields.get("max_cost_usd"), int) and not isinstance(fields["max_cost_usd"], bool):
         fields["max_cost_usd"] = float(fields["max_cost_usd"])
     return Work(**fields)
