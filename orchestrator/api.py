@@ -154,7 +154,8 @@ class PermissionRequest:
     Attributes:
         job_id, attempt_id, request_id; tool: e.g. "Bash"; input: its one-line, masked summary;
         asked_at: UTC timestamp; behavior: "allow" | "deny" once answered, else None;
-        answered_by, answered_at, message: who answered, when, and what the agent was told.
+        answered_by, answered_at, message: who answered, when, and what the agent was told;
+        full_input: the whole input as JSON, sealed to the hub by the runner (None: too large).
     """
 
     hub: Hub = field(repr=False, compare=False)
@@ -168,6 +169,7 @@ class PermissionRequest:
     answered_by: str | None
     answered_at: str | None
     message: str | None
+    full_input: str | None
 
     def approve(self, *, always: bool = False) -> PermissionRequest:
         """Allow it: the runner hands the answer to the waiting agent (`always`: and allows the

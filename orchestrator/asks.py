@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import getpass
 import socket
+from dataclasses import replace
 
 from mam.orchestrator.hub import Hub
 from mam.orchestrator.identity import roster
@@ -41,7 +42,7 @@ def asks_of(registry: Registry, job_id: str) -> list[Ask]:
         UsageError: bad job id. RegistryError: the audit log cannot be read.
     """
     names.validate_job_id(job_id)
-    return asks_in(job_id, registry.audit(job_id))
+    return asks_in(job_id, registry.audit(job_id), registry.get(job_id).get("auth_token"))
 
 
 def pending(registry: Registry, job_id: str) -> list[Ask]:
@@ -137,8 +138,7 @@ def answer(registry: Registry, client: Transport, keys: DispatchKeys, job_id: st
     line = {"event": ANSWERED, "request_id": ask.request_id, "attempt_id": ask.attempt_id, "behavior": behavior,
             "by": who, "message": text}
     registry.append_audit(job_id, {**line, "always": True} if always else line)
-    return Ask(ask.job_id, ask.attempt_id, ask.request_id, ask.tool, ask.input, ask.asked_at, behavior, who,
-               None, text)
+    return replace(ask, behavior=behavior, answered_by=who, message=text)
 
 
 def answer_from(hub: Hub, job_id: str, request_id: str | None, *, allow: bool, message: str | None = None,

@@ -42,7 +42,7 @@ from typing import Any
 
 from mam.runner import publish
 from mam.runner.fastpath import CONNECT_TIMEOUT_S, unix_address
-from mam.shared.protocol import names
+from mam.shared.protocol import crypto, names
 from mam.shared.protocol.codes import TERMINAL_EVENTS, EventName
 from mam.shared.protocol.errors import MamError, ProtocolError, RegistryError, UsageError
 from mam.shared.protocol.wire import safe_line
@@ -69,6 +69,9 @@ MAX_TOOL_CHARS = 128
 """Longest tool name of a permission request, characters."""
 MAX_INPUT_SUMMARY_CHARS = 512
 """Longest summary of a tool's input in a `permission_required` event, characters (§19)."""
+MAX_SEALED_INPUT_BYTES = 8 * 1024
+"""Largest tool input (canonical JSON) a `permission_required` event carries whole, sealed to
+the hub; a larger one is left out and its size given (§19; event data is at most 16 KiB)."""
 MAX_WAITING_ASKS = 8
 """Permission requests of one job that may wait for an answer at once; one more is refused (§19)."""
 
@@ -457,7 +460,8 @@ class PublishServer:
             self._waiting[request_id] = _Waiting(client, request, timeout_s, on_timeout,
                                                  time.monotonic() + timeout_s)
         data = {"request_id": request_id, "tool": request.tool,
-                "input": self.mask(request.job_id, input_summary(request.input))}
+                "input": self.mask(request.job_id, input_summary(request.input)),
+                **self._sealed_input(request, request_id)}
         try:
             event = publish.make_request(request.job_id, EventName.PERMISSION_REQUIRED,
                                          f"asks to use {request.tool}",
@@ -472,6 +476,20 @@ class PublishServer:
         self._outgoing.put(published)
         log.info("job %s asks to use %s (request %s)", request.job_id, request.tool, request_id)
         return None
+
+    def _sealed_input(self, request: AskRequest, request_id: str) -> dict[str, Any]:
+        """The whole input for the hub alone (§19): `input_sealed` (AES-256-GCM with the job's
+        ask key, bound to job, attempt and request), or `input_bytes` when it is too large."""
+        whole = json.dumps(request.input, ensure_ascii=False, sort_keys=True, separators=(",", ":"),
+                           default=str).encode("utf-8", "replace")
+        if len(whole) > MAX_SEALED_INPUT_BYTES:
+            return {"input_bytes": len(whole)}
+        try:
+            key = crypto.ask_key(self.registry.get(request.job_id)["auth_token"])
+        except (MamError, KeyError):
+            return {}
+        return {"input_sealed": crypto.seal_bytes(key, whole, crypto.ask_associated(
+            request.job_id, request.attempt_id, request_id))}
 
     def waiting(self, job_id: str) -> dict[str, int]:
         """The job's requests that wait for an answer: request id -> attempt."""

@@ -107,7 +107,9 @@ def test_approve_then_deny_with_a_reason_reach_the_waiting_agent_and_are_recorde
         (first["request_id"], "allow"), (second["request_id"], "deny"), (third["request_id"], "allow")]
     assert all("@" in line["by"] for line in lines) and lines[1]["message"] == "no writes today"
     listed = orch(hub, "asks", job_id)  # on a pipe: one JSON object per request, answers with them
-    assert [json.loads(line)["behavior"] for line in listed.stdout.splitlines()] == ["allow", "deny", "allow"]
+    shown = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert [ask["behavior"] for ask in shown] == ["allow", "deny", "allow"]
+    assert json.loads(shown[1]["full_input"]) == WRITE  # the whole input, sealed to the hub
     assert orch(hub, "asks").stdout == ""  # nothing waits any more
     # late, repeated, unknown: refused with one line each, exit 1
     again = orch(hub, "approve", job_id, first["request_id"])

@@ -412,3 +412,24 @@ def test_deny_tools_travel_in_work_and_reach_claude_as_disallowed_tools():
         work_terms(deny_tools="Bash(")
     with pytest.raises(DecodeError):
         wire.Work.from_dict({"deny_tools": []})
+
+
+def test_the_whole_input_is_sealed_to_the_hub_and_opens_only_with_the_jobs_token(tmp_path, client):
+    from mam.shared.store.asklog import asks_in
+
+    srv = server(tmp_path)
+    secret = {"command": "curl -H 'token: s3cret' https://x", "why": "deploy"}
+    assert srv.ask(request(tool_input=secret), client()[0]) is None
+    event = srv._outgoing.get_nowait().event
+    assert "s3cret" not in json.dumps(event)  # neither the summary nor the seal shows it in clear
+    line = {**event, "timestamp": "2026-12-04T10:00:00Z"}
+    [ask] = asks_in(JOB, [line], AUTH)
+    assert json.loads(ask.full_input) == secret
+    assert asks_in(JOB, [line], "another-token-0123456789")[0].full_input is None
+    assert asks_in(JOB, [line])[0].full_input is None  # no key: the summary only
+    moved = {**line, "data": {**line["data"], "attempt_id": 2}}  # bound to its attempt
+    assert asks_in(JOB, [moved], AUTH)[0].full_input is None
+    assert srv.ask(request(tool_input={"content": "x" * (localsock.MAX_SEALED_INPUT_BYTES + 1)}),
+                   client()[0]) is None
+    data = srv._outgoing.get_nowait().event["data"]
+    assert "input_sealed" not in data and data["input_bytes"] > localsock.MAX_SEALED_INPUT_BYTES

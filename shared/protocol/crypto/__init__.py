@@ -45,6 +45,7 @@ SEAL_INFO = b"mam-fleet/v1/seal"
 SIGN_INFO = b"mam-fleet/v1/sign"
 LOG_INFO = b"mam-fleet/v1/log"
 RESULT_INFO = b"mam-fleet/v1/result"
+ASK_INFO = b"mam-fleet/v1/ask"
 # §5: the brief is UTF-8 text of at most 512 KiB; dispatch refuses larger ones.
 MAX_BRIEF_BYTES = 512 * 1024
 HMAC_FAILED = "HMAC verify failed"
@@ -419,6 +420,23 @@ def build_log_chunk(auth_token: str, key: bytes, *, job_id: str, attempt_id: int
     body["sig"] = log_sig(body, auth_token)
     logchunk.check_chunk(body)
     return canonical_json(body)
+
+
+def ask_key(auth_token: str) -> bytes:
+    """The §19 key of a permission request's sealed input: HKDF-SHA256(auth_token UTF-8, no
+    salt, info `b"mam-fleet/v1/ask"`), 32 bytes.
+
+    Raises:
+        ConfigError: `auth_token` is empty or not a string.
+    """
+    if not isinstance(auth_token, str) or not auth_token:
+        raise ConfigError("auth_token is empty: the job record holds no key for its requests")
+    return _hkdf(auth_token.encode("utf-8"), ASK_INFO)
+
+
+def ask_associated(job_id: str, attempt_id: int, request_id: str) -> bytes:
+    """The associated data a request's sealed input is bound to (§19): `<job>/<attempt>/<request>`."""
+    return f"{job_id}/{attempt_id}/{request_id}".encode("ascii")
 
 
 def result_key(auth_token: str) -> bytes:
