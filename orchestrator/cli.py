@@ -314,7 +314,9 @@ def dispatch_cmd(
     on_ask_timeout: str = typer.Option(None, "--on-ask-timeout", metavar="deny|cancel",
                                        help="After --ask-timeout: deny the request and let the agent go on "
                                             "(default), or cancel the job."),
-    detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
+    detach: bool = typer.Option(False, "--detach",
+                                help="Print the job id and return once it is published, or once the hub "
+                                     "says why it stays queued (\"action\": \"queued\")."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
     no_log: bool = typer.Option(False, "--no-log", help="Do not show the agent's output under the events."),
     workspace: str = cli.workspace_option(),

@@ -112,6 +112,7 @@ class Follower:
         self.tail = AuditTail(registry.audit_path(job_id))
         self.tail.offset = offset
         self.published = False  # an attempt was published while followed
+        self.waits: str | None = None  # the hub engine's latest line on why the job waits in the queue
         self.events_shown = True  # False for `--detach`: its stdout is the job id line only
         self.output = OutputView(self.out) if self.human and show_log else None
         self._log_at: tuple[int, int] = (0, 0)  # (attempt, offset) of the hub's output copy shown so far
@@ -127,6 +128,7 @@ class Follower:
                     self.out.flush()
             elif line.get("event") == NOTE and isinstance(line.get("line"), str):
                 print(printable(line["line"]), file=sys.stderr, flush=True)
+                self.waits = line["line"]
             elif line.get("event") == "status_changed" and line.get("to") == JobStatus.PENDING:
                 self.published = True
                 if self.announce:
@@ -156,11 +158,11 @@ class Follower:
 
     def follow(self, *, until_published: bool = False) -> int | None:
         """Print until the job is settled (`settled`), or with `until_published` until it
-        left the queue.
+        left the queue or the hub engine said why it stays there (`waits`).
 
         Returns:
-            the exit code of §9 (0 once published, `published`, with `until_published`), or None when
-            no hub service serves the registry any more.
+            the exit code of §9 (0 once published, `published`, or once it waits, with
+            `until_published`), or None when no hub service serves the registry any more.
         Raises:
             Detached: Ctrl-C (the job goes on).
         """
@@ -168,7 +170,8 @@ class Follower:
         try:
             while True:
                 record = self.step()
-                if until_published and self.published:
+                if until_published and (self.published or (self.waits is not None
+                                                           and record["status"] == JobStatus.QUEUED)):
                     return 0
                 if settled(record):
                     return exit_code_of(record)

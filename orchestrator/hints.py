@@ -36,6 +36,12 @@ def reattach_hint(registry: Registry, job_id: str, workspace: Workspace = None) 
             f"Re-attach: mam-orch watch {job_id}{_where(workspace)}")
 
 
+def unserved_hint(job_id: str, workspace: Workspace = None) -> str:
+    """What `dispatch --detach` prints for a job left in the queue with no hub service running (§14)."""
+    return (f"job {job_id} stays queued; nothing publishes it until `{command('serve', workspace)}` runs. "
+            f"Cancel: {command(f'cancel {job_id}', workspace)}")
+
+
 def queued_hint(job_id: str, workspace: Workspace = None) -> str:
     """What Ctrl-C prints while a job waits in the queue (§14)."""
     return (f"detached from job {job_id}; it stays queued, published by `mam-orch serve` once one runs. "

@@ -20,8 +20,9 @@ from typing import BinaryIO
 
 from mam.orchestrator.dispatch import hub_contract, print_started, queue_terms, read_brief, save_brief
 from mam.orchestrator.follow import Follower
-from mam.orchestrator.hints import detach_hint, queued_hint, reattach_hint
+from mam.orchestrator.hints import detach_hint, queued_hint, reattach_hint, unserved_hint
 from mam.orchestrator.hub import Hub, Workspace, open_hub
+from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S
 from mam.orchestrator.results import await_result
 from mam.orchestrator.runners import collect_presence, read_presence
@@ -84,6 +85,11 @@ def follow_job(hub: Hub, engine: EmbeddedService, job_id: str, *, detach: bool, 
     engine.stop(handover=not detach)
     if detach and follower.published:
         print_started(registry.get(job_id), as_json, verb)
+        return 0
+    if detach and registry.get(job_id)["status"] == JobStatus.QUEUED:  # §14: it waits; say so, don't block
+        print_started(registry.get(job_id), as_json, "queued")
+        if service_pid(registry.root) is None:
+            print(unserved_hint(job_id, workspace), file=sys.stderr)
         return 0
     if not as_json and sys.stdout.isatty():
         print_summary(registry, job_id)

@@ -288,3 +288,17 @@ def test_s14_item6_a_runner_refusal_is_said_on_the_hub(nats_broker, tmp_path):
     said = [line for line in err.splitlines() if "refused the dispatch" in line]
     assert len(said) == 1 and "runner same-ws" in said[0] and "hub_record" in said[0], err
     assert code == 1, err  # then the ack clock closes it agent_blocked, as before
+
+
+def test_detach_on_a_job_that_stays_queued_returns_and_says_it_waits(nats_broker, tmp_path):
+    """`dispatch --detach` to a label nobody serves does not block: the job id with
+    `"action": "queued"`, why it waits, and (no `mam-orch serve` running) that nothing
+    publishes it until one runs; the record stays `queued`."""
+    hub = hub_workspace(nats_broker, tmp_path)
+    done = orch(hub, "dispatch", "--labels", "nobody-has-it", "--brief", "x", "--detach", "--json")
+    assert done.returncode == 0, done.stderr
+    answer = json.loads(done.stdout)
+    assert (answer["status"], answer["action"]) == ("queued", "queued"), answer
+    assert "stays queued; nothing publishes it until `mam-orch serve" in done.stderr, done.stderr
+    assert f"mam-orch cancel {answer['job_id']} --workspace {hub}" in done.stderr
+    assert Registry(hub).get(answer["job_id"])["status"] == "queued"
