@@ -24,7 +24,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from mam.orchestrator.asks import answer_from, asks_of, pending
+from mam.orchestrator.asks import Ask, answer_from, asks_of, pending
 from mam.orchestrator.control import close_remote
 from mam.orchestrator.dispatch import check_brief, hub_contract, work_terms
 from mam.orchestrator.follow import FOLLOW_POLL_S, AuditTail, is_event_line, settled
@@ -138,7 +138,7 @@ class Job:
         """The agent's permission requests (§19), oldest first; `waiting`: only those a person
         must still answer."""
         found = pending(self.hub.registry, self.id) if waiting else asks_of(self.hub.registry, self.id)
-        return [PermissionRequest(self.hub, **ask.to_dict()) for ask in found]
+        return [PermissionRequest(**ask.to_dict(), hub=self.hub) for ask in found]
 
     def artifacts(self, attempt: int | None = None) -> dict[str, Path]:
         """The files the agent left in `$MAM_ARTIFACTS_DIR` (§18), by name: their paths under
@@ -148,28 +148,17 @@ class Job:
 
 
 @dataclass(frozen=True)
-class PermissionRequest:
+class PermissionRequest(Ask):
     """An agent's request for a person's permission (§19), answered with `approve()` or `deny()`.
 
-    Attributes:
-        job_id, attempt_id, request_id; tool: e.g. "Bash"; input: its one-line, masked summary;
-        asked_at: UTC timestamp; behavior: "allow" | "deny" once answered, else None;
-        answered_by, answered_at, message: who answered, when, and what the agent was told;
-        full_input: the whole input as JSON, sealed to the hub by the runner (None: too large).
+    Attributes (those of `Ask`): job_id, attempt_id, request_id; tool, e.g. "Bash"; input: its
+    one-line, masked summary; full_input: the whole input as JSON, sealed to the hub by the
+    runner (None: too large); asked_at: UTC timestamp; behavior: "allow" | "deny" once
+    answered, else None; answered_by, answered_at, message: who answered, when, and what the
+    agent was told.
     """
 
-    hub: Hub = field(repr=False, compare=False)
-    job_id: str
-    attempt_id: int
-    request_id: str
-    tool: str
-    input: str
-    asked_at: str
-    behavior: str | None
-    answered_by: str | None
-    answered_at: str | None
-    message: str | None
-    full_input: str | None
+    hub: Hub | None = field(default=None, repr=False, compare=False)
 
     def approve(self, *, always: bool = False) -> PermissionRequest:
         """Allow it: the runner hands the answer to the waiting agent (`always`: and allows the
@@ -186,8 +175,10 @@ class PermissionRequest:
         return self._answer(False, reason)
 
     def _answer(self, allow: bool, reason: str | None, always: bool = False) -> PermissionRequest:
+        if self.hub is None:
+            raise UsageError("this request has no hub to answer it through (get it from Job.asks())")
         done = answer_from(self.hub._hub, self.job_id, self.request_id, allow=allow, message=reason, always=always)
-        return PermissionRequest(self.hub, **done.to_dict())
+        return PermissionRequest(**done.to_dict(), hub=self.hub)
 
 
 def outcome_of(record: JobRecord, audit: Sequence[dict[str, Any]]) -> Outcome:

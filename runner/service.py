@@ -26,7 +26,6 @@ from typing import Any
 from mam.runner import orphans, publish, trust
 from mam.runner.admission import (
     TOLD_REFUSALS,
-    Ignore,
     Refuse,
     RefuseReason,
     RunnerState,
@@ -46,7 +45,7 @@ from mam.runner.settings import DEFAULT_MAX_RESULT_BYTES, RunnerOptions, options
 from mam.runner.trust import HubTrust
 from mam.shared import config as shared_config
 from mam.shared.config import BrokerConfig
-from mam.shared.protocol import names
+from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import TERMINAL_STATUSES, ControlAction, PresenceStatus
 from mam.shared.protocol.errors import BrokerError, ExitCode, MamError
 from mam.shared.store.records import JobRecord
@@ -563,13 +562,18 @@ class Runner:
                 except Exception as exc:
                     log.error("pending dispatch on %s could not be handled: %s: %s", topic, type(exc).__name__, exc)
 
+    def _verified(self, what: str, job_id: str, payload: bytes) -> wire.Control | None:
+        """The hub's verified control on a job's `what` topic (control, answer), else None: a
+        cleared topic silently, anything else with `refused <what> <job_id>: <reason>` (§6, §19)."""
+        control = check_control(job_id, payload, self.trust)
+        if isinstance(control, Refuse):
+            log.warning("refused %s %s: %s", what, job_id, control.text)
+        return control if isinstance(control, wire.Control) else None
+
     def _on_control(self, job_id: str, payload: bytes) -> None:
         """§6: a signed cancel for the attempt held here stops its agent."""
-        control = check_control(job_id, payload, self.trust)
-        if isinstance(control, Ignore):
-            return
-        if isinstance(control, Refuse):
-            log.warning("refused control %s: %s", job_id, control.text)
+        control = self._verified("control", job_id, payload)
+        if control is None:
             return
         if control.action != ControlAction.CANCEL:
             log.warning("refused control %s: %s on the control topic (answers have their own, §19)",
@@ -592,11 +596,8 @@ class Runner:
     def _on_answer(self, job_id: str, request_id: str, topic: str, payload: bytes) -> None:
         """§19: the hub's signed allow or deny of a permission request goes to the agent waiting
         for it; the retained answer is then cleared. Anything else is refused with a reason."""
-        control = check_control(job_id, payload, self.trust)
-        if isinstance(control, Ignore):
-            return
-        if isinstance(control, Refuse):
-            log.warning("refused answer %s: %s", job_id, control.text)
+        control = self._verified("answer", job_id, payload)
+        if control is None:
             return
         if control.action == ControlAction.CANCEL or control.request_id != request_id:
             log.warning("refused answer %s: %s", job_id, "a cancel is no answer" if control.action ==
