@@ -24,6 +24,7 @@ import ipaddress
 import json
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -85,11 +86,19 @@ def parse_bind(text: str) -> tuple[str, int]:
 
 
 def is_loopback(host: str) -> bool:
-    """True for localhost and 127.0.0.0/8, ::1."""
-    if host == "localhost":
-        return True
+    """True when every address `host` binds to is loopback (127.0.0.0/8, ::1): an address as
+    it is, a name as it resolves here (a hosts file may map `localhost` elsewhere); a name
+    that does not resolve is not loopback."""
     try:
         return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        found = {str(info[4][0]) for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return False
+    try:
+        return bool(found) and all(ipaddress.ip_address(address.split("%")[0]).is_loopback for address in found)
     except ValueError:
         return False
 

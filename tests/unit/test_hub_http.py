@@ -333,3 +333,24 @@ def test_s19_http_lists_waiting_requests_answers_them_signed_and_refuses_twice(s
     assert api.get("/api/asks").json()["asks"] == []
     assert api.get("/api/jobs/918b0612/asks").json()["asks"][0]["behavior"] == "deny"
     assert "mam_permission_pending{" not in api.get("/metrics").text
+
+
+def test_s14_http_a_name_is_loopback_only_if_every_address_it_resolves_to_is(monkeypatch):
+    """`localhost` is trusted as loopback only as it resolves here: a hosts file mapping it to a
+    tailnet address must not serve the API there without a token."""
+    import socket
+
+    assert hubhttp.is_loopback("localhost")  # this host's hosts file: 127.0.0.1 / ::1
+    mapped = {"localhost": ["127.0.0.1", "100.64.0.7"], "hub.internal": ["::1"]}
+
+    def fake(host, *args, **kwargs):  # no lookup leaves this host
+        if host in mapped:
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (addr, 0)) for addr in mapped[host]]
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+    assert not hubhttp.is_loopback("localhost")
+    with pytest.raises(ConfigError, match="MAM_API_TOKEN"):
+        hubhttp.api_token("localhost", {})
+    assert hubhttp.is_loopback("hub.internal")
+    assert not hubhttp.is_loopback("no-such-host.invalid")
