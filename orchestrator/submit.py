@@ -23,6 +23,7 @@ from mam.orchestrator.follow import Follower
 from mam.orchestrator.hints import detach_hint, queued_hint, reattach_hint, unserved_hint
 from mam.orchestrator.hub import Hub, Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
+from mam.orchestrator.identity import roster
 from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S
 from mam.orchestrator.results import await_result
 from mam.orchestrator.runners import collect_presence, read_presence
@@ -32,7 +33,7 @@ from mam.shared.cli.render import print_summary
 from mam.shared.config import env_float
 from mam.shared.protocol import wire
 from mam.shared.protocol.codes import JobStatus, PresenceStatus
-from mam.shared.protocol.errors import BrokerError, ExitCode
+from mam.shared.protocol.errors import BrokerError, ExitCode, UsageError
 from mam.shared.store.records import JobRecord, QueueTerms, describe_target
 from mam.shared.store.registry import Registry
 
@@ -41,11 +42,28 @@ log = logging.getLogger("mam.dispatch")
 TAKE_OVER_RETRY_S = 1.0  # how often a follower tries to start the engine the broker refused
 
 
+def refuse_revoked(registry: Registry, session: str | None) -> None:
+    """A job for a revoked session could only wait out its queue timeout: refused (§16.7).
+
+    Raises:
+        UsageError: the session's roster entry is revoked (one line: when, and what to do).
+    """
+    entry = roster.get(registry.root, session) if session else None
+    if entry is not None and entry.revoked_at is not None:
+        raise UsageError(f"session {session} was revoked at {entry.revoked_at} (`mam-orch runner revoke`): no "
+                         f"runner of it may take a job; enrol it again, or dispatch to another session")
+
+
 def register_queued(registry: Registry, *, brief: str, contract: wire.Contract, terms: QueueTerms,
                     work: wire.Work | None = None) -> JobRecord:
     """Register a checked job `queued` with its brief (and its repository and agent policy,
     §18), for the engine to publish (§14): the one way `dispatch`, `POST /api/jobs` and
-    `mam.Hub` queue a job."""
+    `mam.Hub` queue a job.
+
+    Raises:
+        UsageError: the target session is revoked (`refuse_revoked`).
+    """
+    refuse_revoked(registry, terms.target_session)
     record = registry.register(session=terms.target_session, contract=contract, queue=terms, work=work)
     save_brief(registry, record["job_id"], brief)
     return record
@@ -167,6 +185,7 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
                         retry_on=retry_on)
     text = read_brief(brief, brief_file, stdin)
     hub = open_hub(workspace)
+    refuse_revoked(hub.registry, terms.target_session)  # before any connection (exit 64)
     contract = hub_contract(hub.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
                             ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
     hub.keys()  # MAM_DISPATCH_SECRET must be usable (exit 64 before anything is written)

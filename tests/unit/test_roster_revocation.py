@@ -90,3 +90,28 @@ def test_s16_presence_feed_forgets_a_revoked_runner(tmp_path):
 def _next(client):
     message = client.messages.get_nowait()
     return message.topic, message.payload
+
+
+def test_s16_a_job_for_a_revoked_session_is_refused_at_once_on_every_path(tmp_path, capsys):
+    """`dispatch --session <revoked>` is exit 64 with one line and nothing registered; the
+    same refusal for `mam.Hub` and the HTTP API, which queue through `register_queued`."""
+    from mam.orchestrator import submit
+    from mam.shared.config import write_env_file
+    from mam.shared.protocol.errors import UsageError
+    from mam.shared.store.records import QueueTerms
+    from mam.shared.store.registry import Contract
+
+    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": "test-dispatch-secret-0123456789abcdef"},
+                   overwrite=True)
+    enrol(tmp_path)
+    roster.revoke(tmp_path, SESSION)
+    with pytest.raises(UsageError, match=f"session {SESSION} was revoked at .*enrol it again"):
+        submit.dispatch_cli(session=SESSION, brief="x", brief_file=None, heartbeat_s=None, heartbeat_misses=None,
+                            ack_timeout_s=None, idle_timeout_s=None, timeout_s=None, require_online=False,
+                            detach=True, as_json=True, workspace=str(tmp_path))
+    terms = QueueTerms(target_session=SESSION, target_labels=(), priority=0, queue_timeout_sec=60)
+    with pytest.raises(UsageError, match="was revoked"):
+        submit.register_queued(Registry(tmp_path), brief="x", contract=Contract(), terms=terms)
+    assert not names.jobs_dir(tmp_path).exists() or not list(names.jobs_dir(tmp_path).glob("*.json"))
+    enrol(tmp_path, "runner-b")  # another, active session is not refused
+    submit.refuse_revoked(Registry(tmp_path), "runner-b")
