@@ -197,7 +197,8 @@ for i in $(seq 1200); do [ -e "$SYNC" ] && break; sleep 0.1; done
     wait_until(lambda: any(outbox.glob("*.tar")), PATIENCE_S, "the result in the runner's outbox")
     fleet.start_broker()
     ready = fleet.hub_ws / ".mam" / "results" / job_id / "1" / "change.patch"
-    wait_until(ready.exists, PATIENCE_S * 2, "the result at the hub after the outage")
+    whole = ready.with_name("result.json")  # unpacked last: the patch and the artifacts are in (§18)
+    wait_until(whole.exists, PATIENCE_S * 2, "the result at the hub after the outage")
     runner_patch = subprocess.run(["git", "diff", "--binary", "--full-index", "--no-renames",
                                    fleet.hub_record(job_id)["repo_sha"], "HEAD"],
                                   cwd=worktree, capture_output=True, check=True).stdout
