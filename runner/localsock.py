@@ -559,8 +559,11 @@ class PublishServer:
         with self._waiting_lock:
             expired = [(rid, parked) for rid, parked in self._waiting.items() if now >= parked.deadline]
             for rid, parked in expired:
-                del self._waiting[rid]
                 self._denied.setdefault(parked.request.job_id, set()).add(parked.request.tool)
+                if parked.on_timeout == "cancel":  # the agent gets no answer: it is stopped first
+                    parked.deadline = float("inf")
+                else:
+                    del self._waiting[rid]
         for rid, parked in expired:
             request, then = parked.request, "denied" if parked.on_timeout == "deny" else "cancelling the job"
             message = f"no answer within {parked.timeout_s} s"
@@ -573,9 +576,10 @@ class PublishServer:
                 self._outgoing.put(publish.record(self.registry, event))
             except Exception as exc:  # the job ended meanwhile: nothing to tell the hub
                 log.info("job %s: the timeout of request %s not recorded: %s", request.job_id, rid, exc)
-            self._close(parked.client, {"ok": True, "request_id": rid, "behavior": "deny", "message": message})
-            if parked.on_timeout == "cancel":
+            if parked.on_timeout == "cancel":  # still parked: the job's end answers it (`drop_asks`)
                 self.cancel(request.job_id, f"no answer to a permission request within {parked.timeout_s} s")
+            else:
+                self._close(parked.client, {"ok": True, "request_id": rid, "behavior": "deny", "message": message})
 
     def denied_tools(self, job_id: str) -> set[str]:
         """The tools a person at the hub denied the job so far (a decision, not a failure)."""

@@ -300,13 +300,15 @@ def test_a_request_nobody_answers_is_denied_at_its_deadline_and_the_hub_is_told(
     srv._expire_asks(time.monotonic())  # not yet
     assert srv.waiting(JOB) == {request_id: 1} and not cancelled
     srv._expire_asks(time.monotonic() + 1.5)
-    assert reply(theirs) == {"ok": True, "request_id": request_id, "behavior": "deny",
-                             "message": "no answer within 1 s"}
     told = srv._outgoing.get_nowait().event
     assert told["event"] == "progress" and told["data"]["by"] == "timeout"
     assert told["detail"] == f"no answer to request {request_id} within 1 s: cancelling the job"
     assert cancelled == [(JOB, "no answer to a permission request within 1 s")]
-    assert srv.denied_tools(JOB) == {"Write"} and srv.waiting(JOB) == {}
+    assert srv.denied_tools(JOB) == {"Write"}
+    srv._expire_asks(time.monotonic() + 10)  # cancelled once; the agent gets no go-ahead meanwhile
+    assert len(cancelled) == 1 and srv._outgoing.empty()
+    srv.drop_asks(JOB, "the job ended before an answer came")  # its end answers it
+    assert reply(theirs)["behavior"] == "deny" and srv.waiting(JOB) == {}
 
 
 @pytest.mark.parametrize(("kwargs", "reason"), [
