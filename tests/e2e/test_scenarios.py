@@ -222,7 +222,7 @@ def test_s10_s8_runner_kill9_deadline_then_redispatch_elsewhere_and_stragglers_r
     gpu_env = {"MARKS": str(marks_file), "HOLD": str(gpu_hold)}
     gpu = fleet.start_runner("gpu-box", SHELL_AGENT, env=gpu_env)
     fleet.start_runner("cpu-box", SHELL_AGENT, env={"MARKS": str(marks_file), "HOLD": str(cpu_hold)})
-    run = fleet.dispatch("gpu-box", HOLD_BRIEF, "--heartbeat", "1", "--heartbeat-misses", "3",
+    run = fleet.dispatch("gpu-box", HOLD_BRIEF, "--heartbeat", "1", "--heartbeat-misses", "8",
                          "--ack-timeout", "10")
     wait_until(lambda: marks(marks_file), what="the agent to start on gpu-box")
     job_id = run.job_id()
