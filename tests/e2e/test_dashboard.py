@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness.httpserve import Serve, gated
 from harness.results import PATCH, deliver_result
-from harness.runnersim import MAM_RUNNER, hub_workspace, start_runner
+from harness.runnersim import ask_step, hub_workspace, start_runner
 from harness.waiting import PATIENCE_S
 
 from mam.shared.protocol import names
@@ -41,6 +43,24 @@ def browser_missing() -> str | None:
     return None
 
 
+@contextmanager
+def dashboard(tmp_path: Path, url: str) -> Iterator[tuple[Any, list[str]]]:
+    """The dashboard at `url` in headless Chromium: (its page, the script errors it raised)."""
+    with sync_api.sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
+            viewport=VIEWPORT)
+        try:
+            page = context.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.set_default_timeout(WAIT_MS)
+            page.goto(url + "/")
+            yield page, errors
+        finally:
+            context.close()
+
+
 def row_of(page, table: str, job_id: str):
     return page.locator(f"#{table} tbody tr", has_text=job_id)
 
@@ -52,16 +72,8 @@ def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_br
     runners = [start_runner(nats_broker, tmp_path / "gpu", "gpu-box", "--labels", "gpu,linux"),
                start_runner(nats_broker, tmp_path / "cpu", "cpu-box", "--labels", "linux")]
     serve = Serve(hub)
-    with sync_api.sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
-            viewport=VIEWPORT)
+    with dashboard(tmp_path, serve.url) as (page, errors):
         try:
-            page = context.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.set_default_timeout(WAIT_MS)
-            page.goto(serve.url + "/")
             page.evaluate("window.__sameDocument = true")  # gone if the page ever reloads
             for session in ("gpu-box", "cpu-box"):
                 sync_api.expect(page.locator("#runners tbody tr", has_text=session)).to_contain_text("online")
@@ -115,7 +127,6 @@ def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_br
             if target:
                 shutil.copyfile(tmp_path / "dashboard-queued.png", Path(target))
         finally:
-            context.close()
             assert serve.stop() == 0, serve.log()
             for proc in runners:
                 proc.terminate()
@@ -130,22 +141,11 @@ def test_dashboard_approve_and_deny_answer_the_waiting_agent_without_a_reload(na
     hub = hub_workspace(nats_broker, tmp_path)
     out = tmp_path / "out"
     runner = start_runner(nats_broker, tmp_path / "gpu", "gpu-box", OUT=str(out))
-    ask = shlex.join([*MAM_RUNNER, "ask"])
-    steps = [f'rc=0; {ask} --tool {tool} --input {shlex.quote(json.dumps(given))} > "$OUT.{n}.tmp" || rc=$?; '
-             f'echo "rc=$rc" >> "$OUT.{n}.tmp"; mv "$OUT.{n}.tmp" "$OUT.{n}"'
-             for n, tool, given in ((1, "Bash", {"command": "git push origin main"}),
-                                    (2, "Write", {"file_path": "notes.md", "content": "x"}))]
+    steps = [ask_step(1, "Bash", {"command": "git push origin main"}),
+             ask_step(2, "Write", {"file_path": "notes.md", "content": "x"})]
     serve = Serve(hub)
-    with sync_api.sync_playwright() as playwright:
-        context = playwright.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True,
-            viewport=VIEWPORT)
+    with dashboard(tmp_path, serve.url) as (page, errors):
         try:
-            page = context.new_page()
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.set_default_timeout(WAIT_MS)
-            page.goto(serve.url + "/")
             page.evaluate("window.__sameDocument = true")
             sync_api.expect(page.locator("#asks-section")).to_be_hidden()
             job_id = serve.dispatch("\n".join(steps), session="gpu-box")
@@ -169,7 +169,6 @@ def test_dashboard_approve_and_deny_answer_the_waiting_agent_without_a_reload(na
             assert page.evaluate("window.__sameDocument") is True
             assert errors == []
         finally:
-            context.close()
             assert serve.stop() == 0, serve.log()
             runner.terminate()
             runner.wait(PATIENCE_S)

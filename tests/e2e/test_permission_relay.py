@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -16,7 +15,17 @@ from pathlib import Path
 
 import pytest
 from harness.jobkit import WatchProcess
-from harness.runnersim import MAM_ORCH, MAM_RUNNER, hub_env, hub_workspace, orch, retained, runner_log, start_runner
+from harness.runnersim import (
+    MAM_ORCH,
+    MAM_RUNNER,
+    ask_step,
+    hub_env,
+    hub_workspace,
+    orch,
+    retained,
+    runner_log,
+    start_runner,
+)
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import TEST_SECRET
 
@@ -30,15 +39,8 @@ from mam.shared.transport import mqtt
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(4 * PATIENCE_S)]
 
 SESSION = "gpu-box"
-ASK = shlex.join([*MAM_RUNNER, "ask"])
 PUSH = {"command": "git push origin main"}
 WRITE = {"file_path": "notes.md", "content": "x"}
-
-
-def ask_step(n: int, tool: str, tool_input: dict) -> str:
-    """One brief line: ask, keep the answer and the exit code in $OUT.<n> (a deny is no failure)."""
-    return (f'rc=0; {ASK} --tool {tool} --input {shlex.quote(json.dumps(tool_input))} > "$OUT.{n}.tmp" || rc=$?; '
-            f'echo "rc=$rc" >> "$OUT.{n}.tmp"; mv "$OUT.{n}.tmp" "$OUT.{n}"')
 
 
 def dispatch(hub: Path, brief: str) -> WatchProcess:

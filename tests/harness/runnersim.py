@@ -11,7 +11,9 @@ check what crossed the broker.
 
 from __future__ import annotations
 
+import json
 import queue
+import shlex
 import subprocess
 import sys
 import time
@@ -207,3 +209,11 @@ def start_runner(broker: Any, workspace: Path, session: str, *extra: str, **env:
 def runner_log(workspace: Path) -> str:
     """The stderr of the runner `start_runner` started in `workspace`."""
     return (workspace.parent / f"{workspace.name}.stderr").read_text(errors="replace")
+
+
+def ask_step(n: int, tool: str, tool_input: dict[str, Any]) -> str:
+    """One shell-agent brief line: `mam-runner ask` (§19), its answer and exit code kept in
+    `$OUT.<n>` (written whole, then renamed; a deny is no failure of the step)."""
+    ask = shlex.join([*MAM_RUNNER, "ask"])
+    return (f'rc=0; {ask} --tool {tool} --input {shlex.quote(json.dumps(tool_input))} > "$OUT.{n}.tmp" || rc=$?; '
+            f'echo "rc=$rc" >> "$OUT.{n}.tmp"; mv "$OUT.{n}.tmp" "$OUT.{n}"')
