@@ -285,6 +285,8 @@ def dispatch_cmd(
     retry_on: str = typer.Option(None, "--retry-on", metavar="LIST",
                                  help="Which ends retry: agent_blocked,deadline_timeout,runner_lost,error "
                                       "(default the first three)."),
+    fresh: bool = typer.Option(False, "--fresh", help="A retry starts a new agent session (default: it "
+                                                      "continues the last one, §18)."),
     repo: str = typer.Option(None, "--repo", metavar="NAME",
                              help="Run on a worktree of this repository: only runners started with "
                                   "--repo NAME=URL take the job; its change comes back (§18)."),
@@ -335,7 +337,7 @@ def dispatch_cmd(
                         heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout, idle_timeout_s=idle_timeout,
                         timeout_s=timeout, require_online=require_online, detach=detach, as_json=as_json,
                         workspace=workspace, labels=labels, priority=priority, queue_timeout_s=queue_timeout,
-                        retries=retries, retry_on=retry_on, show_log=not no_log,
+                        retries=retries, retry_on=retry_on, fresh=fresh, show_log=not no_log,
                         work=work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
                                         allow_tools=allow_tools, deny_tools=deny_tools,
                                         permission_mode=permission_mode, ask_timeout_s=ask_timeout,
@@ -512,17 +514,21 @@ def redispatch_cmd(
     brief_file: str = typer.Option(None, "--brief-file", metavar="PATH",
                                    help="Read a new brief from PATH ('-' = stdin)."),
     detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
+    fresh: bool = typer.Option(False, "--fresh", help="Start a new agent session instead of continuing the "
+                                                      "last one (§18)."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
     workspace: str = cli.workspace_option(),
 ) -> int:
     """Start a new attempt of an ended job and watch it (PROTOCOL §8).
 
     Allowed from error or cancelled (never completed): attempt + 1, new
-    tokens, a new sealed dispatch. Exit codes as for dispatch; 1 when refused.
+    tokens, a new sealed dispatch. An agent that reported a session (Claude
+    Code) continues it in the last attempt's worktree where that runner still
+    has them (§18), unless --fresh. Exit codes as for dispatch; 1 when refused.
     """
     cli.setup_logging()
     return redispatch_cli(job_id, session=session, brief=brief, brief_file=brief_file, detach=detach,
-                          as_json=as_json, workspace=workspace)
+                          as_json=as_json, workspace=workspace, fresh=fresh)
 
 
 runners_app = cli.new_app("runners", "List runners from their signed retained presence; prune long-gone ones.",

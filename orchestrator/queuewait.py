@@ -146,11 +146,12 @@ class PresenceFeed:
 
 # ------------------------------------------------------------------ retries
 
-def requeue(registry: Registry, job_id: str, *, session: str | None = None, reason: str = "operator redispatch"
-            ) -> JobRecord:
+def requeue(registry: Registry, job_id: str, *, session: str | None = None, reason: str = "operator redispatch",
+            fresh: bool = False) -> JobRecord:
     """An operator's redispatch (§8) through the queue (§14): from `error` or `cancelled`,
     or from an open status after a cancel, never from `completed`: attempt + 1 `queued`
-    with fresh tokens, for `session` when given (the target becomes that runner).
+    with fresh tokens, for `session` when given (the target becomes that runner). It
+    continues the last agent session (§18 `work.resume`) unless `fresh`.
 
     Raises:
         Refusal(`not_allowed`), UsageError (bad session), JobNotFound, RegistryError.
@@ -165,6 +166,8 @@ def requeue(registry: Registry, job_id: str, *, session: str | None = None, reas
             raise Refusal(job_id, "not_allowed", f"refused redispatch: the job is {record['status']}; cancel it first")
         new = next_attempt(record, Status.QUEUED)
         new.pop("avoid_session", None)
+        if fresh and new.get("work", {}).pop("resume", None) is not None and not new["work"]:
+            del new["work"]
         if session is not None:
             new["target"] = {"session": session}
         elif "target" not in new:  # a v1 record: its session is its target

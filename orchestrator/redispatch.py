@@ -18,7 +18,7 @@ from mam.shared.store.records import Refusal
 
 def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None = None,
                    brief_file: str | None = None, detach: bool = False, as_json: bool = False,
-                   workspace: Workspace = None, stdin: BinaryIO | None = None) -> int:
+                   workspace: Workspace = None, stdin: BinaryIO | None = None, fresh: bool = False) -> int:
     """`mam-orch redispatch` (§5, §8, §10): a new attempt of a job.
 
     Allowed from `error` or `cancelled`, or from `pending`/`running` after a
@@ -29,7 +29,8 @@ def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None
     exit 3, record unchanged), publish a signed cancel for the old attempt
     (its runner may have missed the hub's close), attempt + 1 with a new dispatch_token and
     auth_token, status `queued` (§14; `--session` makes that runner the target), and
-    `submit.follow_job` as a dispatch does (the hub engine publishes it).
+    `submit.follow_job` as a dispatch does (the hub engine publishes it). The new attempt
+    continues the agent's last session (§18) unless `fresh`.
 
     Returns:
         the exit code of §9 (0 with --detach once the dispatch is published).
@@ -67,7 +68,7 @@ def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None
         history = AuditTail(registry.audit_path(job_id))
         history.skip()  # what the job's audit log holds now: the follower shows the new attempt only
         save_brief(registry, job_id, text)
-        requeue(registry, job_id, session=session)
+        requeue(registry, job_id, session=session, fresh=fresh)
         return follow_job(hub, engine, job_id, detach=detach, as_json=as_json, workspace=workspace,
                           verb="redispatched", offset=history.offset)
     finally:

@@ -220,7 +220,8 @@ class Supervisor:
         attempt, started_data, problem = self._prepare(job)  # §18: the worktree, before `started`
         started = publish.record(self.registry, publish.PublishRequest(
             job_id=job.job_id, event=EventName.STARTED, attempt_id=job.attempt_id,
-            dispatch_token=job.dispatch_token, data=started_data), source="runner")
+            dispatch_token=job.dispatch_token, data=started_data, detail=session_note(started_data)),
+            source="runner")
         try:
             if cleared is not None:
                 cleared()
@@ -258,7 +259,9 @@ class Supervisor:
                                   mirrors=self.mirrors, exec_argv=self.options.argv,
                                   log_path=log_path, log_offset=offset, secrets=[*self.logstreams.secrets, token],
                                   session=self.options.session, agent=self.options.agent,
-                                  ask_socket=self.socket_path is not None)
+                                  ask_socket=self.socket_path is not None,
+                                  workdir=self.options.workdir or (self.options.root / "work" / job.job_id),
+                                  environ=self.environ)
         except (ValueError, OSError, RegistryError) as exc:
             return None, {}, f"agent not started: {exc}"
         try:
@@ -267,7 +270,7 @@ class Supervisor:
             return attempt, {"agent": attempt.adapter.kind}, str(exc)
 
     def _run_agent(self, job: Job, agent: AgentProcess, env_file: Path, attempt: AttemptWork) -> None:
-        workdir = attempt.cwd(self.options.workdir or (self.options.root / "work" / job.job_id))
+        workdir = attempt.cwd()
         log_path = self.registry.logs_dir(job.job_id) / "agent.log"
         self.logstreams.start(self.registry, job.job_id, job.attempt_id, log_path)  # §15, from its current end
         try:
@@ -505,6 +508,16 @@ class Supervisor:
         except BrokerError as exc:  # on disk already; paho still resends it after a reconnect
             log.warning("job %s seq %d is on disk but not acknowledged by the broker: %s", job_id,
                         published.seq, exc)
+
+
+def session_note(started_data: Mapping[str, Any]) -> str:
+    """`started`'s detail for an attempt that was to continue a session (§18): `continues session
+    S of attempt N`, or `new session: <why not>`; "" otherwise."""
+    continues = started_data.get("continues")
+    if isinstance(continues, Mapping):
+        return f"continues session {continues.get('session_id')} of attempt {continues.get('attempt')}"
+    fresh = started_data.get("fresh")
+    return wire.safe_line(f"new session: {fresh}", wire.MAX_DETAIL_CHARS) if fresh else ""
 
 
 def orphan_job(record: Mapping[str, Any], identity: AgentIdentity | None, *,

@@ -804,7 +804,29 @@ class Repos:
                                         what=f"repo {name}: reading the mirror's config")
         return _with_config(self._env, pairs) if pairs else self._env
 
-    def add_worktree(self, name: str, sha: str, job_id: str, attempt_id: int, ref: str) -> Worktree:
+    def attempt_head(self, name: str, job_id: str, attempt_id: int, base_sha: str) -> str | None:
+        """Where an earlier attempt's branch `mam/<job_id>-<attempt_id>` of a prepared repository
+        ended (40 hex), when this runner still has it and `base_sha` is an ancestor of it;
+        else None (§18: a continued attempt starts there).
+
+        Raises:
+            UsageError: bad job id, attempt id or sha. RepoError: git failed.
+        """
+        branch = f"{BRANCH_PREFIX}{worktree_key(job_id, attempt_id)}"
+        names.validate_sha(base_sha, "base sha")
+        mirror = self.mirror_path(name)
+        with self._locked(name):
+            found = self._git(mirror, ["rev-parse", "--verify", "--quiet", f"refs/heads/{branch}^{{commit}}"],
+                              f"repo {name}: looking up branch {branch}", ok=(0, 1, 128))
+            head = found.stdout.decode("ascii", "replace").strip()
+            if found.returncode != 0 or not _FULL_SHA.fullmatch(head):
+                return None
+            on_top = self._git(mirror, ["merge-base", "--is-ancestor", base_sha, head],
+                               f"repo {name}: checking {branch} grew from {base_sha[:12]}", ok=(0, 1, 128))
+        return head if on_top.returncode == 0 else None
+
+    def add_worktree(self, name: str, sha: str, job_id: str, attempt_id: int, ref: str,
+                     base_sha: str | None = None) -> Worktree:
         """A fresh worktree for one attempt, on a new branch at `sha`.
 
         `git worktree add -b mam/<job_id>-<attempt> <root>/worktrees/<job_id>-<attempt> <sha>`.
@@ -813,7 +835,8 @@ class Repos:
 
         Args:
             name: a served, prepared repository; sha: a 40-hex commit (from `resolve`);
-            job_id: the job id (§1); attempt_id: >= 1; ref: what `resolve` used (recorded).
+            job_id: the job id (§1); attempt_id: >= 1; ref: what `resolve` used (recorded);
+            base_sha: the job's base when `sha` is where an earlier attempt ended (§18), else `sha`.
         Returns:
             Worktree.
         Raises:
@@ -839,7 +862,7 @@ class Repos:
                 self._marker(key).unlink()
             self._git(mirror, ["worktree", "add", "--quiet", "-b", branch, str(path), sha],
                       f"repo {name}: adding worktree {key} at {sha[:12]}", env=self._filters_env(name, mirror))
-        return Worktree(repo=name, path=path, branch=branch, base_sha=sha, ref=ref)
+        return Worktree(repo=name, path=path, branch=branch, base_sha=base_sha or sha, ref=ref)
 
     def _delete_branch(self, name: str, mirror: Path, branch: str) -> None:
         done = self._git(mirror, ["rev-parse", "--verify", "--quiet", f"refs/heads/{branch}"],

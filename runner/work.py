@@ -4,7 +4,10 @@
 
 1. `prepare()` (before `started`): for a repository job, fetch the runner's mirror,
    resolve the dispatch's ref to a commit and add a worktree for this attempt on branch
-   `mam/<job_id>-<attempt>`; returns `started`'s data (repo, ref, sha, branch).
+   `mam/<job_id>-<attempt>`; returns `started`'s data (repo, ref, sha, branch). A dispatch
+   with `work.resume` continues an earlier attempt (§18 "Continued sessions"): the
+   worktree starts where that attempt's branch ended and the agent resumes its session,
+   where this runner has them; otherwise the attempt starts fresh and `started` says why.
 2. `argv()`, `cwd()`, `env()`: the agent's command line through its adapter (`agents`:
    Claude Code, Codex, or a plain command), its working directory (the worktree) and
    `MAM_ARTIFACTS_DIR`.
@@ -23,7 +26,7 @@ import os
 import shutil
 import stat
 import sys
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,12 +114,15 @@ class AttemptWork:
         agent: the adapter's kind (`agents.KINDS`).
         ask_socket: the daemon's socket listens, so the agent can ask a person (§19): the
             claude agent gets the MCP permission tool (`permission_tool`).
+        workdir: where the agent of a job without a repository runs.
+        environ: the environment the agent inherits (where its CLI keeps its sessions).
     """
 
     def __init__(self, *, job_id: str, attempt_id: int, work: wire.Work | None, root: Path,
                  mirrors: repos.Repos, exec_argv: Iterable[str], log_path: Path,
                  log_offset: int, secrets: Iterable[str] = (), session: str = "runner",
-                 agent: str = "command", ask_socket: bool = False) -> None:
+                 agent: str = "command", ask_socket: bool = False, workdir: Path | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
         self.job_id, self.attempt_id, self.work, self.root = job_id, attempt_id, work, root
         self.session = session
         self.mirrors = mirrors
@@ -129,6 +135,8 @@ class AttemptWork:
         self.artifacts_dir = root / "artifacts" / f"{job_id}-{attempt_id}"
         self.ask_socket = ask_socket
         self.mcp_config = names.run_dir(root) / f"mcp-{job_id}-{attempt_id}.json"
+        self.workdir = workdir or root / "work" / job_id
+        self.environ = os.environ if environ is None else environ
 
     # ------------------------------------------------------------ before the agent
 
@@ -136,7 +144,8 @@ class AttemptWork:
         """Fetch, resolve and add this attempt's worktree (a repository job); `started`'s data.
 
         Returns:
-            {"agent": kind} and for a repository job {"repo", "ref", "sha", "branch"}.
+            {"agent": kind}; for a repository job {"repo", "ref", "sha", "branch"}; with
+            `work.resume`, `continues` {"session_id", "attempt"} or `fresh` (why not, one line).
         Raises:
             RepoError: the fetch failed, the ref does not exist, or git refused the worktree (one line).
         """
@@ -152,22 +161,51 @@ class AttemptWork:
             with os.fdopen(os.open(self.mcp_config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
                 json.dump(permission_tool.mcp_config(sys.executable), out)
             self.adapter.ask_person(self.mcp_config)  # §19: a person answers what no policy allows
-        if self.work is None or self.work.repo is None:
-            return data
-        name = self.work.repo
+        resume = self.work.resume if self.work is not None else None
+        why_fresh: str | None = None
+        if self.work is not None and self.work.repo is not None:
+            why_fresh = self._add_worktree(self.work.repo, resume)
+            wt = self.worktree
+            assert wt is not None
+            data.update({"repo": wt.repo, "ref": wt.ref, "sha": wt.base_sha, "branch": wt.branch})
+        if resume is not None:
+            why_fresh = why_fresh or self.adapter.continue_session(resume.session_id, self.cwd(), self.environ)
+            if why_fresh is None:
+                log.info("job %s: attempt %d continues session %s of attempt %d", self.job_id, self.attempt_id,
+                         resume.session_id, resume.attempt)
+                data["continues"] = {"session_id": resume.session_id, "attempt": resume.attempt}
+            else:
+                log.warning("job %s: attempt %d starts a new session: %s", self.job_id, self.attempt_id, why_fresh)
+                data["fresh"] = why_fresh
+        return data
+
+    def _add_worktree(self, name: str, resume: wire.Resume | None) -> str | None:
+        """Fetch and add this attempt's worktree: where `resume`'s attempt ended when this runner
+        still has its branch, else at the dispatch's ref. Returns why it did not continue, or None."""
         self.mirrors.prepare(name)
-        ref, sha = self.mirrors.resolve(name, self.work.ref)
+        ref, sha = self.mirrors.resolve(name, self.work.ref if self.work is not None else None)
+        why_fresh: str | None = None
+        if resume is not None:
+            head = self.mirrors.attempt_head(name, self.job_id, resume.attempt, resume.base_sha) \
+                if resume.base_sha is not None else None
+            if head is not None and resume.base_sha is not None:
+                self.worktree = self.mirrors.add_worktree(name, head, self.job_id, self.attempt_id, ref,
+                                                          base_sha=resume.base_sha)
+                log.info("job %s: worktree %s continues attempt %d at %s (base %s)", self.job_id,
+                         self.worktree.path, resume.attempt, head[:12], resume.base_sha[:12])
+                return None
+            why_fresh = f"attempt {resume.attempt}'s worktree is not on this runner"
         self.worktree = self.mirrors.add_worktree(name, sha, self.job_id, self.attempt_id, ref)
         log.info("job %s: worktree %s at %s (%s of repo %s)", self.job_id, self.worktree.path, sha[:12], ref, name)
-        return {**data, "repo": name, "ref": ref, "sha": sha, "branch": self.worktree.branch}
+        return why_fresh
 
     def argv(self) -> list[str]:
         """The agent's command line (the adapter adds its machine-readable output flags)."""
         return self.adapter.argv(self.exec_argv)
 
-    def cwd(self, default: Path) -> Path:
-        """The worktree of a repository job, else `default`."""
-        return self.worktree.path if self.worktree is not None else default
+    def cwd(self) -> Path:
+        """The worktree of a repository job, else `workdir`."""
+        return self.worktree.path if self.worktree is not None else self.workdir
 
     def env(self) -> dict[str, str]:
         """What the agent's environment gains: MAM_ARTIFACTS_DIR and, for a repository job,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from mam.shared.protocol import wire
@@ -137,6 +138,11 @@ class Adapter:
 
     def feed(self, line: str) -> None:
         """Read one line of the agent's output (never raises)."""
+
+    def continue_session(self, session_id: str, cwd: Path, environ: Mapping[str, str]) -> str | None:
+        """Make this attempt continue an earlier attempt's agent session (§18), its agent to run
+        in `cwd` with `environ`. Returns None when it will, else why not (one line)."""
+        return f"the {self.kind} agent cannot continue a session"
 
     def over_budget(self) -> str | None:
         """The budget the stream shows spent that the CLI does not stop on itself, or None."""

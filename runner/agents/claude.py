@@ -11,6 +11,12 @@ that stream, one JSON object per line:
   "num_turns", "total_cost_usd", "usage", "result", "permission_denials": [{"tool_name"}],
   "api_error_status"}` last.
 
+A later attempt continues an earlier one's session (§18 "Continued sessions") with
+`--resume <session_id>`. The CLI looks a session up under the project folder of its
+working directory (`<config>/projects/<cwd with every other character than a letter or
+digit as '-'>/<session_id>.jsonl`, config being `$CLAUDE_CONFIG_DIR` or `~/.claude`), so
+`place_transcript` copies the transcript there from the earlier attempt's folder first.
+
 The CLI exits 0 even when it denied a tool (`subtype: success`); the report makes that
 an `error` (`permission_denied`). Budgets go to the CLI (`--max-turns`,
 `--max-budget-usd`) and are watched in the stream as well: a CLI that runs past them
@@ -19,12 +25,72 @@ is stopped by the runner (`over_budget`).
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from mam.runner.agents.base import AgentPolicy, StreamAdapter, count_of, money_of
 from mam.runner.permission_tool import PROMPT_TOOL
+from mam.shared.protocol import names
+
+log = logging.getLogger("mam.agent")
+
+SESSION_FLAGS = ("--resume", "-r", "--continue", "-c", "--session-id")
+"""Flags of the CLI that choose the session themselves: an `--exec` that has one is left as it is."""
+
+
+def config_dir(environ: Mapping[str, str]) -> Path | None:
+    """Where the CLI keeps its state for an agent with `environ`: `$CLAUDE_CONFIG_DIR`, else
+    `$HOME/.claude`; None without either."""
+    explicit, home = environ.get("CLAUDE_CONFIG_DIR"), environ.get("HOME")
+    return Path(explicit) if explicit else Path(home) / ".claude" if home else None
+
+
+def project_folder(cwd: Path) -> str:
+    """The CLI's project folder name of a working directory: every character that is not an
+    ASCII letter or digit becomes '-' (`/tmp/rx/.x_y` → `-tmp-rx--x-y`)."""
+    return re.sub(r"[^A-Za-z0-9]", "-", str(cwd))
+
+
+def place_transcript(config: Path, session_id: str, cwd: Path) -> bool:
+    """Make session `session_id` resumable from `cwd` (§18): True when its transcript is in
+    `cwd`'s project folder, or was copied there (0600) from another project folder (the newest
+    copy; links are never followed); False when the CLI never saved it here.
+
+    Raises:
+        UsageError: a session id that is not `names.AGENT_SESSION_RE` (it is a file name here).
+    """
+    name = f"{names.validate_agent_session_id(session_id)}.jsonl"
+    projects = config / "projects"
+    target = projects / project_folder(cwd) / name
+    if target.is_file() and not target.is_symlink():
+        return True
+    found: list[tuple[float, Path]] = []
+    for candidate in projects.glob(f"*/{name}"):
+        try:
+            info = candidate.lstat()
+        except OSError:
+            continue
+        if candidate.is_file() and not candidate.is_symlink() and not candidate.parent.is_symlink():
+            found.append((info.st_mtime, candidate))
+    if not found:
+        return False
+    source = max(found)[1]
+    try:
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if os.path.lexists(target):
+            target.unlink()
+        shutil.copyfile(source, target, follow_symlinks=False)
+        target.chmod(0o600)
+    except OSError as exc:
+        log.warning("claude session %s: its transcript could not be copied to %s: %s", session_id, target.parent,
+                    exc.strerror or exc)
+        return False
+    return True
 
 
 class ClaudeAdapter(StreamAdapter):
@@ -42,6 +108,17 @@ class ClaudeAdapter(StreamAdapter):
         self._messages: set[str] = set()
         self._result_seen = False
         self.permission_config: Path | None = None  # an --mcp-config with the permission tool (§19)
+        self.resumed: str | None = None  # the session this attempt continues (§18)
+
+    def continue_session(self, session_id: str, cwd: Path, environ: Mapping[str, str]) -> str | None:
+        """`--resume session_id` once its transcript is in `cwd`'s project folder (§18); else why not."""
+        config = config_dir(environ)
+        if config is None:
+            return "neither CLAUDE_CONFIG_DIR nor HOME is set"
+        if not place_transcript(config, session_id, cwd):
+            return f"session {session_id} is not in {config / 'projects'} on this runner"
+        self.resumed = session_id
+        return None
 
     def ask_person(self, mcp_config: Path) -> None:
         """Give the CLI the permission tool of `mcp_config`: what no policy allows is asked of a
@@ -80,6 +157,8 @@ class ClaudeAdapter(StreamAdapter):
             argv += ["--permission-mode", policy.permission_mode]
         if self.permission_config is not None:  # §19: what no policy allows is asked of a person
             argv += ["--mcp-config", str(self.permission_config), "--permission-prompt-tool", PROMPT_TOOL]
+        if self.resumed is not None and not any(arg.split("=")[0] in SESSION_FLAGS for arg in exec_argv):
+            argv += ["--resume", self.resumed]
         return argv
 
     def read(self, obj: dict[str, Any]) -> None:
@@ -145,4 +224,4 @@ class ClaudeAdapter(StreamAdapter):
         return None
 
 
-__all__ = ["ClaudeAdapter"]
+__all__ = ["ClaudeAdapter", "config_dir", "place_transcript", "project_folder"]

@@ -188,12 +188,18 @@ def _outcome(status: Any, close_reason: Any) -> str:
 
 def attempts(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every attempt of a job, oldest first (§8 redispatch, §14 retries): attempt_id,
-    the runner session ("-" while a label target is queued) and its outcome."""
+    the runner session ("-" while a label target is queued), its outcome and the agent's
+    session id it reported (§18), or None."""
     rows = [{"attempt_id": old.get("attempt_id"), "session": old.get("session") or "-",
-             "outcome": _outcome(old.get("status"), old.get("close_reason"))}
+             "outcome": _outcome(old.get("status"), old.get("close_reason")),
+             "agent_session_id": old.get("agent_session_id")}
             for old in record.get("attempt_history", []) if isinstance(old, Mapping)]
+    agent = record.get("agent")
+    current = agent.get("session_id") if isinstance(agent, Mapping) and \
+        agent.get("attempt_id") == record.get("attempt_id") else None
     rows.append({"attempt_id": record.get("attempt_id"), "session": record.get("session") or "-",
-                 "outcome": _outcome(record.get("status"), record.get("close_reason"))})
+                 "outcome": _outcome(record.get("status"), record.get("close_reason")),
+                 "agent_session_id": current})
     return rows
 
 
@@ -268,6 +274,7 @@ def show_text(record: Mapping[str, Any], trail: Sequence[Mapping[str, Any]], roo
     lines.append("")
     lines.append("attempts:")
     lines += [f"  {_cell(row['attempt_id'])}  {_cell(row['session'])}  {_cell(row['outcome'])}"
+              + (f"  agent session {_cell(row['agent_session_id'])}" if row["agent_session_id"] else "")
               for row in attempts(record)]
     lines.append("")
     lines.append(f"audit trail ({len(trail)} lines):")

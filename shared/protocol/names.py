@@ -328,6 +328,27 @@ def validate_ask_timeout_action(value: object, what: str = "on_ask_timeout") -> 
     return str(value)
 
 
+AGENT_SESSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+"""An agent CLI's own session (Claude Code) or thread (Codex) id (§18): a UUID in practice."""
+SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+def validate_agent_session_id(value: object, what: str = "resume.session_id") -> str:
+    """`value` if it is an agent's session id (AGENT_SESSION_RE: safe as a file name).
+    Raises `UsageError`."""
+    if not isinstance(value, str) or not AGENT_SESSION_RE.fullmatch(value):
+        raise UsageError(f"{what} {repr(value)[:LABEL_SHOWN_CHARS]} is invalid: expected 1-128 letters, digits, "
+                         "'.', '_' or '-', starting with a letter or digit")
+    return value
+
+
+def validate_sha(value: object, what: str = "sha") -> str:
+    """`value` if it is a full commit id (40 lowercase hex). Raises `UsageError`."""
+    if not isinstance(value, str) or not SHA_RE.fullmatch(value):
+        raise UsageError(f"{what} {repr(value)[:LABEL_SHOWN_CHARS]} is invalid: expected 40 lowercase hex characters")
+    return value
+
+
 def strip_remote(session: str) -> str:
     """The bare session of `remote:<session>` (a hub record's `agent_session`, accepted on the
     CLI, §1), else `session` as given."""

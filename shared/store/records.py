@@ -114,6 +114,7 @@ class QueueTerms(NamedTuple):
         target_labels: the labels a runner must carry (sorted; empty with a session).
         priority: higher first; queue_timeout_sec: seconds queued before `queue_timeout`.
         retries: 0-10; retry_on: subset of `RETRY_ON_CHOICES`.
+        fresh: a retried attempt starts a new agent session, never continues the last one (§18).
     """
 
     target_session: str | None = None
@@ -122,6 +123,7 @@ class QueueTerms(NamedTuple):
     queue_timeout_sec: int = DEFAULT_QUEUE_TIMEOUT_SEC
     retries: int = 0
     retry_on: tuple[str, ...] = tuple(DEFAULT_RETRY_ON)
+    fresh: bool = False
 
     def checked(self) -> QueueTerms:
         """These terms, validated (labels sorted).
@@ -151,6 +153,8 @@ class QueueTerms(NamedTuple):
                                   else {"labels": list(self.target_labels)})
         fields = {"target": target, "priority": self.priority, "queue_timeout_sec": self.queue_timeout_sec,
                   "retries": self.retries, "retry_on": list(self.retry_on), "retried": 0}
+        if self.fresh:
+            fields["fresh"] = True
         return fields
 
 
@@ -448,8 +452,8 @@ class Transaction:
         if isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{40}", sha):  # §18: the worktree's base commit
             new["repo_sha"] = sha
         figures = agent_figures(data.get("agent")) if isinstance(data, Mapping) else None
-        if figures is not None:  # §18: what the agent spent, for `jobs` and /metrics
-            new["agent"] = figures
+        if figures is not None:  # §18: what the agent spent, for `jobs` and /metrics; its attempt (resume)
+            new["agent"] = {**figures, "attempt_id": self.record["attempt_id"]}
         return new
 
     def _advance(self, event: str, seq: int, source: str, status: str | None, exit_code: int | None) -> JobRecord:
@@ -470,7 +474,8 @@ def _count(value: object) -> int:
 
 def agent_figures(value: object) -> dict[str, Any] | None:
     """The agent's figures of a terminal event's `data.agent` (§18), checked: kind, session id,
-    turns, tokens {input, output, cached} and cost in USD (a bad value counts 0); None when absent."""
+    turns, tokens {input, output, cached} and cost in USD (a bad value counts 0, a session id over
+    128 characters is dropped); None when absent."""
     if not isinstance(value, Mapping):
         return None
     raw_tokens = value.get("tokens")
@@ -478,7 +483,9 @@ def agent_figures(value: object) -> dict[str, Any] | None:
     cost = value.get("cost_usd")
     ok_cost = isinstance(cost, (int, float)) and not isinstance(cost, bool) and 0 <= cost < 1e9
     session = value.get("session_id")
-    return {"kind": str(value.get("kind", ""))[:16], "session_id": session[:128] if isinstance(session, str) else None,
+    if not isinstance(session, str) or len(session) > 128:
+        session = None
+    return {"kind": str(value.get("kind", ""))[:16], "session_id": session,
             "turns": _count(value.get("turns")), "cost_usd": float(cost) if ok_cost else None,  # type: ignore[arg-type]
             "tokens": {key: _count(tokens.get(key)) for key in ("input", "output", "cached")}}
 
@@ -490,9 +497,12 @@ def next_attempt(record: JobRecord, status: str = JobStatus.PENDING) -> JobRecor
     attempt's late messages from forgeries, §3.2) and the old attempt's runner
     and outcome join `attempt_history` (`show`)."""
     new = moved(record, status)
-    history = [*record.get("attempt_history", []), {
-        "attempt_id": record["attempt_id"], "session": record["session"], "status": record["status"],
-        "close_reason": record.get("close_reason"), "exit_code": record.get("exit_code")}]
+    ended = {"attempt_id": record["attempt_id"], "session": record["session"], "status": record["status"],
+             "close_reason": record.get("close_reason"), "exit_code": record.get("exit_code")}
+    agent = record.get("agent")
+    if isinstance(agent, Mapping) and agent.get("attempt_id") == record["attempt_id"] and agent.get("session_id"):
+        ended["agent_session_id"] = agent["session_id"]
+    history = [*record.get("attempt_history", []), ended]
     new["attempt_history"] = history[-MAX_EARLIER_TOKENS:]
     if status == JobStatus.QUEUED:
         new["queued_at"] = utc_now_us()
@@ -502,7 +512,32 @@ def next_attempt(record: JobRecord, status: str = JobStatus.PENDING) -> JobRecor
                 "exit_code": None, "cancel_requested_at": None, "attempt_created_at": new["updated_at"],
                 "earlier_auth_tokens": earlier, "seen_seq": 0})
     new.pop("late_outcome", None)
+    work = continued_work(record)
+    if work:
+        new["work"] = work
+    else:
+        new.pop("work", None)
     return new
+
+
+def continued_work(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The next attempt's `work` (§18 "Continued sessions"): the record's own, with `resume`
+    naming the last agent session the job's attempts reported and the attempt it came from,
+    unless the job was dispatched `--fresh` (or no session is known); `base_sha` (the job's
+    base commit, `repo_sha`) for a repository job."""
+    work = {key: value for key, value in (record.get("work") or {}).items() if key != "resume"}
+    agent = record.get("agent")
+    if record.get("fresh") or not isinstance(agent, Mapping):
+        return work
+    session_id, attempt = agent.get("session_id"), agent.get("attempt_id")
+    if not isinstance(session_id, str) or not names.AGENT_SESSION_RE.fullmatch(session_id) \
+            or not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 1:
+        return work
+    resume: dict[str, Any] = {"session_id": session_id, "attempt": attempt}
+    sha = record.get("repo_sha")
+    if work.get("repo") and isinstance(sha, str) and names.SHA_RE.fullmatch(sha):
+        resume["base_sha"] = sha
+    return {**work, "resume": resume}
 
 
 def published(record: JobRecord, session: str, published_at: str) -> JobRecord:

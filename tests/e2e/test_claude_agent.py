@@ -16,6 +16,7 @@ service, a runner daemon in its own network namespace started as the card prints
   change comes back; denied with a reason, the model is told the reason and the job
   completes with the denial listed.
 - The model server answers 429 (a usage limit) or 529: `error` with the agent's own reason.
+- A retry after the model failed continues the session where attempt 1 left its worktree (§18).
 - Cancel during a long stream: the CLI and its children are gone within the grace.
 - Bad input (an agent claiming to be claude): lines that are not JSON, a 10 MB line, a
   result text with terminal escapes: reported, escaped at the hub, the runner lives on.
@@ -159,6 +160,32 @@ def test_s18_a_429_or_529_from_the_model_is_an_error_with_the_agents_reason(clau
     assert code == 1, runner.log()[-3000:]
     detail = claude_fleet.terminal(job_id)["detail"]
     assert detail.startswith("agent_error: API Error") and str(status) in detail and message in detail, detail
+
+
+def test_s18_a_retry_continues_the_session_in_the_worktree_attempt_1_left(claude_fleet: AgentFleet) -> None:
+    """§18 continued sessions: attempt 1 writes a file, then the model is overloaded (529);
+    the retry resumes the same session (`--resume`) in a worktree that starts where attempt 1
+    ended, the model sees attempt 1's turns, and the result holds both attempts' change."""
+    cf = claude_fleet
+    runner = cf.start([ToolUse("Write", {"file_path": "NOTES.md", "content": "notes\n"}),
+                       Failure(529, "overloaded_error", "Overloaded", {"retry-after": "3600"}),
+                       ToolUse("Write", {"file_path": "MORE.md", "content": "more\n"}),
+                       Text("Finished the notes.")])
+    code, job_id = cf.run("--ref", "main", "--allow-tools", "Write", "--retries", "1", "--retry-on", "error")
+    assert code == 0, runner.log()[-3000:]
+    events = cf.fleet.events_on_wire(job_id)
+    ends = {e["data"]["attempt_id"]: e for e in events if e["event"] in ("completed", "error")}
+    assert ends[1]["event"] == "error" and "Overloaded" in ends[1]["detail"], ends[1]
+    session_id = ends[1]["data"]["agent"]["session_id"]
+    assert ends[2]["event"] == "completed" and ends[2]["data"]["agent"]["session_id"] == session_id
+    (started,) = [e for e in events if e["event"] == "started" and e["data"]["attempt_id"] == 2]
+    assert started["detail"] == f"continues session {session_id} of attempt 1", started
+    resumed = [c for c in cf.model.calls() if c["tools"]][-2]  # type: ignore[union-attr]
+    assert resumed["messages"] > 3 and any("NOTES.md" in text for text in resumed["tool_results"]), resumed
+    result = json.loads(cf.fleet.orch("result", job_id, "--json").stdout)
+    assert result["attempt_id"] == 2 and result["base_sha"] == git("rev-parse", "main", cwd=cf.origin).strip()
+    assert sorted(f["path"] for f in result["files"]) == ["MORE.md", "NOTES.md"]
+    assert f"1  gpu-box  error  agent session {session_id}" in cf.show_text(job_id)
 
 
 def test_s18_max_turns_2_against_five_turns_ends_budget_exceeded(claude_fleet: AgentFleet) -> None:

@@ -171,6 +171,7 @@ class ModelServer:
                         with open(server.request_log, "a") as out:
                             out.write(json.dumps({"path": self.path, "tools": bool(body.get("tools")),
                                                   "host": self.headers.get("Host"),
+                                                  "messages": len(body.get("messages") or []),
                                                   "tool_results": tool_results(body)}) + "\n")
                 if self.path.startswith("/v1/responses"):
                     step = Text("done")
@@ -356,7 +357,7 @@ class ModelProcess:
 
     def calls(self) -> list[dict[str, Any]]:
         """Every request received so far: path, whether it was a main-loop call, Host header,
-        the tool results it carried."""
+        how many messages and the tool results it carried."""
         if not self.request_log.exists():
             return []
         return [json.loads(line) for line in self.request_log.read_text().splitlines() if line.strip()]

@@ -70,7 +70,7 @@ from mam.shared.protocol.wire.messages import (
     Presence,
     State,
 )
-from mam.shared.protocol.wire.work import Work
+from mam.shared.protocol.wire.work import Resume, Work
 
 __all__ = [
     "CONTRACT_FIELDS", "CONTROL_FIELDS", "DEFAULT_ACK_TIMEOUT_SEC", "DEFAULT_CLOCK_SKEW_S", "DEFAULT_HEARTBEAT_MISSES",
@@ -80,7 +80,7 @@ __all__ = [
     "MAX_RUNNING", "MAX_SAFE_INT", "MAX_VERSION_CHARS", "PRESENCE_FIELDS", "PRESENCE_STATUSES", "SCHEMA_VERSION",
     "SEALED_FIELDS", "SEAL_ALG", "SEAL_NONCE_BYTES", "STATE_FIELDS", "TERMINAL_EVENTS", "TERMINAL_STATUSES",
     "WIRE_TYPES", "Contract", "Control", "Dispatch", "Event", "Expect", "Message", "Presence", "Sealed", "State",
-    "Work",
+    "Resume", "Work",
     "b64url_decode", "b64url_encode", "canonical", "decode", "encode", "format_ts", "from_dict", "parse_ts",
     "safe_line",
 ]

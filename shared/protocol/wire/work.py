@@ -3,7 +3,8 @@ what its agent may do. Optional: a dispatch without it is a plain command job, a
 
     {"repo": "demo", "ref": "main", "max_turns": 20, "max_cost_usd": 2.5,
      "allow_tools": ["Bash(git *)", "Edit"], "permission_mode": "acceptEdits",
-     "ask_timeout_s": 600, "on_ask_timeout": "cancel"}
+     "ask_timeout_s": 600, "on_ask_timeout": "cancel",
+     "resume": {"session_id": "8d99b0b5-...", "attempt": 1, "base_sha": "<40 hex>"}}
 
 Every key is optional and absent when unset (never null). The dispatch signature covers
 it (§5); it is not sealed: the brief is the secret, and the repository names are in the
@@ -21,7 +22,53 @@ from mam.shared.protocol.errors import DecodeError, UsageError
 from mam.shared.protocol.wire.fields import Invalid, run_check, show, type_name
 
 WORK_FIELDS = frozenset({"repo", "ref", "max_turns", "max_cost_usd", "allow_tools", "deny_tools",
-                         "permission_mode", "ask_timeout_s", "on_ask_timeout"})
+                         "permission_mode", "ask_timeout_s", "on_ask_timeout", "resume"})
+RESUME_FIELDS = frozenset({"session_id", "attempt", "base_sha"})
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Continue an earlier attempt's agent session (§18 "Continued sessions").
+
+    Attributes:
+        session_id: the agent CLI's session id that attempt reported (`names.AGENT_SESSION_RE`).
+        attempt: the attempt whose worktree (`mam/<job_id>-<attempt>`) and session to go on from.
+        base_sha: the job's base commit (its result is the change since it); only with a repo.
+    """
+
+    session_id: str
+    attempt: int
+    base_sha: str | None = None
+
+    def __post_init__(self) -> None:
+        run_check(self._check)
+
+    def _check(self) -> None:
+        try:
+            names.validate_agent_session_id(self.session_id)
+            names.validate_attempt(self.attempt)
+            if self.base_sha is not None:
+                names.validate_sha(self.base_sha, "resume.base_sha")
+        except UsageError as exc:
+            raise Invalid(str(exc)) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire object (`base_sha` only when set)."""
+        out: dict[str, Any] = {"session_id": self.session_id, "attempt": self.attempt}
+        if self.base_sha is not None:
+            out["base_sha"] = self.base_sha
+        return out
+
+
+def _resume_from(obj: object) -> Resume:
+    if not isinstance(obj, Mapping):
+        raise Invalid(f"work.resume must be an object, got {type_name(obj)} {show(obj)}")
+    unknown = sorted(str(key) for key in obj.keys() - RESUME_FIELDS)
+    if unknown:
+        raise Invalid(f"unknown field {', '.join(show('work.resume.' + key) for key in unknown[:4])}")
+    if "session_id" not in obj or "attempt" not in obj:
+        raise Invalid("work.resume needs session_id and attempt")
+    return Resume(**dict(obj))
 POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "deny_tools", "permission_mode")
 
 
@@ -40,6 +87,7 @@ class Work:
         ask_timeout_s: how long a permission request waits for a person, seconds (§19; None:
             `names.DEFAULT_ASK_TIMEOUT_S`).
         on_ask_timeout: `deny` the request (None: the default) or `cancel` the job then (§19).
+        resume: the earlier attempt whose agent session this one continues (§18), or None.
     """
 
     repo: str | None = None
@@ -51,6 +99,7 @@ class Work:
     permission_mode: str | None = None
     ask_timeout_s: int | None = None
     on_ask_timeout: str | None = None
+    resume: Resume | None = None
 
     def __post_init__(self) -> None:
         run_check(self._check)
@@ -77,6 +126,11 @@ class Work:
                 names.validate_ask_timeout(self.ask_timeout_s)
             if self.on_ask_timeout is not None:
                 names.validate_ask_timeout_action(self.on_ask_timeout)
+            if self.resume is not None:
+                if not isinstance(self.resume, Resume):
+                    raise Invalid(f"resume must be an object, got {type_name(self.resume)}")
+                if self.resume.base_sha is not None and self.repo is None:
+                    raise Invalid("resume.base_sha is only allowed with repo")
         except UsageError as exc:
             raise Invalid(str(exc)) from None
 
@@ -123,6 +177,8 @@ class Work:
             out["allow_tools"] = list(self.allow_tools)
         if self.deny_tools:
             out["deny_tools"] = list(self.deny_tools)
+        if self.resume is not None:
+            out["resume"] = self.resume.to_dict()
         return out
 
 
@@ -140,9 +196,11 @@ def _work_from(obj: object) -> Work:
             if not isinstance(fields[key], list) or not fields[key]:
                 raise Invalid(f"work.{key} must be a non-empty list, got {type_name(fields[key])}")
             fields[key] = tuple(fields[key])
+    if "resume" in fields:
+        fields["resume"] = _resume_from(fields["resume"])
     if isinstance(fields.get("max_cost_usd"), int) and not isinstance(fields["max_cost_usd"], bool):
         fields["max_cost_usd"] = float(fields["max_cost_usd"])
     return Work(**fields)
 
 
-__all__ = ["POLICY_FIELDS", "WORK_FIELDS", "Work"]
+__all__ = ["POLICY_FIELDS", "RESUME_FIELDS", "WORK_FIELDS", "Resume", "Work"]

@@ -1,0 +1,221 @@
+"""Continued sessions (PROTOCOL §18): a retried or redispatched attempt of a job whose agent
+reported a session continues it, in a worktree that starts where the last attempt ended,
+unless the job or the redispatch says `--fresh`. The wire's `work.resume`, the hub's
+record, the runner's worktree (real git) and the Claude Code transcript placement; the
+real CLI resuming is in tests/e2e/test_claude_agent.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from harness.gitserver import git, make_origin
+
+from mam.orchestrator.queuewait import mark_published, requeue, retry_attempt
+from mam.runner import repos
+from mam.runner.agents import ClaudeAdapter, new_adapter
+from mam.runner.agents.claude import place_transcript, project_folder
+from mam.runner.work import AttemptWork
+from mam.shared.cli import render
+from mam.shared.protocol import wire
+from mam.shared.protocol.errors import DecodeError, UsageError
+from mam.shared.store.records import QueueTerms
+from mam.shared.store.registry import Registry
+
+pytestmark = pytest.mark.timeout(60)
+
+SESSION = "8d99b0b5-6eb4-42d6-86de-f6ab1a4fe0ee"
+BASE = "a" * 40
+JOB = "0123abcd"
+
+
+# ------------------------------------------------------------------ the wire
+
+def test_s18_resume_travels_in_the_work_and_comes_back_equal() -> None:
+    work = wire.Work.from_dict({"repo": "demo", "resume": {"session_id": SESSION, "attempt": 2, "base_sha": BASE}})
+    assert work.resume == wire.Resume(SESSION, 2, BASE)
+    assert wire.Work.from_dict(work.to_dict()) == work
+    plain = wire.Work.from_dict({"resume": {"session_id": SESSION, "attempt": 1}})
+    assert plain.to_dict() == {"resume": {"session_id": SESSION, "attempt": 1}} and plain
+
+
+@pytest.mark.parametrize(("bad", "words"), [
+    ({"resume": "x"}, "must be an object"),
+    ({"resume": {"session_id": "../../etc/passwd", "attempt": 1}}, "resume.session_id"),
+    ({"resume": {"session_id": "*", "attempt": 1}}, "resume.session_id"),
+    ({"resume": {"session_id": "a" * 129, "attempt": 1}}, "resume.session_id"),
+    ({"resume": {"session_id": SESSION, "attempt": 0}}, "attempt id 0"),
+    ({"resume": {"session_id": SESSION, "attempt": True}}, "attempt id True"),
+    ({"resume": {"session_id": SESSION}}, "needs session_id and attempt"),
+    ({"resume": {"session_id": SESSION, "attempt": 1, "base_sha": BASE}}, "only allowed with repo"),
+    ({"repo": "demo", "resume": {"session_id": SESSION, "attempt": 1, "base_sha": "HEAD~1"}}, "resume.base_sha"),
+    ({"resume": {"session_id": SESSION, "attempt": 1, "prompt": "rm -rf /"}}, "unknown field"),
+])
+def test_s18_a_bad_resume_is_refused_in_one_line(bad: dict[str, object], words: str) -> None:
+    with pytest.raises(DecodeError) as caught:
+        wire.Work.from_dict(bad)
+    assert words in caught.value.reason and "\n" not in caught.value.reason
+
+
+# ------------------------------------------------------------------ the hub's record
+
+def ended_attempt(reg: Registry, *, fresh: bool = False, session_id: str | None = SESSION) -> str:
+    """A repository job whose attempt 1 ran on r1 (base BASE) and ended `error` with the agent's figures."""
+    work = wire.Work(repo="demo", ref="main", max_turns=5)
+    record = reg.register(session=None, queue=QueueTerms(target_labels=("x",), retries=1, retry_on=("error",),
+                                                        fresh=fresh), work=work)
+    job_id = record["job_id"]
+    mark_published(reg, job_id, "r1")
+    agent = {"kind": "claude", "session_id": session_id, "turns": 3, "tokens": {}, "cost_usd": 0.01}
+    with reg.transaction(job_id) as txn:
+        txn.store_event({"event": "started", "seq": 1, "data": {"sha": BASE}})
+    with reg.transaction(job_id) as txn:
+        txn.store_event({"event": "error", "seq": 2, "data": {"exit_code": 1, "agent": agent}})
+    return job_id
+
+
+def test_s18_a_retry_continues_the_last_session_from_the_attempt_that_reported_it(tmp_path: Path) -> None:
+    reg = Registry(tmp_path)
+    job_id = ended_attempt(reg)
+    new = retry_attempt(reg, job_id, "error", None, None)
+    assert new is not None and new["attempt_id"] == 2
+    assert new["work"] == {"repo": "demo", "ref": "main", "max_turns": 5,
+                           "resume": {"session_id": SESSION, "attempt": 1, "base_sha": BASE}}
+    wire.Work.of_record(new)  # what the hub signs into attempt 2's dispatch is valid work
+    rows = render.attempts(new)
+    assert [(r["attempt_id"], r["agent_session_id"]) for r in rows] == [(1, SESSION), (2, None)]
+    assert f"agent session {SESSION}" in render.show_text(new, [])
+
+
+def test_s18_fresh_at_dispatch_or_at_redispatch_starts_a_new_session(tmp_path: Path) -> None:
+    reg = Registry(tmp_path)
+    retried = retry_attempt(reg, ended_attempt(reg, fresh=True), "error", None, None)
+    assert retried is not None and "resume" not in retried["work"] and retried["work"]["repo"] == "demo"
+    job_id = ended_attempt(reg)
+    assert "resume" not in requeue(reg, job_id, fresh=True)["work"]
+    other = ended_attempt(reg)
+    assert requeue(reg, other)["work"]["resume"]["attempt"] == 1
+
+
+@pytest.mark.parametrize("reported", [None, "", "../../etc/passwd", "a b", "x" * 200])
+def test_s18_no_usable_session_reported_no_resume(tmp_path: Path, reported: str | None) -> None:
+    """A runner's event names the session: one that is missing or hostile is never signed into a dispatch."""
+    reg = Registry(tmp_path)
+    new = retry_attempt(reg, ended_attempt(reg, session_id=reported), "error", None, None)
+    assert new is not None and "resume" not in new["work"]
+
+
+# ------------------------------------------------------------------ the Claude Code transcript
+
+def transcript(config: Path, cwd: Path, text: str = '{"type":"user"}\n') -> Path:
+    path = config / "projects" / project_folder(cwd) / f"{SESSION}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_s18_the_project_folder_is_the_cwd_with_every_other_character_a_dash() -> None:
+    assert project_folder(Path("/tmp/rx/.x_y/c-1")) == "-tmp-rx--x-y-c-1"  # what the real CLI 2.1 wrote
+
+
+def test_s18_the_transcript_is_copied_to_the_new_worktrees_project_folder(tmp_path: Path) -> None:
+    config = tmp_path / ".claude"
+    transcript(config, Path("/w/worktrees/0123abcd-1"), "old\n")
+    newest = transcript(config, Path("/w/worktrees/0123abcd-2"), "newer\n")
+    os.utime(newest, (newest.stat().st_atime, newest.stat().st_mtime + 10))
+    cwd = Path("/w/worktrees/0123abcd-3")
+    assert place_transcript(config, SESSION, cwd)
+    placed = config / "projects" / project_folder(cwd) / f"{SESSION}.jsonl"
+    assert placed.read_text() == "newer\n" and placed.stat().st_mode & 0o777 == 0o600
+    assert place_transcript(config, SESSION, cwd)  # already there: kept
+    assert not place_transcript(config, "0000-missing", cwd)
+    with pytest.raises(UsageError):
+        place_transcript(config, "../../x", cwd)
+
+
+def test_s18_a_linked_transcript_is_never_followed(tmp_path: Path) -> None:
+    config = tmp_path / ".claude"
+    secret = tmp_path / "secret"
+    secret.write_text("key=1\n")
+    link = config / "projects" / "-elsewhere" / f"{SESSION}.jsonl"
+    link.parent.mkdir(parents=True)
+    link.symlink_to(secret)
+    assert not place_transcript(config, SESSION, Path("/w/t"))
+
+
+def test_s18_claude_resumes_only_where_its_transcript_is_and_the_command_agent_never(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    adapter = ClaudeAdapter()
+    why = adapter.continue_session(SESSION, Path("/w/t"), {"HOME": str(home)})
+    assert why is not None and "not in" in why and "--resume" not in adapter.argv(["claude"])
+    transcript(home / ".claude", Path("/w/old"))
+    assert adapter.continue_session(SESSION, Path("/w/t"), {"HOME": str(home)}) is None
+    assert adapter.argv(["claude"])[-2:] == ["--resume", SESSION]
+    assert "--resume" not in adapter.argv(["claude", "--session-id", "x"])[2:][-2:]  # --exec chose a session
+    config = tmp_path / "cfg"
+    transcript(config, Path("/w/old"))
+    assert ClaudeAdapter().continue_session(SESSION, Path("/w/u"), {"CLAUDE_CONFIG_DIR": str(config)}) is None
+    assert ClaudeAdapter().continue_session(SESSION, Path("/w/u"), {}) == "neither CLAUDE_CONFIG_DIR nor HOME is set"
+    assert new_adapter("command").continue_session(SESSION, Path("/w"), {}) == \
+        "the command agent cannot continue a session"
+
+
+# ------------------------------------------------------------------ the runner's worktree (real git)
+
+def attempt(root: Path, mirrors: repos.Repos, attempt_id: int, resume: wire.Resume | None, home: Path,
+            agent: str = "claude") -> AttemptWork:
+    log = root / "agent.log"
+    root.mkdir(parents=True, exist_ok=True)
+    log.touch()
+    return AttemptWork(job_id=JOB, attempt_id=attempt_id, work=wire.Work(repo="demo", ref="main", resume=resume),
+                       root=root, mirrors=mirrors, exec_argv=["claude"], log_path=log, log_offset=0,
+                       agent=agent, environ={"HOME": str(home)})
+
+
+def test_s18_attempt_2_starts_where_attempt_1_ended_and_its_result_counts_from_the_base(tmp_path: Path) -> None:
+    origin = make_origin(tmp_path / "served")
+    root, home = tmp_path / "runner", tmp_path / "home"
+    mirrors = repos.Repos(root, repos.parse_repos([f"demo={origin}"], None))
+    first = attempt(root, mirrors, 1, None, home)
+    started = first.prepare()
+    assert "continues" not in started and "fresh" not in started
+    base = started["sha"]
+    (first.cwd() / "NOTES.md").write_text("from attempt 1\n")  # left uncommitted: the runner commits it
+    first.finish(session="gpu-box", max_result_bytes=10**7)
+    transcript(home / ".claude", first.cwd())
+
+    second = attempt(root, mirrors, 2, wire.Resume(SESSION, 1, base), home)
+    started = second.prepare()
+    assert started["continues"] == {"session_id": SESSION, "attempt": 1} and started["sha"] == base
+    assert (second.cwd() / "NOTES.md").read_text() == "from attempt 1\n"
+    assert second.argv()[-2:] == ["--resume", SESSION]
+    assert (home / ".claude" / "projects" / project_folder(second.cwd()) / f"{SESSION}.jsonl").is_file()
+    (second.cwd() / "MORE.md").write_text("from attempt 2\n")
+    collected = second.finish(session="gpu-box", max_result_bytes=10**7)
+    assert collected is not None and collected.data["base_sha"] == base and collected.data["files_total"] == 2
+
+    # a third attempt naming an attempt this runner never ran starts fresh, from the ref, and says why
+    third = attempt(root, mirrors, 3, wire.Resume(SESSION, 7, base), home)
+    started = third.prepare()
+    assert started["fresh"] == "attempt 7's worktree is not on this runner" and "continues" not in started
+    assert not (third.cwd() / "NOTES.md").exists() and "--resume" not in third.argv()
+    # a base that attempt 1 did not grow from is not continued either
+    assert mirrors.attempt_head("demo", JOB, 1, git("rev-parse", "main~1", cwd=origin).strip()) is not None
+    assert mirrors.attempt_head("demo", JOB, 1, "b" * 40) is None
+
+
+def test_s18_a_command_agent_continues_the_worktree_but_says_its_session_is_new(tmp_path: Path) -> None:
+    origin = make_origin(tmp_path / "served")
+    root = tmp_path / "runner"
+    mirrors = repos.Repos(root, repos.parse_repos([f"demo={origin}"], None))
+    first = attempt(root, mirrors, 1, None, tmp_path, agent="command")
+    base = first.prepare()["sha"]
+    (first.cwd() / "a.txt").write_text("1\n")
+    first.finish(session="gpu-box", max_result_bytes=10**7)
+    second = attempt(root, mirrors, 2, wire.Resume(SESSION, 1, base), tmp_path, agent="command")
+    started = second.prepare()
+    assert started["fresh"] == "the command agent cannot continue a session"
+    assert (second.cwd() / "a.txt").read_text() == "1\n"
+    assert json.dumps(started)  # `started`'s data stays JSON
