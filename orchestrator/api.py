@@ -230,13 +230,15 @@ class Hub:
                  ref: str | None = None, max_turns: int | None = None, max_cost_usd: float | None = None,
                  allow_tools: Sequence[str] | None = None, deny_tools: Sequence[str] | None = None,
                  permission_mode: str | None = None, ask_timeout_s: int | None = None,
-                 on_ask_timeout: str | None = None, fresh: bool = False) -> Job:
+                 on_ask_timeout: str | None = None, fresh: bool = False, on_limit: str = "pause") -> Job:
         """Queue a job for one runner `session` or any runner carrying all `labels` (§14);
         with `repo` (and `ref`), on a worktree of that repository; `max_turns`,
         `max_cost_usd`, `allow_tools` (e.g. ["Bash(git *)", "Edit"]), `deny_tools` (rules never
         allowed) and `permission_mode` are its agent's policy (§18); `ask_timeout_s` and `on_ask_timeout` ("deny" or
         "cancel") say how long its permission requests wait for a person, and what then (§19);
-        `fresh`: a retry starts a new agent session instead of continuing the last one (§18).
+        `fresh`: a retry starts a new agent session instead of continuing the last one (§18);
+        `on_limit`: "pause" (default) the job when its agent stops on a usage limit until the
+        limit resets, then continue; "fail": it ends `error` (§14 Pauses).
 
         Returns:
             the `Job` (queued; the service publishes it when a runner has a free slot).
@@ -247,7 +249,7 @@ class Hub:
         session = names.strip_remote(session) if session is not None else None
         terms = QueueTerms(target_session=session, target_labels=tuple(labels or ()), priority=priority,
                            queue_timeout_sec=queue_timeout_s, retries=retries,
-                           retry_on=tuple(retry_on), fresh=fresh).checked()
+                           retry_on=tuple(retry_on), fresh=fresh, on_limit=on_limit).checked()
         contract = hub_contract(self.registry.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
                                 ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
         work = work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,

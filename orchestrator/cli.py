@@ -21,7 +21,7 @@ from mam.orchestrator.hub import open_hub
 from mam.orchestrator.identity.cli import runner_app
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.logs import logs_cli
-from mam.orchestrator.redispatch import redispatch_cli
+from mam.orchestrator.redispatch import redispatch_cli, resume_cli
 from mam.orchestrator.results import apply_cli, result_cli
 from mam.orchestrator.runners import OFFLINE_HIDDEN_DAYS, prune_cli, runners_cli
 from mam.orchestrator.service import serve_cli
@@ -33,7 +33,8 @@ from mam.shared.protocol.errors import BrokerUnavailable, ExitCode, MamError
 
 # `--help` lists the commands in the order a new operator uses them, one example each
 WORKFLOW = ("init", "config", "broker", "serve", "runner", "runners", "dispatch", "watch", "logs", "result",
-            "apply", "jobs", "show", "asks", "approve", "deny", "cancel", "redispatch", "gc")
+            "apply", "jobs", "show", "asks", "approve", "deny", "cancel", "resume", "redispatch",
+            "gc")
 EXAMPLES = {
     "init": "mam-orch init --broker hub.example.net",
     "config": "mam-orch config --check",
@@ -52,6 +53,7 @@ EXAMPLES = {
     "approve": "mam-orch approve 918b0612",
     "deny": "mam-orch deny 918b0612 --reason 'no pushes to main'",
     "cancel": "mam-orch cancel 918b0612",
+    "resume": "mam-orch resume 918b0612",
     "redispatch": "mam-orch redispatch 918b0612 --session gpu-box-2",
     "gc": "mam-orch gc --dry-run",
 }
@@ -287,6 +289,10 @@ def dispatch_cmd(
                                       "(default the first three)."),
     fresh: bool = typer.Option(False, "--fresh", help="A retry starts a new agent session (default: it "
                                                       "continues the last one, §18)."),
+    on_limit: str = typer.Option("pause", "--on-limit", metavar="pause|fail",
+                                 help="When the agent stops on a usage limit: pause the job until the limit "
+                                      "resets, then continue its session on the same runner (default), or "
+                                      "fail (error)."),
     repo: str = typer.Option(None, "--repo", metavar="NAME",
                              help="Run on a worktree of this repository: only runners started with "
                                   "--repo NAME=URL take the job; its change comes back (§18)."),
@@ -337,7 +343,7 @@ def dispatch_cmd(
                         heartbeat_misses=heartbeat_misses, ack_timeout_s=ack_timeout, idle_timeout_s=idle_timeout,
                         timeout_s=timeout, require_online=require_online, detach=detach, as_json=as_json,
                         workspace=workspace, labels=labels, priority=priority, queue_timeout_s=queue_timeout,
-                        retries=retries, retry_on=retry_on, fresh=fresh, show_log=not no_log,
+                        retries=retries, retry_on=retry_on, fresh=fresh, on_limit=on_limit, show_log=not no_log,
                         work=work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
                                         allow_tools=allow_tools, deny_tools=deny_tools,
                                         permission_mode=permission_mode, ask_timeout_s=ask_timeout,
@@ -504,6 +510,24 @@ def cancel_cmd(
     """
     cli.setup_logging(False if as_json else None)
     return cancel(job_id, workspace=workspace, as_json=as_json)
+
+
+@app.command("resume")
+def resume_cmd(
+    job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
+    detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
+    as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
+    workspace: str = cli.workspace_option(),
+) -> int:
+    """Go on now with a job paused on a usage limit, and watch it (PROTOCOL §14).
+
+    A job whose agent stopped on a usage limit waits queued until the limit
+    resets (dispatch --on-limit pause, the default); this queues it at once.
+    Its next attempt continues the agent's session on the same runner. Exit
+    codes as for dispatch; 1 when the job is not paused.
+    """
+    cli.setup_logging()
+    return resume_cli(job_id, detach=detach, as_json=as_json, workspace=workspace)
 
 
 @app.command("redispatch")

@@ -23,7 +23,7 @@ from mam.orchestrator.hints import detach_hint, reattach_hint
 from mam.orchestrator.hub import DAY_S, Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.logs import OutputView
-from mam.orchestrator.queuewait import retry_reason
+from mam.orchestrator.queuewait import limit_pause, retry_reason
 from mam.orchestrator.results import ResultInbox
 from mam.orchestrator.service import NOTE
 from mam.orchestrator.watch import Detached, Watcher, WatchOptions, render_event
@@ -41,8 +41,10 @@ MAX_OPTION_S = 366 * DAY_S  # a watch option beyond a year is a mistake
 
 
 def settled(record: JobRecord) -> bool:
-    """The job is over for good: terminal, and not an attempt the service is about to retry (§14)."""
-    return record["status"] in TERMINAL_STATUSES and retry_reason(record) is None
+    """The job is over for good: terminal, and not an attempt the service is about to retry
+    or pause (§14)."""
+    return record["status"] in TERMINAL_STATUSES and retry_reason(record) is None \
+        and limit_pause(record, time.time()) is None
 
 
 def is_event_line(line: dict[str, Any], job_id: str) -> bool:

@@ -10,8 +10,10 @@ still waits (one line, §14). Callers pass monotonic seconds as `now`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from mam.shared.protocol.codes import PresenceStatus
 
@@ -66,6 +68,8 @@ class QueuedJob:
         avoid_session: the previous attempt's runner (retries): chosen only
             when no other candidate exists.
         repo: the repository a runner must serve (§18), or None.
+        paused_until: a paused job (§14 Pauses) is not published before this wall time
+            (epoch s), nor does it hold up the jobs queued behind it; None: not paused.
     """
 
     job_id: str
@@ -75,6 +79,11 @@ class QueuedJob:
     queued_at: float
     avoid_session: str | None = None
     repo: str | None = None
+    paused_until: float | None = None
+
+    def paused(self, wall_now: float) -> bool:
+        """Whether it is still paused at `wall_now` (epoch s)."""
+        return self.paused_until is not None and wall_now < self.paused_until
 
     @property
     def target(self) -> tuple[str | None, frozenset[str], str | None]:
@@ -196,8 +205,8 @@ def matches(view: RunnerView, job: QueuedJob) -> bool:
     return job.target_labels <= view.labels
 
 
-def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: float
-         ) -> list[tuple[str, str]]:
+def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: float,
+         wall_now: float | None = None) -> list[tuple[str, str]]:
     """The queued jobs to publish now, each with its runner (§14 Matching).
 
     Candidates are verified, online, fresh runners whose labels ⊇ the job's and
@@ -211,7 +220,8 @@ def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: f
 
     Args:
         queued: the `queued` jobs, any order; fleet: the runners; now: monotonic s;
-        stale_after_s: the presence age (s) past which a runner is no candidate.
+        stale_after_s: the presence age (s) past which a runner is no candidate;
+        wall_now: epoch s for `paused_until` (default: now), a paused job is left out.
 
     Returns:
         `[(job_id, session)]` in the order to publish.
@@ -221,8 +231,9 @@ def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: f
     rank = max(handed.values(), default=NEVER_HANDED)
     blocked: set[tuple[str | None, frozenset[str], str | None]] = set()
     picked: list[tuple[str, str]] = []
+    wall = time.time() if wall_now is None else wall_now
     for job in sorted(queued, key=queue_order):
-        if job.target in blocked:
+        if job.target in blocked or job.paused(wall):
             continue
         candidates = [view.session for view in fleet.views() if free[view.session] > 0 and matches(view, job)]
         if not candidates:
@@ -259,6 +270,10 @@ def why_waiting(job: QueuedJob, fleet: Fleet, queued: Sequence[QueuedJob], now: 
         e.g. "queued behind 3 jobs for labels=gpu (2 runners match, 0 free slots)".
     """
     target = describe_target(job)
+    if job.paused(time.time()) and job.paused_until is not None:
+        until = datetime.fromtimestamp(job.paused_until, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        return (f"paused until {until} (usage limit); then it continues on {target} "
+                f"(`mam-orch resume {job.job_id}` goes on now)")
     missing = job.target_labels - fleet.known_labels()
     if missing:
         return (f"no runner has ever announced labels={','.join(sorted(missing))} "

@@ -1,13 +1,15 @@
 """The hub queue's record steps (PROTOCOL §14) the hub engine (`service.HubService`)
 takes: a queued record as the queue sees it, `queued` → `pending` when it is
-published, `queue_timeout`, the operator's redispatch and the retry of a failed
-attempt; and `PresenceFeed`, every runner's presence (§7) as a `queue.Fleet`.
+published, `queue_timeout`, the operator's redispatch, the retry of a failed
+attempt and the pause of one that stopped on a usage limit (and its early resume);
+and `PresenceFeed`, every runner's presence (§7) as a `queue.Fleet`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 from mam.orchestrator.control import publish_cancel
@@ -34,6 +36,10 @@ WHY_EVERY_S = 5.0
 """A changed `why_waiting` line is printed at most this often (s)."""
 MIN_WAIT_S = 0.01
 HUB_QUEUE = QueueSource.HUB_QUEUE
+DEFAULT_LIMIT_PAUSE_S = 900
+"""A usage limit whose reset the agent did not say pauses the job this long (s, §14 Pauses)."""
+MAX_PAUSES = 20
+"""Pauses of one job at most; the next usage limit leaves it `error` (§14 Pauses)."""
 
 
 def _epoch(stamp: object) -> float:
@@ -50,7 +56,8 @@ def queued_job(record: JobRecord) -> QueuedJob:
     return QueuedJob(job_id=record["job_id"], target_session=session, target_labels=frozenset(labels),
                      priority=int(record.get("priority", 0)),
                      queued_at=_epoch(record.get("queued_at") or record["created_at"]),
-                     avoid_session=record.get("avoid_session"), repo=(record.get("work") or {}).get("repo"))
+                     avoid_session=record.get("avoid_session"), repo=(record.get("work") or {}).get("repo"),
+                     paused_until=_epoch(record["paused_until"]) if record.get("paused_until") else None)
 
 
 def mark_published(registry: Registry, job_id: str, session: str) -> JobRecord:
@@ -184,6 +191,77 @@ def retry_reason(record: JobRecord) -> str | None:
         return None
     reason = record.get("close_reason") or RetryOn.ERROR
     return reason if reason in record.get("retry_on", list(DEFAULT_RETRY_ON)) else None
+
+
+def limit_pause(record: JobRecord, now: float) -> float | None:
+    """Until when (epoch s) this ended attempt pauses (§14 Pauses), or None: it ended `error`
+    on a usage limit (`usage_limit` of this attempt, §18), the job is not `--on-limit fail`,
+    and it paused fewer than MAX_PAUSES times. The reset the agent said, else now +
+    DEFAULT_LIMIT_PAUSE_S."""
+    limit = record.get("usage_limit")
+    if record["status"] != Status.ERROR or record.get("on_limit", "pause") != "pause" \
+            or not isinstance(limit, dict) or limit.get("attempt_id") != record["attempt_id"] \
+            or int(record.get("pauses", 0)) >= MAX_PAUSES:
+        return None
+    return _epoch(limit["reset_at"]) if limit.get("reset_at") else now + DEFAULT_LIMIT_PAUSE_S
+
+
+def pause_attempt(registry: Registry, job_id: str, until: float, client: Transport | None,
+                  keys: DispatchKeys | None) -> JobRecord | None:
+    """§14 Pauses: cancel the ended attempt (§6), then attempt + 1 `queued` with fresh tokens
+    for the same runner (its worktree and the agent's session are there, §18), published no
+    sooner than `until` (`paused_until`); the ended attempt is `paused (usage_limit)` in the
+    history and a `paused` audit line says until when. Not a retry (`retried` unchanged).
+
+    Returns:
+        the new attempt's record, or None when the record changed meanwhile (nothing done).
+    Raises:
+        RegistryError.
+    """
+    old = registry.get(job_id)
+    if client is not None and keys is not None and client.connected.is_set():
+        try:
+            publish_cancel(client, old, keys, "paused on a usage limit")
+        except BrokerError as exc:
+            log.warning("job %s: the cancel of attempt %d was not published: %s", job_id, old["attempt_id"], exc)
+    stamp = wire.format_ts(datetime.fromtimestamp(until, UTC))
+    with registry.transaction(job_id) as txn:
+        record = txn.record
+        if record["status"] != Status.ERROR or record["attempt_id"] != old["attempt_id"]:
+            return None
+        new = next_attempt(record, Status.QUEUED)
+        new["attempt_history"][-1].update(status="paused", close_reason="usage_limit")
+        new["pauses"] = int(record.get("pauses", 0)) + 1
+        new["paused_until"] = stamp
+        new["target"] = {"session": record["session"]}
+        new.pop("avoid_session", None)
+        txn.log({"event": "paused", "timestamp": new["updated_at"], "attempt_id": record["attempt_id"],
+                 "session": record["session"], "until": stamp, "next_attempt": new["attempt_id"]})
+        txn.update(new, source=HUB_QUEUE, reason=f"paused on a usage limit until {stamp}")
+    return new
+
+
+def refuse_unpaused(record: JobRecord) -> None:
+    """Raise Refusal(`not_allowed`) unless the job is paused (§14 Pauses)."""
+    if record["status"] != Status.QUEUED or not record.get("paused_until"):
+        raise Refusal(record["job_id"], "not_allowed", f"refused resume: the job is {record['status']}, not paused")
+
+
+def resume_paused(registry: Registry, job_id: str) -> JobRecord:
+    """`mam-orch resume`: a paused job (§14 Pauses) goes back to the queue now.
+
+    Raises:
+        Refusal(`not_allowed`): the job is not paused. JobNotFound, RegistryError.
+    """
+    with registry.transaction(job_id) as txn:
+        record = txn.record
+        refuse_unpaused(record)
+        new = moved(record, Status.QUEUED)
+        new.pop("paused_until")
+        txn.log({"event": "resumed", "timestamp": new["updated_at"], "attempt_id": record["attempt_id"],
+                 "was_paused_until": record["paused_until"]})
+        txn.update(new, source="operator", reason="resumed before the usage limit's reset")
+    return new
 
 
 def retry_attempt(registry: Registry, job_id: str, reason: str, client: Transport | None,

@@ -1,4 +1,5 @@
-"""`mam-orch redispatch` (PROTOCOL §5, §8, §10): a new attempt of a job."""
+"""`mam-orch redispatch` (PROTOCOL §5, §8, §10): a new attempt of a job; `mam-orch resume`
+(§14 Pauses): a job paused on a usage limit goes on now."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from mam.orchestrator.control import publish_cancel
 from mam.orchestrator.dispatch import load_brief, read_brief, save_brief
 from mam.orchestrator.follow import AuditTail
 from mam.orchestrator.hub import Workspace, open_hub
-from mam.orchestrator.queuewait import requeue
+from mam.orchestrator.queuewait import refuse_unpaused, requeue, resume_paused
 from mam.orchestrator.service import EmbeddedService
 from mam.orchestrator.submit import follow_job
 from mam.shared.protocol import names
@@ -71,5 +72,30 @@ def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None
         requeue(registry, job_id, session=session, fresh=fresh)
         return follow_job(hub, engine, job_id, detach=detach, as_json=as_json, workspace=workspace,
                           verb="redispatched", offset=history.offset)
+    finally:
+        engine.stop()
+
+
+def resume_cli(job_id: str, *, detach: bool = False, as_json: bool = False, workspace: Workspace = None) -> int:
+    """`mam-orch resume` (§14 Pauses): a job paused on a usage limit goes back to the queue now,
+    before the limit's reset; its next attempt continues the agent's session on the same runner
+    (§18). Then `submit.follow_job`, as `redispatch` does.
+
+    Returns:
+        the exit code of §9 (0 with --detach once the dispatch is published).
+    Raises:
+        UsageError (64), Refusal (1: the job is not paused), JobNotFound (1).
+    """
+    names.validate_job_id(job_id)
+    hub = open_hub(workspace)
+    refuse_unpaused(hub.registry.get(job_id))  # before any connection
+    engine = EmbeddedService(hub)
+    try:
+        engine.ensure()
+        history = AuditTail(hub.registry.audit_path(job_id))
+        history.skip()
+        resume_paused(hub.registry, job_id)
+        return follow_job(hub, engine, job_id, detach=detach, as_json=as_json, workspace=workspace,
+                          verb="resumed", offset=history.offset)
     finally:
         engine.stop()

@@ -48,6 +48,8 @@ from mam.orchestrator.queuewait import (
     WHY_EVERY_S,
     PresenceFeed,
     close_queue_timeout,
+    limit_pause,
+    pause_attempt,
     queued_job,
     retry_attempt,
     retry_reason,
@@ -224,11 +226,13 @@ class HubService:
 
     def _enqueue(self, record: JobRecord) -> None:
         job_id = record["job_id"]
-        if job_id in self.queued:
+        job = queued_job(record)
+        if self.queued.get(job_id) == job:
             return
-        job = self.queued[job_id] = queued_job(record)
-        self.queue_deadlines[job_id] = job.queued_at + int(record.get("queue_timeout_sec", DAY_S))
-        self._info("job %s: queued", job_id)
+        self.queued[job_id] = job  # new, or changed (`mam-orch resume` ended its pause)
+        start = max(job.queued_at, job.paused_until or 0.0)  # §14: a paused job's queue time starts at its resume
+        self.queue_deadlines[job_id] = start + int(record.get("queue_timeout_sec", DAY_S))
+        self._info("job %s: queued%s", job_id, " (paused)" if job.paused_until else "")
 
     def note(self, job_id: str, line: str, *, warning: bool = False) -> None:
         """Say one line about a job where every follower reads it: a `hub_note` line of its
@@ -448,9 +452,14 @@ class HubService:
 
     def retry(self, job_id: str, now: float) -> None:
         """§14 Retries: an attempt that ended for a reason in `retry_on` with retries left
-        is cancelled and queued again as attempt + 1 (the dispatch process's own rule)."""
+        is cancelled and queued again as attempt + 1 (the dispatch process's own rule);
+        §14 Pauses: one that stopped on a usage limit is queued again paused until its reset."""
         try:
             record = self.registry.get(job_id)
+            until = limit_pause(record, time.time())
+            if until is not None:
+                self._pause(record, until, now)
+                return
             reason = retry_reason(record)
             if reason is None:
                 return
@@ -465,6 +474,18 @@ class HubService:
             self.late.pop(job_id, None)
             self._enqueue(new)
             self.plan(now)
+
+    def _pause(self, record: JobRecord, until: float, now: float) -> None:
+        job_id = record["job_id"]
+        new = pause_attempt(self.registry, job_id, until, self.client, self.keys)
+        if new is None:
+            return
+        self.note(job_id, f"job {job_id}: attempt {record['attempt_id']} stopped on a usage limit on "
+                          f"{record.get('session') or '-'}; paused until {new['paused_until']}, then attempt "
+                          f"{new['attempt_id']} continues there (`mam-orch resume {job_id}` goes on now)")
+        self.late.pop(job_id, None)
+        self._enqueue(new)
+        self.plan(now)
 
     def publish(self, job_id: str, session: str, now: float) -> None:
         """queued → pending: publish the job's dispatch to `session`; the ack clock starts now (§14)."""

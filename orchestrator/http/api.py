@@ -28,7 +28,8 @@ INT_FIELDS = ("priority", "retries", "queue_timeout_sec", "heartbeat_sec", "hear
               "idle_timeout_sec", "timeout_sec")
 WORK_FIELDS = ("repo", "ref", "permission_mode", "on_ask_timeout")
 POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "deny_tools", "ask_timeout_s")
-DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", *WORK_FIELDS, *POLICY_FIELDS, *INT_FIELDS})
+DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", "fresh", "on_limit", *WORK_FIELDS,
+                             *POLICY_FIELDS, *INT_FIELDS})
 
 
 def _int(body: Mapping[str, Any], name: str) -> int | None:
@@ -65,12 +66,18 @@ def dispatch_request(service: HubService, body: object) -> dict[str, Any]:
         raise UsageError("field 'labels' is invalid: expected a list of strings")
     if retry_on is not None and not (isinstance(retry_on, list) and all(isinstance(x, str) for x in retry_on)):
         raise UsageError("field 'retry_on' is invalid: expected a list of strings")
+    fresh, on_limit = body.get("fresh", False), body.get("on_limit", "pause")
+    if not isinstance(fresh, bool):
+        raise UsageError("field 'fresh' is invalid: expected true or false")
+    if not isinstance(on_limit, str):
+        raise UsageError("field 'on_limit' is invalid: expected \"pause\" or \"fail\"")
     ints = {name: _int(body, name) for name in INT_FIELDS}
     target = names.validate_session(names.strip_remote(session)) if session is not None else None
     terms = QueueTerms(target_session=target,
                        target_labels=names.validate_labels(labels) if labels is not None else (),
                        priority=ints["priority"] or 0, retries=ints["retries"] or 0,
-                       retry_on=parse_retry_on(",".join(retry_on) if retry_on is not None else None))
+                       retry_on=parse_retry_on(",".join(retry_on) if retry_on is not None else None),
+                       fresh=fresh, on_limit=on_limit)
     if ints["queue_timeout_sec"] is not None:
         terms = terms._replace(queue_timeout_sec=ints["queue_timeout_sec"])
     terms = terms.checked()

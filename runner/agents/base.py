@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,47 @@ MAX_UNREADABLE_LOGGED = 3
 """Lines of a stream that are not the CLI's JSON logged at most per attempt (the rest are counted)."""
 
 log = logging.getLogger("mam.agent")
+
+_LIMIT_RE = re.compile(r"(?:API Error:?|HTTP|status)\s*429\b|\(429\)|usage limit|rate limit|limit reached"
+                       r"|quota exceeded", re.IGNORECASE)
+_EPOCH_RE = re.compile(r"\|\s*(\d{10})\b")
+_ISO_RE = re.compile(r"\b(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:\.\d{1,9})?)?(?:Z|[+-]\d{2}:?\d{2})?)")
+_AFTER_RE = re.compile(r"\b(?:in|after)\s+(\d{1,6})\s*(seconds?|secs?|s|minutes?|mins?|m|hours?|hrs?|h)\b",
+                       re.IGNORECASE)
+_UNIT_S = {"s": 1, "m": 60, "h": 3600}
+MAX_RESET_AHEAD_S = 7 * 86400
+"""A reset further ahead than this is not believed (the hub's default pause applies)."""
+
+
+def is_usage_limit(text: str) -> bool:
+    """Whether an agent's error says it stopped on a usage or rate limit (§18): an HTTP 429
+    (`API Error: 429`, `HTTP 429`, `Request rejected (429)`), or the words `usage limit`,
+    `rate limit`, `limit reached`, `quota exceeded`."""
+    return bool(_LIMIT_RE.search(text))
+
+
+def reset_time(text: str, now: float) -> float | None:
+    """When a usage limit resets, from the agent's error text (epoch seconds), or None.
+
+    Understood: Claude Code's `...limit reached|<epoch seconds>`, an ISO 8601 time
+    (`resets at 2026-12-04T18:00:00Z`; no zone is UTC), and `in|after N seconds|minutes|hours`.
+    A time in the past is now; one more than MAX_RESET_AHEAD_S ahead, or over a day ago, is None.
+    """
+    found: float | None = None
+    if match := _EPOCH_RE.search(text):
+        found = float(match.group(1))
+    elif match := _ISO_RE.search(text):
+        try:
+            moment = datetime.fromisoformat(match.group(1).replace(" ", "T"))
+        except ValueError:
+            moment = None
+        if moment is not None:
+            found = (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+    elif match := _AFTER_RE.search(text):
+        found = now + int(match.group(1)) * _UNIT_S[match.group(2)[0].lower()]
+    if found is None or not now - 86400 <= found <= now + MAX_RESET_AHEAD_S:
+        return None
+    return max(found, now)
 
 
 def count_of(value: object) -> int:
@@ -70,6 +114,7 @@ class AgentReport:
         error: the agent's own reason when its stream reports a failure (an API error).
         budget_exceeded: which budget the CLI stopped on (e.g. `max_turns 3`), or None.
         unreadable_lines: stream lines that were not the CLI's JSON (counted, never fatal).
+        limit_reset_at: when the usage limit the agent stopped on resets (epoch s; `limited`).
     """
 
     kind: str = "command"
@@ -84,14 +129,31 @@ class AgentReport:
     error: str | None = None
     budget_exceeded: str | None = None
     unreadable_lines: int = 0
+    limit_reset_at: float | None = None
+
+    @property
+    def limited(self) -> bool:
+        """The agent's error says it stopped on a usage or rate limit (§18 `usage_limit`)."""
+        return self.error is not None and is_usage_limit(self.error)
+
+    def note_limit(self, now: float | None = None) -> None:
+        """Read the reset time of a usage limit from the error text (once)."""
+        if self.limited and self.limit_reset_at is None and self.error is not None:
+            self.limit_reset_at = reset_time(self.error, time.time() if now is None else now)
 
     def data(self) -> dict[str, Any]:
-        """The terminal event's `data.agent` (§18): kind, session_id, turns, tokens, cost_usd, denials."""
+        """The terminal event's `data.agent` (§18): kind, session_id, turns, tokens, cost_usd, denials,
+        and `usage_limit` {"reset_at"} (empty when the reset is not known) when it stopped on one."""
         data: dict[str, Any] = {"kind": self.kind, "session_id": self.session_id, "turns": self.turns,
                 "tokens": {"input": self.input_tokens, "output": self.output_tokens, "cached": self.cached_tokens},
                 "cost_usd": self.cost_usd, "permission_denials": list(self.permission_denials)}
         if self.unreadable_lines:
             data["unreadable_lines"] = self.unreadable_lines
+        if self.limited:
+            self.note_limit()
+            reset = self.limit_reset_at
+            data["usage_limit"] = {"reset_at": wire.format_ts(datetime.fromtimestamp(reset, UTC))} \
+                if reset is not None else {}
         return data
 
     def outcome(self, exit_code: int | None, decided: Collection[str] = ()) -> tuple[str, str] | None:
@@ -99,7 +161,8 @@ class AgentReport:
 
         A permission denial is `error` `permission_denied: <tools>` even after exit 0, unless
         its tool is in `decided` (a person at the hub denied it, §19: listed, no failure);
-        then a budget the CLI stopped on (`budget_exceeded: ...`); then the agent's own error
+        then a budget the CLI stopped on (`budget_exceeded: ...`); then a usage or rate limit
+        (`usage_limit: ...`, the hub may pause the job); then the agent's own error
         (`agent_error: ...`). A non-zero exit with none of these is left to the exit status.
         """
         undecided = [tool for tool in self.permission_denials if tool not in decided]
@@ -109,6 +172,8 @@ class AgentReport:
             return "error", f"permission_denied: {shown}" + (f" (+{more} more)" if more > 0 else "")
         if self.budget_exceeded:
             return "error", f"budget_exceeded: {self.budget_exceeded}"
+        if self.limited:
+            return "error", f"usage_limit: {self.error}"
         if self.error:
             return "error", f"agent_error: {self.error}"
         return None

@@ -97,12 +97,21 @@ class JobRecord(TypedDict):
     work: NotRequired[dict[str, Any]]  # §18: repo, ref and agent policy (`wire.Work.to_dict()`)
     repo_sha: NotRequired[str]  # §18: the commit the current attempt's worktree started from (`started` data)
     agent: NotRequired[dict[str, Any]]  # §18: the agent's figures from the terminal event (`agent_figures`)
+    fresh: NotRequired[bool]  # §18: retries start a new agent session (`dispatch --fresh`)
+    on_limit: NotRequired[str]  # §14 Pauses: `fail` (absent: pause)
+    usage_limit: NotRequired[dict[str, Any]]  # §14 Pauses: {"attempt_id", "reset_at"} of an attempt that hit one
+    pauses: NotRequired[int]  # §14 Pauses: how often the job paused
+    paused_until: NotRequired[str]  # §14 Pauses: a queued job is not published before this (§3 timestamp)
 
 
 MAX_RETRIES = 10
 MAX_QUEUE_TIMEOUT_SEC = 366 * 86400  # a year: anything longer is a mistake
 DEFAULT_QUEUE_TIMEOUT_SEC = 86400
 MAX_PRIORITY = 1_000_000
+
+
+ON_LIMIT_CHOICES = ("pause", "fail")
+"""`dispatch --on-limit` (§14 Pauses): the first is the default."""
 
 
 class QueueTerms(NamedTuple):
@@ -115,6 +124,8 @@ class QueueTerms(NamedTuple):
         priority: higher first; queue_timeout_sec: seconds queued before `queue_timeout`.
         retries: 0-10; retry_on: subset of `RETRY_ON_CHOICES`.
         fresh: a retried attempt starts a new agent session, never continues the last one (§18).
+        on_limit: what an attempt that stopped on a usage limit does: `pause` until the
+            limit resets, then continue (§14 Pauses), or `fail` (it stays `error`).
     """
 
     target_session: str | None = None
@@ -124,6 +135,7 @@ class QueueTerms(NamedTuple):
     retries: int = 0
     retry_on: tuple[str, ...] = tuple(DEFAULT_RETRY_ON)
     fresh: bool = False
+    on_limit: str = "pause"
 
     def checked(self) -> QueueTerms:
         """These terms, validated (labels sorted).
@@ -141,6 +153,9 @@ class QueueTerms(NamedTuple):
         _check_int("--priority", self.priority, -MAX_PRIORITY, MAX_PRIORITY)
         _check_int("--queue-timeout", self.queue_timeout_sec, 1, MAX_QUEUE_TIMEOUT_SEC)
         _check_int("--retries", self.retries, 0, MAX_RETRIES)
+        if self.on_limit not in ON_LIMIT_CHOICES:
+            raise UsageError(f"--on-limit {str(self.on_limit)[:40]!r} is invalid: expected one of "
+                             f"{', '.join(ON_LIMIT_CHOICES)}")
         bad = [reason for reason in self.retry_on if reason not in RETRY_ON_CHOICES]
         if bad or not self.retry_on or len(set(self.retry_on)) != len(self.retry_on):
             raise UsageError(f"--retry-on {','.join(map(str, self.retry_on))!r} is invalid: expected "
@@ -155,6 +170,8 @@ class QueueTerms(NamedTuple):
                   "retries": self.retries, "retry_on": list(self.retry_on), "retried": 0}
         if self.fresh:
             fields["fresh"] = True
+        if self.on_limit != "pause":
+            fields["on_limit"] = self.on_limit
         return fields
 
 
@@ -454,6 +471,10 @@ class Transaction:
         figures = agent_figures(data.get("agent")) if isinstance(data, Mapping) else None
         if figures is not None:  # §18: what the agent spent, for `jobs` and /metrics; its attempt (resume)
             new["agent"] = {**figures, "attempt_id": self.record["attempt_id"]}
+            limit = usage_limit_of(data.get("agent") if isinstance(data, Mapping) else None,
+                                   self.record["attempt_id"]) if payload["event"] == EventName.ERROR else None
+            if limit is not None:  # §14 Pauses: the hub may pause the job until the limit resets
+                new["usage_limit"] = limit
         return new
 
     def _advance(self, event: str, seq: int, source: str, status: str | None, exit_code: int | None) -> JobRecord:
@@ -488,6 +509,19 @@ def agent_figures(value: object) -> dict[str, Any] | None:
     return {"kind": str(value.get("kind", ""))[:16], "session_id": session,
             "turns": _count(value.get("turns")), "cost_usd": float(cost) if ok_cost else None,  # type: ignore[arg-type]
             "tokens": {key: _count(tokens.get(key)) for key in ("input", "output", "cached")}}
+
+
+def usage_limit_of(agent: object, attempt_id: int) -> dict[str, Any] | None:
+    """`{"attempt_id", "reset_at"}` when a terminal event's `data.agent` says the agent stopped on
+    a usage limit (`usage_limit`, §18); `reset_at` is a §3 timestamp or None (not said, or bad)."""
+    if not isinstance(agent, Mapping) or not isinstance(agent.get("usage_limit"), Mapping):
+        return None
+    reset = agent["usage_limit"].get("reset_at")
+    try:
+        reset = wire.format_ts(wire.parse_ts(reset)) if isinstance(reset, str) else None
+    except ValueError:
+        reset = None
+    return {"attempt_id": attempt_id, "reset_at": reset}
 
 
 def next_attempt(record: JobRecord, status: str = JobStatus.PENDING) -> JobRecord:
@@ -553,6 +587,7 @@ def published(record: JobRecord, session: str, published_at: str) -> JobRecord:
     new = moved(record, JobStatus.PENDING)
     new.update({"session": session, "agent_session": names.agent_session_label(session),
                 "attempt_created_at": published_at})
+    new.pop("paused_until", None)  # §14 Pauses: it is published, so no longer paused
     return new
 
 

@@ -15,7 +15,10 @@ service, a runner daemon in its own network namespace started as the card prints
 - A tool call no policy allows asks a person at the hub (§19): approved, it runs and its
   change comes back; denied with a reason, the model is told the reason and the job
   completes with the denial listed.
-- The model server answers 429 (a usage limit) or 529: `error` with the agent's own reason.
+- The model server answers 429 (a usage limit, with `--on-limit fail`) or 529: `error` with the
+  agent's own reason.
+- A 429 with a reset (§14 Pauses): paused, the slot free for another job, then the session goes
+  on at the reset, or at once with `mam-orch resume`.
 - A retry after the model failed continues the session where attempt 1 left its worktree (§18).
 - Cancel during a long stream: the CLI and its children are gone within the grace.
 - Bad input (an agent claiming to be claude): lines that are not JSON, a 10 MB line, a
@@ -34,6 +37,8 @@ from harness.agentfleet import FAST, AgentFleet, agent_fleet
 from harness.gitserver import git
 from harness.modelserver import Failure, Step, Text, ToolUse
 from harness.waiting import PATIENCE_S, wait_until
+
+from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 
@@ -149,17 +154,71 @@ def test_s19_a_person_denies_with_a_reason_the_agent_hears_it_and_the_job_comple
     assert "permission_answered deny by " in cf.show_text(asked["job_id"])
 
 
-@pytest.mark.parametrize(("status", "kind", "message"), [
-    (429, "rate_limit_error", "usage limit reached; resets at 18:00"),
-    (529, "overloaded_error", "Overloaded"),
+@pytest.mark.parametrize(("status", "kind", "message", "said"), [
+    (429, "rate_limit_error", "usage limit reached; resets at 18:00", "usage_limit"),
+    (529, "overloaded_error", "Overloaded", "agent_error"),
 ])
-def test_s18_a_429_or_529_from_the_model_is_an_error_with_the_agents_reason(claude_fleet: AgentFleet, status: int,
-                                                                           kind: str, message: str) -> None:
+def test_s18_a_429_with_on_limit_fail_or_a_529_from_the_model_is_an_error_with_the_agents_reason(
+        claude_fleet: AgentFleet, status: int, kind: str, message: str, said: str) -> None:
     runner = claude_fleet.start([Failure(status, kind, message, {"retry-after": "3600"})])
-    code, job_id = claude_fleet.run()
+    code, job_id = claude_fleet.run("--on-limit", "fail")
     assert code == 1, runner.log()[-3000:]
     detail = claude_fleet.terminal(job_id)["detail"]
-    assert detail.startswith("agent_error: API Error") and str(status) in detail and message in detail, detail
+    assert detail.startswith(f"{said}: API Error") and str(status) in detail and message in detail, detail
+
+
+WRITE_NOTES = ToolUse("Write", {"file_path": "NOTES.md", "content": "notes\n"})
+
+
+def paused_on_hub(cf: AgentFleet, handle) -> dict:
+    """The job's record once the hub paused it (§14 Pauses)."""
+    job_id = handle.job_id()
+    return wait_until(lambda: (lambda r: r if r.get("paused_until") else None)(cf.fleet.hub_record(job_id)),
+                      PATIENCE_S, "the hub to pause the job")
+
+
+def test_s14_a_usage_limit_pauses_until_its_reset_then_the_session_goes_on(claude_fleet: AgentFleet) -> None:
+    """A 429 whose reset is 4 s ahead: attempt 1 ends paused, attempt 2 is published no sooner than
+    the reset, on the same runner, and continues the session in the worktree attempt 1 left."""
+    cf = claude_fleet
+    runner = cf.start([WRITE_NOTES, Failure(429, "rate_limit_error", "usage limit reached; resets at {reset+4}"),
+                       Text("Finished after the pause.")])
+    handle = cf.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST, "--allow-tools", "Write")
+    paused = paused_on_hub(cf, handle)
+    assert paused["attempt_history"][-1]["status"] == "paused" and paused["target"] == {"session": "gpu-box"}
+    assert handle.wait() == 0, runner.log()[-3000:]
+    job_id = handle.job_id()
+    record = cf.fleet.hub_record(job_id)
+    assert (record["status"], record["attempt_id"], record.get("retried", 0)) == ("completed", 2, 0)
+    published = [line for line in Registry(cf.fleet.hub_ws).audit(job_id)
+                 if line.get("event") == "status_changed" and line.get("to") == "pending"]
+    assert published[-1]["timestamp"] >= paused["paused_until"], (published, paused["paused_until"])
+    events = cf.fleet.events_on_wire(job_id)
+    (started,) = [e for e in events if e["event"] == "started" and e["data"]["attempt_id"] == 2]
+    assert started["detail"].startswith("continues session ") and started["detail"].endswith(" of attempt 1")
+    result = json.loads(cf.fleet.orch("result", job_id, "--json").stdout)
+    assert [f["path"] for f in result["files"]] == ["NOTES.md"]
+    assert "paused (usage_limit)" in cf.show_text(job_id)
+
+
+def test_s14_a_paused_job_frees_its_slot_and_resume_goes_on_before_the_reset(claude_fleet: AgentFleet) -> None:
+    cf = claude_fleet
+    runner = cf.start([WRITE_NOTES, Failure(429, "rate_limit_error", "usage limit reached; resets at {reset+3600}"),
+                       Text("Side job done."), Text("Finished after the resume.")])
+    handle = cf.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST, "--allow-tools", "Write")
+    paused = paused_on_hub(cf, handle)
+    assert "paused until " in cf.show_text(paused["job_id"])
+    side = cf.fleet.dispatch("gpu-box", "Say something.", *FAST)  # the runner has one slot (--max-jobs 1)
+    assert side.wait() == 0, runner.log()[-3000:]
+    assert cf.terminal(side.job_id())["detail"] == "Side job done."
+    resumed = cf.fleet.orch("resume", paused["job_id"], "--detach")
+    assert resumed.returncode == 0, resumed.stderr
+    assert handle.wait() == 0, runner.log()[-3000:]
+    ends = [e for e in cf.fleet.events_on_wire(paused["job_id"]) if e["event"] in ("completed", "error")]
+    assert [(e["data"]["attempt_id"], e["event"]) for e in ends] == [(1, "error"), (2, "completed")]
+    assert ends[-1]["detail"] == "Finished after the resume."
+    again = cf.fleet.orch("resume", paused["job_id"])
+    assert again.returncode == 1 and "refused resume: the job is completed, not paused" in again.stderr
 
 
 def test_s18_a_retry_continues_the_session_in_the_worktree_attempt_1_left(claude_fleet: AgentFleet) -> None:

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
@@ -68,6 +70,11 @@ class Failure:
     kind: str
     message: str
     headers: dict[str, str] = field(default_factory=dict)
+
+    def text(self) -> str:
+        """The message with each `{reset+N}` as the UTC time N seconds after now (ISO 8601)."""
+        return re.sub(r"\{reset\+(\d+)\}", lambda m: (datetime.now(UTC) + timedelta(seconds=int(m.group(1))))
+                      .strftime("%Y-%m-%dT%H:%M:%SZ"), self.message)
 
 
 @dataclass(frozen=True)
@@ -180,7 +187,7 @@ class ModelServer:
                             step = server.script[server._calls]
                         server._calls += 1
                     if isinstance(step, Failure):
-                        self._json(step.status, {"error": {"type": step.kind, "message": step.message}},
+                        self._json(step.status, {"error": {"type": step.kind, "message": step.text()}},
                                    step.headers)
                     else:
                         self._responses(step)
@@ -198,8 +205,8 @@ class ModelServer:
                             step = server.script[server._calls]
                         server._calls += 1
                 if isinstance(step, Failure):
-                    self._json(step.status, {"type": "error", "error": {"type": step.kind, "message": step.message}},
-                               step.headers)
+                    self._json(step.status, {"type": "error", "error": {"type": step.kind,
+                                                                        "message": step.text()}}, step.headers)
                     return
                 self._stream(step, streaming=bool(body.get("stream")))
 

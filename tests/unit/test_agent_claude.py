@@ -60,9 +60,15 @@ def test_a_denied_tool_is_an_error_even_though_the_cli_said_success() -> None:
 
 
 def test_an_api_error_is_an_error_with_the_agents_own_reason() -> None:
+    adapter = fed(init(), result(is_error=True, api_error_status=500, num_turns=1, total_cost_usd=0,
+                                 result="API Error: 500 internal server error"))
+    assert adapter.report().outcome(1) == ("error", "agent_error: API Error: 500 internal server error")
+
+
+def test_a_usage_limit_is_its_own_error_for_the_hub_to_pause_on() -> None:
     adapter = fed(init(), result(is_error=True, api_error_status=429, num_turns=1, total_cost_usd=0,
                                  result="API Error: Request rejected (429) · usage limit reached"))
-    assert adapter.report().outcome(1) == ("error", "agent_error: API Error: Request rejected (429) · usage limit "
+    assert adapter.report().outcome(1) == ("error", "usage_limit: API Error: Request rejected (429) · usage limit "
                                                     "reached")
 
 

@@ -71,7 +71,7 @@ def test_s14_http_runners_show_status_labels_slots_version(service, api):
 def test_s14_http_dispatch_queues_through_the_dispatch_path_and_the_queue_says_why(service, api):
     response = dispatch(api, priority=3, retries=1, retry_on=["error"], heartbeat_sec=2, timeout_sec=600,
                         max_turns=4, max_cost_usd=1.5, allow_tools=["Bash(git *)", "Edit"], ask_timeout_s=300,
-                        on_ask_timeout="cancel")
+                        on_ask_timeout="cancel", fresh=True, on_limit="fail")
     assert response.status_code == 201, response.text
     job_id = response.json()["job_id"]
     assert service.registry.get(job_id)["work"] == {"max_turns": 4, "max_cost_usd": 1.5,
@@ -80,6 +80,7 @@ def test_s14_http_dispatch_queues_through_the_dispatch_path_and_the_queue_says_w
     record = service.registry.get(job_id)
     assert record["status"] == "queued" and record["target"] == {"labels": ["gpu"]}
     assert (record["priority"], record["retries"], record["retry_on"]) == (3, 1, ["error"])
+    assert (record["fresh"], record["on_limit"]) == (True, "fail")
     assert (record["heartbeat_sec"], record["timeout_sec"]) == (2, 600)
     assert "queue_owner_pid" not in record  # the service publishes it
     assert (names.job_logs_dir(service.registry.root, job_id) / "brief.txt").read_text() == "echo hi"
@@ -116,6 +117,9 @@ def test_s14_http_dispatch_queues_through_the_dispatch_path_and_the_queue_says_w
     (json.dumps({"brief": "x", "labels": ["gpu"], "deny_tools": "Edit"}).encode(), "'deny_tools' is invalid"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "ask_timeout_s": 0}).encode(), "ask_timeout_s 0 is invalid"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "on_ask_timeout": "later"}).encode(), "on_ask_timeout"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "fresh": "yes"}).encode(), "'fresh' is invalid"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "on_limit": 1}).encode(), "'on_limit' is invalid"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "on_limit": "move"}).encode(), "--on-limit 'move' is invalid"),
 ])
 def test_s14_http_bad_dispatch_bodies_get_400_with_a_reason(service, api, body, why):
     response = api.post("/api/jobs", content=body, headers={"content-type": "application/json"})
