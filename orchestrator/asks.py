@@ -129,12 +129,16 @@ def answer(registry: Registry, client: Transport, keys: DispatchKeys, job_id: st
     who = by or operator()
     text = told(allow, message, who)
     ask = choose(registry, job_id, request_id)
-    session = registry.get(job_id).get("session")
-    control = wire.Control.answer(job_id, ask.attempt_id, ask.request_id, allow=allow, reason=text, always=always)
+    record = registry.get(job_id)
+    session = record.get("session")
+    action = "allow" if allow else "deny"
+    sealed = crypto.seal_answer(record["auth_token"], job_id=job_id, attempt_id=ask.attempt_id,
+                                request_id=ask.request_id, action=action, message=text)
+    control = wire.Control.answer(job_id, ask.attempt_id, ask.request_id, allow=allow, sealed=sealed, always=always)
     signed = roster.sign_control_v2(registry.root, session, control) if session else None
     payload = wire.encode(signed or crypto.sign(control.to_dict(), keys.sign_key))
     client.publish(names.answer_topic(job_id, ask.request_id, client.config.topic_root), payload, retain=True)
-    behavior = "allow" if allow else "deny"
+    behavior = action
     line = {"event": ANSWERED, "request_id": ask.request_id, "attempt_id": ask.attempt_id, "behavior": behavior,
             "by": who, "message": text}
     registry.append_audit(job_id, {**line, "always": True} if always else line)

@@ -45,9 +45,9 @@ from mam.runner.settings import DEFAULT_MAX_RESULT_BYTES, RunnerOptions, options
 from mam.runner.trust import HubTrust
 from mam.shared import config as shared_config
 from mam.shared.config import BrokerConfig
-from mam.shared.protocol import names, wire
+from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.codes import TERMINAL_STATUSES, ControlAction, PresenceStatus
-from mam.shared.protocol.errors import BrokerError, ExitCode, MamError
+from mam.shared.protocol.errors import BrokerError, ExitCode, MamError, SignatureError
 from mam.shared.store.records import JobRecord
 from mam.shared.store.registry import JobNotFound, Refusal, Registry
 from mam.shared.transport import Received, Transport, TransportFactory, mqtt
@@ -610,14 +610,23 @@ class Runner:
             # a retained answer this runner delivered before, or another runner's: nothing to do
             log.debug("answer %s of job %s: no such request waits here", request_id, job_id)
             return
+        record = self._record(job_id)
+        try:
+            if record is None or record["attempt_id"] != control.attempt_id:
+                raise SignatureError("not this runner's attempt")
+            message = crypto.open_answer(record["auth_token"], control)  # §19: sealed to this attempt
+        except SignatureError as exc:
+            log.warning("refused answer %s: its message does not open with attempt %d's key (%s)", job_id,
+                        control.attempt_id, exc)
+            return
         refused = self._socket.answer(job_id, control.attempt_id, request_id,
-                                      allow=control.action == ControlAction.ALLOW, message=control.reason,
+                                      allow=control.action == ControlAction.ALLOW, message=message,
                                       always=control.always is True)
         if refused is not None:
             log.warning("refused answer %s: %s", job_id, refused)
             return
-        log.info("job %s request %s: %s (%s)", job_id, request_id,
-                 "allowed" if control.action == ControlAction.ALLOW else "denied", control.reason)
+        log.info("job %s request %s: %s", job_id, request_id,
+                 "allowed" if control.action == ControlAction.ALLOW else "denied")
         try:
             assert self.client is not None
             self.client.publish(topic, b"", retain=True)  # delivered: clear it (§2)

@@ -128,8 +128,9 @@ def test_approve_then_deny_with_a_reason_reach_the_waiting_agent_and_are_recorde
 
 def test_a_forged_or_misplaced_answer_is_refused_and_the_agent_keeps_waiting(nats_broker, tmp_path):
     """Hostile: an allow signed with another key, an allow for this request on the control
-    topic, and a cancel on the answer topic are each refused in the runner's log; nothing
-    reaches the agent, and the hub's real answer still does."""
+    topic, a cancel on the answer topic, and a signed allow whose message is not sealed with
+    the attempt's token are each refused in the runner's log; nothing reaches the agent, and
+    the hub's real answer still does."""
     hub = hub_workspace(nats_broker, tmp_path)
     ws, out = tmp_path / "runner", tmp_path / "out"
     runner = start_runner(nats_broker, ws, SESSION, OUT=str(out))
@@ -139,7 +140,9 @@ def test_a_forged_or_misplaced_answer_is_refused_and_the_agent_keeps_waiting(nat
         event = watch.events("permission_required")[0]
         job_id, attempt = event["job_id"], event["data"]["attempt_id"]
         root = nats_broker.topic_root
-        forged = wire.Control.answer(job_id, attempt, request_id, allow=True, reason="forged")
+        guessed = crypto.seal_answer("a-token-the-attacker-guessed-0123456789", job_id=job_id, attempt_id=attempt,
+                                     request_id=request_id, action="allow", message="forged")
+        forged = wire.Control.answer(job_id, attempt, request_id, allow=True, sealed=guessed)
         wrong_key = crypto.derive_keys("another-secret-of-at-least-32-characters!")
         good = crypto.derive_keys(TEST_SECRET)
         misplaced = wire.encode(crypto.sign(forged.to_dict(), good.sign_key))
@@ -152,6 +155,9 @@ def test_a_forged_or_misplaced_answer_is_refused_and_the_agent_keeps_waiting(nat
             wait_until(lambda: "allow on the control topic" in runner_log(ws), what="the misplaced allow refused")
             attacker.publish(names.answer_topic(job_id, request_id, root), cancel_there, retain=False)
             wait_until(lambda: "a cancel is no answer" in runner_log(ws), what="the cancel as an answer refused")
+            # signed with the dispatch key but sealed without the attempt's token: unreadable, refused
+            attacker.publish(names.answer_topic(job_id, request_id, root), misplaced, retain=False)
+            wait_until(lambda: "does not open with attempt" in runner_log(ws), what="the unsealable answer refused")
         assert not Path(f"{out}.1").exists() and watch.proc.poll() is None
         approved = orch(hub, "approve", job_id)
         assert approved.returncode == 0, approved.stderr

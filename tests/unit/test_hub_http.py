@@ -330,7 +330,9 @@ def test_s19_http_lists_waiting_requests_answers_them_signed_and_refuses_twice(s
     topic, payload, retain = service.client.published[-1]
     assert topic.endswith(f"/jobs/918b0612/answers/{rid}") and retain
     control = wire.decode(payload, "control")
-    assert (control.action, control.request_id, control.reason) == ("deny", rid, "not on main")
+    assert (control.action, control.request_id, control.reason) == ("deny", rid, "sealed")
+    token = service.registry.get("918b0612")["auth_token"]
+    assert crypto.open_answer(token, control) == "not on main" and b"not on main" not in payload
     assert [line["event"] for line in registry.audit("918b0612")][-1] == ANSWERED
     again = api.post(f"/api/jobs/918b0612/asks/{rid}/approve")
     assert again.status_code == 409 and "answered already" in again.json()["error"]

@@ -13,7 +13,7 @@ import pytest
 from mam.orchestrator import asks
 from mam.runner import localsock
 from mam.shared.protocol import crypto, names, wire
-from mam.shared.protocol.errors import DecodeError, UsageError
+from mam.shared.protocol.errors import DecodeError, SignatureError, UsageError
 from mam.shared.store.registry import Contract, Registry
 
 pytestmark = pytest.mark.timeout(60)
@@ -28,18 +28,36 @@ KEYS = crypto.derive_keys("test-dispatch-secret-0123456789abcdef")
 # ---------------------------------------------------------------- wire and topics
 
 
-def test_an_answer_is_a_signed_control_with_a_request_id_that_round_trips():
-    control = wire.Control.answer(JOB, 2, RID, allow=False, reason="no writes today")
+def sealed_answer(allow: bool, message: str, attempt: int = 2, token: str = AUTH) -> wire.Control:
+    action = "allow" if allow else "deny"
+    return wire.Control.answer(JOB, attempt, RID, allow=allow, sealed=crypto.seal_answer(
+        token, job_id=JOB, attempt_id=attempt, request_id=RID, action=action, message=message))
+
+
+def test_an_answer_is_a_signed_control_with_a_request_id_and_a_sealed_message_that_round_trips():
+    control = sealed_answer(False, "no writes today")
     raw = wire.encode(crypto.sign(control.to_dict(), KEYS.sign_key))
+    assert b"no writes today" not in raw  # another runner reading the answer topic learns nothing
     decoded = wire.decode(raw, "control")
     crypto.verify(decoded, KEYS.sign_key)
-    assert (decoded.action, decoded.request_id, decoded.attempt_id, decoded.reason) == ("deny", RID, 2,
-                                                                                       "no writes today")
+    assert (decoded.action, decoded.request_id, decoded.attempt_id, decoded.reason) == ("deny", RID, 2, "sealed")
+    assert crypto.open_answer(AUTH, decoded) == "no writes today"
     assert json.loads(raw)["action"] == "deny"
 
 
+def test_an_answer_opens_only_with_its_attempts_token_and_fields():
+    control = sealed_answer(True, "approved by ann@hub")
+    with pytest.raises(SignatureError):
+        crypto.open_answer("another-attempts-auth-token-0123456789", control)
+    body = control.to_dict()
+    for change in ({"action": "deny"}, {"attempt_id": 3}, {"request_id": "f" * 16}):
+        moved = wire.Control.from_dict({**body, **change, "sig": "0" * 64})
+        with pytest.raises(SignatureError):
+            crypto.open_answer(AUTH, moved)  # the seal is bound to the job, attempt, request and action
+
+
 @pytest.mark.parametrize(("change", "reason"), [
-    ({"action": "cancel"}, "request_id is only for an allow or deny"),
+    ({"action": "cancel"}, "request_id and sealed are only for an allow or deny"),
     ({"request_id": None}, "request_id"),
     ({"request_id": "XYZ"}, "request_id 'XYZ' is invalid"),
     ({"request_id": "0" * 64}, "16 lowercase hex"),
@@ -47,9 +65,17 @@ def test_an_answer_is_a_signed_control_with_a_request_id_that_round_trips():
     ({"always": False}, "always is only true"),
     ({"always": True, "action": "deny"}, "only on an allow"),
     ({"always": "yes"}, "always is only true"),
+    ({"sealed": None}, "sealed must be an object"),
+    ({"sealed": "plain text"}, "sealed must be an object"),
+    ({"sealed": {"alg": "A256GCM", "nonce": "AAAA"}}, "sealed must be an object"),
+    ({"sealed": {"alg": "none", "nonce": "AAAA", "ciphertext": "AAAA"}}, "sealed.alg"),
+    ({"sealed": {"alg": "A256GCM", "nonce": "AAAA", "ciphertext": "A" * 5000}}, "sealed.ciphertext"),
+    ({"sealed": {"alg": "A256GCM", "nonce": "../\n", "ciphertext": "AAAA"}}, "sealed.nonce"),
 ])
 def test_an_answer_that_breaks_the_rules_is_malformed(change, reason):
-    body = {**wire.Control.answer(JOB, 1, RID, allow=True, reason="ok").to_dict(), **change, "sig": "0" * 64}
+    body = {**sealed_answer(True, "ok", attempt=1).to_dict(), **change, "sig": "0" * 64}
+    if "sealed" in change and change["sealed"] is None:
+        body.pop("sealed")
     if body.get("request_id") is None:
         body.pop("request_id")
     with pytest.raises(DecodeError) as caught:

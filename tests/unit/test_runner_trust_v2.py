@@ -122,6 +122,18 @@ def test_s16_control_verified_with_hub_keys_only():
     assert isinstance(verdict, Refuse) and "v1 message" in verdict.text
 
 
+def test_s19_a_v2_signed_answer_keeps_its_sealed_message():
+    sealed = crypto.seal_answer("auth-token-0123456789", job_id=JOB, attempt_id=1, request_id="0" * 16,
+                                action="deny", message="not on main")
+    answer = wire.Control.answer(JOB, 1, "0" * 16, allow=False, sealed=sealed)
+    verdict = admission.check_control(JOB, wire.encode(pubkey.sign(answer, HUB)), B_TRUST)
+    assert isinstance(verdict, wire.Control) and crypto.open_answer("auth-token-0123456789", verdict) == "not on main"
+    tampered = {**pubkey.sign(answer, HUB), "sealed": crypto.seal_answer(
+        "auth-token-0123456789", job_id=JOB, attempt_id=1, request_id="0" * 16, action="deny", message="allowed")}
+    refused_answer = admission.check_control(JOB, wire.encode(tampered), B_TRUST)
+    assert isinstance(refused_answer, Refuse) and refused_answer.reason is RefuseReason.SIGNATURE
+
+
 def test_s16_presence_signed_with_the_runner_key():
     presence = Presence(session=SESSION, runner_id="f" * 32, trust=B_TRUST, max_jobs=1, topic_root="t")
     decoded = wire.decode(presence.payload("online", []), "presence")

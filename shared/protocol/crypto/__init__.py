@@ -46,6 +46,7 @@ SIGN_INFO = b"mam-fleet/v1/sign"
 LOG_INFO = b"mam-fleet/v1/log"
 RESULT_INFO = b"mam-fleet/v1/result"
 ASK_INFO = b"mam-fleet/v1/ask"
+ANSWER_INFO = b"mam-fleet/v1/answer"
 # §5: the brief is UTF-8 text of at most 512 KiB; dispatch refuses larger ones.
 MAX_BRIEF_BYTES = 512 * 1024
 HMAC_FAILED = "HMAC verify failed"
@@ -437,6 +438,43 @@ def ask_key(auth_token: str) -> bytes:
 def ask_associated(job_id: str, attempt_id: int, request_id: str) -> bytes:
     """The associated data a request's sealed input is bound to (§19): `<job>/<attempt>/<request>`."""
     return f"{job_id}/{attempt_id}/{request_id}".encode("ascii")
+
+
+def answer_associated(job_id: str, attempt_id: int, request_id: str, action: str) -> bytes:
+    """What an answer's sealed message is bound to (§19): `answer:<job>:<attempt>:<request>:<action>`."""
+    return f"answer:{job_id}:{attempt_id}:{request_id}:{action}".encode("ascii")
+
+
+def seal_answer(auth_token: str, *, job_id: str, attempt_id: int, request_id: str, action: str,
+                message: str) -> dict[str, str]:
+    """An answer's message sealed to its attempt (§19): AES-256-GCM under HKDF-SHA256(auth_token,
+    no salt, info `b"mam-fleet/v1/answer"`), bound to `answer_associated`. Only the hub and the
+    runner of that attempt hold the token: other runners, which may read every answer topic,
+    cannot read it.
+
+    Raises:
+        ConfigError: `auth_token` is empty.
+    """
+    if not isinstance(auth_token, str) or not auth_token:
+        raise ConfigError("auth_token is empty: the job record holds no key for its answers")
+    return seal_bytes(_hkdf(auth_token.encode("utf-8"), ANSWER_INFO), message.encode("utf-8"),
+                      answer_associated(job_id, attempt_id, request_id, action))
+
+
+def open_answer(auth_token: str, control: Any) -> str:
+    """The message of an answer `control` (a `wire.Control` allow or deny, §19) sealed by `seal_answer`.
+
+    Raises:
+        SignatureError: "seal does not open" (another attempt's token, a changed field, tampering).
+    """
+    if not isinstance(auth_token, str) or not auth_token or control.sealed is None:
+        raise SignatureError(SEAL_FAILED)
+    plain = open_bytes(_hkdf(auth_token.encode("utf-8"), ANSWER_INFO), control.sealed,
+                       answer_associated(control.job_id, control.attempt_id, str(control.request_id), control.action))
+    try:
+        return plain.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SignatureError(SEAL_FAILED) from None
 
 
 def result_key(auth_token: str) -> bytes:

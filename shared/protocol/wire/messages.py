@@ -33,6 +33,7 @@ from mam.shared.protocol.wire.fields import (
     MAX_RUNNING,
     MAX_VERSION_CHARS,
     SCHEMA_VERSION,
+    SEAL_ALG,
     V2_SIGNED_FIELDS,
     Invalid,
     build,
@@ -248,6 +249,7 @@ class Control:
     sig_alg: str | None = None  # §16: "ed25519" on v2
     request_id: str | None = None  # §19: the permission request an allow/deny answers
     always: bool | None = None  # §19: an allow that also allows the same request again (true or absent)
+    sealed: Mapping[str, str] | None = None  # §19: an answer's message, sealed to the attempt (`crypto.seal_answer`)
 
     def __post_init__(self) -> None:
         run_check(self._check)
@@ -261,10 +263,12 @@ class Control:
         check_text(self.reason, "reason", MAX_REASON_CHARS)
         check_timestamp(self.issued_at, "issued_at")
         if self.action == ControlAction.CANCEL:
-            if self.request_id is not None:
-                raise Invalid("request_id is only for an allow or deny (§19)")
-        elif not isinstance(self.request_id, str) or not names.REQUEST_ID_RE.fullmatch(self.request_id):
-            raise Invalid(f"request_id {show(self.request_id)} is invalid: expected 16 lowercase hex characters")
+            if self.request_id is not None or self.sealed is not None:
+                raise Invalid("request_id and sealed are only for an allow or deny (§19)")
+        else:
+            if not isinstance(self.request_id, str) or not names.REQUEST_ID_RE.fullmatch(self.request_id):
+                raise Invalid(f"request_id {show(self.request_id)} is invalid: expected 16 lowercase hex characters")
+            _check_answer_seal(self.sealed)
         if self.always is not None and (self.always is not True or self.action != ControlAction.ALLOW):
             raise Invalid("always is only true, and only on an allow (§19)")
         if self.sig is not None:
@@ -283,18 +287,20 @@ class Control:
         return build(cls, job_id=job_id, attempt_id=attempt_id, reason=reason, issued_at=ts_arg(issued_at))
 
     @classmethod
-    def answer(cls, job_id: str, attempt_id: int, request_id: str, *, allow: bool, reason: str,
+    def answer(cls, job_id: str, attempt_id: int, request_id: str, *, allow: bool, sealed: Mapping[str, str],
                always: bool = False, issued_at: datetime | str | None = None) -> Control:
-        """An unsigned answer to a permission request (§19): action `allow` or `deny`.
+        """An unsigned answer to a permission request (§19): action `allow` or `deny`, `reason`
+        `sealed`.
 
         Args:
-            reason: who answered and why, shown to the agent on a deny (<= 256 chars).
+            sealed: who answered and why (what the agent is told), sealed to the attempt by
+                `crypto.seal_answer`.
             always: with `allow`: the same request (tool and input) is allowed again without asking.
         Raises:
             UsageError: a field breaks §19.
         """
-        return build(cls, job_id=job_id, attempt_id=attempt_id, reason=reason, request_id=request_id,
-                     always=True if always else None,
+        return build(cls, job_id=job_id, attempt_id=attempt_id, reason=ANSWER_REASON, request_id=request_id,
+                     always=True if always else None, sealed=dict(sealed),
                      action=str(ControlAction.ALLOW if allow else ControlAction.DENY), issued_at=ts_arg(issued_at))
 
     @classmethod
@@ -311,6 +317,8 @@ class Control:
             out["request_id"] = self.request_id
         if self.always is not None:
             out["always"] = self.always
+        if self.sealed is not None:
+            out["sealed"] = dict(self.sealed)
         if self.sig_alg is not None:
             out["sig_alg"] = self.sig_alg
         if self.sig is not None:
@@ -439,8 +447,26 @@ def _state_from(obj: dict[str, Any]) -> State:
     return State(**obj)
 
 
+ANSWER_REASON = "sealed"
+"""An answer's `reason` (§19): what it says is in `sealed`."""
+MAX_SEALED_CHARS = 2048
+
+
+def _check_answer_seal(sealed: object) -> None:
+    """§19: an allow or deny carries `sealed` = {"alg": "A256GCM", "nonce", "ciphertext"} (base64url)."""
+    if not isinstance(sealed, Mapping) or set(sealed) != {"alg", "nonce", "ciphertext"}:
+        raise Invalid("sealed must be an object of alg, nonce and ciphertext (§19: an answer's message is sealed)")
+    if sealed["alg"] != SEAL_ALG:
+        raise Invalid(f"sealed.alg {show(sealed['alg'])} is invalid: expected {SEAL_ALG}")
+    for key in ("nonce", "ciphertext"):
+        value = sealed[key]
+        if not isinstance(value, str) or not 1 <= len(value) <= MAX_SEALED_CHARS \
+                or not all(c.isascii() and (c.isalnum() or c in "-_=") for c in value):
+            raise Invalid(f"sealed.{key} is invalid: expected base64url of at most {MAX_SEALED_CHARS} characters")
+
+
 def _control_from(obj: dict[str, Any]) -> Control:
-    check_fields(obj, CONTROL_FIELDS, optional=V2_SIGNED_FIELDS | {"request_id", "always"})
+    check_fields(obj, CONTROL_FIELDS, optional=V2_SIGNED_FIELDS | {"request_id", "always", "sealed"})
     if obj["sig"] is None:
         raise Invalid("sig must be a string, got null")
     return Control(**obj)
