@@ -21,7 +21,7 @@ from mam.orchestrator.hub import open_hub
 from mam.orchestrator.identity.cli import runner_app
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.logs import logs_cli
-from mam.orchestrator.redispatch import redispatch_cli, resume_cli
+from mam.orchestrator.redispatch import redispatch_cli, resume_cli, say_cli
 from mam.orchestrator.results import apply_cli, result_cli
 from mam.orchestrator.runners import OFFLINE_HIDDEN_DAYS, prune_cli, runners_cli
 from mam.orchestrator.service import serve_cli
@@ -33,8 +33,8 @@ from mam.shared.protocol.errors import BrokerUnavailable, ExitCode, MamError
 
 # `--help` lists the commands in the order a new operator uses them, one example each
 WORKFLOW = ("init", "config", "broker", "serve", "runner", "runners", "dispatch", "watch", "logs", "result",
-            "apply", "jobs", "show", "asks", "approve", "deny", "cancel", "resume", "redispatch",
-            "gc")
+            "apply", "jobs", "show", "asks", "approve", "deny", "cancel", "say", "resume",
+            "redispatch", "gc")
 EXAMPLES = {
     "init": "mam-orch init --broker hub.example.net",
     "config": "mam-orch config --check",
@@ -53,6 +53,7 @@ EXAMPLES = {
     "approve": "mam-orch approve 918b0612",
     "deny": "mam-orch deny 918b0612 --reason 'no pushes to main'",
     "cancel": "mam-orch cancel 918b0612",
+    "say": "mam-orch say 918b0612 'Now add a test for it.'",
     "resume": "mam-orch resume 918b0612",
     "redispatch": "mam-orch redispatch 918b0612 --session gpu-box-2",
     "gc": "mam-orch gc --dry-run",
@@ -510,6 +511,26 @@ def cancel_cmd(
     """
     cli.setup_logging(False if as_json else None)
     return cancel(job_id, workspace=workspace, as_json=as_json)
+
+
+@app.command("say")
+def say_cmd(
+    job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
+    text: str = typer.Argument(None, metavar="TEXT", help="What to tell the agent (UTF-8, at most 512 KiB)."),
+    text_file: str = typer.Option(None, "--file", metavar="PATH", help="Read the words from PATH ('-' = stdin)."),
+    detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
+    as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
+    workspace: str = cli.workspace_option(),
+) -> int:
+    """Continue an ended job's agent session with a follow-up, and watch it (PROTOCOL §18).
+
+    The words are the brief of a new attempt that resumes the agent's last
+    session (Claude Code) in the worktree the last attempt left, on the same
+    runner, so its change grows from there. Any ended job whose agent reported
+    a session, completed too. Exit codes as for dispatch; 1 when refused.
+    """
+    cli.setup_logging()
+    return say_cli(job_id, text, text_file=text_file, detach=detach, as_json=as_json, workspace=workspace)
 
 
 @app.command("resume")

@@ -124,8 +124,10 @@ def publish_dispatch(client: Transport, signed: dict[str, Any]) -> None:
 BRIEF_FILE_NAME = "brief.txt"
 
 
-def read_brief(brief: str | None, brief_file: str | None, stdin: BinaryIO | None = None) -> str:
-    """The brief from exactly one of `--brief TEXT` / `--brief-file PATH|-` (§5).
+def read_brief(brief: str | None, brief_file: str | None, stdin: BinaryIO | None = None, *,
+               flags: tuple[str, str] = ("--brief TEXT", "--brief-file")) -> str:
+    """The brief from exactly one of `--brief TEXT` / `--brief-file PATH|-` (§5); `flags` names
+    the two sources in messages (e.g. `mam-orch say`'s `TEXT` and `--file`).
 
     The file (or stdin for "-") is read as bytes, at most 512 KiB + 1, and
     decoded as strict UTF-8.
@@ -137,7 +139,7 @@ def read_brief(brief: str | None, brief_file: str | None, stdin: BinaryIO | None
             a directory, larger than 512 KiB, not UTF-8, empty, or holding a NUL.
     """
     if (brief is None) == (brief_file is None):
-        raise UsageError("give exactly one of --brief TEXT, --brief-file PATH or --brief-file -")
+        raise UsageError(f"give exactly one of {flags[0]}, {flags[1]} PATH or {flags[1]} -")
     if brief is not None:
         return check_brief(brief)
     where = "stdin" if brief_file == "-" else str(brief_file)
@@ -150,13 +152,13 @@ def read_brief(brief: str | None, brief_file: str | None, stdin: BinaryIO | None
                 raw = file.read(MAX_BRIEF_BYTES + 1)
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        raise UsageError(f"--brief-file {where}: cannot read ({reason})") from None
+        raise UsageError(f"{flags[1]} {where}: cannot read ({reason})") from None
     if len(raw) > MAX_BRIEF_BYTES:
-        raise UsageError(f"--brief-file {where}: larger than the {MAX_BRIEF_BYTES}-byte limit of a brief (§5)")
+        raise UsageError(f"{flags[1]} {where}: larger than the {MAX_BRIEF_BYTES}-byte limit of a brief (§5)")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UsageError(f"--brief-file {where}: not UTF-8 text (bad byte at offset {exc.start})") from None
+        raise UsageError(f"{flags[1]} {where}: not UTF-8 text (bad byte at offset {exc.start})") from None
     return check_brief(text)
 
 

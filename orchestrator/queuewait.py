@@ -17,11 +17,27 @@ from mam.orchestrator.identity.roster import Revocations
 from mam.orchestrator.queue import Fleet, QueuedJob
 from mam.orchestrator.runners import presence_view
 from mam.shared.protocol import names, wire
-from mam.shared.protocol.codes import DEFAULT_RETRY_ON, OPEN_STATUSES, PresenceStatus, QueueSource, RetryOn
+from mam.shared.protocol.codes import (
+    DEFAULT_RETRY_ON,
+    OPEN_STATUSES,
+    TERMINAL_STATUSES,
+    PresenceStatus,
+    QueueSource,
+    RetryOn,
+)
 from mam.shared.protocol.codes import JobStatus as Status
 from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.protocol.errors import BrokerError, ProtocolError
-from mam.shared.store.records import JobRecord, Refusal, moved, next_attempt, published, target_of, utc_now
+from mam.shared.store.records import (
+    JobRecord,
+    Refusal,
+    continued_work,
+    moved,
+    next_attempt,
+    published,
+    target_of,
+    utc_now,
+)
 from mam.shared.store.registry import Registry
 from mam.shared.transport import Transport
 from mam.shared.transport.mqtt import QOS_AT_LEAST_ONCE
@@ -180,6 +196,35 @@ def requeue(registry: Registry, job_id: str, *, session: str | None = None, reas
         elif "target" not in new:  # a v1 record: its session is its target
             new["target"] = {"session": record["session"]}
         txn.update(new, source="operator", reason=reason)
+    return new
+
+
+def say_requeue(registry: Registry, job_id: str) -> JobRecord:
+    """`mam-orch say` (§18 "Continued sessions"): a job that ended (completed too) goes on as
+    attempt + 1 `queued` on the runner of its last attempt, continuing the agent's last
+    session (`work.resume`, `--fresh` or not) with the person's words as its brief; a
+    `said` audit line.
+
+    Raises:
+        Refusal(`not_allowed`): the job has not ended, or its agent reported no session.
+        JobNotFound, RegistryError.
+    """
+    with registry.transaction(job_id) as txn:
+        record = txn.record
+        if record["status"] not in TERMINAL_STATUSES:
+            raise Refusal(job_id, "not_allowed", f"refused say: the job is {record['status']}; `say` continues a "
+                                                 "job after it ended (wait for it, or cancel it first)")
+        work = continued_work(record, fresh=False)
+        if "resume" not in work:
+            raise Refusal(job_id, "not_allowed", "refused say: the job's agent reported no session to continue "
+                                                 "(dispatch a new job instead)")
+        new = next_attempt(record, Status.QUEUED)
+        new["work"] = work
+        new.pop("avoid_session", None)
+        new["target"] = {"session": record["session"]}  # its worktree and the session are there
+        txn.log({"event": "said", "timestamp": new["updated_at"], "attempt_id": record["attempt_id"],
+                 "session_id": work["resume"]["session_id"], "next_attempt": new["attempt_id"]})
+        txn.update(new, source="operator", reason="a person continues the agent's session")
     return new
 
 

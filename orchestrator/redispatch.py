@@ -9,7 +9,7 @@ from mam.orchestrator.control import publish_cancel
 from mam.orchestrator.dispatch import load_brief, read_brief, save_brief
 from mam.orchestrator.follow import AuditTail
 from mam.orchestrator.hub import Workspace, open_hub
-from mam.orchestrator.queuewait import refuse_unpaused, requeue, resume_paused
+from mam.orchestrator.queuewait import refuse_unpaused, requeue, resume_paused, say_requeue
 from mam.orchestrator.service import EmbeddedService
 from mam.orchestrator.submit import follow_job
 from mam.shared.protocol import names
@@ -97,5 +97,45 @@ def resume_cli(job_id: str, *, detach: bool = False, as_json: bool = False, work
         resume_paused(hub.registry, job_id)
         return follow_job(hub, engine, job_id, detach=detach, as_json=as_json, workspace=workspace,
                           verb="resumed", offset=history.offset)
+    finally:
+        engine.stop()
+
+
+def say_cli(job_id: str, text: str | None, *, text_file: str | None = None, detach: bool = False,
+            as_json: bool = False, workspace: Workspace = None, stdin: BinaryIO | None = None) -> int:
+    """`mam-orch say` (§18 "Continued sessions"): a person's follow-up to a job that ended.
+    Its words become the brief of attempt + 1, which continues the agent's last session
+    (`claude --resume`) in the worktree the last attempt left, on that runner; then
+    `submit.follow_job`, as `redispatch` does. The words are kept like a brief (0600), never in
+    the audit log.
+
+    Returns:
+        the exit code of §9 (0 with --detach once the dispatch is published).
+    Raises:
+        UsageError (64: bad job id or words), Refusal (1: not ended, or no session), JobNotFound (1).
+    """
+    names.validate_job_id(job_id)
+    words = read_brief(text, text_file, stdin, flags=("TEXT", "--file"))
+    hub = open_hub(workspace)
+    registry = hub.registry
+    record = registry.get(job_id)
+    if record["status"] in OPEN_STATUSES:  # checked again under the lock by `say_requeue`
+        raise Refusal(job_id, "not_allowed", f"refused say: the job is {record['status']}; `say` continues a "
+                                             "job after it ended (wait for it, or cancel it first)")
+    hub.keys()
+    engine = EmbeddedService(hub)
+    try:
+        engine.ensure()
+        history = AuditTail(registry.audit_path(job_id))
+        history.skip()
+        previous = load_brief(registry, job_id)
+        save_brief(registry, job_id, words)
+        try:
+            say_requeue(registry, job_id)
+        except BaseException:
+            save_brief(registry, job_id, previous)  # refused: the job's brief stays what it was
+            raise
+        return follow_job(hub, engine, job_id, detach=detach, as_json=as_json, workspace=workspace,
+                          verb="continued", offset=history.offset)
     finally:
         engine.stop()

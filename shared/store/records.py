@@ -554,14 +554,14 @@ def next_attempt(record: JobRecord, status: str = JobStatus.PENDING) -> JobRecor
     return new
 
 
-def continued_work(record: Mapping[str, Any]) -> dict[str, Any]:
+def continued_work(record: Mapping[str, Any], *, fresh: bool | None = None) -> dict[str, Any]:
     """The next attempt's `work` (§18 "Continued sessions"): the record's own, with `resume`
     naming the last agent session the job's attempts reported and the attempt it came from,
-    unless the job was dispatched `--fresh` (or no session is known); `base_sha` (the job's
-    base commit, `repo_sha`) for a repository job."""
+    unless `fresh` (None: the job's `--fresh`), or no session is known; `base_sha` (the
+    job's base commit, `repo_sha`) for a repository job."""
     work = {key: value for key, value in (record.get("work") or {}).items() if key != "resume"}
     agent = record.get("agent")
-    if record.get("fresh") or not isinstance(agent, Mapping):
+    if (record.get("fresh") if fresh is None else fresh) or not isinstance(agent, Mapping):
         return work
     session_id, attempt = agent.get("session_id"), agent.get("attempt_id")
     if not isinstance(session_id, str) or not names.AGENT_SESSION_RE.fullmatch(session_id) \

@@ -19,7 +19,8 @@ service, a runner daemon in its own network namespace started as the card prints
   agent's own reason.
 - A 429 with a reset (§14 Pauses): paused, the slot free for another job, then the session goes
   on at the reset, or at once with `mam-orch resume`.
-- A retry after the model failed continues the session where attempt 1 left its worktree (§18).
+- A retry after the model failed continues the session where attempt 1 left its worktree (§18);
+  so does `mam-orch say` after the job completed.
 - Cancel during a long stream: the CLI and its children are gone within the grace.
 - Bad input (an agent claiming to be claude): lines that are not JSON, a 10 MB line, a
   result text with terminal escapes: reported, escaped at the hub, the runner lives on.
@@ -245,6 +246,28 @@ def test_s18_a_retry_continues_the_session_in_the_worktree_attempt_1_left(claude
     assert result["attempt_id"] == 2 and result["base_sha"] == git("rev-parse", "main", cwd=cf.origin).strip()
     assert sorted(f["path"] for f in result["files"]) == ["MORE.md", "NOTES.md"]
     assert f"1  gpu-box  error  agent session {session_id}" in cf.show_text(job_id)
+
+
+def test_s18_say_continues_a_completed_job_and_its_change_grows(claude_fleet: AgentFleet) -> None:
+    """`mam-orch say`: a person's follow-up to a completed job resumes the agent's session in
+    the worktree the job left; the model sees the first conversation, the result both files."""
+    cf = claude_fleet
+    runner = cf.start([WRITE_NOTES, Text("Wrote NOTES.md."), ToolUse("Write", {"file_path": "MORE.md",
+                                                                                "content": "more\n"}),
+                       Text("Added MORE.md as you asked.")])
+    code, job_id = cf.run("--ref", "main", "--allow-tools", "Write")
+    assert code == 0, runner.log()[-3000:]
+    said = cf.fleet.orch("say", job_id, "Now add MORE.md too.", "--json", timeout_s=2 * PATIENCE_S)
+    assert said.returncode == 0, said.stderr + runner.log()[-3000:]
+    ends = [e for e in cf.fleet.events_on_wire(job_id) if e["event"] in ("completed", "error")]
+    assert [(e["data"]["attempt_id"], e["event"]) for e in ends] == [(1, "completed"), (2, "completed")]
+    assert ends[-1]["detail"] == "Added MORE.md as you asked."
+    resumed = [c for c in cf.model.calls() if c["tools"]][2]  # type: ignore[union-attr]
+    assert resumed["messages"] > 3 and any("NOTES.md" in text for text in resumed["tool_results"]), resumed
+    result = json.loads(cf.fleet.orch("result", job_id, "--json").stdout)
+    assert sorted(f["path"] for f in result["files"]) == ["MORE.md", "NOTES.md"]
+    refused = cf.fleet.orch("say", "0badf00d", "hello")
+    assert refused.returncode == 1 and "no record" in refused.stderr
 
 
 def test_s18_max_turns_2_against_five_turns_ends_budget_exceeded(claude_fleet: AgentFleet) -> None:

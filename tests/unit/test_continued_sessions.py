@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from harness.gitserver import git, make_origin
 
-from mam.orchestrator.queuewait import mark_published, requeue, retry_attempt
+from mam.orchestrator.queuewait import mark_published, requeue, retry_attempt, say_requeue
 from mam.runner import repos
 from mam.runner.agents import ClaudeAdapter, new_adapter
 from mam.runner.agents.claude import place_transcript, project_folder
@@ -21,7 +21,7 @@ from mam.runner.work import AttemptWork
 from mam.shared.cli import render
 from mam.shared.protocol import wire
 from mam.shared.protocol.errors import DecodeError, UsageError
-from mam.shared.store.records import QueueTerms
+from mam.shared.store.records import QueueTerms, Refusal
 from mam.shared.store.registry import Registry
 
 pytestmark = pytest.mark.timeout(60)
@@ -219,3 +219,25 @@ def test_s18_a_command_agent_continues_the_worktree_but_says_its_session_is_new(
     assert started["fresh"] == "the command agent cannot continue a session"
     assert (second.cwd() / "a.txt").read_text() == "1\n"
     assert json.dumps(started)  # `started`'s data stays JSON
+
+
+# ------------------------------------------------------------------ mam-orch say
+
+def test_s18_say_continues_an_ended_job_even_a_fresh_one_on_its_runner(tmp_path: Path) -> None:
+    reg = Registry(tmp_path)
+    job_id = ended_attempt(reg, fresh=True)
+    new = say_requeue(reg, job_id)
+    assert (new["status"], new["attempt_id"], new["target"]) == ("queued", 2, {"session": "r1"})
+    assert new["work"]["resume"] == {"session_id": SESSION, "attempt": 1, "base_sha": BASE}
+    (said,) = [line for line in reg.audit(job_id) if line["event"] == "said"]
+    assert (said["attempt_id"], said["next_attempt"], said["session_id"]) == (1, 2, SESSION)
+    with pytest.raises(Refusal, match="refused say: the job is queued; `say` continues a job after it ended"):
+        say_requeue(reg, job_id)
+
+
+def test_s18_say_is_refused_when_the_agent_reported_no_session(tmp_path: Path) -> None:
+    reg = Registry(tmp_path)
+    job_id = ended_attempt(reg, session_id=None)
+    with pytest.raises(Refusal, match="reported no session to continue"):
+        say_requeue(reg, job_id)
+    assert reg.get(job_id)["attempt_id"] == 1  # nothing changed
