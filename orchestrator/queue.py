@@ -67,6 +67,8 @@ class QueuedJob:
             shared by the jobs compared (e.g. the record's `queued_at`), earlier first.
         avoid_session: the previous attempt's runner (retries): chosen only
             when no other candidate exists.
+        prefer_session: the previous attempt's runner when the retry continues its agent's
+            session there (§18): chosen first when it has a free slot.
         repo: the repository a runner must serve (§18), or None.
         paused_until: a paused job (§14 Pauses) is not published before this wall time
             (epoch s), nor does it hold up the jobs queued behind it; None: not paused.
@@ -78,6 +80,7 @@ class QueuedJob:
     priority: int
     queued_at: float
     avoid_session: str | None = None
+    prefer_session: str | None = None
     repo: str | None = None
     paused_until: float | None = None
 
@@ -212,7 +215,7 @@ def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: f
     Candidates are verified, online, fresh runners whose labels ⊇ the job's and
     with free slots left after the jobs this call already assigned (no runner
     is ever over-committed). Among them: not the job's `avoid_session` unless it
-    is the only one, then most free slots, then least recently handed a job,
+    is the only one, its `prefer_session` first, then most free slots, then least recently handed a job,
     then session name. Jobs go in (priority desc, queued_at asc) order; once a
     job of a target finds no candidate, later jobs of that target wait too,
     while other targets go on. `fleet` is not changed: call `fleet.inflight`
@@ -239,7 +242,8 @@ def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: f
         if not candidates:
             blocked.add(job.target)
             continue
-        session = min(candidates, key=lambda name: (name == job.avoid_session, -free[name], handed[name], name))
+        session = min(candidates, key=lambda name: (name == job.avoid_session, name != job.prefer_session,
+                                                    -free[name], handed[name], name))
         free[session] -= 1
         rank += 1
         handed[session] = rank

@@ -72,7 +72,8 @@ def queued_job(record: JobRecord) -> QueuedJob:
     return QueuedJob(job_id=record["job_id"], target_session=session, target_labels=frozenset(labels),
                      priority=int(record.get("priority", 0)),
                      queued_at=_epoch(record.get("queued_at") or record["created_at"]),
-                     avoid_session=record.get("avoid_session"), repo=(record.get("work") or {}).get("repo"),
+                     avoid_session=record.get("avoid_session"), prefer_session=record.get("prefer_session"),
+                     repo=(record.get("work") or {}).get("repo"),
                      paused_until=_epoch(record["paused_until"]) if record.get("paused_until") else None)
 
 
@@ -189,6 +190,7 @@ def requeue(registry: Registry, job_id: str, *, session: str | None = None, reas
             raise Refusal(job_id, "not_allowed", f"refused redispatch: the job is {record['status']}; cancel it first")
         new = next_attempt(record, Status.QUEUED)
         new.pop("avoid_session", None)
+        new.pop("prefer_session", None)
         if fresh and new.get("work", {}).pop("resume", None) is not None and not new["work"]:
             del new["work"]
         if session is not None:
@@ -221,6 +223,7 @@ def say_requeue(registry: Registry, job_id: str) -> JobRecord:
         new = next_attempt(record, Status.QUEUED)
         new["work"] = work
         new.pop("avoid_session", None)
+        new.pop("prefer_session", None)
         new["target"] = {"session": record["session"]}  # its worktree and the session are there
         txn.log({"event": "said", "timestamp": new["updated_at"], "attempt_id": record["attempt_id"],
                  "session_id": work["resume"]["session_id"], "next_attempt": new["attempt_id"]})
@@ -280,6 +283,7 @@ def pause_attempt(registry: Registry, job_id: str, until: float, client: Transpo
         new["paused_until"] = stamp
         new["target"] = {"session": record["session"]}
         new.pop("avoid_session", None)
+        new.pop("prefer_session", None)
         txn.log({"event": "paused", "timestamp": new["updated_at"], "attempt_id": record["attempt_id"],
                  "session": record["session"], "until": stamp, "next_attempt": new["attempt_id"]})
         txn.update(new, source=HUB_QUEUE, reason=f"paused on a usage limit until {stamp}")
@@ -312,7 +316,9 @@ def resume_paused(registry: Registry, job_id: str) -> JobRecord:
 def retry_attempt(registry: Registry, job_id: str, reason: str, client: Transport | None,
                   keys: DispatchKeys | None) -> JobRecord | None:
     """§14 Retries: cancel the ended attempt (§6), then attempt + 1 `queued` with fresh
-    tokens (same target; a label target avoids the previous runner), and a `retry` audit line.
+    tokens (same target; a label target avoids the previous runner, or prefers it when the
+    runner reported the error and the attempt continues the agent's session, §18), and a
+    `retry` audit line.
 
     Returns:
         the new attempt's record, or None when the record changed meanwhile (nothing done).
@@ -331,8 +337,13 @@ def retry_attempt(registry: Registry, job_id: str, reason: str, client: Transpor
             return None
         new = next_attempt(record, Status.QUEUED)
         new["retried"] = record.get("retried", 0) + 1
+        new.pop("avoid_session", None)
+        new.pop("prefer_session", None)
         if target_of(record)[1] and record.get("session"):
-            new["avoid_session"] = record["session"]  # §14: the previous runner only when no other fits
+            if reason == RetryOn.ERROR and "resume" in new.get("work", {}):
+                new["prefer_session"] = record["session"]  # §18: its worktree and the agent's session are there
+            else:
+                new["avoid_session"] = record["session"]  # §14: the previous runner only when no other fits
         txn.log({"event": "retry", "timestamp": new["updated_at"], "attempt_id": record["attempt_id"],
                  "reason": reason, "session": record["session"], "next_attempt": new["attempt_id"]})
         txn.update(new, source=HUB_QUEUE, reason=f"retry after {reason}")

@@ -91,6 +91,7 @@ class JobRecord(TypedDict):
     retry_on: NotRequired[list[str]]  # §14: the close reasons that retry
     queued_at: NotRequired[str]  # when the current attempt was queued (§14)
     avoid_session: NotRequired[str]  # the previous attempt's runner, chosen last for a label target
+    prefer_session: NotRequired[str]  # §18: the previous runner, chosen first: a retry continues its session
     attempt_history: NotRequired[list[dict[str, Any]]]  # earlier attempts: attempt_id, session, status, reason
     retried: NotRequired[int]  # §14: retries made so far
     queue_owner_pid: NotRequired[int]  # written by releases before one hub engine; read by nothing

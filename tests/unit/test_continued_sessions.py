@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
 from harness.gitserver import git, make_origin
 
-from mam.orchestrator.queuewait import mark_published, requeue, retry_attempt, say_requeue
+from mam.orchestrator.queue import Fleet, RunnerView, plan
+from mam.orchestrator.queuewait import mark_published, queued_job, requeue, retry_attempt, say_requeue
 from mam.runner import repos
 from mam.runner.agents import ClaudeAdapter, new_adapter
 from mam.runner.agents.claude import place_transcript, project_folder
@@ -105,6 +107,16 @@ def test_s18_no_usable_session_reported_no_resume(tmp_path: Path, reported: str 
     reg = Registry(tmp_path)
     new = retry_attempt(reg, ended_attempt(reg, session_id=reported), "error", None, None)
     assert new is not None and "resume" not in new["work"]
+
+
+def fleet_of(*sessions: str) -> Fleet:
+    """Runners of label x serving repo demo, one free slot each."""
+    fleet = Fleet()
+    for session in sessions:
+        fleet.update(RunnerView(session=session, runner_id="a" * 32, status="online", labels=frozenset({"x"}),
+                                max_jobs=1, running=frozenset(), verified=True, seen_at=time.monotonic(),
+                                repos=frozenset({"demo"})))
+    return fleet
 
 
 # ------------------------------------------------------------------ the Claude Code transcript
@@ -241,3 +253,18 @@ def test_s18_say_is_refused_when_the_agent_reported_no_session(tmp_path: Path) -
     with pytest.raises(Refusal, match="reported no session to continue"):
         say_requeue(reg, job_id)
     assert reg.get(job_id)["attempt_id"] == 1  # nothing changed
+
+
+def test_s18_a_retry_after_the_runners_own_error_prefers_the_runner_that_has_the_session(tmp_path: Path) -> None:
+    reg = Registry(tmp_path)
+    new = retry_attempt(reg, ended_attempt(reg), "error", None, None)
+    assert new is not None and new["prefer_session"] == "r1" and "avoid_session" not in new
+    fleet = fleet_of("r0", "r1", "r2")
+    job = queued_job(new)
+    assert plan([job], fleet, time.monotonic(), 60) == [(new["job_id"], "r1")]
+    # a fresh job, or a runner the hub lost, is avoided as before
+    fresh = retry_attempt(reg, ended_attempt(reg, fresh=True), "error", None, None)
+    assert fresh is not None and fresh["avoid_session"] == "r1" and "prefer_session" not in fresh
+    lost = retry_attempt(reg, ended_attempt(reg), "runner_lost", None, None)
+    assert lost is not None and lost["avoid_session"] == "r1"
+    assert plan([queued_job(lost)], fleet, time.monotonic(), 60)[0][1] != "r1"
