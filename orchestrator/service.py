@@ -58,9 +58,9 @@ from mam.orchestrator.results import ResultInbox
 from mam.orchestrator.runners import PRESENCE_STALE_S
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.protocol import names, wire
-from mam.shared.protocol.codes import PUBLISHED_STATUSES, CloseReason, JobStatus
+from mam.shared.protocol.codes import PUBLISHED_STATUSES, CloseReason, JobStatus, PresenceStatus, RetryOn
 from mam.shared.protocol.errors import MamError, UsageError
-from mam.shared.store.records import HUB_DECISIONS, RECORD_NAME_RE, JobRecord, describe_target
+from mam.shared.store.records import HUB_DECISIONS, RECORD_NAME_RE, JobRecord, describe_target, target_of
 from mam.shared.transport import Received, Transport
 
 log = logging.getLogger("mam.serve")
@@ -209,6 +209,25 @@ class HubService:
             self._why.pop(job_id, None)
             if job_id not in self.late and job_id not in self.confirm_watchers:
                 self._judge_late(record, now)
+
+    def _runner_offline(self, session: str, now: float) -> None:
+        """§14: say for each job running on `session` when the idle rule closes it `runner_lost`
+        unless the runner returns, and what comes then (a retry, or the end)."""
+        for job_id, watcher in list(self.watchers.items()):
+            if self.sessions.get(job_id) != session or watcher.runner_lost is None or not watcher.runner_lost():
+                continue
+            try:
+                record = self.registry.get(job_id)
+            except MamError:
+                continue
+            retried, retries = int(record.get("retried", 0)), int(record.get("retries", 0))
+            then = (f"then retry {retried + 1} of {retries}" + (" elsewhere" if target_of(record)[1] else "")
+                    if RetryOn.RUNNER_LOST in record.get("retry_on", []) and retried < retries
+                    else "then it ends runner_lost")
+            left_s = max(0.0, watcher.idle_close_at() - now)
+            self.note(job_id, f"job {job_id}: runner {session} went offline (its presence says so, e.g. its Last "
+                              f"Will); attempt {record['attempt_id']} is lost in {left_s:.0f} s unless it returns; "
+                              f"{then}", warning=True)
 
     def _judge_late(self, record: JobRecord, now: float, watcher: Watcher | None = None) -> None:
         """§14 Late terminals: keep judging a job the hub closed itself (deadline_timeout,
@@ -388,9 +407,14 @@ class HubService:
                 log.warning("job %s: the retained dispatch was not cleared: %s", job_id, exc)
 
     def on_presence(self, session: str, raw: bytes, now: float) -> None:
-        """A runner's presence (§7): update the fleet, then publish what the queue allows (§14)."""
+        """A runner's presence (§7): update the fleet, then publish what the queue allows (§14).
+        A runner that went offline holding jobs (its Last Will) is said at once for each job."""
+        before = self.fleet.view(session)
+        was_online = before is not None and before.status != PresenceStatus.OFFLINE
         self.feed.handle(names.presence_topic(session, self.config.topic_root), raw)
         view = self.fleet.view(session)
+        if was_online and view is not None and view.status == PresenceStatus.OFFLINE:
+            self._runner_offline(session, now)
         refused = view.last_refusal[0] if view is not None and view.last_refusal is not None else None
         if refused in self.watchers:
             line = self.feed.refusal(session, refused)

@@ -524,12 +524,16 @@ class Watcher:
         self.last_alive = now
         log.info("job %s: broker connection back after %.1f s; the idle clock restarts", self.job_id, outage)
 
+    def idle_close_at(self) -> float:
+        """When (monotonic) §10 closes the job unless it speaks again: the idle window from the last
+        accepted message (before the first: the ack window), or the wall clock if sooner."""
+        return min(self.wall_deadline, (self.last_alive + self.idle_s) if self.accepted_any else self.first_deadline)
+
     def next_wake(self, down_since: float | None) -> float:
         """The monotonic time at which `tick` may next decide something."""
         if down_since is not None:  # only the wall clock runs while the broker is away
             return min(self.wall_deadline, self.next_poll)
-        deadline = min(self.wall_deadline, (self.last_alive + self.idle_s) if self.accepted_any
-                       else self.first_deadline)
+        deadline = self.idle_close_at()
         if self._terminal_state is not None:
             deadline = min(deadline, self._terminal_state_at + STATE_GRACE_S)
         return min(deadline, self.next_poll)

@@ -231,6 +231,9 @@ def test_s10_s8_runner_kill9_deadline_then_redispatch_elsewhere_and_stragglers_r
     wait_until(lambda: run.events("progress"), what="a progress event on the hub")
     gpu.kill9()
     killed_at = datetime.now(UTC).replace(microsecond=0)  # the registry's timestamps have whole seconds
+    # §14: the hub says at once what the runner's Last Will means for the job
+    wait_until(lambda: "runner gpu-box went offline" in run.log(), what="the hub to say the runner went offline")
+    assert "attempt 1 is lost in " in run.log() and "then it ends runner_lost" in run.log(), run.log()
     assert run.wait(PATIENCE_S) == 2, run.log()
     record = fleet.hub_record(job_id)
     # §14: the idle close of an attempt whose runner's presence went offline (its Last Will) is runner_lost

@@ -18,11 +18,13 @@ from harness.workspace import TEST_SECRET
 from mam.orchestrator.follow import AuditTail, settled
 from mam.orchestrator.hub import Hub, open_hub
 from mam.orchestrator.hublock import HubLock, service_pid
+from mam.orchestrator.queuewait import mark_published
 from mam.orchestrator.service import HubService
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.config import write_env_file
-from mam.shared.protocol import crypto, names
+from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.errors import ExitCode, UsageError
+from mam.shared.store.records import QueueTerms
 from mam.shared.store.registry import Contract, Registry
 
 KEYS = crypto.derive_keys(TEST_SECRET)
@@ -126,3 +128,32 @@ def test_s14_the_service_records_a_late_outcome_of_a_job_it_closed_itself(tmp_pa
     assert record["job_id"] not in service.late  # judged once: no longer followed
     assert [line["terminal"] for line in reg.audit(record["job_id"]) if line["event"] == "late_terminal"] == [
         "completed"]
+
+
+def test_s14_a_runner_going_offline_is_said_at_once_with_when_its_job_is_lost_and_what_then(tmp_path):
+    reg = Registry(tmp_path)
+    terms = QueueTerms(target_session="gpu-box", retries=1)
+    record = reg.register(session=None, contract=Contract(heartbeat_sec=2, heartbeat_misses=5), queue=terms)
+    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
+    service = HubService(open_hub(tmp_path))
+    service.client = RecordingClient()  # type: ignore[assignment]
+    root = service.config.topic_root
+
+    def presence(status: str) -> bytes:
+        body = wire.Presence.build("gpu-box", "a" * 32, status, host="h", version="1", max_jobs=1,
+                                   running=[record["job_id"]] if status == "online" else [])
+        return wire.encode(crypto.sign(body.to_dict(), KEYS.sign_key))
+
+    now = time.monotonic()
+    service.on_presence("gpu-box", presence("online"), now)
+    mark_published(reg, record["job_id"], "gpu-box")
+    service.scan(now)
+    service.on_message(names.events_topic(record["job_id"], root), started(reg.get(record["job_id"])), now)
+    service.on_presence("gpu-box", presence("offline"), now + 1.0)
+    notes = [line["line"] for line in reg.audit(record["job_id"]) if line["event"] == "hub_note"]
+    said = [line for line in notes if "went offline" in line]
+    assert len(said) == 1, notes
+    assert said[0].startswith("WARNING: job ") and "runner gpu-box went offline" in said[0]
+    assert "attempt 1 is lost in 9 s unless it returns; then retry 1 of 1" in said[0], said[0]
+    service.on_presence("gpu-box", presence("offline"), now + 2.0)  # said once, not on every presence
+    assert len([n for n in (line.get("line", "") for line in reg.audit(record["job_id"])) if "went offline" in n]) == 1
