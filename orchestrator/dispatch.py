@@ -43,14 +43,14 @@ def hub_name() -> str:
     return (os.environ.get("MAM_HUB_NAME") or socket.gethostname() or "hub")[:HUB_NAME_MAX_CHARS]
 
 
-def check_brief(brief: str) -> str:
-    """Refuse a brief that is empty or larger than 512 KiB of UTF-8 (§5).
+def check_brief(brief: str, flags: tuple[str, str] = ("--brief TEXT", "--brief-file")) -> str:
+    """Refuse a brief that is empty or larger than 512 KiB of UTF-8 (§5); `flags` as for `read_brief`.
 
     Raises:
         UsageError: with the size found and the limit.
     """
     if not isinstance(brief, str) or not brief.strip():
-        raise UsageError("the brief is empty: give --brief TEXT, --brief-file PATH or --brief-file -")
+        raise UsageError(f"the brief is empty: give {flags[0]}, {flags[1]} PATH or {flags[1]} -")
     size = len(brief.encode("utf-8", "surrogatepass"))
     if size > MAX_BRIEF_BYTES:
         raise UsageError(f"the brief is {size} bytes, larger than the {MAX_BRIEF_BYTES}-byte limit (§5)")
@@ -141,7 +141,7 @@ def read_brief(brief: str | None, brief_file: str | None, stdin: BinaryIO | None
     if (brief is None) == (brief_file is None):
         raise UsageError(f"give exactly one of {flags[0]}, {flags[1]} PATH or {flags[1]} -")
     if brief is not None:
-        return check_brief(brief)
+        return check_brief(brief, flags)
     where = "stdin" if brief_file == "-" else str(brief_file)
     try:
         if brief_file == "-":
@@ -159,7 +159,7 @@ def read_brief(brief: str | None, brief_file: str | None, stdin: BinaryIO | None
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UsageError(f"{flags[1]} {where}: not UTF-8 text (bad byte at offset {exc.start})") from None
-    return check_brief(text)
+    return check_brief(text, flags)
 
 
 def brief_path(registry: Registry, job_id: str) -> Path:

@@ -16,6 +16,7 @@ from harness.gitserver import git, make_origin
 
 from mam.orchestrator.queue import Fleet, RunnerView, plan
 from mam.orchestrator.queuewait import mark_published, queued_job, requeue, retry_attempt, say_requeue
+from mam.orchestrator.redispatch import say_cli
 from mam.runner import repos
 from mam.runner.agents import ClaudeAdapter, new_adapter
 from mam.runner.agents.claude import place_transcript, project_folder
@@ -268,3 +269,19 @@ def test_s18_a_retry_after_the_runners_own_error_prefers_the_runner_that_has_the
     lost = retry_attempt(reg, ended_attempt(reg), "runner_lost", None, None)
     assert lost is not None and lost["avoid_session"] == "r1"
     assert plan([queued_job(lost)], fleet, time.monotonic(), 60)[0][1] != "r1"
+
+
+@pytest.mark.parametrize(("text", "text_file", "words"), [
+    (None, None, "give exactly one of TEXT, --file PATH or --file -"),
+    ("a", "/x", "give exactly one of TEXT, --file PATH"),
+    ("   ", None, "the brief is empty: give TEXT, --file PATH"),
+    (None, "/nonexistent/words.txt", "--file /nonexistent/words.txt: cannot read"),
+    ("x" * (512 * 1024 + 1), None, "larger than the 524288-byte limit"),
+])
+def test_s18_say_refuses_bad_words_in_one_line_before_anything(tmp_path: Path, text: str | None,
+                                                               text_file: str | None, words: str) -> None:
+    with pytest.raises(UsageError) as caught:
+        say_cli("0123abcd", text, text_file=text_file, workspace=tmp_path)
+    assert words in str(caught.value) and "\n" not in str(caught.value)
+    with pytest.raises(UsageError, match="job id 'zz' is invalid"):
+        say_cli("zz", "hello", workspace=tmp_path)
