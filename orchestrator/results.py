@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mam.orchestrator.hub import Workspace, open_hub
-from mam.shared.protocol import crypto, names
+from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.errors import DecodeError, MamError, RegistryError, SignatureError, UsageError
 from mam.shared.protocol.wire import resultchunk
 from mam.shared.store.fsio import atomic_write, read_json_object
@@ -327,7 +327,16 @@ def format_result(result: Result) -> str:
     artifacts = result.artifacts()
     if artifacts:
         lines.append(f"  artifacts: {', '.join(artifacts)} (in {result.artifacts_dir})")
+    notes = summary.get("artifact_notes")
+    for note in notes[:MAX_NOTES_SHOWN] if isinstance(notes, list) else []:  # what the runner left out, and why
+        lines.append(f"  left out: {wire.safe_line(str(note), wire.MAX_DETAIL_CHARS)}")
+    if isinstance(notes, list) and len(notes) > MAX_NOTES_SHOWN:
+        lines.append(f"  left out: {len(notes) - MAX_NOTES_SHOWN} more (see result.json)")
     return "\n".join(lines) + "\n"
+
+
+MAX_NOTES_SHOWN = 10
+"""`artifact_notes` lines `mam-orch result` prints at most."""
 
 
 RESULT_SETTLE_S = 30.0

@@ -17,6 +17,7 @@ from starlette.testclient import TestClient
 from mam import Hub
 from mam.orchestrator.http import app as hubhttp
 from mam.orchestrator.hub import open_hub
+from mam.orchestrator.results import MAX_NOTES_SHOWN, Result, format_result
 from mam.orchestrator.service import HubService
 from mam.shared.config import write_env_file
 
@@ -113,3 +114,16 @@ def test_s18_python_api_job_result_and_patch(service: HubService, tmp_path: Path
     assert result is not None and result["base_sha"] == "a" * 40 and result["files"][0]["path"] == "NOTES.md"
     assert job.patch() == PATCH
     hub.close()
+
+
+def test_s18_the_human_result_view_says_what_was_left_out_escaped_and_capped(tmp_path: Path) -> None:
+    notes = ["artifact 'core' left out: not a regular file", "artifact '\x1b[2Jx' left out: its name is not allowed",
+             *[f"artifacts_too_large: 'a{n}' left out" for n in range(12)]]
+    summary = {"repo": "demo", "ref": "main", "base_sha": "a" * 40, "head_sha": "b" * 40, "files": [],
+               "artifact_notes": notes}
+    text = format_result(Result(job_id="918b0612", attempt_id=1, root=tmp_path, folder=tmp_path / "r",
+                                summary=summary))
+    shown = [line for line in text.splitlines() if line.startswith("  left out: ")]
+    assert shown[0] == "  left out: artifact 'core' left out: not a regular file"
+    assert "\x1b" not in text and len(shown) == MAX_NOTES_SHOWN + 1
+    assert shown[-1] == f"  left out: {len(notes) - MAX_NOTES_SHOWN} more (see result.json)"
