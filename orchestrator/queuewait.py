@@ -241,6 +241,19 @@ def retry_reason(record: JobRecord) -> str | None:
     return reason if reason in record.get("retry_on", list(DEFAULT_RETRY_ON)) else None
 
 
+def cancel_ended(registry: Registry, job_id: str, client: Transport | None, keys: DispatchKeys | None,
+                 reason: str) -> JobRecord:
+    """The job's record, after a cancel of its ended attempt (§6) with `reason` went out where the
+    client is connected (its runner may still hold it); a failed publish is only logged."""
+    old = registry.get(job_id)
+    if client is not None and keys is not None and client.connected.is_set():
+        try:
+            publish_cancel(client, old, keys, reason)
+        except BrokerError as exc:
+            log.warning("job %s: the cancel of attempt %d was not published: %s", job_id, old["attempt_id"], exc)
+    return old
+
+
 def limit_pause(record: JobRecord, now: float) -> float | None:
     """Until when (epoch s) this ended attempt pauses (§14 Pauses), or None: it ended `error`
     on a usage limit (`usage_limit` of this attempt, §18), the job is not `--on-limit fail`,
@@ -266,12 +279,7 @@ def pause_attempt(registry: Registry, job_id: str, until: float, client: Transpo
     Raises:
         RegistryError.
     """
-    old = registry.get(job_id)
-    if client is not None and keys is not None and client.connected.is_set():
-        try:
-            publish_cancel(client, old, keys, "paused on a usage limit")
-        except BrokerError as exc:
-            log.warning("job %s: the cancel of attempt %d was not published: %s", job_id, old["attempt_id"], exc)
+    old = cancel_ended(registry, job_id, client, keys, "paused on a usage limit")
     stamp = wire.format_ts(datetime.fromtimestamp(until, UTC))
     with registry.transaction(job_id) as txn:
         record = txn.record
@@ -325,12 +333,7 @@ def retry_attempt(registry: Registry, job_id: str, reason: str, client: Transpor
     Raises:
         RegistryError.
     """
-    old = registry.get(job_id)
-    if client is not None and keys is not None and client.connected.is_set():
-        try:
-            publish_cancel(client, old, keys, f"retry after {reason}")
-        except BrokerError as exc:
-            log.warning("job %s: the cancel of attempt %d was not published: %s", job_id, old["attempt_id"], exc)
+    old = cancel_ended(registry, job_id, client, keys, f"retry after {reason}")
     with registry.transaction(job_id) as txn:
         record = txn.record
         if record["status"] != Status.ERROR or record["attempt_id"] != old["attempt_id"]:

@@ -492,22 +492,23 @@ class HubService:
             log.warning("job %s: not retried: %s", job_id, exc)
             return
         if new is not None:
-            self.note(job_id, f"job {job_id}: attempt {record['attempt_id']} ended {reason} on "
-                              f"{record.get('session') or '-'}; retry {new.get('retried')} of {new.get('retries')}: "
-                              f"attempt {new['attempt_id']} queued")
-            self.late.pop(job_id, None)
-            self._enqueue(new)
-            self.plan(now)
+            self._requeued(new, f"job {job_id}: attempt {record['attempt_id']} ended {reason} on "
+                                f"{record.get('session') or '-'}; retry {new.get('retried')} of "
+                                f"{new.get('retries')}: attempt {new['attempt_id']} queued", now)
 
     def _pause(self, record: JobRecord, until: float, now: float) -> None:
         job_id = record["job_id"]
         new = pause_attempt(self.registry, job_id, until, self.client, self.keys)
-        if new is None:
-            return
-        self.note(job_id, f"job {job_id}: attempt {record['attempt_id']} stopped on a usage limit on "
-                          f"{record.get('session') or '-'}; paused until {new['paused_until']}, then attempt "
-                          f"{new['attempt_id']} continues there (`mam-orch resume {job_id}` goes on now)")
-        self.late.pop(job_id, None)
+        if new is not None:
+            self._requeued(new, f"job {job_id}: attempt {record['attempt_id']} stopped on a usage limit on "
+                                f"{record.get('session') or '-'}; paused until {new['paused_until']}, then attempt "
+                                f"{new['attempt_id']} continues there (`mam-orch resume {job_id}` goes on now)", now)
+
+    def _requeued(self, new: JobRecord, line: str, now: float) -> None:
+        """A retried or paused job's next attempt is queued: say `line`, stop judging the old
+        attempt's late terminal, and plan the queue."""
+        self.note(new["job_id"], line)
+        self.late.pop(new["job_id"], None)
         self._enqueue(new)
         self.plan(now)
 

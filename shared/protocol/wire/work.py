@@ -60,12 +60,18 @@ class Resume:
         return out
 
 
-def _resume_from(obj: object) -> Resume:
+def _check_object(obj: object, name: str, fields: frozenset[str]) -> Mapping[str, Any]:
+    """`obj` when it is an object of `fields` only; `name` (e.g. `work.resume`) in the message."""
     if not isinstance(obj, Mapping):
-        raise Invalid(f"work.resume must be an object, got {type_name(obj)} {show(obj)}")
-    unknown = sorted(str(key) for key in obj.keys() - RESUME_FIELDS)
+        raise Invalid(f"{name} must be an object, got {type_name(obj)} {show(obj)}")
+    unknown = sorted(str(key) for key in obj.keys() - fields)
     if unknown:
-        raise Invalid(f"unknown field {', '.join(show('work.resume.' + key) for key in unknown[:4])}")
+        raise Invalid(f"unknown field {', '.join(show(f'{name}.{key}') for key in unknown[:4])}")
+    return obj
+
+
+def _resume_from(obj: object) -> Resume:
+    obj = _check_object(obj, "work.resume", RESUME_FIELDS)
     if "session_id" not in obj or "attempt" not in obj:
         raise Invalid("work.resume needs session_id and attempt")
     return Resume(**dict(obj))
@@ -183,11 +189,7 @@ class Work:
 
 
 def _work_from(obj: object) -> Work:
-    if not isinstance(obj, Mapping):
-        raise Invalid(f"work must be an object, got {type_name(obj)} {show(obj)}")
-    unknown = sorted(str(key) for key in obj.keys() - WORK_FIELDS)
-    if unknown:
-        raise Invalid(f"unknown field {', '.join(show('work.' + key) for key in unknown[:4])}")
+    obj = _check_object(obj, "work", WORK_FIELDS)
     if any(value is None for value in obj.values()):
         raise Invalid("work fields are left out when unset, never null")
     fields = dict(obj)
