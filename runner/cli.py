@@ -151,6 +151,9 @@ def run_cmd(
                                    "is an error), codex (codex exec --json: thread, turns, tokens) or "
                                    "command (any executable; its exit status is the verdict). Default: "
                                    "claude or codex when the executable has that name, else command."),
+    on_revoke: str = typer.Option("stop", "--on-revoke", metavar="stop|finish",
+                                  help="When the hub revokes this runner (§16.7): stop cancels its running "
+                                       "jobs at once, finish lets them end; nothing new is taken, then exit 77."),
 ) -> int:
     """Serve a session: take signed dispatches, run the agent under a heartbeat,
     publish its events; presence and Last Will on one connection (PROTOCOL §5-§7, §11).
@@ -158,14 +161,15 @@ def run_cmd(
     SIGTERM/SIGINT drains (running jobs finish, nothing new is taken); a second
     one cancels the running jobs. Exit codes: 0 clean exit; 3 broker unreachable;
     64 bad arguments, missing MAM_DISPATCH_SECRET, or the session is held by
-    another live runner.
+    another live runner; 77 the hub revoked this runner (`mam-orch runner revoke`).
     """
     cli.setup_logging()
     from mam.runner.service import run_cli  # lazy: keeps paho/psutil out of `mam-runner publish`
 
     return run_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
                    max_jobs=max_jobs, once=once, replace=replace, labels=labels, repos=repo or None,
-                   max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees, agent=agent)
+                   max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees, agent=agent,
+                   on_revoke=on_revoke)
 
 
 @app.command("gc")

@@ -47,15 +47,17 @@ from mam.shared import config as shared_config
 from mam.shared.config import BrokerConfig
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.codes import TERMINAL_STATUSES, ControlAction, PresenceStatus
-from mam.shared.protocol.errors import BrokerError, ExitCode, MamError, SignatureError
+from mam.shared.protocol.errors import BrokerError, DecodeError, ExitCode, MamError, SignatureError
 from mam.shared.store.records import JobRecord
 from mam.shared.store.registry import JobNotFound, Refusal, Registry
 from mam.shared.transport import Received, Transport, TransportFactory, mqtt
 
 log = logging.getLogger("mam.daemon")
 
+KEY_SHOWN_CHARS = 12  # of a hub key in the revocation line, as `mam-orch runner list` shows keys
 MESSAGE_WAIT_S = 0.1  # longest wait for a message before the next `on_tick`
 SHUTDOWN_REASON = "runner_shutdown"
+REVOKED_REASON = "runner_revoked"
 TAKEN_CHECK_WAIT_S = 2.0
 """Longest wait for each SUBACK/UNSUBACK of the state read before a take (§17); only a broker that
 does not answer makes a take wait this (the dispatch then stays retained)."""
@@ -117,6 +119,9 @@ class Runner:
         self._drain_announced = False
         self._shutdown_done = False
         self._serve_thread: threading.Thread | None = None
+        self._stop_reason = SHUTDOWN_REASON
+        self._revoked_topic = names.revoked_topic(options.session, config.topic_root)
+        self.revoked: wire.Revocation | None = None  # the hub's verified notice (§16.7): exit 77
 
     # ------------------------------------------------------------ public API
 
@@ -178,7 +183,7 @@ class Runner:
         until drained, stopped or (`once`) one job ended.
 
         Returns:
-            0 on a clean exit.
+            0 on a clean exit; 77 (`ExitCode.REVOKED`) once the hub revoked this runner (§16.7).
         Raises:
             SessionBusy: another live runner holds the session (exit 64; §7).
             HubRegistry: the registry root holds hub records (exit 64; §8).
@@ -203,7 +208,7 @@ class Runner:
         try:
             self._startup(self._registry)
             self._main_loop()
-            return ExitCode.OK
+            return ExitCode.REVOKED if self.revoked is not None else ExitCode.OK
         finally:
             try:
                 self._shutdown()
@@ -236,6 +241,11 @@ class Runner:
             client.subscribe([(names.all_answers_filter(self.config.topic_root), mqtt.QOS_AT_LEAST_ONCE)])  # §19
         except BrokerError as exc:  # a runner user from before §19: jobs run, their agents' asks get no answer
             log.warning("answers to permission requests cannot reach this runner: %s; give its broker user the "
+                        "rights of `mam-orch runner add` again (docs/security.md)", exc)
+        try:
+            client.subscribe([(self._revoked_topic, mqtt.QOS_AT_LEAST_ONCE)])  # §16.7
+        except BrokerError as exc:  # a runner user from before §16.7: a revocation is not heard here
+            log.warning("a revocation by the hub cannot reach this runner: %s; give its broker user the "
                         "rights of `mam-orch runner add` again (docs/security.md)", exc)
         logstreams = self._supervisor.logstreams
         self._socket = PublishServer(registry, held=lambda job_id: job_id in self.running, send=self._send,
@@ -275,7 +285,7 @@ class Runner:
         """
         assert self.client is not None
         if self._stop.is_set():
-            self._cancel_all(SHUTDOWN_REASON)
+            self._cancel_all(self._stop_reason)
             if not self.running:
                 return True
         if self._draining.is_set() and not self._drain_announced:
@@ -471,12 +481,42 @@ class Runner:
             elif leaf == "control":
                 self._on_control(job_id, message.payload)
             return
+        if message.topic == self._revoked_topic:
+            self._on_revoked(message.payload)
+            return
         answered = names.parse_answer_topic(message.topic, self.config.topic_root)
         if answered is not None:
             self._on_answer(*answered, message.topic, message.payload)
             return
         if message.topic == self.presence.topic and self.presence.on_message(message.payload, message.retain):
             self._draining.set()
+
+    def _on_revoked(self, payload: bytes) -> None:
+        """The hub's revocation notice (§16.7): once verified, take nothing new, stop or let
+        finish (`--on-revoke`) the running jobs, and exit 77."""
+        if not payload or self.revoked is not None:
+            return
+        try:
+            notice = wire.decode(payload, "revoked")
+            hub_key = self.trust.verify_revocation(notice)
+        except (DecodeError, SignatureError) as exc:
+            log.warning("refused revocation notice for session %s: %s", self.options.session, exc)
+            return
+        if notice.session != self.options.session:
+            log.warning("refused revocation notice: it names session %s, not %s", notice.session,
+                        self.options.session)
+            return
+        self.revoked = notice
+        finish = self.options.on_revoke == "finish"
+        running = self.running
+        what = ("nothing new is taken; running jobs finish, then it exits 77" if finish and running
+                else "stopping its running jobs and exiting 77" if running else "exiting 77")
+        log.error("runner %s revoked by the hub (key %s) at %s: %s", self.options.session,
+                  hub_key[:KEY_SHOWN_CHARS], notice.revoked_at, what)
+        self._draining.set()
+        if not finish:
+            self._stop_reason = REVOKED_REASON
+            self._stop.set()
 
     def admission_state(self) -> RunnerState:
         """What the §5 checks need to know about this runner now."""
@@ -670,7 +710,7 @@ class Runner:
 def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None, max_jobs: int,
             once: bool, replace: bool, labels: str | None = None, repos: list[str] | None = None,
             max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-            keep_worktrees: bool = False, agent: str | None = None) -> int:
+            keep_worktrees: bool = False, agent: str | None = None, on_revoke: str = "stop") -> int:
     """`mam-runner run`: validate, resolve config and keys, serve; returns the exit code (0 clean exit).
 
     Raises:
@@ -679,7 +719,8 @@ def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str 
     """
     options = options_from_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
                                max_jobs=max_jobs, once=once, replace=replace, labels=labels, repos=repos,
-                               max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees, agent=agent)
+                               max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees, agent=agent,
+                               on_revoke=on_revoke)
     hub_trust = trust.load(options.root)  # before anything talks to the network (§5, §16.1)
     cfg = shared_config.broker_config(workspace=options.root)
     return Runner(options, config=cfg, trust=hub_trust).serve()

@@ -49,6 +49,8 @@ PRESENCE_WAIT = Seconds("MAM_PRESENCE_WAIT_S", DEFAULT_PRESENCE_WAIT_S, 0.0, 60.
 PRESENCE_REFRESH = Seconds("MAM_PRESENCE_REFRESH_S", DEFAULT_PRESENCE_REFRESH_S, 1.0, 60.0)
 AGENT_LINGER = Seconds("MAM_AGENT_LINGER_S", DEFAULT_AGENT_LINGER_S, 0.0, 86400.0)
 LABELS_ENV = "MAM_RUNNER_LABELS"
+ON_REVOKE = ("stop", "finish")
+"""`run --on-revoke`: a revoked runner cancels its running jobs, or lets them end (§16.7)."""
 DEFAULT_MAX_RESULT_BYTES = 50 * 1000 * 1000
 """A result's change (bundle + patch) sent at most, bytes (§18); `--max-result-bytes`."""
 MAX_RESULT_BYTES_LIMIT = 1 << 30
@@ -98,6 +100,8 @@ class RunnerOptions:
         max_result_bytes: a result's change sent at most, bytes (§18).
         keep_worktrees: keep the worktrees a stopped runner left (§18), for a look at them.
         agent: the agent adapter's kind (`agents.KINDS`: claude, command; §18).
+        on_revoke: what a revocation notice does to running jobs (§16.7): `stop` cancels
+            them now, `finish` lets them end; either way nothing new is taken, then exit 77.
     """
 
     session: str
@@ -119,6 +123,7 @@ class RunnerOptions:
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
     keep_worktrees: bool = False
     agent: str = "command"
+    on_revoke: str = "stop"
 
 
 def read_labels(labels: str | None, values: Mapping[str, str]) -> tuple[str, ...]:
@@ -153,7 +158,8 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
                      max_jobs: int, once: bool, replace: bool, labels: str | None = None,
                      environ: Mapping[str, str] | None = None, repos: list[str] | None = None,
                      max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-                     keep_worktrees: bool = False, agent: str | None = None) -> RunnerOptions:
+                     keep_worktrees: bool = False, agent: str | None = None,
+                     on_revoke: str = "stop") -> RunnerOptions:
     """Validate `mam-runner run` arguments before any network or registry write.
 
     Args:
@@ -162,6 +168,7 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
         repos: `--repo NAME=URL` flags; max_result_bytes: `--max-result-bytes`;
         keep_worktrees: `--keep-worktrees` (§18).
         agent: `--agent` (None: `agents.default_kind` of the command).
+        on_revoke: `--on-revoke` (ON_REVOKE: stop or finish, §16.7).
         environ: the process environment (default os.environ).
     Returns:
         RunnerOptions.
@@ -182,6 +189,8 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
     if isinstance(max_result_bytes, bool) or not MIN_RESULT_BYTES <= max_result_bytes <= MAX_RESULT_BYTES_LIMIT:
         raise UsageError(f"--max-result-bytes {max_result_bytes!r} is invalid: expected "
                          f"{MIN_RESULT_BYTES}..{MAX_RESULT_BYTES_LIMIT}")
+    if on_revoke not in ON_REVOKE:
+        raise UsageError(f"--on-revoke {on_revoke!r} is invalid: expected {' or '.join(ON_REVOKE)}")
     if repos:
         parse_repos(repos, None)
     root = resolve_root(workspace, env)
@@ -197,7 +206,8 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
                          labels=read_labels(labels, values),
                          log_rate_bps=logstream.rate_from_env(values),
                          repos=parse_repos(repos or [], values.get(REPOS_ENV)),
-                         max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees, agent=kind)
+                         max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees, agent=kind,
+                         on_revoke=on_revoke)
 
 
 def agent_kind(agent: str | None, argv: list[str]) -> str:
@@ -216,5 +226,5 @@ def agent_kind(agent: str | None, argv: list[str]) -> str:
     return kind
 
 
-__all__ = ["MAX_JOBS_LIMIT", "RunnerOptions", "Seconds", "agent_kind", "options_from_cli", "read_labels",
+__all__ = ["MAX_JOBS_LIMIT", "ON_REVOKE", "RunnerOptions", "Seconds", "agent_kind", "options_from_cli", "read_labels",
            "read_seconds"]

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from mam.shared import config
 from mam.shared.protocol import crypto, wire
 from mam.shared.protocol.crypto import DispatchKeys, pubkey
-from mam.shared.protocol.crypto.keys import RunnerKeys
+from mam.shared.protocol.crypto.keys import RunnerKeys, public_text
 from mam.shared.protocol.errors import ConfigError, SignatureError
 from mam.shared.protocol.wire.fields import SEAL_ALG_V2
 from mam.shared.store import keyfiles
@@ -65,6 +65,16 @@ class HubTrust(Protocol):
         """
         ...
 
+    def verify_revocation(self, notice: wire.Revocation) -> str:
+        """Check a revocation notice names this identity and a trusted hub key signed it (§16.7).
+
+        Returns:
+            the signing hub key, base64url (to name the hub in the log).
+        Raises:
+            SignatureError: one line: not signed by a trusted hub key, or another identity's notice.
+        """
+        ...
+
 
 @dataclass(frozen=True)
 class V1Trust:
@@ -89,6 +99,9 @@ class V1Trust:
 
     def verify_own_presence(self, presence: wire.Presence) -> None:
         crypto.verify(presence, self.keys.sign_key)
+
+    def verify_revocation(self, notice: wire.Revocation) -> str:
+        raise SignatureError("revocation notice ignored: this runner is v1 (not enrolled), so never revoked")
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,18 @@ class V2Trust:
 
     def verify_own_presence(self, presence: wire.Presence) -> None:
         pubkey.verify(presence, [self.runner.ed25519.public_key()])
+
+    def verify_revocation(self, notice: wire.Revocation) -> str:
+        for key in self.hub_keys:
+            try:
+                pubkey.verify(notice, [key])
+            except SignatureError:
+                continue
+            if notice.runner_key != self.runner.ed25519_public:
+                raise SignatureError("revocation notice names another enrolment of this session (an older key): "
+                                     "ignored")
+            return public_text(key)
+        raise SignatureError("revocation notice is not signed by a trusted hub key: ignored")
 
 
 def load_v2(root: Path, values: Mapping[str, str], v1: DispatchKeys | None = None) -> V2Trust | None:

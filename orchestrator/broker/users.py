@@ -4,7 +4,8 @@ enrolled runner, named after its session (so mosquitto's `%u` is the session).
 A runner's user may publish only `jobs/+/events`, `jobs/+/state`, `jobs/+/log`, `jobs/+/result`, its
 own `runners/<session>` and its own `enrol/<session>/request`; it may subscribe only to
 `jobs/+/dispatch`, `jobs/+/control`, `jobs/+/state` (the §17 `taken` check reads the
-job's retained state), its own presence and its own `enrol/<session>/answer` (so an
+job's retained state), its own presence, the hub's notice `runners/<session>/revoked`
+(§16.7) and its own `enrol/<session>/answer` (so an
 enrolled runner can take a new invite: re-keying, new labels; the code's MAC guards both).
 Not `jobs/+/dispatch` for publishing: a broker cannot tell a clear from a forged dispatch,
 and the hub clears a taken dispatch itself (§17); the runner's own clear is acknowledged
@@ -68,6 +69,7 @@ def runner_topics(session: str, topic_root: str | None = None) -> tuple[list[str
     publish = [f"{root}/jobs/+/{leaf}" for leaf in PUBLISH_LEAVES] + [answers, own,
                                                                      names.enrol_topic(user, "request", root)]
     subscribe = [f"{root}/jobs/+/{leaf}" for leaf in SUBSCRIBE_LEAVES] + [answers, own,
+                                                                         names.revoked_topic(user, root),
                                                                          names.enrol_topic(user, "answer", root)]
     return publish, subscribe
 
@@ -81,6 +83,7 @@ def mosquitto_acl_block(session: str, topic_root: str | None = None) -> str:
               ("read", "control"))
     return "".join([f"user {user}\n", *(f"topic {access} {root}/jobs/+/{leaf}\n" for access, leaf in rights),
                     f"topic readwrite {names.all_answers_filter(root)}\n",
+                    f"topic read {names.revoked_topic(user, root)}\n",
                     f"topic write {names.enrol_topic(user, 'request', root)}\n",
                     f"topic read {names.enrol_topic(user, 'answer', root)}\n"])
 

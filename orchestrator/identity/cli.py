@@ -15,7 +15,7 @@ from pathlib import Path
 
 import typer
 
-from mam.orchestrator.identity import invites, roster, runneruser
+from mam.orchestrator.identity import invites, notice, roster, runneruser
 from mam.orchestrator.identity.roster import RosterEntry
 from mam.shared import cli, config
 from mam.shared.protocol import names
@@ -177,10 +177,13 @@ def revoke_cmd(
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of text."),
 ) -> int:
     """Revoke a runner: from the hub's next message on its presence is refused and nothing is
-    dispatched to it (PROTOCOL §16). Exit 1: not enrolled."""
+    dispatched to it; the runner is told (a signed, retained notice), stops its jobs and
+    exits 77; its broker user, if the hub made one, is removed (PROTOCOL §16.7).
+    Revoking again tells it again. Exit 1: not enrolled."""
     root = _root(workspace)
     entry = roster.revoke(root, session)
-    notes = runneruser.withdraw(root, entry.session)  # its broker user too (§16)
+    notes = notice.tell_revoked(root, entry)  # before its broker user goes, so it can still hear
+    notes += runneruser.withdraw(root, entry.session)  # its broker user too (§16)
     if as_json:
         typer.echo(json.dumps({"session": entry.session, "result": "revoked", "revoked_at": entry.revoked_at,
                                "notes": list(notes)}, sort_keys=True))

@@ -42,8 +42,8 @@ REVOCATION_STAT_S = 0.1
 effect within it, and a service with a thousand jobs does not stat the folder per message."""
 ENTRY_FIELDS = frozenset({"session", "labels", "ed25519_public", "x25519_public", "enrolled_at", "revoked_at"})
 
-__all__ = ["Revocations", "RosterEntry", "add", "build_dispatch_v2", "check_presence", "entries", "get", "revoke",
-           "sign_control_v2"]
+__all__ = ["Revocations", "RosterEntry", "add", "build_dispatch_v2", "check_presence", "entries", "get",
+           "revocation_notice", "revoke", "sign_control_v2"]
 
 log = logging.getLogger("mam.roster")
 _WARNED_V1: set[str] = set()  # sessions already warned about (once per session and process, §16)
@@ -292,6 +292,19 @@ def sign_control_v2(root: Path, session: str, control: wire.Control, *, hub_key:
     if entry is None:
         return None
     return pubkey.sign(control, hub_key if hub_key is not None else keyfiles.hub_key(root))
+
+
+def revocation_notice(root: Path, entry: RosterEntry, *, hub_key: Ed25519PrivateKey | None = None) -> bytes:
+    """The signed, retained notice that tells a revoked runner so (§16.7): its session, its
+    revoked Ed25519 key and when, signed with the hub key.
+
+    Raises:
+        UsageError: the entry is not revoked. ConfigError: the hub key cannot be read.
+    """
+    if entry.revoked_at is None:
+        raise UsageError(f"runner {entry.session!r} is not revoked")
+    notice = wire.Revocation.build(entry.session, entry.ed25519_public, entry.revoked_at)
+    return wire.encode(pubkey.sign(notice, hub_key if hub_key is not None else keyfiles.hub_key(root)))
 
 
 class Revocations:

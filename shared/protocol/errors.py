@@ -26,6 +26,7 @@ class ExitCode(IntEnum):
     CANCELLED = 4
     NO_RUNNER = 5
     USAGE = 64
+    REVOKED = 77  # `mam-runner run`: the hub revoked this runner (§16.7; sysexits' EX_NOPERM)
     DETACHED = 130
     INTERRUPTED = 130  # Ctrl-C (128 + SIGINT) or an aborted prompt
     # `mam-runner publish` and `mam-runner run` (§9, their columns).

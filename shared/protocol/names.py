@@ -477,6 +477,11 @@ def presence_topic(session: str, root: str | None = None) -> str:
     return f"{topic_root(root)}/runners/{validate_session(session)}"
 
 
+def revoked_topic(session: str, root: str | None = None) -> str:
+    """The hub's retained revocation notice of one runner session (§2, §16.7)."""
+    return f"{presence_topic(session, root)}/revoked"
+
+
 def all_presence_filter(root: str | None = None) -> str:
     """Subscription filter for every runner's presence: `ROOT/runners/+` (§7)."""
     return f"{topic_root(root)}/runners/+"

@@ -2,8 +2,9 @@
 service `mam-orch serve`, or a lone `mam-orch dispatch` process): two enrolled
 runners with label x, a job with `--retries 1` running on one of them (A), then
 `mam-orch runner revoke A`. Within `REVOKE_EFFECT_S` the hub closes attempt 1
-`runner_lost` and sends A a v2-signed cancel (A stops the agent), attempt 2 goes to
-the other runner and completes, and the hub refuses A's presence (`runners`)."""
+`runner_lost`; A hears the hub's signed notice (§16.7), stops the agent and exits 77
+within `RUNNER_EXIT_S`; attempt 2 goes to the other runner and completes, and the hub
+refuses A's presence (`runners`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from harness.runnersim import AGENTS, MAM_ORCH, MAM_RUNNER, hub_env, hub_workspace, orch, retained, runner_log
 from harness.waiting import PATIENCE_S, wait_until
@@ -30,6 +32,9 @@ SESSIONS = ("rev-a", "rev-b")
 REVOKE_EFFECT_S = 20.0
 """From `runner revoke`'s return to the job closed, at most (s): "at once" (§16.7), far inside
 the default idle window (30 s × 4) it would otherwise wait for, with room for a busy machine."""
+RUNNER_EXIT_S = 10.0
+"""From `runner revoke`'s return to the revoked runner's exit, at most (s): it has heard the
+notice by then (the command waits for that), and stops its agent within MAM_CANCEL_GRACE_S."""
 
 
 def start_enrolled(broker, hub: Path, workspace: Path, session: str) -> subprocess.Popen[bytes]:
@@ -60,6 +65,19 @@ def start_service(hub: Path, log_path: Path) -> subprocess.Popen[bytes]:
     return proc
 
 
+def agents_of(job_id: str, attempt_id: int) -> list[int]:
+    """The processes of one attempt's agent tree: they inherit MAM_JOB_ID and MAM_ATTEMPT_ID (§11.4)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            environ = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if environ.get("MAM_JOB_ID") == job_id and environ.get("MAM_ATTEMPT_ID") == str(attempt_id):
+            found.append(proc.pid)
+    return found
+
+
 @pytest.mark.parametrize("hub_kind", ["serve", "dispatch"])
 def test_s16_revoke_mid_job_closes_runner_lost_cancels_and_retries_elsewhere(broker, tmp_path, hub_kind):
     hub = hub_workspace(broker, tmp_path)
@@ -79,17 +97,21 @@ def test_s16_revoke_mid_job_closes_runner_lost_cancels_and_retries_elsewhere(bro
         wait_until(lambda: running() and marker.exists(), what="attempt 1 running")
         (first,) = running()
         job_id, lost = first["job_id"], first["session"]
+        assert agents_of(job_id, 1)
         other = next(session for session in SESSIONS if session != lost)
         revoke = orch(hub, "runner", "revoke", lost)
         assert revoke.returncode == 0, revoke.stderr
         revoked_at = time.monotonic()
+        assert f"told runner {lost}: it heard and is " in revoke.stdout, revoke.stdout
         wait_until(lambda: registry.get(job_id).get("attempt_history"), what="attempt 1 closed")
         took_s = time.monotonic() - revoked_at
         (history,) = registry.get(job_id)["attempt_history"]
         assert (history["session"], history["close_reason"]) == (lost, "runner_lost")
         assert took_s <= REVOKE_EFFECT_S, f"revocation took {took_s:.1f} s"
-        wait_until(lambda: f"cancel of job {job_id} attempt 1" in runner_log(tmp_path / lost),
-                   what="A to receive the hub's v2 cancel")
+        revoked_runner = procs[SESSIONS.index(lost)]
+        assert revoked_runner.wait(RUNNER_EXIT_S) == 77, runner_log(tmp_path / lost)
+        assert f"runner {lost} revoked by the hub (key " in runner_log(tmp_path / lost)
+        assert not agents_of(job_id, 1), "attempt 1's agent outlived its revoked runner"
         _out, err = job.communicate(timeout=2 * PATIENCE_S)
         assert job.returncode == 0, err
         record = registry.get(job_id)

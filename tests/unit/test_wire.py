@@ -50,7 +50,12 @@ PRESENCE: dict[str, Any] = {
     "host": "gpu-box.lan", "version": "0.1.0", "max_jobs": 1, "running": ["918b0612"],
     "timestamp": "2026-06-20T14:50:00Z", "sig": SIG,
 }
-VALID = {"event": EVENT, "state": STATE, "dispatch": DISPATCH, "control": CONTROL, "presence": PRESENCE}
+REVOKED: dict[str, Any] = {
+    "schema_version": 1, "kind": "revoked", "session": "gpu-box", "runner_key": wire.b64url_encode(bytes(32)),
+    "revoked_at": "2026-06-20T14:50:00Z", "sig_alg": "ed25519", "sig": wire.b64url_encode(bytes(64)),
+}
+VALID = {"event": EVENT, "state": STATE, "dispatch": DISPATCH, "control": CONTROL, "presence": PRESENCE,
+         "revoked": REVOKED}
 DELETE = object()
 
 
@@ -87,7 +92,7 @@ def dumps(obj: Any) -> bytes:
 def test_s3_s7_protocol_examples_decode(kind):
     message = wire.decode(dumps(VALID[kind]), kind)
     assert message.to_dict() == VALID[kind]
-    assert type(message).__name__.lower() == kind
+    assert type(message).__name__.lower() == {"revoked": "revocation"}.get(kind, kind)
 
 
 def test_s3_event_accessors():
@@ -552,7 +557,7 @@ def test_s3_many_unknown_fields_reason_stays_short():
 @pytest.mark.parametrize("kind", wire.EXPECTS)
 def test_s3_2_class_from_dict_applies_the_same_order(kind):
     cls = {"event": wire.Event, "state": wire.State, "dispatch": wire.Dispatch, "control": wire.Control,
-           "presence": wire.Presence}[kind]
+           "presence": wire.Presence, "revoked": wire.Revocation}[kind]
     assert cls.from_dict(VALID[kind]).to_dict() == VALID[kind]
     bad = {**mutated(kind, "schema_version", 2), "unknown": 1}
     with pytest.raises(DecodeError) as info:

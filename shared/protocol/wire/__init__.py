@@ -64,10 +64,12 @@ from mam.shared.protocol.wire.messages import (
     CONTROL_FIELDS,
     EVENT_FIELDS,
     PRESENCE_FIELDS,
+    REVOCATION_FIELDS,
     STATE_FIELDS,
     Control,
     Event,
     Presence,
+    Revocation,
     State,
 )
 from mam.shared.protocol.wire.work import Resume, Work
@@ -77,22 +79,24 @@ __all__ = [
     "DEFAULT_HEARTBEAT_SEC", "DEFAULT_TIMEOUT_SEC", "DISPATCH_FIELDS", "EVENT_FIELDS", "EVENT_NAMES", "EXPECTS",
     "GCM_TAG_BYTES", "JOB_STATUSES", "MAX_CONTRACT_SEC", "MAX_DEPTH", "MAX_DETAIL_CHARS", "MAX_DISPATCH_BYTES",
     "MAX_HEARTBEAT_MISSES", "MAX_MESSAGE_BYTES", "MAX_NAME_CHARS", "MAX_PAYLOAD_BYTES", "MAX_REASON_CHARS",
-    "MAX_RUNNING", "MAX_SAFE_INT", "MAX_VERSION_CHARS", "PRESENCE_FIELDS", "PRESENCE_STATUSES", "SCHEMA_VERSION",
+    "MAX_RUNNING", "MAX_SAFE_INT", "MAX_VERSION_CHARS", "PRESENCE_FIELDS", "PRESENCE_STATUSES", "REVOCATION_FIELDS",
+    "SCHEMA_VERSION",
     "SEALED_FIELDS", "SEAL_ALG", "SEAL_NONCE_BYTES", "STATE_FIELDS", "TERMINAL_EVENTS", "TERMINAL_STATUSES",
     "WIRE_TYPES", "Contract", "Control", "Dispatch", "Event", "Expect", "Message", "Presence", "Sealed", "State",
-    "Resume", "Work",
+    "Resume", "Revocation", "Work",
     "b64url_decode", "b64url_encode", "canonical", "decode", "encode", "format_ts", "from_dict", "parse_ts",
     "safe_line",
 ]
 
-EXPECTS = ("event", "state", "dispatch", "control", "presence")
-Expect = Literal["event", "state", "dispatch", "control", "presence"]
+EXPECTS = ("event", "state", "dispatch", "control", "presence", "revoked")
+Expect = Literal["event", "state", "dispatch", "control", "presence", "revoked"]
 
-Message = Event | State | Dispatch | Control | Presence
+Message = Event | State | Dispatch | Control | Presence | Revocation
+MessageType = type[Event] | type[State] | type[Dispatch] | type[Control] | type[Presence] | type[Revocation]
 # Every wire type: canonical() serializes them through their to_dict().
-WIRE_TYPES = (Event, State, Dispatch, Control, Presence, Contract, Sealed, Work)
-_TYPES: Mapping[str, type[Event] | type[State] | type[Dispatch] | type[Control] | type[Presence]] = {
-    "event": Event, "state": State, "dispatch": Dispatch, "control": Control, "presence": Presence}
+WIRE_TYPES = (Event, State, Dispatch, Control, Presence, Revocation, Contract, Sealed, Work)
+_TYPES: Mapping[str, MessageType] = {"event": Event, "state": State, "dispatch": Dispatch, "control": Control,
+                                     "presence": Presence, "revoked": Revocation}
 
 
 def canonical(obj: Any) -> bytes:
@@ -112,7 +116,7 @@ def canonical(obj: Any) -> bytes:
     return canonical_json(obj)
 
 
-def _type_of(expect: str) -> type[Event] | type[State] | type[Dispatch] | type[Control] | type[Presence]:
+def _type_of(expect: str) -> MessageType:
     if expect not in _TYPES:
         raise ValueError(f"expect must be one of {', '.join(EXPECTS)}, not {expect!r}")
     return _TYPES[expect]
@@ -129,6 +133,8 @@ def from_dict(obj: Mapping[str, Any], expect: Literal["control"]) -> Control: ..
 @overload
 def from_dict(obj: Mapping[str, Any], expect: Literal["presence"]) -> Presence: ...
 @overload
+def from_dict(obj: Mapping[str, Any], expect: Literal["revoked"]) -> Revocation: ...
+@overload
 def from_dict(obj: Mapping[str, Any], expect: str) -> Message: ...
 
 
@@ -141,7 +147,7 @@ def from_dict(obj: Mapping[str, Any], expect: str) -> Message:
         the message dataclass.
     Raises:
         DecodeError: as `decode`, without the raw payload.
-        ValueError: `expect` is not one of the five kinds.
+        ValueError: `expect` is not one of the six kinds.
     """
     return _type_of(expect).from_dict(obj)
 
@@ -156,6 +162,8 @@ def decode(raw: bytes | str, expect: Literal["dispatch"]) -> Dispatch: ...
 def decode(raw: bytes | str, expect: Literal["control"]) -> Control: ...
 @overload
 def decode(raw: bytes | str, expect: Literal["presence"]) -> Presence: ...
+@overload
+def decode(raw: bytes | str, expect: Literal["revoked"]) -> Revocation: ...
 @overload
 def decode(raw: bytes | str, expect: str) -> Message: ...
 
@@ -172,15 +180,15 @@ def decode(raw: bytes | str, expect: str) -> Message:
 
     Args:
         raw: the payload as received (bytes, or str).
-        expect: "event", "state", "dispatch", "control" or "presence".
+        expect: "event", "state", "dispatch", "control", "presence" or "revoked" (§16.7).
     Returns:
-        Event, State, Dispatch, Control or Presence. Signatures are NOT checked
+        Event, State, Dispatch, Control, Presence or Revocation. Signatures are NOT checked
         here (`crypto.verify_event` / `crypto.verify`).
     Raises:
         DecodeError: reason `empty: zero-length payload`, `schema_mismatch:
             schema_version is N, expected 1`, or `malformed: <field> ...`;
             `.raw` is the payload.
-        ValueError: `expect` is not one of the five kinds (a programming error).
+        ValueError: `expect` is not one of the six kinds (a programming error).
     """
     kind = _type_of(expect)
     try:

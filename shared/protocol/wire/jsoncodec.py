@@ -31,6 +31,7 @@ MAX_PAYLOAD_BYTES: Mapping[str, int] = MappingProxyType({
     "dispatch": MAX_DISPATCH_BYTES,
     "control": MAX_MESSAGE_BYTES,
     "presence": MAX_MESSAGE_BYTES,
+    "revoked": MAX_MESSAGE_BYTES,
     "log": MAX_LOG_MESSAGE_BYTES,
     "result": MAX_RESULT_MESSAGE_BYTES,
 })

@@ -37,6 +37,7 @@ from mam.shared.protocol.wire.fields import (
     V2_SIGNED_FIELDS,
     Invalid,
     build,
+    check_b64,
     check_choice,
     check_data,
     check_fields,
@@ -64,6 +65,8 @@ CONTROL_FIELDS = frozenset({"schema_version", "kind", "action", "job_id", "attem
                             "sig"})
 PRESENCE_FIELDS = frozenset({"schema_version", "kind", "session", "runner_id", "status", "host", "version",
                              "max_jobs", "running", "timestamp", "sig"})
+REVOCATION_FIELDS = frozenset({"schema_version", "kind", "session", "runner_key", "revoked_at", "sig_alg", "sig"})
+RUNNER_KEY_BYTES = 32  # an Ed25519 public key
 
 
 class _EventShaped:
@@ -433,6 +436,56 @@ class Presence:
         return out
 
 
+@dataclass(frozen=True)
+class Revocation:
+    """The hub's notice that a runner identity is revoked (§16.7), retained on
+    `ROOT/runners/<session>/revoked`. `runner_key` (base64url) is the revoked Ed25519
+    public key: a notice binds one enrolment, so a re-enrolled session (new keys) is not
+    stopped by an old notice. Always v2: `sig_alg` "ed25519", signed by a hub key."""
+
+    session: str
+    runner_key: str
+    revoked_at: str
+    sig: str | None = None
+    sig_alg: str | None = None
+    kind: str = "revoked"
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        run_check(self._check)
+
+    def _check(self) -> None:
+        check_schema(self.schema_version)
+        check_choice(self.kind, "kind", ("revoked",))
+        check_session(self.session)
+        check_b64(self.runner_key, "runner_key", exact=RUNNER_KEY_BYTES)
+        check_timestamp(self.revoked_at, "revoked_at")
+        if self.sig is not None:
+            if self.sig_alg is None:
+                raise Invalid("sig_alg is missing: a revocation is signed by a hub key (§16.7)")
+            check_sig(self.sig, self.sig_alg)
+
+    @classmethod
+    def build(cls, session: str, runner_key: str, revoked_at: str) -> Revocation:
+        """An unsigned notice (sign with `crypto.pubkey.sign`), §16.7. Raises `UsageError`."""
+        return build(cls, session=session, runner_key=runner_key, revoked_at=revoked_at)
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any]) -> Revocation:
+        """Apply the §16.7 rules to a parsed payload (sig required); raises `DecodeError`."""
+        return decode_object(obj, _revocation_from)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire object; without `sig_alg` and `sig` while unsigned."""
+        out: dict[str, Any] = {"schema_version": self.schema_version, "kind": self.kind, "session": self.session,
+                               "runner_key": self.runner_key, "revoked_at": self.revoked_at}
+        if self.sig_alg is not None:
+            out["sig_alg"] = self.sig_alg
+        if self.sig is not None:
+            out["sig"] = self.sig
+        return out
+
+
 def _optional_str(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
@@ -483,3 +536,10 @@ def _presence_from(obj: dict[str, Any]) -> Presence:
     if not isinstance(obj["running"], list):
         raise Invalid(f"running must be an array, got {type_name(obj['running'])} {show(obj['running'])}")
     return Presence(**obj, extras=extras or None)
+
+
+def _revocation_from(obj: dict[str, Any]) -> Revocation:
+    check_fields(obj, REVOCATION_FIELDS)
+    if obj["sig"] is None or obj["sig_alg"] is None:
+        raise Invalid("sig and sig_alg must be strings, got null")
+    return Revocation(**obj)
