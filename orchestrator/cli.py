@@ -585,7 +585,8 @@ app.add_typer(runners_app, name="runners")
 def runners_cmd(
     ctx: typer.Context,
     as_json: bool = typer.Option(False, "--json", help="JSON lines (default on a pipe)."),
-    show_all: bool = typer.Option(False, "--all", help="Also offline runners last seen more than 7 days ago."),
+    show_all: bool = typer.Option(False, "--all", help="Also offline runners last seen more than 7 days "
+                                                          "ago, and revoked runners (status revoked, with when)."),
     workspace: str = cli.workspace_option(),
 ) -> int:
     """List runners from their signed retained presence: online, draining or offline,

@@ -50,6 +50,7 @@ QUEUE_LIMIT_COUNTS = frozenset({MOSQUITTO_DEFAULT_QUEUED, MOSQUITTO_DEFAULT_QUEU
 SEEN_MAX_BYTES = 4096
 READ_PRESENCE_QUIET_S = 1.0  # one session: its retained presence comes at once, or not at all
 STALE = "stale"
+REVOKED = "revoked"  # a roster entry's `revoked_at` is set (§16.7): shown with `--all`
 OFFLINE_HIDDEN_DAYS = 7  # `runners` hides offline sessions last seen longer ago (`--all` shows them)
 
 log = logging.getLogger("mam.runners")
@@ -164,7 +165,8 @@ def receive_presence(client: Transport, keys: DispatchKeys, session: str | None 
     and collect it until no retained message came for `quiet_s` seconds, at most `max_s` (§7).
 
     Unsigned, forged or malformed presence is refused (listed in `refused` for the
-    caller to print on stderr), never shown. Zero-length payloads (cleared) are ignored.
+    caller to print on stderr), never shown; a revoked runner's is left out silently
+    (§16.7). Zero-length payloads (cleared) are ignored.
 
     Args:
         client: a connected `Transport` (its queue must hold nothing else).
@@ -197,6 +199,8 @@ def receive_presence(client: Transport, keys: DispatchKeys, session: str | None 
         burst.received += message.retain
         try:
             row = verify_presence(message.topic, message.payload, keys, root, roster_root)
+        except roster.RevokedPresence:
+            continue  # known and expected: `runners --all` lists it from the roster as `revoked`
         except ProtocolError as exc:
             burst.refused.append(f"refused presence on {message.topic}: {exc}")
             continue
@@ -338,8 +342,8 @@ def runners_cli(*, workspace: Workspace = None, as_json: bool = False, show_all:
     session, online / draining / offline, labels (§14), running jobs, last seen. A table on
     a TTY, JSON lines otherwise (or with --json); refusals on stderr, and one
     WARNING line when the list may be incomplete (`incomplete_reasons`). Offline sessions
-    last seen more than OFFLINE_HIDDEN_DAYS ago are left out unless `show_all` (a count
-    of them is said on stderr).
+    last seen more than OFFLINE_HIDDEN_DAYS ago, and revoked runners (§16.7, from the
+    roster), are left out unless `show_all` (a count of them is said on stderr).
 
     Returns:
         0.
@@ -366,6 +370,12 @@ def runners_cli(*, workspace: Workspace = None, as_json: bool = False, show_all:
         rows = [row for row in rows if not old_offline(row)]
         print(f"{hidden} offline runner{'s' if hidden != 1 else ''} last seen more than {OFFLINE_HIDDEN_DAYS} days "
               f"ago not shown (--all shows them; `mam-orch runners prune` clears them)", file=sys.stderr)
+    revoked = revoked_rows(hub.root)
+    if show_all:
+        rows = sorted(rows + revoked, key=lambda row: str(row["session"]))
+    elif revoked:
+        print(f"{len(revoked)} revoked runner{'s' if len(revoked) != 1 else ''} not shown (--all shows them)",
+              file=sys.stderr)
     if as_json or not sys.stdout.isatty():
         for row in rows:
             print(json.dumps(row, sort_keys=True))
@@ -374,6 +384,23 @@ def runners_cli(*, workspace: Workspace = None, as_json: bool = False, show_all:
     else:
         print(render.table(["SESSION", "STATUS", "LABELS", "REPOS", "RUNNING", "MAX", "HOST", "LAST SEEN"],
                            [[r["session"], r["status"], ",".join(r["labels"]) or "-", ",".join(r["repos"]) or "-",
-                             ",".join(r["running"]) or "-", r["max_jobs"], r["host"], r["last_seen"]] for r in rows]),
+                             ",".join(r["running"]) or "-", r["max_jobs"] or "-", r["host"] or "-",
+                             f"revoked {r['revoked_at']}" if r["status"] == REVOKED else r["last_seen"]]
+                            for r in rows]),
               end="")
     return 0
+
+
+def revoked_rows(root: Path) -> list[Row]:
+    """The revoked runners of the roster as `runners` rows (§16.7): status `revoked`, `revoked_at`,
+    their enrolled labels; nothing of a presence (the hub refuses theirs). An unreadable roster
+    is said on stderr and lists none."""
+    try:
+        found = roster.entries(root)
+    except RegistryError as exc:
+        print(f"WARNING: revoked runners not listed: {exc}", file=sys.stderr)
+        return []
+    return [{"session": entry.session, "status": REVOKED, "revoked_at": entry.revoked_at,
+             "labels": list(entry.labels), "repos": [], "running": [], "max_jobs": 0, "host": "",
+             "last_seen": None, "runner_id": "", "version": ""}
+            for entry in found if entry.revoked_at is not None]

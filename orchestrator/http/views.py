@@ -21,7 +21,7 @@ from typing import Any
 from mam.orchestrator import queue as hubqueue
 from mam.orchestrator.follow import AuditTail, is_event_line
 from mam.orchestrator.results import Result, read_result
-from mam.orchestrator.runners import PRESENCE_STALE_S, STALE
+from mam.orchestrator.runners import PRESENCE_STALE_S, REVOKED, STALE
 from mam.orchestrator.service import HubService
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus, PresenceStatus
@@ -56,19 +56,27 @@ def runner_status(view: hubqueue.RunnerView, now: float) -> str:
 
 
 def runner_rows(service: HubService, now: float | None = None) -> list[Row]:
-    """Every runner the service has seen a presence of, by session (§7, §14 free slots)."""
+    """Every runner the service has seen a presence of (§7, §14 free slots), then the revoked
+    ones of the roster (§16.7: status `revoked`, `revoked_at`), by session."""
     now = time.monotonic() if now is None else now
     wall_offset = time.time() - now
     fleet = service.fleet
     rows = []
+    revoked = service.feed.revocations.revoked() if service.feed.revocations is not None else {}
     for view in fleet.views():
+        if view.session in revoked:
+            continue
         used = len(view.running) + fleet.inflight_count(view.session)
         rows.append({"session": view.session, "status": runner_status(view, now), "labels": sorted(view.labels),
                      "max_jobs": view.max_jobs, "running": sorted(view.running), "slots_used": used,
                      "slots_free": fleet.free_slots(view.session, now, PRESENCE_STALE_S),
                      "host": view.host, "version": view.version, "runner_id": view.runner_id,
-                     "last_seen": round(view.seen_at + wall_offset, 1)})
-    return rows
+                     "last_seen": round(view.seen_at + wall_offset, 1), "revoked_at": None})
+    for session, revoked_at in revoked.items():
+        rows.append({"session": session, "status": REVOKED, "labels": [], "max_jobs": 0, "running": [],
+                     "slots_used": 0, "slots_free": 0, "host": "", "version": "", "runner_id": "",
+                     "last_seen": None, "revoked_at": revoked_at})
+    return sorted(rows, key=lambda row: str(row["session"]))
 
 
 def queue_rows(service: HubService, now: float | None = None) -> list[Row]:

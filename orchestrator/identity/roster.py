@@ -42,8 +42,8 @@ REVOCATION_STAT_S = 0.1
 effect within it, and a service with a thousand jobs does not stat the folder per message."""
 ENTRY_FIELDS = frozenset({"session", "labels", "ed25519_public", "x25519_public", "enrolled_at", "revoked_at"})
 
-__all__ = ["Revocations", "RosterEntry", "add", "build_dispatch_v2", "check_presence", "entries", "get",
-           "revocation_notice", "revoke", "sign_control_v2"]
+__all__ = ["RevokedPresence", "Revocations", "RosterEntry", "add", "build_dispatch_v2", "check_presence", "entries",
+           "get", "revocation_notice", "revoke", "sign_control_v2"]
 
 log = logging.getLogger("mam.roster")
 _WARNED_V1: set[str] = set()  # sessions already warned about (once per session and process, §16)
@@ -214,12 +214,27 @@ def _active_or_refuse(root: Path, session: str) -> RosterEntry | None:
     return entry
 
 
+class RevokedPresence(SignatureError):
+    """The presence of a revoked runner (§16.7): refused, and known to be, so `runners` shows
+    the session as `revoked` rather than as a refusal.
+
+    Attributes:
+        session, revoked_at: the roster entry's.
+    """
+
+    def __init__(self, message: str, session: str, revoked_at: str) -> None:
+        super().__init__(message)
+        self.session = session
+        self.revoked_at = revoked_at
+
+
 def check_presence(root: Path, presence: wire.Presence, v1: DispatchKeys | None) -> None:
     """Verify a presence against the roster (§16): an enrolled session's presence must be v2 and
     signed with its enrolled key, a revoked one is refused, and an unenrolled session is v1 (§7).
 
     Raises:
-        SignatureError: one line naming why (logged by the caller and shown by `runners`).
+        SignatureError: one line naming why (logged by the caller and shown by `runners`);
+            RevokedPresence for a revoked session.
     """
     session = presence.session
     try:
@@ -233,8 +248,9 @@ def check_presence(root: Path, presence: wire.Presence, v1: DispatchKeys | None)
             raise SignatureError(f"presence of {session} is v1 and this hub has no MAM_DISPATCH_SECRET")
         crypto.verify(presence, v1.sign_key)
         return
-    if not entry.active:
-        raise SignatureError(f"presence of {session} refused: runner revoked at {entry.revoked_at}")
+    if entry.revoked_at is not None:
+        raise RevokedPresence(f"presence of {session} refused: runner revoked at {entry.revoked_at}",
+                              session, entry.revoked_at)
     if presence.sig_alg is None:
         raise SignatureError(f"presence of {session} is v1 but the session is enrolled: v2 only (§16)")
     try:
@@ -325,6 +341,17 @@ class Revocations:
         """When `session` was revoked, or None (enrolled, never enrolled, or no roster)."""
         if not session:
             return None
+        self._refresh()
+        return self._revoked.get(session)
+
+    def revoked(self) -> dict[str, str]:
+        """Every revoked session and when (ISO 8601)."""
+        self._refresh()
+        return dict(self._revoked)
+
+    def _refresh(self) -> None:
+        """Re-read the roster at most every REVOCATION_STAT_S, and only when its folder changed;
+        a roster that cannot be read keeps what was known."""
         now = time.monotonic()
         if now - self._looked_at >= REVOCATION_STAT_S:
             self._looked_at = now
@@ -339,4 +366,3 @@ class Revocations:
                     self._mtime = mtime
                 except RegistryError as exc:  # keep what was known; retried at the next look
                     log.warning("roster not re-read: %s", exc)
-        return self._revoked.get(session)

@@ -24,7 +24,10 @@ from harness.results import PATCH, deliver_result
 from harness.runnersim import ask_step, hub_workspace, start_runner
 from harness.waiting import PATIENCE_S
 
+from mam.orchestrator.identity import roster
 from mam.shared.protocol import names
+from mam.shared.protocol.crypto.keys import EnrolRequest
+from mam.shared.store import keyfiles
 from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -77,6 +80,12 @@ def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_br
             page.evaluate("window.__sameDocument = true")  # gone if the page ever reloads
             for session in ("gpu-box", "cpu-box"):
                 sync_api.expect(page.locator("#runners tbody tr", has_text=session)).to_contain_text("online")
+            made = keyfiles.create_runner_keys(tmp_path / "old")  # §16.7: a revoked runner is shown, and when
+            roster.add(hub, EnrolRequest.build("old-box", "gpu", made.ed25519_public, made.x25519_public))
+            revoked_at = roster.revoke(hub, "old-box").revoked_at
+            sync_api.expect(page.locator("#runners tbody tr", has_text="old-box")).to_contain_text(
+                f"revoked {revoked_at}")
+            sync_api.expect(page.locator("#runners tbody tr", has_text="gpu-box")).to_contain_text("0 / 1")
 
             busy = serve.dispatch(gated(tmp_path, "go-1"), session="gpu-box")
             sync_api.expect(row_of(page, "running", busy)).to_contain_text("running")

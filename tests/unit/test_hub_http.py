@@ -17,12 +17,15 @@ from starlette.testclient import TestClient
 from mam.orchestrator.http import app as hubhttp
 from mam.orchestrator.http.views import LiveFeed
 from mam.orchestrator.hub import open_hub
+from mam.orchestrator.identity import roster
 from mam.orchestrator.queue import RunnerView
 from mam.orchestrator.service import HubService
 from mam.shared.config import write_env_file
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.crypto import MAX_BRIEF_BYTES
+from mam.shared.protocol.crypto.keys import EnrolRequest
 from mam.shared.protocol.errors import ConfigError, UsageError
+from mam.shared.store import keyfiles
 from mam.shared.store.registry import Contract, Registry
 
 pytestmark = pytest.mark.timeout(60)
@@ -66,6 +69,18 @@ def test_s14_http_runners_show_status_labels_slots_version(service, api):
     assert rows["cpu-box"]["status"] == "draining" and rows["cpu-box"]["slots_free"] == 0
     assert rows["old-box"]["status"] == "offline"
     assert abs(rows["gpu-box"]["last_seen"] - time.time()) < 60
+
+
+def test_s16_7_http_runners_show_a_revoked_runner_as_revoked_with_when(service, api, tmp_path):
+    made = keyfiles.create_runner_keys(tmp_path / "runner")
+    roster.add(service.registry.root, EnrolRequest.build("old-box", "gpu", made.ed25519_public, made.x25519_public))
+    entry = roster.revoke(service.registry.root, "old-box")
+    service.fleet.update(runner("old-box"))  # a presence the feed had before the revocation
+    service.fleet.update(runner("gpu-box"))
+    rows = api.get("/api/runners").json()["runners"]
+    assert [(row["session"], row["status"], row["revoked_at"]) for row in rows] == [
+        ("gpu-box", "online", None), ("old-box", "revoked", entry.revoked_at)]
+    assert rows[1]["slots_free"] == 0 and rows[1]["running"] == []
 
 
 def test_s14_http_dispatch_queues_through_the_dispatch_path_and_the_queue_says_why(service, api):

@@ -78,7 +78,8 @@ function duration(job) {
 
 function renderFleet() {
   fill("runners", state.runners.map((r) => row([r.session, badge(r.status), r.labels.join(", "),
-    r.slots_used + " / " + r.slots_free, r.running.join(", "), r.version, r.host, age(r.last_seen)])),
+    r.status === "revoked" ? "-" : r.slots_used + " / " + r.max_jobs, r.running.join(", "), r.version, r.host,
+    r.status === "revoked" ? "revoked " + r.revoked_at : age(r.last_seen)])),
     "no runner has announced itself", 8);
   fill("queue", state.queue.map((q) => row([jobLink(q.job_id), q.target, q.priority, q.why_waiting])),
     "nothing waits", 4);
