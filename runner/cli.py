@@ -123,8 +123,9 @@ REPO_OPTION = typer.Option(None, "--repo", metavar="NAME=URL",
 
 @app.command("run")
 def run_cmd(
-    session: str = typer.Option(..., "--session", metavar="NAME",
-                                help="This runner's session name: letters, digits, '-' and '_' (PROTOCOL §1)."),
+    session: str = typer.Option(None, "--session", metavar="NAME",
+                                help="This runner's session name: letters, digits, '-' and '_' (PROTOCOL §1). "
+                                     "Default: the session this host enrolled as (mam-runner enroll)."),
     exec_cmd: str = typer.Option(..., "--exec", metavar="CMD",
                                  help="The agent command, split like a shell and run without one, "
                                       "e.g. claude or ./agent.sh (§11); the brief is its stdin."),
@@ -135,7 +136,8 @@ def run_cmd(
     once: bool = typer.Option(False, "--once", help="Exit after one job."),
     labels: str = typer.Option(None, "--labels", metavar="A,B",
                                help="Labels this runner announces, e.g. gpu,cuda12 (§14; default "
-                                    "MAM_RUNNER_LABELS): lowercase letters, digits, '_.:-', at most 16."),
+                                    "MAM_RUNNER_LABELS, else the enrolled labels): lowercase letters, digits, "
+                                    "'_.:-', at most 16."),
     replace: bool = typer.Option(False, "--replace",
                                  help="Start even if another runner is online under this session (§7), "
                                       "e.g. after a kill -9 before the broker noticed."),

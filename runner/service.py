@@ -707,7 +707,7 @@ class Runner:
             self._adopt_orphan(record, orphan, cancel_reason="cancel")
 
 
-def run_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None, max_jobs: int,
+def run_cli(*, session: str | None, exec_cmd: str, workspace: str | None, workdir: str | None, max_jobs: int,
             once: bool, replace: bool, labels: str | None = None, repos: list[str] | None = None,
             max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
             keep_worktrees: bool = False, agent: str | None = None, on_revoke: str = "stop") -> int:

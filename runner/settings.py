@@ -12,11 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from mam.runner import agents, barrier, logstream
+from mam.runner import agents, barrier, enrol, logstream
 from mam.runner.agent import resolve_executable, split_exec
 from mam.runner.repos import REPOS_ENV, RepoSpec, parse_repos
 from mam.shared import config
 from mam.shared.protocol import names
+from mam.shared.protocol.crypto.keys import EnrolRequest
 from mam.shared.protocol.errors import ConfigError, UsageError
 from mam.shared.store.root import resolve_root
 
@@ -126,8 +127,9 @@ class RunnerOptions:
     on_revoke: str = "stop"
 
 
-def read_labels(labels: str | None, values: Mapping[str, str]) -> tuple[str, ...]:
-    """`--labels a,b`, else MAM_RUNNER_LABELS, else none, validated and sorted (§14).
+def read_labels(labels: str | None, values: Mapping[str, str], default: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """`--labels a,b`, else MAM_RUNNER_LABELS, else `default` (the enrolled labels), validated
+    and sorted (§14).
 
     Raises:
         UsageError: a bad label, an empty item, more than 16, a label twice (one line).
@@ -135,7 +137,7 @@ def read_labels(labels: str | None, values: Mapping[str, str]) -> tuple[str, ...
     if labels is not None:
         return names.parse_labels(labels, "--labels")
     from_env = values.get(LABELS_ENV, "")
-    return names.parse_labels(from_env, LABELS_ENV) if from_env.strip() else ()
+    return names.parse_labels(from_env, LABELS_ENV) if from_env.strip() else tuple(sorted(default))
 
 
 def _workdir(workdir: str | None) -> Path | None:
@@ -154,7 +156,7 @@ def _workdir(workdir: str | None) -> Path | None:
     return work
 
 
-def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, workdir: str | None,
+def options_from_cli(*, session: str | None, exec_cmd: str, workspace: str | None, workdir: str | None,
                      max_jobs: int, once: bool, replace: bool, labels: str | None = None,
                      environ: Mapping[str, str] | None = None, repos: list[str] | None = None,
                      max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
@@ -163,8 +165,10 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
     """Validate `mam-runner run` arguments before any network or registry write.
 
     Args:
-        session: session name; exec_cmd: the `--exec` string; workspace: `--workspace`;
-        workdir: `--workdir` (created if missing); max_jobs: 1..64; labels: `--labels a,b` (§14).
+        session: session name, or None: the one `mam-runner enroll` recorded (§16);
+        exec_cmd: the `--exec` string; workspace: `--workspace`;
+        workdir: `--workdir` (created if missing); max_jobs: 1..64; labels: `--labels a,b` (§14),
+            else MAM_RUNNER_LABELS, else the labels enrolment recorded.
         repos: `--repo NAME=URL` flags; max_result_bytes: `--max-result-bytes`;
         keep_worktrees: `--keep-worktrees` (§18).
         agent: `--agent` (None: `agents.default_kind` of the command).
@@ -178,7 +182,8 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
         EnvFileError: the chosen `.mam.env` cannot be read (exit 1).
     """
     env = os.environ if environ is None else environ
-    names.validate_session(session)
+    if session is not None:
+        names.validate_session(session)
     argv = split_exec(exec_cmd)
     resolve_executable(argv[0], env.get("PATH"))
     kind = agent_kind(agent, argv)
@@ -194,6 +199,8 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
     if repos:
         parse_repos(repos, None)
     root = resolve_root(workspace, env)
+    enrolled = enrol.identity(root)
+    session = enrolled_session(session, enrolled)
     work = _workdir(workdir)
     values = config.load_env(env)
     return RunnerOptions(session=session, argv=tuple(argv), root=root, workdir=work, max_jobs=max_jobs,
@@ -203,11 +210,29 @@ def options_from_cli(*, session: str, exec_cmd: str, workspace: str | None, work
                          presence_refresh_s=read_seconds(values, PRESENCE_REFRESH),
                          agent_linger_s=read_seconds(values, AGENT_LINGER),
                          heartbeat_drain_s=read_seconds(values, HEARTBEAT_DRAIN),
-                         labels=read_labels(labels, values),
+                         labels=read_labels(labels, values, enrolled.labels if enrolled else ()),
                          log_rate_bps=logstream.rate_from_env(values),
                          repos=parse_repos(repos or [], values.get(REPOS_ENV)),
                          max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees, agent=kind,
                          on_revoke=on_revoke)
+
+
+def enrolled_session(session: str | None, enrolled: EnrolRequest | None) -> str:
+    """`--session`, else the session enrolment recorded (§16); an enrolled host serves only that one.
+
+    Raises:
+        UsageError: no --session on a host never enrolled, or another session than the enrolled one.
+    """
+    if enrolled is None:
+        if session is None:
+            raise UsageError("--session is missing: give --session NAME, or enrol this host first "
+                             "(mam-runner enroll --invite CODE)")
+        return session
+    if session is not None and session != enrolled.session:
+        raise UsageError(f"--session {session} is not this host's enrolled session {enrolled.session} "
+                         "(.mam/keys/runner.json): the hub verifies its presence only under that name; "
+                         "drop --session, or enrol again with mam-runner enroll --force")
+    return enrolled.session
 
 
 def agent_kind(agent: str | None, argv: list[str]) -> str:
@@ -226,5 +251,5 @@ def agent_kind(agent: str | None, argv: list[str]) -> str:
     return kind
 
 
-__all__ = ["MAX_JOBS_LIMIT", "ON_REVOKE", "RunnerOptions", "Seconds", "agent_kind", "options_from_cli", "read_labels",
-           "read_seconds"]
+__all__ = ["MAX_JOBS_LIMIT", "ON_REVOKE", "RunnerOptions", "Seconds", "agent_kind", "enrolled_session",
+           "options_from_cli", "read_labels", "read_seconds"]

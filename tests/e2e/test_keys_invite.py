@@ -48,8 +48,9 @@ def test_s16_invite_enrols_runner_then_v2_dispatch_runs_there(broker, tmp_path):
     assert waiting.code not in "".join(p.read_text() for p in names.invites_dir(hub).iterdir())
 
     with open(tmp_path / "gpu-box.stderr", "wb") as err:
-        runner = subprocess.Popen([*MAM_RUNNER, "run", "--session", "gpu-box", "--labels", "x", "--exec",
-                                   str(AGENTS / "shell-agent"), "--workspace", str(host)], env=clean_env(),
+        # no --session, no --labels: the enrolled ones (keys/runner.json) are run's defaults
+        runner = subprocess.Popen([*MAM_RUNNER, "run", "--exec", str(AGENTS / "shell-agent"), "--workspace",
+                                   str(host)], env=clean_env(),
                                   stdout=subprocess.DEVNULL, stderr=err)
     try:
         topic = names.presence_topic("gpu-box", broker.topic_root)

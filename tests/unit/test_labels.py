@@ -1,6 +1,7 @@
 """PROTOCOL §14 Targets: label syntax (`names`), presence `labels` on the wire
 (optional, signed, hostile values refused), the runner's `--labels` /
-MAM_RUNNER_LABELS and the hub's `presence_view`."""
+MAM_RUNNER_LABELS (else the enrolled ones, with the enrolled session) and the hub's
+`presence_view`."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import os
 import pytest
 
 from mam.orchestrator.runners import presence_view, verify_presence
+from mam.runner import enrol
 from mam.runner.settings import options_from_cli
 from mam.shared.protocol import crypto, names, wire
-from mam.shared.protocol.errors import DecodeError, UsageError
+from mam.shared.protocol.errors import ConfigError, DecodeError, UsageError
 
 KEYS = crypto.derive_keys("s" * 40)
 ROOT = "python/mqtt"
@@ -77,3 +79,24 @@ def test_s14_runner_labels_from_flag_or_environment(tmp_path) -> None:
         options_from_cli(environ=environ, labels="Bad", **args)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="MAM_RUNNER_LABELS"):
         options_from_cli(environ={**environ, "MAM_RUNNER_LABELS": "a,,b"}, **args)  # type: ignore[arg-type]
+
+
+def test_s16_run_defaults_to_the_enrolled_session_and_labels(tmp_path) -> None:
+    environ = {"PATH": os.defpath, "MAM_ENV_FILE": str(tmp_path / "none.env")}
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    args = {"exec_cmd": "true", "workspace": str(ws), "workdir": None, "max_jobs": 1, "once": False,
+            "replace": False, "environ": environ}
+    with pytest.raises(UsageError, match=r"^--session is missing: give --session NAME, or enrol this host first"):
+        options_from_cli(session=None, **args)  # type: ignore[arg-type]
+    enrol.enroll(session="gpu-box", labels="linux,gpu", workspace=ws)
+    options = options_from_cli(session=None, **args)  # type: ignore[arg-type]
+    assert (options.session, options.labels) == ("gpu-box", ("gpu", "linux"))
+    assert options_from_cli(session="gpu-box", labels="arm", **args).labels == ("arm",)  # type: ignore[arg-type]
+    from_env = {**args, "environ": {**environ, "MAM_RUNNER_LABELS": "x"}}
+    assert options_from_cli(session=None, **from_env).labels == ("x",)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="--session cpu-box is not this host's enrolled session gpu-box"):
+        options_from_cli(session="cpu-box", **args)  # type: ignore[arg-type]
+    names.runner_identity_path(ws).write_text('{"session": "../../etc", "labels": []}')  # hostile: refused
+    with pytest.raises(ConfigError, match="runner.json: "):
+        options_from_cli(session=None, **args)  # type: ignore[arg-type]
