@@ -20,7 +20,8 @@ $(RUN_STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $(RUN_STAMP)
 
-# Debian packages the broker, multi-host, dashboard (browser) and agent CLI (npm) tests use. Installed only when
+# Debian packages the broker, multi-host, dashboard (browser), agent CLI (npm) and alert rule (promtool, from
+# prometheus) tests use. Installed only when
 # running as root with apt-get; elsewhere those tests skip and say why.
 # docker.io, docker-compose and debootstrap: the docker e2e (tests/harness/docker_env.py).
 system-deps:
@@ -39,6 +40,11 @@ system-deps:
 	    echo "installing Debian packages:$$missing"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
 	      || echo "WARNING: apt-get install$$missing failed; those tests will skip"; \
+	  fi; \
+	  if ! command -v promtool >/dev/null; then \
+	    echo "installing Debian packages: prometheus (for promtool; RUNLEVEL=1: its daemon is not started)"; \
+	    (apt-get update -qq && RUNLEVEL=1 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
+	      || echo "WARNING: apt-get install prometheus failed; the alert rule tests will skip"; \
 	  fi; \
 	fi
 

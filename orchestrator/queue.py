@@ -262,6 +262,14 @@ def _plural(count: int, word: str) -> str:
     return f"{count} {word}" if count == 1 else f"{count} {word}s"
 
 
+def unserved(job: QueuedJob, fleet: Fleet) -> bool:
+    """True when no runner the hub has seen could take `job`: it needs labels nobody announced, or
+    a repository no runner serves (§14, §18). Such a job waits until its queue timeout."""
+    if job.target_labels - fleet.known_labels():
+        return True
+    return job.repo is not None and not any(job.repo in view.repos for view in fleet.views())
+
+
 def why_waiting(job: QueuedJob, fleet: Fleet, queued: Sequence[QueuedJob], now: float,
                 stale_after_s: float) -> str:
     """One human line saying why `job` is still queued (§14).

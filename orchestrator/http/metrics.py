@@ -4,10 +4,12 @@
 Counted from the registry at each scrape (so they survive a restart of the
 service and equal what the records say happened): jobs by status, jobs
 finished by outcome and close reason, retries. From the running service:
-queue depth and the oldest queued job's age, runners by status, slots per
-runner, messages accepted by kind and refused by §3.2 reason, events
-accepted by name (heartbeats included). From the hub's copies of the agent
-output (§15): bytes received. Job durations are a histogram fed by the live feed.
+queue depth, the oldest queued job's age and the queued jobs no runner
+serves, runners by status, each runner's status, slots and jobs held, the
+oldest permission request's age (deploy/prometheus/alerts.yml), messages
+accepted by kind and refused by §3.2 reason, events accepted by name
+(heartbeats included). From the hub's copies of the agent output (§15): bytes
+received. Job durations are a histogram fed by the live feed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mam.orchestrator import asks
+from mam.orchestrator import queue as hubqueue
 from mam.orchestrator.http.views import Row, iso_epoch, runner_rows
 from mam.orchestrator.service import HubService
 from mam.shared.protocol import names
@@ -31,7 +34,8 @@ from mam.shared.store.fsio import read_json_object
 from mam.shared.store.records import RECORD_NAME_RE, JobRecord, target_of
 
 NO_REASON = "none"  # the close_reason label of a job its runner ended (no hub close)
-RUNNER_STATUSES = (PresenceStatus.ONLINE, PresenceStatus.DRAINING, PresenceStatus.OFFLINE, "stale", "unverified")
+RUNNER_STATUSES = (PresenceStatus.ONLINE, PresenceStatus.DRAINING, PresenceStatus.OFFLINE, "stale", "unverified",
+                   "revoked")
 DURATION_BUCKETS_S = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 WAIT_BUCKETS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0, 6 * 3600.0)
 AGENT_LOG_PREFIX = "agent."  # the hub's copies: agent.<attempt>.log and its state agent.<attempt>.log.json (§15)
@@ -66,12 +70,22 @@ class HubCollector(Collector):
         yield from agent_spend(records)
         pending = GaugeMetricFamily("mam_permission_pending", "Agents' permission requests waiting for a person "
                                     "(§19), by runner", labels=["session"])
-        waiting = Counter(record.get("session") or "-" for record in records
-                          if record["status"] not in TERMINAL_STATUSES and record["status"] != JobStatus.QUEUED
-                          for _ in asks.pending(self.service.registry, record["job_id"]))
-        for session, count in sorted(waiting.items()):
+        open_jobs = [record for record in records
+                     if record["status"] not in TERMINAL_STATUSES and record["status"] != JobStatus.QUEUED]
+        waiting = [(record.get("session") or "-", ask) for record in open_jobs
+                   for ask in asks.pending(self.service.registry, record["job_id"])]
+        for session, count in sorted(Counter(session for session, _ in waiting).items()):
             pending.add_metric([session], count)
         yield pending
+        asked = [epoch for _, ask in waiting if (epoch := iso_epoch(ask.asked_at)) is not None]
+        yield GaugeMetricFamily("mam_permission_oldest_age_seconds", "Age of the oldest permission request "
+                                "waiting for a person (§19; 0: none)",
+                                value=max(0.0, time.time() - min(asked)) if asked else 0.0)
+        held = GaugeMetricFamily("mam_runner_jobs", "Hub jobs pending or running on each runner (§10)",
+                                 labels=["session"])
+        for session, count in sorted(Counter(record.get("session") or "-" for record in open_jobs).items()):
+            held.add_metric([session], count)
+        yield held
         yield from self._queue()
         yield from self._runners()
         yield from self._messages()
@@ -87,6 +101,9 @@ class HubCollector(Collector):
         oldest = min((job.queued_at for job in queued), default=None)
         yield GaugeMetricFamily("mam_queue_oldest_age_seconds", "Age of the oldest queued job (0: none)",
                                 value=max(0.0, time.time() - oldest) if oldest is not None else 0.0)
+        yield GaugeMetricFamily("mam_queue_unserved", "Queued jobs for labels or a repository no runner has "
+                                "announced (§14, §18)",
+                                value=sum(hubqueue.unserved(job, self.service.fleet) for job in queued))
 
     def _runners(self) -> Iterator[Metric]:
         rows = runner_rows(self.service)
@@ -95,6 +112,11 @@ class HubCollector(Collector):
         for status in RUNNER_STATUSES:
             runners.add_metric([str(status)], counts.get(status, 0))
         yield runners
+        current = GaugeMetricFamily("mam_runner_status", "1 for each runner's current status (online, draining, "
+                                    "offline, stale, unverified, revoked)", labels=["session", "status"])
+        for row in rows:
+            current.add_metric([row["session"], str(row["status"])], 1)
+        yield current
         slots = GaugeMetricFamily("mam_runner_slots", "Slots per runner", labels=["session", "state"])
         for row in rows:
             slots.add_metric([row["session"], "used"], row["slots_used"])

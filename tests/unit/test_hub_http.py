@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
 
 import pytest
 from harness.hubclient import RecordingClient, started
@@ -273,6 +274,17 @@ def test_s14_http_metrics_parse_and_count_jobs_runners_and_refusals(service, api
     assert samples[("mam_log_dropped_bytes_total", ())] == 500
     assert samples[("mam_messages_refused_total", (("reason", "HMAC verify failed"),))] == 1
     assert samples[("mam_jobs", (("status", "pending"),))] == 1
+    assert samples[("mam_runner_status", (("session", "gpu-box"), ("status", "online")))] == 1
+    assert samples[("mam_runner_status", (("session", "evil-box"), ("status", "unverified")))] == 1
+    assert samples[("mam_runner_jobs", (("session", "gpu-box"),))] == 1  # the pending one; completed ones are not held
+    assert samples[("mam_queue_unserved", ())] == 0  # its labels (gpu) are announced
+    assert samples[("mam_permission_oldest_age_seconds", ())] == 0
+    dispatch(api, labels=["arm"])  # a label no runner has announced
+    service.scan(time.monotonic())
+    text = api.get("/metrics").text
+    unserved = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name == "mam_queue_unserved"]
+    assert unserved == [1]
 
 
 def test_s15_live_feed_sends_runner_queue_job_event_and_log_changes(service):
@@ -330,7 +342,11 @@ def test_s19_http_lists_waiting_requests_answers_them_signed_and_refuses_twice(s
     waiting = api.get("/api/asks").json()["asks"]
     assert [(a["job_id"], a["request_id"], a["tool"], a["behavior"]) for a in waiting] == [
         ("918b0612", rid, "Bash", None)]
-    assert 'mam_permission_pending{session="gpu-box"} 1.0' in api.get("/metrics").text
+    metrics = api.get("/metrics").text
+    assert 'mam_permission_pending{session="gpu-box"} 1.0' in metrics
+    oldest = next(s.value for family in text_string_to_metric_families(metrics) for s in family.samples
+                  if s.name == "mam_permission_oldest_age_seconds")
+    assert oldest >= time.time() - datetime.fromisoformat("2026-12-04T10:00:00+00:00").timestamp() - 1
     bad = api.post(f"/api/jobs/918b0612/asks/{rid}/deny", json={"reason": 5})
     assert bad.status_code == 400 and "'reason'" in bad.json()["error"]
     for body in ({"always": "yes"}, {"why": 1}, [1]):
@@ -354,6 +370,7 @@ def test_s19_http_lists_waiting_requests_answers_them_signed_and_refuses_twice(s
     assert api.get("/api/asks").json()["asks"] == []
     assert api.get("/api/jobs/918b0612/asks").json()["asks"][0]["behavior"] == "deny"
     assert "mam_permission_pending{" not in api.get("/metrics").text
+    assert "mam_permission_oldest_age_seconds 0.0" in api.get("/metrics").text
 
 
 def test_s14_http_a_name_is_loopback_only_if_every_address_it_resolves_to_is(monkeypatch):
