@@ -170,6 +170,20 @@ class PresenceFeed:
 
 # ------------------------------------------------------------------ retries
 
+def refuse_redispatch(record: JobRecord) -> None:
+    """Only an ended job, or an open one after a cancel, gets a new attempt; never a completed one (§8).
+
+    Raises:
+        Refusal(`not_allowed`): one line, naming `mam-orch cancel` when that is what is missing.
+    """
+    job_id = record["job_id"]
+    if record["status"] == Status.COMPLETED:
+        raise Refusal(job_id, "not_allowed", "refused redispatch: the job completed")
+    if record["status"] in OPEN_STATUSES and not record.get("cancel_requested_at"):
+        raise Refusal(job_id, "not_allowed", f"refused redispatch: the job is {record['status']}; "
+                                             f"cancel it first (mam-orch cancel {job_id})")
+
+
 def requeue(registry: Registry, job_id: str, *, session: str | None = None, reason: str = "operator redispatch",
             fresh: bool = False) -> JobRecord:
     """An operator's redispatch (§8) through the queue (§14): from `error` or `cancelled`,
@@ -184,10 +198,7 @@ def requeue(registry: Registry, job_id: str, *, session: str | None = None, reas
         names.validate_session(session)
     with registry.transaction(job_id) as txn:
         record = txn.record
-        if record["status"] == Status.COMPLETED:
-            raise Refusal(job_id, "not_allowed", "refused redispatch: the job completed")
-        if record["status"] in OPEN_STATUSES and not record.get("cancel_requested_at"):
-            raise Refusal(job_id, "not_allowed", f"refused redispatch: the job is {record['status']}; cancel it first")
+        refuse_redispatch(record)
         new = next_attempt(record, Status.QUEUED)
         new.pop("avoid_session", None)
         new.pop("prefer_session", None)

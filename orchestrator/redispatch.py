@@ -9,7 +9,7 @@ from mam.orchestrator.control import publish_cancel
 from mam.orchestrator.dispatch import load_brief, read_brief, save_brief
 from mam.orchestrator.follow import AuditTail
 from mam.orchestrator.hub import Workspace, open_hub
-from mam.orchestrator.queuewait import refuse_unpaused, requeue, resume_paused, say_requeue
+from mam.orchestrator.queuewait import refuse_redispatch, refuse_unpaused, requeue, resume_paused, say_requeue
 from mam.orchestrator.service import EmbeddedService
 from mam.orchestrator.submit import follow_job
 from mam.shared.protocol import names
@@ -45,11 +45,7 @@ def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None
     hub = open_hub(workspace)
     registry = hub.registry
     record = registry.get(job_id)
-    if record["status"] == JobStatus.COMPLETED:
-        raise Refusal(job_id, "not_allowed", "refused redispatch: the job completed")
-    if record["status"] in OPEN_STATUSES and not record.get("cancel_requested_at"):
-        raise Refusal(job_id, "not_allowed", f"refused redispatch: the job is {record['status']}; "
-                                             f"cancel it first (mam-orch cancel {job_id})")
+    refuse_redispatch(record)
     if brief is not None or brief_file is not None:
         text = read_brief(brief, brief_file, stdin)
     else:

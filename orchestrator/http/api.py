@@ -1,12 +1,13 @@
-"""The writing side of the HTTP API (`POST /api/jobs`, `POST /api/jobs/{id}/cancel`)
-as plain functions of a running `HubService`, so they are tested without HTTP.
+"""The writing side of the HTTP API (`POST /api/jobs`, `POST /api/jobs/{id}/cancel`,
+`POST /api/jobs/{id}/retry`) as plain functions of a running `HubService`, so they are tested without HTTP.
 
 A dispatch checks what `mam-orch dispatch` checks (brief, target, §14 terms,
 the contract, MAM_DISPATCH_SECRET) and queues the job through
 `submit.register_queued`, the path a dispatch over the service takes; the
 service publishes it. A cancel is `mam-orch cancel` on the service's own
 broker connection (§6): a queued job is cancelled on the hub only, a
-published one closed `cancelled` and its runner told.
+published one closed `cancelled` and its runner told. A retry is `mam-orch
+redispatch --detach`: attempt + 1 queued, the old attempt cancelled again first.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from mam.orchestrator.control import cancel_owed, clear_dispatch, publish_cancel
 from mam.orchestrator.dispatch import check_brief, hub_contract, parse_retry_on, work_terms
+from mam.orchestrator.queuewait import refuse_redispatch, requeue
 from mam.orchestrator.service import HubService
 from mam.orchestrator.submit import register_queued
 from mam.shared.protocol import names, wire
@@ -144,3 +146,32 @@ def cancel_request(service: HubService, job_id: str) -> dict[str, Any]:
                 raise BrokerError(f"job {job_id} is {record['status']} on the hub, but its runner was not "
                                   f"told: {exc}; run `mam-orch cancel {job_id}`") from None
     return {"job_id": job_id, "status": record["status"], "attempt_id": record["attempt_id"], "changed": changed}
+
+
+def retry_request(service: HubService, job_id: str, body: object) -> dict[str, Any]:
+    """`POST /api/jobs/{id}/retry` (body `{}` or `{"fresh": true}`): `mam-orch redispatch
+    --detach` on the service's connection (§8, §14): the old attempt is cancelled again (its
+    runner may have missed the close), then attempt + 1 is queued with the stored brief and
+    continues the agent's session unless `fresh`; the service publishes it.
+
+    Returns:
+        {"job_id", "status", "attempt_id", "target"}.
+    Raises:
+        UsageError: not a job id, a bad body. JobNotFound. Refusal: completed, or open without a
+        cancel (nothing changed). BrokerError: no connection or no PUBACK for the cancel (nothing changed).
+    """
+    names.validate_job_id(job_id)
+    if not isinstance(body, dict) or set(body) - {"fresh"}:
+        raise UsageError("the body is an object with 'fresh' (true: start a new agent session) only")
+    fresh = body.get("fresh", False)
+    if not isinstance(fresh, bool):
+        raise UsageError("field 'fresh' is invalid: expected true or false")
+    record = service.registry.get(job_id)
+    refuse_redispatch(record)
+    if record["status"] != JobStatus.QUEUED:  # a queued attempt was never published
+        if service.client is None:
+            raise BrokerError("the hub service has no broker connection now; try again")
+        publish_cancel(service.client, record, service.keys, "redispatch")
+    record = requeue(service.registry, job_id, reason="operator redispatch (HTTP API)", fresh=fresh)
+    return {"job_id": job_id, "status": record["status"], "attempt_id": record["attempt_id"],
+            "target": describe_target(record)}

@@ -43,7 +43,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from mam.orchestrator import asks
-from mam.orchestrator.http.api import cancel_request, dispatch_request
+from mam.orchestrator.http.api import cancel_request, dispatch_request, retry_request
 from mam.orchestrator.http.metrics import HubMetrics
 from mam.orchestrator.http.views import LiveFeed, job_detail, job_result, job_row, queue_rows, read_log, runner_rows
 from mam.orchestrator.hub import Workspace, open_hub
@@ -51,7 +51,7 @@ from mam.orchestrator.service import HubService, run_service
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import JobStatus
 from mam.shared.protocol.errors import BrokerError, ConfigError, MamError, UsageError
-from mam.shared.store.records import JobNotFound
+from mam.shared.store.records import JobNotFound, Refusal
 
 log = logging.getLogger("mam.http")
 
@@ -123,6 +123,8 @@ def _error(status: int, reason: str) -> JSONResponse:
 def _status_of(exc: MamError) -> int:
     if isinstance(exc, JobNotFound):
         return 404
+    if isinstance(exc, Refusal):
+        return 409
     if isinstance(exc, UsageError | ConfigError):
         return 400
     if isinstance(exc, BrokerError):
@@ -297,6 +299,12 @@ class Api:
         job_id = request.path_params["job_id"]
         return JSONResponse(await run_in_threadpool(cancel_request, self.service, job_id))
 
+    async def retry(self, request: Request) -> Response:
+        """`POST /api/jobs/{id}/retry`: a new attempt of an ended job (`retry_request`); 409 when refused."""
+        job_id = request.path_params["job_id"]
+        body = await self.body_json(request) if int(request.headers.get("content-length") or 0) else {}
+        return JSONResponse(await run_in_threadpool(retry_request, self.service, job_id, body), status_code=201)
+
     async def events(self, request: Request) -> Response:
         """`GET /api/events`: server-sent events `runners`, `queue`, `job`, `event`, `log` (JSON data)."""
         client: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(SSE_QUEUE_MAX)
@@ -390,6 +398,7 @@ def create_app(service: HubService, token: str | None = None) -> Starlette:
         Route("/api/jobs/{job_id}/result/patch", g(api.job_patch, query_token=True)),
         Route("/api/jobs/{job_id}/artifacts/{name}", g(api.job_artifact, query_token=True)),
         Route("/api/jobs/{job_id}/cancel", g(api.cancel), methods=["POST"]),
+        Route("/api/jobs/{job_id}/retry", g(api.retry), methods=["POST"]),
         Route("/api/asks", g(api.asks)),
         Route("/api/jobs/{job_id}/asks", g(api.job_asks)),
         Route("/api/jobs/{job_id}/asks/{request_id}/{verb:str}", g(api.answer), methods=["POST"]),

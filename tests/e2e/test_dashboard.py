@@ -181,3 +181,38 @@ def test_dashboard_approve_and_deny_answer_the_waiting_agent_without_a_reload(na
             assert serve.stop() == 0, serve.log()
             runner.terminate()
             runner.wait(PATIENCE_S)
+
+
+def test_dashboard_cancel_and_retry_a_job_from_its_page(nats_broker, tmp_path):
+    """The job page's Cancel stops a running job (`mam-orch cancel` on the service) and its Retry
+    queues attempt 2 (`redispatch`), which runs and completes; no reload, no script error."""
+    if (why := browser_missing()) is not None:
+        pytest.skip(why)
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner = start_runner(nats_broker, tmp_path / "gpu", "gpu-box")
+    serve = Serve(hub)
+    with dashboard(tmp_path, serve.url) as (page, errors):
+        try:
+            page.on("dialog", lambda dialog: dialog.accept())  # "Cancel job …?" / "Retry job …?"
+            page.evaluate("window.__sameDocument = true")
+            job_id = serve.dispatch(gated(tmp_path, "go"), session="gpu-box")
+            page.evaluate(f"location.hash = '#job/{job_id}'")
+            sync_api.expect(page.locator("#job-status")).to_have_text("running")
+            sync_api.expect(page.locator("#job-retry")).to_be_hidden()
+            page.locator("#job-cancel").click()
+            sync_api.expect(page.locator("#job-status")).to_have_text("cancelled")
+            sync_api.expect(page.locator("#job-cancel")).to_be_hidden()
+            page.locator("#job-retry").click()
+            sync_api.expect(page.locator("#job-facts")).to_contain_text("attempt 2")
+            sync_api.expect(page.locator("#job-status")).to_have_text("running")
+            (tmp_path / "go").touch()
+            sync_api.expect(page.locator("#job-status")).to_have_text("completed")
+            sync_api.expect(page.locator("#job-retry")).to_be_hidden()  # a completed job is never retried
+            sync_api.expect(page.locator("#attempts tbody tr")).to_have_count(2)
+            record = Registry(hub).get(job_id)
+            assert (record["status"], record["attempt_id"]) == ("completed", 2)
+            assert page.evaluate("window.__sameDocument") is True and errors == []
+        finally:
+            assert serve.stop() == 0, serve.log()
+            runner.terminate()
+            runner.wait(PATIENCE_S)

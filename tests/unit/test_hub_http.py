@@ -210,6 +210,31 @@ def test_s14_http_cancel_a_queued_job_on_the_hub_and_a_published_one_tells_the_r
     assert (names.control_topic(pending, root), True) in topics
 
 
+def test_s8_http_retry_queues_the_next_attempt_after_cancelling_the_old_one_and_refuses_the_rest(service, api):
+    pending = service.registry.register(session="gpu-box")["job_id"]
+    refused = api.post(f"/api/jobs/{pending}/retry")  # open, not cancelled: nothing changes
+    assert refused.status_code == 409 and f"cancel it first (mam-orch cancel {pending})" in refused.json()["error"]
+    assert service.registry.get(pending)["attempt_id"] == 1 and service.client.published == []
+    for body, why in (({"fresh": "yes"}, "'fresh' is invalid"), ({"session": "x"}, "'fresh'"), ([1], "'fresh'")):
+        bad = api.post(f"/api/jobs/{pending}/retry", json=body)
+        assert bad.status_code == 400 and why in bad.json()["error"], bad.text
+    assert api.post("/api/jobs/0badf00d/retry").status_code == 404
+    assert api.post("/api/jobs/not-hex/retry").status_code == 400
+    api.post(f"/api/jobs/{pending}/cancel")
+    service.client.published.clear()
+    retried = api.post(f"/api/jobs/{pending}/retry", json={"fresh": True})
+    assert retried.status_code == 201, retried.text
+    assert retried.json() == {"job_id": pending, "status": "queued", "attempt_id": 2, "target": "session=gpu-box"}
+    ((topic, payload, retain),) = service.client.published  # attempt 1 is cancelled again, first
+    assert topic == names.control_topic(pending, service.config.topic_root) and retain
+    assert (wire.decode(payload, "control").attempt_id, wire.decode(payload, "control").reason) == (1, "redispatch")
+    done = service.registry.register(session="gpu-box")
+    with service.registry.transaction(done["job_id"]) as txn:
+        txn.update({**txn.record, "status": "completed", "exit_code": 0}, source="remote_mirror", reason=None)
+    again = api.post(f"/api/jobs/{done['job_id']}/retry")
+    assert again.status_code == 409 and "the job completed" in again.json()["error"]
+
+
 def test_s14_http_a_token_is_required_when_set_never_echoed(service):
     api = TestClient(hubhttp.create_app(service, TOKEN), raise_server_exceptions=False)
     for path in ("/api/runners", "/api/jobs", "/metrics", "/api/events"):

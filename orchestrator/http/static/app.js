@@ -133,6 +133,8 @@ function renderJob() {
   const status = document.getElementById("job-status");
   status.textContent = job.status;
   status.className = "st " + job.status;
+  document.getElementById("job-cancel").hidden = TERMINAL.has(job.status);
+  document.getElementById("job-retry").hidden = !(job.status === "error" || job.status === "cancelled");
   document.getElementById("job-facts").textContent = "target " + job.target + " · runner " + (job.session || "-") +
     " · attempt " + job.attempt_id + " · duration " + duration(job) + (job.close_reason ? " · closed " + job.close_reason : "") +
     (job.exit_code !== null && job.exit_code !== undefined ? " · agent exit " + job.exit_code : "") +
@@ -199,6 +201,7 @@ function showJob(id) {
   state.job = null;
   state.events = [];
   document.getElementById("log").textContent = "";
+  document.getElementById("job-action").textContent = "";
   api("/api/jobs/" + id).then((detail) => {
     state.job = detail;
     state.jobs.set(id, detail.job);
@@ -210,6 +213,18 @@ function showJob(id) {
     document.getElementById("log").textContent = log.text;
     document.getElementById("log-note").textContent = log.exists ? "(attempt " + log.attempt + ")" : "(no output received yet)";
   }).catch((err) => { document.getElementById("job-facts").textContent = "error: " + err; });
+}
+
+// Cancel and retry from the job page (behind the API token, as every POST): `mam-orch cancel`
+// and `mam-orch redispatch` on the hub service; the job's row then changes over the live feed.
+function jobAction(verb) {
+  const id = state.job && state.job.job.job_id;
+  if (!id || !window.confirm((verb === "cancel" ? "Cancel" : "Retry") + " job " + id + "?")) return;
+  const note = document.getElementById("job-action");
+  note.textContent = verb === "cancel" ? "cancelling…" : "queueing a new attempt…";
+  post("/api/jobs/" + id + "/" + verb, {})
+    .then((r) => { note.textContent = verb === "cancel" ? "cancelled" : "attempt " + r.attempt_id + " queued"; })
+    .catch((err) => { note.textContent = "refused: " + err; });
 }
 
 function route() {
@@ -265,6 +280,8 @@ Promise.all([api("/api/runners"), api("/api/queue"), api("/api/jobs")]).then(([r
   loadAsks();
 }).catch((err) => { document.getElementById("conn").textContent = "error: " + err; });
 window.addEventListener("hashchange", route);
+document.getElementById("job-cancel").addEventListener("click", () => jobAction("cancel"));
+document.getElementById("job-retry").addEventListener("click", () => jobAction("retry"));
 setInterval(render, 1000);
 setInterval(loadAsks, ASKS_POLL_MS);  // answers given elsewhere (the CLI) leave the list too
 connect();
