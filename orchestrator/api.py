@@ -230,7 +230,8 @@ class Hub:
                  ref: str | None = None, max_turns: int | None = None, max_cost_usd: float | None = None,
                  allow_tools: Sequence[str] | None = None, deny_tools: Sequence[str] | None = None,
                  permission_mode: str | None = None, ask_timeout_s: int | None = None,
-                 on_ask_timeout: str | None = None, fresh: bool = False, on_limit: str = "pause") -> Job:
+                 on_ask_timeout: str | None = None, fresh: bool = False, on_limit: str = "pause",
+                 title: str | None = None) -> Job:
         """Queue a job for one runner `session` or any runner carrying all `labels` (§14);
         with `repo` (and `ref`), on a worktree of that repository; `max_turns`,
         `max_cost_usd`, `allow_tools` (e.g. ["Bash(git *)", "Edit"]), `deny_tools` (rules never
@@ -238,7 +239,8 @@ class Hub:
         "cancel") say how long its permission requests wait for a person, and what then (§19);
         `fresh`: a retry starts a new agent session instead of continuing the last one (§18);
         `on_limit`: "pause" (default) the job when its agent stops on a usage limit until the
-        limit resets, then continue; "fail": it ends `error` (§14 Pauses).
+        limit resets, then continue; "fail": it ends `error` (§14 Pauses); `title`: its name in
+        lists and the dashboard (default: the brief's first line).
 
         Returns:
             the `Job` (queued; the service publishes it when a runner has a free slot).
@@ -257,7 +259,7 @@ class Hub:
                           ask_timeout_s=ask_timeout_s, on_ask_timeout=on_ask_timeout, cli=False)
         self._hub.keys()
         self.ensure_service()
-        record = register_queued(self.registry, brief=brief, contract=contract, terms=terms, work=work)
+        record = register_queued(self.registry, brief=brief, contract=contract, terms=terms, work=work, title=title)
         return Job(self, record["job_id"])
 
     def job(self, job_id: str) -> Job:

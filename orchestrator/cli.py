@@ -323,6 +323,9 @@ def dispatch_cmd(
     on_ask_timeout: str = typer.Option(None, "--on-ask-timeout", metavar="deny|cancel",
                                        help="After --ask-timeout: deny the request and let the agent go on "
                                             "(default), or cancel the job."),
+    title: str = typer.Option(None, "--title", metavar="TEXT",
+                              help="A name for the job in lists and the dashboard, one line, at most 120 "
+                                   "characters (default: the brief's first line, cut to 80)."),
     detach: bool = typer.Option(False, "--detach",
                                 help="Print the job id and return once it is published, or once the hub "
                                      "says why it stays queued (\"action\": \"queued\")."),
@@ -345,7 +348,7 @@ def dispatch_cmd(
                         timeout_s=timeout, require_online=require_online, detach=detach, as_json=as_json,
                         workspace=workspace, labels=labels, priority=priority, queue_timeout_s=queue_timeout,
                         retries=retries, retry_on=retry_on, fresh=fresh, on_limit=on_limit, show_log=not no_log,
-                        work=work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
+                        title=title, work=work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
                                         allow_tools=allow_tools, deny_tools=deny_tools,
                                         permission_mode=permission_mode, ask_timeout_s=ask_timeout,
                                         on_ask_timeout=on_ask_timeout))

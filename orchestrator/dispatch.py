@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import sys
 from collections.abc import Mapping, Sequence
@@ -61,6 +62,35 @@ def check_brief(brief: str, flags: tuple[str, str] = ("--brief TEXT", "--brief-f
     except UnicodeEncodeError:
         raise UsageError("the brief is not valid UTF-8 text (lone surrogate)") from None
     return brief
+
+
+MAX_TITLE_CHARS = 120
+"""`dispatch --title`: at most this many characters, one line."""
+DEFAULT_TITLE_CHARS = 80
+"""A title taken from the brief's first line is cut to this many characters."""
+_CREDENTIAL_RE = re.compile(r"(?i)\b([\w.-]*(?:password|passwd|secret|token|api[_-]?key)[\w.-]*\s*[=:]\s*)(\S+)")
+_URL_USER_RE = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://[^/\s:@]+:)[^/\s@]+@")
+
+
+def job_title(brief: str, title: str | None = None) -> str:
+    """A person's name for a job: `title` (`--title`, checked), else the brief's first non-blank
+    line with runs of whitespace as one space, cut to DEFAULT_TITLE_CHARS. Either way credentials
+    are masked first: `NAME_TOKEN=value`-like assignments and a URL's password become `***`.
+
+    Raises:
+        UsageError: a title that is blank, longer than MAX_TITLE_CHARS, or not one printable line.
+    """
+    if title is not None:
+        if not title.strip() or len(title) > MAX_TITLE_CHARS or not title.isprintable():
+            raise UsageError(f"the title is invalid: expected one printable line of 1..{MAX_TITLE_CHARS} characters")
+        return _masked(" ".join(title.split()))
+    first = next((line for line in brief.splitlines() if line.strip()), "")
+    text = _masked(" ".join("".join(c if c.isprintable() else " " for c in first).split()))  # masked, then cut
+    return text if len(text) <= DEFAULT_TITLE_CHARS else text[:DEFAULT_TITLE_CHARS - 1].rstrip() + "…"
+
+
+def _masked(text: str) -> str:
+    return _URL_USER_RE.sub(r"\1***@", _CREDENTIAL_RE.sub(r"\1***", text))
 
 
 def build_dispatch(record: Mapping[str, Any], brief: str, keys: DispatchKeys, *, origin: str | None = None,

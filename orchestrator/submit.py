@@ -18,7 +18,7 @@ import sys
 import time
 from typing import BinaryIO
 
-from mam.orchestrator.dispatch import hub_contract, print_started, queue_terms, read_brief, save_brief
+from mam.orchestrator.dispatch import hub_contract, job_title, print_started, queue_terms, read_brief, save_brief
 from mam.orchestrator.follow import Follower
 from mam.orchestrator.hints import detach_hint, queued_hint, reattach_hint, unserved_hint
 from mam.orchestrator.hub import Hub, Workspace, open_hub
@@ -55,16 +55,18 @@ def refuse_revoked(registry: Registry, session: str | None) -> None:
 
 
 def register_queued(registry: Registry, *, brief: str, contract: wire.Contract, terms: QueueTerms,
-                    work: wire.Work | None = None) -> JobRecord:
+                    work: wire.Work | None = None, title: str | None = None) -> JobRecord:
     """Register a checked job `queued` with its brief (and its repository and agent policy,
     §18), for the engine to publish (§14): the one way `dispatch`, `POST /api/jobs` and
-    `mam.Hub` queue a job.
+    `mam.Hub` queue a job. Its `title` is `title`, else the brief's first line (`job_title`).
 
     Raises:
-        UsageError: the target session is revoked (`refuse_revoked`).
+        UsageError: the target session is revoked (`refuse_revoked`); a bad title.
     """
+    name = job_title(brief, title)
     refuse_revoked(registry, terms.target_session)
-    record = registry.register(session=terms.target_session, contract=contract, queue=terms, work=work)
+    record = registry.register(session=terms.target_session, contract=contract, queue=terms, work=work,
+                               title=name)
     save_brief(registry, record["job_id"], brief)
     return record
 
@@ -165,7 +167,7 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
                  workspace: Workspace, stdin: BinaryIO | None = None, labels: str | None = None,
                  priority: int = 0, queue_timeout_s: int | None = None, retries: int = 0,
                  retry_on: str | None = None, show_log: bool = True, work: wire.Work | None = None,
-                 fresh: bool = False, on_limit: str = "pause") -> int:
+                 fresh: bool = False, on_limit: str = "pause", title: str | None = None) -> int:
     """`mam-orch dispatch` (§5, §9, §10, §14).
 
     Order: validate everything (the target: `--session NAME` (or `remote:NAME`) or
@@ -185,6 +187,7 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
     terms = queue_terms(session, labels, priority=priority, queue_timeout_s=queue_timeout_s, retries=retries,
                         retry_on=retry_on, fresh=fresh, on_limit=on_limit)
     text = read_brief(brief, brief_file, stdin)
+    job_title(text, title)  # a bad --title is refused before anything is written
     hub = open_hub(workspace)
     refuse_revoked(hub.registry, terms.target_session)  # before any connection (exit 64)
     contract = hub_contract(hub.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
@@ -198,7 +201,7 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
     engine = EmbeddedService(hub)
     try:
         engine.ensure()
-        record = register_queued(hub.registry, brief=text, contract=contract, terms=terms, work=work)
+        record = register_queued(hub.registry, brief=text, contract=contract, terms=terms, work=work, title=title)
         print(f"queued job {record['job_id']} for {describe_target(record)}", file=sys.stderr, flush=True)
         return follow_job(hub, engine, record["job_id"], detach=detach, as_json=as_json, workspace=workspace,
                           show_log=show_log)

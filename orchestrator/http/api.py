@@ -30,7 +30,7 @@ INT_FIELDS = ("priority", "retries", "queue_timeout_sec", "heartbeat_sec", "hear
               "idle_timeout_sec", "timeout_sec")
 WORK_FIELDS = ("repo", "ref", "permission_mode", "on_ask_timeout")
 POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "deny_tools", "ask_timeout_s")
-DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", "fresh", "on_limit", *WORK_FIELDS,
+DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", "fresh", "on_limit", "title", *WORK_FIELDS,
                              *POLICY_FIELDS, *INT_FIELDS})
 
 
@@ -86,7 +86,11 @@ def dispatch_request(service: HubService, body: object) -> dict[str, Any]:
     contract = hub_contract(service.registry.root, heartbeat_s=ints["heartbeat_sec"],
                             heartbeat_misses=ints["heartbeat_misses"], ack_timeout_s=ints["ack_timeout_sec"],
                             idle_timeout_s=ints["idle_timeout_sec"], timeout_s=ints["timeout_sec"])
-    record = register_queued(service.registry, brief=brief, contract=contract, terms=terms, work=_work(body))
+    title = body.get("title")
+    if title is not None and not isinstance(title, str):
+        raise UsageError("field 'title' is invalid: expected a string")
+    record = register_queued(service.registry, brief=brief, contract=contract, terms=terms, work=_work(body),
+                             title=title)
     return {"job_id": record["job_id"], "status": record["status"], "attempt_id": record["attempt_id"],
             "target": describe_target(record)}
 

@@ -96,7 +96,8 @@ def job_row(record: JobRecord, last_event: str | None = None, now_wall: float | 
     start = iso_epoch(record.get("attempt_created_at") or record["created_at"])
     end = iso_epoch(record["updated_at"]) if record["status"] in TERMINAL_STATUSES else now_wall
     duration = round(max(0.0, end - start), 1) if start is not None and end is not None else None
-    return {"job_id": record["job_id"], "status": record["status"], "target": describe_target(record),
+    return {"job_id": record["job_id"], "title": record.get("title", ""), "status": record["status"],
+            "target": describe_target(record),
             "session": record.get("session") or "", "attempt_id": record["attempt_id"],
             "created_at": record["created_at"], "updated_at": record["updated_at"], "duration_s": duration,
             "close_reason": record.get("close_reason"), "exit_code": record.get("exit_code"),

@@ -103,6 +103,7 @@ class JobRecord(TypedDict):
     usage_limit: NotRequired[dict[str, Any]]  # §14 Pauses: {"attempt_id", "reset_at"} of an attempt that hit one
     pauses: NotRequired[int]  # §14 Pauses: how often the job paused
     paused_until: NotRequired[str]  # §14 Pauses: a queued job is not published before this (§3 timestamp)
+    title: NotRequired[str]  # a person's name for the job: `dispatch --title`, else the brief's first line
 
 
 MAX_RETRIES = 10
@@ -312,11 +313,11 @@ def validate_broker(broker: Mapping[str, Any] | None) -> dict[str, Any] | None:
 
 def new_record(*, job_id: str, session: str | None, role: str, attempt_id: int, dispatch_token: str,
                auth_token: str, contract: wire.Contract, broker: dict[str, Any] | None,
-               origin: str | None, queue: QueueTerms | None = None, work: wire.Work | None = None
-               ) -> JobRecord:
+               origin: str | None, queue: QueueTerms | None = None, work: wire.Work | None = None,
+               title: str | None = None) -> JobRecord:
     """A fresh record of `contract` (§8), created and updated now: `pending`, or
     `queued` with `queue`'s terms (§14; `session` "" until a label target is placed);
-    `work` (§18) is stored when set."""
+    `work` (§18) and `title` are stored when set."""
     now = utc_now()
     terms = contract.to_dict()  # the five §5 fields, idle resolved
     record: JobRecord = {
@@ -335,6 +336,8 @@ def new_record(*, job_id: str, session: str | None, role: str, attempt_id: int, 
         record["queued_at"] = utc_now_us()
     if work:
         record["work"] = work.to_dict()
+    if title:
+        record["title"] = title
     return record
 
 

@@ -276,7 +276,8 @@ class Registry(RegistryFiles):
 
     def register(self, *, session: str | None, contract: Contract | None = None,
                  broker: Mapping[str, Any] | None = None, job_id: str | None = None,
-                 source: str = "operator", queue: QueueTerms | None = None, work: Work | None = None) -> JobRecord:
+                 source: str = "operator", queue: QueueTerms | None = None, work: Work | None = None,
+                 title: str | None = None) -> JobRecord:
         """Register a new hub job: status `pending`, attempt 1, fresh
         `dispatch_token` and `auth_token`, the contract fields (§8, §1).
 
@@ -287,6 +288,7 @@ class Registry(RegistryFiles):
             job_id: a given id (refused if it exists), else a fresh one.
             source: an operator source; queue: §14 terms: the record is `queued` (session None: labels).
             work: the job's repository and agent policy (§18), stored as `work`.
+            title: a person's name for the job (`dispatch.job_title`), stored as `title`.
         Returns:
             the new record (with secrets).
         Raises:
@@ -310,7 +312,8 @@ class Registry(RegistryFiles):
                 chosen = names.new_job_id()
             record = new_record(job_id=chosen, session=session, role="hub", attempt_id=1,
                                 dispatch_token=names.new_dispatch_token(), auth_token=names.new_auth_token(),
-                                contract=contract, broker=broker_block, origin=None, queue=queue, work=work)
+                                contract=contract, broker=broker_block, origin=None, queue=queue, work=work,
+                                title=title)
             self._create(record, source, "registered")
         return record
 

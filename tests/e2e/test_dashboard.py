@@ -184,8 +184,9 @@ def test_dashboard_approve_and_deny_answer_the_waiting_agent_without_a_reload(na
 
 
 def test_dashboard_cancel_and_retry_a_job_from_its_page(nats_broker, tmp_path):
-    """The job page's Cancel stops a running job (`mam-orch cancel` on the service) and its Retry
-    queues attempt 2 (`redispatch`), which runs and completes; no reload, no script error."""
+    """The job's title in the running list and on its page; the page's Cancel stops the running
+    job (`mam-orch cancel` on the service) and its Retry queues attempt 2 (`redispatch`), which
+    runs and completes; no reload, no script error."""
     if (why := browser_missing()) is not None:
         pytest.skip(why)
     hub = hub_workspace(nats_broker, tmp_path)
@@ -195,8 +196,10 @@ def test_dashboard_cancel_and_retry_a_job_from_its_page(nats_broker, tmp_path):
         try:
             page.on("dialog", lambda dialog: dialog.accept())  # "Cancel job …?" / "Retry job …?"
             page.evaluate("window.__sameDocument = true")
-            job_id = serve.dispatch(gated(tmp_path, "go"), session="gpu-box")
+            job_id = serve.dispatch(gated(tmp_path, "go"), session="gpu-box", title="nightly build")
+            sync_api.expect(row_of(page, "running", job_id)).to_contain_text("nightly build")
             page.evaluate(f"location.hash = '#job/{job_id}'")
+            sync_api.expect(page.locator("#job-title")).to_have_text("nightly build")
             sync_api.expect(page.locator("#job-status")).to_have_text("running")
             sync_api.expect(page.locator("#job-retry")).to_be_hidden()
             page.locator("#job-cancel").click()

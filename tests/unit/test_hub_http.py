@@ -15,6 +15,7 @@ from harness.workspace import TEST_SECRET
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.testclient import TestClient
 
+from mam.orchestrator.dispatch import DEFAULT_TITLE_CHARS, MAX_TITLE_CHARS, job_title
 from mam.orchestrator.http import app as hubhttp
 from mam.orchestrator.http.views import LiveFeed
 from mam.orchestrator.hub import open_hub
@@ -417,3 +418,28 @@ def test_s14_http_a_name_is_loopback_only_if_every_address_it_resolves_to_is(mon
         hubhttp.api_token("localhost", {})
     assert hubhttp.is_loopback("hub.internal")
     assert not hubhttp.is_loopback("no-such-host.invalid")
+
+
+def test_job_title_from_the_option_or_the_brief_capped_and_masked():
+    assert job_title("echo hi\n", "  nightly   build ") == "nightly build"
+    assert job_title("\n\n   Fix\tthe  flaky test\nthen more\n") == "Fix the flaky test"
+    long = job_title("x" * 300)
+    assert len(long) == DEFAULT_TITLE_CHARS and long.endswith("…")
+    masked = job_title("deploy with API_TOKEN=abc123 and password: hunter2 from https://me:pw@git.example/r")
+    assert masked == "deploy with API_TOKEN=*** and password: *** from https://me:***@git.example/r"
+    cut = job_title("x" * 70 + " https://me:supersecretpassword@git.example/r")  # masked before it is cut
+    assert "supersec" not in cut and cut.endswith("…"), cut
+    for hostile in ("", "   ", "two\nlines", "bell\a", "x" * (MAX_TITLE_CHARS + 1)):
+        with pytest.raises(UsageError, match="the title is invalid: expected one printable line of 1..120"):
+            job_title("echo hi\n", hostile)
+
+
+def test_http_dispatch_keeps_a_title_and_lists_it(service, api):
+    titled = dispatch(api, title="nightly build").json()["job_id"]
+    untitled = dispatch(api, brief="\n  run the tests  \nand more").json()["job_id"]
+    rows = {row["job_id"]: row["title"] for row in api.get("/api/jobs").json()["jobs"]}
+    assert (rows[titled], rows[untitled]) == ("nightly build", "run the tests")
+    assert service.registry.get(titled)["title"] == "nightly build"
+    for title, why in ((7, "field 'title' is invalid: expected a string"), ("a\nb", "the title is invalid")):
+        bad = dispatch(api, title=title)
+        assert bad.status_code == 400 and why in bad.json()["error"], bad.text

@@ -81,16 +81,18 @@ function renderFleet() {
     r.status === "revoked" ? "-" : r.slots_used + " / " + r.max_jobs, r.running.join(", "), r.version, r.host,
     r.status === "revoked" ? "revoked " + r.revoked_at : age(r.last_seen)])),
     "no runner has announced itself", 8);
-  fill("queue", state.queue.map((q) => row([jobLink(q.job_id), q.target, q.priority, q.why_waiting])),
-    "nothing waits", 4);
+  const titleOf = (id) => (state.jobs.get(id) || {}).title || "";
+  fill("queue", state.queue.map((q) => row([jobLink(q.job_id), titleOf(q.job_id), q.target, q.priority,
+    q.why_waiting])), "nothing waits", 5);
   const jobs = [...state.jobs.values()].sort((a, b) => b.created_at.localeCompare(a.created_at));
   const open = jobs.filter((j) => j.status === "pending" || j.status === "running");
   const ended = jobs.filter((j) => TERMINAL.has(j.status)).slice(0, RECENT_MAX);
   const asking = new Set(state.asks.map((a) => a.job_id));  // §19: a person's answer is what it waits for
-  fill("running", open.map((j) => row([jobLink(j.job_id), badge(j.status), j.session, j.attempt_id, duration(j),
-    asking.has(j.job_id) ? "waiting for approval" : j.last_event])), "no job runs", 6);
-  fill("recent", ended.map((j) => row([jobLink(j.job_id), badge(j.status), j.session, j.attempt_id, duration(j),
-    j.last_event, j.close_reason || (j.late_outcome ? "late " + j.late_outcome : "")])), "no job ended yet", 7);
+  fill("running", open.map((j) => row([jobLink(j.job_id), j.title, badge(j.status), j.session, j.attempt_id,
+    duration(j), asking.has(j.job_id) ? "waiting for approval" : j.last_event])), "no job runs", 7);
+  fill("recent", ended.map((j) => row([jobLink(j.job_id), j.title, badge(j.status), j.session, j.attempt_id,
+    duration(j), j.last_event, j.close_reason || (j.late_outcome ? "late " + j.late_outcome : "")])),
+    "no job ended yet", 8);
   const online = state.runners.filter((r) => r.status === "online").length;
   document.getElementById("summary").textContent =
     online + " runners online · " + state.queue.length + " queued · " + open.length + " running";
@@ -130,6 +132,7 @@ function renderJob() {
   if (!detail) return;
   const job = state.jobs.get(detail.job.job_id) || detail.job;
   document.getElementById("job-id").textContent = job.job_id;
+  document.getElementById("job-title").textContent = job.title || "";
   const status = document.getElementById("job-status");
   status.textContent = job.status;
   status.className = "st " + job.status;
