@@ -60,6 +60,7 @@ from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import PUBLISHED_STATUSES, CloseReason, JobStatus, PresenceStatus, RetryOn
 from mam.shared.protocol.errors import MamError, UsageError
+from mam.shared.store.fsio import settled_mtime_ns
 from mam.shared.store.records import HUB_DECISIONS, RECORD_NAME_RE, JobRecord, describe_target, target_of
 from mam.shared.transport import Received, Transport
 
@@ -264,7 +265,8 @@ class HubService:
             log.warning("job %s: note not written: %s", job_id, exc)
 
     def scan(self, now: float) -> None:
-        """Look at every record file whose mtime changed since the last scan."""
+        """Look at every record file whose mtime changed since the last scan, or is too recent
+        to tell (`settled_mtime_ns`)."""
         folder = names.jobs_dir(self.registry.root)
         try:
             entries = list(os.scandir(folder))
@@ -274,12 +276,14 @@ class HubService:
             if not RECORD_NAME_RE.match(entry.name):
                 continue
             try:
-                mtime = entry.stat().st_mtime_ns
+                stat = entry.stat()
             except OSError:
                 continue
-            if self._mtimes.get(entry.name) == mtime:
+            if self._mtimes.get(entry.name) == stat.st_mtime_ns:
                 continue
-            self._mtimes[entry.name] = mtime
+            mtime = settled_mtime_ns(stat)  # a record changed twice within one tick keeps its mtime
+            if mtime is not None:
+                self._mtimes[entry.name] = mtime
             self.consider(entry.name[:-len(".json")], now)
 
     # ------------------------------------------------------------ messages

@@ -221,7 +221,7 @@ class Watcher:
             if self.on_other is not None:
                 self.on_other(topic, raw)
             return False
-        revoked_at = self.revocations.revoked_at(self.session)
+        revoked_at = self.revocations.revoked_at(self.session, fresh=True)  # §16.7: its notice may have caused this
         if revoked_at is not None:  # §16: a revoked runner's events and states are refused
             self._refuse("runner revoked", f"{self.session} at {revoked_at}")
             return False

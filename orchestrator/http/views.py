@@ -26,6 +26,7 @@ from mam.orchestrator.service import HubService
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus, PresenceStatus
 from mam.shared.protocol.errors import MamError, UsageError
+from mam.shared.store.fsio import settled_mtime_ns
 from mam.shared.store.records import RECORD_NAME_RE, JobNotFound, JobRecord, describe_target, redact
 
 Row = dict[str, Any]
@@ -167,7 +168,7 @@ def _size(path: Path) -> int:
 class _Tracked:
     """One job as the feed last saw it."""
 
-    mtime: int
+    mtime: int | None  # of its record, once settled (`settled_mtime_ns`)
     row: Row
     audit: AuditTail
     log_offset: int = 0
@@ -225,15 +226,16 @@ class LiveFeed:
                 continue
             job_id = entry.name[:-len(".json")]
             try:
-                mtime = entry.stat().st_mtime_ns
+                mtime = settled_mtime_ns(entry.stat())  # None: too recent to skip on
             except OSError:
                 continue
             tracked = self.jobs.get(job_id)
-            if tracked is not None and tracked.mtime == mtime and tracked.row["status"] in TERMINAL_STATUSES:
+            if tracked is not None and tracked.row["status"] in TERMINAL_STATUSES and \
+                    mtime is not None and tracked.mtime == mtime:
                 continue
             self._poll_job(job_id, mtime, tracked, out)
 
-    def _poll_job(self, job_id: str, mtime: int, tracked: _Tracked | None, out: list[Row]) -> None:
+    def _poll_job(self, job_id: str, mtime: int | None, tracked: _Tracked | None, out: list[Row]) -> None:
         registry = self.service.registry
         try:
             record = registry.get(job_id)

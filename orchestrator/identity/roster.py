@@ -32,14 +32,16 @@ from mam.shared.protocol.crypto.keys import EnrolRequest
 from mam.shared.protocol.errors import RegistryError, SignatureError, UsageError
 from mam.shared.protocol.wire import format_ts, parse_ts
 from mam.shared.store import keyfiles
-from mam.shared.store.fsio import atomic_write, json_line, read_json_object
+from mam.shared.store.fsio import atomic_write, json_line, read_json_object, settled_mtime_ns
 
 MAX_ROSTER_FILE_BYTES = 16 * 1024
 """A roster entry is a few hundred bytes; a bigger file is not ours."""
 ROSTER_DIR_MODE = 0o700
 REVOCATION_STAT_S = 0.1
-"""`Revocations` looks at the roster folder's mtime at most this often (s): revocation takes
-effect within it, and a service with a thousand jobs does not stat the folder per message."""
+"""`Revocations` looks at the roster folder's mtime at most this often (s) for the clocks and
+the queue: revocation takes effect within it, and a service with a thousand jobs does not stat
+the folder per tick of each. A runner's message looks at once (`revoked_at(fresh=True)`)."""
+NO_ROSTER = -1  # the roster folder's "mtime" while it does not exist
 ENTRY_FIELDS = frozenset({"session", "labels", "ed25519_public", "x25519_public", "enrolled_at", "revoked_at"})
 
 __all__ = ["RevokedPresence", "Revocations", "RosterEntry", "add", "build_dispatch_v2", "check_presence", "entries",
@@ -333,15 +335,21 @@ class Revocations:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._mtime: int | None = None
+        self._mtime: int | None = None  # of the folder when last read; None: read at the next look
         self._looked_at = float("-inf")
         self._revoked: dict[str, str] = {}
 
-    def revoked_at(self, session: str) -> str | None:
-        """When `session` was revoked, or None (enrolled, never enrolled, or no roster)."""
+    def revoked_at(self, session: str, *, fresh: bool = False) -> str | None:
+        """When `session` was revoked, or None (enrolled, never enrolled, or no roster).
+
+        Args:
+            fresh: look at the roster now, not up to REVOCATION_STAT_S ago: for a runner's
+                message, which its revocation notice may have caused (§16.7: the roster is
+                written before the notice is published).
+        """
         if not session:
             return None
-        self._refresh()
+        self._refresh(force=fresh)
         return self._revoked.get(session)
 
     def revoked(self) -> dict[str, str]:
@@ -349,17 +357,20 @@ class Revocations:
         self._refresh()
         return dict(self._revoked)
 
-    def _refresh(self) -> None:
-        """Re-read the roster at most every REVOCATION_STAT_S, and only when its folder changed;
-        a roster that cannot be read keeps what was known."""
+    def _refresh(self, *, force: bool = False) -> None:
+        """Re-read the roster at most every REVOCATION_STAT_S (unless `force`), and only when its
+        folder changed; a folder changed too recently to trust its mtime is read again at the
+        next look. A roster that cannot be read keeps what was known."""
         now = time.monotonic()
-        if now - self._looked_at >= REVOCATION_STAT_S:
+        if force or now - self._looked_at >= REVOCATION_STAT_S:
             self._looked_at = now
             try:
-                mtime: int | None = names.roster_dir(self.root).stat().st_mtime_ns
+                stat = names.roster_dir(self.root).stat()
             except OSError:
-                mtime = None
-            if mtime != self._mtime:
+                mtime: int | None = NO_ROSTER
+            else:
+                mtime = settled_mtime_ns(stat)
+            if mtime is None or mtime != self._mtime:
                 try:
                     self._revoked = {entry.session: entry.revoked_at for entry in entries(self.root)
                                      if entry.revoked_at is not None}

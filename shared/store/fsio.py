@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import tempfile
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +26,23 @@ from mam.shared.protocol.errors import MamError, RegistryError
 def errno_name(exc: OSError) -> str:
     """The symbolic errno of `exc` (`ENOSPC`), or its type name when it has none."""
     return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+
+
+RACY_MTIME_NS = 1_000_000_000
+"""An mtime younger than this (1 s) is not trusted to mark a version: file systems stamp
+with a coarse clock, so a second change within one tick can keep the same mtime."""
+
+
+def settled_mtime_ns(st: os.stat_result, now_ns: int | None = None) -> int | None:
+    """`st`'s mtime (ns) when it is old enough to mark a version, else None ("racy", as
+    git calls it): a caller that caches by mtime looks again rather than remember it.
+
+    Args:
+        st: a stat result of the file or folder.
+        now_ns: the wall clock in ns (default: now).
+    """
+    now = time.time_ns() if now_ns is None else now_ns
+    return st.st_mtime_ns if now - st.st_mtime_ns >= RACY_MTIME_NS else None
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -6,6 +6,7 @@ bearer token; `/metrics` parses as Prometheus text; the live feed's messages."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from datetime import datetime
 
@@ -354,6 +355,20 @@ def test_s14_live_feed_counts_a_retry_that_ends_between_two_polls_as_a_new_finis
     service.registry.transition(record["job_id"], "completed", source="runner", exit_code=0, **identity)
     feed.poll()
     assert finished == ["error", "completed"]
+
+
+def test_s15_live_feed_sees_an_ended_job_redispatched_within_one_timestamp_tick(service):
+    """A file system stamps with a coarse clock: a redispatch written within the same tick
+    as the close keeps the record's mtime; the feed must still send the job again."""
+    feed = LiveFeed(service)
+    record = service.registry.register(session="gpu-box", contract=Contract(heartbeat_sec=1, heartbeat_misses=2))
+    path = names.jobs_dir(service.registry.root) / f"{record['job_id']}.json"
+    service.registry.close(record["job_id"], "agent_blocked")
+    closed = path.stat()
+    assert [item["job"]["status"] for item in feed.poll() if item["type"] == "job"] == ["error"]
+    service.registry.redispatch(record["job_id"], session="gpu-box")
+    os.utime(path, ns=(closed.st_atime_ns, closed.st_mtime_ns))  # the same tick as the close
+    assert [item["job"]["status"] for item in feed.poll() if item["type"] == "job"] == ["pending"]
 
 
 def test_s19_http_lists_waiting_requests_answers_them_signed_and_refuses_twice(service, api):

@@ -18,7 +18,7 @@ from harness.workspace import TEST_SECRET
 from mam.orchestrator.follow import AuditTail, settled
 from mam.orchestrator.hub import Hub, open_hub
 from mam.orchestrator.hublock import HubLock, service_pid
-from mam.orchestrator.queuewait import mark_published
+from mam.orchestrator.queuewait import close_queue_timeout, mark_published
 from mam.orchestrator.service import HubService
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.config import write_env_file
@@ -157,3 +157,22 @@ def test_s14_a_runner_going_offline_is_said_at_once_with_when_its_job_is_lost_an
     assert "attempt 1 is lost in 9 s unless it returns; then retry 1 of 1" in said[0], said[0]
     service.on_presence("gpu-box", presence("offline"), now + 2.0)  # said once, not on every presence
     assert len([n for n in (line.get("line", "") for line in reg.audit(record["job_id"])) if "went offline" in n]) == 1
+
+
+def test_s14_a_record_changed_twice_within_one_timestamp_tick_is_looked_at_again(tmp_path):
+    """A file system stamps with a coarse clock: a second write within the same tick keeps
+    the record's mtime, and the service's scan must still see it (here: a queued job closed
+    by another process)."""
+    reg = Registry(tmp_path)
+    record = reg.register(session=None, queue=QueueTerms(target_session="gpu-box"))
+    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
+    service = HubService(open_hub(tmp_path))
+    service.client = RecordingClient()  # type: ignore[assignment]
+    path = names.jobs_dir(tmp_path) / f"{record['job_id']}.json"
+    seen = path.stat()
+    service.scan(time.monotonic())
+    assert record["job_id"] in service.queued
+    close_queue_timeout(reg, record["job_id"])
+    os.utime(path, ns=(seen.st_atime_ns, seen.st_mtime_ns))  # the same tick as the first write
+    service.scan(time.monotonic())
+    assert record["job_id"] not in service.queued

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 
 import pytest
@@ -46,6 +47,55 @@ def test_s16_revocations_reread_when_the_roster_changes(tmp_path):
     entry = roster.revoke(tmp_path, SESSION)
     assert revocations.revoked_at(SESSION) == entry.revoked_at
     assert revocations.revoked_at("runner-b") is None
+
+
+def test_s16_a_roster_change_within_one_timestamp_tick_is_not_missed(tmp_path):
+    """A file system stamps with a coarse clock: a revocation written within the same tick
+    as the look before it leaves the folder's mtime unchanged, and must still be seen."""
+    enrol(tmp_path)
+    folder = names.roster_dir(tmp_path)
+    revocations = roster.Revocations(tmp_path)
+    before = folder.stat()
+    assert revocations.revoked_at(SESSION) is None
+    entry = roster.revoke(tmp_path, SESSION)
+    os.utime(folder, ns=(before.st_atime_ns, before.st_mtime_ns))  # the same tick as the look
+    assert revocations.revoked_at(SESSION) == entry.revoked_at
+
+
+def test_s16_a_settled_roster_is_not_read_again_until_its_folder_changes(tmp_path, monkeypatch):
+    enrol(tmp_path)
+    folder = names.roster_dir(tmp_path)
+    hour_ago_ns = time.time_ns() - 3600 * 10**9
+    os.utime(folder, ns=(hour_ago_ns, hour_ago_ns))
+    reads = []
+    real_entries = roster.entries
+    monkeypatch.setattr(roster, "entries", lambda root: reads.append(root) or real_entries(root))
+    revocations = roster.Revocations(tmp_path)
+    for _ in range(3):
+        assert revocations.revoked_at(SESSION) is None
+    assert len(reads) == 1
+    entry = roster.revoke(tmp_path, SESSION)
+    assert revocations.revoked_at(SESSION) == entry.revoked_at
+    assert len(reads) == 2
+
+
+def test_s16_a_message_looks_at_the_roster_at_once_not_at_the_next_stat(tmp_path, monkeypatch):
+    """§16.7: the roster is written before the notice goes out, so the runner's terminal,
+    which the notice caused, is refused however recently the watcher last looked."""
+    monkeypatch.setattr(roster, "REVOCATION_STAT_S", 3600.0)
+    enrol(tmp_path)
+    reg = Registry(tmp_path)
+    rec = reg.register(session=SESSION)
+    client = RecordingClient()
+    watcher = Watcher(reg, rec["job_id"], client=client, keys=KEYS, out=io.StringIO(),
+                      options=WatchOptions(remote=True, ack_only_before_first=True))
+    watcher.start_clocks(time.monotonic(), rec)
+    deliver(client, rec, 1, "started")
+    assert watcher.handle(*_next(client))
+    roster.revoke(tmp_path, SESSION)
+    deliver(client, rec, 2, "error")
+    assert not watcher.handle(*_next(client))
+    assert watcher.refusals == ["runner revoked"] and watcher.terminal is None
 
 
 def test_s16_revoked_runner_events_refused_and_its_job_closed_runner_lost_with_a_v2_cancel(tmp_path):
