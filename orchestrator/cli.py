@@ -639,29 +639,48 @@ def gc_cmd(
     return gc_cli(older_than_days=older_than_days, workspace=workspace, dry_run=dry_run, as_json=as_json)
 
 
+ALERT_WEBHOOK_OPTION = typer.Option(
+    None, "--alert-webhook", metavar="URL", envvar="MAM_ALERT_WEBHOOK", show_default=False,
+    help="POST alerts here as JSON with a Slack-compatible `text` (repeatable; the variable takes "
+         "URLs separated by blanks, and keeps them out of `ps`): a runner offline or lost holding jobs, "
+         "a job queued too long, labels or a repository nobody serves, a permission request unanswered "
+         "too long, a job failed after its last retry; each once, then once resolved.")
+
+
 @app.command("serve")
 def serve_cmd(
     workspace: str = cli.workspace_option(),
     http: str = typer.Option(None, "--http", metavar="HOST:PORT",
                              help="Also serve the dashboard, the HTTP API and /metrics here, e.g. 127.0.0.1:8765 "
                                   "(an address other than loopback needs MAM_API_TOKEN)."),
+    alert_webhook: list[str] = ALERT_WEBHOOK_OPTION,
+    alert_queue_s: float = typer.Option(600.0, "--alert-queue-s", metavar="S",
+                                        help="Alert on a job queued longer than this (s)."),
+    alert_ask_s: float = typer.Option(600.0, "--alert-ask-s", metavar="S",
+                                      help="Alert on a permission request unanswered longer than this (s)."),
 ) -> int:
     """Run the hub service: one process and one broker connection for every job of this
     registry (PROTOCOL §14). It tracks every queued, pending and running job, whichever
     command registered it, publishes queued jobs when a runner has a free slot, applies the
     clocks of §10 and mirrors events. SIGTERM/SIGINT stop it; the jobs go on, and the
     next start picks them up. Exit 64: another service runs for this registry (its pid is named),
-    or --http cannot listen (or needs MAM_API_TOKEN).
+    --http cannot listen (or needs MAM_API_TOKEN), or a bad --alert-* option.
 
     Example: mam-orch serve --http 127.0.0.1:8765, then open http://127.0.0.1:8765/
     """
     cli.setup_logging()
+    companions = []
+    if alert_webhook:
+        from mam.orchestrator.http.alerts import Alerter, AlertOptions
+
+        options = AlertOptions.parse(alert_webhook, alert_queue_s, alert_ask_s)
+        companions.append(lambda service: Alerter(service, options))
     if http:
         # lazy: starlette, uvicorn and prometheus-client cost every other command 150 ms at start
         from mam.orchestrator.http.app import serve_http_cli
 
-        return serve_http_cli(workspace=workspace, bind=http)
-    return serve_cli(workspace=workspace)
+        return serve_http_cli(workspace=workspace, bind=http, companions=companions)
+    return serve_cli(workspace=workspace, companions=companions)
 
 
 def main() -> None:

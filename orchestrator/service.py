@@ -32,10 +32,10 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import TextIO
+from typing import Protocol, TextIO
 
 from mam.orchestrator import queue as hubqueue
 from mam.orchestrator.dispatch import publish_queued
@@ -121,6 +121,10 @@ class HubService:
             subscribed (`serve --http` starts its server then).
         quiet: log its own bookkeeping lines (tracking, published, ended) at DEBUG: an
             engine embedded in `dispatch` or `mam.Hub`, whose follower prints the notes.
+
+    Attributes:
+        on_failed: called, in the service's thread, with the record of a job that ended
+            `error` with no retry left (`serve --alert-webhook`); what it raises is logged.
     """
 
     def __init__(self, hub: Hub, *, out: TextIO | None = None, on_ready: Callable[[], None] | None = None,
@@ -152,6 +156,7 @@ class HubService:
         self._stop = False
         self.ready = threading.Event()  # set once it holds the lock and subscribed
         self.on_ready = on_ready
+        self.on_failed: Callable[[JobRecord], None] | None = None
         self.quiet = quiet
         self._info = log.debug if quiet else log.info
         self._drain = False  # on stop, first finish the cancels awaiting their runner's confirmation
@@ -477,6 +482,7 @@ class HubService:
                 continue
             self.note(job_id, f"job {job_id} left the queue {record['status']} ({record.get('close_reason')}); "
                               f"target {describe_target(record)}")
+            self._failed(record)
 
     def retry(self, job_id: str, now: float) -> None:
         """§14 Retries: an attempt that ended for a reason in `retry_on` with retries left
@@ -490,6 +496,7 @@ class HubService:
                 return
             reason = retry_reason(record)
             if reason is None:
+                self._failed(record)
                 return
             new = retry_attempt(self.registry, job_id, reason, self.client, self.keys)
         except MamError as exc:
@@ -499,6 +506,15 @@ class HubService:
             self._requeued(new, f"job {job_id}: attempt {record['attempt_id']} ended {reason} on "
                                 f"{record.get('session') or '-'}; retry {new.get('retried')} of "
                                 f"{new.get('retries')}: attempt {new['attempt_id']} queued", now)
+
+    def _failed(self, record: JobRecord) -> None:
+        """Tell `on_failed` of a job that ended `error` for good (no retry, no pause)."""
+        if self.on_failed is None or record["status"] != JobStatus.ERROR:
+            return
+        try:
+            self.on_failed(record)
+        except Exception as exc:  # noqa: BLE001 - an observer never ends the engine
+            log.warning("job %s: failure not reported: %s", record["job_id"], exc)
 
     def _pause(self, record: JobRecord, until: float, now: float) -> None:
         job_id = record["job_id"]
@@ -725,18 +741,46 @@ class EmbeddedService:
             thread.join(SERVICE_START_S + CONFIRM_WAIT_S)
 
 
-def serve_cli(*, workspace: Workspace) -> int:
+class Companion(Protocol):
+    """Something `mam-orch serve` runs beside the engine (the HTTP server, the alerter):
+    started once the service holds the lock and subscribed, stopped when it ends."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def serve_cli(*, workspace: Workspace, companions: Sequence[Callable[[HubService], Companion]] = ()) -> int:
     """`mam-orch serve`: run the hub service until SIGTERM/SIGINT (§14).
 
+    Args:
+        companions: each makes, from the service, something run beside it (`Companion`).
     Raises:
         UsageError (exit 64: another service runs), ConfigError, BrokerUnavailable (exit 3).
     """
-    return run_service(HubService(open_hub(workspace)))
+    service = HubService(open_hub(workspace))
+    return run_service(service, [make(service) for make in companions])
 
 
-def run_service(service: HubService) -> int:
-    """Run `service` in this (main) thread until SIGTERM/SIGINT; returns the exit code."""
+def run_service(service: HubService, companions: Sequence[Companion] = ()) -> int:
+    """Run `service` in this (main) thread until SIGTERM/SIGINT, `companions` beside it from
+    its `on_ready` on; returns the exit code."""
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)
     print(f"mam-orch serve: pid {os.getpid()}, registry {service.registry.root}", file=sys.stderr, flush=True)
-    return service.run()
+    started: list[Companion] = []
+    first = service.on_ready
+
+    def ready() -> None:
+        if first is not None:
+            first()
+        for companion in companions:
+            started.append(companion)  # stopped even if its start fails halfway
+            companion.start()
+
+    service.on_ready = ready
+    try:
+        return service.run()
+    finally:
+        for companion in reversed(started):
+            companion.stop()

@@ -28,7 +28,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ from mam.orchestrator.http.api import cancel_request, dispatch_request, retry_re
 from mam.orchestrator.http.metrics import HubMetrics
 from mam.orchestrator.http.views import LiveFeed, job_detail, job_result, job_row, queue_rows, read_log, runner_rows
 from mam.orchestrator.hub import Workspace, open_hub
-from mam.orchestrator.service import HubService, run_service
+from mam.orchestrator.service import Companion, HubService, run_service
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import JobStatus
 from mam.shared.protocol.errors import BrokerError, ConfigError, MamError, UsageError
@@ -475,16 +475,15 @@ class HttpServer:
             self.thread.join(START_TIMEOUT_S)
 
 
-def serve_http_cli(*, workspace: Workspace, bind: str) -> int:
-    """`mam-orch serve --http HOST:PORT`: the hub service plus this server, stopped with it.
+def serve_http_cli(*, workspace: Workspace, bind: str,
+                   companions: Sequence[Callable[[HubService], Companion]] = ()) -> int:
+    """`mam-orch serve --http HOST:PORT`: the hub service plus this server (and `companions`),
+    stopped with it.
 
     Raises:
         UsageError (exit 64: another service runs, a bad or busy address), ConfigError (no token
         for a non-loopback address), BrokerUnavailable (exit 3).
     """
-    service = HubService(open_hub(workspace), on_ready=lambda: server.start())
+    service = HubService(open_hub(workspace))
     server = HttpServer(service, bind)  # the address and the token are checked before anything starts
-    try:
-        return run_service(service)
-    finally:
-        server.stop()
+    return run_service(service, [server, *(make(service) for make in companions)])
