@@ -27,7 +27,7 @@ from mam.shared.protocol import names
 from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus, PresenceStatus
 from mam.shared.protocol.errors import MamError, UsageError
 from mam.shared.store.fsio import settled_mtime_ns
-from mam.shared.store.records import RECORD_NAME_RE, JobNotFound, JobRecord, describe_target, redact
+from mam.shared.store.records import RECORD_NAME_RE, JobNotFound, JobRecord, describe_target, redact, target_of
 
 Row = dict[str, Any]
 
@@ -91,14 +91,17 @@ def queue_rows(service: HubService, now: float | None = None) -> list[Row]:
 
 
 def job_row(record: JobRecord, last_event: str | None = None, now_wall: float | None = None) -> Row:
-    """One job as a table row: status, target, runner, attempt, duration (s), close reason, and
-    what its agent spent (`agent`: kind, session_id, turns, tokens, cost_usd; §18) or None."""
+    """One job as a table row: status, target (and its labels, repository), runner, attempt,
+    duration (s), close reason, and what its agent spent (`agent`: kind, session_id, turns,
+    tokens, cost_usd; §18) or None."""
     now_wall = time.time() if now_wall is None else now_wall
     start = iso_epoch(record.get("attempt_created_at") or record["created_at"])
     end = iso_epoch(record["updated_at"]) if record["status"] in TERMINAL_STATUSES else now_wall
     duration = round(max(0.0, end - start), 1) if start is not None and end is not None else None
+    _session, labels = target_of(record)
+    repo = (record.get("work") or {}).get("repo")
     return {"job_id": record["job_id"], "title": record.get("title", ""), "status": record["status"],
-            "target": describe_target(record),
+            "target": describe_target(record), "labels": list(labels), "repo": repo if isinstance(repo, str) else None,
             "session": record.get("session") or "", "attempt_id": record["attempt_id"],
             "created_at": record["created_at"], "updated_at": record["updated_at"], "duration_s": duration,
             "close_reason": record.get("close_reason"), "exit_code": record.get("exit_code"),
@@ -107,7 +110,8 @@ def job_row(record: JobRecord, last_event: str | None = None, now_wall: float | 
 
 
 def job_detail(service: HubService, job_id: str) -> Row:
-    """GET /api/jobs/{id}: the record (tokens redacted), its attempts and its audit log.
+    """GET /api/jobs/{id}: the record (tokens redacted), its attempts (each with `reason`, its close
+    reason) and its audit log.
 
     Raises:
         UsageError: not a job id. JobNotFound: no such job.
@@ -115,9 +119,10 @@ def job_detail(service: HubService, job_id: str) -> Row:
     registry = service.registry
     record = registry.get(job_id)
     audit = registry.audit(job_id)
-    attempts = [dict(item) for item in record.get("attempt_history", [])]
+    attempts = [{**item, "reason": item.get("close_reason")} for item in record.get("attempt_history", [])]
     attempts.append({"attempt_id": record["attempt_id"], "session": record.get("session") or "",
                      "status": record["status"], "reason": record.get("close_reason"),
+                     "close_reason": record.get("close_reason"),
                      "log": str(names.hub_log_path(registry.root, job_id, record["attempt_id"]))})
     events = [line.get("event") for line in audit if is_event_line(line, job_id)]
     result = read_result(registry, job_id)

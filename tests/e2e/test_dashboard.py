@@ -25,9 +25,11 @@ from harness.runnersim import ask_step, hub_workspace, start_runner
 from harness.waiting import PATIENCE_S
 
 from mam.orchestrator.identity import roster
+from mam.orchestrator.queuewait import close_queue_timeout
 from mam.shared.protocol import names
 from mam.shared.protocol.crypto.keys import EnrolRequest
 from mam.shared.store import keyfiles
+from mam.shared.store.records import QueueTerms
 from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -212,6 +214,10 @@ def test_dashboard_cancel_and_retry_a_job_from_its_page(nats_broker, tmp_path):
             sync_api.expect(page.locator("#job-status")).to_have_text("completed")
             sync_api.expect(page.locator("#job-retry")).to_be_hidden()  # a completed job is never retried
             sync_api.expect(page.locator("#attempts tbody tr")).to_have_count(2)
+            heads = page.locator("#events tbody tr.attempt-head")  # the events grouped by attempt
+            sync_api.expect(heads).to_have_count(2)
+            sync_api.expect(heads.nth(0)).to_contain_text("attempt 1 · runner gpu-box")
+            sync_api.expect(heads.nth(1)).to_contain_text("attempt 2 · runner gpu-box")
             record = Registry(hub).get(job_id)
             assert (record["status"], record["attempt_id"]) == ("completed", 2)
             assert page.evaluate("window.__sameDocument") is True and errors == []
@@ -219,3 +225,53 @@ def test_dashboard_cancel_and_retry_a_job_from_its_page(nats_broker, tmp_path):
             assert serve.stop() == 0, serve.log()
             runner.terminate()
             runner.wait(PATIENCE_S)
+
+
+def test_dashboard_filters_and_pages_the_ended_jobs(nats_broker, tmp_path):
+    """120 ended jobs (error or completed, two runners, a few for label `arm` that nobody
+    served): "Recent" pages them 50 at a time, newest first, and filters them by status,
+    runner, label and a search in titles, without a reload or a script error."""
+    if (why := browser_missing()) is not None:
+        pytest.skip(why)
+    hub = hub_workspace(nats_broker, tmp_path)
+    registry = Registry(hub)
+    for i in range(117):
+        record = registry.register(session="gpu-box" if i % 2 else "cpu-box",
+                                   title=("nightly " if i % 10 == 0 else "build ") + str(i))
+        if i % 3 == 0:
+            registry.close(record["job_id"], "agent_blocked")
+        else:
+            ident = {"attempt_id": 1, "dispatch_token": record["dispatch_token"]}
+            registry.transition(record["job_id"], "running", source="runner", **ident)
+            registry.transition(record["job_id"], "completed", source="runner", exit_code=0, **ident)
+    for _ in range(3):
+        unserved = registry.register(session=None, queue=QueueTerms(target_labels=["arm"]))
+        close_queue_timeout(registry, unserved["job_id"])
+    serve = Serve(hub)
+    with dashboard(tmp_path, serve.url) as (page, errors):
+        try:
+            recent = page.locator("#recent tbody tr")
+            note = page.locator("#page-note")
+            sync_api.expect(note).to_have_text("1–50 of 120")
+            sync_api.expect(recent).to_have_count(50)
+            page.locator("#page-next").click()
+            page.locator("#page-next").click()
+            sync_api.expect(note).to_have_text("101–120 of 120")
+            sync_api.expect(page.locator("#page-next")).to_be_disabled()
+            page.locator("#f-status").select_option("error")  # 39 agent_blocked + 3 queue_timeout
+            sync_api.expect(note).to_have_text("1–42 of 42")
+            page.locator("#f-runner").select_option("cpu-box")  # the even ones of the 39
+            sync_api.expect(note).to_have_text("1–20 of 20")
+            page.locator("#f-runner").select_option("")
+            page.locator("#f-label").fill("arm")
+            sync_api.expect(recent).to_have_count(3)
+            page.locator("#f-label").fill("")
+            page.locator("#f-status").select_option("")
+            page.locator("#f-text").fill("NIGHTLY")
+            sync_api.expect(recent).to_have_count(12)
+            assert all("nightly " in text for text in recent.all_inner_texts())
+            page.locator("#f-text").fill("no such title")
+            sync_api.expect(recent).to_have_text(["no ended job matches"])
+            assert errors == []
+        finally:
+            assert serve.stop() == 0, serve.log()

@@ -29,6 +29,7 @@ from mam.shared.protocol.crypto import MAX_BRIEF_BYTES
 from mam.shared.protocol.crypto.keys import EnrolRequest
 from mam.shared.protocol.errors import ConfigError, UsageError
 from mam.shared.store import keyfiles
+from mam.shared.store.records import QueueTerms
 from mam.shared.store.registry import Contract, Registry
 
 pytestmark = pytest.mark.timeout(60)
@@ -179,6 +180,17 @@ def test_s14_http_job_detail_has_record_attempts_audit_and_no_token(service, api
     assert detail["attempts"][0]["log"].endswith(f"{record['job_id']}/agent.1.log")
     assert any(line.get("event") == "started" for line in detail["audit"])
     assert detail["job"]["last_event"] == "started"
+
+
+def test_s14_http_each_attempt_has_its_reason_and_a_job_row_its_labels_and_repo(service, api):
+    record = service.registry.register(session="gpu-box")
+    service.registry.close(record["job_id"], "agent_blocked")
+    service.registry.redispatch(record["job_id"], session="gpu-box")
+    detail = api.get(f"/api/jobs/{record['job_id']}").json()
+    assert [(a["attempt_id"], a["reason"]) for a in detail["attempts"]] == [(1, "agent_blocked"), (2, None)]
+    labelled = service.registry.register(session=None, queue=QueueTerms(target_labels=["gpu", "x"]))
+    row = api.get(f"/api/jobs/{labelled['job_id']}").json()["job"]
+    assert (row["labels"], row["repo"], detail["job"]["labels"]) == (["gpu", "x"], None, [])
 
 
 def test_s15_http_job_log_reads_the_hubs_copy_whole_tail_or_from_an_offset(service, api):

@@ -2,14 +2,14 @@
 // (GET /api/events) keep it live without reloading. No build step, no framework.
 "use strict";
 
-const RECENT_MAX = 50;          // ended jobs shown under "Recent"
+const PAGE_ROWS = 50;           // ended jobs per page under "Recent"
 const LOG_VIEW_MAX_CHARS = 200000; // the output tail keeps this much text
 const params = new URLSearchParams(location.search);
 const token = params.get("token") || sessionStorage.getItem("mam_token") || "";
 if (params.get("token")) sessionStorage.setItem("mam_token", token);
 
 const ASKS_POLL_MS = 3000;       // the requests waiting for a person are looked up this often (§19)
-const state = { runners: [], queue: [], jobs: new Map(), job: null, events: [], logAttempt: null, asks: [] };
+const state = { runners: [], queue: [], jobs: new Map(), job: null, events: [], logAttempt: null, asks: [], page: 0 };
 const TERMINAL = new Set(["completed", "error", "cancelled"]);
 
 function api(path) {
@@ -86,16 +86,44 @@ function renderFleet() {
     q.why_waiting])), "nothing waits", 5);
   const jobs = [...state.jobs.values()].sort((a, b) => b.created_at.localeCompare(a.created_at));
   const open = jobs.filter((j) => j.status === "pending" || j.status === "running");
-  const ended = jobs.filter((j) => TERMINAL.has(j.status)).slice(0, RECENT_MAX);
+  const matching = jobs.filter((j) => TERMINAL.has(j.status) && matches(j));
+  const pages = Math.max(1, Math.ceil(matching.length / PAGE_ROWS));
+  state.page = Math.min(state.page, pages - 1);
+  const ended = matching.slice(state.page * PAGE_ROWS, (state.page + 1) * PAGE_ROWS);
+  document.getElementById("page-note").textContent = matching.length
+    ? (state.page * PAGE_ROWS + 1) + "–" + (state.page * PAGE_ROWS + ended.length) + " of " + matching.length : "";
+  document.getElementById("page-prev").disabled = state.page === 0;
+  document.getElementById("page-next").disabled = state.page >= pages - 1;
+  fillRunnerChoices(jobs);
   const asking = new Set(state.asks.map((a) => a.job_id));  // §19: a person's answer is what it waits for
   fill("running", open.map((j) => row([jobLink(j.job_id), j.title, badge(j.status), j.session, j.attempt_id,
     duration(j), asking.has(j.job_id) ? "waiting for approval" : j.last_event])), "no job runs", 7);
   fill("recent", ended.map((j) => row([jobLink(j.job_id), j.title, badge(j.status), j.session, j.attempt_id,
     duration(j), j.last_event, j.close_reason || (j.late_outcome ? "late " + j.late_outcome : "")])),
-    "no job ended yet", 8);
+    filtering() ? "no ended job matches" : "no job ended yet", 8);
   const online = state.runners.filter((r) => r.status === "online").length;
   document.getElementById("summary").textContent =
     online + " runners online · " + state.queue.length + " queued · " + open.length + " running";
+}
+
+// The filters of "Recent": status, runner, label and repository exactly; the search in titles and ids.
+const FILTERS = ["f-status", "f-runner", "f-label", "f-repo", "f-text"];
+function filterValue(id) { return document.getElementById(id).value.trim(); }
+function filtering() { return FILTERS.some((id) => filterValue(id) !== ""); }
+
+function matches(job) {
+  const status = filterValue("f-status"), runner = filterValue("f-runner"), label = filterValue("f-label");
+  const repo = filterValue("f-repo"), text = filterValue("f-text").toLowerCase();
+  return (!status || job.status === status) && (!runner || job.session === runner) &&
+    (!label || (job.labels || []).includes(label)) && (!repo || job.repo === repo) &&
+    (!text || (job.title || "").toLowerCase().includes(text) || job.job_id.includes(text));
+}
+
+function fillRunnerChoices(jobs) {
+  const select = document.getElementById("f-runner");
+  const known = new Set([...select.options].map((o) => o.value));
+  const sessions = new Set([...state.runners.map((r) => r.session), ...jobs.map((j) => j.session)]);
+  for (const session of [...sessions].filter((s) => s && !known.has(s)).sort()) select.appendChild(el("option", session));
 }
 
 // Agents' permission requests that wait for a person (§19), each with Approve and Deny.
@@ -145,7 +173,7 @@ function renderJob() {
   const waiting = state.queue.find((q) => q.job_id === job.job_id);
   if (job.status === "queued" && waiting) document.getElementById("job-facts").textContent += " · " + waiting.why_waiting;
   fill("attempts", detail.attempts.map((a) => row([a.attempt_id, a.session, a.status, a.reason, a.log || ""])), "", 5);
-  fill("events", state.events.map((e) => row([e.seq, e.event, e.timestamp, e.detail])), "no event yet", 4);
+  fill("events", eventRows(detail), "no event yet", 4);
   renderChange(job.job_id, detail.result);
   // the result lands after the job's end (§18): ask once when an ended job shows none ready
   if (TERMINAL.has(job.status) && !(detail.result && detail.result.ready) && !detail.resultAsked) {
@@ -155,6 +183,28 @@ function renderJob() {
       if (state.job === detail) renderChange(job.job_id, result);
     }).catch(() => {});
   }
+}
+
+// The job's events grouped by attempt: a heading row per attempt (its runner and end), then its events.
+function eventRows(detail) {
+  const rows = [];
+  let current = null;
+  for (const e of state.events) {
+    const attempt = (e.data && e.data.attempt_id) || 1;
+    if (attempt !== current) {
+      current = attempt;
+      const known = detail.attempts.find((a) => a.attempt_id === attempt) || {};
+      const td = el("td", "attempt " + attempt + " · runner " + (known.session || "-") +
+        (known.reason ? " · " + known.reason : known.status ? " · " + known.status : ""));
+      td.colSpan = 4;
+      const head = document.createElement("tr");
+      head.className = "attempt-head";
+      head.appendChild(td);
+      rows.push(head);
+    }
+    rows.push(row([e.seq, e.event, e.timestamp, e.detail]));
+  }
+  return rows;
 }
 
 // What the agent spent (§18): kind, turns, tokens, cost and its session id.
@@ -285,6 +335,9 @@ Promise.all([api("/api/runners"), api("/api/queue"), api("/api/jobs")]).then(([r
 window.addEventListener("hashchange", route);
 document.getElementById("job-cancel").addEventListener("click", () => jobAction("cancel"));
 document.getElementById("job-retry").addEventListener("click", () => jobAction("retry"));
+for (const id of FILTERS) document.getElementById(id).addEventListener("input", () => { state.page = 0; renderFleet(); });
+document.getElementById("page-prev").addEventListener("click", () => { state.page -= 1; renderFleet(); });
+document.getElementById("page-next").addEventListener("click", () => { state.page += 1; renderFleet(); });
 setInterval(render, 1000);
 setInterval(loadAsks, ASKS_POLL_MS);  // answers given elsewhere (the CLI) leave the list too
 connect();
