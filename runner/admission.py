@@ -115,6 +115,8 @@ class RunnerState:
         busy: job ids holding a slot; max_jobs: the slot count (§11).
         accepting: False while draining, stopping, or after the one job of `--once`.
         tombstones: the verified cancels (§6).
+        held: the hub ordered a drain (§7): a dispatch waits, like one for a full runner, until
+            the hub's undrain.
     """
 
     session: str
@@ -126,6 +128,7 @@ class RunnerState:
     max_jobs: int
     accepting: bool
     tombstones: Tombstones
+    held: bool = False
 
 
 def hub_registry_message(root: Path, job_id: str) -> str:
@@ -178,7 +181,7 @@ def admit_dispatch(topic_job_id: str, payload: bytes, state: RunnerState) -> Ver
         return Refuse(job_id, RefuseReason.SEAL, str(exc))
     if not state.accepting:
         return Ignore(f"dispatch {job_id} left retained: this runner is draining", notice=True)
-    if len(state.busy) >= state.max_jobs or job_id in state.busy:
+    if state.held or len(state.busy) >= state.max_jobs or job_id in state.busy:
         return Wait(dispatch)
     return Take(dispatch, auth_token, brief)
 

@@ -122,8 +122,15 @@ class Runner:
         self._stop_reason = SHUTDOWN_REASON
         self._revoked_topic = names.revoked_topic(options.session, config.topic_root)
         self.revoked: wire.Revocation | None = None  # the hub's verified notice (§16.7): exit 77
+        self._drain_topic = names.drain_topic(options.session, config.topic_root)
+        self.drain_order: wire.Drain | None = None  # the hub's last verified drain order (§7)
 
     # ------------------------------------------------------------ public API
+
+    @property
+    def held(self) -> bool:
+        """The hub drained this runner (§7 "Drain from the hub"): it takes nothing new until undrained."""
+        return self.drain_order is not None and self.drain_order.draining
 
     @property
     def running(self) -> list[str]:
@@ -255,7 +262,8 @@ class Runner:
                                      tool_rules=self._tool_rules)
         self._supervisor.socket_path = self._socket.start()  # listening before `online` (§17)
         self._supervisor.denied_tools = self._socket.denied_tools  # §19
-        self._publish_presence(PresenceStatus.ONLINE)
+        self._hear_drain()
+        self._publish_presence()
         self._resender = Resender(Outbox(self.options.root), client, self._record)
         self._resender.start()  # §17: what an earlier run or a failed `publish` left is sent now
         log.info("runner %s serving session %s (max %d job(s)) on %s:%d", self.runner_id,
@@ -361,7 +369,7 @@ class Runner:
         """Publish the retained presence; status None = what the daemon is now."""
         assert self.client is not None
         if status is None:
-            draining = self._draining.is_set() or self._closing_once()
+            draining = self._draining.is_set() or self._closing_once() or self.held
             status = PresenceStatus.DRAINING if draining else PresenceStatus.ONLINE
         self.presence.publish(self.client, status, self.running)
 
@@ -484,6 +492,9 @@ class Runner:
         if message.topic == self._revoked_topic:
             self._on_revoked(message.payload)
             return
+        if message.topic == self._drain_topic:
+            self._on_drain(message.payload)
+            return
         answered = names.parse_answer_topic(message.topic, self.config.topic_root)
         if answered is not None:
             self._on_answer(*answered, message.topic, message.payload)
@@ -518,6 +529,56 @@ class Runner:
             self._stop_reason = REVOKED_REASON
             self._stop.set()
 
+    def _hear_drain(self) -> None:
+        """Before the first presence: apply the hub's retained drain order, then subscribe to
+        it, so a drained runner that restarts never announces itself `online` (§7)."""
+        assert self.client is not None
+        try:
+            retained = self._retained(self._drain_topic)
+            self.client.subscribe([(self._drain_topic, mqtt.QOS_AT_LEAST_ONCE)])
+        except BrokerError as exc:  # a runner user from before drains: it serves, undrainable from the hub
+            log.warning("a drain by the hub cannot reach this runner: %s; give its broker user the rights of "
+                        "`mam-orch runner add` again (docs/security.md)", exc)
+            return
+        if retained:
+            self._on_drain(retained, announce=False)
+
+    def _on_drain(self, payload: bytes, *, announce: bool = True) -> None:
+        """The hub's drain order (§7): once verified, hold new dispatches (they wait, like ones
+        for a full runner) or take them again; running jobs go on. An order older than the
+        one applied is ignored."""
+        if not payload:
+            return
+        try:
+            order = wire.decode(payload, "drain")
+            self.trust.verify_from_hub(order)
+        except (DecodeError, SignatureError) as exc:
+            log.warning("refused drain order for session %s: %s", self.options.session, exc)
+            return
+        if order.session != self.options.session:
+            log.warning("refused drain order: it names session %s, not %s", order.session, self.options.session)
+            return
+        last = self.drain_order
+        if last is not None and wire.parse_ts(order.issued_at) < wire.parse_ts(last.issued_at):
+            log.warning("ignored drain order of %s: older than the one of %s", order.issued_at, last.issued_at)
+            return
+        changed = order.draining != self.held
+        self.drain_order = order
+        if not changed:
+            return
+        why = f" ({order.reason})" if order.reason else ""
+        if order.draining:
+            log.warning("runner %s drained by the hub at %s%s: it takes no new job; running jobs go on "
+                        "(mam-orch runner undrain %s)", self.options.session, order.issued_at, why,
+                        self.options.session)
+        else:
+            log.info("runner %s undrained by the hub at %s%s: it takes jobs again", self.options.session,
+                     order.issued_at, why)
+        if announce and self.presence.announced:
+            self._publish_presence()
+        if not order.draining:
+            self._retry_pending()
+
     def admission_state(self) -> RunnerState:
         """What the §5 checks need to know about this runner now."""
         assert self._registry is not None
@@ -526,7 +587,8 @@ class Runner:
         accepting = not (self._draining.is_set() or self._stop.is_set() or self._closing_once())
         return RunnerState(session=self.options.session, trust=self.trust, clock_skew_s=self.options.clock_skew_s,
                            record_of=self._record, root=self.options.root, busy=busy,
-                           max_jobs=self.options.max_jobs, accepting=accepting, tombstones=self.tombstones)
+                           max_jobs=self.options.max_jobs, accepting=accepting, tombstones=self.tombstones,
+                           held=self.held)
 
     def _on_dispatch(self, topic_job_id: str, topic: str, payload: bytes) -> None:
         """§5 checks, then take the job or remember it for a free slot (§11)."""
@@ -542,9 +604,11 @@ class Runner:
             self._pending.pop(topic, None)
             self._take(verdict)
         elif isinstance(verdict, Wait):
-            busy = len(self.running)
-            log.info("dispatch %s waits for a free slot (%d/%d busy)", verdict.dispatch.job_id, busy,
-                     self.options.max_jobs)
+            if self.held:
+                log.info("dispatch %s waits: the hub drained this runner", verdict.dispatch.job_id)
+            else:
+                log.info("dispatch %s waits for a free slot (%d/%d busy)", verdict.dispatch.job_id,
+                         len(self.running), self.options.max_jobs)
             self._pending[topic] = payload
         elif isinstance(verdict, Refuse):
             self._refused(verdict.job_id, verdict.reason, verdict.text, tell=verdict.reason in TOLD_REFUSALS,
@@ -560,6 +624,14 @@ class Runner:
     def _retained_state(self, job_id: str) -> bytes | None:
         """The job's retained `state` as the broker holds it now (§17), None when there is none.
 
+        Raises:
+            BrokerError: no SUBACK/UNSUBACK within TAKEN_CHECK_WAIT_S.
+        """
+        return self._retained(names.state_topic(job_id, self.config.topic_root))
+
+    def _retained(self, topic: str) -> bytes | None:
+        """The message retained on `topic` as the broker holds it now, None when there is none.
+
         Subscribe, then unsubscribe, each acknowledged: the broker sends a retained message
         right after the SUBACK, so it is in the inbox once the UNSUBACK arrived. Other
         messages read meanwhile are kept, in order, for the main loop.
@@ -568,7 +640,6 @@ class Runner:
             BrokerError: no SUBACK/UNSUBACK within TAKEN_CHECK_WAIT_S.
         """
         assert self.client is not None
-        topic = names.state_topic(job_id, self.config.topic_root)
         # QoS 0: a read, no session state; nats-server makes a JetStream consumer for every QoS 1
         # subscription (~30 ms a take), QoS 0 answers in well under 1 ms on both brokers
         try:
@@ -590,7 +661,10 @@ class Runner:
                 self._deferred.append(message)
 
     def _retry_pending(self) -> None:
-        """A slot freed: re-evaluate the remembered dispatches in arrival order (§11)."""
+        """A slot freed: re-evaluate the remembered dispatches in arrival order (§11); none while
+        the hub holds this runner drained (§7)."""
+        if self.held:
+            return
         for topic, payload in list(self._pending.items()):
             if len(self.running) >= self.options.max_jobs:
                 return

@@ -35,8 +35,8 @@ __all__ = ["ACCEPT_V1_VAR", "HubTrust", "V1Trust", "V2Trust", "load", "load_v2"]
 class HubTrust(Protocol):
     """What a runner checks the hub's messages with and signs its own presence with (§16.1)."""
 
-    def verify_from_hub(self, message: wire.Dispatch | wire.Control) -> None:
-        """Check the hub's signature on a dispatch or control (§5, §6, §16.4).
+    def verify_from_hub(self, message: wire.Dispatch | wire.Control | wire.Drain) -> None:
+        """Check the hub's signature on a dispatch, control or drain order (§5, §6, §7, §16.4).
 
         Raises:
             SignatureError: one line, the §5 refusal text.
@@ -82,7 +82,7 @@ class V1Trust:
 
     keys: DispatchKeys = field(repr=False)
 
-    def verify_from_hub(self, message: wire.Dispatch | wire.Control) -> None:
+    def verify_from_hub(self, message: wire.Dispatch | wire.Control | wire.Drain) -> None:
         if message.sig_alg is not None:
             raise SignatureError(f"{message.kind} is v2 (ed25519) but this runner has no v2 keys "
                                  "(mam-runner enroll, then mam-runner trust-hub)")
@@ -120,7 +120,7 @@ class V2Trust:
     accept_v1: bool = False
     v1: DispatchKeys | None = field(default=None, repr=False)
 
-    def verify_from_hub(self, message: wire.Dispatch | wire.Control) -> None:
+    def verify_from_hub(self, message: wire.Dispatch | wire.Control | wire.Drain) -> None:
         if message.sig_alg is not None:
             pubkey.verify(message, self.hub_keys)
             return

@@ -70,6 +70,7 @@ def runner_topics(session: str, topic_root: str | None = None) -> tuple[list[str
                                                                      names.enrol_topic(user, "request", root)]
     subscribe = [f"{root}/jobs/+/{leaf}" for leaf in SUBSCRIBE_LEAVES] + [answers, own,
                                                                          names.revoked_topic(user, root),
+                                                                         names.drain_topic(user, root),
                                                                          names.enrol_topic(user, "answer", root)]
     return publish, subscribe
 
@@ -84,6 +85,7 @@ def mosquitto_acl_block(session: str, topic_root: str | None = None) -> str:
     return "".join([f"user {user}\n", *(f"topic {access} {root}/jobs/+/{leaf}\n" for access, leaf in rights),
                     f"topic readwrite {names.all_answers_filter(root)}\n",
                     f"topic read {names.revoked_topic(user, root)}\n",
+                    f"topic read {names.drain_topic(user, root)}\n",
                     f"topic write {names.enrol_topic(user, 'request', root)}\n",
                     f"topic read {names.enrol_topic(user, 'answer', root)}\n"])
 

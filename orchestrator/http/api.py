@@ -17,6 +17,7 @@ from typing import Any
 
 from mam.orchestrator.control import cancel_owed, clear_dispatch, publish_cancel
 from mam.orchestrator.dispatch import check_brief, hub_contract, parse_retry_on, work_terms
+from mam.orchestrator.identity.drain import order_drain
 from mam.orchestrator.queuewait import refuse_redispatch, requeue
 from mam.orchestrator.service import HubService
 from mam.orchestrator.submit import register_queued
@@ -179,3 +180,23 @@ def retry_request(service: HubService, job_id: str, body: object) -> dict[str, A
     record = requeue(service.registry, job_id, reason="operator redispatch (HTTP API)", fresh=fresh)
     return {"job_id": job_id, "status": record["status"], "attempt_id": record["attempt_id"],
             "target": describe_target(record)}
+
+
+def drain_request(service: HubService, session: str, body: object, *, draining: bool) -> dict[str, Any]:
+    """`POST /api/runners/{session}/drain` and `/undrain` (body `{}` or `{"reason": TEXT}`):
+    `mam-orch runner drain|undrain` on the service's connection (§7 "Drain from the hub").
+
+    Returns:
+        {"session", "draining", "line"}.
+    Raises:
+        UsageError: a bad session, body or reason; a revoked runner. BrokerError: no connection.
+    """
+    if not isinstance(body, dict) or set(body) - {"reason"}:
+        raise UsageError("the body is an object with 'reason' (text) only")
+    reason = body.get("reason", "")
+    if not isinstance(reason, str):
+        raise UsageError("field 'reason' is invalid: expected text")
+    if service.client is None:
+        raise BrokerError("the hub service has no broker connection now; try again")
+    line = order_drain(service.hub, session, draining=draining, reason=reason, client=service.client)
+    return {"session": session, "draining": draining, "line": line}

@@ -43,7 +43,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from mam.orchestrator import asks
-from mam.orchestrator.http.api import cancel_request, dispatch_request, retry_request
+from mam.orchestrator.http.api import cancel_request, dispatch_request, drain_request, retry_request
 from mam.orchestrator.http.metrics import HubMetrics
 from mam.orchestrator.http.views import LiveFeed, job_detail, job_result, job_row, queue_rows, read_log, runner_rows
 from mam.orchestrator.hub import Workspace, open_hub
@@ -305,6 +305,15 @@ class Api:
         body = await self.body_json(request) if int(request.headers.get("content-length") or 0) else {}
         return JSONResponse(await run_in_threadpool(retry_request, self.service, job_id, body), status_code=201)
 
+    async def drain(self, request: Request) -> Response:
+        """`POST /api/runners/{session}/drain|undrain`: the hub's drain order (`drain_request`)."""
+        session, verb = request.path_params["session"], request.path_params["verb"]
+        if verb not in ("drain", "undrain"):
+            raise JobNotFound(f"no such action: {verb!r} (drain or undrain)")
+        body = await self.body_json(request) if int(request.headers.get("content-length") or 0) else {}
+        return JSONResponse(await run_in_threadpool(drain_request, self.service, session, body,
+                                                    draining=verb == "drain"))
+
     async def events(self, request: Request) -> Response:
         """`GET /api/events`: server-sent events `runners`, `queue`, `job`, `event`, `log` (JSON data)."""
         client: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(SSE_QUEUE_MAX)
@@ -389,6 +398,7 @@ def create_app(service: HubService, token: str | None = None) -> Starlette:
     routes = [
         Route("/", api.page),
         Route("/api/runners", g(api.runners)),
+        Route("/api/runners/{session}/{verb:str}", g(api.drain), methods=["POST"]),
         Route("/api/queue", g(api.queue)),
         Route("/api/jobs", g(api.jobs), methods=["GET"]),
         Route("/api/jobs", g(api.dispatch), methods=["POST"]),

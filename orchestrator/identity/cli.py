@@ -1,6 +1,6 @@
 """`mam-orch runner ...`: enrolment, listing, revocation and hub key rotation
-(PROTOCOL §16). `mam-orch runners` (plural) lists presence; this group (singular)
-manages the roster of `orchestrator.roster` and the hub key of `shared.keys`.
+(PROTOCOL §16), and draining a runner from the hub (§7). `mam-orch runners` (plural) lists
+presence; this group (singular) manages the roster of `orchestrator.roster` and the hub key of `shared.keys`.
 
 `add` prints what the runner host needs and nothing secret: the command that
 stores the hub's public key there, and the broker settings (its password is
@@ -29,10 +29,11 @@ KEY_SHOWN_CHARS = 12
 """How much of a public key `runner list` shows in its table (the full key is in --json)."""
 
 runner_app = cli.new_app(
-    "runner", "Enrol, list and revoke runners; rotate the hub key (PROTOCOL §16).",
-    ("invite", "add", "list", "revoke", "rotate-hub-key"),
+    "runner", "Enrol, list, drain and revoke runners; rotate the hub key (PROTOCOL §16, §7).",
+    ("invite", "add", "list", "drain", "undrain", "revoke", "rotate-hub-key"),
     {"invite": "mam-orch runner invite --session gpu-box --labels gpu --ttl 15m",
      "add": "mam-orch runner add 'THE_LINE_MAM_RUNNER_ENROLL_PRINTED'", "list": "mam-orch runner list",
+     "drain": "mam-orch runner drain gpu-box --reason 'disk full'", "undrain": "mam-orch runner undrain gpu-box",
      "revoke": "mam-orch runner revoke gpu-box", "rotate-hub-key": "mam-orch runner rotate-hub-key"})
 
 __all__ = ["runner_app"]
@@ -168,6 +169,40 @@ def list_cmd(
                    f"{entry.revoked_at or '-':<21} {entry.ed25519_public[:KEY_SHOWN_CHARS]:<13} "
                    f"{','.join(entry.labels) or '-'}")
     return 0
+
+
+REASON_HELP = "Why, for the runner's log (at most 256 characters)."
+
+
+def _drain(session: str, workspace: str | None, *, draining: bool, reason: str) -> int:
+    from mam.orchestrator.hub import open_hub
+    from mam.orchestrator.identity.drain import order_drain  # the hub and the broker client: only these two commands
+
+    typer.echo(order_drain(open_hub(workspace), session, draining=draining, reason=reason))
+    return 0
+
+
+@runner_app.command("drain")
+def drain_cmd(
+    session: str = typer.Argument(..., metavar="NAME", help="The runner session to drain."),
+    reason: str = typer.Option("", "--reason", metavar="TEXT", help=REASON_HELP),
+    workspace: str = cli.workspace_option(),
+) -> int:
+    """Drain a runner from the hub: it takes no new job and shows `draining`, its running jobs
+    go on; the order is signed and retained, so it holds across the runner's restarts until
+    `undrain` (PROTOCOL §7). Exit 64: a bad name, or a revoked runner; 3: no broker."""
+    return _drain(session, workspace, draining=True, reason=reason)
+
+
+@runner_app.command("undrain")
+def undrain_cmd(
+    session: str = typer.Argument(..., metavar="NAME", help="The runner session to take back."),
+    reason: str = typer.Option("", "--reason", metavar="TEXT", help=REASON_HELP),
+    workspace: str = cli.workspace_option(),
+) -> int:
+    """Undo `drain`: the runner takes jobs again, the dispatches that waited for it first
+    (PROTOCOL §7). Exit 64: a bad name, or a revoked runner; 3: no broker."""
+    return _drain(session, workspace, draining=False, reason=reason)
 
 
 @runner_app.command("revoke")

@@ -292,10 +292,10 @@ def build_dispatch_v2(root: Path, record: Mapping[str, Any], brief: str, *, orig
                                  work=wire.Work.of_record(record))
 
 
-def sign_control_v2(root: Path, session: str, control: wire.Control, *, hub_key: Ed25519PrivateKey | None = None
-                    ) -> dict[str, Any] | None:
-    """A cancel signed v2 when the job's session is enrolled, revoked ones included (a revoked
-    runner's jobs are still cancelled, §16); None: sign it v1.
+def sign_control_v2(root: Path, session: str, control: wire.Control | wire.Drain, *,
+                    hub_key: Ed25519PrivateKey | None = None) -> dict[str, Any] | None:
+    """A cancel (or answer, or drain order, §7) signed v2 when the session is enrolled, revoked
+    ones included (a revoked runner's jobs are still cancelled, §16); None: sign it v1.
 
     Hook: `orchestrator/control.py` `publish_cancel`, before `crypto.sign`.
 

@@ -482,6 +482,11 @@ def revoked_topic(session: str, root: str | None = None) -> str:
     return f"{presence_topic(session, root)}/revoked"
 
 
+def drain_topic(session: str, root: str | None = None) -> str:
+    """The hub's retained drain order of one runner session (§2, §7 "Drain from the hub")."""
+    return f"{presence_topic(session, root)}/drain"
+
+
 def all_presence_filter(root: str | None = None) -> str:
     """Subscription filter for every runner's presence: `ROOT/runners/+` (§7)."""
     return f"{topic_root(root)}/runners/+"

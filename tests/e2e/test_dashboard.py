@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from harness.httpserve import Serve, gated
 from harness.results import PATCH, deliver_result
-from harness.runnersim import ask_step, hub_workspace, start_runner
+from harness.runnersim import ask_step, hub_workspace, runner_log, start_runner
 from harness.waiting import PATIENCE_S
 
 from mam.orchestrator.identity import roster
@@ -275,3 +275,33 @@ def test_dashboard_filters_and_pages_the_ended_jobs(nats_broker, tmp_path):
             assert errors == []
         finally:
             assert serve.stop() == 0, serve.log()
+
+
+def test_dashboard_drain_and_undrain_a_runner_from_the_page(nats_broker, tmp_path):
+    """Drain on a runner's row: the hub's signed order reaches the real runner, which shows
+    `draining` and takes no new job (a job for it stays queued, saying why); Undrain takes it
+    back and the job runs (§7 "Drain from the hub")."""
+    if (why := browser_missing()) is not None:
+        pytest.skip(why)
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner = start_runner(nats_broker, tmp_path / "gpu", "gpu-box")
+    serve = Serve(hub)
+    with dashboard(tmp_path, serve.url) as (page, errors):
+        try:
+            page.on("dialog", lambda dialog: dialog.accept())  # "Drain runner gpu-box?"
+            runner_row = page.locator("#runners tbody tr", has_text="gpu-box")
+            sync_api.expect(runner_row).to_contain_text("online")
+            runner_row.locator("button[data-verb=drain]").click()
+            sync_api.expect(runner_row).to_contain_text("draining")
+            job_id = serve.dispatch("true\n", session="gpu-box")
+            sync_api.expect(row_of(page, "queue", job_id)).to_contain_text("draining")
+            assert serve.status(job_id) == "queued"
+            runner_row.locator("button[data-verb=undrain]").click()
+            sync_api.expect(runner_row).to_contain_text("online")
+            sync_api.expect(row_of(page, "recent", job_id)).to_contain_text("completed")
+            assert "drained by the hub" in runner_log(tmp_path / "gpu")
+            assert errors == []
+        finally:
+            assert serve.stop() == 0, serve.log()
+            runner.terminate()
+            runner.wait(PATIENCE_S)

@@ -188,10 +188,12 @@ def job_records(workspace: Path) -> list[Path]:
     return sorted(folder.glob("*.json")) if folder.exists() else []
 
 
-def start_runner(broker: Any, workspace: Path, session: str, *extra: str, **env: str) -> subprocess.Popen[bytes]:
+def start_runner(broker: Any, workspace: Path, session: str, *extra: str, wait_online: bool = True,
+                 **env: str) -> subprocess.Popen[bytes]:
     """`mam-runner run --session SESSION [EXTRA...]` with the shell agent in `workspace` (its stderr
-    in `<workspace>.stderr`, see `runner_log`), once its signed `online` presence is retained.
-    The runner gets its own process group (a test may kill -9 it with its agents)."""
+    in `<workspace>.stderr`, see `runner_log`), once its signed `online` presence is retained
+    (`wait_online`; else at once). The runner gets its own process group (a test may kill -9 it
+    with its agents)."""
     (workspace / ".git").mkdir(parents=True, exist_ok=True)
     write_env_for(broker, workspace)
     with open(workspace.parent / f"{workspace.name}.stderr", "wb") as err:
@@ -199,6 +201,8 @@ def start_runner(broker: Any, workspace: Path, session: str, *extra: str, **env:
                                  "--workspace", str(workspace), *extra],
                                 env=clean_env(MAM_CANCEL_GRACE_S="1", **env),
                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    if not wait_online:
+        return proc
     topic = names.presence_topic(session, broker.topic_root)
     wait_until(lambda: proc.poll() is not None or b'"online"' in (retained(broker, topic, 0.3) or b""),
                what="the runner's online presence")

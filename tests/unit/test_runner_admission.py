@@ -85,6 +85,11 @@ def test_s7_a_draining_runner_leaves_a_valid_dispatch_retained():
     assert "draining" in verdict.why
 
 
+def test_s7_a_runner_the_hub_drained_lets_a_valid_dispatch_wait_with_free_slots():
+    assert isinstance(admission.admit_dispatch(JOB, dispatch_payload(), state(held=True)), Wait)
+    assert isinstance(admission.admit_dispatch(JOB, dispatch_payload(), state(held=False)), Take)
+
+
 # ------------------------------------------------------------ every refusal of §5
 
 

@@ -30,7 +30,7 @@ def test_s16_runner_user_entry_grants_only_the_runner_subjects():
            '"python.mqtt.enrol.gpu-box.request"] }, subscribe: { allow: ' \
            '["python.mqtt.jobs.*.dispatch", "python.mqtt.jobs.*.control", "python.mqtt.jobs.*.state", ' \
            '"python.mqtt.jobs.*.answers.*", "python.mqtt.runners.gpu-box", "python.mqtt.runners.gpu-box.revoked", ' \
-           '"python.mqtt.enrol.gpu-box.answer"]' \
+           '"python.mqtt.runners.gpu-box.drain", "python.mqtt.enrol.gpu-box.answer"]' \
            in line
     assert "dispatch\", \"python.mqtt.runners" not in line.split("subscribe")[0]  # never publishes a dispatch
 

@@ -54,8 +54,12 @@ REVOKED: dict[str, Any] = {
     "schema_version": 1, "kind": "revoked", "session": "gpu-box", "runner_key": wire.b64url_encode(bytes(32)),
     "revoked_at": "2026-06-20T14:50:00Z", "sig_alg": "ed25519", "sig": wire.b64url_encode(bytes(64)),
 }
+DRAIN: dict[str, Any] = {
+    "schema_version": 1, "kind": "drain", "session": "gpu-box", "draining": True, "reason": "disk full",
+    "issued_at": "2026-06-20T14:50:00Z", "sig": SIG,
+}
 VALID = {"event": EVENT, "state": STATE, "dispatch": DISPATCH, "control": CONTROL, "presence": PRESENCE,
-         "revoked": REVOKED}
+         "revoked": REVOKED, "drain": DRAIN}
 DELETE = object()
 
 
@@ -557,7 +561,7 @@ def test_s3_many_unknown_fields_reason_stays_short():
 @pytest.mark.parametrize("kind", wire.EXPECTS)
 def test_s3_2_class_from_dict_applies_the_same_order(kind):
     cls = {"event": wire.Event, "state": wire.State, "dispatch": wire.Dispatch, "control": wire.Control,
-           "presence": wire.Presence, "revoked": wire.Revocation}[kind]
+           "presence": wire.Presence, "revoked": wire.Revocation, "drain": wire.Drain}[kind]
     assert cls.from_dict(VALID[kind]).to_dict() == VALID[kind]
     bad = {**mutated(kind, "schema_version", 2), "unknown": 1}
     with pytest.raises(DecodeError) as info:

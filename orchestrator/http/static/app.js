@@ -79,8 +79,8 @@ function duration(job) {
 function renderFleet() {
   fill("runners", state.runners.map((r) => row([r.session, badge(r.status), r.labels.join(", "),
     r.status === "revoked" ? "-" : r.slots_used + " / " + r.max_jobs, r.running.join(", "), r.version, r.host,
-    r.status === "revoked" ? "revoked " + r.revoked_at : age(r.last_seen)])),
-    "no runner has announced itself", 8);
+    r.status === "revoked" ? "revoked " + r.revoked_at : age(r.last_seen), drainButton(r)])),
+    "no runner has announced itself", 9);
   const titleOf = (id) => (state.jobs.get(id) || {}).title || "";
   fill("queue", state.queue.map((q) => row([jobLink(q.job_id), titleOf(q.job_id), q.target, q.priority,
     q.why_waiting])), "nothing waits", 5);
@@ -104,6 +104,23 @@ function renderFleet() {
   const online = state.runners.filter((r) => r.status === "online").length;
   document.getElementById("summary").textContent =
     online + " runners online · " + state.queue.length + " queued · " + open.length + " running";
+}
+
+// Drain or undrain a runner from the hub (§7): a signed, retained order; its row turns
+// `draining` (or back) once the runner hears, over the live feed.
+function drainButton(r) {
+  if (r.status === "revoked" || r.status === "unverified") return "";
+  const verb = r.status === "draining" ? "undrain" : "drain";
+  const b = el("button", verb === "drain" ? "Drain" : "Undrain");
+  b.dataset.verb = verb;
+  b.addEventListener("click", () => {
+    if (!window.confirm((verb === "drain" ? "Drain" : "Undrain") + " runner " + r.session + "?")) return;
+    b.disabled = true;
+    post("/api/runners/" + encodeURIComponent(r.session) + "/" + verb, {})
+      .then((answer) => { b.replaceWith(el("span", answer.line, "muted")); })
+      .catch((err) => { b.replaceWith(el("span", "refused: " + err, "error")); });
+  });
+  return b;
 }
 
 // The filters of "Recent": status, runner, label and repository exactly; the search in titles and ids.

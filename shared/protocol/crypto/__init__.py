@@ -222,7 +222,7 @@ def verify(payload: Payload, sign_key: bytes) -> None:
     key = _check_key(sign_key, "sign_key")
     body = _plain(payload)
     got = body.get("sig")
-    kind = body.get("kind") if body.get("kind") in ("dispatch", "control", "presence") else "message"
+    kind = body.get("kind") if body.get("kind") in ("dispatch", "control", "presence", "drain") else "message"
     if got is None or not _same(_hex_hmac(key, canonical(_unsigned(body))), got):
         raise SignatureError(f"{kind} sig verify failed")
 

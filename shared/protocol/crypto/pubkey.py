@@ -51,7 +51,7 @@ SEAL_KEY_BYTES = 32
 SEAL_OVERHEAD_BYTES = 64 * 1024
 JSON_ESCAPE_BYTES = 6  # the most one brief byte can become in canonical JSON ("\u001f")
 MAX_SEALED_CIPHERTEXT_BYTES = MAX_BRIEF_BYTES * JSON_ESCAPE_BYTES + SEAL_OVERHEAD_BYTES
-SIGNED_KINDS = ("dispatch", "control", "presence", "revoked")
+SIGNED_KINDS = ("dispatch", "control", "presence", "revoked", "drain")
 V1_REFUSED = ("is a v1 message (HMAC sig, no sig_alg); this host verifies v2 only (§16; "
               "MAM_ACCEPT_V1=true accepts v1 during a migration)")
 

@@ -62,11 +62,13 @@ from mam.shared.protocol.wire.fields import (
 from mam.shared.protocol.wire.jsoncodec import MAX_PAYLOAD_BYTES, canonical_json, parse_object
 from mam.shared.protocol.wire.messages import (
     CONTROL_FIELDS,
+    DRAIN_FIELDS,
     EVENT_FIELDS,
     PRESENCE_FIELDS,
     REVOCATION_FIELDS,
     STATE_FIELDS,
     Control,
+    Drain,
     Event,
     Presence,
     Revocation,
@@ -76,6 +78,7 @@ from mam.shared.protocol.wire.work import Resume, Work
 
 __all__ = [
     "CONTRACT_FIELDS", "CONTROL_FIELDS", "DEFAULT_ACK_TIMEOUT_SEC", "DEFAULT_CLOCK_SKEW_S", "DEFAULT_HEARTBEAT_MISSES",
+    "DRAIN_FIELDS",
     "DEFAULT_HEARTBEAT_SEC", "DEFAULT_TIMEOUT_SEC", "DISPATCH_FIELDS", "EVENT_FIELDS", "EVENT_NAMES", "EXPECTS",
     "GCM_TAG_BYTES", "JOB_STATUSES", "MAX_CONTRACT_SEC", "MAX_DEPTH", "MAX_DETAIL_CHARS", "MAX_DISPATCH_BYTES",
     "MAX_HEARTBEAT_MISSES", "MAX_MESSAGE_BYTES", "MAX_NAME_CHARS", "MAX_PAYLOAD_BYTES", "MAX_REASON_CHARS",
@@ -83,20 +86,21 @@ __all__ = [
     "SCHEMA_VERSION",
     "SEALED_FIELDS", "SEAL_ALG", "SEAL_NONCE_BYTES", "STATE_FIELDS", "TERMINAL_EVENTS", "TERMINAL_STATUSES",
     "WIRE_TYPES", "Contract", "Control", "Dispatch", "Event", "Expect", "Message", "Presence", "Sealed", "State",
-    "Resume", "Revocation", "Work",
+    "Drain", "Resume", "Revocation", "Work",
     "b64url_decode", "b64url_encode", "canonical", "decode", "encode", "format_ts", "from_dict", "parse_ts",
     "safe_line",
 ]
 
-EXPECTS = ("event", "state", "dispatch", "control", "presence", "revoked")
-Expect = Literal["event", "state", "dispatch", "control", "presence", "revoked"]
+EXPECTS = ("event", "state", "dispatch", "control", "presence", "revoked", "drain")
+Expect = Literal["event", "state", "dispatch", "control", "presence", "revoked", "drain"]
 
-Message = Event | State | Dispatch | Control | Presence | Revocation
-MessageType = type[Event] | type[State] | type[Dispatch] | type[Control] | type[Presence] | type[Revocation]
+Message = Event | State | Dispatch | Control | Presence | Revocation | Drain
+MessageType = (type[Event] | type[State] | type[Dispatch] | type[Control] | type[Presence] | type[Revocation]
+               | type[Drain])
 # Every wire type: canonical() serializes them through their to_dict().
-WIRE_TYPES = (Event, State, Dispatch, Control, Presence, Revocation, Contract, Sealed, Work)
+WIRE_TYPES = (Event, State, Dispatch, Control, Presence, Revocation, Drain, Contract, Sealed, Work)
 _TYPES: Mapping[str, MessageType] = {"event": Event, "state": State, "dispatch": Dispatch, "control": Control,
-                                     "presence": Presence, "revoked": Revocation}
+                                     "presence": Presence, "revoked": Revocation, "drain": Drain}
 
 
 def canonical(obj: Any) -> bytes:
@@ -135,6 +139,8 @@ def from_dict(obj: Mapping[str, Any], expect: Literal["presence"]) -> Presence: 
 @overload
 def from_dict(obj: Mapping[str, Any], expect: Literal["revoked"]) -> Revocation: ...
 @overload
+def from_dict(obj: Mapping[str, Any], expect: Literal["drain"]) -> Drain: ...
+@overload
 def from_dict(obj: Mapping[str, Any], expect: str) -> Message: ...
 
 
@@ -165,6 +171,8 @@ def decode(raw: bytes | str, expect: Literal["presence"]) -> Presence: ...
 @overload
 def decode(raw: bytes | str, expect: Literal["revoked"]) -> Revocation: ...
 @overload
+def decode(raw: bytes | str, expect: Literal["drain"]) -> Drain: ...
+@overload
 def decode(raw: bytes | str, expect: str) -> Message: ...
 
 
@@ -180,9 +188,9 @@ def decode(raw: bytes | str, expect: str) -> Message:
 
     Args:
         raw: the payload as received (bytes, or str).
-        expect: "event", "state", "dispatch", "control", "presence" or "revoked" (§16.7).
+        expect: "event", "state", "dispatch", "control", "presence", "revoked" (§16.7) or "drain" (§7).
     Returns:
-        Event, State, Dispatch, Control, Presence or Revocation. Signatures are NOT checked
+        Event, State, Dispatch, Control, Presence, Revocation or Drain. Signatures are NOT checked
         here (`crypto.verify_event` / `crypto.verify`).
     Raises:
         DecodeError: reason `empty: zero-length payload`, `schema_mismatch:

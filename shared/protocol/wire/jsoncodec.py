@@ -32,6 +32,7 @@ MAX_PAYLOAD_BYTES: Mapping[str, int] = MappingProxyType({
     "control": MAX_MESSAGE_BYTES,
     "presence": MAX_MESSAGE_BYTES,
     "revoked": MAX_MESSAGE_BYTES,
+    "drain": MAX_MESSAGE_BYTES,
     "log": MAX_LOG_MESSAGE_BYTES,
     "result": MAX_RESULT_MESSAGE_BYTES,
 })

@@ -66,6 +66,7 @@ CONTROL_FIELDS = frozenset({"schema_version", "kind", "action", "job_id", "attem
 PRESENCE_FIELDS = frozenset({"schema_version", "kind", "session", "runner_id", "status", "host", "version",
                              "max_jobs", "running", "timestamp", "sig"})
 REVOCATION_FIELDS = frozenset({"schema_version", "kind", "session", "runner_key", "revoked_at", "sig_alg", "sig"})
+DRAIN_FIELDS = frozenset({"schema_version", "kind", "session", "draining", "reason", "issued_at", "sig"})
 RUNNER_KEY_BYTES = 32  # an Ed25519 public key
 
 
@@ -486,6 +487,57 @@ class Revocation:
         return out
 
 
+@dataclass(frozen=True)
+class Drain:
+    """The hub's order to one runner to take no new job (`draining` true) or to take jobs
+    again (false), retained on `ROOT/runners/<session>/drain` (§7 "Drain from the hub").
+    Signed like a control (§6, §16.2): v2 for an enrolled session, else v1. Jobs it runs go on."""
+
+    session: str
+    draining: bool
+    reason: str
+    issued_at: str
+    sig: str | None = None
+    sig_alg: str | None = None
+    kind: str = "drain"
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        run_check(self._check)
+
+    def _check(self) -> None:
+        check_schema(self.schema_version)
+        check_choice(self.kind, "kind", ("drain",))
+        check_session(self.session)
+        if not isinstance(self.draining, bool):
+            raise Invalid(f"draining must be true or false, got {type_name(self.draining)} {show(self.draining)}")
+        check_text(self.reason, "reason", MAX_REASON_CHARS, empty_ok=True)
+        check_timestamp(self.issued_at, "issued_at")
+        if self.sig is not None:
+            check_sig(self.sig, self.sig_alg)
+
+    @classmethod
+    def build(cls, session: str, draining: bool, reason: str = "", *,
+              issued_at: datetime | str | None = None) -> Drain:
+        """An unsigned order (sign with `crypto.sign` or `crypto.pubkey.sign`). Raises `UsageError`."""
+        return build(cls, session=session, draining=draining, reason=reason, issued_at=ts_arg(issued_at))
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any]) -> Drain:
+        """Apply the §7 rules to a parsed payload (sig required); raises `DecodeError`."""
+        return decode_object(obj, _drain_from)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire object; without `sig` while unsigned, `sig_alg` on v2 only."""
+        out: dict[str, Any] = {"schema_version": self.schema_version, "kind": self.kind, "session": self.session,
+                               "draining": self.draining, "reason": self.reason, "issued_at": self.issued_at}
+        if self.sig_alg is not None:
+            out["sig_alg"] = self.sig_alg
+        if self.sig is not None:
+            out["sig"] = self.sig
+        return out
+
+
 def _optional_str(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
@@ -543,3 +595,10 @@ def _revocation_from(obj: dict[str, Any]) -> Revocation:
     if obj["sig"] is None or obj["sig_alg"] is None:
         raise Invalid("sig and sig_alg must be strings, got null")
     return Revocation(**obj)
+
+
+def _drain_from(obj: dict[str, Any]) -> Drain:
+    check_fields(obj, DRAIN_FIELDS, optional=V2_SIGNED_FIELDS)
+    if obj["sig"] is None:
+        raise Invalid("sig must be a string, got null")
+    return Drain(**obj)
