@@ -3,7 +3,8 @@ chromium driven by Playwright. Broker, service and two runners are real processe
 shows both runners, a job dispatched through the API goes queued → running → completed on
 the page without a reload, and its output tail grows live; a result that lands after its end
 shows on its page as a diffstat with the patch to download (§18). Screenshots are saved under the
-test's tmp dir (MAM_DASHBOARD_SCREENSHOT=PATH also writes one there, e.g. docs/dashboard.png).
+test's tmp dir (MAM_DASHBOARD_SCREENSHOTS=DIR also writes the main page as dashboard.png and a
+job page as dashboard-job.png there: `MAM_DASHBOARD_SCREENSHOTS=docs make test` refreshes docs/).
 
 The hub's copy of the agent output (§15, `.mam/logs/<id>/agent.<attempt>.log`) is written
 here by the test while the job runs, standing in for the hub's log writer."""
@@ -128,15 +129,17 @@ def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_br
             artifact = page.locator("#artifacts a", has_text="report.txt")  # the agent's file, downloadable
             href = artifact.get_attribute("href")
             assert page.evaluate(f"fetch({href!r}).then((r) => r.text())") == "all green\n"
+            page.screenshot(path=str(tmp_path / "dashboard-job.png"), full_page=True)
 
             page.evaluate("location.hash = ''")
             sync_api.expect(row_of(page, "recent", job_id)).to_contain_text("completed")
             assert page.evaluate("window.__sameDocument") is True
             assert errors == []  # no script error on the page
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
-            target = os.environ.get("MAM_DASHBOARD_SCREENSHOT")
+            target = os.environ.get("MAM_DASHBOARD_SCREENSHOTS")
             if target:
-                shutil.copyfile(tmp_path / "dashboard-queued.png", Path(target))
+                shutil.copyfile(tmp_path / "dashboard-queued.png", Path(target) / "dashboard.png")
+                shutil.copyfile(tmp_path / "dashboard-job.png", Path(target) / "dashboard-job.png")
         finally:
             assert serve.stop() == 0, serve.log()
             for proc in runners:
