@@ -298,7 +298,7 @@ class LiveFeed:
         if cut == 0:
             return  # a partial line: wait for its end (or for LOG_CHUNK_MAX_BYTES of it)
         data = data[:cut]
+        out.append({"type": "log", "job_id": job_id, "attempt": tracked.attempt, "offset": tracked.log_offset,
+                    "size": len(data), "text": data.decode("utf-8", errors="replace")})
         tracked.log_offset += len(data)
         self.log_bytes += len(data)
-        out.append({"type": "log", "job_id": job_id, "attempt": tracked.attempt,
-                    "text": data.decode("utf-8", errors="replace")})

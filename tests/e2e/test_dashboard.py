@@ -23,7 +23,7 @@ import pytest
 from harness.httpserve import Serve, gated
 from harness.results import PATCH, deliver_result
 from harness.runnersim import ask_step, hub_workspace, runner_log, start_runner
-from harness.waiting import PATIENCE_S
+from harness.waiting import PATIENCE_S, wait_until
 
 from mam.orchestrator.identity import roster
 from mam.orchestrator.queuewait import close_queue_timeout
@@ -305,6 +305,53 @@ def test_dashboard_drain_and_undrain_a_runner_from_the_page(nats_broker, tmp_pat
             assert "drained by the hub" in runner_log(tmp_path / "gpu")
             assert errors == []
         finally:
+            assert serve.stop() == 0, serve.log()
+            runner.terminate()
+            runner.wait(PATIENCE_S)
+
+
+def test_dashboard_shows_each_output_line_exactly_once_across_reloads_of_the_page_and_the_stream(
+        nats_broker, tmp_path):
+    """The job page's output while lines keep coming (§15): the first read and the live chunks
+    overlap, the page leaves and comes back, the browser goes offline and the event stream
+    reconnects (missing chunks meanwhile); the page shows the hub's copy exactly, each line once."""
+    if (why := browser_missing()) is not None:
+        pytest.skip(why)
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner = start_runner(nats_broker, tmp_path / "gpu", "gpu-box")
+    serve = Serve(hub)
+    with dashboard(tmp_path, serve.url) as (page, errors):
+        try:
+            job_id = serve.dispatch(gated(tmp_path, "go"), session="gpu-box")
+            page.evaluate(f"location.hash = '#job/{job_id}'")
+            sync_api.expect(page.locator("#job-status")).to_have_text("running")
+            log_path = names.hub_log_path(hub, job_id, 1)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+
+            def shown() -> str:
+                return str(page.evaluate("document.getElementById('log').textContent"))
+
+            def write(start: int) -> None:
+                for n in range(start, start + 5):
+                    with open(log_path, "ab") as log:
+                        log.write(f"line-{n:03d}\n".encode())
+
+            for round_ in range(6):
+                write(round_ * 10)
+                if round_ % 2 == 0:  # away and back: the page reads the copy again while chunks arrive
+                    page.evaluate("location.hash = ''")
+                    write(round_ * 10 + 5)
+                    page.evaluate(f"location.hash = '#job/{job_id}'")
+                else:  # the stream drops and reconnects: chunks sent meanwhile never reach the page
+                    page.context.set_offline(True)
+                    write(round_ * 10 + 5)
+                    page.context.set_offline(False)
+                wait_until(lambda: shown() == log_path.read_text(), what="the page to show the hub's copy")
+            lines = shown().splitlines()
+            assert len(lines) == len(set(lines)) and sum(line.startswith("line-") for line in lines) == 60, lines
+            assert errors == []
+        finally:
+            (tmp_path / "go").touch()
             assert serve.stop() == 0, serve.log()
             runner.terminate()
             runner.wait(PATIENCE_S)

@@ -343,7 +343,12 @@ def test_s15_live_feed_sends_runner_queue_job_event_and_log_changes(service):
     kinds = [item["type"] for item in items]
     assert "event" in kinds and "log" in kinds
     assert next(item for item in items if item["type"] == "job")["job"]["status"] == "running"
-    assert next(item for item in items if item["type"] == "log")["text"] == "hello from the agent\n"
+    first = next(item for item in items if item["type"] == "log")
+    assert (first["text"], first["offset"], first["size"]) == ("hello from the agent\n", 0, 21)
+    with open(log_path, "ab") as log:
+        log.write(b" line\n")
+    (second,) = [item for item in feed.poll() if item["type"] == "log"]  # where it starts in the hub's copy
+    assert (second["text"], second["offset"], second["size"]) == ("partial line\n", 21, 13)
     assert record["auth_token"] not in json.dumps(items)
 
 

@@ -9,7 +9,8 @@ const token = params.get("token") || sessionStorage.getItem("mam_token") || "";
 if (params.get("token")) sessionStorage.setItem("mam_token", token);
 
 const ASKS_POLL_MS = 3000;       // the requests waiting for a person are looked up this often (§19)
-const state = { runners: [], queue: [], jobs: new Map(), job: null, events: [], logAttempt: null, asks: [], page: 0 };
+const state = { runners: [], queue: [], jobs: new Map(), job: null, events: [], logAttempt: null, asks: [], page: 0,
+  logNext: null, logHeld: [] };
 const TERMINAL = new Set(["completed", "error", "cancelled"]);
 
 function api(path) {
@@ -270,6 +271,8 @@ function showJob(id) {
   document.getElementById("job-view").hidden = false;
   state.job = null;
   state.events = [];
+  state.logNext = null;  // the output's next byte offset, once read; chunks wait in logHeld until then
+  state.logHeld = [];
   document.getElementById("log").textContent = "";
   document.getElementById("job-action").textContent = "";
   api("/api/jobs/" + id).then((detail) => {
@@ -282,6 +285,7 @@ function showJob(id) {
   }).then((log) => {
     document.getElementById("log").textContent = log.text;
     document.getElementById("log-note").textContent = log.exists ? "(attempt " + log.attempt + ")" : "(no output received yet)";
+    takeLog(log.exists ? log.next_offset : 0);
   }).catch((err) => { document.getElementById("job-facts").textContent = "error: " + err; });
 }
 
@@ -304,6 +308,42 @@ function route() {
   document.getElementById("fleet-view").hidden = false;
   document.getElementById("job-view").hidden = true;
   renderFleet();
+}
+
+// The live output exactly once: each chunk of the feed says at which byte of the hub's copy it
+// starts; what the page already read (the first read, a read after a gap) is skipped.
+function takeLog(next) {
+  state.logNext = next;
+  const held = state.logHeld;
+  state.logHeld = [];
+  for (const chunk of held) addChunk(chunk);
+}
+
+function addChunk(msg) {
+  if (state.logNext === null) { state.logHeld.push(msg); return; }
+  const bytes = new TextEncoder().encode(msg.text);
+  const end = msg.offset + msg.size;
+  if (end <= state.logNext) return;  // read already
+  if (msg.offset === state.logNext) { appendLog(msg.text); state.logNext = end; return; }
+  if (msg.offset < state.logNext && bytes.length === msg.size) {  // partly read: the rest
+    appendLog(new TextDecoder().decode(bytes.slice(state.logNext - msg.offset)));
+    state.logNext = end;
+    return;
+  }
+  // a gap (or text that is not byte-exact): read the copy from where the page stands
+  const id = state.job && state.job.job.job_id, from = state.logNext, attempt = state.logAttempt;
+  state.logNext = null;
+  state.logHeld.push(msg);
+  api("/api/jobs/" + id + "/log?attempt=" + attempt + "&offset=" + from).then((log) => {
+    if (!state.job || state.job.job.job_id !== id || state.logAttempt !== attempt) return;
+    appendLog(log.text);
+    takeLog(log.next_offset);
+  }).catch(() => {  // the copy cannot be read now: show what came, as it came
+    const held = state.logHeld;
+    state.logHeld = [];
+    state.logNext = from;
+    for (const chunk of held) { appendLog(chunk.text); state.logNext = chunk.offset + chunk.size; }
+  });
 }
 
 function appendLog(text) {
@@ -338,7 +378,7 @@ function connect() {
   });
   source.addEventListener("log", (e) => {
     const msg = JSON.parse(e.data);
-    if (state.job && state.job.job.job_id === msg.job_id && msg.attempt === state.logAttempt) appendLog(msg.text);
+    if (state.job && state.job.job.job_id === msg.job_id && msg.attempt === state.logAttempt) addChunk(msg);
   });
 }
 
