@@ -20,6 +20,7 @@ from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, orch
 from harness.waiting import PATIENCE_S, wait_until
 
 from mam.orchestrator.hublock import service_pid
+from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(6 * PATIENCE_S)]
 
@@ -97,3 +98,26 @@ def test_two_dispatches_without_serve_share_one_engine_and_each_sees_its_whole_j
         assert run.returncode == 0, err
         events = [json.loads(line)["event"] for line in out.splitlines()]
         assert events[0] == "started" and events[-1] == "completed", (events, err)
+
+
+def test_eight_detached_dispatches_without_serve_to_a_four_slot_runner_all_run(nats_broker, tmp_path):
+    """Detached dispatches without `serve` (§14 "One hub process"): a detached job's record used
+    to stay `pending` once its dispatch left, counting as in flight for its whole ack timeout,
+    so the 5th job to a 4-slot runner waited queued for minutes. Each dispatch's engine reads
+    the retained states first: every job is published at once, and each ends `completed`."""
+    runner = runnersim.start_runner(nats_broker, tmp_path / "box", "box", "--max-jobs", "4")
+    hub = hub_workspace(nats_broker, tmp_path)
+    try:
+        sent = [orch(hub, "dispatch", "--session", "box", "--detach", "--json", "--brief", "true")
+                for _ in range(8)]
+        for result in sent:
+            assert result.returncode == 0, result.stderr
+            assert json.loads(result.stdout)["action"] == "dispatched", result.stdout  # never left queued
+        for result in sent:
+            job_id = json.loads(result.stdout)["job_id"]
+            watched = orch(hub, "watch", job_id, timeout_s=3 * PATIENCE_S)
+            assert watched.returncode == 0, watched.stderr
+            assert Registry(hub).get(job_id)["status"] == "completed"
+    finally:
+        runner.terminate()
+        runner.wait(PATIENCE_S)
