@@ -204,8 +204,10 @@ def enroll_cmd(
     force: bool = typer.Option(False, "--force", help="Make new keys even if this host has some."),
     invite: str = typer.Option(None, "--invite", metavar="CODE",
                                help="Enrol over the broker with the code `mam-orch runner invite` printed."),
-    hub: str = typer.Option(None, "--hub", metavar="HOST", help="With --invite: the broker host (default .mam.env)."),
-    port: int = typer.Option(None, "--port", metavar="P", help="With --invite: the broker port (default .mam.env)."),
+    hub: str = typer.Option(None, "--hub", metavar="HOST",
+                            help="With --invite: the broker host (default: the code's, else .mam.env)."),
+    port: int = typer.Option(None, "--port", metavar="P",
+                             help="With --invite: the broker port (default: the code's, else .mam.env)."),
     timeout: float = typer.Option(INVITE_ANSWER_TIMEOUT_S, "--timeout", metavar="S",
                                   help="With --invite: how long to wait for the hub's answer (s)."),
     workspace: str = cli.workspace_option(),
@@ -213,8 +215,9 @@ def enroll_cmd(
     """Make this host's Ed25519 and X25519 keys (0600, .mam/keys/) and print the one-line
     enrolment request for `mam-orch runner add` on the hub (PROTOCOL §16). The request holds
     public keys only. With --invite CODE the exchange happens over the broker instead: the hub's
-    waiting `mam-orch runner invite` enrols the keys (existing ones are reused unless --force)
-    and this host stores the hub's public key. Exit 64: bad arguments, or keys exist (without
+    waiting `mam-orch runner invite` enrols the keys (existing ones are reused unless --force),
+    this host stores the hub's public key, and the broker settings the code carries go into
+    .mam.env; on failure the keys it made are removed. Exit 64: bad arguments, or keys exist (without
     --force); 1: the hub refused the invite or did not answer; 3: broker unreachable."""
     if invite is not None:
         from mam.runner.enrolinvite import enroll_by_invite  # lazy: keeps cryptography out of `mam-runner publish`
@@ -227,9 +230,13 @@ def enroll_cmd(
         typer.echo(f"enrolled as {identity.session} (labels: {','.join(identity.labels) or 'none'}); this runner "
                    f"now trusts {len(trusted)} hub key(s): {' '.join(trusted)}")
         if enrolled.env_file is not None:
-            typer.echo(f"broker user {enrolled.broker_user}: MQTT_USERNAME and MQTT_PASSWORD set in "
-                       f"{enrolled.env_file} (mode 0600)")
-            overridden = [name for name in ("MQTT_USERNAME", "MQTT_PASSWORD") if os.environ.get(name)]
+            where = [name for name in enrolled.written if name not in ("MQTT_USERNAME", "MQTT_PASSWORD")]
+            if where:
+                typer.echo(f"{', '.join(where)} set in {enrolled.env_file} (mode 0600)")
+            if enrolled.broker_user:
+                typer.echo(f"broker user {enrolled.broker_user}: MQTT_USERNAME and MQTT_PASSWORD set in "
+                           f"{enrolled.env_file} (mode 0600)")
+            overridden = [name for name in enrolled.written if os.environ.get(name)]
             if overridden:
                 typer.echo(f"warning: {' and '.join(overridden)} set in the environment override that file",
                            err=True)

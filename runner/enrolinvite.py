@@ -3,13 +3,17 @@ this host's keys, send their public parts to the hub's waiting `mam-orch runner 
 over the broker under the code's MAC, check the hub's answer under the same MAC, then
 store the hub's public keys (`hub-trusted.pub`, as `trust-hub` does) and the identity
 (session, the labels the hub gave). A refusal or a wrong answer writes nothing but keys.
-When the answer carries this runner's own broker user (the hub manages the broker), its
-password is opened with this host's X25519 key and MQTT_USERNAME / MQTT_PASSWORD are
-set in the `.mam.env` the runner reads (one atomic write, 0600; the other lines kept).
+The code tells where the broker is (its broker part: hosts, port, TLS and its CA, topic
+root), so a fresh host needs no `.mam.env` first; once enrolled, those settings are written
+into the `.mam.env` the runner reads. When the answer carries this runner's own broker user
+(the hub manages the broker), its password is opened with this host's X25519 key and
+MQTT_USERNAME / MQTT_PASSWORD are set there too (one atomic write, 0600; the other lines
+kept). A failure removes the keys and the CA file it made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
@@ -35,37 +39,58 @@ from mam.shared.transport import mqtt
 DEFAULT_ANSWER_TIMEOUT_S = 30.0
 """How long the runner waits for the hub's answer (s)."""
 MAX_PORT = 65535
+CA_FILE_NAME = "broker-ca.pem"
+"""Where the code's CA certificates go, under `.mam/` (0600)."""
 
 __all__ = ["DEFAULT_ANSWER_TIMEOUT_S", "Enrolled", "enroll_by_invite"]
 
 
 @dataclass(frozen=True)
 class Enrolled:
-    """What `enroll_by_invite` stored: the identity, the hub keys now trusted, and where this
-    runner's own broker user was written (None: the hub gave none; it keeps its broker user)."""
+    """What `enroll_by_invite` stored: the identity, the hub keys now trusted, this runner's own
+    broker user (None: the hub gave none; it keeps its broker user), the env file it wrote
+    (None: none written) and the broker settings written there (names, no values)."""
 
     identity: EnrolRequest
     trusted: list[str]
     broker_user: str | None = None
     env_file: Path | None = None
+    written: tuple[str, ...] = ()
 
 
-def _broker(root: Path, hub: str | None, port: int | None) -> config.BrokerConfig:
-    cfg = config.broker_config(workspace=root, warn=False)
+def _broker(root: Path, hub: str | None, port: int | None, hint: invite.BrokerHint | None,
+            created: list[Path]) -> config.BrokerConfig:
+    """The broker to enrol over: `--hub`/`--port`, else the code's broker part, else `.mam.env`
+    (§13). The code's CA certificates are written to `.mam/broker-ca.pem` (0600; added to
+    `created`)."""
     if port is not None and not 1 <= port <= MAX_PORT:
         raise UsageError(f"--port {port} is invalid: expected 1..{MAX_PORT}")
+    cfg = config.broker_config(workspace=root, warn=False)
+    if hint is not None:
+        ca_certs = cfg.ca_certs
+        if hint.ca_pem:
+            path = names.mam_dir(root) / CA_FILE_NAME
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            existed = path.exists()
+            atomic_write(path, hint.ca_pem.encode("ascii"), what="the broker's CA", error=ConfigError)
+            if not existed:
+                created.append(path)
+            ca_certs = str(path)
+        cfg = cfg.with_overrides(hosts=hint.hosts, port=hint.port, tls=hint.tls, topic_root=hint.topic_root,
+                                 ca_certs=ca_certs)
     return cfg.with_overrides(hosts=(hub,) if hub else cfg.hosts, port=port if port is not None else cfg.port)
 
 
 def enroll_by_invite(code_text: str, *, workspace: str | os.PathLike[str] | None, session: str | None = None,
                      hub: str | None = None, port: int | None = None, force: bool = False,
                      timeout_s: float = DEFAULT_ANSWER_TIMEOUT_S) -> Enrolled:
-    """Enrol this host with the hub's invite code (§16).
+    """Enrol this host with the hub's invite code (§16); on failure, remove what it created
+    (keys it made, the CA file) and write nothing else.
 
     Args:
         code_text: the code `mam-orch runner invite` printed.
         session: if given, must be the code's session.
-        hub, port: the broker (default: `.mam.env` / environment, §13).
+        hub, port: the broker (default: the code's broker part, else `.mam.env` / environment, §13).
         force: make new keys even if this host has some (default: reuse them).
     Returns:
         an `Enrolled`.
@@ -83,9 +108,25 @@ def enroll_by_invite(code_text: str, *, workspace: str | os.PathLike[str] | None
     root = resolve_root(workspace)
     if not root.is_dir():
         raise UsageError(f"workspace {str(root)!r} does not exist")
-    cfg = _broker(root, hub, port)
+    created: list[Path] = []
+    try:
+        return _enroll(root, code, hub, port, force, timeout_s, created)
+    except BaseException:
+        for path in reversed(created):  # nothing half-made is left: the next try starts clean
+            with contextlib.suppress(OSError):
+                path.unlink()
+        raise
+
+
+def _enroll(root: Path, code: InviteCode, hub: str | None, port: int | None, force: bool, timeout_s: float,
+            created: list[Path]) -> Enrolled:
+    cfg = _broker(root, hub, port, code.broker, created)
     made = None if force else keyfiles.load_runner_keys(root)
-    made = made or keyfiles.create_runner_keys(root, force=force)
+    if made is None:
+        fresh = [names.runner_key_path(root, kind) for kind in ("ed25519", "x25519")]
+        new = [path for path in fresh if not path.exists()]
+        made = keyfiles.create_runner_keys(root, force=force)
+        created.extend(new)
     req = invite.request(code, made)
     with mqtt.MqttClient(cfg, "enrol") as client:
         client.subscribe([(names.enrol_topic(code.session, "answer", cfg.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
@@ -95,28 +136,34 @@ def enroll_by_invite(code_text: str, *, workspace: str | os.PathLike[str] | None
     if answer.broker_user is not None:  # opened before anything is written
         password = invite.open_password(made.x25519, answer.sealed_password, invite_id=code.invite_id,
                                         nonce=req["nonce"], username=answer.broker_user)
+    values: dict[str, str] = {}
+    if code.broker is not None or hub or port is not None:  # where the broker is, as it answered
+        values |= {"MQTT_BROKER": ",".join(cfg.hosts), "MQTT_PORT": str(cfg.port),
+                   "MQTT_TLS": "true" if cfg.tls else "false", "MAM_TOPIC_ROOT": cfg.topic_root}
+        if cfg.ca_certs:
+            values["MQTT_CA_CERTS"] = cfg.ca_certs
+    if answer.broker_user is not None and password is not None:
+        values |= {"MQTT_USERNAME": answer.broker_user, "MQTT_PASSWORD": password}
     trusted = trust_hub(answer.hub_publics, workspace=root)
     identity = EnrolRequest.build(code.session, answer.labels, made.ed25519_public, made.x25519_public)
     atomic_write(names.runner_identity_path(root), json_line(identity.to_dict()), what="runner identity",
                  error=ConfigError)
-    if answer.broker_user is None or password is None:
-        return Enrolled(identity, trusted)
-    env_file = _write_broker_user(root, answer.broker_user, password)
-    return Enrolled(identity, trusted, answer.broker_user, env_file)
+    env_file = _write_env(root, values) if values else None
+    return Enrolled(identity, trusted, answer.broker_user if password is not None else None, env_file,
+                    tuple(values))
 
 
-def _write_broker_user(root: Path, user: str, password: str) -> Path:
-    """Set MQTT_USERNAME and MQTT_PASSWORD in the env file this runner reads (§13: MAM_ENV_FILE,
-    even when it does not exist yet; else the `.mam.env` found, else the workspace's), in one
-    atomic write of mode 0600 that keeps every other line (python-dotenv's parser). Raises `ConfigError`."""
+def _write_env(root: Path, values: dict[str, str]) -> Path:
+    """Set `values` in the env file this runner reads (§13: MAM_ENV_FILE, even when it does not
+    exist yet; else the `.mam.env` found, else the workspace's), in one atomic write of mode
+    0600 that keeps every other line (python-dotenv's parser). Raises `ConfigError`."""
     explicit = os.environ.get("MAM_ENV_FILE")
     path = Path(explicit).expanduser() if explicit else \
         config.find_env_file(workspace=root) or root / config.ENV_FILE_NAME
     try:
         text = path.read_text(encoding="utf-8") if path.exists() else ""
     except (OSError, UnicodeError) as exc:
-        raise ConfigError(f"{path}: cannot read it to set the broker user ({exc})") from None
-    values = {"MQTT_USERNAME": user, "MQTT_PASSWORD": password}
+        raise ConfigError(f"{path}: cannot read it to set the broker settings ({exc})") from None
     kept = [binding.original.string for binding in parse_stream(io.StringIO(text)) if binding.key not in values]
     if kept and not kept[-1].endswith("\n"):
         kept[-1] += "\n"

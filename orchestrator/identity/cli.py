@@ -80,25 +80,35 @@ def invite_cmd(
     labels: str = typer.Option(None, "--labels", metavar="L1,L2", help="Its labels, comma-separated (§14)."),
     ttl: str = typer.Option("15m", "--ttl", metavar="DURATION", help="How long the code is valid: 90s, 15m, 2h."),
     replace_keys: bool = typer.Option(False, "--replace", help="Let the invite replace an enrolled session's keys."),
+    broker_host: str = typer.Option(None, "--broker-host", metavar="HOST[,HOST]",
+                                    help="The broker as runner hosts reach it, written into the code "
+                                         "(default MQTT_BROKER)."),
     workspace: str = cli.workspace_option(),
 ) -> int:
     """Print a single-use enrolment code, then wait (until --ttl) for the runner host to run
     `mam-runner enroll --invite CODE` and enrol it: the code authenticates the runner's public
-    keys to the hub and the hub's key to the runner, over the broker (PROTOCOL §16). Only this
-    command answers invites (not `mam-orch serve`). Exit 0 enrolled; 1 the TTL passed unused;
-    3 broker unreachable; 64 bad arguments."""
+    keys to the hub and the hub's key to the runner, over the broker, and carries where the
+    broker is (hosts, port, TLS and its CA, topic root), so a fresh host needs nothing else
+    configured for it (PROTOCOL §16). Only this command answers invites (not `mam-orch serve`).
+    Exit 0 enrolled; 1 the TTL passed unused; 3 broker unreachable; 64 bad arguments."""
     root = _root(workspace)
     names.validate_session(session)
     wanted = keys.labels_of(labels or "")
     ttl_s = invite.parse_ttl(ttl)
-    code, stored = invites.create(root, session, wanted, ttl_s)
     cfg = config.broker_config(workspace=root, warn=False)
+    hint = invites.broker_hint(cfg, broker_host)
+    code, stored = invites.create(root, session, wanted, ttl_s)
+    code = code.with_broker(hint)
 
     def ready() -> None:
-        typer.echo(code.code)  # the only time the code is shown
+        typer.echo(code.text)  # the only time the code is shown
         sys.stdout.flush()
         typer.echo(f"on the runner host, within {ttl}: mam-runner enroll --invite <the code above> "
-                   f"--hub {cfg.host} --port {cfg.port}; waiting until {stored.expires_at} ...", err=True)
+                   f"(it names broker {','.join(hint.hosts)}:{hint.port}); waiting until {stored.expires_at} ...",
+                   err=True)
+        if all(invites.is_loopback(host) for host in hint.hosts):
+            typer.echo(f"WARNING: broker {','.join(hint.hosts)} is this host's loopback: a runner on another host "
+                       "cannot reach it there; give --broker-host with the address runner hosts use", err=True)
 
     return invites.wait_for_enrolment(root, code, stored, replace_keys=replace_keys, on_ready=ready)
 

@@ -13,6 +13,7 @@ manages the broker config, the enrolled runner also gets its own broker user
 
 from __future__ import annotations
 
+import ipaddress
 import queue
 import sys
 from collections.abc import Callable
@@ -38,7 +39,40 @@ from mam.shared.transport import mqtt
 POLL_S = 0.2
 """How long one wait for a message lasts before the TTL is looked at again (s)."""
 
-__all__ = ["Invite", "consume", "create", "hub_publics", "load", "wait_for_enrolment", "why_refused"]
+__all__ = ["Invite", "broker_hint", "consume", "create", "hub_publics", "is_loopback", "load", "wait_for_enrolment",
+           "why_refused"]
+
+
+def broker_hint(cfg: config.BrokerConfig, hosts: str | None = None) -> invite.BrokerHint:
+    """Where the code tells a fresh runner host the broker is: `cfg` (the hub's `.mam.env`),
+    with `hosts` (`--broker-host`, comma-separated) instead of its hosts, and the CA file's
+    certificates when TLS is on.
+
+    Raises:
+        UsageError: bad hosts; ConfigError: the CA file cannot be read or is too big.
+    """
+    ca_pem = ""
+    if cfg.tls and cfg.ca_certs:
+        try:
+            ca_pem = Path(cfg.ca_certs).read_text(encoding="ascii")
+        except (OSError, UnicodeError) as exc:
+            raise ConfigError(f"MQTT_CA_CERTS {cfg.ca_certs}: cannot read it for the invite ({exc})") from None
+        if len(ca_pem) > invite.MAX_CA_PEM_CHARS:
+            raise ConfigError(f"MQTT_CA_CERTS {cfg.ca_certs}: over {invite.MAX_CA_PEM_CHARS} characters, too big "
+                              "for an invite code")
+    chosen = tuple(part.strip() for part in hosts.split(",") if part.strip()) if hosts is not None else cfg.hosts
+    try:
+        return invite.BrokerHint(chosen, cfg.port, cfg.tls, cfg.topic_root, ca_pem)
+    except UsageError as exc:
+        raise UsageError(f"--broker-host: {exc}") from None
+
+
+def is_loopback(host: str) -> bool:
+    """True for `localhost` and the loopback addresses (127.0.0.0/8, ::1)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def hub_publics(root: Path) -> list[str]:

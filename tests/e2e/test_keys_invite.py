@@ -16,6 +16,7 @@ from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env
 
 from mam.orchestrator.identity import roster
+from mam.shared.config import read_env_file
 from mam.shared.protocol import names
 from mam.shared.protocol.crypto import keys
 from mam.shared.protocol.crypto.invite import InviteCode
@@ -29,15 +30,22 @@ NO_ANSWER_TIMEOUT_S = 1.0
 
 def test_s16_invite_enrols_runner_then_v2_dispatch_runs_there(broker, tmp_path):
     hub = hub_workspace(broker, tmp_path)
-    host = runner_host(broker, tmp_path / "gpu-box")
+    # a host that knows its broker credentials and nothing else: the code says where the broker is
+    host = runner_host(broker, tmp_path / "gpu-box", MQTT_BROKER="", MQTT_PORT="", MAM_TOPIC_ROOT="")
     waiting = Invite(hub, "gpu-box", "--labels", "x", "--ttl", "2m")
     try:
         done = enroll(host, waiting.code, "--timeout", str(PATIENCE_S))
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith("enrolled as gpu-box (labels: x)"), done.stdout
+        assert "MQTT_BROKER, MQTT_PORT, MQTT_TLS, MAM_TOPIC_ROOT set in" in done.stdout, done.stdout
         assert waiting.proc.wait(PATIENCE_S) == 0, waiting.stderr()
     finally:
         waiting.stop()
+    cfg = broker.config()
+    written = read_env_file(host / ".mam.env")
+    assert (written["MQTT_BROKER"], written["MQTT_PORT"], written["MAM_TOPIC_ROOT"]) == (
+        cfg.host, str(cfg.port), cfg.topic_root)
+    assert "is this host's loopback" in waiting.stderr()  # the test's broker is on 127.0.0.1
     assert "enrolled runner gpu-box (labels: x) by invite" in waiting.stderr()
     entry, made = roster.get(hub, "gpu-box"), keyfiles.load_runner_keys(host)
     assert entry is not None and made is not None and entry.labels == ("x",)

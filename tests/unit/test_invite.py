@@ -10,16 +10,20 @@ import re
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.x509.oid import NameOID
 
 from mam.orchestrator import init as mam_init
 from mam.orchestrator.broker import users
 from mam.orchestrator.identity import invites, roster
 from mam.runner import enrolinvite
-from mam.shared.config import read_env_file
+from mam.shared.config import BrokerConfig, read_env_file
 from mam.shared.protocol import names
 from mam.shared.protocol.crypto import invite, keys
 from mam.shared.protocol.crypto.invite import InviteCode
-from mam.shared.protocol.errors import ConfigError, ProtocolError, SignatureError, UsageError
+from mam.shared.protocol.errors import ConfigError, MamError, ProtocolError, SignatureError, UsageError
 from mam.shared.protocol.wire.jsoncodec import canonical_json
 from mam.shared.store import keyfiles
 
@@ -57,6 +61,78 @@ def test_s16_bad_invite_code_is_one_line_without_echo(bad):
     message = str(info.value)
     assert "\n" not in message and "invite code is invalid" in message
     assert not bad or bad not in message
+
+
+def self_signed_pem() -> str:
+    """A CA certificate as a hub's MQTT_CA_CERTS would hold one."""
+    key = Ed25519PrivateKey.generate()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "mam test CA")])
+    now = datetime.now(UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + timedelta(days=1))
+            .sign(key, None))
+    return cert.public_bytes(serialization.Encoding.PEM).decode("ascii")
+
+
+CA_PEM = self_signed_pem()
+
+
+def test_s16_a_code_carries_where_the_broker_is_under_its_mac():
+    hint = invite.BrokerHint(("100.64.0.7", "100.64.0.8"), 8883, True, "fleet/a", CA_PEM)
+    code = InviteCode.new("gpu-box").with_broker(hint)
+    assert code.text.startswith(code.code + ".") and code.code in code.text
+    parsed = InviteCode.parse(code.text)
+    assert parsed == code and parsed.broker == hint and parsed.invite_id == code.invite_id
+    assert InviteCode.parse(code.code).broker is None  # a core alone still works
+    other = InviteCode.new("gpu-box")  # the broker part of another code: its MAC does not match
+    with pytest.raises(UsageError, match="does not match the code"):
+        InviteCode.parse(f"{other.code}.{code.text.rsplit('.', 1)[1]}")
+    forged = invite.b64url_encode(canonical_json({**hint._body(), "hosts": ["evil.example"], "mac": "0" * 64}))
+    with pytest.raises(UsageError, match="does not match the code"):
+        InviteCode.parse(f"{code.code}.{forged.rstrip('=')}")
+
+
+@pytest.mark.parametrize(("part", "said"), [
+    ("!!!", "invite code is invalid"),
+    ("A" * (invite.MAX_BROKER_PART_CHARS + 1), "invite code is invalid"),
+    ("bm90IGpzb24", "not readable"),
+    (invite.b64url_encode(canonical_json({"hosts": ["h"]})).rstrip("="), "other fields"),
+])
+def test_s16_a_malformed_or_oversized_broker_part_is_one_line_without_echo(part, said):
+    core = InviteCode.new("gpu-box").code
+    with pytest.raises(UsageError, match=said) as info:
+        InviteCode.parse(f"{core}.{part}")
+    assert "\n" not in str(info.value) and core not in str(info.value)
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"hosts": ()}, "broker hosts"), ({"hosts": ("a b",)}, "broker hosts"), ({"hosts": ("h",) * 9}, "broker hosts"),
+    ({"port": 0}, "broker port"), ({"port": True}, "broker port"), ({"tls": "yes"}, "broker tls"),
+    ({"topic_root": "a/+/b"}, "topic root"), ({"ca_pem": "not a pem"}, "broker CA"),
+    ({"ca_pem": "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"}, "broker CA"),
+    ({"ca_pem": CA_PEM * 500}, "broker CA"),
+])
+def test_s16_a_bad_broker_hint_is_refused(change, said):
+    base = {"hosts": ("h",), "port": 1883, "tls": False, "topic_root": "python/mqtt"}
+    with pytest.raises(UsageError, match=said):
+        invite.BrokerHint(**{**base, **change})
+
+
+def test_s16_the_hub_puts_its_broker_or_broker_host_and_its_ca_in_the_code(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text(CA_PEM)
+    cfg = BrokerConfig(hosts=("127.0.0.1",), port=8883, tls=True, ca_certs=str(ca), topic_root="fleet/a")
+    hint = invites.broker_hint(cfg)
+    assert (hint.hosts, hint.port, hint.tls, hint.topic_root, hint.ca_pem) == (("127.0.0.1",), 8883, True,
+                                                                             "fleet/a", CA_PEM)
+    assert invites.is_loopback("127.0.0.1") and invites.is_loopback("localhost") and invites.is_loopback("[::1]")
+    assert not invites.is_loopback("100.64.0.7")
+    assert invites.broker_hint(cfg, "100.64.0.7, 100.64.0.8").hosts == ("100.64.0.7", "100.64.0.8")
+    with pytest.raises(UsageError, match="--broker-host"):
+        invites.broker_hint(cfg, "a host")
+    ca.write_text(CA_PEM * 500)
+    with pytest.raises(ConfigError, match="too big"):
+        invites.broker_hint(cfg)
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("15m", 900.0), ("90s", 90.0), ("2h", 7200.0), ("1d", 86400.0),
@@ -263,7 +339,8 @@ def test_s16_enroll_sets_the_broker_user_in_the_env_file_it_reads_keeping_the_re
     env_file.write_text("# the hub's broker\nMQTT_BROKER=hub.example\nMQTT_USERNAME=mam_agent\n"
                         "export MQTT_PASSWORD='Shared-password-0123'\nMQTT_PORT=1883")
     env_file.chmod(0o644)
-    assert enrolinvite._write_broker_user(tmp_path, "gpu-box", PASSWORD) == env_file
+    user = {"MQTT_USERNAME": "gpu-box", "MQTT_PASSWORD": PASSWORD}
+    assert enrolinvite._write_env(tmp_path, user) == env_file
     assert read_env_file(env_file) == {"MQTT_BROKER": "hub.example", "MQTT_PORT": "1883",
                                        "MQTT_USERNAME": "gpu-box", "MQTT_PASSWORD": PASSWORD}
     assert env_file.read_text().startswith("# the hub's broker\n")
@@ -271,7 +348,7 @@ def test_s16_enroll_sets_the_broker_user_in_the_env_file_it_reads_keeping_the_re
     elsewhere = tmp_path / "conf" / "runner.env"  # MAM_ENV_FILE names the file the runner reads (§13),
     elsewhere.parent.mkdir()  # even one that does not exist yet
     monkeypatch.setenv("MAM_ENV_FILE", str(elsewhere))
-    assert enrolinvite._write_broker_user(tmp_path, "gpu-box", PASSWORD) == elsewhere
+    assert enrolinvite._write_env(tmp_path, user) == elsewhere
     assert read_env_file(elsewhere)["MQTT_USERNAME"] == "gpu-box" and elsewhere.stat().st_mode & 0o777 == 0o600
 
 
@@ -295,3 +372,20 @@ def test_s16_a_sealed_password_that_opens_but_a_config_cannot_hold_is_refused(tm
     with pytest.raises(ConfigError) as refused:
         invite.open_password(runner.x25519, sealed, invite_id="0" * 32, nonce="1" * 32, username="gpu-box")
     assert "MAM_EVIL" not in str(refused.value)
+
+
+def test_s16_a_failed_enrolment_removes_the_keys_and_ca_it_made_and_writes_no_env(tmp_path, monkeypatch):
+    """A fresh host, a code naming a broker nothing listens on: refused as unreachable, and the
+    host is as before (the next try starts clean)."""
+    for name in ("MAM_ENV_FILE", "MQTT_BROKER", "MQTT_PORT", "MQTT_USERNAME", "MQTT_PASSWORD"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MAM_CONNECT_TIMEOUT_S", "1")
+    host = tmp_path / "fresh"
+    (host / ".git").mkdir(parents=True)
+    hint = invite.BrokerHint(("127.0.0.1",), 1, True, "python/mqtt", CA_PEM)
+    code = InviteCode.new("gpu-box").with_broker(hint)
+    with pytest.raises(MamError):
+        enrolinvite.enroll_by_invite(code.text, workspace=host, timeout_s=1.0)
+    assert keyfiles.load_runner_keys(host) is None
+    assert not (names.mam_dir(host) / enrolinvite.CA_FILE_NAME).exists()
+    assert not (host / ".mam.env").exists() and not names.runner_identity_path(host).exists()

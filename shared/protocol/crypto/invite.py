@@ -2,8 +2,12 @@
 messages of the exchange over the broker, each authenticated by the code.
 
 - Code: `mam1.<session>.<128 random bits, base64url without padding>`, printed once by
-  `mam-orch runner invite`. The hub stores only its id (a hash of the code), the
-  session, labels, expiry and use in `.mam/invites/<id>.json` (0600): never the code.
+  `mam-orch runner invite`, then `.<broker part>`: where a fresh runner host finds the
+  broker (hosts, port, TLS, topic root and the CA certificate when TLS is on), base64url
+  of canonical JSON with a `mac` under the code's key, so a changed copy is refused.
+  The core (without the broker part) is the secret: the id and the key come from it.
+  The hub stores only its id (a hash of the core), the session, labels, expiry and use
+  in `.mam/invites/<id>.json` (0600): never the code.
 - `key = HKDF-SHA256(code, info = "mam-fleet/v2/invite")`. The runner's request
   (`kind: enrol_invite`: session, its public keys, the invite id, a nonce) and the hub's
   answer (`kind: enrol_answer`: the labels and the hub's public keys, the same nonce)
@@ -31,6 +35,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from cryptography import x509
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
@@ -76,25 +81,113 @@ MAX_SEALED_PASSWORD_BYTES = 512
 """A sealed broker password is its length plus 16 bytes of tag; a bigger one is refused."""
 _BAD_SEAL = "the broker password in the hub's answer does not open with this host's X25519 key"
 MAX_REASON_CHARS = 200
-_CODE_RE = re.compile(r"^mam1\.([A-Za-z0-9][A-Za-z0-9_-]{0,62})\.([A-Za-z0-9_-]{22})$")
+MAX_BROKER_PART_CHARS = 12_000
+"""The broker part of a code: an address and at most a CA certificate (MAX_CA_PEM_CHARS)."""
+MAX_CA_PEM_CHARS = 8192
+MAX_HINT_HOSTS = 8
+BROKER_HINT_FIELDS = frozenset({"hosts", "port", "tls", "topic_root", "ca_pem", "mac"})
+_HOST_RE = re.compile(r"^[A-Za-z0-9._:\[\]-]{1,253}$")
+_CODE_RE = re.compile(r"^(mam1\.([A-Za-z0-9][A-Za-z0-9_-]{0,62})\.[A-Za-z0-9_-]{22})"
+                      rf"(?:\.([A-Za-z0-9_-]{{1,{MAX_BROKER_PART_CHARS}}}))?$")
 _TTL_RE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhd]?)$")
 _TTL_UNIT_S = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_BAD_CODE = (f"invite code is invalid: expected {CODE_PREFIX}.<session>.<{CODE_RANDOM_CHARS} characters> "
-             "as `mam-orch runner invite` printed it")
+_BAD_CODE = (f"invite code is invalid: expected {CODE_PREFIX}.<session>.<{CODE_RANDOM_CHARS} characters>"
+             "[.<broker part>] as `mam-orch runner invite` printed it")
 
-__all__ = ["Answer", "InviteCode", "answer", "check_answer", "check_request", "matches", "open_password",
+__all__ = ["Answer", "BrokerHint", "InviteCode", "answer", "check_answer", "check_request", "matches", "open_password",
            "parse_message", "parse_ttl", "refusal", "request", "seal_password"]
 
 
 @dataclass(frozen=True)
+class BrokerHint:
+    """Where a fresh runner host finds the broker, as a code carries it (not secret; MAC'd).
+
+    Attributes:
+        hosts: the fail-over list (§13); port; tls; topic_root (§2); ca_pem: the CA
+            certificate(s) that verify the broker with TLS ("" none: the system's).
+    """
+
+    hosts: tuple[str, ...]
+    port: int
+    tls: bool
+    topic_root: str
+    ca_pem: str = ""
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.hosts) <= MAX_HINT_HOSTS or not all(
+                isinstance(h, str) and _HOST_RE.fullmatch(h) for h in self.hosts):
+            raise UsageError(f"broker hosts are invalid: 1 to {MAX_HINT_HOSTS} host names or addresses")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
+            raise UsageError("broker port is invalid: expected 1..65535")
+        if not isinstance(self.tls, bool):
+            raise UsageError("broker tls is invalid: expected true or false")
+        if not isinstance(self.topic_root, str):
+            raise UsageError("broker topic root is invalid")
+        names.topic_root(self.topic_root)
+        bad_ca = UsageError(f"broker CA is invalid: expected PEM certificates, at most {MAX_CA_PEM_CHARS} "
+                            "characters")
+        if not isinstance(self.ca_pem, str) or len(self.ca_pem) > MAX_CA_PEM_CHARS:
+            raise bad_ca
+        if self.ca_pem:
+            try:
+                x509.load_pem_x509_certificates(self.ca_pem.encode("ascii"))
+            except (ValueError, UnicodeError):
+                raise bad_ca from None
+
+    def _body(self) -> dict[str, Any]:
+        return {"hosts": list(self.hosts), "port": self.port, "tls": self.tls, "topic_root": self.topic_root,
+                "ca_pem": self.ca_pem}
+
+    def encode(self, key: bytes) -> str:
+        """The code's broker part: base64url (no padding) of canonical JSON with its `mac`."""
+        body = self._body()
+        body["mac"] = _mac(key, body)
+        return b64url_encode(canonical_json(body)).rstrip("=")
+
+    @classmethod
+    def decode(cls, part: str, key: bytes) -> BrokerHint:
+        """Raises `UsageError` (one line, never echoing the part): not ours, changed, or malformed."""
+        try:
+            obj = json.loads(b64url_decode(part + "=" * (-len(part) % 4)))
+        except ValueError:
+            raise UsageError("invite code is invalid: its broker part is not readable (a cut copy?)") from None
+        if not isinstance(obj, dict) or set(obj) != BROKER_HINT_FIELDS:
+            raise UsageError("invite code is invalid: its broker part has other fields than an invite's")
+        try:
+            _check_mac(key, obj, "the invite code's broker part")
+        except SignatureError:
+            raise UsageError("invite code is invalid: its broker part does not match the code (a changed copy?)"
+                             ) from None
+        hosts = obj["hosts"]
+        if not isinstance(hosts, list):
+            raise UsageError("broker hosts are invalid: 1 to 8 host names or addresses")
+        return cls(tuple(hosts), obj["port"], obj["tls"], obj["topic_root"], obj["ca_pem"])
+
+
+@dataclass(frozen=True)
 class InviteCode:
-    """A parsed code: its session and the derived key and id. The repr hides the code and key."""
+    """A parsed code: its session, the derived key and id, and where the broker is (`broker`,
+    None for a code without a broker part). The repr hides the code and key.
+
+    Attributes:
+        code: the secret core `mam1.<session>.<random>`; `text` is the whole code to print.
+    """
 
     session: str
     code: str
+    broker: BrokerHint | None = field(default=None, compare=False)
 
     def __repr__(self) -> str:
         return f"InviteCode(session={self.session!r}, invite_id={self.invite_id!r})"
+
+    @property
+    def text(self) -> str:
+        """The code as printed: the core, then its broker part when it has one."""
+        return self.code if self.broker is None else f"{self.code}.{self.broker.encode(self.key)}"
+
+    def with_broker(self, broker: BrokerHint | None) -> InviteCode:
+        """This code carrying `broker`."""
+        return InviteCode(self.session, self.code, broker)
 
     @classmethod
     def new(cls, session: str) -> InviteCode:
@@ -108,7 +201,8 @@ class InviteCode:
         match = _CODE_RE.fullmatch(text.strip()) if isinstance(text, str) else None
         if match is None:
             raise UsageError(_BAD_CODE)
-        return cls(match.group(1), match.group(0))
+        code = cls(match.group(2), match.group(1))
+        return code if match.group(3) is None else code.with_broker(BrokerHint.decode(match.group(3), code.key))
 
     @property
     def invite_id(self) -> str:
