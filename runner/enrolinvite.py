@@ -128,7 +128,10 @@ def _enroll(root: Path, code: InviteCode, hub: str | None, port: int | None, for
         made = keyfiles.create_runner_keys(root, force=force)
         created.extend(new)
     req = invite.request(code, made)
-    with mqtt.MqttClient(cfg, "enrol") as client:
+    login = cfg  # the code's one-time broker user where the hub made one (§16.5), else this host's own
+    if code.broker is not None and code.broker.enrol_user:
+        login = cfg.with_overrides(username=code.enrol_username, password=code.enrol_password)
+    with mqtt.MqttClient(login, "enrol") as client:
         client.subscribe([(names.enrol_topic(code.session, "answer", cfg.topic_root), mqtt.QOS_AT_LEAST_ONCE)])
         client.publish(names.enrol_topic(code.session, "request", cfg.topic_root), canonical_json(req))
         answer = _await_answer(client, code, req, timeout_s, cfg.host)

@@ -29,12 +29,15 @@ import bcrypt
 
 from mam.orchestrator.broker.conf import AGENT_USER, OBSERVER_USER, topic_to_subject
 from mam.shared.protocol import names
+from mam.shared.protocol.crypto import invite
 from mam.shared.protocol.errors import ConfigError, UsageError
 from mam.shared.protocol.names import check_secret
 
 BEGIN_MARK = "      # BEGIN runner users\n"
 END_MARK = "      # END runner users\n"
 ENTRY_TAG = "  # runner "
+ENROL_TAG = "  # enrol "
+"""Tags the one-time user of an invite (§16.5) in the same block: allowed its session's enrol topics only."""
 PUBLISH_LEAVES = ("events", "state", "log", "result")
 SUBSCRIBE_LEAVES = ("dispatch", "control", "state")
 RESERVED_USERS = frozenset({AGENT_USER, OBSERVER_USER, "sys", "home"})
@@ -44,8 +47,9 @@ check, paid by nats-server once per runner CONNECT)."""
 BCRYPT_MAX_BYTES = 72
 """bcrypt reads at most this many bytes of a password (the `bcrypt` package refuses longer ones)."""
 
-__all__ = ["BEGIN_MARK", "END_MARK", "mosquitto_acl_block", "nats_user_entry", "reload_nats", "runner_topics",
-           "runner_user", "runner_users", "users_block", "with_runner_user", "with_users_block", "without_runner_user"]
+__all__ = ["BEGIN_MARK", "END_MARK", "enrol_users", "mosquitto_acl_block", "nats_enrol_entry", "nats_user_entry",
+           "reload_nats", "runner_topics", "runner_user", "runner_users", "users_block", "with_enrol_user",
+           "with_runner_user", "with_users_block", "without_enrol_users", "without_runner_user"]
 
 
 def runner_user(session: str) -> str:
@@ -55,7 +59,7 @@ def runner_user(session: str) -> str:
         UsageError: a bad session, or one named like a shipped user (mam_agent, ...).
     """
     name = names.validate_session(session)
-    if name in RESERVED_USERS:
+    if name in RESERVED_USERS or name.startswith(invite.ENROL_USER_PREFIX):
         raise UsageError(f"session {name!r} is the name of a shipped broker user: enrol it under another name")
     return name
 
@@ -111,6 +115,37 @@ def nats_user_entry(session: str, password: str, topic_root: str | None = None) 
     return (f'      {{ user: "{user}", password: "{hashed}", allowed_connection_types: ["MQTT", "MQTT_WS"], '
             f"permissions: {{ publish: {{ allow: {_subjects(publish)} }}, "
             f"subscribe: {{ allow: {_subjects(subscribe)} }} }} }}{ENTRY_TAG}{user}\n")
+
+
+def nats_enrol_entry(code: invite.InviteCode, topic_root: str | None = None) -> str:
+    """One line of the nats `users` list for the one-time user of an invite (§16.5): it may
+    publish only `enrol/<session>/request` and subscribe only `enrol/<session>/answer`;
+    its password (derived from the code) as a bcrypt hash."""
+    hashed = bcrypt.hashpw(code.enrol_password.encode(), bcrypt.gensalt(rounds=BCRYPT_ROUNDS)).decode("ascii")
+    root = names.topic_root(topic_root)
+    publish = [names.enrol_topic(code.session, "request", root)]
+    subscribe = [names.enrol_topic(code.session, "answer", root)]
+    return (f'      {{ user: "{code.enrol_username}", password: "{hashed}", allowed_connection_types: ["MQTT"], '
+            f"permissions: {{ publish: {{ allow: {_subjects(publish)} }}, "
+            f"subscribe: {{ allow: {_subjects(subscribe)} }} }} }}{ENROL_TAG}{code.enrol_username}\n")
+
+
+def enrol_users(text: str) -> list[str]:
+    """The invites' one-time users a config holds, in order."""
+    return [line.rsplit(ENROL_TAG, 1)[1].strip() for line in _split(text)[1] if ENROL_TAG in line]
+
+
+def with_enrol_user(text: str, code: invite.InviteCode, topic_root: str | None = None) -> str:
+    """`text` with the one-time user of `code`'s invite."""
+    head, lines, tail = _split(without_enrol_users(text, {code.enrol_username}))
+    return head + "".join(lines) + nats_enrol_entry(code, topic_root) + tail
+
+
+def without_enrol_users(text: str, users: set[str]) -> str:
+    """`text` without the invites' one-time `users` (unchanged when it has none of them)."""
+    head, lines, tail = _split(text)
+    return head + "".join(line for line in lines
+                          if not (ENROL_TAG in line and line.rsplit(ENROL_TAG, 1)[1].strip() in users)) + tail
 
 
 def _split(text: str) -> tuple[str, list[str], str]:

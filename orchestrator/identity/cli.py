@@ -9,6 +9,7 @@ handed over separately, as before).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -98,7 +99,9 @@ def invite_cmd(
     cfg = config.broker_config(workspace=root, warn=False)
     hint = invites.broker_hint(cfg, broker_host)
     code, stored = invites.create(root, session, wanted, ttl_s)
-    code = code.with_broker(hint)
+    # a fresh host needs a way in: the code's one-time user, allowed only this session's enrol topics
+    enrol_user = runneruser.add_enrol_user(root, code, invites.finished_enrol_users(root))
+    code = code.with_broker(dataclasses.replace(hint, enrol_user=enrol_user))
 
     def ready() -> None:
         typer.echo(code.text)  # the only time the code is shown
@@ -110,7 +113,16 @@ def invite_cmd(
             typer.echo(f"WARNING: broker {','.join(hint.hosts)} is this host's loopback: a runner on another host "
                        "cannot reach it there; give --broker-host with the address runner hosts use", err=True)
 
-    return invites.wait_for_enrolment(root, code, stored, replace_keys=replace_keys, on_ready=ready)
+    try:
+        if enrol_user:
+            invites.await_enrol_login(cfg, code)
+        return invites.wait_for_enrolment(root, code, stored, replace_keys=replace_keys, on_ready=ready)
+    finally:
+        if enrol_user:  # used or expired: the way in closes, and the broker has applied it when this ends
+            runneruser.remove_enrol_user(root, code)
+            if not invites.await_enrol_logout(cfg, code):
+                typer.echo(f"WARNING: the broker still accepts the invite's one-time user {code.enrol_username}: "
+                           "reload it (it was removed from the config)", err=True)
 
 
 @runner_app.command("add")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ipaddress
 import queue
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -39,8 +40,8 @@ from mam.shared.transport import mqtt
 POLL_S = 0.2
 """How long one wait for a message lasts before the TTL is looked at again (s)."""
 
-__all__ = ["Invite", "broker_hint", "consume", "create", "hub_publics", "is_loopback", "load", "wait_for_enrolment",
-           "why_refused"]
+__all__ = ["Invite", "await_enrol_login", "await_enrol_logout", "broker_hint", "consume", "create",
+           "finished_enrol_users", "hub_publics", "is_loopback", "load", "wait_for_enrolment", "why_refused"]
 
 
 def broker_hint(cfg: config.BrokerConfig, hosts: str | None = None) -> invite.BrokerHint:
@@ -65,6 +66,60 @@ def broker_hint(cfg: config.BrokerConfig, hosts: str | None = None) -> invite.Br
         return invite.BrokerHint(chosen, cfg.port, cfg.tls, cfg.topic_root, ca_pem)
     except UsageError as exc:
         raise UsageError(f"--broker-host: {exc}") from None
+
+
+ENROL_LOGIN_WAIT_S = 10.0
+"""Longest wait for the broker to take an invite's one-time user after its reload (s)."""
+ENROL_LOGIN_RETRY_S = 0.2
+
+
+def await_enrol_login(cfg: config.BrokerConfig, code: InviteCode, wait_s: float = ENROL_LOGIN_WAIT_S) -> None:
+    """Return once the broker accepts `code`'s one-time user (a reload is applied asynchronously),
+    so the printed code works at once.
+
+    Raises:
+        BrokerUnavailable: it was not accepted within `wait_s` (the line says why).
+    """
+    login = cfg.with_overrides(username=code.enrol_username, password=code.enrol_password,
+                               client_id_prefix="mam-invite-check")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with mqtt.MqttClient(login, "invite-check") as client:
+                client.connect(timeout_s=max(0.5, min(5.0, deadline - time.monotonic())))
+            return
+        except BrokerError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(ENROL_LOGIN_RETRY_S)
+
+
+def await_enrol_logout(cfg: config.BrokerConfig, code: InviteCode, wait_s: float = ENROL_LOGIN_WAIT_S) -> bool:
+    """Return once the broker refuses `code`'s one-time user, i.e. it applied the reload that
+    removed it (so the command ends after it, not while it is under way); False when it still
+    accepts the user after `wait_s` (the caller says so)."""
+    login = cfg.with_overrides(username=code.enrol_username, password=code.enrol_password,
+                               client_id_prefix="mam-invite-check")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            with mqtt.MqttClient(login, "invite-check") as client:
+                client.connect(timeout_s=max(0.5, min(5.0, deadline - time.monotonic())))
+        except BrokerError:
+            return True
+        time.sleep(ENROL_LOGIN_RETRY_S)
+    return False
+
+
+def finished_enrol_users(root: Path) -> set[str]:
+    """The one-time broker users of this hub's invites that were used or expired (to drop)."""
+    folder = names.invites_dir(root)
+    found = set()
+    for path in folder.glob("*.json") if folder.is_dir() else ():
+        stored = load(root, path.stem)
+        if stored is not None and why_refused(stored) is not None:
+            found.add(invite.ENROL_USER_PREFIX + stored.invite_id[:16])
+    return found
 
 
 def is_loopback(host: str) -> bool:

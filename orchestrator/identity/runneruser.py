@@ -19,6 +19,7 @@ from mam.orchestrator.broker import users
 from mam.orchestrator.init import broker_password
 from mam.shared.config import broker_config, write_env_file
 from mam.shared.protocol import names
+from mam.shared.protocol.crypto.invite import InviteCode
 from mam.shared.protocol.errors import ConfigError
 from mam.shared.store.fsio import atomic_write, read_json_object
 
@@ -26,7 +27,8 @@ CREDENTIALS_DIR_MODE = 0o700
 MAX_RECORD_BYTES = 4096
 """`.mam/broker-config.json` is one short JSON object."""
 
-__all__ = ["AddedUser", "Grant", "add_user", "check_session", "grant", "withdraw"]
+__all__ = ["AddedUser", "Grant", "add_enrol_user", "add_user", "check_session", "grant", "remove_enrol_user",
+           "withdraw"]
 
 
 @dataclass(frozen=True)
@@ -156,3 +158,43 @@ def withdraw(root: Path, session: str) -> list[str]:
     if users.BEGIN_MARK not in text or user not in users.runner_users(text):
         return [f"broker user {user} is not in {managed.config}"]
     return [f"removed broker user {user}", *_apply(managed, users.without_runner_user(text, session))]
+
+
+def _managed_text(root: Path) -> tuple[Managed, str] | None:
+    """The managed config and its text, when it has the runner users block; else None."""
+    managed = _managed(root)
+    if managed is None:
+        return None
+    try:
+        text = managed.config.read_text(encoding="utf-8")
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"{managed.config}: cannot read the broker config ({exc})") from None
+    return (managed, text) if users.BEGIN_MARK in text else None
+
+
+def add_enrol_user(root: Path, code: InviteCode, stale: set[str]) -> bool:
+    """Give `code`'s invite its one-time broker user (§16.5) in the managed config, dropping the
+    `stale` ones (invites used or expired), and reload the broker.
+
+    Returns:
+        True when the broker took the user (a managed config and a known pid to signal);
+        False: a fresh host needs broker credentials of its own to enrol.
+    Raises:
+        ConfigError: the config cannot be read or written.
+    """
+    found = _managed_text(root)
+    if found is None or found[0].pid is None:
+        return False
+    managed, text = found
+    text = users.without_enrol_users(text, stale)
+    _apply(managed, users.with_enrol_user(text, code, broker_config(workspace=root, warn=False).topic_root))
+    return True
+
+
+def remove_enrol_user(root: Path, code: InviteCode) -> None:
+    """Remove `code`'s one-time broker user and reload (the invite was used, or expired)."""
+    found = _managed_text(root)
+    if found is None or code.enrol_username not in users.enrol_users(found[1]):
+        return
+    managed, text = found
+    _apply(managed, users.without_enrol_users(text, {code.enrol_username}))

@@ -42,6 +42,7 @@ from mam.orchestrator.broker import users
 from mam.shared.config import BrokerConfig, broker_config, read_env_file, write_env_file
 from mam.shared.protocol import names, wire
 from mam.shared.protocol.crypto import keys, pubkey
+from mam.shared.protocol.crypto.invite import InviteCode
 from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, PublishTimeout
 from mam.shared.store import keyfiles
 from mam.shared.transport.mqtt import Message, MqttClient
@@ -319,6 +320,55 @@ def test_s16_invited_runner_gets_its_own_broker_user_and_runs_a_job_with_it(tmp_
         renewed = read_env_file(env_file)["MQTT_PASSWORD"]
         assert renewed != settings["MQTT_PASSWORD"]
         wait_until(lambda: can_connect(replace(own, password=renewed)), what="the renewed password accepted")
+    finally:
+        if runner is not None:
+            runner.terminate()
+            runner.wait(PATIENCE_S)
+        embedded.down(str(root))
+
+
+def test_s16_5_a_fresh_host_enrols_with_the_code_alone_then_runs_with_no_flags(tmp_path):
+    """The invite carries everything a fresh host needs (§16.5): where the broker is and a
+    one-time broker user allowed only this session's enrol topics. A host with an empty
+    workspace enrols, gets its own broker user and the broker's address in a `.mam.env` it
+    writes (0600), and `mam-runner run` with no flag takes a job for its enrolled label; the
+    one-time user is gone once the invite is used."""
+    root = tmp_path / "hub"
+    (root / ".git").mkdir(parents=True)
+    embedded.up(str(root), mqtt_port=free_port(), port=free_port(), ws_port=free_port(), ready_timeout_s=PATIENCE_S)
+    runner = None
+    try:
+        hub = Hub(root, broker_config(workspace=root, warn=False), None, "embedded")
+        host = tmp_path / "fresh"
+        host.mkdir()  # nothing: no .mam.env, no keys, not even .git
+        waiting = Invite(root, SESSION_A, "--labels", "x", "--ttl", "2m")
+        try:
+            code = InviteCode.parse(waiting.code)
+            assert code.broker is not None and code.broker.enrol_user
+            one_time = replace(hub.cfg, username=code.enrol_username, password=code.enrol_password,
+                               client_id_prefix="probe")
+            assert can_connect(one_time)
+            done = enroll(host, waiting.code, "--timeout", str(PATIENCE_S))
+            assert done.returncode == 0, done.stderr
+            assert waiting.proc.wait(PATIENCE_S) == 0, waiting.stderr()
+        finally:
+            waiting.stop()
+        settings = read_env_file(host / ".mam.env")
+        assert (settings["MQTT_USERNAME"], settings["MQTT_BROKER"], settings["MQTT_PORT"]) == (
+            SESSION_A, hub.cfg.host, str(hub.cfg.port))
+        assert os.stat(host / ".mam.env").st_mode & 0o777 == 0o600
+        config_text = embedded.BrokerPaths(str(root)).config.read_text()
+        assert users.enrol_users(config_text) == [] and code.enrol_password not in done.stdout + done.stderr
+        wait_until(lambda: not can_connect(one_time), what="the one-time user refused once the invite is used")
+        with open(tmp_path / "fresh.stderr", "wb") as err:  # runner_log(host)
+            runner = subprocess.Popen([*MAM_RUNNER, "run", "--exec", str(AGENTS / "shell-agent"), "--workspace",
+                                       str(host)], env=clean_env(), stdout=subprocess.DEVNULL, stderr=err)
+        topic = names.presence_topic(SESSION_A, hub.topic_root)
+        wait_until(lambda: runner.poll() is not None or b'"online"' in (retained(hub, topic, 0.3) or b""),
+                   what="the enrolled runner online with no flags")
+        job = orch(root, "dispatch", "--labels", "x", "--brief", "echo from-a-fresh-host\n", "--json",
+                   timeout_s=2 * PATIENCE_S)
+        assert job.returncode == 0, job.stderr + runner_log(host)
     finally:
         if runner is not None:
             runner.terminate()

@@ -15,6 +15,7 @@ from mam.orchestrator import init as mam_init
 from mam.orchestrator.broker import conf, users
 from mam.orchestrator.identity import runneruser
 from mam.shared.protocol import names
+from mam.shared.protocol.crypto.invite import InviteCode
 from mam.shared.protocol.errors import ConfigError, UsageError
 
 pytestmark = pytest.mark.timeout(30)
@@ -35,7 +36,7 @@ def test_s16_runner_user_entry_grants_only_the_runner_subjects():
     assert "dispatch\", \"python.mqtt.runners" not in line.split("subscribe")[0]  # never publishes a dispatch
 
 
-@pytest.mark.parametrize("session", ["mam_agent", "mam_observer", "sys", "a.b", ""])
+@pytest.mark.parametrize("session", ["mam_agent", "mam_observer", "sys", "a.b", "", "mam_enrol_0123456789abcdef"])
 def test_s16_session_that_cannot_be_a_broker_user_is_refused(session):
     with pytest.raises(UsageError):
         users.runner_user(session)
@@ -49,6 +50,25 @@ def test_s16_add_replace_and_remove_runner_users_in_the_shipped_template():
     assert users.runner_users(again) == ["b-box", "a-box"] and PASSWORD not in again
     assert users.without_runner_user(users.without_runner_user(again, "a-box"), "b-box") == text
     assert again.replace(users.users_block(again), "") == text
+
+
+def test_s16_5_an_invites_one_time_user_may_only_request_and_read_its_answer():
+    code = InviteCode.new("gpu-box")
+    text = users.with_runner_user(mam_init.render_nats_conf(), "a-box", PASSWORD)
+    with_enrol = users.with_enrol_user(text, code, "python/mqtt")
+    (line,) = [entry for entry in users.users_block(with_enrol).splitlines() if code.enrol_username in entry]
+    assert 'publish: { allow: ["python.mqtt.enrol.gpu-box.request"] }' in line
+    assert 'subscribe: { allow: ["python.mqtt.enrol.gpu-box.answer"] }' in line
+    assert code.enrol_password not in with_enrol
+    hashed = re.search(r'password: "([^"]+)"', line)
+    assert hashed is not None and bcrypt.checkpw(code.enrol_password.encode(), hashed.group(1).encode())
+    assert users.enrol_users(with_enrol) == [code.enrol_username] and users.runner_users(with_enrol) == ["a-box"]
+    assert users.without_enrol_users(with_enrol, {code.enrol_username}) == text
+
+
+def test_s16_5_no_one_time_user_without_a_managed_broker_to_reload(tmp_path):
+    assert runneruser.add_enrol_user(tmp_path, InviteCode.new("gpu-box"), set()) is False
+    runneruser.remove_enrol_user(tmp_path, InviteCode.new("gpu-box"))  # nothing to remove: no error
 
 
 @pytest.mark.parametrize("password", ["short", 'with"quote-0123456789', "x" * 73, "$2b$11$" + "a" * 53])

@@ -85,7 +85,11 @@ MAX_BROKER_PART_CHARS = 12_000
 """The broker part of a code: an address and at most a CA certificate (MAX_CA_PEM_CHARS)."""
 MAX_CA_PEM_CHARS = 8192
 MAX_HINT_HOSTS = 8
-BROKER_HINT_FIELDS = frozenset({"hosts", "port", "tls", "topic_root", "ca_pem", "mac"})
+BROKER_HINT_FIELDS = frozenset({"hosts", "port", "tls", "topic_root", "ca_pem", "enrol_user", "mac"})
+ENROL_USER_PREFIX = "mam_enrol_"
+"""The one-time broker user of an invite: this prefix and 16 hex characters of its id."""
+ENROL_PASSWORD_INFO = b"mam-fleet/v2/invite-enrol-broker"
+ENROL_PASSWORD_BYTES = 24
 _HOST_RE = re.compile(r"^[A-Za-z0-9._:\[\]-]{1,253}$")
 _CODE_RE = re.compile(r"^(mam1\.([A-Za-z0-9][A-Za-z0-9_-]{0,62})\.[A-Za-z0-9_-]{22})"
                       rf"(?:\.([A-Za-z0-9_-]{{1,{MAX_BROKER_PART_CHARS}}}))?$")
@@ -105,6 +109,8 @@ class BrokerHint:
     Attributes:
         hosts: the fail-over list (§13); port; tls; topic_root (§2); ca_pem: the CA
             certificate(s) that verify the broker with TLS ("" none: the system's).
+        enrol_user: the hub made the code's one-time broker user (`InviteCode.enrol_username`,
+            password derived from the code), allowed only the session's enrol topics.
     """
 
     hosts: tuple[str, ...]
@@ -112,6 +118,7 @@ class BrokerHint:
     tls: bool
     topic_root: str
     ca_pem: str = ""
+    enrol_user: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.hosts) <= MAX_HINT_HOSTS or not all(
@@ -119,8 +126,8 @@ class BrokerHint:
             raise UsageError(f"broker hosts are invalid: 1 to {MAX_HINT_HOSTS} host names or addresses")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
             raise UsageError("broker port is invalid: expected 1..65535")
-        if not isinstance(self.tls, bool):
-            raise UsageError("broker tls is invalid: expected true or false")
+        if not isinstance(self.tls, bool) or not isinstance(self.enrol_user, bool):
+            raise UsageError("broker tls and enrol_user are invalid: expected true or false")
         if not isinstance(self.topic_root, str):
             raise UsageError("broker topic root is invalid")
         names.topic_root(self.topic_root)
@@ -136,7 +143,7 @@ class BrokerHint:
 
     def _body(self) -> dict[str, Any]:
         return {"hosts": list(self.hosts), "port": self.port, "tls": self.tls, "topic_root": self.topic_root,
-                "ca_pem": self.ca_pem}
+                "ca_pem": self.ca_pem, "enrol_user": self.enrol_user}
 
     def encode(self, key: bytes) -> str:
         """The code's broker part: base64url (no padding) of canonical JSON with its `mac`."""
@@ -161,7 +168,7 @@ class BrokerHint:
         hosts = obj["hosts"]
         if not isinstance(hosts, list):
             raise UsageError("broker hosts are invalid: 1 to 8 host names or addresses")
-        return cls(tuple(hosts), obj["port"], obj["tls"], obj["topic_root"], obj["ca_pem"])
+        return cls(tuple(hosts), obj["port"], obj["tls"], obj["topic_root"], obj["ca_pem"], obj["enrol_user"])
 
 
 @dataclass(frozen=True)
@@ -188,6 +195,19 @@ class InviteCode:
     def with_broker(self, broker: BrokerHint | None) -> InviteCode:
         """This code carrying `broker`."""
         return InviteCode(self.session, self.code, broker)
+
+    @property
+    def enrol_username(self) -> str:
+        """The code's one-time broker user (§16.5): `mam_enrol_` and 16 hex characters of its id."""
+        return ENROL_USER_PREFIX + self.invite_id[:16]
+
+    @property
+    def enrol_password(self) -> str:
+        """Its password: HKDF-SHA256(core, info "mam-fleet/v2/invite-enrol-broker"), 24 bytes as
+        base64url; only a holder of the code knows it."""
+        raw = HKDF(algorithm=hashes.SHA256(), length=ENROL_PASSWORD_BYTES, salt=None,
+                   info=ENROL_PASSWORD_INFO).derive(self.code.encode("ascii"))
+        return b64url_encode(raw).rstrip("=")
 
     @classmethod
     def new(cls, session: str) -> InviteCode:
