@@ -31,6 +31,11 @@ from mam.shared.store.fsio import atomic_write, read_capped
 from mam.shared.store.root import resolve_root, root_candidates
 
 PUBLIC_BROKER = "broker.hivemq.com"
+NO_BROKER_HOST = "(no broker configured)"
+"""What `BrokerConfig.host` says when MQTT_BROKER is unset (§13: there is no default broker)."""
+NO_BROKER = ("no broker configured: set MQTT_BROKER in .mam.env (`mam-orch broker up` runs one on this host, "
+             "`mam-orch init` writes the file); the public test broker broker.hivemq.com is used only when named "
+             "there")
 ENV_FILE_NAME = ".mam.env"
 
 # new_secret(): 32 random bytes, 43 URL-safe characters.
@@ -76,8 +81,13 @@ class BrokerConfig:
 
     @property
     def host(self) -> str:
-        """The first broker of the list."""
-        return self.hosts[0]
+        """The first broker of the list (NO_BROKER_HOST when none is configured)."""
+        return self.hosts[0] if self.hosts else NO_BROKER_HOST
+
+    @property
+    def configured(self) -> bool:
+        """False when MQTT_BROKER was unset: connecting refuses with NO_BROKER (§13)."""
+        return bool(self.hosts)
 
     @property
     def is_public(self) -> bool:
@@ -294,7 +304,7 @@ def broker_config(job_broker: Mapping[str, Any] | None = None, *,
     except UsageError as exc:
         raise ConfigError(f"MAM_TOPIC_ROOT: {exc}") from None
     cfg = BrokerConfig(
-        hosts=_parse_hosts(env.get("MQTT_BROKER") or PUBLIC_BROKER),
+        hosts=_parse_hosts(env["MQTT_BROKER"]) if env.get("MQTT_BROKER") else (),  # §13: no default broker
         port=_parse_int("MQTT_PORT", env.get("MQTT_PORT") or str(DEFAULT_MQTT_PORT), MIN_PORT, MAX_PORT),
         tls=_parse_bool("MQTT_TLS", env.get("MQTT_TLS") or "false"),
         username=env.get("MQTT_USERNAME", ""),

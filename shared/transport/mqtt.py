@@ -33,8 +33,8 @@ from typing import Any
 import paho.mqtt.client as paho
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
 
-from mam.shared.config import BrokerConfig
-from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, PublishTimeout
+from mam.shared.config import NO_BROKER, BrokerConfig
+from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, ConfigError, PublishTimeout
 from mam.shared.transport import sockets
 
 log = logging.getLogger("mam.mqtt")
@@ -340,11 +340,14 @@ class MqttClient:
             BrokerUnavailable: no host accepted; the one-line message names every
                 host:port tried and why (never the password).
             BrokerError: the client was closed.
+            ConfigError: no broker is configured (MQTT_BROKER unset, §13).
         """
         if self._closed:
             raise BrokerError("MQTT client is closed")
         if self.connected.is_set():
             return self
+        if not self.config.configured:
+            raise ConfigError(NO_BROKER)
         failures: list[str] = []
         for host in self.config.hosts:
             reason = self._try_host(host, timeout_s)

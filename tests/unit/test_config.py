@@ -14,6 +14,7 @@ from mam.shared import config
 from mam.shared.config import BrokerConfig
 from mam.shared.protocol.errors import ConfigError, EnvFileError
 from mam.shared.store.root import resolve_root
+from mam.shared.transport import mqtt
 
 SECRET = "s" * 40
 
@@ -41,21 +42,26 @@ def test_s13_environment_wins_over_file(empty_cwd):
     assert cfg.port == 1884
 
 
-def test_s13_defaults_without_file_and_public_warning(empty_cwd):
-    out = io.StringIO()
-    cfg = config.broker_config(environ={}, cwd=empty_cwd, warn=False)
-    assert cfg.hosts == ("broker.hivemq.com",) and cfg.port == 1883 and cfg.tls is False
-    assert cfg.client_id_prefix == "hermes" and cfg.keepalive_s == 60
-    assert cfg.topic_root == "python/mqtt"
-    assert config.warn_if_public(cfg, out) is True
-    assert "WARNING" in out.getvalue() and "PUBLIC" in out.getvalue()
+def test_s13_no_broker_without_mqtt_broker_and_connecting_says_how_to_get_one(empty_cwd, capsys):
+    """An empty `.mam.env` never means the public broker: connecting refuses with one line."""
+    cfg = config.broker_config(environ={}, cwd=empty_cwd)
+    assert cfg.hosts == () and not cfg.configured and cfg.host == config.NO_BROKER_HOST
+    assert cfg.port == 1883 and cfg.tls is False and cfg.client_id_prefix == "hermes" and cfg.keepalive_s == 60
+    assert cfg.topic_root == "python/mqtt" and not cfg.is_public
+    assert capsys.readouterr().err == ""  # nothing public to warn about
+    with pytest.raises(ConfigError) as refused:
+        mqtt.MqttClient(cfg, "hub").connect()
+    assert str(refused.value) == config.NO_BROKER and "\n" not in config.NO_BROKER
+    assert "MQTT_BROKER" in config.NO_BROKER and "mam-orch broker up" in config.NO_BROKER
 
 
-def test_s13_public_warning_goes_to_stderr(empty_cwd, capsys):
-    config.broker_config(environ={}, cwd=empty_cwd)
+def test_s13_the_public_broker_only_when_named_and_with_its_warning(empty_cwd, capsys):
+    cfg = config.broker_config(environ={"MQTT_BROKER": "broker.hivemq.com"}, cwd=empty_cwd)
     captured = capsys.readouterr()
-    assert captured.out == ""
-    assert "broker.hivemq.com" in captured.err
+    assert cfg.hosts == ("broker.hivemq.com",) and cfg.is_public
+    assert captured.out == "" and "WARNING: using the PUBLIC broker broker.hivemq.com" in captured.err
+    out = io.StringIO()
+    assert config.warn_if_public(cfg, out) is True and "PUBLIC" in out.getvalue()
 
 
 def test_s13_private_broker_no_warning(empty_cwd, capsys):
@@ -74,7 +80,7 @@ def test_s13_mam_env_file_missing_skips_every_other_file(empty_cwd, tmp_path):
     write(empty_cwd / ".mam.env", "MQTT_BROKER=ambient\n")
     env = {"MAM_ENV_FILE": str(tmp_path / "nope.env")}
     assert config.find_env_file(env, empty_cwd) is None
-    assert config.broker_config(environ=env, cwd=empty_cwd, warn=False).hosts == ("broker.hivemq.com",)
+    assert config.broker_config(environ=env, cwd=empty_cwd, warn=False).hosts == ()
 
 
 def test_s13_mam_env_file_directory_is_env_file_error(empty_cwd, tmp_path):
