@@ -50,7 +50,8 @@ def broker_hint(cfg: config.BrokerConfig, hosts: str | None = None) -> invite.Br
     certificates when TLS is on.
 
     Raises:
-        UsageError: bad hosts; ConfigError: the CA file cannot be read or is too big.
+        UsageError: bad hosts; ConfigError: no broker configured, or the CA file cannot be read
+            or is too big.
     """
     ca_pem = ""
     if cfg.tls and cfg.ca_certs:
@@ -62,6 +63,8 @@ def broker_hint(cfg: config.BrokerConfig, hosts: str | None = None) -> invite.Br
             raise ConfigError(f"MQTT_CA_CERTS {cfg.ca_certs}: over {invite.MAX_CA_PEM_CHARS} characters, too big "
                               "for an invite code")
     chosen = tuple(part.strip() for part in hosts.split(",") if part.strip()) if hosts is not None else cfg.hosts
+    if hosts is None and not cfg.configured:
+        raise ConfigError(config.NO_BROKER)
     try:
         return invite.BrokerHint(chosen, cfg.port, cfg.tls, cfg.topic_root, ca_pem)
     except UsageError as exc:

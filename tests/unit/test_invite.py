@@ -133,6 +133,8 @@ def test_s16_the_hub_puts_its_broker_or_broker_host_and_its_ca_in_the_code(tmp_p
     ca.write_text(CA_PEM * 500)
     with pytest.raises(ConfigError, match="too big"):
         invites.broker_hint(cfg)
+    with pytest.raises(ConfigError, match="no broker configured"):
+        invites.broker_hint(BrokerConfig(hosts=()))
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("15m", 900.0), ("90s", 90.0), ("2h", 7200.0), ("1d", 86400.0),
