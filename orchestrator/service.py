@@ -56,7 +56,9 @@ from mam.orchestrator.queuewait import (
 )
 from mam.orchestrator.results import ResultInbox
 from mam.orchestrator.runners import PRESENCE_STALE_S
+from mam.orchestrator.wake import Waker
 from mam.orchestrator.watch import Watcher, WatchOptions
+from mam.shared.config import env_float
 from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import PUBLISHED_STATUSES, CloseReason, JobStatus, PresenceStatus, RetryOn
 from mam.shared.protocol.errors import MamError, UsageError
@@ -66,7 +68,10 @@ from mam.shared.transport import Received, Transport
 
 log = logging.getLogger("mam.serve")
 
-SCAN_S = 0.2  # the registry folder is scanned this often for new and changed records
+SCAN_S = 0.2
+"""The registry folder is scanned this often for new and changed records (s; MAM_HUB_SCAN_S):
+the safety net, since a job queued elsewhere wakes the engine at once (`wake`)."""
+MAX_SCAN_S = 60.0
 TICK_S = 0.1  # the §10 clocks of every job are looked at this often
 SERVICE_START_S = 30.0  # how long an embedded service may take to lock, connect and subscribe
 ENGINE_SUBACK_S = 20.0
@@ -109,6 +114,19 @@ class ServiceStats:
     closed: dict[str, int] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)  # messages that renewed a job, by kind (events, state)
     refused: dict[str, int] = field(default_factory=dict)  # refused job messages by §3.2 reason (metrics)
+
+
+@dataclass(frozen=True)
+class _Wake:
+    """The engine's own inbox item: look at the registry now (`HubService.wake`); no broker
+    topic has a NUL."""
+
+    topic: str = "\x00wake"
+    payload: bytes = b""
+    retain: bool = False
+
+
+WAKE = _Wake()
 
 
 class HubService:
@@ -155,6 +173,9 @@ class HubService:
         self.clears: list[str] = []  # jobs whose retained dispatch goes after this batch (§17)
         self._stop = False
         self.ready = threading.Event()  # set once it holds the lock and subscribed
+        self._wake_pending = threading.Event()  # a WAKE is in the inbox (`wake`)
+        self.woken = False  # a WAKE was taken from the inbox: scan now
+        self.scan_s = env_float("MAM_HUB_SCAN_S", SCAN_S, low=TICK_S, high=MAX_SCAN_S)
         self.on_ready = on_ready
         self.on_failed: Callable[[JobRecord], None] | None = None
         self.quiet = quiet
@@ -310,6 +331,14 @@ class HubService:
             if parsed is not None:
                 self.unjudged[parsed[0]] += 1
 
+    def wake(self) -> None:
+        """Another process queued a job (`wake.wake_engine`): one WAKE in the inbox (more are
+        folded into it), so the loop scans at once."""
+        client = self.client
+        if client is not None and not self._wake_pending.is_set():
+            self._wake_pending.set()
+            client.messages.put(WAKE)
+
     def next_message(self, client: Transport, timeout_s: float) -> Received | None:
         """The oldest message: from `backlog` first, else from the client within `timeout_s`."""
         if not self.backlog:
@@ -381,7 +410,10 @@ class HubService:
         try:
             with self.registry.group():
                 while message is not None and names.parse_presence_topic(message.topic, root) is None:
-                    self.on_message(message.topic, message.payload, time.monotonic())
+                    if message is WAKE:
+                        self.woken = True
+                    else:
+                        self.on_message(message.topic, message.payload, time.monotonic())
                     message = None
                     if time.monotonic() < until and (self.backlog or not client.messages.empty()):
                         message = self.next_message(client, 0.0)
@@ -654,17 +686,32 @@ class HubService:
         link = BrokerLink(client)
         subscribed = time.monotonic()
         self.settle_until, self.settle_max = subscribed + PRESENCE_SETTLE_S, subscribed + PRESENCE_SETTLE_MAX_S
-        if self.on_ready is not None:
-            self.on_ready()
-        self.ready.set()
+        waker = Waker(self.registry.root, self.wake)
+        waker.start()
+        try:
+            if self.on_ready is not None:
+                self.on_ready()
+            self.ready.set()
+            self._loop(client, link, now)
+        finally:
+            waker.stop()
+        self._info("hub service stopping: %d jobs go on without it (%d messages handled)",
+                   len(self.watchers), self.stats.messages)
+        return 0
+
+    def _loop(self, client: Transport, link: BrokerLink, now: float) -> None:
         next_scan = next_tick = now
         while not self._stop or (self._drain and self._confirmations_left(link.down_since)):
             now = time.monotonic()
             outage = link.look(now)
             if outage is not None:
                 self.broker_back(now, outage)
+            if self.woken:  # a job queued elsewhere: look now, not at the next scan
+                self.woken = False
+                self._wake_pending.clear()
+                next_scan = now
             if now >= next_scan:
-                next_scan = now + SCAN_S
+                next_scan = now + self.scan_s
                 self.scan(now)
                 self.expire_queued()
                 self.plan(now)
@@ -673,11 +720,10 @@ class HubService:
                 self.receive(client)  # §14: what was received before the clocks look counts
                 self.tick(now, link.down_since)
             message = self.next_message(client, max(0.0, min(next_scan, next_tick) - time.monotonic()))
-            if message is not None:
+            if message is WAKE:
+                self.woken = True
+            elif message is not None:
                 self.handle_batch(client, message, min(next_scan, next_tick))
-        self._info("hub service stopping: %d jobs go on without it (%d messages handled)",
-                   len(self.watchers), self.stats.messages)
-        return 0
 
 
 class EmbeddedService:

@@ -28,6 +28,7 @@ from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S
 from mam.orchestrator.results import await_result
 from mam.orchestrator.runners import collect_presence, read_presence
 from mam.orchestrator.service import EmbeddedService
+from mam.orchestrator.wake import wake_engine
 from mam.orchestrator.watch import Detached
 from mam.shared.cli.render import print_summary
 from mam.shared.config import env_float
@@ -68,6 +69,7 @@ def register_queued(registry: Registry, *, brief: str, contract: wire.Contract, 
     record = registry.register(session=terms.target_session, contract=contract, queue=terms, work=work,
                                title=name)
     save_brief(registry, record["job_id"], brief)
+    wake_engine(registry.root)  # the engine publishes it now, not at its next scan (§14)
     return record
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from mam.shared.protocol import names
 from mam.shared.protocol.errors import ExitCode
+from mam.shared.store.fsio import unix_address
 
 SOCKET_ENV = "MAM_RUNNER_SOCKET"
 CONNECT_TIMEOUT_S = 2.0
@@ -34,8 +35,6 @@ REPLY_TIMEOUT_S = 60.0
 """Longest wait, seconds, for the daemon's answer (a terminal event waits for the §12 barrier)."""
 MAX_REPLY_BYTES = 8 * 1024
 """Cap on the daemon's one-line answer, bytes."""
-MAX_SUN_PATH_BYTES = 100
-"""A socket path this long or longer is reached through /proc/self/fd (AF_UNIX allows 108 bytes)."""
 MAX_ATTEMPTS = 10
 """Highest `--attempts` (the same bound as `mam.runner.cli.MAX_PUBLISH_ATTEMPTS`)."""
 
@@ -43,15 +42,6 @@ OPTIONS = {"--job": "job_id", "--event": "event", "--detail": "detail", "--data"
            "--attempts": "attempts", "--attempt-id": "attempt_id", "--dispatch-token": "dispatch_token",
            "--workspace": "workspace"}
 ENV_DEFAULTS = {"attempt_id": "MAM_ATTEMPT_ID", "dispatch_token": "MAM_DISPATCH_TOKEN"}
-
-
-def unix_address(path: Path) -> tuple[str, int | None]:
-    """The address to bind/connect for `path`, and a directory fd to close afterwards
-    (None when the path is short enough to use as it is)."""
-    if len(os.fsencode(str(path))) < MAX_SUN_PATH_BYTES:
-        return str(path), None
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    return f"/proc/self/fd/{fd}/{path.name}", fd
 
 
 def parse_argv(argv: list[str], environ: dict[str, str] | os._Environ[str]) -> dict[str, Any] | None:

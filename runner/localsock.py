@@ -41,11 +41,12 @@ from pathlib import Path
 from typing import Any
 
 from mam.runner import publish
-from mam.runner.fastpath import CONNECT_TIMEOUT_S, unix_address
+from mam.runner.fastpath import CONNECT_TIMEOUT_S
 from mam.shared.protocol import crypto, names
 from mam.shared.protocol.codes import TERMINAL_EVENTS, EventName
 from mam.shared.protocol.errors import MamError, ProtocolError, RegistryError, UsageError
 from mam.shared.protocol.wire import safe_line
+from mam.shared.store.fsio import unix_address
 from mam.shared.store.registry import Registry
 
 log = logging.getLogger("mam.socket")

@@ -28,6 +28,19 @@ def errno_name(exc: OSError) -> str:
     return errno.errorcode.get(exc.errno or 0, type(exc).__name__)
 
 
+MAX_SUN_PATH_BYTES = 100
+"""A socket path this long or longer is reached through /proc/self/fd (AF_UNIX allows 108 bytes)."""
+
+
+def unix_address(path: Path) -> tuple[str, int | None]:
+    """The address to bind/connect a unix socket at `path`, and a directory fd to close
+    afterwards (None when the path is short enough to use as it is)."""
+    if len(os.fsencode(str(path))) < MAX_SUN_PATH_BYTES:
+        return str(path), None
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    return f"/proc/self/fd/{fd}/{path.name}", fd
+
+
 RACY_MTIME_NS = 1_000_000_000
 """An mtime younger than this (1 s) is not trusted to mark a version: file systems stamp
 with a coarse clock, so a second change within one tick can keep the same mtime."""

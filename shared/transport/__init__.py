@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from mam.shared.config import BrokerConfig
 
@@ -39,6 +39,10 @@ class Inbox(Protocol):
 
     def get_nowait(self) -> Received:
         """The next message; raises `queue.Empty` when there is none."""
+        ...
+
+    def put(self, item: Any) -> None:
+        """Add an item of the reader's own (the hub engine's wake, §14)."""
         ...
 
     def empty(self) -> bool:

@@ -312,3 +312,29 @@ def test_s14_serve_retries_a_job_whose_runner_died_on_another_matching_runner(na
     finally:
         stop(serve, first, *([second] if second else []))
     assert "Traceback" not in serve_log(hub), serve_log(hub)
+
+
+def test_s14_a_job_queued_elsewhere_wakes_the_service_not_its_next_scan(nats_broker, tmp_path):
+    """The service scans the registry only every 60 s here (MAM_HUB_SCAN_S): a job queued by a
+    `dispatch` process is still published at once, because the dispatch wakes it (§14)."""
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner = start_runner(nats_broker, tmp_path / "gpu", "gpu-box")
+    log_path = tmp_path / "serve.stderr"
+    with open(log_path, "wb") as err:
+        server = subprocess.Popen([*MAM_ORCH, "serve", "--workspace", str(hub)], env=hub_env(MAM_HUB_SCAN_S="60"),
+                                  stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        wait_until(lambda: server.poll() is not None or b"hub service pid" in log_path.read_bytes(),
+                   what="the service serving")
+        assert server.poll() is None, log_path.read_text(errors="replace")
+        sent = orch(hub, "dispatch", "--session", "gpu-box", "--detach", "--json", "--brief", "true\n")
+        assert sent.returncode == 0, sent.stderr
+        job_id = json.loads(sent.stdout)["job_id"]
+        # far inside the 60 s scan: only the wake can have published it
+        wait_until(lambda: Registry(hub).get(job_id)["status"] == "completed", timeout_s=30.0,
+                   what="the job published by the woken service and completed")
+    finally:
+        server.terminate()
+        server.wait(PATIENCE_S)
+        runner.terminate()
+        runner.wait(PATIENCE_S)
