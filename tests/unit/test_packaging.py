@@ -23,3 +23,15 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
             found.add(".".join((name, *parts)))
     missing = sorted(found - set(setuptools["packages"]))
     assert not missing, f"add to [tool.setuptools] packages in pyproject.toml: {missing}"
+
+
+def test_no_two_test_modules_share_a_name() -> None:
+    """pytest imports test modules by their basename (no `__init__.py` in tests/): two
+    `test_x.py` in tests/unit and tests/e2e fail collection when one run holds both."""
+    seen: dict[str, Path] = {}
+    twice = []
+    for path in sorted([*(ROOT / "tests").rglob("test_*.py"), *(ROOT / "bench").rglob("test_*.py")]):
+        if path.name in seen:
+            twice.append(f"{seen[path.name].relative_to(ROOT)} and {path.relative_to(ROOT)}")
+        seen.setdefault(path.name, path)
+    assert not twice, f"rename one of each: {twice}"
