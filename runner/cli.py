@@ -114,6 +114,9 @@ def permission_tool_cmd() -> None:
     serve()
 
 
+ENROL_REPO_OPTION = typer.Option(None, "--repo", metavar="NAME=URL",
+                                 help="A repository `run` serves by default (repeatable; MAM_RUNNER_REPOS "
+                                      "in .mam.env).")
 REPO_OPTION = typer.Option(None, "--repo", metavar="NAME=URL",
                            help="A repository this runner serves (repeatable; default MAM_RUNNER_REPOS): a "
                                 "bare mirror under the workspace, a worktree per attempt, the change sent back "
@@ -132,7 +135,8 @@ def run_cmd(
     workspace: str = cli.workspace_option(),
     workdir: str = typer.Option(None, "--workdir", metavar="DIR",
                                 help="Agents' working directory (default: <workspace>/work/<job_id>/)."),
-    max_jobs: int = typer.Option(1, "--max-jobs", metavar="N", help="Concurrent jobs, 1..64 (§11)."),
+    max_jobs: int = typer.Option(None, "--max-jobs", metavar="N",
+                                 help="Concurrent jobs, 1..64 (§11; default MAM_RUNNER_MAX_JOBS, else 1)."),
     once: bool = typer.Option(False, "--once", help="Exit after one job."),
     labels: str = typer.Option(None, "--labels", metavar="A,B",
                                help="Labels this runner announces, e.g. gpu,cuda12 (§14; default "
@@ -210,6 +214,10 @@ def enroll_cmd(
                              help="With --invite: the broker port (default: the code's, else .mam.env)."),
     timeout: float = typer.Option(INVITE_ANSWER_TIMEOUT_S, "--timeout", metavar="S",
                                   help="With --invite: how long to wait for the hub's answer (s)."),
+    repo: list[str] = ENROL_REPO_OPTION,
+    max_jobs: int = typer.Option(None, "--max-jobs", metavar="N",
+                                 help="Concurrent jobs `run` takes by default, 1..64 (MAM_RUNNER_MAX_JOBS "
+                                      "in .mam.env)."),
     workspace: str = cli.workspace_option(),
 ) -> int:
     """Make this host's Ed25519 and X25519 keys (0600, .mam/keys/) and print the one-line
@@ -218,14 +226,18 @@ def enroll_cmd(
     waiting `mam-orch runner invite` enrols the keys (existing ones are reused unless --force),
     this host stores the hub's public key, and the broker settings the code carries go into
     .mam.env; on failure the keys it made are removed. Exit 64: bad arguments, or keys exist (without
-    --force); 1: the hub refused the invite or did not answer; 3: broker unreachable."""
+    --force); 1: the hub refused the invite or did not answer; 3: broker unreachable.
+    --repo and --max-jobs become `run`'s defaults (in .mam.env, 0600; a flag of `run` still wins)."""
+    from mam.runner.settings import run_defaults
+
+    defaults = run_defaults(repo, max_jobs)  # refused before any key is made
     if invite is not None:
         from mam.runner.enrolinvite import enroll_by_invite  # lazy: keeps cryptography out of `mam-runner publish`
 
         if labels is not None:
             raise UsageError("--labels is set by the hub with an invite (mam-orch runner invite --labels)")
         enrolled = enroll_by_invite(invite, workspace=workspace, session=session, hub=hub, port=port,
-                                    force=force, timeout_s=timeout)
+                                    force=force, timeout_s=timeout, defaults=defaults)
         identity, trusted = enrolled.identity, enrolled.trusted
         typer.echo(f"enrolled as {identity.session} (labels: {','.join(identity.labels) or 'none'}); this runner "
                    f"now trusts {len(trusted)} hub key(s): {' '.join(trusted)}")
@@ -247,6 +259,12 @@ def enroll_cmd(
 
     request = enroll(session=session, labels=labels, workspace=workspace, force=force)
     typer.echo(request.line())
+    if defaults:
+        from mam.runner.enrol import write_env
+        from mam.shared.store.root import resolve_root
+
+        written = write_env(resolve_root(workspace), defaults)
+        typer.echo(f"{', '.join(defaults)} set in {written} (mode 0600): `run`'s defaults", err=True)
     typer.echo("give the line above to the hub operator: mam-orch runner add '<line>'; then run the "
                "`mam-runner trust-hub ...` line it prints", err=True)
     return 0

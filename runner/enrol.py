@@ -7,9 +7,14 @@ controls with. `identity` reads back what `enroll` recorded.
 
 from __future__ import annotations
 
+import io
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
+from dotenv.parser import parse_stream
+
+from mam.shared import config
 from mam.shared.protocol import names
 from mam.shared.protocol.crypto import keys
 from mam.shared.protocol.crypto.keys import EnrolRequest
@@ -80,3 +85,22 @@ def trust_hub(public_keys: list[str], *, workspace: Workspace) -> list[str]:
         UsageError: none, more than two, or not a key (nothing written).
     """
     return keyfiles.write_trusted_hub_keys(_root(workspace), public_keys)
+
+
+def write_env(root: Path, values: Mapping[str, str]) -> Path:
+    """Set `values` in the env file this runner reads (§13: MAM_ENV_FILE, even when it does not
+    exist yet; else the `.mam.env` found, else the workspace's), in one atomic write of mode
+    0600 that keeps every other line (python-dotenv's parser). Raises `ConfigError`."""
+    explicit = os.environ.get("MAM_ENV_FILE")
+    path = Path(explicit).expanduser() if explicit else \
+        config.find_env_file(workspace=root) or root / config.ENV_FILE_NAME
+    try:
+        text = path.read_text(encoding="utf-8") if path.exists() else ""
+    except (OSError, UnicodeError) as exc:
+        raise ConfigError(f"{path}: cannot read it to set the broker settings ({exc})") from None
+    kept = [binding.original.string for binding in parse_stream(io.StringIO(text)) if binding.key not in values]
+    if kept and not kept[-1].endswith("\n"):
+        kept[-1] += "\n"
+    lines = [*kept, *(f"{key}={value}\n" for key, value in values.items())]
+    atomic_write(path, "".join(lines).encode("utf-8"), what=str(path), error=ConfigError)
+    return path

@@ -14,16 +14,13 @@ kept). A failure removes the keys and the CA file it made.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import queue
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dotenv.parser import parse_stream
-
-from mam.runner.enrol import trust_hub
+from mam.runner.enrol import trust_hub, write_env
 from mam.shared import config
 from mam.shared.protocol import names
 from mam.shared.protocol.crypto import invite
@@ -83,7 +80,7 @@ def _broker(root: Path, hub: str | None, port: int | None, hint: invite.BrokerHi
 
 def enroll_by_invite(code_text: str, *, workspace: str | os.PathLike[str] | None, session: str | None = None,
                      hub: str | None = None, port: int | None = None, force: bool = False,
-                     timeout_s: float = DEFAULT_ANSWER_TIMEOUT_S) -> Enrolled:
+                     timeout_s: float = DEFAULT_ANSWER_TIMEOUT_S, defaults: dict[str, str] | None = None) -> Enrolled:
     """Enrol this host with the hub's invite code (§16); on failure, remove what it created
     (keys it made, the CA file) and write nothing else.
 
@@ -92,6 +89,7 @@ def enroll_by_invite(code_text: str, *, workspace: str | os.PathLike[str] | None
         session: if given, must be the code's session.
         hub, port: the broker (default: the code's broker part, else `.mam.env` / environment, §13).
         force: make new keys even if this host has some (default: reuse them).
+        defaults: `run`'s defaults to write into `.mam.env` once enrolled (`enrol.run_defaults`).
     Returns:
         an `Enrolled`.
     Raises:
@@ -110,7 +108,7 @@ def enroll_by_invite(code_text: str, *, workspace: str | os.PathLike[str] | None
         raise UsageError(f"workspace {str(root)!r} does not exist")
     created: list[Path] = []
     try:
-        return _enroll(root, code, hub, port, force, timeout_s, created)
+        return _enroll(root, code, hub, port, force, timeout_s, created, defaults or {})
     except BaseException:
         for path in reversed(created):  # nothing half-made is left: the next try starts clean
             with contextlib.suppress(OSError):
@@ -119,7 +117,7 @@ def enroll_by_invite(code_text: str, *, workspace: str | os.PathLike[str] | None
 
 
 def _enroll(root: Path, code: InviteCode, hub: str | None, port: int | None, force: bool, timeout_s: float,
-            created: list[Path]) -> Enrolled:
+            created: list[Path], defaults: dict[str, str]) -> Enrolled:
     cfg = _broker(root, hub, port, code.broker, created)
     made = None if force else keyfiles.load_runner_keys(root)
     if made is None:
@@ -139,7 +137,7 @@ def _enroll(root: Path, code: InviteCode, hub: str | None, port: int | None, for
     if answer.broker_user is not None:  # opened before anything is written
         password = invite.open_password(made.x25519, answer.sealed_password, invite_id=code.invite_id,
                                         nonce=req["nonce"], username=answer.broker_user)
-    values: dict[str, str] = {}
+    values: dict[str, str] = dict(defaults)
     if code.broker is not None or hub or port is not None:  # where the broker is, as it answered
         values |= {"MQTT_BROKER": ",".join(cfg.hosts), "MQTT_PORT": str(cfg.port),
                    "MQTT_TLS": "true" if cfg.tls else "false", "MAM_TOPIC_ROOT": cfg.topic_root}
@@ -151,28 +149,9 @@ def _enroll(root: Path, code: InviteCode, hub: str | None, port: int | None, for
     identity = EnrolRequest.build(code.session, answer.labels, made.ed25519_public, made.x25519_public)
     atomic_write(names.runner_identity_path(root), json_line(identity.to_dict()), what="runner identity",
                  error=ConfigError)
-    env_file = _write_env(root, values) if values else None
+    env_file = write_env(root, values) if values else None
     return Enrolled(identity, trusted, answer.broker_user if password is not None else None, env_file,
                     tuple(values))
-
-
-def _write_env(root: Path, values: dict[str, str]) -> Path:
-    """Set `values` in the env file this runner reads (§13: MAM_ENV_FILE, even when it does not
-    exist yet; else the `.mam.env` found, else the workspace's), in one atomic write of mode
-    0600 that keeps every other line (python-dotenv's parser). Raises `ConfigError`."""
-    explicit = os.environ.get("MAM_ENV_FILE")
-    path = Path(explicit).expanduser() if explicit else \
-        config.find_env_file(workspace=root) or root / config.ENV_FILE_NAME
-    try:
-        text = path.read_text(encoding="utf-8") if path.exists() else ""
-    except (OSError, UnicodeError) as exc:
-        raise ConfigError(f"{path}: cannot read it to set the broker settings ({exc})") from None
-    kept = [binding.original.string for binding in parse_stream(io.StringIO(text)) if binding.key not in values]
-    if kept and not kept[-1].endswith("\n"):
-        kept[-1] += "\n"
-    lines = [*kept, *(f"{key}={value}\n" for key, value in values.items())]
-    atomic_write(path, "".join(lines).encode("utf-8"), what=str(path), error=ConfigError)
-    return path
 
 
 def _await_answer(client: mqtt.MqttClient, code: InviteCode, req: dict[str, object], timeout_s: float,

@@ -21,6 +21,7 @@ from mam.shared.protocol.crypto.keys import EnrolRequest
 from mam.shared.protocol.errors import ConfigError, UsageError
 from mam.shared.store.root import resolve_root
 
+MAX_JOBS_ENV = "MAM_RUNNER_MAX_JOBS"
 MAX_JOBS_LIMIT = 64
 """Highest `--max-jobs` (§11)."""
 DEFAULT_CANCEL_GRACE_S = 10.0
@@ -127,6 +128,37 @@ class RunnerOptions:
     on_revoke: str = "stop"
 
 
+def check_max_jobs(value: object, where: str) -> int:
+    """A slot count 1..MAX_JOBS_LIMIT (§11), from `--max-jobs` (an int) or MAM_RUNNER_MAX_JOBS
+    (text). Raises `UsageError` naming `where`."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = int(value.strip())
+        except ValueError:
+            number = None
+    if isinstance(number, bool) or not isinstance(number, int) or not 1 <= number <= MAX_JOBS_LIMIT:
+        shown = value if isinstance(value, int) else repr(str(value)[:40])
+        raise UsageError(f"{where} {shown} is invalid: expected 1..{MAX_JOBS_LIMIT}")
+    return number
+
+
+def run_defaults(repos: list[str] | None, max_jobs: int | None) -> dict[str, str]:
+    """`enroll --repo ... --max-jobs N` as the `.mam.env` lines that make them `run`'s defaults
+    (MAM_RUNNER_REPOS, MAM_RUNNER_MAX_JOBS; a flag of `run` still overrides).
+
+    Raises:
+        UsageError: a bad repository or slot count (one line, before anything is written).
+    """
+    values = {}
+    if repos:
+        specs = parse_repos(repos, None)
+        values[REPOS_ENV] = " ".join(f"{spec.name}={spec.url}" for spec in specs)
+    if max_jobs is not None:
+        values[MAX_JOBS_ENV] = str(check_max_jobs(max_jobs, "--max-jobs"))
+    return values
+
+
 def read_labels(labels: str | None, values: Mapping[str, str], default: tuple[str, ...] = ()) -> tuple[str, ...]:
     """`--labels a,b`, else MAM_RUNNER_LABELS, else `default` (the enrolled labels), validated
     and sorted (§14).
@@ -157,7 +189,7 @@ def _workdir(workdir: str | None) -> Path | None:
 
 
 def options_from_cli(*, session: str | None, exec_cmd: str, workspace: str | None, workdir: str | None,
-                     max_jobs: int, once: bool, replace: bool, labels: str | None = None,
+                     max_jobs: int | None, once: bool, replace: bool, labels: str | None = None,
                      environ: Mapping[str, str] | None = None, repos: list[str] | None = None,
                      max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
                      keep_worktrees: bool = False, agent: str | None = None,
@@ -167,7 +199,8 @@ def options_from_cli(*, session: str | None, exec_cmd: str, workspace: str | Non
     Args:
         session: session name, or None: the one `mam-runner enroll` recorded (§16);
         exec_cmd: the `--exec` string; workspace: `--workspace`;
-        workdir: `--workdir` (created if missing); max_jobs: 1..64; labels: `--labels a,b` (§14),
+        workdir: `--workdir` (created if missing); max_jobs: 1..64 (None: MAM_RUNNER_MAX_JOBS, which
+            `enroll --max-jobs` writes, else 1); labels: `--labels a,b` (§14),
             else MAM_RUNNER_LABELS, else the labels enrolment recorded.
         repos: `--repo NAME=URL` flags; max_result_bytes: `--max-result-bytes`;
         keep_worktrees: `--keep-worktrees` (§18).
@@ -187,8 +220,8 @@ def options_from_cli(*, session: str | None, exec_cmd: str, workspace: str | Non
     argv = split_exec(exec_cmd)
     resolve_executable(argv[0], env.get("PATH"))
     kind = agent_kind(agent, argv)
-    if isinstance(max_jobs, bool) or not isinstance(max_jobs, int) or not 1 <= max_jobs <= MAX_JOBS_LIMIT:
-        raise UsageError(f"--max-jobs {max_jobs!r} is invalid: expected 1..{MAX_JOBS_LIMIT}")
+    if max_jobs is not None:
+        check_max_jobs(max_jobs, "--max-jobs")
     if labels is not None:
         names.parse_labels(labels, "--labels")  # a bad flag is refused before anything is read
     if isinstance(max_result_bytes, bool) or not MIN_RESULT_BYTES <= max_result_bytes <= MAX_RESULT_BYTES_LIMIT:
@@ -202,7 +235,9 @@ def options_from_cli(*, session: str | None, exec_cmd: str, workspace: str | Non
     enrolled = enrol.identity(root)
     session = enrolled_session(session, enrolled)
     work = _workdir(workdir)
-    values = config.load_env(env)
+    values = config.load_env(env, workspace=root)  # the workspace's .mam.env, as for the broker (§13)
+    if max_jobs is None:
+        max_jobs = check_max_jobs(values.get(MAX_JOBS_ENV) or "1", MAX_JOBS_ENV)
     return RunnerOptions(session=session, argv=tuple(argv), root=root, workdir=work, max_jobs=max_jobs,
                          once=once, replace=replace, cancel_grace_s=read_seconds(values, CANCEL_GRACE),
                          clock_skew_s=read_seconds(values, CLOCK_SKEW),

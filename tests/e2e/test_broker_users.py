@@ -330,9 +330,9 @@ def test_s16_invited_runner_gets_its_own_broker_user_and_runs_a_job_with_it(tmp_
 def test_s16_5_a_fresh_host_enrols_with_the_code_alone_then_runs_with_no_flags(tmp_path):
     """The invite carries everything a fresh host needs (§16.5): where the broker is and a
     one-time broker user allowed only this session's enrol topics. A host with an empty
-    workspace enrols, gets its own broker user and the broker's address in a `.mam.env` it
-    writes (0600), and `mam-runner run` with no flag takes a job for its enrolled label; the
-    one-time user is gone once the invite is used."""
+    workspace enrols (`--max-jobs 2`), gets its own broker user, the broker's address and its
+    slot count in a `.mam.env` it writes (0600), and `mam-runner run` with no flag takes a job
+    for its enrolled label with 2 slots; the one-time user is gone once the invite is used."""
     root = tmp_path / "hub"
     (root / ".git").mkdir(parents=True)
     embedded.up(str(root), mqtt_port=free_port(), port=free_port(), ws_port=free_port(), ready_timeout_s=PATIENCE_S)
@@ -348,7 +348,7 @@ def test_s16_5_a_fresh_host_enrols_with_the_code_alone_then_runs_with_no_flags(t
             one_time = replace(hub.cfg, username=code.enrol_username, password=code.enrol_password,
                                client_id_prefix="probe")
             assert can_connect(one_time)
-            done = enroll(host, waiting.code, "--timeout", str(PATIENCE_S))
+            done = enroll(host, waiting.code, "--timeout", str(PATIENCE_S), "--max-jobs", "2")
             assert done.returncode == 0, done.stderr
             assert waiting.proc.wait(PATIENCE_S) == 0, waiting.stderr()
         finally:
@@ -356,6 +356,7 @@ def test_s16_5_a_fresh_host_enrols_with_the_code_alone_then_runs_with_no_flags(t
         settings = read_env_file(host / ".mam.env")
         assert (settings["MQTT_USERNAME"], settings["MQTT_BROKER"], settings["MQTT_PORT"]) == (
             SESSION_A, hub.cfg.host, str(hub.cfg.port))
+        assert settings["MAM_RUNNER_MAX_JOBS"] == "2"  # given at enrolment: `run`'s default
         assert os.stat(host / ".mam.env").st_mode & 0o777 == 0o600
         config_text = embedded.BrokerPaths(str(root)).config.read_text()
         assert users.enrol_users(config_text) == [] and code.enrol_password not in done.stdout + done.stderr
@@ -366,6 +367,7 @@ def test_s16_5_a_fresh_host_enrols_with_the_code_alone_then_runs_with_no_flags(t
         topic = names.presence_topic(SESSION_A, hub.topic_root)
         wait_until(lambda: runner.poll() is not None or b'"online"' in (retained(hub, topic, 0.3) or b""),
                    what="the enrolled runner online with no flags")
+        assert wire.decode(retained(hub, topic, 0.3) or b"", "presence").max_jobs == 2
         job = orch(root, "dispatch", "--labels", "x", "--brief", "echo from-a-fresh-host\n", "--json",
                    timeout_s=2 * PATIENCE_S)
         assert job.returncode == 0, job.stderr + runner_log(host)

@@ -18,7 +18,7 @@ from cryptography.x509.oid import NameOID
 from mam.orchestrator import init as mam_init
 from mam.orchestrator.broker import users
 from mam.orchestrator.identity import invites, roster
-from mam.runner import enrolinvite
+from mam.runner import enrol, enrolinvite
 from mam.shared.config import BrokerConfig, read_env_file
 from mam.shared.protocol import names
 from mam.shared.protocol.crypto import invite, keys
@@ -342,7 +342,7 @@ def test_s16_enroll_sets_the_broker_user_in_the_env_file_it_reads_keeping_the_re
                         "export MQTT_PASSWORD='Shared-password-0123'\nMQTT_PORT=1883")
     env_file.chmod(0o644)
     user = {"MQTT_USERNAME": "gpu-box", "MQTT_PASSWORD": PASSWORD}
-    assert enrolinvite._write_env(tmp_path, user) == env_file
+    assert enrol.write_env(tmp_path, user) == env_file
     assert read_env_file(env_file) == {"MQTT_BROKER": "hub.example", "MQTT_PORT": "1883",
                                        "MQTT_USERNAME": "gpu-box", "MQTT_PASSWORD": PASSWORD}
     assert env_file.read_text().startswith("# the hub's broker\n")
@@ -350,7 +350,7 @@ def test_s16_enroll_sets_the_broker_user_in_the_env_file_it_reads_keeping_the_re
     elsewhere = tmp_path / "conf" / "runner.env"  # MAM_ENV_FILE names the file the runner reads (§13),
     elsewhere.parent.mkdir()  # even one that does not exist yet
     monkeypatch.setenv("MAM_ENV_FILE", str(elsewhere))
-    assert enrolinvite._write_env(tmp_path, user) == elsewhere
+    assert enrol.write_env(tmp_path, user) == elsewhere
     assert read_env_file(elsewhere)["MQTT_USERNAME"] == "gpu-box" and elsewhere.stat().st_mode & 0o777 == 0o600
 
 

@@ -107,3 +107,40 @@ def test_bad_arguments_are_usage_errors(tmp_path, changes, message):
 def test_workdir_is_created_and_absolute(tmp_path):
     opts = options(tmp_path, env(tmp_path), workdir=str(tmp_path / "work" / "here"))
     assert opts.workdir == tmp_path / "work" / "here" and opts.workdir.is_dir()
+
+
+def test_s11_enrol_writes_runs_defaults_and_run_reads_them_from_its_workspace(tmp_path, monkeypatch):
+    """`enroll --repo ... --max-jobs N` writes MAM_RUNNER_REPOS and MAM_RUNNER_MAX_JOBS; `run`
+    reads them from the workspace's `.mam.env` (started from any directory); a flag wins."""
+    from mam.runner.enrol import write_env
+
+    defaults = settings.run_defaults(["app=git://100.64.0.9/app.git", "docs=/srv/docs.git"], 3)
+    assert defaults == {"MAM_RUNNER_REPOS": "app=git://100.64.0.9/app.git docs=/srv/docs.git",
+                        "MAM_RUNNER_MAX_JOBS": "3"}
+    assert settings.run_defaults(None, None) == {}
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    written = write_env(workspace, defaults)
+    assert written == workspace / ".mam.env" and written.stat().st_mode & 0o777 == 0o600
+    monkeypatch.chdir(tmp_path)  # not the workspace: its .mam.env is found through --workspace
+    environ = {"PATH": os.defpath}
+    opts = options(tmp_path, environ, max_jobs=None)
+    assert opts.max_jobs == 3 and [spec.name for spec in opts.repos] == ["app", "docs"]
+    assert options(tmp_path, environ, max_jobs=5).max_jobs == 5
+
+
+@pytest.mark.parametrize(("repos", "max_jobs", "said"), [
+    (["no-url"], None, "--repo"), (["a=x", "a=y"], None, "twice"), (None, 0, "--max-jobs 0 is invalid"),
+    (None, 65, "--max-jobs 65 is invalid"), (None, True, "--max-jobs True is invalid"),
+])
+def test_s11_bad_enrolment_defaults_are_refused_in_one_line(repos, max_jobs, said):
+    with pytest.raises(UsageError, match=said) as refused:
+        settings.run_defaults(repos, max_jobs)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("value", ["0", "abc", "65", "9" * 400])
+def test_s11_a_bad_mam_runner_max_jobs_is_one_line(tmp_path, value):
+    with pytest.raises(UsageError, match="MAM_RUNNER_MAX_JOBS") as refused:
+        options(tmp_path, env(tmp_path, MAM_RUNNER_MAX_JOBS=value), max_jobs=None)
+    assert len(str(refused.value)) < 200
