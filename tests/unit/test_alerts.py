@@ -12,30 +12,17 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from harness.hubclient import RecordingClient
 from harness.waiting import wait_until
-from harness.workspace import TEST_SECRET
-from test_hub_http import runner
+from test_hub_http import runner, service  # noqa: F401 - `service` is a fixture
 
 from mam.orchestrator.http import alerts
 from mam.orchestrator.http.alerts import Alerter, AlertOptions, Sender
-from mam.orchestrator.hub import open_hub
-from mam.orchestrator.service import HubService
-from mam.shared.config import write_env_file
 from mam.shared.protocol.errors import UsageError
 from mam.shared.store.records import QueueTerms
 
 pytestmark = pytest.mark.timeout(30)
 
 SECRET_PATH = "/services/T000/B000/XXXXsecretXXXX"
-
-
-@pytest.fixture
-def service(tmp_path):
-    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
-    hub_service = HubService(open_hub(tmp_path))
-    hub_service.client = RecordingClient()  # type: ignore[assignment]
-    return hub_service
 
 
 def outbox(alerter: Alerter) -> list[dict]:

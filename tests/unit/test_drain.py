@@ -15,6 +15,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from harness.fake_mqtt import FakeBroker
+from harness.fakerunner import presence_statuses, serve_runner
 from harness.waiting import wait_until
 from harness.workspace import TEST_SECRET
 
@@ -22,7 +23,6 @@ from mam.orchestrator.hub import open_hub
 from mam.orchestrator.identity import roster
 from mam.orchestrator.identity.drain import drain_order, order_drain
 from mam.runner.service import Runner
-from mam.runner.settings import RunnerOptions
 from mam.runner.trust import V1Trust, V2Trust
 from mam.shared.config import BrokerConfig, write_env_file
 from mam.shared.protocol import crypto, names, wire
@@ -125,17 +125,11 @@ def test_s7_order_drain_publishes_retained_on_the_given_connection(tmp_path):
 
 
 def serve(broker: FakeBroker, root: Path) -> tuple[Runner, list[int], threading.Thread]:
-    opts = RunnerOptions(session=SESSION, argv=("true",), root=root, presence_wait_s=0.05)
-    runner = Runner(opts, config=CONFIG, trust=TRUST, transport=broker.client)
-    result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(runner.serve()), daemon=True)
-    thread.start()
-    return runner, result, thread
+    return serve_runner(broker, root, config=CONFIG, trust=TRUST, session=SESSION)
 
 
 def presences(broker: FakeBroker) -> list[str]:
-    topic = names.presence_topic(SESSION, ROOT)
-    return [wire.decode(p.payload, "presence").status for p in broker.on_topic(topic) if p.payload]
+    return presence_statuses(broker, SESSION, ROOT)
 
 
 def test_s7_drain_then_undrain_a_live_runner(tmp_path, caplog):

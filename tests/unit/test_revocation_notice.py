@@ -15,6 +15,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from harness.fake_mqtt import FakeBroker
+from harness.fakerunner import presence_statuses, serve_runner
 from harness.waiting import wait_until
 
 from mam.orchestrator.identity import notice, roster
@@ -112,18 +113,11 @@ def test_s16_7_on_revoke_is_stop_or_finish(tmp_path):
 
 
 def serve(broker: FakeBroker, root: Path, **options: object) -> tuple[Runner, list[int], threading.Thread]:
-    opts = RunnerOptions(session=SESSION, argv=("true",), root=root, presence_wait_s=0.05,
-                         **options)  # type: ignore[arg-type]
-    runner = Runner(opts, config=CONFIG, trust=TRUST, transport=broker.client)
-    result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(runner.serve()), daemon=True)
-    thread.start()
-    return runner, result, thread
+    return serve_runner(broker, root, config=CONFIG, trust=TRUST, session=SESSION, **options)
 
 
 def presences(broker: FakeBroker) -> list[str]:
-    topic = names.presence_topic(SESSION, ROOT)
-    return [wire.decode(p.payload, "presence").status for p in broker.on_topic(topic) if p.payload]
+    return presence_statuses(broker, SESSION, ROOT)
 
 
 def test_s16_7_a_retained_notice_at_start_exits_77(tmp_path, caplog):
