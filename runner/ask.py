@@ -6,7 +6,12 @@ Inside a job only: the request goes to the runner daemon's local socket (`MAM_RU
 `permission_required` event and holds the connection until the hub's signed answer comes
 (`mam-orch approve` / `deny`), the job ends or the daemon stops. The answer is printed as one
 JSON line, `{"behavior": "allow"|"deny", "message", "request_id"}`: the shape Claude Code's
-permission prompt tool and hooks take.
+permission prompt tool takes.
+
+`mam-runner ask --hook` is the same question in the shape of an agent's own hooks: it reads
+a Claude Code or Codex hook's JSON on stdin (`PreToolUse` or `PermissionRequest`, with
+`tool_name` and `tool_input`) and prints that hook's decision (`hook_answer`), so an agent
+configured with the hook asks a person at the hub before a tool runs (§19 "Hooks").
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping
+from typing import BinaryIO
 
 from mam.runner import fastpath
 from mam.shared.protocol import names
@@ -22,6 +28,15 @@ from mam.shared.protocol.errors import ExitCode, UsageError
 
 MAX_INPUT_BYTES = 64 * 1024
 """Largest `--input`, bytes (the socket takes 128 KiB lines)."""
+
+MAX_HOOK_BYTES = 256 * 1024
+"""Largest hook JSON read from stdin, bytes: its `tool_input` still has to fit MAX_INPUT_BYTES."""
+
+HOOK_EVENTS = ("PreToolUse", "PermissionRequest")
+"""The hook events `--hook` answers (Claude Code and Codex name them alike)."""
+
+HOOK_BLOCK = 2
+"""The exit code both CLIs read as "block this tool call", stderr being the reason."""
 
 
 def ask_request(tool: str, input_text: str, environ: Mapping[str, str]) -> dict[str, object]:
@@ -74,6 +89,78 @@ def ask(tool: str, input_text: str, environ: Mapping[str, str] = os.environ) -> 
                                 "message": str(answer.get("message") or ""),
                                 "request_id": str(answer.get("request_id") or "")}
     return (ExitCode.COMPLETED if allowed else ExitCode.REFUSED), shown
+
+
+def hook_question(raw: bytes) -> tuple[str, str, dict[str, object]]:
+    """(event, tool, tool input) of a hook's stdin JSON `raw`.
+
+    Raises:
+        UsageError: not a UTF-8 JSON object of at most MAX_HOOK_BYTES, an event other
+            than HOOK_EVENTS, no `tool_name` string, or no `tool_input` object of at most
+            MAX_INPUT_BYTES.
+    """
+    if len(raw) > MAX_HOOK_BYTES:
+        raise UsageError(f"the hook's input is larger than {MAX_HOOK_BYTES} bytes")
+    try:
+        hook = json.loads(raw.decode("utf-8"))
+    except ValueError:
+        raise UsageError("the hook's input on stdin is not valid JSON") from None
+    if not isinstance(hook, dict):
+        raise UsageError("the hook's input on stdin must be a JSON object")
+    event = hook.get("hook_event_name")
+    if event not in HOOK_EVENTS:
+        shown = json.dumps(event)[:40] if event is not None else "none"
+        raise UsageError(f"hook_event_name {shown} is not one --hook answers: {' or '.join(HOOK_EVENTS)}")
+    tool, tool_input = hook.get("tool_name"), hook.get("tool_input", {})
+    if not isinstance(tool, str) or not tool:
+        raise UsageError("the hook's input has no tool_name")
+    if not isinstance(tool_input, dict):
+        raise UsageError("the hook's tool_input is not a JSON object")
+    if len(json.dumps(tool_input).encode()) > MAX_INPUT_BYTES:
+        raise UsageError(f"the hook's tool_input is larger than {MAX_INPUT_BYTES} bytes")
+    return event, tool, tool_input
+
+
+def hook_answer(event: str, shown: Mapping[str, object], tool_input: dict[str, object]) -> dict[str, object]:
+    """The hook output that carries a person's answer `shown` for `event` (§19 "Hooks").
+
+    `PreToolUse` (Claude Code, Codex): `permissionDecision` allow|deny with the message as
+    `permissionDecisionReason`; an allow repeats the input as `updatedInput`, which both
+    CLIs take as "run it as asked". `PermissionRequest`: `decision` `{"behavior", "message"}`
+    (no `updatedInput`: Codex refuses one there).
+    """
+    allowed = shown.get("behavior") == "allow"
+    message = str(shown.get("message") or ("allowed at the hub" if allowed else "denied at the hub"))
+    if event == "PreToolUse":
+        specific: dict[str, object] = {"hookEventName": event, "permissionDecision": "allow" if allowed else "deny",
+                                       "permissionDecisionReason": message}
+        if allowed:
+            specific["updatedInput"] = tool_input
+    else:
+        specific = {"hookEventName": event,
+                    "decision": {"behavior": "allow"} if allowed else {"behavior": "deny", "message": message}}
+    return {"hookSpecificOutput": specific}
+
+
+def hook_cli(stdin: BinaryIO, environ: Mapping[str, str] = os.environ) -> int:
+    """`mam-runner ask --hook`: answer the hook JSON read from `stdin`; the exit code.
+
+    Exits 0 with the decision on stdout once a person (or the job's rules, or the timeout)
+    answered. A question it cannot ask (bad hook input, not inside a job) or one nobody can
+    answer (the daemon is gone) exits 2 with the reason on stderr: both CLIs then block the
+    tool and tell the model why, so nothing runs that nobody allowed.
+    """
+    try:
+        event, tool, tool_input = hook_question(stdin.read(MAX_HOOK_BYTES + 1))
+        code, shown = ask(tool, json.dumps(tool_input, ensure_ascii=False), environ)
+    except UsageError as exc:
+        print(f"not asked: {exc}", file=sys.stderr)
+        return HOOK_BLOCK
+    if code == ExitCode.TIMEOUT:
+        print(f"no answer: {shown['message']}", file=sys.stderr)
+        return HOOK_BLOCK
+    print(json.dumps(hook_answer(event, shown, tool_input), ensure_ascii=False))
+    return 0
 
 
 def ask_cli(tool: str, input_text: str) -> int:

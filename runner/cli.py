@@ -83,10 +83,13 @@ def publish_cmd(
 
 @app.command("ask")
 def ask_cmd(
-    tool: str = typer.Option(..., "--tool", metavar="NAME", help="The tool the agent wants to use, e.g. Bash."),
+    tool: str | None = typer.Option(None, "--tool", metavar="NAME", help="The tool the agent wants to use, e.g. Bash."),
     input_json: str = typer.Option("{}", "--input", metavar="JSON",
                                    help="The tool's input, a JSON object of at most 64 KiB; the hub is shown a "
                                         "one-line summary with secrets masked."),
+    hook: bool = typer.Option(False, "--hook",
+                              help="Read a Claude Code or Codex hook's JSON on stdin (PreToolUse or "
+                                   "PermissionRequest) instead of --tool/--input, and print that hook's decision."),
 ) -> int:
     """Ask a person at the hub for permission to use a tool, and wait for the answer (PROTOCOL §19).
 
@@ -95,9 +98,22 @@ def ask_cmd(
     `mam-orch approve` or `deny`. Prints {"behavior": "allow"|"deny", "message", "request_id"}.
     Exit codes: 0 allowed; 1 denied, or refused by the runner; 2 no answer (the runner
     stopped); 64 bad arguments or not inside a job.
-    """
-    from mam.runner.ask import ask_cli
 
+    As an agent's hook (--hook): configure `mam-runner ask --hook` as a command hook on
+    PreToolUse or PermissionRequest (examples/agents/README.md). It prints the hook's decision and
+    exits 0; when it cannot ask or nobody can answer it exits 2, which blocks the tool,
+    with the reason on stderr.
+    """
+    from mam.runner.ask import ask_cli, hook_cli
+
+    if hook:
+        if tool is not None or input_json != "{}":
+            print("ERROR: --hook reads the tool and its input from stdin: drop --tool and --input", file=sys.stderr)
+            return ExitCode.USAGE
+        return hook_cli(sys.stdin.buffer)
+    if tool is None:
+        print("ERROR: name the tool with --tool NAME (or read a hook's JSON with --hook)", file=sys.stderr)
+        return ExitCode.USAGE
     return ask_cli(tool, input_json)
 
 

@@ -15,6 +15,9 @@ service, a runner daemon in its own network namespace started as the card prints
 - A tool call no policy allows asks a person at the hub (§19): approved, it runs and its
   change comes back; denied with a reason, the model is told the reason and the job
   completes with the denial listed.
+- The documented hook form (§19 "Hooks"): `--exec 'claude --settings FILE'` whose PreToolUse
+  hook is `mam-runner ask --hook`, with `--permission-mode dontAsk`: the hook asks the hub,
+  an approved call runs, a denied one is blocked and the model told why.
 - The model server answers 429 (a usage limit, with `--on-limit fail`) or 529: `error` with the
   agent's own reason.
 - A 429 with a reset (§14 Pauses): paused, the slot free for another job, then the session goes
@@ -34,7 +37,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from harness.agentfleet import FAST, AgentFleet, agent_fleet
+from harness.agentfleet import ASK_HOOK, FAST, AgentFleet, agent_fleet
 from harness.gitserver import git
 from harness.modelserver import Failure, Step, Text, ToolUse
 from harness.waiting import PATIENCE_S, wait_until
@@ -153,6 +156,35 @@ def test_s19_a_person_denies_with_a_reason_the_agent_hears_it_and_the_job_comple
     told = [r for call in cf.model.calls() for r in call.get("tool_results", [])]  # type: ignore[union-attr]
     assert any("no files today" in text for text in told), told
     assert "permission_answered deny by " in cf.show_text(asked["job_id"])
+
+
+def test_s19_claude_codes_pretooluse_hook_asks_the_hub_and_the_cli_obeys_the_answer(
+        claude_fleet: AgentFleet) -> None:
+    """Under `dontAsk` the CLI would deny both calls itself; its PreToolUse hook asks a person
+    instead: the approved call runs, the denied one does not and the model hears the reason."""
+    cf = claude_fleet
+    settings = cf.tmp / "hook-settings.json"
+    settings.write_text(json.dumps({"hooks": {"PreToolUse": [
+        {"matcher": "Bash", "hooks": [{"type": "command", "command": ASK_HOOK}]}]}}))
+    runner = cf.start([ToolUse("Bash", {"command": "echo hi > a.txt", "description": "write a"}),
+                       ToolUse("Bash", {"command": "echo no > b.txt", "description": "write b"}),
+                       Text("Wrote a.txt; b.txt was refused.")], exec_cmd=f"claude --settings {settings}")
+    handle = cf.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST, "--permission-mode", "dontAsk")
+    first = asked_on_hub(handle)
+    assert (first["data"]["tool"], first["data"]["input"]) == ("Bash", "echo hi > a.txt"), first
+    assert cf.fleet.orch("approve", first["job_id"]).returncode == 0
+    second = wait_until(lambda: (handle.events("permission_required") + [None, None])[1], PATIENCE_S,
+                        "the second request at the hub")
+    assert second["data"]["input"] == "echo no > b.txt", second
+    denied = cf.fleet.orch("deny", first["job_id"], "--reason", "not b.txt")
+    assert denied.returncode == 0, denied.stderr
+    assert handle.wait() == 0, runner.log()[-3000:]
+    terminal = cf.terminal(first["job_id"])
+    assert (terminal["event"], terminal["detail"]) == ("completed", "Wrote a.txt; b.txt was refused."), terminal
+    result = json.loads(cf.fleet.orch("result", first["job_id"], "--json").stdout)
+    assert [f["path"] for f in result["files"]] == ["a.txt"]  # the approved call ran, the denied one did not
+    told = [r for call in cf.model.calls() for r in call.get("tool_results", [])]  # type: ignore[union-attr]
+    assert any("not b.txt" in text for text in told), told
 
 
 @pytest.mark.parametrize(("status", "kind", "message", "said"), [

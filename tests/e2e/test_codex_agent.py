@@ -9,6 +9,9 @@ server's Responses API on that host's 127.0.0.1, and a real `git daemon`.
 - The model server fails the request, or cuts the stream: `error` with Codex's own reason,
   not `completed`.
 - A command asking to escape the sandbox, which Codex rejects: `error` `permission_denied`.
+- The documented hook form (§19 "Hooks"): a PreToolUse hook `mam-runner ask --hook` in
+  Codex's config.toml asks the hub before each command; an approved one runs, a denied one
+  is blocked and the model told why.
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness.agentfleet import AgentFleet, agent_fleet
+from harness.agentfleet import ASK_HOOK, AgentFleet, agent_fleet
 from harness.gitserver import git
 from harness.modelserver import Cut, Failure, Step, Text, ToolUse
+from harness.waiting import PATIENCE_S, wait_until
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 
@@ -79,3 +83,32 @@ def test_s18_a_command_codex_rejects_is_permission_denied_not_completed(codex_fl
     assert code == 1, runner.log()[-3000:]
     assert codex_fleet.terminal(job_id)["detail"] == "permission_denied: exec_command (escalation)"
     assert not Path("/etc/mam-escaped").exists()
+
+
+def test_s19_codexs_pretooluse_hook_asks_the_hub_and_codex_obeys_the_answer(codex_fleet: AgentFleet) -> None:
+    cf = codex_fleet
+    runner = cf.start([ToolUse("exec_command", {"cmd": "printf 'hi\\n' > a.txt"}),
+                       ToolUse("exec_command", {"cmd": "printf 'no\\n' > b.txt"}),
+                       Text("Wrote a.txt; b.txt was refused.")],
+                      exec_cmd="codex exec --dangerously-bypass-hook-trust")  # the runner's host vets its hooks
+    with (cf.tmp / "agent-home" / ".codex" / "config.toml").open("a") as config:
+        config.write('\n[[hooks.PreToolUse]]\nmatcher = "Bash"\n[[hooks.PreToolUse.hooks]]\ntype = "command"\n'
+                     f"command = {json.dumps(ASK_HOOK)}\n")
+    handle = cf.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", "--permission-mode", "acceptEdits")
+
+    def request(n: int) -> dict:
+        return wait_until(lambda: (handle.events("permission_required") + [None, None])[n], PATIENCE_S,
+                          f"request {n + 1} at the hub")
+
+    first = request(0)
+    assert (first["data"]["tool"], first["data"]["input"]) == ("Bash", "printf 'hi\\n' > a.txt"), first
+    assert cf.fleet.orch("approve", first["job_id"]).returncode == 0
+    assert request(1)["data"]["input"] == "printf 'no\\n' > b.txt"
+    denied = cf.fleet.orch("deny", first["job_id"], "--reason", "not b.txt")
+    assert denied.returncode == 0, denied.stderr
+    assert handle.wait() == 0, runner.log()[-3000:]
+    assert cf.terminal(first["job_id"])["detail"] == "Wrote a.txt; b.txt was refused."
+    result = json.loads(cf.fleet.orch("result", first["job_id"], "--json").stdout)
+    assert [f["path"] for f in result["files"]] == ["a.txt"]  # the approved command ran, the denied one did not
+    told = [r for call in cf.model.calls() for r in call["tool_results"]]  # type: ignore[union-attr]
+    assert any("not b.txt" in text for text in told), told

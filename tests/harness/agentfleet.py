@@ -6,6 +6,7 @@ prints it (`mam-runner run --session gpu-box --exec claude|codex`)."""
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +23,8 @@ from mam.shared.cli import render
 
 HTTP_PORT = 8090  # inside the hub's own namespace
 FAST = ("--heartbeat", "1", "--heartbeat-misses", "20", "--ack-timeout", str(int(PATIENCE_S)))
+ASK_HOOK = shlex.join([sys.executable, "-m", "mam.runner", "ask", "--hook"])
+"""`mam-runner ask --hook` as an agent's hook command runs it (§19 "Hooks")."""
 
 
 class AgentFleet:

@@ -117,14 +117,19 @@ def codex_env(url: str, home: Path) -> dict[str, str]:
 
 
 def tool_results(body: dict[str, Any]) -> list[str]:
-    """The text of every `tool_result` block in a Messages API request (what the CLI told
-    the model its tools answered), as JSON text."""
+    """What the CLI told the model its tools answered, as JSON text: every `tool_result` block
+    of a Messages API request (Claude Code) and every `function_call_output` item's output of
+    a Responses API request (Codex)."""
     messages = body.get("messages")
-    if not isinstance(messages, list):
-        return []
-    return [json.dumps(block.get("content")) for message in messages if isinstance(message, dict)
-            and isinstance(message.get("content"), list) for block in message["content"]
-            if isinstance(block, dict) and block.get("type") == "tool_result"]
+    if isinstance(messages, list):
+        return [json.dumps(block.get("content")) for message in messages if isinstance(message, dict)
+                and isinstance(message.get("content"), list) for block in message["content"]
+                if isinstance(block, dict) and block.get("type") == "tool_result"]
+    items = body.get("input")
+    if isinstance(items, list):
+        return [json.dumps(item.get("output")) for item in items
+                if isinstance(item, dict) and item.get("type") == "function_call_output"]
+    return []
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:

@@ -4,14 +4,19 @@ a job's requests from its audit log."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import socket
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from mam.orchestrator import asks
-from mam.runner import localsock
+from mam.runner import ask, localsock
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.errors import DecodeError, SignatureError, UsageError
 from mam.shared.store.registry import Contract, Registry
@@ -461,3 +466,95 @@ def test_the_whole_input_is_sealed_to_the_hub_and_opens_only_with_the_jobs_token
                    client()[0]) is None
     data = srv._outgoing.get_nowait().event["data"]
     assert "input_sealed" not in data and data["input_bytes"] > localsock.MAX_SEALED_INPUT_BYTES
+
+
+# ---------------------------------------------------------------- the hook form (`ask --hook`)
+
+
+def fake_daemon(path: Path, answer: dict) -> tuple[threading.Thread, list[dict]]:
+    """A runner socket at `path` that answers one request line with `answer`; the lines it read."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    listener.settimeout(30)
+    seen: list[dict] = []
+
+    def serve() -> None:
+        with listener, listener.accept()[0] as conn:
+            seen.append(json.loads(conn.makefile("rb").readline()))
+            conn.sendall(json.dumps(answer).encode() + b"\n")
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread, seen
+
+
+def job_env(sock: Path) -> dict[str, str]:
+    return {"MAM_JOB_ID": JOB, "MAM_ATTEMPT_ID": "1", "MAM_DISPATCH_TOKEN": TOKEN, "MAM_RUNNER_SOCKET": str(sock)}
+
+
+def hook_input(event: str = "PreToolUse", **fields: object) -> bytes:
+    return json.dumps({"session_id": "s", "cwd": "/w", "hook_event_name": event, "tool_name": "Bash",
+                       "tool_input": {"command": "git push"}, "tool_use_id": "toolu_1", **fields}).encode()
+
+
+@pytest.mark.parametrize(("event", "allow", "output"), [
+    ("PreToolUse", True, {"hookEventName": "PreToolUse", "permissionDecision": "allow",
+                          "permissionDecisionReason": "approved by ann@hub",
+                          "updatedInput": {"command": "git push"}}),
+    ("PreToolUse", False, {"hookEventName": "PreToolUse", "permissionDecision": "deny",
+                           "permissionDecisionReason": "no pushes"}),
+    ("PermissionRequest", True, {"hookEventName": "PermissionRequest", "decision": {"behavior": "allow"}}),
+    ("PermissionRequest", False, {"hookEventName": "PermissionRequest",
+                                  "decision": {"behavior": "deny", "message": "no pushes"}}),
+])
+def test_the_hook_asks_the_runner_and_prints_the_answer_in_the_hooks_own_shape(tmp_path, capsys, event, allow,
+                                                                               output):
+    message = "approved by ann@hub" if allow else "no pushes"
+    thread, seen = fake_daemon(tmp_path / "runner.sock", {"ok": True, "request_id": RID, "message": message,
+                                                          "behavior": "allow" if allow else "deny"})
+    code = ask.hook_cli(io.BytesIO(hook_input(event)), job_env(tmp_path / "runner.sock"))
+    thread.join(30)
+    assert code == 0
+    assert json.loads(capsys.readouterr().out) == {"hookSpecificOutput": output}
+    assert seen == [{"job_id": JOB, "attempt_id": 1, "dispatch_token": TOKEN,
+                     "ask": {"tool": "Bash", "input": {"command": "git push"}}}]
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    (b"not json", "not valid JSON"),
+    (b"\xff\xfe{}", "not valid JSON"),
+    (b"[1, 2]", "must be a JSON object"),
+    (b"{" + b" " * ask.MAX_HOOK_BYTES + b"}", f"larger than {ask.MAX_HOOK_BYTES} bytes"),
+    (hook_input("PostToolUse"), 'hook_event_name "PostToolUse" is not one --hook answers'),
+    (hook_input("\x1b[2J" + "x" * 5000), "is not one --hook answers"),
+    (hook_input(tool_name=""), "no tool_name"),
+    (hook_input(tool_name=["Bash"]), "no tool_name"),
+    (hook_input(tool_input="git push"), "tool_input is not a JSON object"),
+    (hook_input(tool_input={"content": "x" * (ask.MAX_INPUT_BYTES + 1)}),
+     f"tool_input is larger than {ask.MAX_INPUT_BYTES}"),
+])
+def test_a_hook_input_it_cannot_ask_about_blocks_the_tool_with_one_line(tmp_path, capsys, raw, reason):
+    code = ask.hook_cli(io.BytesIO(raw), job_env(tmp_path / "runner.sock"))
+    out, err = capsys.readouterr()
+    assert code == ask.HOOK_BLOCK == 2 and out == ""  # exit 2: both CLIs block the call and show stderr
+    assert err.startswith("not asked: ") and reason in err and err.count("\n") == 1, err
+    assert len(err) < 300
+
+
+def test_the_hook_blocks_the_tool_outside_a_job_and_when_no_daemon_answers(tmp_path, capsys):
+    assert ask.hook_cli(io.BytesIO(hook_input()), {}) == 2
+    assert "not asked: mam-runner ask works inside a job only" in capsys.readouterr().err
+    assert ask.hook_cli(io.BytesIO(hook_input()), job_env(tmp_path / "gone.sock")) == 2
+    assert capsys.readouterr().err == "no answer: the runner daemon gave no answer\n"
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--hook", "--tool", "Bash"], "--hook reads the tool and its input from stdin"),
+    (["--hook", "--input", '{"a": 1}'], "--hook reads the tool and its input from stdin"),
+    ([], "name the tool with --tool NAME"),
+])
+def test_ask_takes_either_a_tool_or_a_hook(args, said):
+    done = subprocess.run([sys.executable, "-m", "mam.runner", "ask", *args], capture_output=True, text=True,
+                          timeout=60, input="", env={k: v for k, v in os.environ.items() if not k.startswith("MAM_")})
+    assert done.returncode == 64 and done.stdout == ""
+    assert done.stderr.startswith("ERROR: ") and said in done.stderr, done.stderr
