@@ -519,18 +519,22 @@ def cancel_cmd(
 @app.command("say")
 def say_cmd(
     job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
-    text: str = typer.Argument(None, metavar="TEXT", help="What to tell the agent (UTF-8, at most 512 KiB)."),
+    text: str = typer.Argument(None, metavar="TEXT", help="What to tell the agent (UTF-8, at most 512 KiB; "
+                                                          "8 KiB to a running agent)."),
     text_file: str = typer.Option(None, "--file", metavar="PATH", help="Read the words from PATH ('-' = stdin)."),
     detach: bool = typer.Option(False, "--detach", help="Print the job id and return once it is published."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
     workspace: str = cli.workspace_option(),
 ) -> int:
-    """Continue an ended job's agent session with a follow-up, and watch it (PROTOCOL §18).
+    """Tell a job's agent more: now while it runs, or by continuing its session (PROTOCOL §18).
 
-    The words are the brief of a new attempt that resumes the agent's last
-    session (Claude Code) in the worktree the last attempt left, on the same
-    runner, so its change grows from there. Any ended job whose agent reported
-    a session, completed too. Exit codes as for dispatch; 1 when refused.
+    A running job whose agent reads input while it works (Claude Code): the
+    words go to the agent now, at most 8 KiB; exit 0 once the runner delivered
+    them, 1 when it could not (the agent finished its turn), 2 with no word from
+    the runner within 30 s. An ended job (completed too) whose agent reported a
+    session: the words are the brief of a new attempt that resumes that session
+    in the worktree the last attempt left, on the same runner, so its change
+    grows from there, and it is watched as dispatch does. Exit 1 when refused.
     """
     cli.setup_logging()
     return say_cli(job_id, text, text_file=text_file, detach=detach, as_json=as_json, workspace=workspace)

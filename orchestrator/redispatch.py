@@ -3,17 +3,22 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import BinaryIO
 
 from mam.orchestrator.control import publish_cancel
 from mam.orchestrator.dispatch import load_brief, read_brief, save_brief
 from mam.orchestrator.follow import AuditTail
-from mam.orchestrator.hub import Workspace, open_hub
+from mam.orchestrator.hub import Hub, Workspace, open_hub
 from mam.orchestrator.queuewait import refuse_redispatch, refuse_unpaused, requeue, resume_paused, say_requeue
+from mam.orchestrator.say import NoWord, say_running
 from mam.orchestrator.service import EmbeddedService
 from mam.orchestrator.submit import follow_job
+from mam.shared import cli
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import OPEN_STATUSES, JobStatus
+from mam.shared.protocol.errors import ExitCode
 from mam.shared.store.records import Refusal
 
 
@@ -99,25 +104,30 @@ def resume_cli(job_id: str, *, detach: bool = False, as_json: bool = False, work
 
 def say_cli(job_id: str, text: str | None, *, text_file: str | None = None, detach: bool = False,
             as_json: bool = False, workspace: Workspace = None, stdin: BinaryIO | None = None) -> int:
-    """`mam-orch say` (§18 "Continued sessions"): a person's follow-up to a job that ended.
-    Its words become the brief of attempt + 1, which continues the agent's last session
-    (`claude --resume`) in the worktree the last attempt left, on that runner; then
-    `submit.follow_job`, as `redispatch` does. The words are kept like a brief (0600), never in
-    the audit log.
+    """`mam-orch say` (§18): a person's follow-up to a job. To a running job whose agent reads
+    input while it works, the words go to that agent now ("Input while it runs",
+    `say.say_running`). To a job that ended, they become the brief of attempt + 1, which
+    continues the agent's last session (`claude --resume`) in the worktree the last attempt
+    left, on that runner; then `submit.follow_job`, as `redispatch` does ("Continued
+    sessions"). The words are kept like a brief (0600), never in the audit log.
 
     Returns:
-        the exit code of §9 (0 with --detach once the dispatch is published).
+        the exit code of §9 (0 with --detach once the dispatch is published; for a running
+        job, 0 once delivered, 1 when the runner could not deliver, 2 with no word from it).
     Raises:
-        UsageError (64: bad job id or words), Refusal (1: not ended, or no session), JobNotFound (1).
+        UsageError (64: bad job id or words), Refusal (1: queued, no input while it runs, or
+        no session), JobNotFound (1), BrokerError (3).
     """
     names.validate_job_id(job_id)
     words = read_brief(text, text_file, stdin, flags=("TEXT", "--file"))
     hub = open_hub(workspace)
     registry = hub.registry
     record = registry.get(job_id)
+    if record["status"] == JobStatus.RUNNING:
+        return _say_running(hub, job_id, words, as_json=as_json)
     if record["status"] in OPEN_STATUSES:  # checked again under the lock by `say_requeue`
-        raise Refusal(job_id, "not_allowed", f"refused say: the job is {record['status']}; `say` continues a "
-                                             "job after it ended (wait for it, or cancel it first)")
+        raise Refusal(job_id, "not_allowed", f"refused say: the job is {record['status']}; `say` tells a "
+                                             "running agent, or continues a job after it ended")
     hub.keys()
     engine = EmbeddedService(hub)
     try:
@@ -135,3 +145,17 @@ def say_cli(job_id: str, text: str | None, *, text_file: str | None = None, deta
                           verb="continued", offset=history.offset)
     finally:
         engine.stop()
+
+
+def _say_running(hub: Hub, job_id: str, words: str, *, as_json: bool) -> int:
+    """`say` to a running agent: one line on stderr (and a JSON object on a pipe); the exit code."""
+    try:
+        delivered, detail = say_running(hub, job_id, words)
+    except NoWord as exc:
+        print(f"ERROR: {exc}", file=sys.stderr)
+        return ExitCode.TIMEOUT
+    shown = detail if delivered else f"{detail}; say it again once the job ended, to continue its session"
+    print(f"job {job_id}: {shown}", file=sys.stderr)
+    if not cli.human_view(as_json):
+        print(json.dumps({"job_id": job_id, "delivered": delivered, "detail": detail}), flush=True)
+    return ExitCode.COMPLETED if delivered else ExitCode.REFUSED

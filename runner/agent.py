@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import queue
 import shlex
 import shutil
 import subprocess
@@ -278,6 +279,9 @@ class AgentProcess:
         self._status: ExitStatus | None = None
         self._tag = ""
         self._start_time = 0.0
+        self._input: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # stdin after the brief; None closes
+        self._input_lock = threading.Lock()
+        self._input_open = False
 
     # -- start
 
@@ -289,6 +293,7 @@ class AgentProcess:
         cwd: Path,
         stdin_text: str,
         log_path: Path,
+        keep_stdin: bool = False,
     ) -> None:
         """Start the agent (§11 step 4).
 
@@ -298,6 +303,8 @@ class AgentProcess:
             cwd: its working directory, created (0700) if missing.
             stdin_text: the brief, written to stdin by a thread and then closed;
                 an agent that never reads stdin is fine.
+            keep_stdin: leave stdin open after the brief: `send_input` writes more
+                (a person's messages, §18) until `close_input`.
             log_path: stdout and stderr are appended here (created 0600,
                 parent folders 0700).
         Raises:
@@ -356,8 +363,12 @@ class AgentProcess:
         self._tree = ProcessTree(self.identity, owned=True)
         if self._proc is not None:
             self._tree.remember([self._proc])
-        data = stdin_text.encode("utf-8", errors="surrogateescape")
-        self._spawn_thread(self._write_stdin, data, name=f"agent-stdin-{self.pid}")
+        self._input.put(stdin_text.encode("utf-8", errors="surrogateescape"))
+        with self._input_lock:
+            self._input_open = keep_stdin
+            if not keep_stdin:
+                self._input.put(None)
+        self._spawn_thread(self._write_stdin, name=f"agent-stdin-{self.pid}")
         self._spawn_thread(self._track, name=f"agent-track-{self.pid}")
 
     def _spawn_thread(self, target: Callable[..., object], *args: Any, name: str) -> None:
@@ -365,20 +376,39 @@ class AgentProcess:
         thread.start()
         self._threads.append(thread)
 
-    def _write_stdin(self, data: bytes) -> None:
-        """Write the brief and close stdin; runs on its own thread so a full pipe never blocks the runner."""
+    def _write_stdin(self) -> None:
+        """Write the brief, then each `send_input`, and close stdin at `close_input` (or at once
+        without `keep_stdin`); runs on its own thread so a full pipe never blocks the runner."""
         assert self._popen is not None and self._popen.stdin is not None
         stdin = self._popen.stdin
         try:
-            stdin.write(data)
-            stdin.flush()
+            while (data := self._input.get()) is not None:
+                stdin.write(data)
+                stdin.flush()
         except (BrokenPipeError, ValueError, OSError):
-            pass  # the agent exited or closed stdin without reading all of it
+            self.close_input()  # the agent exited or closed stdin without reading all of it
         finally:
             try:
                 stdin.close()
             except OSError:
                 pass  # close flushes; the reader may be gone
+
+    def send_input(self, data: bytes) -> bool:
+        """Queue `data` for the agent's stdin (started with `keep_stdin`); False once stdin
+        is closed or closing: then nothing is written."""
+        with self._input_lock:
+            if not self._input_open:
+                return False
+            self._input.put(data)
+            return True
+
+    def close_input(self) -> None:
+        """Close the agent's stdin after what was queued (an agent reading it then ends its
+        input); idempotent."""
+        with self._input_lock:
+            if self._input_open:
+                self._input_open = False
+                self._input.put(None)
 
     @property
     def pid(self) -> int:
@@ -427,6 +457,7 @@ class AgentProcess:
         if self._status is None:
             self._status = ExitStatus.from_returncode(returncode)
             self._stop.set()
+            self.close_input()  # nobody reads it any more
         return self._status
 
     # -- process tree
@@ -497,6 +528,7 @@ class AgentProcess:
 
         Call after the agent ended (`wait()` or `cancel()`)."""
         self._stop.set()
+        self.close_input()
         for thread in self._threads:
             thread.join(timeout=THREAD_JOIN_S)
 

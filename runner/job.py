@@ -130,6 +130,7 @@ class Job:
     orphan: bool = False  # left by a dead runner: stop its agent, publish, never run anything
     identity: AgentIdentity | None = None  # the orphan's agent, None when unknown
     work: wire.Work | None = None  # the dispatch's repository and agent policy (§18)
+    tell: Callable[[str], bool] | None = None  # a person's message to the running agent's stdin (§18)
 
     def request_cancel(self, reason: str) -> bool:
         """Ask the supervisor to stop the agent; False when already asked."""
@@ -275,12 +276,14 @@ class Supervisor:
         self.logstreams.start(self.registry, job.job_id, job.attempt_id, log_path)  # §15, from its current end
         try:
             agent.start(attempt.argv(), env={**self._agent_env(job, env_file), **attempt.env()}, cwd=workdir,
-                        stdin_text=job.brief, log_path=log_path)
+                        stdin_text=attempt.stdin(job.brief), log_path=log_path, keep_stdin=attempt.takes_input)
         except (AgentStartError, RegistryError, OSError) as exc:
             log.error("job %s: agent not started: %s", job.job_id, exc)
             self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_NOT_STARTED, EXIT_NOT_STARTED))
             return
         log.info("job %s: agent pid %d started", job.job_id, agent.pid)
+        if attempt.takes_input:
+            job.tell = lambda text: agent.send_input(attempt.stdin(text).encode("utf-8", "surrogateescape"))
         try:
             orphans.write_agent_file(self.registry, job.job_id, job.attempt_id, self.runner_id, agent.identity)
         except RegistryError as exc:
@@ -351,6 +354,8 @@ class Supervisor:
                     reported_at = now
                 elif attempt.poll() is not None:  # §18: a budget the CLI does not enforce itself
                     return StopReason.OVER_BUDGET, None
+                elif attempt.takes_input and attempt.turn_over():
+                    agent.close_input()  # §18: it answered; with stdin closed it ends
             if reported_at is not None and now - reported_at >= self.options.agent_linger_s:
                 return StopReason.LINGERED, None
             status = agent.wait(timeout_s=WAIT_POLL_S)

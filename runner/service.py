@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import logging
 import queue
 import signal
@@ -106,6 +107,7 @@ class Runner:
         self._socket: PublishServer | None = None  # agents' local publish socket (§17)
         self._jobs: dict[str, Job] = {}
         self._jobs_lock = threading.Lock()
+        self._said: set[tuple[str, str]] = set()  # (job_id, message_id) handled, §18: each message once
         self._pending: dict[str, bytes] = {}  # dispatch topic -> payload waiting for a slot
         self._deferred: collections.deque[Received] = collections.deque()  # read during a take check
         self._ended: queue.Queue[str] = queue.Queue()  # job ids whose supervisor finished
@@ -410,6 +412,7 @@ class Runner:
                 break
             with self._jobs_lock:
                 job = self._jobs.pop(job_id, None)
+                self._said = {said for said in self._said if said[0] != job_id}
             if job is not None and job.thread is not None:
                 job.thread.join()
             if self._socket is not None:
@@ -713,6 +716,9 @@ class Runner:
         control = self._verified("answer", job_id, payload)
         if control is None:
             return
+        if control.action == ControlAction.SAY and control.request_id == request_id:
+            self._on_say(job_id, request_id, topic, control)
+            return
         if control.action == ControlAction.CANCEL or control.request_id != request_id:
             log.warning("refused answer %s: %s", job_id, "a cancel is no answer" if control.action ==
                         ControlAction.CANCEL else f"request {control.request_id} does not match the topic")
@@ -746,6 +752,42 @@ class Runner:
             self.client.publish(topic, b"", retain=True)  # delivered: clear it (§2)
         except BrokerError as exc:
             log.info("answer %s of job %s not cleared: %s", request_id, job_id, exc)
+
+    def _on_say(self, job_id: str, message_id: str, topic: str, control: wire.Control) -> None:
+        """§18 "Input while it runs": a person's verified message to the attempt held here goes
+        to its running agent's stdin, once; a `progress` event tells the hub whether it was
+        delivered, and the retained message is cleared. Another runner's is ignored."""
+        with self._jobs_lock:
+            job = self._jobs.get(job_id)
+            handled = (job_id, message_id) in self._said
+        if job is None or job.orphan or handled:
+            log.debug("message %s of job %s: no agent of it runs here, or it was delivered", message_id, job_id)
+            return
+        record = self._record(job_id)
+        try:
+            if record is None or record["attempt_id"] != control.attempt_id or job.attempt_id != control.attempt_id:
+                raise SignatureError(f"this runner holds attempt {job.attempt_id}")
+            words = crypto.open_answer(record["auth_token"], control)  # sealed to this attempt
+        except SignatureError as exc:
+            log.warning("refused say %s: its message does not open with attempt %d's key (%s)", job_id,
+                        control.attempt_id, exc)
+            return
+        with self._jobs_lock:
+            self._said.add((job_id, message_id))
+        tell = job.tell
+        delivered = tell is not None and tell(words)
+        detail = f"message {message_id} " + ("delivered to the agent" if delivered else "not delivered: " + (
+            "the agent takes no input while it runs" if tell is None else "the agent finished its turn"))
+        log.info("job %s: %s", job_id, detail)
+        try:
+            assert self._registry is not None and self.client is not None
+            event = publish.make_request(job_id, "progress", detail,
+                                         json.dumps({"message_id": message_id, "delivered": delivered}),
+                                         job.attempt_id, job.dispatch_token)
+            self._send(publish.record(self._registry, event))
+            self.client.publish(topic, b"", retain=True)  # handled: clear it (§2)
+        except (MamError, OSError) as exc:  # the job ended meanwhile: the hub learns no more of it
+            log.info("job %s: message %s: %s", job_id, message_id, exc)
 
     def _drop_pending_for(self, job_id: str, attempt_id: int) -> None:
         topic = names.dispatch_topic(job_id, self.config.topic_root)

@@ -10,7 +10,7 @@
    where this runner has them; otherwise the attempt starts fresh and `started` says why.
 2. `argv()`, `cwd()`, `env()`: the agent's command line through its adapter (`agents`:
    Claude Code, Codex, or a plain command), its working directory (the worktree) and
-   `MAM_ARTIFACTS_DIR`.
+   `MAM_ARTIFACTS_DIR`; `stdin()` the brief as the agent reads it.
 3. `poll()` while it runs: the adapter reads the agent's new output lines; a budget the
    CLI cannot enforce itself is enforced here.
 4. `outcome()` and `finish()` when it ended: the adapter's verdict (a permission denial
@@ -137,6 +137,7 @@ class AttemptWork:
         self.mcp_config = names.run_dir(root) / f"mcp-{job_id}-{attempt_id}.json"
         self.workdir = workdir or root / "work" / job_id
         self.environ = os.environ if environ is None else environ
+        self.takes_input = self.adapter.takes_input(self.exec_argv)  # §18 "Input while it runs"
 
     # ------------------------------------------------------------ before the agent
 
@@ -150,6 +151,8 @@ class AttemptWork:
             RepoError: the fetch failed, the ref does not exist, or git refused the worktree (one line).
         """
         data: dict[str, Any] = {"agent": self.adapter.kind}
+        if self.takes_input:
+            data["takes_input"] = True
         if ignored := self.adapter.ignored():
             log.warning("job %s: %s of the dispatch not applied: this runner's agent is %s (--agent)", self.job_id,
                         ", ".join(ignored), self.adapter.kind)
@@ -202,6 +205,15 @@ class AttemptWork:
     def argv(self) -> list[str]:
         """The agent's command line (the adapter adds its machine-readable output flags)."""
         return self.adapter.argv(self.exec_argv)
+
+    def stdin(self, text: str) -> str:
+        """The brief, or a person's message, as the agent reads it on stdin."""
+        return self.adapter.message(text) if self.takes_input else text
+
+    def turn_over(self) -> bool:
+        """True once the agent's stream shows it finished what it was asked (or a line of it
+        could not be read): its stdin is closed then, and further messages are refused."""
+        return self.adapter.turn_ended() or self.follower.skipped > 0
 
     def cwd(self) -> Path:
         """The worktree of a repository job, else `workdir`."""

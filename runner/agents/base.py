@@ -62,6 +62,17 @@ def reset_time(text: str, now: float) -> float | None:
     return max(found, now)
 
 
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value `argv` gives `flag` (`--flag V` or `--flag=V`; "" when it ends the line), or
+    None when absent."""
+    for index, arg in enumerate(argv):
+        if arg == flag:
+            return argv[index + 1] if index + 1 < len(argv) else ""
+        if arg.startswith(flag + "="):
+            return arg.partition("=")[2]
+    return None
+
+
 def count_of(value: object) -> int:
     """A token or turn count from a stream: a non-negative JSON integer, else 0."""
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**53 else 0
@@ -212,6 +223,21 @@ class Adapter:
     def over_budget(self) -> str | None:
         """The budget the stream shows spent that the CLI does not stop on itself, or None."""
         return None
+
+    def takes_input(self, exec_argv: list[str]) -> bool:
+        """True when the agent started from `exec_argv` reads a person's further messages on
+        stdin while it works (§18 "Input while it runs"); then `message` frames each one (the
+        brief too) and `turn_ended` says when to close stdin. A plain command reads the brief only."""
+        return False
+
+    def message(self, text: str) -> str:
+        """`text` (the brief, or a person's message) framed as this agent reads input on stdin."""
+        return text
+
+    def turn_ended(self) -> bool:
+        """True once the stream shows the agent finished what it was asked: stdin is closed
+        then, so that it ends (a message sent later continues its session instead, §18)."""
+        return True
 
     def report(self) -> AgentReport:
         """What the stream said so far."""

@@ -25,6 +25,7 @@ is stopped by the runner (`over_budget`).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -33,7 +34,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from mam.runner.agents.base import AgentPolicy, StreamAdapter, count_of, money_of
+from mam.runner.agents.base import AgentPolicy, StreamAdapter, count_of, flag_value, money_of
 from mam.runner.permission_tool import PROMPT_TOOL
 from mam.shared.protocol import names
 
@@ -125,6 +126,22 @@ class ClaudeAdapter(StreamAdapter):
         person at the hub (§19)."""
         self.permission_config = mcp_config
 
+    def takes_input(self, exec_argv: list[str]) -> bool:
+        """True unless `exec_argv` chose another `--input-format` than stream-json: the CLI then
+        reads user messages as JSON lines on stdin until it closes (§18)."""
+        chosen = flag_value(exec_argv, "--input-format")
+        return chosen in (None, "stream-json")
+
+    def message(self, text: str) -> str:
+        """One stream-json user message holding `text`, a line."""
+        return json.dumps({"type": "user", "message": {"role": "user", "content": [{"type": "text", "text": text}]}},
+                          ensure_ascii=False) + "\n"
+
+    def turn_ended(self) -> bool:
+        """True once a `result` was read: a message written before it was taken into that
+        turn (the CLI tells the model mid-turn) or is already in the pipe for the next one."""
+        return self._result_seen
+
     def argv(self, exec_argv: list[str]) -> list[str]:
         """`exec_argv` plus `-p` and the stream flags where absent, then the policy's flags.
 
@@ -144,6 +161,8 @@ class ClaudeAdapter(StreamAdapter):
         if "-p" not in argv and "--print" not in argv:
             argv.append("-p")
         argv += ["--output-format", "stream-json"] + ([] if "--verbose" in argv else ["--verbose"])
+        if self.takes_input(exec_argv) and flag_value(argv, "--input-format") is None:
+            argv += ["--input-format", "stream-json"]
         policy = self.policy
         if policy.max_turns is not None:
             argv += ["--max-turns", str(policy.max_turns)]

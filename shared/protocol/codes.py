@@ -67,12 +67,14 @@ class PresenceStatus(StrEnum):
 
 
 class ControlAction(StrEnum):
-    """A control message's `action`: a cancel (§6), or a person's answer to an agent's
-    permission request (§19)."""
+    """A control message's `action`: a cancel (§6), a person's answer to an agent's
+    permission request (§19), or a person's message to a running agent (§18 "Input while
+    it runs")."""
 
     CANCEL = "cancel"
     ALLOW = "allow"
     DENY = "deny"
+    SAY = "say"
 
 
 TERMINAL_EVENTS = frozenset({EventName.COMPLETED, EventName.ERROR})

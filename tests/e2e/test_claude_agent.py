@@ -302,6 +302,36 @@ def test_s18_say_continues_a_completed_job_and_its_change_grows(claude_fleet: Ag
     assert refused.returncode == 1 and "no record" in refused.stderr
 
 
+def test_s18_say_to_a_running_agent_reaches_it_mid_turn_and_is_refused_once_it_ended(
+        claude_fleet: AgentFleet) -> None:
+    """§18 "Input while it runs": while its tool runs, `say` reaches the CLI on stdin; the model
+    hears the words with the tool's result. The words are sealed on the wire and never in the
+    audit log, which records who said how much."""
+    cf = claude_fleet
+    go = cf.tmp / "go"
+    runner = cf.start([ToolUse("Bash", {"command": f"while [ ! -e {go} ]; do sleep 0.1; done", "description": "wait"}),
+                       Text("Done, with the test too.")])
+    handle = cf.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST, "--allow-tools", "Bash")
+    started = wait_until(lambda: (handle.events("started") or [None])[0], PATIENCE_S, "the agent to start")
+    assert started["data"]["takes_input"] is True, started
+    job_id = started["job_id"]
+    said = cf.fleet.orch("say", job_id, "Also add a test for it, please.", "--json")
+    assert said.returncode == 0, said.stderr + runner.log()[-3000:]
+    shown = json.loads(said.stdout)
+    assert shown["delivered"] is True and shown["detail"].endswith(" delivered to the agent"), shown
+    assert f"job {job_id}: message " in said.stderr
+    go.touch()
+    assert handle.wait() == 0, runner.log()[-3000:]
+    assert cf.terminal(job_id)["detail"] == "Done, with the test too."
+    told = [r for call in cf.model.calls() for r in call.get("tool_results", [])]  # type: ignore[union-attr]
+    assert any("Also add a test for it, please." in text for text in told), told
+    audit = Registry(cf.fleet.hub_ws).audit(job_id)
+    (line,) = [entry for entry in audit if entry.get("event") == "told"]
+    assert line["bytes"] == len("Also add a test for it, please.") and "@" in line["by"]
+    assert "add a test" not in json.dumps(audit)
+    assert not [m for m in cf.fleet.tap.messages() if "add a test" in str(m["payload"])]  # sealed on the wire
+
+
 def test_s18_max_turns_2_against_five_turns_ends_budget_exceeded(claude_fleet: AgentFleet) -> None:
     five = [ToolUse("Bash", {"command": f"echo {n}", "description": "count"}) for n in range(5)]
     runner = claude_fleet.start([*five, Text("done")])

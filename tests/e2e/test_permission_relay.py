@@ -168,6 +168,53 @@ def test_a_forged_or_misplaced_answer_is_refused_and_the_agent_keeps_waiting(nat
         stop(runner)
 
 
+def test_say_to_a_running_agent_that_takes_no_input_is_refused_and_a_forged_say_never_delivered(
+        nats_broker, tmp_path):
+    """§18 "Input while it runs" with the shell agent (a plain command reads only its brief):
+    the hub refuses `say` while it runs; a say signed with another key, or signed but not
+    sealed with the attempt's token, is refused by the runner; a well-formed one is answered
+    `not delivered` in a progress event, never written anywhere."""
+    hub = hub_workspace(nats_broker, tmp_path)
+    ws, out = tmp_path / "runner", tmp_path / "out"
+    runner = start_runner(nats_broker, ws, SESSION, OUT=str(out))
+    watch = dispatch(hub, ask_step(1, "Bash", PUSH))  # it waits for an answer: the job runs meanwhile
+    try:
+        request_id = asked(watch, 1)[0]["request_id"]
+        job_id, attempt = watch.events("started")[0]["job_id"], watch.events("started")[0]["data"]["attempt_id"]
+        said = orch(hub, "say", job_id, "hello")
+        assert said.returncode == 1 and "takes no input while it runs" in said.stderr, said.stderr
+        big = orch(hub, "say", job_id, "x" * 9000)
+        assert big.returncode == 64 and "a running agent is told at most 8192" in big.stderr, big.stderr
+        root, message_id = nats_broker.topic_root, "00112233445566ff"
+        token = Registry(hub).get(job_id)["auth_token"]
+        good, wrong = crypto.derive_keys(TEST_SECRET), crypto.derive_keys("another-secret-of-at-least-32-characters!")
+
+        def say(sealed_with: str, key: bytes) -> bytes:
+            sealed = crypto.seal_answer(sealed_with, job_id=job_id, attempt_id=attempt, request_id=message_id,
+                                        action="say", message="rm -rf everything")
+            return wire.encode(crypto.sign(wire.Control.say(job_id, attempt, message_id, sealed=sealed).to_dict(),
+                                           key))
+        with mqtt.MqttClient(nats_broker.config(), "attacker").connect() as attacker:
+            topic = names.answer_topic(job_id, message_id, root)
+            attacker.publish(topic, say(token, wrong.sign_key), retain=False)
+            wait_until(lambda: "refused answer" in runner_log(ws), what="the say signed with another key refused")
+            attacker.publish(topic, say("a-token-the-attacker-guessed-0123456789", good.sign_key), retain=False)
+            wait_until(lambda: "refused say" in runner_log(ws), what="the unsealable say refused")
+            attacker.publish(topic, say(token, good.sign_key), retain=True)
+            noted = wait_until(lambda: [e for e in watch.events("progress")
+                                        if (e.get("data") or {}).get("message_id") == message_id] or None,
+                               what="the runner's word on the message")
+            assert noted[0]["detail"] == (f"message {message_id} not delivered: the agent takes no input while "
+                                          "it runs"), noted
+            assert wait_until(lambda: retained(nats_broker, topic) is None, what="the handled message cleared")
+        assert "rm -rf everything" not in runner_log(ws)
+        assert orch(hub, "approve", job_id, request_id).returncode == 0
+        assert watch.wait(PATIENCE_S) == 0, watch.log() + runner_log(ws)
+    finally:
+        watch.kill()
+        stop(runner)
+
+
 def test_ask_outside_a_job_or_with_bad_input_exits_64_with_one_line(tmp_path):
     env = hub_env()
     outside = subprocess.run([*MAM_RUNNER, "ask", "--tool", "Bash"], env=env, capture_output=True, text=True,

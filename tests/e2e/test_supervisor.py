@@ -53,7 +53,7 @@ def run_agent(tmp_path):
     """Start agents; whatever a test leaves running is cancelled at teardown."""
     started: list[AgentProcess] = []
 
-    def _run(argv, *, stdin_text="", env=None, cwd=None, log_path=None):
+    def _run(argv, *, stdin_text="", env=None, cwd=None, log_path=None, keep_stdin=False):
         agent = AgentProcess(track_interval_s=0.1)
         agent.start(
             [str(a) for a in argv],
@@ -61,6 +61,7 @@ def run_agent(tmp_path):
             cwd=cwd or tmp_path / "work",
             stdin_text=stdin_text,
             log_path=log_path or tmp_path / "logs" / "agent.log",
+            keep_stdin=keep_stdin,
         )
         started.append(agent)
         return agent
@@ -172,6 +173,28 @@ def test_agent_that_never_reads_stdin_does_not_block(tmp_path, run_agent):
     brief = "x" * (1024 * 1024)  # far beyond a pipe buffer
     agent = run_agent([AGENTS / "exit-agent", "0"], stdin_text=brief)
     assert agent.wait(timeout_s=PATIENCE_S) == ExitStatus(0, None)
+
+
+def test_kept_stdin_takes_more_input_until_it_is_closed(tmp_path, run_agent):
+    """§18 "Input while it runs": after the brief, messages reach the running agent in order;
+    closing stdin ends an agent that reads to its end, and nothing is taken after that."""
+    out = tmp_path / "got.txt"
+    agent = run_agent([script(tmp_path, "reader", f'cat > "{out}"\n')], stdin_text="brief\n", keep_stdin=True)
+    assert agent.send_input(b"one\n") and agent.send_input("twö\n".encode())
+    wait_until(lambda: out.exists() and out.read_text(encoding="utf-8") == "brief\none\ntwö\n", PATIENCE_S,
+               "the messages read by the agent")
+    assert agent.poll() is None  # it still waits for more
+    agent.close_input()
+    agent.close_input()  # idempotent
+    assert agent.wait(timeout_s=PATIENCE_S) == ExitStatus(0, None)
+    assert not agent.send_input(b"late\n")
+    assert out.read_text(encoding="utf-8") == "brief\none\ntwö\n"
+
+
+def test_input_to_an_agent_that_exited_is_refused_and_never_blocks(tmp_path, run_agent):
+    agent = run_agent([AGENTS / "exit-agent", "0"], stdin_text="x" * (1024 * 1024), keep_stdin=True)
+    assert agent.wait(timeout_s=PATIENCE_S) == ExitStatus(0, None)
+    assert not agent.send_input(b"anyone there?\n")
 
 
 def test_log_gets_stdout_and_stderr_with_mode_0600(tmp_path, run_agent):

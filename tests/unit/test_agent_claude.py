@@ -110,10 +110,39 @@ def test_argv_adds_print_mode_stream_and_the_policy() -> None:
     policy = AgentPolicy(max_turns=5, max_cost_usd=0.5, allow_tools=("Bash(git *)", "Edit"),
                          permission_mode="acceptEdits")
     assert ClaudeAdapter(policy).argv(["claude"]) == [
-        "claude", "-p", "--output-format", "stream-json", "--verbose", "--max-turns", "5", "--max-budget-usd",
-        "0.5", "--allowedTools", "Bash(git *),Edit", "--permission-mode", "acceptEdits"]
+        "claude", "-p", "--output-format", "stream-json", "--verbose", "--input-format", "stream-json",
+        "--max-turns", "5", "--max-budget-usd", "0.5", "--allowedTools", "Bash(git *),Edit", "--permission-mode",
+        "acceptEdits"]
     assert ClaudeAdapter().argv(["claude", "-p", "--verbose", "--output-format=stream-json"]) == [
-        "claude", "-p", "--verbose", "--output-format", "stream-json"]
+        "claude", "-p", "--verbose", "--output-format", "stream-json", "--input-format", "stream-json"]
+
+
+@pytest.mark.parametrize(("exec_argv", "takes"), [
+    (["claude"], True), (["claude", "--input-format", "stream-json"], True), (["claude", "--input-format=text"], False),
+    (["claude", "--input-format", "text"], False), (["claude", "--input-format"], False),
+])
+def test_claude_reads_a_persons_messages_on_stdin_unless_exec_chose_another_input(exec_argv: list[str],
+                                                                                 takes: bool) -> None:
+    adapter = ClaudeAdapter()
+    assert adapter.takes_input(exec_argv) is takes
+    argv = adapter.argv(exec_argv)
+    assert argv.count("--input-format") + sum(a.startswith("--input-format=") for a in argv) == 1  # never twice
+    if takes:
+        assert argv[argv.index("--input-format") + 1] == "stream-json"
+    assert not agents.new_adapter("command").takes_input(["claude"])
+
+
+def test_a_message_is_one_stream_json_user_line_and_the_turn_ends_at_the_result() -> None:
+    adapter = ClaudeAdapter()
+    line = adapter.message("Now add a test.\nAnd \u00e9 \x1b[2J too.")
+    assert line.endswith("\n") and line.count("\n") == 1
+    assert json.loads(line) == {"type": "user", "message": {"role": "user", "content": [
+        {"type": "text", "text": "Now add a test.\nAnd \u00e9 \x1b[2J too."}]}}
+    assert not adapter.turn_ended()
+    adapter.feed(json.dumps({"type": "assistant", "message": {"id": "m1", "content": []}}))
+    assert not adapter.turn_ended()
+    adapter.feed(result())
+    assert adapter.turn_ended()
 
 
 @pytest.mark.parametrize(("exec_argv", "agent", "expected"), [

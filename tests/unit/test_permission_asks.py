@@ -62,7 +62,7 @@ def test_an_answer_opens_only_with_its_attempts_token_and_fields():
 
 
 @pytest.mark.parametrize(("change", "reason"), [
-    ({"action": "cancel"}, "request_id and sealed are only for an allow or deny"),
+    ({"action": "cancel"}, "request_id and sealed are only for an allow, deny or say"),
     ({"request_id": None}, "request_id"),
     ({"request_id": "XYZ"}, "request_id 'XYZ' is invalid"),
     ({"request_id": "0" * 64}, "16 lowercase hex"),
@@ -558,3 +558,54 @@ def test_ask_takes_either_a_tool_or_a_hook(args, said):
                           timeout=60, input="", env={k: v for k, v in os.environ.items() if not k.startswith("MAM_")})
     assert done.returncode == 64 and done.stdout == ""
     assert done.stderr.startswith("ERROR: ") and said in done.stderr, done.stderr
+
+
+# ---------------------------------------------------------------- a person's message to a running agent (§18)
+
+
+def test_a_say_is_a_signed_control_whose_words_are_sealed_to_the_attempt_and_may_be_longer():
+    words = "Also add a test. " * 400  # 6.8 KB: more than an answer's message may hold
+    sealed = crypto.seal_answer(AUTH, job_id=JOB, attempt_id=2, request_id=RID, action="say", message=words)
+    control = wire.Control.say(JOB, 2, RID, sealed=sealed)
+    raw = wire.encode(crypto.sign(control.to_dict(), KEYS.sign_key))
+    assert b"Also add" not in raw
+    decoded = wire.decode(raw, "control")
+    assert (decoded.action, decoded.request_id, decoded.reason) == ("say", RID, "sealed")
+    assert crypto.open_answer(AUTH, decoded) == words
+    short = crypto.seal_answer(AUTH, job_id=JOB, attempt_id=2, request_id=RID, action="say", message="hi")
+    as_allow = wire.Control.answer(JOB, 2, RID, allow=True, sealed=short)
+    with pytest.raises(SignatureError):
+        crypto.open_answer(AUTH, as_allow)  # the seal is bound to the action too
+    with pytest.raises(UsageError, match="at most 2048"):
+        wire.Control.answer(JOB, 2, RID, allow=True, sealed=sealed)  # too long for an answer
+    too_long = crypto.seal_answer(AUTH, job_id=JOB, attempt_id=2, request_id=RID, action="say",
+                                  message="x" * (wire.MAX_SAID_BYTES + 1))
+    with pytest.raises(UsageError, match="sealed.ciphertext is invalid"):
+        wire.Control.say(JOB, 2, RID, sealed=too_long)
+    with pytest.raises(DecodeError, match="always is only true, and only on an allow"):
+        wire.Control.from_dict({**decoded.to_dict(), "always": True})
+
+
+def started(attempt: int, **data: object) -> dict:
+    return {"event": "started", "job_id": JOB, "timestamp": "2026-12-04T10:00:00Z",
+            "data": {"attempt_id": attempt, "agent": "claude", **data}}
+
+
+def test_the_hub_says_to_a_running_agent_only_when_its_attempt_takes_input(tmp_path):
+    from mam.orchestrator import say
+
+    registry = hub_job(tmp_path, started(1))
+    with pytest.raises(say.Refusal, match="the job is pending, not running"):
+        say.check_running(registry, JOB, "hi")
+    record = registry.get(JOB)
+    registry.transition(JOB, "running", source="runner", attempt_id=1, dispatch_token=record["dispatch_token"])
+    with pytest.raises(say.Refusal, match="takes no input while it runs"):
+        say.check_running(registry, JOB, "hi")
+    registry.append_audit(JOB, started(2, takes_input=True))  # another attempt's start says nothing of this one
+    assert not say.takes_input(registry, JOB, 1)
+    registry.append_audit(JOB, started(1, takes_input="yes"))
+    assert not say.takes_input(registry, JOB, 1)
+    registry.append_audit(JOB, started(1, takes_input=True))
+    assert say.check_running(registry, JOB, "hi")["job_id"] == JOB
+    with pytest.raises(UsageError, match=f"a running agent is told at most {wire.MAX_SAID_BYTES}"):
+        say.check_running(registry, JOB, "é" * (wire.MAX_SAID_BYTES // 2 + 1))

@@ -268,11 +268,12 @@ class Control:
         check_timestamp(self.issued_at, "issued_at")
         if self.action == ControlAction.CANCEL:
             if self.request_id is not None or self.sealed is not None:
-                raise Invalid("request_id and sealed are only for an allow or deny (§19)")
+                raise Invalid("request_id and sealed are only for an allow, deny or say (§19)")
         else:
             if not isinstance(self.request_id, str) or not names.REQUEST_ID_RE.fullmatch(self.request_id):
                 raise Invalid(f"request_id {show(self.request_id)} is invalid: expected 16 lowercase hex characters")
-            _check_answer_seal(self.sealed)
+            _check_answer_seal(self.sealed, MAX_SAID_SEALED_CHARS if self.action == ControlAction.SAY
+                               else MAX_SEALED_CHARS)
         if self.always is not None and (self.always is not True or self.action != ControlAction.ALLOW):
             raise Invalid("always is only true, and only on an allow (§19)")
         if self.sig is not None:
@@ -306,6 +307,20 @@ class Control:
         return build(cls, job_id=job_id, attempt_id=attempt_id, reason=ANSWER_REASON, request_id=request_id,
                      always=True if always else None, sealed=dict(sealed),
                      action=str(ControlAction.ALLOW if allow else ControlAction.DENY), issued_at=ts_arg(issued_at))
+
+    @classmethod
+    def say(cls, job_id: str, attempt_id: int, message_id: str, *, sealed: Mapping[str, str],
+            issued_at: datetime | str | None = None) -> Control:
+        """An unsigned message to the attempt's running agent (§18 "Input while it runs"):
+        action `say`, `request_id` the message's id, `reason` `sealed`.
+
+        Args:
+            sealed: the person's words, sealed to the attempt by `crypto.seal_answer` (action `say`).
+        Raises:
+            UsageError: a field breaks §18.
+        """
+        return build(cls, job_id=job_id, attempt_id=attempt_id, reason=ANSWER_REASON, request_id=message_id,
+                     sealed=dict(sealed), action=str(ControlAction.SAY), issued_at=ts_arg(issued_at))
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> Control:
@@ -555,19 +570,24 @@ def _state_from(obj: dict[str, Any]) -> State:
 ANSWER_REASON = "sealed"
 """An answer's `reason` (§19): what it says is in `sealed`."""
 MAX_SEALED_CHARS = 2048
+MAX_SAID_BYTES = 8 * 1024
+"""Largest message to a running agent (`say`, §18), UTF-8 bytes."""
+MAX_SAID_SEALED_CHARS = 4 * -(-(MAX_SAID_BYTES + 16) // 3)
+"""A `say`'s sealed ciphertext at most (base64url of MAX_SAID_BYTES and the GCM tag)."""
 
 
-def _check_answer_seal(sealed: object) -> None:
-    """§19: an allow or deny carries `sealed` = {"alg": "A256GCM", "nonce", "ciphertext"} (base64url)."""
+def _check_answer_seal(sealed: object, max_chars: int) -> None:
+    """§19: an allow, deny or say carries `sealed` = {"alg": "A256GCM", "nonce", "ciphertext"}
+    (base64url, each at most `max_chars`)."""
     if not isinstance(sealed, Mapping) or set(sealed) != {"alg", "nonce", "ciphertext"}:
         raise Invalid("sealed must be an object of alg, nonce and ciphertext (§19: an answer's message is sealed)")
     if sealed["alg"] != SEAL_ALG:
         raise Invalid(f"sealed.alg {show(sealed['alg'])} is invalid: expected {SEAL_ALG}")
     for key in ("nonce", "ciphertext"):
         value = sealed[key]
-        if not isinstance(value, str) or not 1 <= len(value) <= MAX_SEALED_CHARS \
+        if not isinstance(value, str) or not 1 <= len(value) <= max_chars \
                 or not all(c.isascii() and (c.isalnum() or c in "-_=") for c in value):
-            raise Invalid(f"sealed.{key} is invalid: expected base64url of at most {MAX_SEALED_CHARS} characters")
+            raise Invalid(f"sealed.{key} is invalid: expected base64url of at most {max_chars} characters")
 
 
 def _control_from(obj: dict[str, Any]) -> Control:
