@@ -29,6 +29,7 @@ import os
 import queue
 import shlex
 import shutil
+import signal as signal_
 import subprocess
 import threading
 import time
@@ -39,6 +40,7 @@ from typing import Any
 
 import psutil
 
+from mam.runner.cgroups import JobCgroup
 from mam.runner.process_tree import AGENT_TAG_ENV, TAG_BYTES, AgentIdentity, ProcessTree
 from mam.shared.protocol.errors import MamError, RegistryError, UsageError
 
@@ -257,6 +259,17 @@ class ExitStatus:
 # ---------------------------------------------------------------- process
 
 
+def _joiner(fd: int) -> Callable[[], None]:
+    """The child's step between fork and exec: join the cgroup whose `cgroup.procs` is `fd`
+    (one write of "0", no lock taken, nothing allocated that another thread could hold)."""
+    def join() -> None:
+        try:
+            os.write(fd, b"0")
+        except OSError:
+            pass  # the parent sees it is not a member and says so
+    return join
+
+
 class AgentProcess:
     """One agent process in its own session and process group (§6, §11).
 
@@ -282,6 +295,7 @@ class AgentProcess:
         self._input: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # stdin after the brief; None closes
         self._input_lock = threading.Lock()
         self._input_open = False
+        self._cgroup: JobCgroup | None = None
 
     # -- start
 
@@ -294,6 +308,7 @@ class AgentProcess:
         stdin_text: str,
         log_path: Path,
         keep_stdin: bool = False,
+        cgroup: JobCgroup | None = None,
     ) -> None:
         """Start the agent (§11 step 4).
 
@@ -305,6 +320,9 @@ class AgentProcess:
                 an agent that never reads stdin is fine.
             keep_stdin: leave stdin open after the brief: `send_input` writes more
                 (a person's messages, §18) until `close_input`.
+            cgroup: the attempt's cgroup (`cgroups`): the agent joins it before it
+                execs, so every process it starts is a member; cancel then kills the
+                group. None: the process group and tag walk only.
             log_path: stdout and stderr are appended here (created 0600,
                 parent folders 0700).
         Raises:
@@ -332,8 +350,15 @@ class AgentProcess:
         except OSError as exc:
             why = "it is a symlink" if exc.errno == errno.ELOOP else os.strerror(exc.errno or 0)
             raise RegistryError(f"agent log {log_path} cannot be opened: {why}") from None
+        join_fd = -1
         try:
             os.fchmod(log_fd, 0o600)  # an existing file keeps no wider mode
+            if cgroup is not None:
+                try:
+                    join_fd = cgroup.join_fd()
+                except OSError as exc:
+                    log.warning("agent %s: not in its cgroup %s (%s): cancel stops its process group",
+                                argv[0], cgroup.path, exc.strerror)
             try:
                 self._popen = subprocess.Popen(
                     argv,
@@ -345,6 +370,7 @@ class AgentProcess:
                     env=child_env,
                     start_new_session=True,  # own session + process group: cancel hits the group
                     close_fds=True,
+                    preexec_fn=_joiner(join_fd) if join_fd >= 0 else None,
                 )
             except OSError as exc:
                 reason = os.strerror(exc.errno) if exc.errno else type(exc).__name__
@@ -353,6 +379,13 @@ class AgentProcess:
                 raise AgentStartError(f"agent command {argv[0]!r} cannot be started: {reason}") from None
         finally:
             os.close(log_fd)
+            if join_fd >= 0:
+                os.close(join_fd)
+        if join_fd >= 0 and cgroup is not None:
+            self._cgroup = cgroup
+            if self._popen.poll() is None and self._popen.pid not in cgroup.members():
+                log.warning("agent %d: not in its cgroup %s: cancel stops its process group", self._popen.pid,
+                            cgroup.path)
         try:
             self._proc = psutil.Process(self._popen.pid)
             self._start_time = self._proc.create_time()
@@ -488,7 +521,12 @@ class AgentProcess:
         if self._popen is None or self._tree is None:
             raise MamError("agent not started")
         popen = self._popen
+        deadline = time.monotonic() + max(0.0, grace_s)
+        if self._cgroup is not None:
+            self._cgroup.signal(signal_.SIGTERM)  # members the tree walk cannot see get the grace too
         self._tree.terminate(grace_s, reap=popen.poll)  # reap the agent so it does not linger as a zombie
+        if self._cgroup is not None and not self._cgroup.wait_empty(deadline):
+            self._cgroup.kill()  # double-forked, setsid, environment cleared: still a member
         self._stop.set()
         return self._finish(popen.wait())
 
@@ -517,20 +555,31 @@ class AgentProcess:
         self._stop.set()
         tree = ProcessTree(self.identity, owned=False)
         tree.remember(self._tree.known())
-        found = tree.collect(deep=True)
-        if not found:
-            return 0
-        tree.terminate(grace_s)
+        found = {proc.pid for proc in tree.collect(deep=True)}
+        if found:
+            tree.terminate(grace_s)
+        if self._cgroup is not None:  # what escaped the tree walk is still a member
+            found.update(self._cgroup.members())
+            self._cgroup.stop(grace_s)
         return len(found)
 
     def close(self) -> None:
         """Stop the tracker and join helper threads; safe to call twice.
 
-        Call after the agent ended (`wait()` or `cancel()`)."""
+        Call after the agent ended (`wait()` or `cancel()`); its cgroup is removed (a member
+        still in it is killed first)."""
         self._stop.set()
         self.close_input()
         for thread in self._threads:
             thread.join(timeout=THREAD_JOIN_S)
+        if self._cgroup is not None:
+            self._cgroup.remove()
+            self._cgroup = None
+
+    @property
+    def cgroup(self) -> JobCgroup | None:
+        """The cgroup the agent runs in, or None (process-group mode)."""
+        return self._cgroup
 
 
 __all__ = ["AGENT_TAG_ENV", "AgentIdentity", "AgentProcess", "AgentStartError", "ExitStatus", "ProcessTree",

@@ -27,6 +27,7 @@ from typing import Any
 
 from mam.runner import orphans, publish
 from mam.runner.agent import AgentProcess, AgentStartError, ExitStatus, agent_env
+from mam.runner.cgroups import JobCgroup, RunnerCgroups
 from mam.runner.fastpath import SOCKET_ENV
 from mam.runner.heartbeat.beats import Beats
 from mam.runner.logstream import LogStreams
@@ -167,6 +168,7 @@ class Supervisor:
         self.on_end = on_end
         self.stopping = stopping or threading.Event()
         self.socket_path: Path | None = None  # the daemon's local publish socket (§17), set once it listens
+        self.cgroups: RunnerCgroups | None = None  # §6: each agent in a cgroup of its own, where the host allows
         # the tools a person at the hub denied a job (§19), from that socket: (job_id) -> names
         self.denied_tools: Callable[[str], set[str]] = lambda job_id: set()
         self.beats = Beats(registry, client, drain_s=options.heartbeat_drain_s)  # §12: one thread, every job
@@ -276,7 +278,8 @@ class Supervisor:
         self.logstreams.start(self.registry, job.job_id, job.attempt_id, log_path)  # §15, from its current end
         try:
             agent.start(attempt.argv(), env={**self._agent_env(job, env_file), **attempt.env()}, cwd=workdir,
-                        stdin_text=attempt.stdin(job.brief), log_path=log_path, keep_stdin=attempt.takes_input)
+                        stdin_text=attempt.stdin(job.brief), log_path=log_path, keep_stdin=attempt.takes_input,
+                        cgroup=self._cgroup_of(job))
         except (AgentStartError, RegistryError, OSError) as exc:
             log.error("job %s: agent not started: %s", job.job_id, exc)
             self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_NOT_STARTED, EXIT_NOT_STARTED))
@@ -322,6 +325,17 @@ class Supervisor:
         if terminal is not None:
             self.publish_terminal(job, Terminal(terminal.event, terminal.detail, terminal.exit_code,
                                                 terminal.status, data))
+
+    def _cgroup_of(self, job: Job) -> JobCgroup | None:
+        """The attempt's own cgroup (§6), or None in process-group mode or when it cannot be made."""
+        if self.cgroups is None:
+            return None
+        try:
+            return self.cgroups.job(f"{job.job_id}-{job.attempt_id}")
+        except OSError as exc:
+            log.warning("job %s: no cgroup of its own (%s): cancel stops its process group", job.job_id,
+                        exc.strerror or exc)
+            return None
 
     def _send_result(self, job: Job, attempt: AttemptWork) -> dict[str, Any]:
         """Collect and send the attempt's result before its terminal event (§18); its data."""

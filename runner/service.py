@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from types import FrameType, TracebackType
 from typing import Any
 
-from mam.runner import orphans, publish, trust
+from mam.runner import cgroups, orphans, publish, trust
 from mam.runner.admission import (
     TOLD_REFUSALS,
     Refuse,
@@ -234,6 +234,8 @@ class Runner:
         self._supervisor = Supervisor(options=self.options, runner_id=self.runner_id, registry=registry,
                                       client=client, config=self.config, environ=self.environ,
                                       on_end=self._ended.put, stopping=self._stop)
+        self._supervisor.cgroups, mode = cgroups.detect(self.options.session)  # §6: said once, at start
+        log.info("runner %s: %s", self.runner_id, mode)
         self._supervisor.logstreams.resend_leftovers()  # §15, §17: output chunks a stopped runner left
         self._supervisor.results.resend_leftovers(registry)  # §18, §17: results a stopped runner left
         self._supervisor.mirrors.remove_leftovers(keep=self.options.keep_worktrees)  # §18: a crash's worktrees
@@ -330,6 +332,8 @@ class Runner:
         if self._supervisor is not None:
             self._supervisor.beats.stop()
             self._supervisor.results.stop()  # unsent results stay in the outbox for the next start
+            if self._supervisor.cgroups is not None:
+                self._supervisor.cgroups.close()
         if self._socket is not None:
             self._socket.stop()
         if self._resender is not None:

@@ -417,6 +417,32 @@ def test_s6_cancel_kills_the_agent_tree_and_marks_cancelled(nats_broker, tmp_pat
         kill_all(pids)
 
 
+def test_s6_in_cgroup_mode_cancel_kills_a_child_that_escaped_with_its_environment_cleared(
+        nats_broker, tmp_path, hub, wire_obs, runners):
+    """§6: the runner says once which mode is in force; with cgroups on, a cancel kills a
+    child that double-forked into its own session with no MAM_AGENT_TAG, ignoring SIGTERM."""
+    pidfile = tmp_path / "escaped"
+    runner = start_runner(runners, nats_broker, tmp_path / "runner")
+    runner.wait_serving()
+    said = runner.wait_log("cgroups ")
+    if "cgroups on: " not in said:
+        pytest.skip(next(line for line in said.splitlines() if "cgroups off" in line))
+    groups = Path(said.split("a group of its own under ", 1)[1].split()[0])
+    assert groups.is_dir()
+    record, _ = hub.dispatch(f"( env -i /bin/sh -c 'trap \"\" TERM; exec setsid sleep 1000' </dev/null >/dev/null "
+                             f"2>&1 & echo $! > {pidfile}.tmp ); mv {pidfile}.tmp {pidfile}; while :; do sleep 1; done")
+    pid = int(wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), what="the escaped child"))
+    try:
+        publish_cancel(hub.client, record, hub.keys, "operator")
+        assert wire_obs.wait_terminal(record["job_id"])["detail"] == "cancelled"
+        wait_until(lambda: all_gone([pid]), what="the escaped child to be gone")
+        runner.signal(signal.SIGTERM)
+        assert runner.wait() == 0
+        assert not groups.exists()  # the runner removes its groups when it stops
+    finally:
+        kill_all([pid])
+
+
 def test_s11_exit_code_and_agent_own_terminal_event(nats_broker, tmp_path, hub, wire_obs, runners):
     """§11 step 5: exit 3 → `error` with data.exit_code 3; an agent that publishes its own
     `completed` and exits 0 → exactly one terminal event on the wire."""

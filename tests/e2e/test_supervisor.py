@@ -20,6 +20,7 @@ import pytest
 from harness.procs import gone
 from harness.waiting import PATIENCE_S, wait_until
 
+from mam.runner import cgroups
 from mam.runner.agent import (
     BRIEF_OMITTED_ENV,
     EXEC_MAX_CHARS,
@@ -53,7 +54,7 @@ def run_agent(tmp_path):
     """Start agents; whatever a test leaves running is cancelled at teardown."""
     started: list[AgentProcess] = []
 
-    def _run(argv, *, stdin_text="", env=None, cwd=None, log_path=None, keep_stdin=False):
+    def _run(argv, *, stdin_text="", env=None, cwd=None, log_path=None, keep_stdin=False, cgroup=None):
         agent = AgentProcess(track_interval_s=0.1)
         agent.start(
             [str(a) for a in argv],
@@ -62,6 +63,7 @@ def run_agent(tmp_path):
             stdin_text=stdin_text,
             log_path=log_path or tmp_path / "logs" / "agent.log",
             keep_stdin=keep_stdin,
+            cgroup=cgroup,
         )
         started.append(agent)
         return agent
@@ -289,6 +291,76 @@ def test_cancel_kills_agent_and_every_grandchild_within_grace(tmp_path, run_agen
     assert status.terminal()[0] == "error"
     for pid, created in procs.items():
         assert gone(pid, created), f"pid {pid} survived cancel"
+
+
+def _escaper_script(tmp_path: Path, pidfile: Path, tail: str = "while :; do sleep 1; done") -> Path:
+    """An agent whose child double-forks into its own session with its environment cleared
+    (no MAM_AGENT_TAG) and ignores SIGTERM: the tree walk cannot find it (§6)."""
+    return script(tmp_path, "escaper-agent", f"""\
+        ( env -i /bin/sh -c 'trap "" TERM; exec setsid sleep 1000' </dev/null >/dev/null 2>&1 &
+          echo $! > "{pidfile}.tmp" )
+        mv "{pidfile}.tmp" "{pidfile}"
+        {tail}
+        """)
+
+
+@pytest.fixture
+def job_cgroup():
+    """A cgroup of this test's own (§6), or a skip where the host gives none."""
+    found, why = cgroups.detect(f"test{os.getpid()}")
+    if found is None:
+        pytest.skip(why)
+    yield found.job(f"{JOB_ID}-1")
+    found.close()
+
+
+def escaped(pidfile: Path) -> psutil.Process:
+    wait_until(pidfile.exists, what="the escaped child's pid")
+    pid = int(pidfile.read_text())
+    proc = wait_until(lambda: (lambda p: p if p.name() == "sleep" else None)(psutil.Process(pid)),
+                      what="the escaped child to exec sleep")
+    assert AGENT_TAG_ENV not in proc.environ()
+    return proc
+
+
+def test_in_its_cgroup_cancel_kills_a_child_that_double_forked_and_cleared_its_environment(
+        tmp_path, run_agent, job_cgroup):
+    pidfile = tmp_path / "pid"
+    agent = run_agent([_escaper_script(tmp_path, pidfile)], cgroup=job_cgroup)
+    assert agent.cgroup == job_cgroup and agent.pid in job_cgroup.members()
+    child = escaped(pidfile)
+    assert child.pid in job_cgroup.members() and os.getsid(child.pid) != agent.pid
+    created = child.create_time()
+    agent.cancel(grace_s=0.5)
+    assert gone(child.pid, created) and job_cgroup.members() == []
+    agent.close()
+    assert not job_cgroup.path.exists()  # the attempt's group is removed with it
+
+
+def test_in_its_cgroup_a_leftover_that_cleared_its_environment_is_stopped_after_exit_0(
+        tmp_path, run_agent, job_cgroup):
+    pidfile = tmp_path / "pid"
+    agent = run_agent([_escaper_script(tmp_path, pidfile, tail="exit 0")], cgroup=job_cgroup)
+    child = escaped(pidfile)
+    created = child.create_time()
+    assert agent.wait(timeout_s=PATIENCE_S) == ExitStatus(0, None)
+    assert agent.stop_leftovers(grace_s=0.5) == 1
+    assert gone(child.pid, created)
+
+
+def test_without_a_cgroup_such_a_child_escapes_cancel_as_the_known_limits_say(tmp_path, run_agent):
+    """docs/usage.md "Known limits", process-group mode: documented, and so tested."""
+    pidfile = tmp_path / "pid"
+    agent = AgentProcess(track_interval_s=3600)  # no sample of the tree catches the child before it escapes
+    agent.start([str(_escaper_script(tmp_path, pidfile))], env=dict(os.environ), cwd=tmp_path, stdin_text="",
+                log_path=tmp_path / "agent.log")
+    child = escaped(pidfile)
+    try:
+        agent.cancel(grace_s=0.2)
+        assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+    finally:
+        child.kill()
+        agent.close()
 
 
 def test_cancel_of_cooperative_agent_uses_sigterm(tmp_path, run_agent):
