@@ -113,6 +113,26 @@ class JobCgroup:
             self.kill()
         return found
 
+    def usage(self) -> dict[str, float | int]:
+        """What the group's processes used so far, those that exited included: `cpu_s` (CPU
+        seconds, `cpu.stat` usage_usec) and `peak_memory_bytes` (`memory.peak`, where the
+        memory controller is on); a figure the host does not give is left out."""
+        found: dict[str, float | int] = {}
+        try:
+            for line in (self.path / "cpu.stat").read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "usage_usec" and value.strip().isdigit():
+                    found["cpu_s"] = round(int(value) / 1e6, 3)
+        except OSError:
+            pass
+        try:
+            peak = (self.path / "memory.peak").read_text().strip()
+            if peak.isdigit():
+                found["peak_memory_bytes"] = int(peak)
+        except OSError:
+            pass
+        return found
+
     def remove(self) -> None:
         """Remove the group once it is empty (a member left is killed first); never raises."""
         if self.members():

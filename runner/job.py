@@ -322,6 +322,8 @@ class Supervisor:
             elif terminal.event == EventName.COMPLETED and (summary := attempt.summary()):
                 terminal = Terminal(terminal.event, summary, terminal.exit_code)
         data = {**attempt.agent_data(), **self._send_result(job, attempt)}
+        if agent.cgroup is not None and (usage := agent.cgroup.usage()):
+            data["usage"] = usage  # §6: the job's whole process tree, from its cgroup
         if terminal is not None:
             self.publish_terminal(job, Terminal(terminal.event, terminal.detail, terminal.exit_code,
                                                 terminal.status, data))

@@ -249,6 +249,11 @@ def work_lines(record: Mapping[str, Any], trail: Sequence[Mapping[str, Any]], ro
                      f"{_cell(agent.get('turns'))} turns, {_cell(tokens.get('input'))} in / "
                      f"{_cell(tokens.get('output'))} out / {_cell(tokens.get('cached'))} cached tokens, "
                      f"${_cell(cost if cost is None else f'{cost:.4f}')}")
+    usage = data.get("usage")
+    if isinstance(usage, Mapping) and usage:
+        peak = usage.get("peak_memory_bytes")
+        memory = f", peak memory {peak / 2**20:.1f} MiB" if isinstance(peak, int) and not isinstance(peak, bool) else ""
+        lines.append(f"{'usage:':<12}{_cell(usage.get('cpu_s'))} s CPU{memory} (the job's processes)")
     result = data.get("result")
     if isinstance(result, Mapping):
         summary = (f"{_cell(result.get('files_total'))} files, +{_cell(result.get('insertions'))} "

@@ -434,7 +434,10 @@ def test_s6_in_cgroup_mode_cancel_kills_a_child_that_escaped_with_its_environmen
     pid = int(wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), what="the escaped child"))
     try:
         publish_cancel(hub.client, record, hub.keys, "operator")
-        assert wire_obs.wait_terminal(record["job_id"])["detail"] == "cancelled"
+        terminal = wire_obs.wait_terminal(record["job_id"])
+        assert terminal["detail"] == "cancelled"
+        cpu_s = terminal["data"]["usage"]["cpu_s"]  # the whole job's CPU time, from its group
+        assert isinstance(cpu_s, float) and cpu_s >= 0, terminal["data"]
         wait_until(lambda: all_gone([pid]), what="the escaped child to be gone")
         runner.signal(signal.SIGTERM)
         assert runner.wait() == 0

@@ -78,3 +78,15 @@ def test_a_group_that_is_gone_has_no_members_and_kills_nothing(tmp_path):
     group = cgroups.JobCgroup(tmp_path / "gone")
     assert group.members() == [] and group.kill() and group.stop(0.1) == 0
     group.remove()  # never raises
+
+
+def test_usage_reads_cpu_seconds_and_peak_memory_where_the_host_gives_them(tmp_path):
+    group = cgroups.JobCgroup(tmp_path)
+    assert group.usage() == {}
+    (tmp_path / "cpu.stat").write_text("usage_usec 1234567\nuser_usec 1000000\nsystem_usec 234567\n")
+    assert group.usage() == {"cpu_s": 1.235}
+    (tmp_path / "memory.peak").write_text("209715200\n")
+    assert group.usage() == {"cpu_s": 1.235, "peak_memory_bytes": 209715200}
+    (tmp_path / "cpu.stat").write_text("usage_usec -1\n")
+    (tmp_path / "memory.peak").write_text("max\n")
+    assert group.usage() == {}  # nothing it cannot read as a figure

@@ -120,6 +120,17 @@ def test_jobs_and_show_say_what_the_agent_spent(reg):
         show_text(record, trail, reg.root)
 
 
+def test_show_says_what_the_jobs_processes_used_when_its_cgroup_told(reg):
+    record = ended(reg)
+    trail = [{"seq": 2, "event": "completed", "detail": "done",
+              "data": {"attempt_id": record["attempt_id"], "usage": {"cpu_s": 12.345, "peak_memory_bytes": 3 << 20}}}]
+    assert "usage:      12.345 s CPU, peak memory 3.0 MiB (the job's processes)" in show_text(record, trail, reg.root)
+    trail[0]["data"]["usage"] = {"cpu_s": 0.5, "peak_memory_bytes": "lots"}  # a figure of the wrong type: left out
+    assert "usage:      0.5 s CPU (the job's processes)" in show_text(record, trail, reg.root)
+    trail[0]["data"]["usage"] = "x"
+    assert "usage:" not in show_text(record, trail, reg.root)
+
+
 def test_json_event_lines_mask_the_dispatch_token(reg):
     record = reg.register(session="gpu-box")
     payload = {"schema_version": 1, "seq": 1, "job_id": record["job_id"], "event": "started", "timestamp": TS,
