@@ -294,6 +294,12 @@ def dispatch_cmd(
                                  help="When the agent stops on a usage limit: pause the job until the limit "
                                       "resets, then continue its session on the same runner (default), or "
                                       "fail (error)."),
+    group: str = typer.Option(None, "--group", metavar="NAME",
+                              help="A concurrency group: at most --group-limit of its jobs run at once, "
+                                   "fleet-wide; the others wait queued, in order (§14)."),
+    group_limit: int = typer.Option(None, "--group-limit", metavar="N",
+                                    help="With --group: how many of the group's jobs may run at once, "
+                                         "1..1000 (default 1)."),
     repo: str = typer.Option(None, "--repo", metavar="NAME",
                              help="Run on a worktree of this repository: only runners started with "
                                   "--repo NAME=URL take the job; its change comes back (§18)."),
@@ -348,7 +354,8 @@ def dispatch_cmd(
                         timeout_s=timeout, require_online=require_online, detach=detach, as_json=as_json,
                         workspace=workspace, labels=labels, priority=priority, queue_timeout_s=queue_timeout,
                         retries=retries, retry_on=retry_on, fresh=fresh, on_limit=on_limit, show_log=not no_log,
-                        title=title, work=work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
+                        title=title, group=group, group_limit=group_limit,
+                        work=work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
                                         allow_tools=allow_tools, deny_tools=deny_tools,
                                         permission_mode=permission_mode, ask_timeout_s=ask_timeout,
                                         on_ask_timeout=on_ask_timeout))

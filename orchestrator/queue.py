@@ -11,7 +11,7 @@ still waits (one line, §14). Callers pass monotonic seconds as `now`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -72,6 +72,8 @@ class QueuedJob:
         repo: the repository a runner must serve (§18), or None.
         paused_until: a paused job (§14 Pauses) is not published before this wall time
             (epoch s), nor does it hold up the jobs queued behind it; None: not paused.
+        group, group_limit: its concurrency group (§14 Groups): it waits while `group_limit`
+            jobs of the group are out (published or running); None: no group.
     """
 
     job_id: str
@@ -83,6 +85,8 @@ class QueuedJob:
     prefer_session: str | None = None
     repo: str | None = None
     paused_until: float | None = None
+    group: str | None = None
+    group_limit: int = 1
 
     def paused(self, wall_now: float) -> bool:
         """Whether it is still paused at `wall_now` (epoch s)."""
@@ -209,7 +213,7 @@ def matches(view: RunnerView, job: QueuedJob) -> bool:
 
 
 def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: float,
-         wall_now: float | None = None) -> list[tuple[str, str]]:
+         wall_now: float | None = None, out: Mapping[str, Sequence[str]] | None = None) -> list[tuple[str, str]]:
     """The queued jobs to publish now, each with its runner (§14 Matching).
 
     Candidates are verified, online, fresh runners whose labels ⊇ the job's and
@@ -225,6 +229,9 @@ def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: f
         queued: the `queued` jobs, any order; fleet: the runners; now: monotonic s;
         stale_after_s: the presence age (s) past which a runner is no candidate;
         wall_now: epoch s for `paused_until` (default: now), a paused job is left out.
+        out: each concurrency group's jobs published or running now (§14 Groups): a job
+            whose group has `group_limit` out (these and the ones this call picks) waits,
+            without holding up other jobs of its target.
 
     Returns:
         `[(job_id, session)]` in the order to publish.
@@ -235,8 +242,11 @@ def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: f
     blocked: set[tuple[str | None, frozenset[str], str | None]] = set()
     picked: list[tuple[str, str]] = []
     wall = time.time() if wall_now is None else wall_now
+    taken = {group: len(jobs) for group, jobs in (out or {}).items()}
     for job in sorted(queued, key=queue_order):
         if job.target in blocked or job.paused(wall):
+            continue
+        if job.group is not None and taken.get(job.group, 0) >= job.group_limit:
             continue
         candidates = [view.session for view in fleet.views() if free[view.session] > 0 and matches(view, job)]
         if not candidates:
@@ -248,6 +258,8 @@ def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: f
         rank += 1
         handed[session] = rank
         picked.append((job.job_id, session))
+        if job.group is not None:
+            taken[job.group] = taken.get(job.group, 0) + 1
     return picked
 
 
@@ -271,12 +283,12 @@ def unserved(job: QueuedJob, fleet: Fleet) -> bool:
 
 
 def why_waiting(job: QueuedJob, fleet: Fleet, queued: Sequence[QueuedJob], now: float,
-                stale_after_s: float) -> str:
+                stale_after_s: float, out: Mapping[str, Sequence[str]] | None = None) -> str:
     """One human line saying why `job` is still queued (§14).
 
     Args:
         job: the waiting job; fleet: the runners; queued: every queued job (for
-        the count ahead); now: monotonic s; stale_after_s: as for `plan`.
+        the count ahead); now: monotonic s; stale_after_s, out: as for `plan`.
 
     Returns:
         e.g. "queued behind 3 jobs for labels=gpu (2 runners match, 0 free slots)".
@@ -286,6 +298,10 @@ def why_waiting(job: QueuedJob, fleet: Fleet, queued: Sequence[QueuedJob], now: 
         until = datetime.fromtimestamp(job.paused_until, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         return (f"paused until {until} (usage limit); then it continues on {target} "
                 f"(`mam-orch resume {job.job_id}` goes on now)")
+    running = sorted((out or {}).get(job.group, ())) if job.group is not None else []
+    if job.group is not None and len(running) >= job.group_limit:
+        shown = ", ".join(running[:3]) + (f" +{len(running) - 3} more" if len(running) > 3 else "")
+        return f"waiting for group {job.group} ({len(running)} running: {shown})"
     missing = job.target_labels - fleet.known_labels()
     if missing:
         return (f"no runner has ever announced labels={','.join(sorted(missing))} "

@@ -165,6 +165,7 @@ class HubService:
         self.feed = PresenceFeed(self.keys, self.config.topic_root, self.registry.root)
         self.fleet = self.feed.fleet
         self.sessions: dict[str, str] = {}  # job id -> the session its dispatch went to
+        self.groups: dict[str, str] = {}  # job id -> its concurrency group (§14 Groups), for tracked jobs
         self.stats = ServiceStats()
         self.results = ResultInbox(self.registry)  # §18: results land whether or not a watcher runs
         self._mtimes: dict[str, int] = {}
@@ -192,6 +193,8 @@ class HubService:
                           options=WatchOptions(remote=True, ack_only_before_first=True, lazy_progress=True),
                           show_log=False)
         watcher.start_clocks(now, record)
+        if record.get("group"):
+            self.groups[record["job_id"]] = str(record["group"])
         if not fresh:  # taken over (a restart): its lazy progress seqs are in the audit log
             watcher.highest_event = watcher.highest_any = audit_seq(self.registry, record)
         watcher.on_clear = self.clears.append
@@ -471,10 +474,11 @@ class HubService:
             return
         self.feed.drop_revoked()  # §16: a revoked runner gets nothing
         waiting = list(self.queued.values())
-        picks = hubqueue.plan(waiting, self.fleet, now, PRESENCE_STALE_S)
+        out = self.groups_out()
+        picks = hubqueue.plan(waiting, self.fleet, now, PRESENCE_STALE_S, out=out)
         if now >= self.settle_until:  # §14: a session with no presence at all is dispatched at once (v1)
             picks += [(job.job_id, job.target_session) for job in waiting if job.target_session is not None
-                      and self.fleet.view(job.target_session) is None]
+                      and self.fleet.view(job.target_session) is None and job.group is None]
         for job_id, session in picks:
             job = self.queued.pop(job_id, None)
             if job is None:
@@ -487,13 +491,25 @@ class HubService:
         for job in self.queued.values():
             self._explain(job, waiting, now)
 
+    def groups_out(self) -> dict[str, list[str]]:
+        """Each concurrency group's jobs published or running now (§14 Groups): the tracked
+        jobs of the group. Derived from the records this engine tracks, so a restarted hub
+        counts the same jobs."""
+        out: dict[str, list[str]] = {}
+        for job_id in self.watchers:
+            group = self.groups.get(job_id)
+            if group is not None:
+                out.setdefault(group, []).append(job_id)
+        return out
+
     def _explain(self, job: hubqueue.QueuedJob, waiting: list[hubqueue.QueuedJob], now: float) -> None:
         """Note why `job` waits (§14), once the presence burst is in, whenever the reason
         changed and at most every `WHY_EVERY_S`."""
         last = self._why.get(job.job_id)
         if now < self.settle_until or (last is not None and now < last[1] + WHY_EVERY_S):
             return
-        line = f"job {job.job_id}: {hubqueue.why_waiting(job, self.fleet, waiting, now, PRESENCE_STALE_S)}"
+        why = hubqueue.why_waiting(job, self.fleet, waiting, now, PRESENCE_STALE_S, out=self.groups_out())
+        line = f"job {job.job_id}: {why}"
         if last is not None and last[0] == line:
             return
         self._why[job.job_id] = (line, now)
@@ -597,6 +613,7 @@ class HubService:
             if code is None:
                 continue
             del self.watchers[job_id]
+            self.groups.pop(job_id, None)
             self.fleet.started(self.sessions.pop(job_id, ""), job_id)
             outcome = str(watcher.terminal or "closed")
             self.stats.closed[outcome] = self.stats.closed.get(outcome, 0) + 1

@@ -86,7 +86,8 @@ def queue_rows(service: HubService, now: float | None = None) -> list[Row]:
     queued = list(service.queued.values())
     return [{"job_id": job.job_id, "target": hubqueue.describe_target(job), "priority": job.priority,
              "queued_at": job.queued_at,
-             "why_waiting": hubqueue.why_waiting(job, service.fleet, queued, now, PRESENCE_STALE_S)}
+             "why_waiting": hubqueue.why_waiting(job, service.fleet, queued, now, PRESENCE_STALE_S,
+                                                 out=service.groups_out())}
             for job in sorted(queued, key=hubqueue.queue_order)]
 
 

@@ -100,6 +100,8 @@ class JobRecord(TypedDict):
     agent: NotRequired[dict[str, Any]]  # §18: the agent's figures from the terminal event (`agent_figures`)
     fresh: NotRequired[bool]  # §18: retries start a new agent session (`dispatch --fresh`)
     on_limit: NotRequired[str]  # §14 Pauses: `fail` (absent: pause)
+    group: NotRequired[str]  # §14 Groups: the job's concurrency group
+    group_limit: NotRequired[int]  # §14 Groups: at most this many of the group's jobs out at once
     usage_limit: NotRequired[dict[str, Any]]  # §14 Pauses: {"attempt_id", "reset_at"} of an attempt that hit one
     pauses: NotRequired[int]  # §14 Pauses: how often the job paused
     paused_until: NotRequired[str]  # §14 Pauses: a queued job is not published before this (§3 timestamp)
@@ -112,6 +114,9 @@ DEFAULT_QUEUE_TIMEOUT_SEC = 86400
 MAX_PRIORITY = 1_000_000
 
 
+GROUP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
+"""A concurrency group's name (§14 Groups)."""
+MAX_GROUP_LIMIT = 1000
 ON_LIMIT_CHOICES = ("pause", "fail")
 """`dispatch --on-limit` (§14 Pauses): the first is the default."""
 
@@ -128,6 +133,8 @@ class QueueTerms(NamedTuple):
         fresh: a retried attempt starts a new agent session, never continues the last one (§18).
         on_limit: what an attempt that stopped on a usage limit does: `pause` until the
             limit resets, then continue (§14 Pauses), or `fail` (it stays `error`).
+        group: a concurrency group (§14 Groups): at most `group_limit` of its jobs are
+            published or running at once, fleet-wide; None: no group.
     """
 
     target_session: str | None = None
@@ -138,6 +145,8 @@ class QueueTerms(NamedTuple):
     retry_on: tuple[str, ...] = tuple(DEFAULT_RETRY_ON)
     fresh: bool = False
     on_limit: str = "pause"
+    group: str | None = None
+    group_limit: int = 1
 
     def checked(self) -> QueueTerms:
         """These terms, validated (labels sorted).
@@ -158,6 +167,12 @@ class QueueTerms(NamedTuple):
         if self.on_limit not in ON_LIMIT_CHOICES:
             raise UsageError(f"--on-limit {str(self.on_limit)[:40]!r} is invalid: expected one of "
                              f"{', '.join(ON_LIMIT_CHOICES)}")
+        if self.group is not None and not GROUP_RE.fullmatch(str(self.group)):
+            raise UsageError(f"--group {str(self.group)[:40]!r} is invalid: expected 1-64 characters of "
+                             "letters, digits, '.', '_', ':' or '-', starting with a letter or digit")
+        _check_int("--group-limit", self.group_limit, 1, MAX_GROUP_LIMIT)
+        if self.group is None and self.group_limit != 1:
+            raise UsageError("--group-limit goes with --group NAME")
         bad = [reason for reason in self.retry_on if reason not in RETRY_ON_CHOICES]
         if bad or not self.retry_on or len(set(self.retry_on)) != len(self.retry_on):
             raise UsageError(f"--retry-on {','.join(map(str, self.retry_on))!r} is invalid: expected "
@@ -174,6 +189,8 @@ class QueueTerms(NamedTuple):
             fields["fresh"] = True
         if self.on_limit != "pause":
             fields["on_limit"] = self.on_limit
+        if self.group is not None:
+            fields["group"], fields["group_limit"] = self.group, self.group_limit
         return fields
 
 

@@ -302,3 +302,46 @@ def test_detach_on_a_job_that_stays_queued_returns_and_says_it_waits(nats_broker
     assert "stays queued; nothing publishes it until `mam-orch serve" in done.stderr, done.stderr
     assert f"mam-orch cancel {answer['job_id']} --workspace {hub}" in done.stderr
     assert Registry(hub).get(answer["job_id"])["status"] == "queued"
+
+
+@pytest.mark.timeout(240)
+def test_s14_a_group_of_limit_1_runs_its_jobs_one_after_another_in_submit_order(nats_broker, runners, tmp_path):
+    """§14 Groups: three jobs of group `rel` on a runner with three free slots run one at a
+    time, in the order they were submitted; one of another group runs beside them; the hub
+    says why each waits."""
+    runners.broker = nats_broker
+    hub = hub_workspace(nats_broker, tmp_path)
+    marks = tmp_path / "qa.marks"
+    runners.start("qa", "--labels", "x", "--max-jobs", "4", MARKS=str(marks))
+    gate = tmp_path / "gate"
+    first = "\n".join([MARK.format("start"), f'while [ ! -e "{gate}" ]; do sleep 0.1; done', MARK.format("end")])
+    brief = "\n".join([MARK.format("start"), "sleep 1", MARK.format("end")]) + "\n"
+    opener = "\n".join([MARK.format("start"), f'touch "{gate}"', MARK.format("end")])  # only beside the first
+    procs = []
+    for n, text in enumerate([first, brief, brief]):
+        procs.append(dispatch(hub, "--labels", "x", "--group", "rel", "--brief", text))
+        wait_until(lambda: len(hub_records(hub)) == n + 1, PATIENCE_S, f"job {n + 1} registered")
+    procs.append(dispatch(hub, "--labels", "x", "--group", "other", "--brief", opener))
+    results = [finish(proc, 4 * PATIENCE_S) for proc in procs]
+    assert [code for code, _ in results] == [0] * 4, "\n".join(err for code, err in results if code)
+    records = sorted(hub_records(hub), key=lambda r: r["queued_at"])  # µs: the order they were submitted in
+    rel = [r["job_id"] for r in records if r["group"] == "rel"]
+    lines = [line.split() for line in marks.read_text().splitlines()]
+    starts = {job: int(stamp) for what, job, stamp in lines if what == "start"}
+    ends = {job: int(stamp) for what, job, stamp in lines if what == "end"}
+    assert overlap([(starts[job], ends[job]) for job in rel]) == 1, lines  # never two of the group at once
+    assert sorted(rel, key=starts.__getitem__) == rel  # in submit order
+    other = next(r["job_id"] for r in records if r["group"] == "other")
+    assert starts[rel[0]] < starts[other] < ends[rel[0]] <= starts[rel[1]]  # another group's job is not held up
+    notes = [line.get("line", "") for line in Registry(hub).audit(rel[1]) if line.get("event") == "hub_note"]
+    assert any(f"waiting for group rel (1 running: {rel[0]})" in note for note in notes), notes
+
+
+def test_s14_bad_group_terms_are_refused_in_one_line_and_nothing_is_registered(nats_broker, tmp_path):
+    hub = hub_workspace(nats_broker, tmp_path)
+    for args, said in ((["--group", "../x"], "--group '../x' is invalid"),
+                       (["--group-limit", "2"], "goes with --group"),
+                       (["--group", "rel", "--group-limit", "0"], "--group-limit 0")):
+        done = orch(hub, "dispatch", "--labels", "x", "--brief", "x", *args)
+        assert done.returncode == 64 and said in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert hub_records(hub) == []

@@ -132,3 +132,32 @@ def test_s14_why_waiting_lines() -> None:
     assert line == "queued behind 0 jobs for labels=gpu: no matching runner is online (g1 offline, g2 stale)"
     for text in (line, why_waiting(queued[1], fleet, queued, NOW, STALE_S)):
         assert "\n" not in text
+
+
+def grouped(job_id: str, group: str, *, limit: int = 1, queued_at: float = 0.0, labels: tuple[str, ...] = ("x",),
+            priority: int = 0) -> QueuedJob:
+    return QueuedJob(job_id=job_id, target_session=None, target_labels=frozenset(labels), priority=priority,
+                     queued_at=queued_at, group=group, group_limit=limit)
+
+
+def test_s14_a_group_has_at_most_its_limit_out_and_its_jobs_leave_in_order() -> None:
+    fleet = fleet_of(runner("a", max_jobs=8))
+    jobs = [grouped("j1", "rel", queued_at=1), grouped("j2", "rel", queued_at=2), grouped("j3", "rel", queued_at=3),
+            job("free", queued_at=4)]
+    assert plan(jobs, fleet, NOW, STALE_S) == [("j1", "a"), ("free", "a")]  # one of the group, and the others go on
+    assert plan(jobs[1:], fleet, NOW, STALE_S, out={"rel": ["j1"]}) == [("free", "a")]
+    assert plan(jobs[1:], fleet, NOW, STALE_S, out={"rel": []}) == [("j2", "a"), ("free", "a")]
+    two = [grouped(f"k{n}", "ci", limit=2, queued_at=n) for n in range(4)]
+    assert plan(two, fleet, NOW, STALE_S) == [("k0", "a"), ("k1", "a")]
+    assert plan(two[2:], fleet, NOW, STALE_S, out={"ci": ["k0"], "rel": ["j1", "j2"]}) == [("k2", "a")]
+
+
+def test_s14_why_a_grouped_job_waits_names_the_group_and_what_runs() -> None:
+    fleet = fleet_of(runner("a", max_jobs=8))
+    waiting = grouped("j2", "rel")
+    assert why_waiting(waiting, fleet, [waiting], NOW, STALE_S, out={"rel": ["j1"]}) == (
+        "waiting for group rel (1 running: j1)")
+    many = grouped("j9", "rel", limit=4)
+    assert why_waiting(many, fleet, [many], NOW, STALE_S, out={"rel": ["j1", "j2", "j3", "j4"]}) == (
+        "waiting for group rel (4 running: j1, j2, j3 +1 more)")
+    assert why_waiting(many, fleet, [many], NOW, STALE_S, out={"rel": ["j1"]}).startswith("queued behind 0 jobs")

@@ -74,11 +74,26 @@ def test_s14_register_queued_with_terms_and_a_registered_line(reg) -> None:
     (QueueTerms(target_labels=("x",), retry_on=("error", "bogus")), "--retry-on"),
     (QueueTerms(target_labels=("x",), retry_on=()), "--retry-on"),
     (QueueTerms(target_labels=("x",), queue_timeout_sec=0), "--queue-timeout 0"),
+    (QueueTerms(target_labels=("x",), group="../etc"), "--group '../etc' is invalid"),
+    (QueueTerms(target_labels=("x",), group="a\nb"), "--group 'a.nb' is invalid"),
+    (QueueTerms(target_labels=("x",), group="g" * 65), "is invalid: expected 1-64 characters"),
+    (QueueTerms(target_labels=("x",), group="rel", group_limit=0), "--group-limit 0"),
+    (QueueTerms(target_labels=("x",), group="rel", group_limit=1001), "--group-limit 1001"),
+    (QueueTerms(target_labels=("x",), group_limit=2), "--group-limit goes with --group NAME"),
 ])
 def test_s14_bad_terms_are_refused_before_anything_is_written(reg, terms, message) -> None:
     with pytest.raises(UsageError, match=message):
         reg.register(session=terms.target_session, queue=terms)
     assert reg.list()[0] == []
+
+
+def test_s14_a_groups_terms_are_kept_in_the_record_and_read_by_the_queue(reg) -> None:
+    record = reg.register(session=None, queue=QueueTerms(target_labels=("x",), group="release-1.2", group_limit=2))
+    assert (record["group"], record["group_limit"]) == ("release-1.2", 2)
+    job = queued_job(reg.get(record["job_id"]))
+    assert (job.group, job.group_limit) == ("release-1.2", 2)
+    plain = queued_job(labelled(reg))
+    assert (plain.group, plain.group_limit) == (None, 1) and "group" not in reg.get(plain.job_id)
 
 
 def test_s14_jobs_queued_within_one_second_leave_first_in_first_out(reg) -> None:
