@@ -231,7 +231,7 @@ class Hub:
                  allow_tools: Sequence[str] | None = None, deny_tools: Sequence[str] | None = None,
                  permission_mode: str | None = None, ask_timeout_s: int | None = None,
                  on_ask_timeout: str | None = None, fresh: bool = False, on_limit: str = "pause",
-                 title: str | None = None) -> Job:
+                 title: str | None = None, group: str | None = None, group_limit: int = 1) -> Job:
         """Queue a job for one runner `session` or any runner carrying all `labels` (§14);
         with `repo` (and `ref`), on a worktree of that repository; `max_turns`,
         `max_cost_usd`, `allow_tools` (e.g. ["Bash(git *)", "Edit"]), `deny_tools` (rules never
@@ -240,7 +240,8 @@ class Hub:
         `fresh`: a retry starts a new agent session instead of continuing the last one (§18);
         `on_limit`: "pause" (default) the job when its agent stops on a usage limit until the
         limit resets, then continue; "fail": it ends `error` (§14 Pauses); `title`: its name in
-        lists and the dashboard (default: the brief's first line).
+        lists and the dashboard (default: the brief's first line); `group`: a concurrency group
+        of which at most `group_limit` jobs run at once (§14 Groups).
 
         Returns:
             the `Job` (queued; the service publishes it when a runner has a free slot).
@@ -251,7 +252,8 @@ class Hub:
         session = names.strip_remote(session) if session is not None else None
         terms = QueueTerms(target_session=session, target_labels=tuple(labels or ()), priority=priority,
                            queue_timeout_sec=queue_timeout_s, retries=retries,
-                           retry_on=tuple(retry_on), fresh=fresh, on_limit=on_limit).checked()
+                           retry_on=tuple(retry_on), fresh=fresh, on_limit=on_limit, group=group,
+                           group_limit=group_limit).checked()
         contract = hub_contract(self.registry.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
                                 ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
         work = work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,

@@ -28,11 +28,11 @@ from mam.shared.store.records import QueueTerms, describe_target, moved
 
 CANCEL_REASON = "operator (HTTP API)"
 INT_FIELDS = ("priority", "retries", "queue_timeout_sec", "heartbeat_sec", "heartbeat_misses", "ack_timeout_sec",
-              "idle_timeout_sec", "timeout_sec")
+              "idle_timeout_sec", "timeout_sec", "group_limit")
 WORK_FIELDS = ("repo", "ref", "permission_mode", "on_ask_timeout")
 POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "deny_tools", "ask_timeout_s")
-DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", "fresh", "on_limit", "title", *WORK_FIELDS,
-                             *POLICY_FIELDS, *INT_FIELDS})
+DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", "fresh", "on_limit", "title", "group",
+                             *WORK_FIELDS, *POLICY_FIELDS, *INT_FIELDS})
 
 
 def _int(body: Mapping[str, Any], name: str) -> int | None:
@@ -74,15 +74,20 @@ def dispatch_request(service: HubService, body: object) -> dict[str, Any]:
         raise UsageError("field 'fresh' is invalid: expected true or false")
     if not isinstance(on_limit, str):
         raise UsageError("field 'on_limit' is invalid: expected \"pause\" or \"fail\"")
+    group = body.get("group")
+    if group is not None and not isinstance(group, str):
+        raise UsageError("field 'group' is invalid: expected a string")
     ints = {name: _int(body, name) for name in INT_FIELDS}
     target = names.validate_session(names.strip_remote(session)) if session is not None else None
     terms = QueueTerms(target_session=target,
                        target_labels=names.validate_labels(labels) if labels is not None else (),
                        priority=ints["priority"] or 0, retries=ints["retries"] or 0,
                        retry_on=parse_retry_on(",".join(retry_on) if retry_on is not None else None),
-                       fresh=fresh, on_limit=on_limit)
+                       fresh=fresh, on_limit=on_limit, group=group)
     if ints["queue_timeout_sec"] is not None:
         terms = terms._replace(queue_timeout_sec=ints["queue_timeout_sec"])
+    if ints["group_limit"] is not None:
+        terms = terms._replace(group_limit=ints["group_limit"])
     terms = terms.checked()
     contract = hub_contract(service.registry.root, heartbeat_s=ints["heartbeat_sec"],
                             heartbeat_misses=ints["heartbeat_misses"], ack_timeout_s=ints["ack_timeout_sec"],

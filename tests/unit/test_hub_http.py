@@ -139,6 +139,10 @@ def test_s14_http_dispatch_queues_through_the_dispatch_path_and_the_queue_says_w
     (json.dumps({"brief": "x", "labels": ["gpu"], "fresh": "yes"}).encode(), "'fresh' is invalid"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "on_limit": 1}).encode(), "'on_limit' is invalid"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "on_limit": "move"}).encode(), "--on-limit 'move' is invalid"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "group": ["rel"]}).encode(), "'group' is invalid"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "group": "a/b"}).encode(), "--group 'a/b' is invalid"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "group_limit": 2}).encode(), "--group-limit goes with --group"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "group": "r", "group_limit": "2"}).encode(), "'group_limit' is"),
 ])
 def test_s14_http_bad_dispatch_bodies_get_400_with_a_reason(service, api, body, why):
     response = api.post("/api/jobs", content=body, headers={"content-type": "application/json"})
@@ -475,3 +479,17 @@ def test_http_dispatch_keeps_a_title_and_lists_it(service, api):
     for title, why in ((7, "field 'title' is invalid: expected a string"), ("a\nb", "the title is invalid")):
         bad = dispatch(api, title=title)
         assert bad.status_code == 400 and why in bad.json()["error"], bad.text
+
+
+def test_s14_http_and_python_dispatch_take_a_concurrency_group(service, api):
+    grouped = dispatch(api, group="release-1.2", group_limit=2)
+    assert grouped.status_code == 201, grouped.text
+    record = service.registry.get(grouped.json()["job_id"])
+    assert (record["group"], record["group_limit"]) == ("release-1.2", 2)
+    from mam.orchestrator.api import Hub
+
+    with Hub(service.registry.root, embedded=False) as hub:  # the terms are checked before anything else
+        with pytest.raises(UsageError, match="--group-limit goes with --group"):
+            hub.dispatch("echo hi", labels=["gpu"], group_limit=3)
+        with pytest.raises(UsageError, match="--group 'a b' is invalid"):
+            hub.dispatch("echo hi", labels=["gpu"], group="a b")
