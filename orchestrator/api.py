@@ -231,7 +231,8 @@ class Hub:
                  allow_tools: Sequence[str] | None = None, deny_tools: Sequence[str] | None = None,
                  permission_mode: str | None = None, ask_timeout_s: int | None = None,
                  on_ask_timeout: str | None = None, fresh: bool = False, on_limit: str = "pause",
-                 title: str | None = None, group: str | None = None, group_limit: int = 1) -> Job:
+                 title: str | None = None, group: str | None = None, group_limit: int = 1,
+                 cancel_in_progress: bool = False) -> Job:
         """Queue a job for one runner `session` or any runner carrying all `labels` (§14);
         with `repo` (and `ref`), on a worktree of that repository; `max_turns`,
         `max_cost_usd`, `allow_tools` (e.g. ["Bash(git *)", "Edit"]), `deny_tools` (rules never
@@ -241,7 +242,8 @@ class Hub:
         `on_limit`: "pause" (default) the job when its agent stops on a usage limit until the
         limit resets, then continue; "fail": it ends `error` (§14 Pauses); `title`: its name in
         lists and the dashboard (default: the brief's first line); `group`: a concurrency group
-        of which at most `group_limit` jobs run at once (§14 Groups).
+        of which at most `group_limit` jobs run at once, and with `cancel_in_progress` this job
+        cancels the group's earlier ones (§14 Groups).
 
         Returns:
             the `Job` (queued; the service publishes it when a runner has a free slot).
@@ -253,7 +255,7 @@ class Hub:
         terms = QueueTerms(target_session=session, target_labels=tuple(labels or ()), priority=priority,
                            queue_timeout_sec=queue_timeout_s, retries=retries,
                            retry_on=tuple(retry_on), fresh=fresh, on_limit=on_limit, group=group,
-                           group_limit=group_limit).checked()
+                           group_limit=group_limit, cancel_in_progress=cancel_in_progress).checked()
         contract = hub_contract(self.registry.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
                                 ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
         work = work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,

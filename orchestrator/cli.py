@@ -300,6 +300,9 @@ def dispatch_cmd(
     group_limit: int = typer.Option(None, "--group-limit", metavar="N",
                                     help="With --group: how many of the group's jobs may run at once, "
                                          "1..1000 (default 1)."),
+    cancel_in_progress: bool = typer.Option(False, "--cancel-in-progress",
+                                            help="With --group: cancel the group's jobs queued or running "
+                                                 "before this one (each says why)."),
     repo: str = typer.Option(None, "--repo", metavar="NAME",
                              help="Run on a worktree of this repository: only runners started with "
                                   "--repo NAME=URL take the job; its change comes back (§18)."),
@@ -354,7 +357,7 @@ def dispatch_cmd(
                         timeout_s=timeout, require_online=require_online, detach=detach, as_json=as_json,
                         workspace=workspace, labels=labels, priority=priority, queue_timeout_s=queue_timeout,
                         retries=retries, retry_on=retry_on, fresh=fresh, on_limit=on_limit, show_log=not no_log,
-                        title=title, group=group, group_limit=group_limit,
+                        title=title, group=group, group_limit=group_limit, cancel_in_progress=cancel_in_progress,
                         work=work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
                                         allow_tools=allow_tools, deny_tools=deny_tools,
                                         permission_mode=permission_mode, ask_timeout_s=ask_timeout,

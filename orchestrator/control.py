@@ -11,10 +11,10 @@ from pathlib import Path
 
 from mam.orchestrator.identity import roster
 from mam.shared.protocol import crypto, names, wire
-from mam.shared.protocol.codes import CloseReason, JobStatus
+from mam.shared.protocol.codes import TERMINAL_STATUSES, CloseReason, JobStatus
 from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.protocol.errors import BrokerError, TransitionRefused
-from mam.shared.store.records import JobRecord
+from mam.shared.store.records import JobRecord, moved
 from mam.shared.store.registry import Registry
 from mam.shared.transport import Transport
 
@@ -104,3 +104,40 @@ def close_remote(registry: Registry, client: Transport | None, keys: DispatchKey
         log.warning("job %s closed %s on the hub; the cancel was not published: %s; `mam-orch cancel %s` "
                     "sends it again", job_id, close_reason, exc, job_id)
     return record
+
+
+def cancel_open(registry: Registry, client: Transport | None, keys: DispatchKeys, job_id: str,
+                reason: str) -> tuple[JobRecord, bool]:
+    """An operator's cancel of an open job on an already connected client (§6, §14): a
+    `queued` job is closed on the hub only (nothing was published); a published one is
+    closed, its retained dispatch cleared and its runner sent a signed cancel. A job that
+    already ended is left alone.
+
+    Returns:
+        (the record after it, whether this call changed it).
+    Raises:
+        JobNotFound, RegistryError; BrokerError: the record changed, the runner was not told.
+    """
+    record = registry.get(job_id)
+    changed = False
+    if record["status"] == JobStatus.QUEUED:  # §14: nothing was published, so no control either
+        with registry.transaction(job_id) as txn:
+            if txn.record["status"] == JobStatus.QUEUED:
+                txn.update(moved(txn.record, JobStatus.CANCELLED, close_reason=CloseReason.CANCELLED),
+                           source="operator", reason=reason)
+                changed = True
+        record = registry.get(job_id)
+    if record["status"] not in TERMINAL_STATUSES:
+        try:
+            record = registry.close(job_id, "cancelled", source="operator", reason=reason)
+            changed = True
+        except TransitionRefused:
+            record = registry.get(job_id)  # it ended meanwhile
+        if changed and cancel_owed(record) and client is not None:
+            try:
+                clear_dispatch(client, job_id)
+                publish_cancel(client, record, keys, reason, registry.root)
+            except BrokerError as exc:
+                raise BrokerError(f"job {job_id} is {record['status']} on the hub, but its runner was not "
+                                  f"told: {exc}; run `mam-orch cancel {job_id}`") from None
+    return record, changed

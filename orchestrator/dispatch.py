@@ -310,7 +310,8 @@ def parse_retry_on(text: str | None) -> tuple[str, ...]:
 
 def queue_terms(session: str | None, labels: str | None, *, priority: int, queue_timeout_s: int | None,
                 retries: int, retry_on: str | None, fresh: bool = False, on_limit: str = "pause",
-                group: str | None = None, group_limit: int | None = None) -> QueueTerms:
+                group: str | None = None, group_limit: int | None = None,
+                cancel_in_progress: bool = False) -> QueueTerms:
     """The job's §14 terms from the dispatch options (`--session remote:NAME` accepted).
 
     Raises:
@@ -323,7 +324,7 @@ def queue_terms(session: str | None, labels: str | None, *, priority: int, queue
     bare = names.validate_session(names.strip_remote(session)) if session is not None else None
     terms = QueueTerms(target_session=bare, target_labels=names.parse_labels(labels) if labels is not None else (),
                        priority=priority, retries=retries, retry_on=parse_retry_on(retry_on), fresh=fresh,
-                       on_limit=on_limit, group=group)
+                       on_limit=on_limit, group=group, cancel_in_progress=cancel_in_progress)
     if group_limit is not None:
         terms = terms._replace(group_limit=group_limit)
     if queue_timeout_s is not None:

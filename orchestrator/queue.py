@@ -74,6 +74,7 @@ class QueuedJob:
             (epoch s), nor does it hold up the jobs queued behind it; None: not paused.
         group, group_limit: its concurrency group (§14 Groups): it waits while `group_limit`
             jobs of the group are out (published or running); None: no group.
+        cancel_in_progress: it cancels its group's jobs queued or out before it.
     """
 
     job_id: str
@@ -87,6 +88,7 @@ class QueuedJob:
     paused_until: float | None = None
     group: str | None = None
     group_limit: int = 1
+    cancel_in_progress: bool = False
 
     def paused(self, wall_now: float) -> bool:
         """Whether it is still paused at `wall_now` (epoch s)."""

@@ -75,7 +75,8 @@ def queued_job(record: JobRecord) -> QueuedJob:
                      avoid_session=record.get("avoid_session"), prefer_session=record.get("prefer_session"),
                      repo=(record.get("work") or {}).get("repo"),
                      paused_until=_epoch(record["paused_until"]) if record.get("paused_until") else None,
-                     group=record.get("group"), group_limit=int(record.get("group_limit", 1)))
+                     group=record.get("group"), group_limit=int(record.get("group_limit", 1)),
+                     cancel_in_progress=record.get("cancel_in_progress") is True)
 
 
 def mark_published(registry: Registry, job_id: str, session: str) -> JobRecord:

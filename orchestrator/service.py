@@ -38,6 +38,7 @@ from types import FrameType
 from typing import Protocol, TextIO
 
 from mam.orchestrator import queue as hubqueue
+from mam.orchestrator.control import cancel_open
 from mam.orchestrator.dispatch import publish_queued
 from mam.orchestrator.hub import DAY_S, Hub, Workspace, open_hub
 from mam.orchestrator.hublock import HubLock, service_pid
@@ -473,6 +474,7 @@ class HubService:
         if not self.queued:
             return
         self.feed.drop_revoked()  # §16: a revoked runner gets nothing
+        self._cancel_in_progress()
         waiting = list(self.queued.values())
         out = self.groups_out()
         picks = hubqueue.plan(waiting, self.fleet, now, PRESENCE_STALE_S, out=out)
@@ -490,6 +492,27 @@ class HubService:
             self.publish(job_id, session, now)
         for job in self.queued.values():
             self._explain(job, waiting, now)
+
+    def _cancel_in_progress(self) -> None:
+        """§14 Groups: a queued job dispatched `--cancel-in-progress` cancels its group's jobs
+        that were queued before it or are out, and each of them says why. Looked at on every
+        plan, after the scan, so a restarted hub finishes what an earlier one began."""
+        for job in [job for job in self.queued.values() if job.cancel_in_progress and job.group is not None]:
+            earlier = [other.job_id for other in self.queued.values()  # submitted before it, whatever the priority
+                       if other.group == job.group and (other.queued_at, other.job_id) < (job.queued_at, job.job_id)]
+            for job_id in self.groups_out().get(str(job.group), []) + earlier:
+                reason = f"cancel-in-progress: job {job.job_id} of group {job.group}"
+                try:
+                    _, changed = cancel_open(self.registry, self.client, self.keys, job_id, reason)
+                except MamError as exc:
+                    log.warning("job %s: not cancelled for job %s of group %s: %s", job_id, job.job_id, job.group,
+                                exc)
+                    continue
+                if changed:
+                    self.note(job_id, f"job {job_id}: cancelled: job {job.job_id} of group {job.group} came with "
+                                      "--cancel-in-progress")
+                if job_id in self.queued:
+                    self.consider(job_id, time.monotonic())  # it left the queue
 
     def groups_out(self) -> dict[str, list[str]]:
         """Each concurrency group's jobs published or running now (§14 Groups): the tracked

@@ -170,7 +170,8 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
                  priority: int = 0, queue_timeout_s: int | None = None, retries: int = 0,
                  retry_on: str | None = None, show_log: bool = True, work: wire.Work | None = None,
                  fresh: bool = False, on_limit: str = "pause", title: str | None = None,
-                 group: str | None = None, group_limit: int | None = None) -> int:
+                 group: str | None = None, group_limit: int | None = None,
+                 cancel_in_progress: bool = False) -> int:
     """`mam-orch dispatch` (§5, §9, §10, §14).
 
     Order: validate everything (the target: `--session NAME` (or `remote:NAME`) or
@@ -188,7 +189,8 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
         UsageError / ConfigError (exit 64), EnvFileError (exit 1), BrokerError (exit 3).
     """
     terms = queue_terms(session, labels, priority=priority, queue_timeout_s=queue_timeout_s, retries=retries,
-                        retry_on=retry_on, fresh=fresh, on_limit=on_limit, group=group, group_limit=group_limit)
+                        retry_on=retry_on, fresh=fresh, on_limit=on_limit, group=group, group_limit=group_limit,
+                        cancel_in_progress=cancel_in_progress)
     text = read_brief(brief, brief_file, stdin)
     job_title(text, title)  # a bad --title is refused before anything is written
     hub = open_hub(workspace)

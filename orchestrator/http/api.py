@@ -15,16 +15,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mam.orchestrator.control import cancel_owed, clear_dispatch, publish_cancel
+from mam.orchestrator.control import cancel_open, publish_cancel
 from mam.orchestrator.dispatch import check_brief, hub_contract, parse_retry_on, work_terms
 from mam.orchestrator.identity.drain import order_drain
 from mam.orchestrator.queuewait import refuse_redispatch, requeue
 from mam.orchestrator.service import HubService
 from mam.orchestrator.submit import register_queued
 from mam.shared.protocol import names, wire
-from mam.shared.protocol.codes import TERMINAL_STATUSES, CloseReason, JobStatus
-from mam.shared.protocol.errors import BrokerError, TransitionRefused, UsageError
-from mam.shared.store.records import QueueTerms, describe_target, moved
+from mam.shared.protocol.codes import JobStatus
+from mam.shared.protocol.errors import BrokerError, UsageError
+from mam.shared.store.records import QueueTerms, describe_target
 
 CANCEL_REASON = "operator (HTTP API)"
 INT_FIELDS = ("priority", "retries", "queue_timeout_sec", "heartbeat_sec", "heartbeat_misses", "ack_timeout_sec",
@@ -32,7 +32,7 @@ INT_FIELDS = ("priority", "retries", "queue_timeout_sec", "heartbeat_sec", "hear
 WORK_FIELDS = ("repo", "ref", "permission_mode", "on_ask_timeout")
 POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "deny_tools", "ask_timeout_s")
 DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", "fresh", "on_limit", "title", "group",
-                             *WORK_FIELDS, *POLICY_FIELDS, *INT_FIELDS})
+                             "cancel_in_progress", *WORK_FIELDS, *POLICY_FIELDS, *INT_FIELDS})
 
 
 def _int(body: Mapping[str, Any], name: str) -> int | None:
@@ -74,16 +74,18 @@ def dispatch_request(service: HubService, body: object) -> dict[str, Any]:
         raise UsageError("field 'fresh' is invalid: expected true or false")
     if not isinstance(on_limit, str):
         raise UsageError("field 'on_limit' is invalid: expected \"pause\" or \"fail\"")
-    group = body.get("group")
+    group, cancel_in_progress = body.get("group"), body.get("cancel_in_progress", False)
     if group is not None and not isinstance(group, str):
         raise UsageError("field 'group' is invalid: expected a string")
+    if not isinstance(cancel_in_progress, bool):
+        raise UsageError("field 'cancel_in_progress' is invalid: expected true or false")
     ints = {name: _int(body, name) for name in INT_FIELDS}
     target = names.validate_session(names.strip_remote(session)) if session is not None else None
     terms = QueueTerms(target_session=target,
                        target_labels=names.validate_labels(labels) if labels is not None else (),
                        priority=ints["priority"] or 0, retries=ints["retries"] or 0,
                        retry_on=parse_retry_on(",".join(retry_on) if retry_on is not None else None),
-                       fresh=fresh, on_limit=on_limit, group=group)
+                       fresh=fresh, on_limit=on_limit, group=group, cancel_in_progress=cancel_in_progress)
     if ints["queue_timeout_sec"] is not None:
         terms = terms._replace(queue_timeout_sec=ints["queue_timeout_sec"])
     if ints["group_limit"] is not None:
@@ -131,30 +133,7 @@ def cancel_request(service: HubService, job_id: str) -> dict[str, Any]:
         UsageError: not a job id. JobNotFound. BrokerError: the record changed, the runner was not told.
     """
     names.validate_job_id(job_id)
-    registry = service.registry
-    record = registry.get(job_id)
-    changed = False
-    if record["status"] == JobStatus.QUEUED:  # §14: nothing was published, so no control either
-        with registry.transaction(job_id) as txn:
-            if txn.record["status"] == JobStatus.QUEUED:
-                record = moved(txn.record, JobStatus.CANCELLED, close_reason=CloseReason.CANCELLED)
-                txn.update(record, source="operator", reason=CANCEL_REASON)
-                changed = True
-        record = registry.get(job_id)
-    if record["status"] not in TERMINAL_STATUSES:
-        try:
-            record = registry.close(job_id, "cancelled", source="operator", reason=CANCEL_REASON)
-            changed = True
-        except TransitionRefused:
-            record = registry.get(job_id)  # it ended meanwhile
-        client = service.client
-        if changed and cancel_owed(record) and client is not None:
-            try:
-                clear_dispatch(client, job_id)
-                publish_cancel(client, record, service.keys, CANCEL_REASON)
-            except BrokerError as exc:
-                raise BrokerError(f"job {job_id} is {record['status']} on the hub, but its runner was not "
-                                  f"told: {exc}; run `mam-orch cancel {job_id}`") from None
+    record, changed = cancel_open(service.registry, service.client, service.keys, job_id, CANCEL_REASON)
     return {"job_id": job_id, "status": record["status"], "attempt_id": record["attempt_id"], "changed": changed}
 
 

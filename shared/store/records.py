@@ -102,6 +102,7 @@ class JobRecord(TypedDict):
     on_limit: NotRequired[str]  # §14 Pauses: `fail` (absent: pause)
     group: NotRequired[str]  # §14 Groups: the job's concurrency group
     group_limit: NotRequired[int]  # §14 Groups: at most this many of the group's jobs out at once
+    cancel_in_progress: NotRequired[bool]  # §14 Groups: it cancels the group's earlier jobs
     usage_limit: NotRequired[dict[str, Any]]  # §14 Pauses: {"attempt_id", "reset_at"} of an attempt that hit one
     pauses: NotRequired[int]  # §14 Pauses: how often the job paused
     paused_until: NotRequired[str]  # §14 Pauses: a queued job is not published before this (§3 timestamp)
@@ -135,6 +136,8 @@ class QueueTerms(NamedTuple):
             limit resets, then continue (§14 Pauses), or `fail` (it stays `error`).
         group: a concurrency group (§14 Groups): at most `group_limit` of its jobs are
             published or running at once, fleet-wide; None: no group.
+        cancel_in_progress: with a group: this job cancels the group's jobs queued or out
+            before it (GitHub Actions' `cancel-in-progress`).
     """
 
     target_session: str | None = None
@@ -147,6 +150,7 @@ class QueueTerms(NamedTuple):
     on_limit: str = "pause"
     group: str | None = None
     group_limit: int = 1
+    cancel_in_progress: bool = False
 
     def checked(self) -> QueueTerms:
         """These terms, validated (labels sorted).
@@ -173,6 +177,8 @@ class QueueTerms(NamedTuple):
         _check_int("--group-limit", self.group_limit, 1, MAX_GROUP_LIMIT)
         if self.group is None and self.group_limit != 1:
             raise UsageError("--group-limit goes with --group NAME")
+        if self.group is None and self.cancel_in_progress:
+            raise UsageError("--cancel-in-progress goes with --group NAME")
         bad = [reason for reason in self.retry_on if reason not in RETRY_ON_CHOICES]
         if bad or not self.retry_on or len(set(self.retry_on)) != len(self.retry_on):
             raise UsageError(f"--retry-on {','.join(map(str, self.retry_on))!r} is invalid: expected "
@@ -191,6 +197,8 @@ class QueueTerms(NamedTuple):
             fields["on_limit"] = self.on_limit
         if self.group is not None:
             fields["group"], fields["group_limit"] = self.group, self.group_limit
+        if self.cancel_in_progress:
+            fields["cancel_in_progress"] = True
         return fields
 
 

@@ -337,6 +337,32 @@ def test_s14_a_group_of_limit_1_runs_its_jobs_one_after_another_in_submit_order(
     assert any(f"waiting for group rel (1 running: {rel[0]})" in note for note in notes), notes
 
 
+@pytest.mark.timeout(240)
+def test_s14_cancel_in_progress_cancels_the_groups_running_and_queued_jobs_and_runs(nats_broker, runners, tmp_path):
+    """§14 Groups: job 1 of `rel` runs (until a file that never comes), job 2 waits for the
+    group; job 3 `--cancel-in-progress` cancels both (exit 4, the agent stopped), then runs."""
+    runners.broker = nats_broker
+    hub = hub_workspace(nats_broker, tmp_path)
+    marks = tmp_path / "qa.marks"
+    runners.start("qa", "--labels", "x", "--max-jobs", "4", MARKS=str(marks))
+    never = tmp_path / "never"
+    stuck = "\n".join([MARK.format("start"), f'while [ ! -e "{never}" ]; do sleep 0.1; done'])
+    first = dispatch(hub, "--labels", "x", "--group", "rel", "--brief", stuck)
+    wait_until(lambda: marks.exists() and "start" in marks.read_text(), PATIENCE_S, "job 1 running")
+    second = dispatch(hub, "--labels", "x", "--group", "rel", "--brief", "echo two")
+    wait_until(lambda: len(hub_records(hub)) == 2, PATIENCE_S, "job 2 registered")
+    third = dispatch(hub, "--labels", "x", "--group", "rel", "--cancel-in-progress", "--brief", "echo three")
+    assert [finish(proc, 4 * PATIENCE_S)[0] for proc in (first, second, third)] == [4, 4, 0]
+    records = sorted(hub_records(hub), key=lambda r: r["queued_at"])
+    assert [r["status"] for r in records] == ["cancelled", "cancelled", "completed"]
+    newest = records[2]["job_id"]
+    for record in records[:2]:
+        notes = [line.get("line", "") for line in Registry(hub).audit(record["job_id"])
+                 if line.get("event") == "hub_note"]
+        assert f"job {record['job_id']}: cancelled: job {newest} of group rel came with --cancel-in-progress" in notes
+    assert Registry(tmp_path / "qa").get(records[0]["job_id"])["status"] == "cancelled"  # its runner stopped it
+
+
 def test_s14_bad_group_terms_are_refused_in_one_line_and_nothing_is_registered(nats_broker, tmp_path):
     hub = hub_workspace(nats_broker, tmp_path)
     for args, said in ((["--group", "../x"], "--group '../x' is invalid"),

@@ -493,3 +493,30 @@ def test_s14_http_and_python_dispatch_take_a_concurrency_group(service, api):
             hub.dispatch("echo hi", labels=["gpu"], group_limit=3)
         with pytest.raises(UsageError, match="--group 'a b' is invalid"):
             hub.dispatch("echo hi", labels=["gpu"], group="a b")
+
+
+def test_s14_a_cancel_in_progress_job_cancels_its_groups_earlier_jobs_and_each_says_why(service, api):
+    from mam.orchestrator.queuewait import mark_published
+
+    earlier = dispatch(api, group="rel").json()["job_id"]
+    other = dispatch(api, group="other").json()["job_id"]
+    out = service.registry.register(session=None, queue=QueueTerms(target_labels=("gpu",), group="rel"))["job_id"]
+    mark_published(service.registry, out, "gpu-box")  # published to a runner: out, tracked by the engine
+    newest = dispatch(api, group="rel", cancel_in_progress=True).json()["job_id"]
+    assert service.registry.get(newest)["cancel_in_progress"] is True
+    service.scan(time.monotonic())
+    assert service.groups_out() == {"rel": [out]}
+    service.plan(time.monotonic())
+    status = {job: service.registry.get(job)["status"] for job in (earlier, other, out, newest)}
+    assert status == {earlier: "cancelled", other: "queued", out: "cancelled", newest: "queued"}
+    topics = [topic for topic, _, _ in service.client.published]
+    assert names.control_topic(out, service.config.topic_root) in topics  # its runner is told
+    assert names.control_topic(earlier, service.config.topic_root) not in topics  # never published: nothing to tell
+    for job in (earlier, out):
+        notes = [line["line"] for line in service.registry.audit(job) if line.get("event") == "hub_note"]
+        assert notes == [f"job {job}: cancelled: job {newest} of group rel came with --cancel-in-progress"], notes
+    service.plan(time.monotonic())  # again: nothing more to cancel, nothing said twice
+    assert len([line for line in service.registry.audit(out) if line.get("event") == "hub_note"]) == 1
+    bad = dispatch(api, cancel_in_progress=True)
+    assert bad.status_code == 400 and "--cancel-in-progress goes with --group" in bad.json()["error"]
+    assert dispatch(api, group="rel", cancel_in_progress="yes").status_code == 400
