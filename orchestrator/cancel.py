@@ -6,14 +6,14 @@ from __future__ import annotations
 import json
 import sys
 
-from mam.orchestrator.control import cancel_owed, clear_dispatch, publish_cancel
+from mam.orchestrator.control import cancel_owed, cancel_queued, clear_dispatch, publish_cancel
 from mam.orchestrator.hints import command
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.shared.cli import human_view
 from mam.shared.protocol import names
-from mam.shared.protocol.codes import TERMINAL_STATUSES, CloseReason, JobStatus
+from mam.shared.protocol.codes import TERMINAL_STATUSES
 from mam.shared.protocol.errors import BrokerError, TransitionRefused
-from mam.shared.store.records import JobRecord, moved
+from mam.shared.store.records import JobRecord
 
 
 def _print_result(record: JobRecord, changed: bool, as_json: bool = False) -> None:
@@ -51,19 +51,11 @@ def cancel(job_id: str, *, workspace: Workspace = None, reason: str = "operator"
     names.validate_job_id(job_id)
     hub = open_hub(workspace)
     registry = hub.registry
-    record = registry.get(job_id)
-    changed = False
-    if record["status"] == JobStatus.QUEUED:  # §14: nothing was published, so no control either
-        with registry.transaction(job_id) as txn:
-            if txn.record["status"] == JobStatus.QUEUED:  # else it left the queue meanwhile: cancel it as published
-                record = moved(txn.record, JobStatus.CANCELLED, close_reason=CloseReason.CANCELLED)
-                txn.update(record, source="operator", reason=reason)
-                changed = True
-        if changed:
-            print(f"job {job_id} (attempt {record['attempt_id']}): cancelled while queued", file=sys.stderr)
-            _print_result(record, True, as_json)
-            return 0
-        record = registry.get(job_id)
+    record, changed = cancel_queued(registry, job_id, reason)  # §14: a queued job is cancelled on the hub only
+    if changed:
+        print(f"job {job_id} (attempt {record['attempt_id']}): cancelled while queued", file=sys.stderr)
+        _print_result(record, True, as_json)
+        return 0
     if record["status"] not in TERMINAL_STATUSES or cancel_owed(record):
         keys = hub.keys()
         client = hub.connect("cancel", record)

@@ -106,6 +106,21 @@ def close_remote(registry: Registry, client: Transport | None, keys: DispatchKey
     return record
 
 
+def cancel_queued(registry: Registry, job_id: str, reason: str) -> tuple[JobRecord, bool]:
+    """Cancel the job on the hub if it is still `queued` (§14: nothing was published, so no
+    control either). Returns (its record now, whether this call cancelled it); a job that
+    left the queue meanwhile is returned as it is, to be cancelled as published."""
+    record = registry.get(job_id)
+    if record["status"] != JobStatus.QUEUED:
+        return record, False
+    with registry.transaction(job_id) as txn:
+        if txn.record["status"] != JobStatus.QUEUED:
+            return txn.record, False
+        record = moved(txn.record, JobStatus.CANCELLED, close_reason=CloseReason.CANCELLED)
+        txn.update(record, source="operator", reason=reason)
+    return registry.get(job_id), True
+
+
 def cancel_open(registry: Registry, client: Transport | None, keys: DispatchKeys, job_id: str,
                 reason: str) -> tuple[JobRecord, bool]:
     """An operator's cancel of an open job on an already connected client (§6, §14): a
@@ -118,15 +133,7 @@ def cancel_open(registry: Registry, client: Transport | None, keys: DispatchKeys
     Raises:
         JobNotFound, RegistryError; BrokerError: the record changed, the runner was not told.
     """
-    record = registry.get(job_id)
-    changed = False
-    if record["status"] == JobStatus.QUEUED:  # §14: nothing was published, so no control either
-        with registry.transaction(job_id) as txn:
-            if txn.record["status"] == JobStatus.QUEUED:
-                txn.update(moved(txn.record, JobStatus.CANCELLED, close_reason=CloseReason.CANCELLED),
-                           source="operator", reason=reason)
-                changed = True
-        record = registry.get(job_id)
+    record, changed = cancel_queued(registry, job_id, reason)
     if record["status"] not in TERMINAL_STATUSES:
         try:
             record = registry.close(job_id, "cancelled", source="operator", reason=reason)
