@@ -734,14 +734,8 @@ class Runner:
             # a retained answer this runner delivered before, or another runner's: nothing to do
             log.debug("answer %s of job %s: no such request waits here", request_id, job_id)
             return
-        record = self._record(job_id)
-        try:
-            if record is None or record["attempt_id"] != control.attempt_id:
-                raise SignatureError("not this runner's attempt")
-            message = crypto.open_answer(record["auth_token"], control)  # §19: sealed to this attempt
-        except SignatureError as exc:
-            log.warning("refused answer %s: its message does not open with attempt %d's key (%s)", job_id,
-                        control.attempt_id, exc)
+        message = self._opened("answer", job_id, control)
+        if message is None:
             return
         refused = self._socket.answer(job_id, control.attempt_id, request_id,
                                       allow=control.action == ControlAction.ALLOW, message=message,
@@ -757,6 +751,20 @@ class Runner:
         except BrokerError as exc:
             log.info("answer %s of job %s not cleared: %s", request_id, job_id, exc)
 
+    def _opened(self, what: str, job_id: str, control: wire.Control) -> str | None:
+        """The message of the hub's answer or say `control`, opened with the key of the attempt
+        this runner holds (§19: sealed to it); None, logged `refused <what> ...`, when it is
+        another attempt's or does not open."""
+        record = self._record(job_id)
+        try:
+            if record is None or record["attempt_id"] != control.attempt_id:
+                raise SignatureError("not this runner's attempt")
+            return crypto.open_answer(record["auth_token"], control)
+        except SignatureError as exc:
+            log.warning("refused %s %s: its message does not open with attempt %d's key (%s)", what, job_id,
+                        control.attempt_id, exc)
+            return None
+
     def _on_say(self, job_id: str, message_id: str, topic: str, control: wire.Control) -> None:
         """§18 "Input while it runs": a person's verified message to the attempt held here goes
         to its running agent's stdin, once; a `progress` event tells the hub whether it was
@@ -767,14 +775,8 @@ class Runner:
         if job is None or job.orphan or handled:
             log.debug("message %s of job %s: no agent of it runs here, or it was delivered", message_id, job_id)
             return
-        record = self._record(job_id)
-        try:
-            if record is None or record["attempt_id"] != control.attempt_id or job.attempt_id != control.attempt_id:
-                raise SignatureError(f"this runner holds attempt {job.attempt_id}")
-            words = crypto.open_answer(record["auth_token"], control)  # sealed to this attempt
-        except SignatureError as exc:
-            log.warning("refused say %s: its message does not open with attempt %d's key (%s)", job_id,
-                        control.attempt_id, exc)
+        words = self._opened("say", job_id, control)
+        if words is None:
             return
         with self._jobs_lock:
             self._said.add((job_id, message_id))
