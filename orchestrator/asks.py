@@ -17,8 +17,8 @@ import getpass
 import socket
 from dataclasses import replace
 
+from mam.orchestrator.control import control_payload
 from mam.orchestrator.hub import Hub
-from mam.orchestrator.identity import roster
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.codes import TERMINAL_STATUSES
 from mam.shared.protocol.crypto import DispatchKeys
@@ -135,9 +135,8 @@ def answer(registry: Registry, client: Transport, keys: DispatchKeys, job_id: st
     sealed = crypto.seal_answer(record["auth_token"], job_id=job_id, attempt_id=ask.attempt_id,
                                 request_id=ask.request_id, action=action, message=text)
     control = wire.Control.answer(job_id, ask.attempt_id, ask.request_id, allow=allow, sealed=sealed, always=always)
-    signed = roster.sign_control_v2(registry.root, session, control) if session else None
-    payload = wire.encode(signed or crypto.sign(control.to_dict(), keys.sign_key))
-    client.publish(names.answer_topic(job_id, ask.request_id, client.config.topic_root), payload, retain=True)
+    client.publish(names.answer_topic(job_id, ask.request_id, client.config.topic_root),
+                   control_payload(control, session, keys, registry.root), retain=True)
     behavior = action
     line = {"event": ANSWERED, "request_id": ask.request_id, "attempt_id": ask.attempt_id, "behavior": behavior,
             "by": who, "message": text}

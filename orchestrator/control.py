@@ -40,10 +40,15 @@ def publish_cancel(client: Transport, record: JobRecord, keys: DispatchKeys, rea
         BrokerError: no PUBACK.
     """
     control = wire.Control.cancel(record["job_id"], record["attempt_id"], reason)
-    session = record.get("session")
+    client.publish(names.control_topic(record["job_id"], client.config.topic_root),
+                   control_payload(control, record.get("session"), keys, root), retain=True)
+
+
+def control_payload(control: wire.Control, session: str | None, keys: DispatchKeys, root: Path | None) -> bytes:
+    """The wire bytes of a hub control (a cancel §6, an answer §19, a say §18): signed v2 for
+    a session with a roster entry under `root` (§16.2), else v1 with the dispatch key."""
     signed = roster.sign_control_v2(root, session, control) if root is not None and session else None
-    payload = wire.encode(signed or crypto.sign(control.to_dict(), keys.sign_key))
-    client.publish(names.control_topic(record["job_id"], client.config.topic_root), payload, retain=True)
+    return wire.encode(signed or crypto.sign(control.to_dict(), keys.sign_key))
 
 
 def clear_retained(client: Transport, topic: str) -> None:

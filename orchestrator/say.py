@@ -18,9 +18,9 @@ import secrets
 import time
 
 from mam.orchestrator.asks import operator
+from mam.orchestrator.control import control_payload
 from mam.orchestrator.follow import AuditTail
 from mam.orchestrator.hub import Hub
-from mam.orchestrator.identity import roster
 from mam.orchestrator.service import EmbeddedService
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.codes import ControlAction, EventName, JobStatus
@@ -92,12 +92,10 @@ def say_running(hub: Hub, job_id: str, words: str, *, wait_s: float = DELIVERY_W
         sealed = crypto.seal_answer(record["auth_token"], job_id=job_id, attempt_id=attempt, request_id=message_id,
                                     action=str(ControlAction.SAY), message=words)
         control = wire.Control.say(job_id, attempt, message_id, sealed=sealed)
-        session = record.get("session")
-        signed = roster.sign_control_v2(registry.root, session, control) if session else None
+        payload = control_payload(control, record.get("session"), keys, registry.root)
         client = hub.connect("say", record)
         try:
-            client.publish(names.answer_topic(job_id, message_id, client.config.topic_root),
-                           wire.encode(signed or crypto.sign(control.to_dict(), keys.sign_key)), retain=True)
+            client.publish(names.answer_topic(job_id, message_id, client.config.topic_root), payload, retain=True)
         finally:
             client.close()
         registry.append_audit(job_id, {"event": TOLD, "timestamp": utc_now(), "message_id": message_id,
