@@ -538,7 +538,8 @@ def say_cmd(
 ) -> int:
     """Tell a job's agent more: now while it runs, or by continuing its session (PROTOCOL §18).
 
-    A running job whose agent reads input while it works (Claude Code): the
+    A running job whose agent reads input while it works (Claude Code with
+    --input-format stream-json in the runner's --exec): the
     words go to the agent now, at most 8 KiB; exit 0 once the runner delivered
     them, 1 when it could not (the agent finished its turn), 2 with no word from
     the runner within 30 s. An ended job (completed too) whose agent reported a

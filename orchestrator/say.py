@@ -65,7 +65,8 @@ def check_running(registry: Registry, job_id: str, words: str) -> JobRecord:
         raise Refusal(job_id, "not_allowed", f"refused say: the job is {record['status']}, not running")
     if not takes_input(registry, job_id, record["attempt_id"]):
         raise Refusal(job_id, "not_allowed", "refused say: its agent takes no input while it runs (Claude Code "
-                                             "does); say it again once the job ended, to continue its session")
+                                             "with --input-format stream-json does); say it again once the job "
+                                             "ended, to continue its session")
     return record
 
 

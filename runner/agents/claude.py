@@ -127,10 +127,10 @@ class ClaudeAdapter(StreamAdapter):
         self.permission_config = mcp_config
 
     def takes_input(self, exec_argv: list[str]) -> bool:
-        """True unless `exec_argv` chose another `--input-format` than stream-json: the CLI then
-        reads user messages as JSON lines on stdin until it closes (§18)."""
-        chosen = flag_value(exec_argv, "--input-format")
-        return chosen in (None, "stream-json")
+        """True when `exec_argv` asks for `--input-format stream-json`: the CLI then reads user
+        messages as JSON lines on stdin until it closes (§18). Opt-in: in that mode the CLI may
+        start its turn before the MCP permission tool is connected (§19 is then unreliable)."""
+        return flag_value(exec_argv, "--input-format") == "stream-json"
 
     def message(self, text: str) -> str:
         """One stream-json user message holding `text`, a line."""
@@ -161,8 +161,6 @@ class ClaudeAdapter(StreamAdapter):
         if "-p" not in argv and "--print" not in argv:
             argv.append("-p")
         argv += ["--output-format", "stream-json"] + ([] if "--verbose" in argv else ["--verbose"])
-        if self.takes_input(exec_argv) and flag_value(argv, "--input-format") is None:
-            argv += ["--input-format", "stream-json"]
         policy = self.policy
         if policy.max_turns is not None:
             argv += ["--max-turns", str(policy.max_turns)]

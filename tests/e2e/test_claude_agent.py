@@ -310,7 +310,7 @@ def test_s18_say_to_a_running_agent_reaches_it_mid_turn_and_is_refused_once_it_e
     cf = claude_fleet
     go = cf.tmp / "go"
     runner = cf.start([ToolUse("Bash", {"command": f"while [ ! -e {go} ]; do sleep 0.1; done", "description": "wait"}),
-                       Text("Done, with the test too.")])
+                       Text("Done, with the test too.")], exec_cmd="claude --input-format stream-json")
     handle = cf.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST, "--allow-tools", "Bash")
     started = wait_until(lambda: (handle.events("started") or [None])[0], PATIENCE_S, "the agent to start")
     assert started["data"]["takes_input"] is True, started

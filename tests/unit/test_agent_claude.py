@@ -110,25 +110,25 @@ def test_argv_adds_print_mode_stream_and_the_policy() -> None:
     policy = AgentPolicy(max_turns=5, max_cost_usd=0.5, allow_tools=("Bash(git *)", "Edit"),
                          permission_mode="acceptEdits")
     assert ClaudeAdapter(policy).argv(["claude"]) == [
-        "claude", "-p", "--output-format", "stream-json", "--verbose", "--input-format", "stream-json",
+        "claude", "-p", "--output-format", "stream-json", "--verbose",
         "--max-turns", "5", "--max-budget-usd", "0.5", "--allowedTools", "Bash(git *),Edit", "--permission-mode",
         "acceptEdits"]
     assert ClaudeAdapter().argv(["claude", "-p", "--verbose", "--output-format=stream-json"]) == [
-        "claude", "-p", "--verbose", "--output-format", "stream-json", "--input-format", "stream-json"]
+        "claude", "-p", "--verbose", "--output-format", "stream-json"]
 
 
 @pytest.mark.parametrize(("exec_argv", "takes"), [
-    (["claude"], True), (["claude", "--input-format", "stream-json"], True), (["claude", "--input-format=text"], False),
+    (["claude"], False), (["claude", "--input-format", "stream-json"], True),
+    (["claude", "--input-format=text"], False), (["claude", "--input-format=stream-json"], True),
     (["claude", "--input-format", "text"], False), (["claude", "--input-format"], False),
 ])
-def test_claude_reads_a_persons_messages_on_stdin_unless_exec_chose_another_input(exec_argv: list[str],
+def test_claude_reads_a_persons_messages_on_stdin_when_exec_asks_for_stream_json_input(exec_argv: list[str],
                                                                                  takes: bool) -> None:
     adapter = ClaudeAdapter()
     assert adapter.takes_input(exec_argv) is takes
     argv = adapter.argv(exec_argv)
-    assert argv.count("--input-format") + sum(a.startswith("--input-format=") for a in argv) == 1  # never twice
-    if takes:
-        assert argv[argv.index("--input-format") + 1] == "stream-json"
+    assert argv.count("--input-format") + sum(a.startswith("--input-format=") for a in argv) == \
+        exec_argv.count("--input-format") + sum(a.startswith("--input-format=") for a in exec_argv)  # never added
     assert not agents.new_adapter("command").takes_input(["claude"])
 
 
