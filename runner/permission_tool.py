@@ -54,6 +54,7 @@ def serve() -> None:
 
 
 def mcp_config(python: str) -> dict[str, Any]:
-    """The `--mcp-config` object that starts this server with `python`."""
-    return {"mcpServers": {SERVER: {"type": "stdio", "command": python, "args": ["-m", "mam.runner",
-                                                                                  "permission-tool"]}}}
+    """The `--mcp-config` object that starts this server with `python`; `alwaysLoad` makes the
+    CLI in print mode wait for it before the first turn (up to `MCP_CONNECT_TIMEOUT_MS`)."""
+    return {"mcpServers": {SERVER: {"type": "stdio", "command": python, "args": ["-m", "mam.runner", "permission-tool"],
+                                    "alwaysLoad": True}}}

@@ -222,8 +222,9 @@ class AttemptWork:
     def env(self) -> dict[str, str]:
         """What the agent's environment gains: MAM_ARTIFACTS_DIR and, for a repository job,
         MAM_REPO, MAM_BASE_SHA and, on a host where git knows no committer, the runner's
-        own (`mam-runner`), so that the agent's `git commit` works there too."""
-        env = {ARTIFACTS_ENV: str(self.artifacts_dir)}
+        own (`mam-runner`), so that the agent's `git commit` works there too; and what the
+        adapter's flags need (`Adapter.env`)."""
+        env = {ARTIFACTS_ENV: str(self.artifacts_dir), **self.adapter.env(self.environ)}
         if self.worktree is not None:
             env.update({"MAM_REPO": self.worktree.repo, "MAM_BASE_SHA": self.worktree.base_sha})
             if not repos.has_identity(self.worktree.path, os.environ):

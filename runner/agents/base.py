@@ -224,6 +224,11 @@ class Adapter:
         """The budget the stream shows spent that the CLI does not stop on itself, or None."""
         return None
 
+    def env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """What the agent's environment gains for this adapter's flags, `environ` being the
+        runner's (a variable it already sets is left to it)."""
+        return {}
+
     def takes_input(self, exec_argv: list[str]) -> bool:
         """True when the agent started from `exec_argv` reads a person's further messages on
         stdin while it works (§18 "Input while it runs"); then `message` frames each one (the

@@ -94,6 +94,12 @@ def place_transcript(config: Path, session_id: str, cwd: Path) -> bool:
     return True
 
 
+MCP_CONNECT_ENV = "MCP_CONNECT_TIMEOUT_MS"
+MCP_CONNECT_MS = 30_000
+"""How long the CLI waits for the permission tool's server before its first turn: the CLI's own
+limit on one MCP server's connection (`MCP_TIMEOUT`, 30 s by default)."""
+
+
 class ClaudeAdapter(StreamAdapter):
     """Claude Code in print mode with a stream-json stream (§18).
 
@@ -125,6 +131,14 @@ class ClaudeAdapter(StreamAdapter):
         """Give the CLI the permission tool of `mcp_config`: what no policy allows is asked of a
         person at the hub (§19)."""
         self.permission_config = mcp_config
+
+    def env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """With the permission tool, `MCP_CONNECT_TIMEOUT_MS` (unless `environ` sets it): the CLI
+        in print mode waits only 2 s for MCP servers by default, a Python server on a busy host
+        can take longer, and the CLI without its `--permission-prompt-tool` exits 1 (§19)."""
+        if self.permission_config is None or MCP_CONNECT_ENV in environ:
+            return {}
+        return {MCP_CONNECT_ENV: str(MCP_CONNECT_MS)}
 
     def takes_input(self, exec_argv: list[str]) -> bool:
         """True when `exec_argv` asks for `--input-format stream-json`: the CLI then reads user

@@ -42,13 +42,14 @@ class AgentFleet:
                                 netns=self.fleet.net.ns("hub"))
         self.model: ModelProcess | None = None
 
-    def start(self, script: list[Step], *runner_args: str, exec_cmd: str | None = None) -> Runner:
+    def start(self, script: list[Step], *runner_args: str, exec_cmd: str | None = None,
+              env: dict[str, str] | None = None) -> Runner:
         """The model server playing `script` on gpu-box, then the runner with `--exec` the
-        agent (or `exec_cmd`) and `--repo demo=git://hub/demo.git`."""
+        agent (or `exec_cmd`) and `--repo demo=git://hub/demo.git`; `env` adds to its environment."""
         self.model = ModelProcess(lambda argv: self.fleet._popen("gpu-box", argv), self.tmp / "model", script)
         make_env = claude_env if self.agent == "claude" else codex_env
         env = {**make_env(self.model.url, self.tmp / "agent-home"),
-               "PATH": f"{AGENTS_DIR / 'node_modules' / '.bin'}:{self.fleet.env['PATH']}"}
+               "PATH": f"{AGENTS_DIR / 'node_modules' / '.bin'}:{self.fleet.env['PATH']}", **(env or {})}
         return self.fleet.start_runner("gpu-box", exec_cmd or self.agent, "--repo",
                                        f"demo={self.daemon.url('demo')}", *runner_args, env=env)
 

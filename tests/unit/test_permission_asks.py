@@ -290,6 +290,16 @@ def test_the_claude_cli_gets_the_permission_tool_and_only_undecided_denials_fail
     assert report.outcome(0) == ("error", "permission_denied: Bash, Write")
 
 
+def test_the_claude_cli_waits_for_the_permission_tool_unless_the_runner_sets_its_own_wait(tmp_path):
+    from mam.runner.agents import AgentPolicy, ClaudeAdapter
+
+    adapter = ClaudeAdapter(AgentPolicy())
+    assert adapter.env({}) == {}  # no permission tool: nothing to wait for
+    adapter.ask_person(tmp_path / "mcp.json")
+    assert adapter.env({"HOME": "/root"}) == {"MCP_CONNECT_TIMEOUT_MS": "30000"}
+    assert adapter.env({"MCP_CONNECT_TIMEOUT_MS": "90000"}) == {}  # the runner's own setting goes through
+
+
 def test_the_permission_tool_denies_what_it_cannot_ask_and_starts_itself_from_this_python():
     from mam.runner import permission_tool
 
@@ -301,7 +311,7 @@ def test_the_permission_tool_denies_what_it_cannot_ask_and_starts_itself_from_th
     assert answer == {"behavior": "deny", "message": "the runner daemon gave no answer"}
     config = permission_tool.mcp_config("/usr/bin/python3")
     assert config == {"mcpServers": {"mam": {"type": "stdio", "command": "/usr/bin/python3",
-                                             "args": ["-m", "mam.runner", "permission-tool"]}}}
+                                             "args": ["-m", "mam.runner", "permission-tool"], "alwaysLoad": True}}}
 
 
 def test_a_denied_tool_is_remembered_for_the_job_until_it_ends(tmp_path, client):
