@@ -142,8 +142,7 @@ class ClaudeAdapter(StreamAdapter):
 
     def takes_input(self, exec_argv: list[str]) -> bool:
         """True when `exec_argv` asks for `--input-format stream-json`: the CLI then reads user
-        messages as JSON lines on stdin until it closes (§18). Opt-in: in that mode the CLI may
-        start its turn before the MCP permission tool is connected (§19 is then unreliable)."""
+        messages as JSON lines on stdin until it closes (§18); the runner never adds that flag."""
         return flag_value(exec_argv, "--input-format") == "stream-json"
 
     def message(self, text: str) -> str:

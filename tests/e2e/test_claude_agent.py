@@ -140,17 +140,19 @@ def test_s19_a_person_approves_the_tool_call_claude_asks_for_and_it_runs(claude_
     assert [f["path"] for f in result["files"]] == ["a.txt"]  # the tool ran for real, in the worktree
 
 
-def test_s19_a_permission_tool_slow_to_start_is_still_the_one_the_cli_asks(claude_fleet: AgentFleet,
-                                                                         tmp_path: Path) -> None:
+@pytest.mark.parametrize("exec_cmd", [None, "claude --input-format stream-json"], ids=["brief", "input-stream"])
+def test_s19_a_permission_tool_slow_to_start_is_still_the_one_the_cli_asks(claude_fleet: AgentFleet, tmp_path: Path,
+                                                                         exec_cmd: str | None) -> None:
     """The CLI in print mode waits 2 s for MCP servers by default; on a busy host the Python
     permission tool can take longer. Made to take 4 s (a `sitecustomize` the agent's Python
-    processes load), it is still connected before the first turn and asks the hub (§19)."""
+    processes load), it is still connected before the first turn and asks the hub (§19), also
+    when the CLI reads its input as a stream (§18 "Input while it runs")."""
     slow = tmp_path / "slow-python"
     slow.mkdir()
     (slow / "sitecustomize.py").write_text("import os, time\nif os.environ.get('MAM_JOB_ID'):\n    time.sleep(4)\n")
     cf = claude_fleet
     runner = cf.start([ToolUse("Bash", {"command": "echo hi > a.txt", "description": "write"}), Text("Wrote a.txt.")],
-                      env={"PYTHONPATH": str(slow)})
+                      exec_cmd=exec_cmd, env={"PYTHONPATH": str(slow)})
     handle = cf.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST)
     asked = asked_on_hub(handle)
     assert cf.fleet.orch("approve", asked["job_id"]).returncode == 0
