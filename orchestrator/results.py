@@ -197,11 +197,15 @@ def _extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], folder: Path)
 
 
 def _allowed_member(member: tarfile.TarInfo) -> bool:
-    """Only regular files at known places: result.json, change.*, artifacts/<name> (§18)."""
+    """Only regular files at known places: result.json, change.*, artifacts/<name>,
+    transcript/<session_id>.jsonl (§18)."""
     name = member.name
     top = name in (SUMMARY_FILE, PATCH_FILE, BUNDLE_FILE)
-    artifact = name.startswith("artifacts/") and name.count("/") == 1 and names.ARTIFACT_RE.fullmatch(name[10:])
-    return member.isfile() and bool(top or artifact)
+    folder, _, leaf = name.partition("/")
+    artifact = folder == "artifacts" and bool(names.ARTIFACT_RE.fullmatch(leaf))
+    transcript = folder == names.TRANSCRIPT_DIR and leaf.endswith(".jsonl") \
+        and bool(names.AGENT_SESSION_RE.fullmatch(leaf[:-6]))
+    return member.isfile() and (top or artifact or transcript)
 
 
 def _read_state(folder: Path) -> dict[str, Any]:
@@ -245,6 +249,12 @@ class Result:
         """`.mam/artifacts/<id>/<attempt>/`, where this attempt's artifacts land (§18)."""
         return names.hub_artifacts_dir(self.root, self.job_id, self.attempt_id)
 
+    @property
+    def transcript_path(self) -> Path | None:
+        """The agent's session transcript this attempt sent, masked (§18 "Transcripts"), or None."""
+        found = sorted((self.folder / names.TRANSCRIPT_DIR).glob("*.jsonl"))
+        return found[0] if found and self.summary is not None else None
+
     def artifacts(self) -> list[str]:
         """The artifact names received, sorted."""
         folder = self.artifacts_dir
@@ -267,7 +277,7 @@ class Result:
         """JSON for `result --json`, `job.result()` and the HTTP API."""
         return {"job_id": self.job_id, "attempt_id": self.attempt_id, "ready": self.summary is not None,
                 **(self.summary or {}), "artifacts": self.artifacts(), "has_patch": self.patch_path is not None,
-                "has_bundle": self.bundle_path is not None}
+                "has_bundle": self.bundle_path is not None, "has_transcript": self.transcript_path is not None}
 
 
 def attempts_with_results(root: Path, job_id: str) -> Iterator[int]:
@@ -306,8 +316,29 @@ def format_result(result: Result) -> str:
     summary = result.summary
     if summary is None:
         return f"job {result.job_id} attempt {result.attempt_id}: the result is still arriving\n"
-    lines = [f"job {result.job_id} attempt {result.attempt_id}: repo {summary.get('repo')} "
-             f"@ {summary.get('ref')}",
+    if summary.get("repo") is None:  # no repository: artifacts or a transcript only
+        lines = [f"job {result.job_id} attempt {result.attempt_id}: no repository"]
+    else:
+        lines = _change_lines(result.job_id, result.attempt_id, summary)
+    agent = summary.get("agent") or {}
+    if agent.get("result_text"):
+        lines.append(f"  summary: {agent['result_text']}")
+    artifacts = result.artifacts()
+    if artifacts:
+        lines.append(f"  artifacts: {', '.join(artifacts)} (in {result.artifacts_dir})")
+    if (transcript := result.transcript_path) is not None:
+        lines.append(f"  transcript: session {transcript.stem}, {transcript.stat().st_size} bytes ({transcript})")
+    notes = summary.get("artifact_notes")
+    for note in notes[:MAX_NOTES_SHOWN] if isinstance(notes, list) else []:  # what the runner left out, and why
+        lines.append(f"  left out: {wire.safe_line(str(note), wire.MAX_DETAIL_CHARS)}")
+    if isinstance(notes, list) and len(notes) > MAX_NOTES_SHOWN:
+        lines.append(f"  left out: {len(notes) - MAX_NOTES_SHOWN} more (see result.json)")
+    return "\n".join(lines) + "\n"
+
+
+def _change_lines(job_id: str, attempt_id: int, summary: Mapping[str, Any]) -> list[str]:
+    """The repository, commits and diffstat of a result's summary, for `format_result`."""
+    lines = [f"job {job_id} attempt {attempt_id}: repo {summary.get('repo')} @ {summary.get('ref')}",
              f"  base {summary.get('base_sha')}  head {summary.get('head_sha')}"]
     if summary.get("note"):
         lines.append(f"  note: {summary['note']}")
@@ -321,18 +352,7 @@ def format_result(result: Result) -> str:
         lines.append(f"    {counts:>14}  {entry.get('path')}")
     lines.append(f"  {summary.get('files_total', len(files))} file(s) changed, {summary.get('insertions', 0)} "
                  f"insertion(s), {summary.get('deletions', 0)} deletion(s)")
-    agent = summary.get("agent") or {}
-    if agent.get("result_text"):
-        lines.append(f"  summary: {agent['result_text']}")
-    artifacts = result.artifacts()
-    if artifacts:
-        lines.append(f"  artifacts: {', '.join(artifacts)} (in {result.artifacts_dir})")
-    notes = summary.get("artifact_notes")
-    for note in notes[:MAX_NOTES_SHOWN] if isinstance(notes, list) else []:  # what the runner left out, and why
-        lines.append(f"  left out: {wire.safe_line(str(note), wire.MAX_DETAIL_CHARS)}")
-    if isinstance(notes, list) and len(notes) > MAX_NOTES_SHOWN:
-        lines.append(f"  left out: {len(notes) - MAX_NOTES_SHOWN} more (see result.json)")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 MAX_NOTES_SHOWN = 10

@@ -46,6 +46,8 @@ READ_BYTES = 1 << 20
 MAX_LINE_BYTES = 1 << 20
 """An output line longer than this is not given to the adapter (no stream message is that long)."""
 RESULT_TEXT_CHARS = 4000
+MAX_TRANSCRIPT_BYTES = 32 << 20
+"""An agent's session transcript sent with the result at most, bytes (§18); a longer one is left out and said."""
 
 
 class LineFollower:
@@ -291,6 +293,10 @@ class AttemptWork:
             summary: dict[str, Any] = {"job_id": self.job_id, "attempt_id": self.attempt_id}
             files: dict[str, Path] = {}
             notes: list[str] = []
+            transcript = self._transcript(staging, notes)
+            if transcript is not None:
+                files[f"{names.TRANSCRIPT_DIR}/{transcript.name}"] = transcript
+                summary["transcript"] = {"session_id": transcript.stem, "bytes": transcript.stat().st_size}
             if self.worktree is not None:
                 change = repos.collect_result(self.worktree, job_id=self.job_id, attempt_id=self.attempt_id,
                                               session=session, out_dir=staging, max_bytes=max_result_bytes)
@@ -304,7 +310,7 @@ class AttemptWork:
             artifacts, skipped = collect_artifacts(self.artifacts_dir)
             files.update({f"artifacts/{name}": path for name, path in artifacts.items()})
             notes += skipped
-            if self.worktree is None and not artifacts:
+            if self.worktree is None and not artifacts and transcript is None:
                 return None
             agent = self.adapter.report().data() if self.adapter.kind != "command" else {}
             text = self.result_text()
@@ -322,8 +328,42 @@ class AttemptWork:
                 data[key] = summary[key]
         return Collected(archive=archive, manifest=manifest, data=data)
 
+    def _transcript(self, staging: Path, notes: list[str]) -> Path | None:
+        """A masked copy in `staging` of the agent's session transcript (§18 "Transcripts"), or
+        None: the agent kept none, or it is over MAX_TRANSCRIPT_BYTES or unreadable (noted)."""
+        source = self.adapter.transcript(self.cwd(), self.environ)
+        if source is None:
+            return None
+        target = staging / source.name
+        try:
+            copied = masked_copy(source, target, self.secrets, MAX_TRANSCRIPT_BYTES)
+        except OSError as exc:
+            notes.append(f"transcript left out: {exc.strerror or exc}")
+            return None
+        if copied is None:
+            notes.append(f"transcript left out: over {MAX_TRANSCRIPT_BYTES >> 20} MiB")
+            target.unlink(missing_ok=True)
+            return None
+        return target
+
     def _mask(self, text: str) -> str:
         return Masker(self.secrets).feed(text.encode("utf-8", "replace"), final=True).decode("utf-8", "replace")
+
+
+def masked_copy(source: Path, target: Path, secrets: Iterable[str], max_bytes: int) -> int | None:
+    """Copy `source` (never through a link) to `target` (0600) with every form of `secrets`
+    masked as in the log stream (§15). Returns the bytes written, or None when `source` is
+    over `max_bytes` (`target` then partial). Raises OSError."""
+    masker, read, written = Masker(secrets), 0, 0
+    with open(source, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NOFOLLOW)) as src, \
+            open(target, "wb", opener=lambda name, flags: os.open(name, flags, 0o600)) as out:
+        for block in iter(lambda: src.read(1 << 20), b""):
+            read += len(block)
+            if read > max_bytes:
+                return None
+            written += out.write(masker.feed(block))
+        written += out.write(masker.feed(b"", final=True))
+    return written
 
 
 def collect_artifacts(folder: Path) -> tuple[dict[str, Path], list[str]]:

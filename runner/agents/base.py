@@ -224,6 +224,12 @@ class Adapter:
         """The budget the stream shows spent that the CLI does not stop on itself, or None."""
         return None
 
+    def transcript(self, cwd: Path, environ: Mapping[str, str]) -> Path | None:
+        """The session transcript the agent saved on this host while working in `cwd` with
+        `environ` (a regular file, never a link), to travel with the result; None when it
+        keeps none (§18 "Transcripts")."""
+        return None
+
     def env(self, environ: Mapping[str, str]) -> dict[str, str]:
         """What the agent's environment gains for this adapter's flags, `environ` being the
         runner's (a variable it already sets is left to it)."""

@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,18 @@ class ClaudeAdapter(StreamAdapter):
             return f"session {session_id} is not in {config / 'projects'} on this runner"
         self.resumed = session_id
         return None
+
+    def transcript(self, cwd: Path, environ: Mapping[str, str]) -> Path | None:
+        """`<config>/projects/<cwd's folder>/<session_id>.jsonl` of the session the stream named."""
+        session, config = self._report.session_id, config_dir(environ)
+        if session is None or config is None or not names.AGENT_SESSION_RE.fullmatch(session):
+            return None
+        path = config / "projects" / project_folder(cwd) / f"{session}.jsonl"
+        try:
+            info = path.lstat()
+        except OSError:
+            return None
+        return path if stat.S_ISREG(info.st_mode) and not path.parent.is_symlink() else None
 
     def ask_person(self, mcp_config: Path) -> None:
         """Give the CLI the permission tool of `mcp_config`: what no policy allows is asked of a

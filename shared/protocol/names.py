@@ -193,6 +193,8 @@ MAX_REF_CHARS = 255
 REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
 ARTIFACT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}$")
 """An artifact's file name at the hub (§18): no '/', no leading '.' or '-'."""
+TRANSCRIPT_DIR = "transcript"
+"""The result archive's folder for the agent's session transcript, `<session_id>.jsonl` (§18)."""
 
 
 def validate_repo(value: object, what: str = "repo") -> str:

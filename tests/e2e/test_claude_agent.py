@@ -42,6 +42,7 @@ from harness.gitserver import git
 from harness.modelserver import Failure, Step, Text, ToolUse
 from harness.waiting import PATIENCE_S, wait_until
 
+from mam.shared.protocol import names
 from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
@@ -84,6 +85,10 @@ def test_s18_the_card_command_edits_two_files_and_the_change_comes_back_with_its
     assert agent["turns"] == 5 and agent["tokens"]["output"] > 0 and agent["cost_usd"] > 0
     text = cf.show_text(job_id)
     assert f"claude session {agent['session_id']}, 5 turns" in text and f"${agent['cost_usd']:.4f}" in text
+    assert result["has_transcript"] and result["transcript"]["session_id"] == agent["session_id"]
+    kept = names.hub_result_dir(cf.fleet.hub_ws, job_id, 1) / "transcript" / f"{agent['session_id']}.jsonl"
+    said = [json.loads(line) for line in kept.read_text().splitlines()]  # the CLI's own session, at the hub
+    assert any("Wrote NOTES.md and src/extra.py" in json.dumps(entry) for entry in said)
     exposition = cf.metrics()
     assert f'mam_agent_cost_usd_total{{labels="-",session="gpu-box"}} {agent["cost_usd"]}' in exposition
     assert f'mam_agent_tokens_total{{kind="output",labels="-",session="gpu-box"}} {agent["tokens"]["output"]}' \

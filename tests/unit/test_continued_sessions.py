@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import tarfile
 import time
 from pathlib import Path
 
@@ -232,6 +233,63 @@ def test_s18_a_command_agent_continues_the_worktree_but_says_its_session_is_new(
     assert started["fresh"] == "the command agent cannot continue a session"
     assert (second.cwd() / "a.txt").read_text() == "1\n"
     assert json.dumps(started)  # `started`'s data stays JSON
+
+
+# ------------------------------------------------------------------ the transcript in the result
+
+def plain_claude_attempt(tmp_path: Path, secret: str = "") -> AttemptWork:
+    """A claude attempt of a job without a repository whose stream named SESSION."""
+    root = tmp_path / "runner"
+    (root / "agent.log").parent.mkdir(parents=True, exist_ok=True)
+    (root / "agent.log").touch()
+    work = AttemptWork(job_id=JOB, attempt_id=1, work=None, root=root,
+                       mirrors=repos.Repos(root, repos.parse_repos([], None)), exec_argv=["claude"],
+                       log_path=root / "agent.log", log_offset=0, agent="claude", secrets=[secret] if secret else [],
+                       environ={"HOME": str(tmp_path / "home")})
+    work.prepare()
+    work.adapter.feed(json.dumps({"type": "system", "subtype": "init", "session_id": SESSION}))
+    return work
+
+
+def archived(archive: Path) -> dict[str, bytes]:
+    with tarfile.open(archive) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers()}  # type: ignore[union-attr]
+
+
+def test_s18_the_transcript_travels_masked_with_the_result_even_of_a_plain_job(tmp_path: Path) -> None:
+    secret = "s3cret-auth-token-0123456789"
+    work = plain_claude_attempt(tmp_path, secret)
+    transcript(tmp_path / "home" / ".claude", work.cwd(), f'{{"type":"user","text":"the key is {secret}"}}\n')
+    collected = work.finish(session="gpu-box", max_result_bytes=10**7)
+    assert collected is not None  # no repository, no artifacts: the transcript alone is a result
+    files = archived(collected.archive)
+    body = files[f"transcript/{SESSION}.jsonl"]
+    assert body == b'{"type":"user","text":"the key is ***"}\n'
+    assert json.loads(files["result.json"])["transcript"] == {"session_id": SESSION, "bytes": len(body)}
+
+
+def test_s18_a_transcript_over_the_cap_or_linked_is_left_out_and_said(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mam.runner.work.MAX_TRANSCRIPT_BYTES", 1 << 20)
+    work = plain_claude_attempt(tmp_path / "big")
+    transcript(tmp_path / "big" / "home" / ".claude", work.cwd(), "x" * ((1 << 20) + 1))
+    collected = work.finish(session="gpu-box", max_result_bytes=10**7)
+    assert collected is None  # nothing else to send
+    work = plain_claude_attempt(tmp_path / "linked")
+    secret = tmp_path / "secret"
+    secret.write_text("key=1\n")
+    path = transcript(tmp_path / "linked" / "home" / ".claude", work.cwd())
+    path.unlink()
+    path.symlink_to(secret)
+    assert work.adapter.transcript(work.cwd(), work.environ) is None
+    assert work.finish(session="gpu-box", max_result_bytes=10**7) is None
+    work = plain_claude_attempt(tmp_path / "noted")
+    transcript(tmp_path / "noted" / "home" / ".claude", work.cwd(), "x" * ((1 << 20) + 1))
+    (work.artifacts_dir / "report.txt").write_text("done\n")  # a result goes: it says what it left out
+    collected = work.finish(session="gpu-box", max_result_bytes=10**7)
+    assert collected is not None
+    summary = json.loads(archived(collected.archive)["result.json"])
+    assert "transcript" not in summary and summary["artifact_notes"] == ["transcript left out: over 1 MiB"]
 
 
 # ------------------------------------------------------------------ mam-orch say

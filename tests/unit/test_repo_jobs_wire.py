@@ -15,7 +15,7 @@ import pytest
 
 from mam.orchestrator import queue
 from mam.orchestrator.dispatch import work_terms
-from mam.orchestrator.results import ResultInbox, read_result
+from mam.orchestrator.results import ResultInbox, format_result, read_result
 from mam.runner.results import build_archive
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.errors import DecodeError, SignatureError, UsageError
@@ -280,3 +280,28 @@ def test_s18_a_result_over_the_hub_cap_is_refused(hub: tuple[Registry, str], tmp
     raw = chunks_of(b"z" * 5000, registry.get(job_id)["auth_token"], job_id)[0]
     assert inbox.handle(raw) is None and inbox.refused == 1
     assert not names.hub_result_dir(registry.root, job_id, 1).exists()
+
+
+def test_s18_a_transcript_arrives_with_the_result_and_hostile_names_for_it_do_not(
+        hub: tuple[Registry, str], tmp_path: Path) -> None:
+    """The agent's session transcript lands as `transcript/<session_id>.jsonl` (§18
+    "Transcripts"); any other name under `transcript/` is left out."""
+    registry, job_id = hub
+    token = registry.get(job_id)["auth_token"]
+    session = "8d99b0b5-6eb4-42d6-86de-f6ab1a4fe0ee"
+    data = archive_bytes(tmp_path, {f"transcript/{session}.jsonl": b'{"type":"user"}\n',
+                                    "transcript/../x.jsonl": b"x", "transcript/a/b.jsonl": b"x",
+                                    "transcript/notes.txt": b"x", "transcript/.hidden.jsonl": b"x",
+                                    "transcript/" + "a" * 129 + ".jsonl": b"x"})
+    inbox = ResultInbox(registry)
+    for raw in chunks_of(data, token, job_id):
+        inbox.handle(raw)
+    result = read_result(registry, job_id)
+    assert result is not None and result.transcript_path is not None
+    assert result.transcript_path.read_bytes() == b'{"type":"user"}\n'
+    assert result.transcript_path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in (result.folder / "transcript").iterdir()] == [f"{session}.jsonl"]
+    assert not (result.folder / "x.jsonl").exists()
+    assert result.to_dict()["has_transcript"] is True
+    shown = format_result(result)
+    assert "no repository" not in shown and f"transcript: session {session}, 16 bytes" in shown
