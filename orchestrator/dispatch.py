@@ -24,6 +24,7 @@ from mam.orchestrator.control import close_remote
 from mam.orchestrator.hub import Workspace
 from mam.orchestrator.identity import roster
 from mam.orchestrator.queuewait import mark_published
+from mam.orchestrator.results import with_transcript
 from mam.shared import config
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.codes import DEFAULT_RETRY_ON, CloseReason
@@ -96,7 +97,8 @@ def _masked(text: str) -> str:
 def build_dispatch(record: Mapping[str, Any], brief: str, keys: DispatchKeys, *, origin: str | None = None,
                    issued_at: datetime | None = None, root: Path | None = None) -> dict[str, Any]:
     """The signed dispatch of §5 for the record's current attempt: v2 (§16) when the hub
-    registry at `root` has an active roster entry for the session, else v1.
+    registry at `root` has an active roster entry for the session, else v1; its
+    `work.resume` carries the session's transcript when the hub has it and it fits (§18).
 
     Args:
         record: the hub record (job_id, session, attempt_id, dispatch_token,
@@ -112,6 +114,19 @@ def build_dispatch(record: Mapping[str, Any], brief: str, keys: DispatchKeys, *,
         UsageError: a bad brief or record field, or a revoked session (§16).
     """
     check_brief(brief)
+    if root is not None and (carried := with_transcript(root, record)) is not record:
+        signed = _build_dispatch(carried, brief, keys, origin=origin, issued_at=issued_at, root=root)
+        try:
+            wire.encode(signed)
+            return signed
+        except ProtocolError:  # §18: the brief and the transcript together are over the 1 MiB cap
+            log.warning("job %s: its brief and transcript are too large together to carry the transcript; a "
+                        "runner without it starts a new session", record["job_id"])
+    return _build_dispatch(record, brief, keys, origin=origin, issued_at=issued_at, root=root)
+
+
+def _build_dispatch(record: Mapping[str, Any], brief: str, keys: DispatchKeys, *, origin: str | None,
+                    issued_at: datetime | None, root: Path | None) -> dict[str, Any]:
     if root is not None:
         v2 = roster.build_dispatch_v2(root, record, brief, origin=origin or hub_name(), issued_at=issued_at)
         if v2 is not None:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,6 +279,40 @@ class Result:
         return {"job_id": self.job_id, "attempt_id": self.attempt_id, "ready": self.summary is not None,
                 **(self.summary or {}), "artifacts": self.artifacts(), "has_patch": self.patch_path is not None,
                 "has_bundle": self.bundle_path is not None, "has_transcript": self.transcript_path is not None}
+
+
+MAX_CARRIED_TRANSCRIPT_BYTES = 32 << 20
+"""A transcript at the hub read for carrying at most, bytes (the runner sends no larger one)."""
+
+
+def with_transcript(root: Path, record: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`record` with `work.resume.transcript` (§18 "Transcripts"): the transcript of the
+    session it resumes, as the resumed attempt's result brought it, zlib-compressed and
+    sealed to the record's attempt (`crypto.seal_transcript`), for a runner that lacks it.
+    `record` itself when it resumes nothing, the hub has no such transcript, or the sealed
+    one is over `wire.MAX_TRANSCRIPT_SEALED_CHARS` (logged: a runner without it starts fresh)."""
+    work = record.get("work") or {}
+    resume = work.get("resume")
+    if not isinstance(resume, Mapping) or not names.AGENT_SESSION_RE.fullmatch(str(resume.get("session_id"))):
+        return record
+    session_id, resumed = resume["session_id"], resume.get("attempt")
+    if not isinstance(resumed, int):
+        return record
+    path = names.hub_result_dir(root, record["job_id"], resumed) / names.TRANSCRIPT_DIR / f"{session_id}.jsonl"
+    try:
+        with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NOFOLLOW)) as handle:
+            data = handle.read(MAX_CARRIED_TRANSCRIPT_BYTES + 1)
+    except OSError:
+        return record
+    if len(data) > MAX_CARRIED_TRANSCRIPT_BYTES:
+        return record
+    sealed = crypto.seal_transcript(record["auth_token"], zlib.compress(data, 6), job_id=record["job_id"],
+                                    attempt_id=record["attempt_id"], session_id=session_id)
+    if len(sealed["ciphertext"]) > wire.MAX_TRANSCRIPT_SEALED_CHARS:
+        log.warning("job %s: the transcript of session %s is too large to carry (%d bytes); a runner without it "
+                    "starts a new session", record["job_id"], session_id, len(data))
+        return record
+    return {**record, "work": {**work, "resume": {**resume, "transcript": sealed}}}
 
 
 def attempts_with_results(root: Path, job_id: str) -> Iterator[int]:

@@ -264,7 +264,7 @@ class Supervisor:
                                   session=self.options.session, agent=self.options.agent,
                                   ask_socket=self.socket_path is not None,
                                   workdir=self.options.workdir or (self.options.root / "work" / job.job_id),
-                                  environ=self.environ)
+                                  environ=self.environ, auth_token=token)
         except (ValueError, OSError, RegistryError) as exc:
             return None, {}, f"agent not started: {exc}"
         try:

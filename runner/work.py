@@ -26,6 +26,7 @@ import os
 import shutil
 import stat
 import sys
+import zlib
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,8 @@ from typing import Any
 from mam.runner import agents, permission_tool, repos
 from mam.runner.logstream import Masker
 from mam.runner.results import Manifest, build_archive, outbox_paths
-from mam.shared.protocol import names, wire
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.errors import SignatureError
 
 log = logging.getLogger("mam.work")
 
@@ -118,13 +120,14 @@ class AttemptWork:
             claude agent gets the MCP permission tool (`permission_tool`).
         workdir: where the agent of a job without a repository runs.
         environ: the environment the agent inherits (where its CLI keeps its sessions).
+        auth_token: this attempt's token, which opens a transcript the hub carried (§18).
     """
 
     def __init__(self, *, job_id: str, attempt_id: int, work: wire.Work | None, root: Path,
                  mirrors: repos.Repos, exec_argv: Iterable[str], log_path: Path,
                  log_offset: int, secrets: Iterable[str] = (), session: str = "runner",
                  agent: str = "command", ask_socket: bool = False, workdir: Path | None = None,
-                 environ: Mapping[str, str] | None = None) -> None:
+                 environ: Mapping[str, str] | None = None, auth_token: str = "") -> None:
         self.job_id, self.attempt_id, self.work, self.root = job_id, attempt_id, work, root
         self.session = session
         self.mirrors = mirrors
@@ -139,6 +142,7 @@ class AttemptWork:
         self.mcp_config = names.run_dir(root) / f"mcp-{job_id}-{attempt_id}.json"
         self.workdir = workdir or root / "work" / job_id
         self.environ = os.environ if environ is None else environ
+        self.auth_token = auth_token
         self.takes_input = self.adapter.takes_input(self.exec_argv)  # §18 "Input while it runs"
 
     # ------------------------------------------------------------ before the agent
@@ -174,7 +178,8 @@ class AttemptWork:
             assert wt is not None
             data.update({"repo": wt.repo, "ref": wt.ref, "sha": wt.base_sha, "branch": wt.branch})
         if resume is not None:
-            why_fresh = why_fresh or self.adapter.continue_session(resume.session_id, self.cwd(), self.environ)
+            why_fresh = why_fresh or self.adapter.continue_session(resume.session_id, self.cwd(), self.environ,
+                                                                   self._carried(resume))
             if why_fresh is None:
                 log.info("job %s: attempt %d continues session %s of attempt %d", self.job_id, self.attempt_id,
                          resume.session_id, resume.attempt)
@@ -182,6 +187,26 @@ class AttemptWork:
             else:
                 log.warning("job %s: attempt %d starts a new session: %s", self.job_id, self.attempt_id, why_fresh)
                 data["fresh"] = why_fresh
+        return data
+
+    def _carried(self, resume: wire.Resume) -> bytes | None:
+        """The session transcript the hub carried in `resume` (§18 "Transcripts"), opened with
+        this attempt's token and decompressed; None when there is none or it is unusable (logged)."""
+        if resume.transcript is None:
+            return None
+        try:
+            packed = crypto.open_transcript(self.auth_token, resume.transcript, job_id=self.job_id,
+                                            attempt_id=self.attempt_id, session_id=resume.session_id)
+            inflater = zlib.decompressobj()
+            data = inflater.decompress(packed, MAX_TRANSCRIPT_BYTES + 1)
+        except (SignatureError, zlib.error) as exc:
+            log.warning("job %s: the transcript carried for session %s is refused: %s", self.job_id,
+                        resume.session_id, exc)
+            return None
+        if len(data) > MAX_TRANSCRIPT_BYTES or inflater.unconsumed_tail:
+            log.warning("job %s: the transcript carried for session %s is refused: over %d MiB unpacked",
+                        self.job_id, resume.session_id, MAX_TRANSCRIPT_BYTES >> 20)
+            return None
         return data
 
     def _add_worktree(self, name: str, resume: wire.Resume | None) -> str | None:

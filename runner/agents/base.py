@@ -215,9 +215,11 @@ class Adapter:
     def feed(self, line: str) -> None:
         """Read one line of the agent's output (never raises)."""
 
-    def continue_session(self, session_id: str, cwd: Path, environ: Mapping[str, str]) -> str | None:
+    def continue_session(self, session_id: str, cwd: Path, environ: Mapping[str, str],
+                         carried: bytes | None = None) -> str | None:
         """Make this attempt continue an earlier attempt's agent session (§18), its agent to run
-        in `cwd` with `environ`. Returns None when it will, else why not (one line)."""
+        in `cwd` with `environ`; `carried` is the session's transcript the hub sent, for when
+        this host has none. Returns None when it will, else why not (one line)."""
         return f"the {self.kind} agent cannot continue a session"
 
     def over_budget(self) -> str | None:

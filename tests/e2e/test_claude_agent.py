@@ -32,6 +32,7 @@ service, a runner daemon in its own network namespace started as the card prints
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -325,6 +326,30 @@ def test_s18_say_continues_a_completed_job_and_its_change_grows(claude_fleet: Ag
     assert sorted(f["path"] for f in result["files"]) == ["MORE.md", "NOTES.md"]
     refused = cf.fleet.orch("say", "0badf00d", "hello")
     assert refused.returncode == 1 and "no record" in refused.stderr
+
+
+def test_s18_a_runner_without_the_session_continues_it_from_the_transcript_the_hub_carried(
+        claude_fleet: AgentFleet) -> None:
+    """§18 "Transcripts": attempt 1's result brings the session's transcript to the hub; the
+    runner then loses it (its agent home wiped, as on another host), and `say`'s attempt 2
+    gets it in the dispatch: the CLI resumes, and the model sees the first conversation."""
+    cf = claude_fleet
+    runner = cf.start([WRITE_NOTES, Text("Wrote NOTES.md."), ToolUse("Write", {"file_path": "MORE.md",
+                                                                                "content": "more\n"}),
+                       Text("Added MORE.md as you asked.")])
+    code, job_id = cf.run("--ref", "main", "--allow-tools", "Write")
+    assert code == 0, runner.log()[-3000:]
+    assert json.loads(cf.fleet.orch("result", job_id, "--json").stdout)["has_transcript"]
+    shutil.rmtree(cf.tmp / "agent-home" / ".claude" / "projects")
+    said = cf.fleet.orch("say", job_id, "Now add MORE.md too.", "--json", timeout_s=2 * PATIENCE_S)
+    assert said.returncode == 0, said.stderr + runner.log()[-3000:]
+    events = cf.fleet.events_on_wire(job_id)
+    (started,) = [e for e in events if e["event"] == "started" and e["data"]["attempt_id"] == 2]
+    assert started["data"]["continues"]["attempt"] == 1, started
+    assert [e["detail"] for e in events if e["event"] == "completed"][-1] == "Added MORE.md as you asked."
+    resumed = [c for c in cf.model.calls() if c["tools"]][2]  # type: ignore[union-attr]
+    assert resumed["messages"] > 3 and any("NOTES.md" in text for text in resumed["tool_results"]), resumed
+    assert "the transcript the hub carried is in" in runner.log()
 
 
 def test_s18_say_to_a_running_agent_reaches_it_mid_turn_and_is_refused_once_it_ended(

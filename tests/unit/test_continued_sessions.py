@@ -10,21 +10,24 @@ import json
 import os
 import tarfile
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 from harness.gitserver import git, make_origin
 
+from mam.orchestrator.dispatch import build_dispatch
 from mam.orchestrator.queue import Fleet, RunnerView, plan
 from mam.orchestrator.queuewait import mark_published, queued_job, requeue, retry_attempt, say_requeue
 from mam.orchestrator.redispatch import say_cli
+from mam.orchestrator.results import with_transcript
 from mam.runner import repos
 from mam.runner.agents import ClaudeAdapter, new_adapter
 from mam.runner.agents.claude import place_transcript, project_folder
 from mam.runner.work import AttemptWork
 from mam.shared.cli import render
-from mam.shared.protocol import wire
-from mam.shared.protocol.errors import DecodeError, UsageError
+from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.errors import DecodeError, SignatureError, UsageError
 from mam.shared.store.records import QueueTerms, Refusal
 from mam.shared.store.registry import Registry
 
@@ -290,6 +293,92 @@ def test_s18_a_transcript_over_the_cap_or_linked_is_left_out_and_said(tmp_path: 
     assert collected is not None
     summary = json.loads(archived(collected.archive)["result.json"])
     assert "transcript" not in summary and summary["artifact_notes"] == ["transcript left out: over 1 MiB"]
+
+
+# ------------------------------------------------------------------ the transcript the hub carries
+
+def hub_transcript(reg: Registry, job_id: str, text: str) -> None:
+    """Attempt 1's result brought SESSION's transcript `text` to the hub."""
+    folder = names.hub_result_dir(reg.root, job_id, 1) / names.TRANSCRIPT_DIR
+    folder.mkdir(parents=True)
+    (folder / f"{SESSION}.jsonl").write_text(text)
+
+
+def test_s18_the_hub_carries_the_resumed_transcript_sealed_to_the_new_attempt_only(tmp_path: Path) -> None:
+    reg = Registry(tmp_path)
+    job_id = ended_attempt(reg)
+    new = retry_attempt(reg, job_id, "error", None, None)
+    assert new is not None and with_transcript(reg.root, new) is new  # the hub has none: nothing carried
+    hub_transcript(reg, job_id, '{"type":"user"}\n' * 1000)
+    sealed = with_transcript(reg.root, new)["work"]["resume"]["transcript"]
+    packed = crypto.open_transcript(new["auth_token"], sealed, job_id=job_id, attempt_id=2, session_id=SESSION)
+    assert zlib.decompress(packed) == b'{"type":"user"}\n' * 1000 and len(packed) < 1000
+    for attempt_id, session_id in ((1, SESSION), (2, "other-session")):  # bound to its attempt and session
+        with pytest.raises(SignatureError):
+            crypto.open_transcript(new["auth_token"], sealed, job_id=job_id, attempt_id=attempt_id,
+                                   session_id=session_id)
+    signed = build_dispatch({**new, "session": "gpu-box"}, "Go on.", crypto.derive_keys("s" * 32), root=reg.root)
+    resume = wire.decode(wire.encode(signed), "dispatch").work.resume  # type: ignore[union-attr]
+    assert resume is not None and resume.transcript is not None and resume.session_id == SESSION
+    assert "transcript" not in reg.get(job_id)["work"]["resume"]  # carried in the dispatch, never stored
+
+
+def test_s18_a_transcript_too_large_to_carry_is_left_out_and_the_dispatch_still_goes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    reg = Registry(tmp_path)
+    job_id = ended_attempt(reg)
+    new = retry_attempt(reg, job_id, "error", None, None)
+    assert new is not None
+    hub_transcript(reg, job_id, os.urandom(600 * 1024).hex())  # does not compress under 1 MiB with the brief
+    signed = build_dispatch({**new, "session": "gpu-box"}, "b" * (500 * 1024), crypto.derive_keys("s" * 32),
+                            root=reg.root)
+    assert "transcript" not in signed["work"]["resume"] and "too large" in caplog.text
+    monkeypatch.setattr(wire, "MAX_TRANSCRIPT_SEALED_CHARS", 100)
+    assert with_transcript(reg.root, new) is new
+
+
+@pytest.mark.parametrize(("bad", "words"), [
+    ("x", "resume.transcript must be an object of alg, nonce and ciphertext"),
+    ({"alg": "none", "nonce": "AAAA", "ciphertext": "AAAA"}, "resume.transcript.alg"),
+    ({"alg": "A256GCM", "nonce": "AAAA", "ciphertext": "A" * (384 * 1024 + 1)}, "resume.transcript.ciphertext"),
+    ({"alg": "A256GCM", "nonce": "AAAA", "ciphertext": "\u00e9\n"}, "resume.transcript.ciphertext"),
+])
+def test_s18_a_bad_carried_transcript_is_refused_in_one_line(bad: object, words: str) -> None:
+    with pytest.raises(DecodeError) as caught:
+        wire.Work.from_dict({"resume": {"session_id": SESSION, "attempt": 1, "transcript": bad}})
+    assert words in caught.value.reason and "\n" not in caught.value.reason
+
+
+def carried_attempt(tmp_path: Path, packed: bytes, *, token: str = "t" * 32, sealed_with: str = "t" * 32,
+                    ) -> AttemptWork:
+    """Attempt 2 of a plain claude job resuming SESSION on a runner that never ran attempt 1."""
+    root = tmp_path / "runner"
+    root.mkdir(parents=True)
+    (root / "agent.log").touch()
+    sealed = crypto.seal_transcript(sealed_with, packed, job_id=JOB, attempt_id=2, session_id=SESSION)
+    return AttemptWork(job_id=JOB, attempt_id=2, work=wire.Work(resume=wire.Resume(SESSION, 1, transcript=sealed)),
+                       root=root, mirrors=repos.Repos(root, repos.parse_repos([], None)), exec_argv=["claude"],
+                       log_path=root / "agent.log", log_offset=0, agent="claude",
+                       environ={"HOME": str(tmp_path / "home")}, auth_token=token)
+
+
+def test_s18_a_runner_without_the_session_continues_it_from_the_carried_transcript(tmp_path: Path) -> None:
+    work = carried_attempt(tmp_path, zlib.compress(b'{"type":"user","n":1}\n'))
+    started = work.prepare()
+    assert started["continues"] == {"session_id": SESSION, "attempt": 1} and work.argv()[-2:] == ["--resume", SESSION]
+    placed = tmp_path / "home" / ".claude" / "projects" / project_folder(work.cwd()) / f"{SESSION}.jsonl"
+    assert placed.read_bytes() == b'{"type":"user","n":1}\n' and placed.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("case", ["forged", "not zlib", "a zip bomb"])
+def test_s18_a_carried_transcript_that_is_forged_broken_or_a_bomb_starts_a_new_session(
+        tmp_path: Path, case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mam.runner.work.MAX_TRANSCRIPT_BYTES", 1 << 20)
+    packed = {"forged": zlib.compress(b"{}\n"), "not zlib": b"plain text",
+              "a zip bomb": zlib.compress(b"\0" * (2 << 20))}[case]
+    work = carried_attempt(tmp_path, packed, sealed_with="f" * 32 if case == "forged" else "t" * 32)
+    started = work.prepare()
+    assert started["fresh"].startswith(f"session {SESSION} is not in ") and "--resume" not in work.argv()
 
 
 # ------------------------------------------------------------------ mam-orch say

@@ -47,6 +47,7 @@ LOG_INFO = b"mam-fleet/v1/log"
 RESULT_INFO = b"mam-fleet/v1/result"
 ASK_INFO = b"mam-fleet/v1/ask"
 ANSWER_INFO = b"mam-fleet/v1/answer"
+TRANSCRIPT_INFO = b"mam-fleet/v1/transcript"
 # §5: the brief is UTF-8 text of at most 512 KiB; dispatch refuses larger ones.
 MAX_BRIEF_BYTES = 512 * 1024
 HMAC_FAILED = "HMAC verify failed"
@@ -475,6 +476,39 @@ def open_answer(auth_token: str, control: Any) -> str:
         return plain.decode("utf-8")
     except UnicodeDecodeError:
         raise SignatureError(SEAL_FAILED) from None
+
+
+def transcript_associated(job_id: str, attempt_id: int, session_id: str) -> bytes:
+    """What a carried transcript is bound to (§18): `transcript:<job>:<attempt>:<session>`."""
+    return f"transcript:{job_id}:{attempt_id}:{session_id}".encode("ascii")
+
+
+def seal_transcript(auth_token: str, data: bytes, *, job_id: str, attempt_id: int,
+                    session_id: str) -> dict[str, str]:
+    """A session transcript the hub carries to `attempt_id` (§18 "Transcripts"), `data` as
+    compressed: AES-256-GCM under HKDF-SHA256(auth_token, no salt, info
+    `b"mam-fleet/v1/transcript"`), bound to `transcript_associated`.
+
+    Raises:
+        ConfigError: `auth_token` is empty.
+    """
+    if not isinstance(auth_token, str) or not auth_token:
+        raise ConfigError("auth_token is empty: the job record holds no key for its transcript")
+    return seal_bytes(_hkdf(auth_token.encode("utf-8"), TRANSCRIPT_INFO), data,
+                      transcript_associated(job_id, attempt_id, session_id))
+
+
+def open_transcript(auth_token: str, sealed: Mapping[str, Any], *, job_id: str, attempt_id: int,
+                    session_id: str) -> bytes:
+    """What `seal_transcript` sealed.
+
+    Raises:
+        SignatureError: "seal does not open" (another attempt's token, another session, tampering).
+    """
+    if not isinstance(auth_token, str) or not auth_token:
+        raise SignatureError(SEAL_FAILED)
+    return open_bytes(_hkdf(auth_token.encode("utf-8"), TRANSCRIPT_INFO), sealed,
+                      transcript_associated(job_id, attempt_id, session_id))
 
 
 def result_key(auth_token: str) -> bytes:

@@ -469,3 +469,17 @@ def decode_object(obj: object, make: Callable[[dict[str, Any]], T]) -> T:
         raise DecodeError(f"malformed: payload is {type_name(obj)}, expected a JSON object", None)
     return run_check(lambda: _check_decoded(dict(obj), make))
 
+
+def check_sealed(sealed: object, max_chars: int, why: str, name: str = "sealed") -> None:
+    """`sealed` = {"alg": "A256GCM", "nonce", "ciphertext"} (base64url, each at most
+    `max_chars`), as `crypto.seal_bytes` makes it; `why` says in the message why it must be.
+    Raises `Invalid`."""
+    if not isinstance(sealed, Mapping) or set(sealed) != {"alg", "nonce", "ciphertext"}:
+        raise Invalid(f"{name} must be an object of alg, nonce and ciphertext ({why})")
+    if sealed["alg"] != SEAL_ALG:
+        raise Invalid(f"{name}.alg {show(sealed['alg'])} is invalid: expected {SEAL_ALG}")
+    for key in ("nonce", "ciphertext"):
+        value = sealed[key]
+        if not isinstance(value, str) or not 1 <= len(value) <= max_chars \
+                or not all(c.isascii() and (c.isalnum() or c in "-_=") for c in value):
+            raise Invalid(f"{name}.{key} is invalid: expected base64url of at most {max_chars} characters")

@@ -33,7 +33,6 @@ from mam.shared.protocol.wire.fields import (
     MAX_RUNNING,
     MAX_VERSION_CHARS,
     SCHEMA_VERSION,
-    SEAL_ALG,
     V2_SIGNED_FIELDS,
     Invalid,
     build,
@@ -45,6 +44,7 @@ from mam.shared.protocol.wire.fields import (
     check_int,
     check_job_id,
     check_schema,
+    check_sealed,
     check_session,
     check_sig,
     check_text,
@@ -272,8 +272,8 @@ class Control:
         else:
             if not isinstance(self.request_id, str) or not names.REQUEST_ID_RE.fullmatch(self.request_id):
                 raise Invalid(f"request_id {show(self.request_id)} is invalid: expected 16 lowercase hex characters")
-            _check_answer_seal(self.sealed, MAX_SAID_SEALED_CHARS if self.action == ControlAction.SAY
-                               else MAX_SEALED_CHARS)
+            check_sealed(self.sealed, MAX_SAID_SEALED_CHARS if self.action == ControlAction.SAY
+                         else MAX_SEALED_CHARS, "§19: an answer's message is sealed")
         if self.always is not None and (self.always is not True or self.action != ControlAction.ALLOW):
             raise Invalid("always is only true, and only on an allow (§19)")
         if self.sig is not None:
@@ -574,20 +574,6 @@ MAX_SAID_BYTES = 8 * 1024
 """Largest message to a running agent (`say`, §18), UTF-8 bytes."""
 MAX_SAID_SEALED_CHARS = 4 * -(-(MAX_SAID_BYTES + 16) // 3)
 """A `say`'s sealed ciphertext at most (base64url of MAX_SAID_BYTES and the GCM tag)."""
-
-
-def _check_answer_seal(sealed: object, max_chars: int) -> None:
-    """§19: an allow, deny or say carries `sealed` = {"alg": "A256GCM", "nonce", "ciphertext"}
-    (base64url, each at most `max_chars`)."""
-    if not isinstance(sealed, Mapping) or set(sealed) != {"alg", "nonce", "ciphertext"}:
-        raise Invalid("sealed must be an object of alg, nonce and ciphertext (§19: an answer's message is sealed)")
-    if sealed["alg"] != SEAL_ALG:
-        raise Invalid(f"sealed.alg {show(sealed['alg'])} is invalid: expected {SEAL_ALG}")
-    for key in ("nonce", "ciphertext"):
-        value = sealed[key]
-        if not isinstance(value, str) or not 1 <= len(value) <= max_chars \
-                or not all(c.isascii() and (c.isalnum() or c in "-_=") for c in value):
-            raise Invalid(f"sealed.{key} is invalid: expected base64url of at most {max_chars} characters")
 
 
 def _control_from(obj: dict[str, Any]) -> Control:

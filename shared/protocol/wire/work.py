@@ -4,11 +4,12 @@ what its agent may do. Optional: a dispatch without it is a plain command job, a
     {"repo": "demo", "ref": "main", "max_turns": 20, "max_cost_usd": 2.5,
      "allow_tools": ["Bash(git *)", "Edit"], "permission_mode": "acceptEdits",
      "ask_timeout_s": 600, "on_ask_timeout": "cancel",
-     "resume": {"session_id": "8d99b0b5-...", "attempt": 1, "base_sha": "<40 hex>"}}
+     "resume": {"session_id": "8d99b0b5-...", "attempt": 1, "base_sha": "<40 hex>",
+                "transcript": {"alg": "A256GCM", "nonce": "...", "ciphertext": "..."}}}
 
 Every key is optional and absent when unset (never null). The dispatch signature covers
-it (§5); it is not sealed: the brief is the secret, and the repository names are in the
-runners' presence anyway.
+it (§5); it is not sealed (the brief is the secret, and the repository names are in the
+runners' presence anyway) except a carried transcript, sealed to the attempt on its own.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from typing import Any
 
 from mam.shared.protocol import names
 from mam.shared.protocol.errors import DecodeError, UsageError
-from mam.shared.protocol.wire.fields import Invalid, run_check, show, type_name
+from mam.shared.protocol.wire.fields import Invalid, check_sealed, run_check, show, type_name
 
 WORK_FIELDS = frozenset({"repo", "ref", "max_turns", "max_cost_usd", "allow_tools", "deny_tools",
                          "permission_mode", "ask_timeout_s", "on_ask_timeout", "resume"})
-RESUME_FIELDS = frozenset({"session_id", "attempt", "base_sha"})
+RESUME_FIELDS = frozenset({"session_id", "attempt", "base_sha", "transcript"})
+MAX_TRANSCRIPT_SEALED_CHARS = 384 * 1024
+"""A carried transcript's ciphertext at most, base64url characters (§18 "Transcripts"): with the
+largest brief the dispatch stays under its 1 MiB cap."""
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,14 @@ class Resume:
         session_id: the agent CLI's session id that attempt reported (`names.AGENT_SESSION_RE`).
         attempt: the attempt whose worktree (`mam/<job_id>-<attempt>`) and session to go on from.
         base_sha: the job's base commit (its result is the change since it); only with a repo.
+        transcript: the session's transcript as the hub holds it, zlib-compressed and sealed
+            to this attempt (`crypto.seal_transcript`), for a runner that lacks it; or None.
     """
 
     session_id: str
     attempt: int
     base_sha: str | None = None
+    transcript: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         run_check(self._check)
@@ -51,12 +58,17 @@ class Resume:
                 names.validate_sha(self.base_sha, "resume.base_sha")
         except UsageError as exc:
             raise Invalid(str(exc)) from None
+        if self.transcript is not None:
+            check_sealed(self.transcript, MAX_TRANSCRIPT_SEALED_CHARS, "§18: a carried transcript is sealed",
+                         "resume.transcript")
 
     def to_dict(self) -> dict[str, Any]:
         """The wire object (`base_sha` only when set)."""
         out: dict[str, Any] = {"session_id": self.session_id, "attempt": self.attempt}
         if self.base_sha is not None:
             out["base_sha"] = self.base_sha
+        if self.transcript is not None:
+            out["transcript"] = dict(self.transcript)
         return out
 
 
