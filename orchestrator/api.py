@@ -240,7 +240,8 @@ class Hub:
         "cancel") say how long its permission requests wait for a person, and what then (§19);
         `fresh`: a retry starts a new agent session instead of continuing the last one (§18);
         `on_limit`: "pause" (default) the job when its agent stops on a usage limit until the
-        limit resets, then continue; "fail": it ends `error` (§14 Pauses); `title`: its name in
+        limit resets, then continue; "move": at once to another runner of its labels, which
+        continues the session (§14 Moves); "fail": it ends `error` (§14 Pauses); `title`: its name in
         lists and the dashboard (default: the brief's first line); `group`: a concurrency group
         of which at most `group_limit` jobs run at once, and with `cancel_in_progress` this job
         cancels the group's earlier ones (§14 Groups).

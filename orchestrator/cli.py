@@ -290,10 +290,11 @@ def dispatch_cmd(
                                       "(default the first three)."),
     fresh: bool = typer.Option(False, "--fresh", help="A retry starts a new agent session (default: it "
                                                       "continues the last one, §18)."),
-    on_limit: str = typer.Option("pause", "--on-limit", metavar="pause|fail",
+    on_limit: str = typer.Option("pause", "--on-limit", metavar="pause|fail|move",
                                  help="When the agent stops on a usage limit: pause the job until the limit "
-                                      "resets, then continue its session on the same runner (default), or "
-                                      "fail (error)."),
+                                      "resets, then continue its session on the same runner (default); move "
+                                      "it at once to another runner of its --labels, which continues the "
+                                      "session from its transcript; or fail (error)."),
     group: str = typer.Option(None, "--group", metavar="NAME",
                               help="A concurrency group: at most --group-limit of its jobs run at once, "
                                    "fleet-wide; the others wait queued, in order (§14)."),

@@ -75,6 +75,9 @@ class QueuedJob:
         group, group_limit: its concurrency group (§14 Groups): it waits while `group_limit`
             jobs of the group are out (published or running); None: no group.
         cancel_in_progress: it cancels its group's jobs queued or out before it.
+        limited_session, limited_until: a moved job (§14 Moves) is not published to the
+            runner it left on a usage limit before that limit's reset (epoch s); it waits for
+            another runner without holding up the jobs queued behind it.
     """
 
     job_id: str
@@ -84,6 +87,8 @@ class QueuedJob:
     queued_at: float
     avoid_session: str | None = None
     prefer_session: str | None = None
+    limited_session: str | None = None
+    limited_until: float | None = None
     repo: str | None = None
     paused_until: float | None = None
     group: str | None = None
@@ -93,6 +98,11 @@ class QueuedJob:
     def paused(self, wall_now: float) -> bool:
         """Whether it is still paused at `wall_now` (epoch s)."""
         return self.paused_until is not None and wall_now < self.paused_until
+
+    def limited_on(self, session: str, wall_now: float) -> bool:
+        """Whether `session` is the runner this moved job left on a usage limit (§14 Moves)
+        and its limit has not reset at `wall_now` (epoch s)."""
+        return session == self.limited_session and (self.limited_until is None or wall_now < self.limited_until)
 
     @property
     def target(self) -> tuple[str | None, frozenset[str], str | None]:
@@ -250,9 +260,11 @@ def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: f
             continue
         if job.group is not None and taken.get(job.group, 0) >= job.group_limit:
             continue
-        candidates = [view.session for view in fleet.views() if free[view.session] > 0 and matches(view, job)]
+        candidates = [view.session for view in fleet.views() if free[view.session] > 0 and matches(view, job)
+                      and not job.limited_on(view.session, wall)]
         if not candidates:
-            blocked.add(job.target)
+            if job.limited_session is None:  # a moved job waits for another runner without holding others up
+                blocked.add(job.target)
             continue
         session = min(candidates, key=lambda name: (name == job.avoid_session, name != job.prefer_session,
                                                     -free[name], handed[name], name))
@@ -300,6 +312,12 @@ def why_waiting(job: QueuedJob, fleet: Fleet, queued: Sequence[QueuedJob], now: 
         until = datetime.fromtimestamp(job.paused_until, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
         return (f"paused until {until} (usage limit); then it continues on {target} "
                 f"(`mam-orch resume {job.job_id}` goes on now)")
+    wall = time.time()
+    if job.limited_session is not None and job.limited_until is not None and wall < job.limited_until \
+            and not [view for view in fleet.views() if matches(view, job) and not job.limited_on(view.session, wall)]:
+        until = datetime.fromtimestamp(job.limited_until, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        return (f"moved off {job.limited_session} (usage limit until {until}): no other runner matches {target}; "
+                f"it waits for one, or for {job.limited_session} after that")
     running = sorted((out or {}).get(job.group, ())) if job.group is not None else []
     if job.group is not None and len(running) >= job.group_limit:
         shown = ", ".join(running[:3]) + (f" +{len(running) - 3} more" if len(running) > 3 else "")

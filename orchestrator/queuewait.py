@@ -75,6 +75,8 @@ def queued_job(record: JobRecord) -> QueuedJob:
                      avoid_session=record.get("avoid_session"), prefer_session=record.get("prefer_session"),
                      repo=(record.get("work") or {}).get("repo"),
                      paused_until=_epoch(record["paused_until"]) if record.get("paused_until") else None,
+                     limited_session=(record.get("limited") or {}).get("session"),
+                     limited_until=_epoch(record["limited"]["until"]) if record.get("limited") else None,
                      group=record.get("group"), group_limit=int(record.get("group_limit", 1)),
                      cancel_in_progress=record.get("cancel_in_progress") is True)
 
@@ -268,12 +270,12 @@ def cancel_ended(registry: Registry, job_id: str, client: Transport | None, keys
 
 
 def limit_pause(record: JobRecord, now: float) -> float | None:
-    """Until when (epoch s) this ended attempt pauses (§14 Pauses), or None: it ended `error`
-    on a usage limit (`usage_limit` of this attempt, §18), the job is not `--on-limit fail`,
-    and it paused fewer than MAX_PAUSES times. The reset the agent said, else now +
-    DEFAULT_LIMIT_PAUSE_S."""
+    """Until when (epoch s) this ended attempt's runner is limited (§14 Pauses), or None: it
+    ended `error` on a usage limit (`usage_limit` of this attempt, §18), the job is not
+    `--on-limit fail`, and it paused or moved fewer than MAX_PAUSES times. The reset the agent
+    said, else now + DEFAULT_LIMIT_PAUSE_S. The job then pauses, or moves (`on_limit` `move`)."""
     limit = record.get("usage_limit")
-    if record["status"] != Status.ERROR or record.get("on_limit", "pause") != "pause" \
+    if record["status"] != Status.ERROR or record.get("on_limit", "pause") == "fail" \
             or not isinstance(limit, dict) or limit.get("attempt_id") != record["attempt_id"] \
             or int(record.get("pauses", 0)) >= MAX_PAUSES:
         return None
@@ -308,6 +310,37 @@ def pause_attempt(registry: Registry, job_id: str, until: float, client: Transpo
         txn.log({"event": "paused", "timestamp": new["updated_at"], "attempt_id": record["attempt_id"],
                  "session": record["session"], "until": stamp, "next_attempt": new["attempt_id"]})
         txn.update(new, source=HUB_QUEUE, reason=f"paused on a usage limit until {stamp}")
+    return new
+
+
+def move_attempt(registry: Registry, job_id: str, until: float, client: Transport | None,
+                 keys: DispatchKeys | None) -> JobRecord | None:
+    """§14 Moves: cancel the ended attempt (§6), then attempt + 1 `queued` at once with fresh
+    tokens for its label target, never to the limited runner before `until` (`limited`); it
+    continues the agent's session (§18 "Transcripts": the hub carries the transcript). The
+    ended attempt is `moved (usage_limit)` in the history and a `moved` audit line says from
+    where. Counts in `pauses`; not a retry.
+
+    Returns:
+        the new attempt's record, or None when the record changed meanwhile (nothing done).
+    Raises:
+        RegistryError.
+    """
+    old = cancel_ended(registry, job_id, client, keys, "moved on a usage limit")
+    stamp = wire.format_ts(datetime.fromtimestamp(until, UTC))
+    with registry.transaction(job_id) as txn:
+        record = txn.record
+        if record["status"] != Status.ERROR or record["attempt_id"] != old["attempt_id"]:
+            return None
+        new = next_attempt(record, Status.QUEUED)
+        new["attempt_history"][-1].update(status="moved", close_reason="usage_limit")
+        new["pauses"] = int(record.get("pauses", 0)) + 1
+        new["limited"] = {"session": record["session"], "until": stamp}
+        new.pop("avoid_session", None)
+        new.pop("prefer_session", None)
+        txn.log({"event": "moved", "timestamp": new["updated_at"], "attempt_id": record["attempt_id"],
+                 "session": record["session"], "until": stamp, "next_attempt": new["attempt_id"]})
+        txn.update(new, source=HUB_QUEUE, reason=f"moved on a usage limit of {record['session']} until {stamp}")
     return new
 
 

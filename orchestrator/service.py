@@ -50,6 +50,7 @@ from mam.orchestrator.queuewait import (
     PresenceFeed,
     close_queue_timeout,
     limit_pause,
+    move_attempt,
     pause_attempt,
     queued_job,
     retry_attempt,
@@ -589,6 +590,14 @@ class HubService:
 
     def _pause(self, record: JobRecord, until: float, now: float) -> None:
         job_id = record["job_id"]
+        if record.get("on_limit") == "move":
+            new = move_attempt(self.registry, job_id, until, self.client, self.keys)
+            if new is not None:
+                self._requeued(new, f"job {job_id}: attempt {record['attempt_id']} stopped on a usage limit on "
+                                    f"{record.get('session') or '-'}; attempt {new['attempt_id']} moves to another "
+                                    f"runner of {describe_target(new)} (there again after "
+                                    f"{new['limited']['until']})", now)
+            return
         new = pause_attempt(self.registry, job_id, until, self.client, self.keys)
         if new is not None:
             self._requeued(new, f"job {job_id}: attempt {record['attempt_id']} stopped on a usage limit on "

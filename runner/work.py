@@ -171,19 +171,24 @@ class AttemptWork:
                 json.dump(permission_tool.mcp_config(sys.executable), out)
             self.adapter.ask_person(self.mcp_config)  # §19: a person answers what no policy allows
         resume = self.work.resume if self.work is not None else None
-        why_fresh: str | None = None
+        new_worktree: str | None = None  # why the worktree does not continue the resumed attempt's
         if self.work is not None and self.work.repo is not None:
-            why_fresh = self._add_worktree(self.work.repo, resume)
+            new_worktree = self._add_worktree(self.work.repo, resume)
             wt = self.worktree
             assert wt is not None
             data.update({"repo": wt.repo, "ref": wt.ref, "sha": wt.base_sha, "branch": wt.branch})
         if resume is not None:
-            why_fresh = why_fresh or self.adapter.continue_session(resume.session_id, self.cwd(), self.environ,
-                                                                   self._carried(resume))
+            # the session continues where its transcript is: here, or carried by the hub (then even
+            # in a new worktree, as after a move to another runner)
+            why_fresh = new_worktree if new_worktree is not None and resume.transcript is None else \
+                self.adapter.continue_session(resume.session_id, self.cwd(), self.environ, self._carried(resume))
             if why_fresh is None:
-                log.info("job %s: attempt %d continues session %s of attempt %d", self.job_id, self.attempt_id,
-                         resume.session_id, resume.attempt)
+                log.info("job %s: attempt %d continues session %s of attempt %d%s", self.job_id, self.attempt_id,
+                         resume.session_id, resume.attempt, f" in a new worktree ({new_worktree})" if new_worktree
+                         else "")
                 data["continues"] = {"session_id": resume.session_id, "attempt": resume.attempt}
+                if new_worktree is not None:
+                    data["new_worktree"] = new_worktree
             else:
                 log.warning("job %s: attempt %d starts a new session: %s", self.job_id, self.attempt_id, why_fresh)
                 data["fresh"] = why_fresh

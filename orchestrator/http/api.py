@@ -73,7 +73,7 @@ def dispatch_request(service: HubService, body: object) -> dict[str, Any]:
     if not isinstance(fresh, bool):
         raise UsageError("field 'fresh' is invalid: expected true or false")
     if not isinstance(on_limit, str):
-        raise UsageError("field 'on_limit' is invalid: expected \"pause\" or \"fail\"")
+        raise UsageError("field 'on_limit' is invalid: expected \"pause\", \"fail\" or \"move\"")
     group, cancel_in_progress = body.get("group"), body.get("cancel_in_progress", False)
     if group is not None and not isinstance(group, str):
         raise UsageError("field 'group' is invalid: expected a string")

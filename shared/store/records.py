@@ -99,13 +99,14 @@ class JobRecord(TypedDict):
     repo_sha: NotRequired[str]  # §18: the commit the current attempt's worktree started from (`started` data)
     agent: NotRequired[dict[str, Any]]  # §18: the agent's figures from the terminal event (`agent_figures`)
     fresh: NotRequired[bool]  # §18: retries start a new agent session (`dispatch --fresh`)
-    on_limit: NotRequired[str]  # §14 Pauses: `fail` (absent: pause)
+    on_limit: NotRequired[str]  # §14 Pauses: `fail` or `move` (absent: pause)
     group: NotRequired[str]  # §14 Groups: the job's concurrency group
     group_limit: NotRequired[int]  # §14 Groups: at most this many of the group's jobs out at once
     cancel_in_progress: NotRequired[bool]  # §14 Groups: it cancels the group's earlier jobs
     usage_limit: NotRequired[dict[str, Any]]  # §14 Pauses: {"attempt_id", "reset_at"} of an attempt that hit one
     pauses: NotRequired[int]  # §14 Pauses: how often the job paused
     paused_until: NotRequired[str]  # §14 Pauses: a queued job is not published before this (§3 timestamp)
+    limited: NotRequired[dict[str, str]]  # §14 Moves: {"session", "until"}: not published there before `until`
     title: NotRequired[str]  # a person's name for the job: `dispatch --title`, else the brief's first line
 
 
@@ -118,7 +119,7 @@ MAX_PRIORITY = 1_000_000
 GROUP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
 """A concurrency group's name (§14 Groups)."""
 MAX_GROUP_LIMIT = 1000
-ON_LIMIT_CHOICES = ("pause", "fail")
+ON_LIMIT_CHOICES = ("pause", "fail", "move")
 """`dispatch --on-limit` (§14 Pauses): the first is the default."""
 
 
@@ -133,7 +134,8 @@ class QueueTerms(NamedTuple):
         retries: 0-10; retry_on: subset of `RETRY_ON_CHOICES`.
         fresh: a retried attempt starts a new agent session, never continues the last one (§18).
         on_limit: what an attempt that stopped on a usage limit does: `pause` until the
-            limit resets, then continue (§14 Pauses), or `fail` (it stays `error`).
+            limit resets, then continue (§14 Pauses), `move` to another runner at once (a
+            label target only, §14 Moves), or `fail` (it stays `error`).
         group: a concurrency group (§14 Groups): at most `group_limit` of its jobs are
             published or running at once, fleet-wide; None: no group.
         cancel_in_progress: with a group: this job cancels the group's jobs queued or out
@@ -171,6 +173,9 @@ class QueueTerms(NamedTuple):
         if self.on_limit not in ON_LIMIT_CHOICES:
             raise UsageError(f"--on-limit {str(self.on_limit)[:40]!r} is invalid: expected one of "
                              f"{', '.join(ON_LIMIT_CHOICES)}")
+        if self.on_limit == "move" and self.target_session is not None:
+            raise UsageError("--on-limit move needs a label target (--labels): a --session job has one runner "
+                             "to run on")
         if self.group is not None and not GROUP_RE.fullmatch(str(self.group)):
             raise UsageError(f"--group {str(self.group)[:40]!r} is invalid: expected 1-64 characters of "
                              "letters, digits, '.', '_', ':' or '-', starting with a letter or digit")
@@ -617,6 +622,7 @@ def published(record: JobRecord, session: str, published_at: str) -> JobRecord:
     new.update({"session": session, "agent_session": names.agent_session_label(session),
                 "attempt_created_at": published_at})
     new.pop("paused_until", None)  # §14 Pauses: it is published, so no longer paused
+    new.pop("limited", None)  # §14 Moves: nor kept off the runner it left
     return new
 
 

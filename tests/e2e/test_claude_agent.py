@@ -260,6 +260,33 @@ def test_s14_a_usage_limit_pauses_until_its_reset_then_the_session_goes_on(claud
     assert "paused (usage_limit)" in cf.show_text(job_id)
 
 
+def test_s14_on_limit_move_continues_the_session_on_another_runner_at_once(claude_fleet: AgentFleet) -> None:
+    """§14 Moves: a 429 whose reset is an hour ahead on gpu-box; with `--on-limit move` attempt 2
+    goes at once to gpu-box-2 (same labels, its own agent home: no transcript there), which
+    continues the session from the transcript the hub carried, in a new worktree."""
+    cf = claude_fleet
+    runner = cf.start([WRITE_NOTES, Failure(429, "rate_limit_error", "usage limit reached; resets at {reset+3600}"),
+                       Text("Finished on the other runner.")], "--labels", "gpu")
+    other = cf.fleet.start_runner("gpu-box-2", "claude", "--repo", f"demo={cf.daemon.url('demo')}", "--labels", "gpu",
+                                  env=cf.agent_env(cf.tmp / "other-home"), host="gpu-box")
+    handle = cf.fleet.dispatch(None, "Make the change.", "--repo", "demo", *FAST, "--allow-tools", "Write",
+                               "--on-limit", "move", labels="gpu")
+    assert handle.wait() == 0, runner.log()[-3000:] + other.log()[-3000:]
+    job_id = handle.job_id()
+    record = cf.fleet.hub_record(job_id)
+    assert (record["status"], record["attempt_id"], record["session"]) == ("completed", 2, "gpu-box-2"), record
+    assert record["attempt_history"][-1]["status"] == "moved"
+    events = cf.fleet.events_on_wire(job_id)
+    (started,) = [e for e in events if e["event"] == "started" and e["data"]["attempt_id"] == 2]
+    assert started["detail"].endswith(" of attempt 1, in a new worktree"), started
+    assert "the transcript the hub carried is in" in other.log()
+    resumed = [c for c in cf.model.calls() if c["tools"]][-1]  # type: ignore[union-attr]
+    assert resumed["messages"] > 2 and any("NOTES.md" in text for text in resumed["tool_results"]), resumed
+    assert "moved (usage_limit)" in cf.show_text(job_id)
+    assert any(line.get("event") == "moved" and line["session"] == "gpu-box"
+               for line in Registry(cf.fleet.hub_ws).audit(job_id))
+
+
 def test_s14_a_paused_job_frees_its_slot_and_resume_goes_on_before_the_reset(claude_fleet: AgentFleet) -> None:
     cf = claude_fleet
     runner = cf.start([WRITE_NOTES, Failure(429, "rate_limit_error", "usage limit reached; resets at {reset+3600}"),

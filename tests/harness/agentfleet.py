@@ -47,11 +47,16 @@ class AgentFleet:
         """The model server playing `script` on gpu-box, then the runner with `--exec` the
         agent (or `exec_cmd`) and `--repo demo=git://hub/demo.git`; `env` adds to its environment."""
         self.model = ModelProcess(lambda argv: self.fleet._popen("gpu-box", argv), self.tmp / "model", script)
-        make_env = claude_env if self.agent == "claude" else codex_env
-        env = {**make_env(self.model.url, self.tmp / "agent-home"),
-               "PATH": f"{AGENTS_DIR / 'node_modules' / '.bin'}:{self.fleet.env['PATH']}", **(env or {})}
         return self.fleet.start_runner("gpu-box", exec_cmd or self.agent, "--repo",
-                                       f"demo={self.daemon.url('demo')}", *runner_args, env=env)
+                                       f"demo={self.daemon.url('demo')}", *runner_args,
+                                       env={**self.agent_env(self.tmp / "agent-home"), **(env or {})})
+
+    def agent_env(self, home: Path) -> dict[str, str]:
+        """A runner's environment for the agent CLI against the model server, its HOME at `home`."""
+        assert self.model is not None, "start() first: the model server"
+        make_env = claude_env if self.agent == "claude" else codex_env
+        return {**make_env(self.model.url, home),
+                "PATH": f"{AGENTS_DIR / 'node_modules' / '.bin'}:{self.fleet.env['PATH']}"}
 
     def run(self, *opts: str) -> tuple[int, str]:
         """Dispatch "Make the change." on repo demo and wait; (exit code, job id)."""

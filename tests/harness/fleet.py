@@ -453,13 +453,16 @@ class Fleet:
             raise AssertionError(f"runner {session} exited with {handle.proc.returncode}: {handle.log()[-3000:]}")
         handle.runner_id = self.presence(session)["runner_id"]  # type: ignore[index]
 
-    def dispatch(self, session: str, brief: str, *opts: str, verb: str = "dispatch") -> Dispatch:
-        """`mam-orch dispatch --session S --brief-file <file> --json *opts` on `orch`, in the background."""
+    def dispatch(self, session: str | None, brief: str, *opts: str, verb: str = "dispatch",
+                 labels: str | None = None) -> Dispatch:
+        """`mam-orch dispatch --session S --brief-file <file> --json *opts` on `orch`, in the background;
+        with `labels` (and no session), `--labels LABELS` instead."""
         brief_file = self.base / f"brief-{secrets.token_hex(4)}.txt"
         brief_file.write_text(brief)
-        argv = [*MAM_ORCH, "dispatch", "--session", session, "--brief-file", str(brief_file), "--json",
+        target = ["--labels", labels] if labels is not None else ["--session", str(session)]
+        argv = [*MAM_ORCH, "dispatch", *target, "--brief-file", str(brief_file), "--json",
                 "--workspace", str(self.hub_ws), *opts]
-        handle = Dispatch(f"dispatch {session}", self._popen("orch", argv))
+        handle = Dispatch(f"dispatch {session or labels}", self._popen("orch", argv))
         self._procs.append(handle)
         return handle
 

@@ -6,6 +6,7 @@ tests/e2e/test_claude_agent.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from datetime import UTC, datetime, timedelta
@@ -21,6 +22,7 @@ from mam.orchestrator.queuewait import (
     MAX_PAUSES,
     limit_pause,
     mark_published,
+    move_attempt,
     pause_attempt,
     queued_job,
     resume_paused,
@@ -186,3 +188,48 @@ def test_s14_on_limit_fail_no_reset_said_and_too_many_pauses(tmp_path: Path) -> 
     assert reg.get(hostile)["usage_limit"]["reset_at"] is None
     with pytest.raises(UsageError, match="--on-limit 'later' is invalid"):
         QueueTerms(target_labels=("x",), on_limit="later").checked()
+
+
+# ------------------------------------------------------------------ --on-limit move
+
+def repo_fleet(*sessions: str) -> Fleet:
+    fleet = Fleet()
+    for session in sessions:
+        fleet.update(RunnerView(session=session, runner_id="a" * 32, status="online", labels=frozenset({"x"}),
+                                max_jobs=1, running=frozenset(), verified=True, seen_at=time.monotonic(),
+                                repos=frozenset({"demo"})))
+    return fleet
+
+
+def test_s14_a_moved_attempt_goes_to_another_runner_at_once_and_back_only_after_the_reset(tmp_path: Path) -> None:
+    reg = Registry(tmp_path)
+    job_id = limited(reg, on_limit="move")
+    record = reg.get(job_id)
+    assert not settled(record) and limit_pause(record, NOW) == NOW + 1805
+    new = move_attempt(reg, job_id, NOW + 1805, None, None)
+    assert new is not None and (new["status"], new["attempt_id"], new["pauses"]) == ("queued", 2, 1)
+    assert new["limited"] == {"session": "r1", "until": "2026-12-04T21:30:05Z"} and "paused_until" not in new
+    assert new["target"] == {"labels": ["x"]} and new["work"]["resume"]["session_id"] == SESSION
+    assert [(r["attempt_id"], r["outcome"]) for r in render.attempts(new)] == [
+        (1, "moved (usage_limit)"), (2, "queued")]
+    (line,) = [a for a in reg.audit(job_id) if a["event"] == "moved"]
+    assert (line["session"], line["until"], line["next_attempt"]) == ("r1", "2026-12-04T21:30:05Z", 2)
+    assert move_attempt(reg, job_id, NOW + 1805, None, None) is None  # already done: nothing twice
+
+    job = queued_job(new)
+    mono = time.monotonic()
+    assert plan([job], repo_fleet("r1", "r2"), mono, 60, wall_now=NOW) == [(job_id, "r2")]
+    assert plan([job], repo_fleet("r1"), mono, 60, wall_now=NOW) == []  # only the limited runner: it waits
+    assert plan([job], repo_fleet("r1"), mono, 60, wall_now=NOW + 1806) == [(job_id, "r1")]
+    ahead = dataclasses.replace(job, limited_until=time.time() + 3600)  # why_waiting reads the wall clock
+    why = why_waiting(ahead, repo_fleet("r1"), [ahead], mono, 60)
+    assert why.startswith("moved off r1 (usage limit until ") and "no other runner matches labels=x" in why
+    later = reg.register(session=None, queue=QueueTerms(target_labels=("x",)), work=wire.Work(repo="demo"))
+    assert plan([job, queued_job(later)], repo_fleet("r1"), mono, 60, wall_now=NOW) == [(later["job_id"], "r1")]
+    assert "limited" not in mark_published(reg, job_id, "r2")
+
+
+def test_s14_on_limit_move_needs_a_label_target() -> None:
+    with pytest.raises(UsageError, match="--on-limit move needs a label target"):
+        QueueTerms(target_session="r1", on_limit="move").checked()
+    assert QueueTerms(target_labels=("x",), on_limit="move").checked().fields()["on_limit"] == "move"
