@@ -5,7 +5,7 @@ Counted from the registry at each scrape (so they survive a restart of the
 service and equal what the records say happened): jobs by status, jobs
 finished by outcome and close reason, retries. From the running service:
 queue depth, the oldest queued job's age and the queued jobs no runner
-serves, runners by status, each runner's status, slots and jobs held, the
+serves, each concurrency group's jobs out and queued, runners by status, each runner's status, slots and jobs held, the
 oldest permission request's age (deploy/prometheus/alerts.yml), messages
 accepted by kind and refused by §3.2 reason, events accepted by name
 (heartbeats included). From the hub's copies of the agent output (§15): bytes
@@ -104,6 +104,14 @@ class HubCollector(Collector):
         yield GaugeMetricFamily("mam_queue_unserved", "Queued jobs for labels or a repository no runner has "
                                 "announced (§14, §18)",
                                 value=sum(hubqueue.unserved(job, self.service.fleet) for job in queued))
+        out = self.service.groups_out()
+        waiting = Counter(job.group for job in queued if job.group is not None)
+        groups = GaugeMetricFamily("mam_group_jobs", "Each concurrency group's jobs out (published or running) "
+                                   "and queued (§14 Groups)", labels=["group", "state"])
+        for group in sorted(set(out) | set(waiting)):
+            groups.add_metric([group, "out"], len(out.get(group, ())))
+            groups.add_metric([group, "queued"], waiting.get(group, 0))
+        yield groups
 
     def _runners(self) -> Iterator[Metric]:
         rows = runner_rows(self.service)

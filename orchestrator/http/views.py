@@ -85,15 +85,15 @@ def queue_rows(service: HubService, now: float | None = None) -> list[Row]:
     now = time.monotonic() if now is None else now
     queued = list(service.queued.values())
     return [{"job_id": job.job_id, "target": hubqueue.describe_target(job), "priority": job.priority,
-             "queued_at": job.queued_at,
+             "queued_at": job.queued_at, "group": job.group,
              "why_waiting": hubqueue.why_waiting(job, service.fleet, queued, now, PRESENCE_STALE_S,
                                                  out=service.groups_out())}
             for job in sorted(queued, key=hubqueue.queue_order)]
 
 
 def job_row(record: JobRecord, last_event: str | None = None, now_wall: float | None = None) -> Row:
-    """One job as a table row: status, target (and its labels, repository), runner, attempt,
-    duration (s), close reason, and what its agent spent (`agent`: kind, session_id, turns,
+    """One job as a table row: status, target (and its labels, repository, concurrency group), runner,
+    attempt, duration (s), close reason, and what its agent spent (`agent`: kind, session_id, turns,
     tokens, cost_usd; §18) or None."""
     now_wall = time.time() if now_wall is None else now_wall
     start = iso_epoch(record.get("attempt_created_at") or record["created_at"])
@@ -107,7 +107,7 @@ def job_row(record: JobRecord, last_event: str | None = None, now_wall: float | 
             "created_at": record["created_at"], "updated_at": record["updated_at"], "duration_s": duration,
             "close_reason": record.get("close_reason"), "exit_code": record.get("exit_code"),
             "late_outcome": record.get("late_outcome"), "retried": record.get("retried", 0),
-            "last_event": last_event, "agent": record.get("agent")}
+            "last_event": last_event, "agent": record.get("agent"), "group": record.get("group")}
 
 
 def job_detail(service: HubService, job_id: str) -> Row:

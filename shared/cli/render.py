@@ -214,6 +214,9 @@ def show_head(record: Mapping[str, Any], root: Path | None) -> list[str]:
             ("duration", format_duration(duration_s(record))),
             ("hub log", hub_side),
             ("runner log", runner_side)]
+    if record.get("group"):  # §14 Groups
+        head.insert(3, ("group", f"{record['group']} (at most {record.get('group_limit', 1)} at once"
+                                 f"{'; cancels earlier ones' if record.get('cancel_in_progress') else ''})"))
     lines = [f"{k + ':':<12}{_cell(v)}" for k, v in head]
     brief = brief_lines(root, str(record.get("job_id")))
     for n, text in enumerate(brief[:BRIEF_SHOW_LINES]):

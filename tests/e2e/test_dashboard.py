@@ -96,9 +96,10 @@ def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_br
                                           "tokens": {"input": 10, "output": 20, "cached": 5}}})
             job_id = serve.dispatch("echo dashboard-output\n" + gated(tmp_path, "go-2") + f"\nSPENT='{spent}'\n"
                                     'eval "$MAM_PUBLISH_CMD --event completed --data \\"\\$SPENT\\""\n',
-                                    labels=["gpu"])
+                                    labels=["gpu"], group="nightly")
             queued = row_of(page, "queue", job_id)
             sync_api.expect(queued).to_contain_text("0 free slots")  # queued behind the busy job, and why
+            sync_api.expect(queued).to_contain_text("labels=gpu · group nightly")  # §14 Groups
             page.screenshot(path=str(tmp_path / "dashboard-queued.png"), full_page=True)
             (tmp_path / "go-1").touch()
             sync_api.expect(row_of(page, "running", job_id)).to_contain_text("running")

@@ -521,3 +521,25 @@ def test_s14_a_cancel_in_progress_job_cancels_its_groups_earlier_jobs_and_each_s
     bad = dispatch(api, cancel_in_progress=True)
     assert bad.status_code == 400 and "--cancel-in-progress goes with --group" in bad.json()["error"]
     assert dispatch(api, group="rel", cancel_in_progress="yes").status_code == 400
+
+
+def test_s14_groups_show_in_metrics_the_queue_the_job_rows_and_show(service, api):
+    from mam.orchestrator.queuewait import mark_published
+    from mam.shared.cli import render
+
+    out = service.registry.register(session=None, queue=QueueTerms(target_labels=("gpu",), group="rel"))["job_id"]
+    mark_published(service.registry, out, "gpu-box")
+    waiting = dispatch(api, group="rel").json()["job_id"]
+    dispatch(api, group="nightly", group_limit=3)
+    service.scan(time.monotonic())
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(api.get("/metrics").text) for s in family.samples}
+    assert samples[("mam_group_jobs", (("group", "rel"), ("state", "out")))] == 1
+    assert samples[("mam_group_jobs", (("group", "rel"), ("state", "queued")))] == 1
+    assert samples[("mam_group_jobs", (("group", "nightly"), ("state", "out")))] == 0
+    queue = {row["job_id"]: row for row in api.get("/api/queue").json()["queue"]}
+    assert queue[waiting]["group"] == "rel"
+    jobs = {row["job_id"]: row for row in api.get("/api/jobs").json()["jobs"]}
+    assert jobs[out]["group"] == "rel"
+    shown = render.show_text(service.registry.get(waiting), [])
+    assert "group:      rel (at most 1 at once)" in shown, shown

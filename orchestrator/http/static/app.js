@@ -83,8 +83,8 @@ function renderFleet() {
     r.status === "revoked" ? "revoked " + r.revoked_at : age(r.last_seen), drainButton(r)])),
     "no runner has announced itself", 9);
   const titleOf = (id) => (state.jobs.get(id) || {}).title || "";
-  fill("queue", state.queue.map((q) => row([jobLink(q.job_id), titleOf(q.job_id), q.target, q.priority,
-    q.why_waiting])), "nothing waits", 5);
+  fill("queue", state.queue.map((q) => row([jobLink(q.job_id), titleOf(q.job_id),
+    q.target + (q.group ? " · group " + q.group : ""), q.priority, q.why_waiting])), "nothing waits", 5);
   const jobs = [...state.jobs.values()].sort((a, b) => b.created_at.localeCompare(a.created_at));
   const open = jobs.filter((j) => j.status === "pending" || j.status === "running");
   const matching = jobs.filter((j) => TERMINAL.has(j.status) && matches(j));
@@ -184,7 +184,8 @@ function renderJob() {
   status.className = "st " + job.status;
   document.getElementById("job-cancel").hidden = TERMINAL.has(job.status);
   document.getElementById("job-retry").hidden = !(job.status === "error" || job.status === "cancelled");
-  document.getElementById("job-facts").textContent = "target " + job.target + " · runner " + (job.session || "-") +
+  document.getElementById("job-facts").textContent = "target " + job.target +
+    (job.group ? " · group " + job.group : "") + " · runner " + (job.session || "-") +
     " · attempt " + job.attempt_id + " · duration " + duration(job) + (job.close_reason ? " · closed " + job.close_reason : "") +
     (job.exit_code !== null && job.exit_code !== undefined ? " · agent exit " + job.exit_code : "") +
     agentFacts(job.agent);
