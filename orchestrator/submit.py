@@ -105,14 +105,18 @@ def follow_job(hub: Hub, engine: EmbeddedService, job_id: str, *, detach: bool, 
     # a cancel's confirmation (§6) is awaited here, before the summary; a detached dispatch
     # leaves its own just-published job to whoever watches next, as it always did
     engine.stop(handover=not detach)
-    if detach and follower.published:
-        print_started(registry.get(job_id), as_json, verb)
-        return 0
-    if detach and registry.get(job_id)["status"] == JobStatus.QUEUED:  # §14: it waits; say so, don't block
-        print_started(registry.get(job_id), as_json, "queued")
-        if service_pid(registry.root) is None:
-            print(unserved_hint(job_id, workspace), file=sys.stderr)
-        return 0
+    if detach:
+        # the follow may end on a note while the engine publishes the job: read the record, then
+        # the lines up to it (the audit log is written first), so `published` matches the record
+        record = follower.step()
+        if follower.published:
+            print_started(registry.get(job_id), as_json, verb)
+            return 0
+        if record["status"] == JobStatus.QUEUED:  # §14: it waits; say so, don't block
+            print_started(record, as_json, "queued")
+            if service_pid(registry.root) is None:
+                print(unserved_hint(job_id, workspace), file=sys.stderr)
+            return 0
     if not as_json and sys.stdout.isatty():
         print_summary(registry, job_id)
     return code

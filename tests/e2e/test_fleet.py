@@ -28,6 +28,7 @@ def sim(nats_broker, tmp_path):
 def detached(hub, *args):
     result = orch(hub, "dispatch", "--session", "gpu-box", "--detach", "--json", *args)
     assert result.returncode == 0, result.stderr
+    assert result.stdout, result.stderr
     return json.loads(result.stdout)["job_id"]
 
 
