@@ -27,7 +27,7 @@ from typing import Any
 from mam.orchestrator.asks import Ask, answer_from, asks_of, pending
 from mam.orchestrator.control import close_remote
 from mam.orchestrator.dispatch import check_brief, hub_contract, work_terms
-from mam.orchestrator.follow import FOLLOW_POLL_S, AuditTail, is_event_line, settled
+from mam.orchestrator.follow import FOLLOW_POLL_S, SAFETY_S, AuditTail, is_event_line, settled
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.results import read_result
@@ -37,6 +37,7 @@ from mam.orchestrator.submit import register_queued
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import DEFAULT_RETRY_ON, TERMINAL_STATUSES
 from mam.shared.protocol.errors import TransitionRefused, UsageError
+from mam.shared.store.changes import JobChanges
 from mam.shared.store.records import DEFAULT_QUEUE_TIMEOUT_SEC, JobRecord, QueueTerms, exit_code_of, redact
 
 
@@ -89,16 +90,18 @@ class Job:
         self.hub.ensure_service()
         tail = AuditTail(self.hub.registry.audit_path(self.id))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            record = self.hub.registry.get(self.id)
-            for line in tail.read():
-                if is_event_line(line, self.id):
-                    yield line
-            if settled(record):
-                return
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"job {self.id} is still {record['status']} after {timeout_s:g} s")
-            time.sleep(FOLLOW_POLL_S)
+        with JobChanges(self.hub.registry.root, self.id, FOLLOW_POLL_S) as changes:  # told of writes, not polling
+            while True:
+                record = self.hub.registry.get(self.id)
+                for line in tail.read():
+                    if is_event_line(line, self.id):
+                        yield line
+                if settled(record):
+                    return
+                left = SAFETY_S if deadline is None else min(SAFETY_S, deadline - time.monotonic())
+                if left <= 0:
+                    raise TimeoutError(f"job {self.id} is still {record['status']} after {timeout_s:g} s")
+                changes.wait(left)
 
     def wait(self, timeout_s: float | None = None) -> Outcome:
         """Block until the job ends.

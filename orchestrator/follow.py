@@ -31,12 +31,14 @@ from mam.shared.cli.render import print_summary, printable
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus
 from mam.shared.protocol.errors import ConfigError, ExitCode, UsageError
+from mam.shared.store.changes import JobChanges
 from mam.shared.store.records import JobRecord, exit_code_of
 from mam.shared.store.registry import Registry
 
 log = logging.getLogger("mam.watch")
 
-FOLLOW_POLL_S = 0.1  # how often the follower reads the audit log and the record
+FOLLOW_POLL_S = 0.1  # without inotify: how often the follower reads the audit log and the record
+SAFETY_S = 1.0  # told of writes (`JobChanges`), a follower still looks this often (a service gone)
 MAX_OPTION_S = 366 * DAY_S  # a watch option beyond a year is a mistake
 
 
@@ -170,16 +172,17 @@ class Follower:
         """
         self.events_shown = not until_published  # a fast job's events may be in before the publish is seen
         try:
-            while True:
-                record = self.step()
-                if until_published and (self.published or (self.waits is not None
-                                                           and record["status"] == JobStatus.QUEUED)):
-                    return 0
-                if settled(record):
-                    return exit_code_of(record)
-                if service_pid(self.registry.root) is None:
-                    return None
-                time.sleep(FOLLOW_POLL_S)
+            with JobChanges(self.registry.root, self.job_id, FOLLOW_POLL_S) as changes:
+                while True:
+                    record = self.step()
+                    if until_published and (self.published or (self.waits is not None
+                                                               and record["status"] == JobStatus.QUEUED)):
+                        return 0
+                    if settled(record):
+                        return exit_code_of(record)
+                    if service_pid(self.registry.root) is None:
+                        return None
+                    changes.wait(SAFETY_S)
         except KeyboardInterrupt:
             raise Detached(self.job_id) from None
 

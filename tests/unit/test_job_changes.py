@@ -1,0 +1,59 @@
+"""`JobChanges` (docs/registry.md "Followers"): a follower of one job is told of writes to its
+record and logs by inotify, and falls back to polling where it cannot be."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from mam.shared.store import changes as changes_module
+from mam.shared.store.changes import JobChanges
+from mam.shared.store.fsio import atomic_write
+from mam.shared.store.registry import Registry
+
+pytestmark = pytest.mark.timeout(60)
+
+LONG_S = 30.0  # a wait that returns before this was woken by a write: no test waits it out
+
+
+def test_an_audit_line_or_a_new_record_wakes_the_waiter_even_written_before_it_waits(tmp_path: Path) -> None:
+    reg = Registry(tmp_path)
+    job_id = reg.register(session="gpu-box")["job_id"]
+    with JobChanges(tmp_path, job_id, poll_s=LONG_S) as changes:
+        assert changes.told
+        for write in (lambda: reg.append_audit(job_id, {"event": "note", "timestamp": "x"}),
+                      lambda: atomic_write(reg.record_path(job_id), reg.record_path(job_id).read_bytes(), what="r")):
+            write()
+            started = time.monotonic()
+            changes.wait(LONG_S)
+            assert time.monotonic() - started < LONG_S / 2
+
+
+def test_another_jobs_record_does_not_wake_it(tmp_path: Path) -> None:
+    reg = Registry(tmp_path)
+    job_id, other = (reg.register(session="gpu-box")["job_id"] for _ in range(2))
+    with JobChanges(tmp_path, job_id, poll_s=LONG_S) as changes:
+        path = reg.record_path(other)
+        atomic_write(path, path.read_bytes(), what="r")
+        started = time.monotonic()
+        changes.wait(1.0)
+        assert time.monotonic() - started >= 1.0  # only its own timeout ended it
+
+
+def test_without_inotify_or_before_its_logs_exist_it_polls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = Registry(tmp_path)
+    job_id = reg.register(session="gpu-box")["job_id"]
+    unborn = JobChanges(tmp_path, "0badf00d", poll_s=0.05)
+    assert not unborn.told  # no logs folder yet: polled until there is one
+    unborn.wait(LONG_S)  # returns after poll_s
+    unborn.close()
+
+    def refused() -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(changes_module, "INotify", refused)
+    with JobChanges(tmp_path, job_id, poll_s=0.05) as changes:
+        assert not changes.told
+        changes.wait(LONG_S)  # a poll interval, not the whole timeout
