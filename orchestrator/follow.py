@@ -31,14 +31,13 @@ from mam.shared.cli.render import print_summary, printable
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus
 from mam.shared.protocol.errors import ConfigError, ExitCode, UsageError
-from mam.shared.store.changes import JobChanges
+from mam.shared.store.changes import SAFETY_S, JobChanges
 from mam.shared.store.records import JobRecord, exit_code_of
 from mam.shared.store.registry import Registry
 
 log = logging.getLogger("mam.watch")
 
 FOLLOW_POLL_S = 0.1  # without inotify: how often the follower reads the audit log and the record
-SAFETY_S = 1.0  # told of writes (`JobChanges`), a follower still looks this often (a service gone)
 MAX_OPTION_S = 366 * DAY_S  # a watch option beyond a year is a mistake
 
 

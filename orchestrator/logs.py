@@ -28,6 +28,7 @@ from mam.shared.protocol import crypto, names
 from mam.shared.protocol.codes import TERMINAL_STATUSES
 from mam.shared.protocol.errors import DecodeError, ExitCode, MamError, RegistryError, SignatureError, UsageError
 from mam.shared.protocol.wire import logchunk
+from mam.shared.store.changes import SAFETY_S, JobChanges
 from mam.shared.store.fsio import atomic_write, read_json_object
 from mam.shared.store.records import exit_code_of, utc_now
 from mam.shared.store.registry import Registry
@@ -40,7 +41,7 @@ MAX_BUFFERED_CHUNKS = 64
 MAX_AHEAD_CHUNKS = 4096
 """A chunk further than this ahead of the next expected one is refused (a hostile number)."""
 STATE_MAX_BYTES = 4096
-FOLLOW_POLL_S = 0.2
+FOLLOW_POLL_S = 0.2  # without inotify: how often `logs --follow` looks for new output
 """How often `logs --follow` looks at the copy and the record, seconds."""
 READ_BYTES = 1 << 20
 SETTLE_S = 2.0
@@ -306,15 +307,16 @@ def logs_cli(job_id: str, *, workspace: Workspace, follow: bool, attempt: int | 
         if lines is not None:
             lines.flush()
         return ExitCode.COMPLETED
-    while True:
-        record = hub.registry.get(job_id)
-        status = record["status"]
-        offset = _print_new(path, offset, stream, lines)
-        if status in TERMINAL_STATUSES or chosen != current:
-            if lines is not None:
-                lines.flush()
-            return exit_code_of(record) if chosen == current else ExitCode.COMPLETED
-        time.sleep(FOLLOW_POLL_S)
+    with JobChanges(hub.registry.root, job_id, FOLLOW_POLL_S) as changes:  # told of new output, not polling
+        while True:
+            record = hub.registry.get(job_id)
+            status = record["status"]
+            offset = _print_new(path, offset, stream, lines)
+            if status in TERMINAL_STATUSES or chosen != current:
+                if lines is not None:
+                    lines.flush()
+                return exit_code_of(record) if chosen == current else ExitCode.COMPLETED
+            changes.wait(SAFETY_S)
 
 
 __all__ = ["JobLog", "await_chunks", "LogRouter", "MAX_AHEAD_CHUNKS", "MAX_BUFFERED_CHUNKS", "OutputView", "logs_cli"]

@@ -22,6 +22,8 @@ from mam.shared.protocol import names
 
 log = logging.getLogger("mam.registry")
 
+SAFETY_S = 1.0
+"""Told of writes, a follower still looks this often, seconds (what no watch shows: a service gone)."""
 RECORD_FLAGS = flags.MOVED_TO | flags.CLOSE_WRITE
 LOGS_FLAGS = flags.MODIFY | flags.CREATE | flags.MOVED_TO
 
@@ -96,4 +98,4 @@ class JobChanges:
         self.close()
 
 
-__all__ = ["JobChanges"]
+__all__ = ["SAFETY_S", "JobChanges"]
