@@ -134,9 +134,10 @@ class Follower:
                 self.waits = line["line"]
             elif line.get("event") == "status_changed" and line.get("to") == JobStatus.PENDING:
                 self.published = True
-                if self.announce:
-                    print(f"{self.verb} job {self.job_id} to {self.registry.get(self.job_id)['session']} "
-                          f"(attempt {line.get('attempt_id')})", file=sys.stderr, flush=True)
+                if self.announce:  # the line names the runner: the record may not be written yet
+                    session = line.get("session") or self.registry.get(self.job_id)["session"]
+                    print(f"{self.verb} job {self.job_id} to {session} (attempt {line.get('attempt_id')})",
+                          file=sys.stderr, flush=True)
         self._show_output(record)
         return record
 

@@ -244,6 +244,8 @@ class Registry(RegistryFiles):
                 "event": "status_changed", "timestamp": new["updated_at"], "from": old["status"],
                 "to": new["status"], "source": source, "reason": reason, "attempt_id": new["attempt_id"],
                 "transition_seq": new["transition_seq"]}
+            if new.get("session") and new["session"] != old.get("session"):
+                status_line["session"] = new["session"]  # a follower reads the line before the record
             if new.get("close_reason") is not None:
                 status_line["close_reason"] = new["close_reason"]
             if new.get("exit_code") is not None:
