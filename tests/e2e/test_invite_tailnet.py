@@ -3,7 +3,8 @@ bridge (harness/netns.py, addresses in 100.64.0.0/10). The hub's embedded broker
 the hub's tailnet address; `mam-orch runner invite` prints a code there; on the fresh host,
 whose workspace is empty, `mam-runner enroll --invite CODE` reaches the broker by the address
 the code carries, writes its own `.mam.env` (0600), and `mam-runner run` with no flags takes a
-job dispatched on the hub for its enrolled label."""
+job dispatched on the hub for its enrolled label; `runner revoke` on the hub then makes it
+exit with its documented code (77)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from harness.workspace import clean_env
 from mam.orchestrator.broker import embedded
 from mam.shared.config import read_env_file
 from mam.shared.protocol.crypto.invite import InviteCode
+from mam.shared.protocol.errors import ExitCode
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(6 * PATIENCE_S)]
 
@@ -56,7 +58,7 @@ def test_s16_5_a_host_on_the_tailnet_enrols_with_the_code_alone_and_runs_a_hub_j
             assert (settings["MQTT_USERNAME"], settings["MQTT_BROKER"]) == (SESSION, hub_addr)
             assert os.stat(host / ".mam.env").st_mode & 0o777 == 0o600
             with open(tmp_path / "runner.stderr", "wb") as err:
-                net.spawn("fresh", [*MAM_RUNNER, "run", "--exec", str(AGENTS / "shell-agent"), "--workspace",
+                runner = net.spawn("fresh", [*MAM_RUNNER, "run", "--exec", str(AGENTS / "shell-agent"), "--workspace",
                                     str(host)], env=clean_env(), stdout=subprocess.DEVNULL, stderr=err)
             job = net.run("hub", [*MAM_ORCH, "dispatch", "--labels", "x", "--brief", "echo across-the-tailnet\n",
                                   "--json", "--workspace", str(root)], env=hub_env(), timeout_s=2 * PATIENCE_S)
@@ -65,5 +67,10 @@ def test_s16_5_a_host_on_the_tailnet_enrols_with_the_code_alone_and_runs_a_hub_j
             assert [e["event"] for e in events] == ["started", "progress", "completed"], job.stdout
             assert {e["data"]["session"] for e in events} == {SESSION}
             assert f"dispatched job {events[0]['job_id']} to {SESSION} (attempt 1)" in job.stderr, job.stderr
+            revoked = net.run("hub", [*MAM_ORCH, "runner", "revoke", SESSION, "--workspace", str(root)],
+                              env=hub_env(), timeout_s=2 * PATIENCE_S)
+            assert revoked.returncode == 0, revoked.stderr
+            assert runner.wait(PATIENCE_S) == ExitCode.REVOKED, (tmp_path / "runner.stderr").read_text()
+            assert f"runner {SESSION} revoked by the hub (key " in (tmp_path / "runner.stderr").read_text()
         finally:
             embedded.down(str(root))
