@@ -12,7 +12,7 @@ Bound to loopback by default; any other address needs `MAM_API_TOKEN`
 page) and refuses to start without it. The token is never logged (uvicorn's
 access log is off). Errors are JSON `{"error": reason}` with a 4xx for bad
 input, never a traceback. `GET /api/events` is a server-sent event stream fed
-by one `httpview.LiveFeed` polled every FEED_POLL_S for every client.
+by one `httpview.LiveFeed` for every client, told which jobs were written (`JobsWatch`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from mam.orchestrator.service import Companion, HubService, run_service
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import JobStatus
 from mam.shared.protocol.errors import BrokerError, ConfigError, MamError, UsageError
+from mam.shared.store.changes import JobsWatch
 from mam.shared.store.records import JobNotFound, Refusal
 
 log = logging.getLogger("mam.http")
@@ -60,7 +61,8 @@ BEARER = "Bearer "
 DEFAULT_BIND = "127.0.0.1:8765"
 QUERY_INT_DIGITS = 15  # a query integer (attempt, offset) longer than this is refused, never parsed
 MAX_BODY_BYTES = 1024 * 1024  # a request body larger than this is refused 413 (a brief is at most 512 KiB)
-FEED_POLL_S = 0.25  # the live feed looks for changes this often (the dashboard updates within 1 s)
+FEED_POLL_S = 0.25  # the live feed looks at runners and the queue this often; jobs as they are written
+FEED_SCAN_S = 10.0  # and at every job this often (what a watch may not tell: a folder it could not watch)
 SSE_KEEPALIVE_S = 15.0  # an idle event stream gets a comment line this often
 SSE_RETRY_MS = 1000  # how soon a browser reconnects a dropped event stream
 SSE_QUEUE_MAX = 1000  # messages buffered per stream client; a client this far behind is dropped
@@ -347,21 +349,29 @@ class Api:
     # ------------------------------------------------------------ the feed
 
     async def run_feed(self) -> None:
-        """Poll the live feed and hand what changed to every stream client."""
-        while not self.closing.is_set():
-            try:
-                items = await run_in_threadpool(self.feed.poll)
-            except Exception as exc:  # noqa: BLE001 - the feed goes on; one line
-                log.warning("live feed: %s: %s", type(exc).__name__, exc)
-                items = []
-            for client in list(self.clients):
-                for item in items:
-                    try:
-                        client.put_nowait(item)
-                    except asyncio.QueueFull:
-                        self.clients.discard(client)  # far behind: it reconnects and reloads
-                        break
-            await asyncio.sleep(FEED_POLL_S)
+        """Hand what changed to every stream client: the jobs the watch names as soon as they
+        are written (every job at the start, every FEED_SCAN_S and when the watch cannot
+        tell), the runners and the queue at least every FEED_POLL_S."""
+        scanned = -FEED_SCAN_S
+        with JobsWatch(self.service.registry.root) as watch:
+            self.feed.watch = watch
+            while not self.closing.is_set():
+                try:
+                    changed = await run_in_threadpool(watch.changed, FEED_POLL_S)
+                    if time.monotonic() - scanned >= FEED_SCAN_S:
+                        changed, scanned = None, time.monotonic()
+                    items = await run_in_threadpool(self.feed.poll, changed)
+                except Exception as exc:  # noqa: BLE001 - the feed goes on; one line
+                    log.warning("live feed: %s: %s", type(exc).__name__, exc)
+                    items = []
+                for client in list(self.clients):
+                    for item in items:
+                        try:
+                            client.put_nowait(item)
+                        except asyncio.QueueFull:
+                            self.clients.discard(client)  # far behind: it reconnects and reloads
+                            break
+            self.feed.watch = None
         for client in list(self.clients):
             with contextlib.suppress(asyncio.QueueFull):
                 client.put_nowait(None)

@@ -26,6 +26,7 @@ from mam.orchestrator.service import HubService
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus, PresenceStatus
 from mam.shared.protocol.errors import MamError, UsageError
+from mam.shared.store.changes import JobsWatch
 from mam.shared.store.fsio import settled_mtime_ns
 from mam.shared.store.records import RECORD_NAME_RE, JobNotFound, JobRecord, describe_target, redact, target_of
 
@@ -197,13 +198,15 @@ class LiveFeed:
     on_event: Callable[[Row, JobRecord], None] | None = None
     on_unqueued: Callable[[JobRecord], None] | None = None
     jobs: dict[str, _Tracked] = field(default_factory=dict)
+    watch: JobsWatch | None = None  # told which jobs changed (the caller passes `changed` to `poll`)
     log_bytes: int = 0  # agent output read by the feed since it started (metrics)
     _runners_key: object = None
     _queue_key: object = None
     _started: bool = False
 
-    def poll(self) -> list[Row]:
-        """Everything new since the last call, as `{"type": ..., ...}` messages."""
+    def poll(self, changed: set[str] | None = None) -> list[Row]:
+        """Everything new since the last call, as `{"type": ..., ...}` messages: of every job,
+        or (`changed`, from `JobsWatch`) of these jobs only."""
         out: list[Row] = []
         now = time.monotonic()
         runners = runner_rows(self.service, now)
@@ -217,7 +220,15 @@ class LiveFeed:
         if key != self._queue_key:
             self._queue_key = key
             out.append({"type": "queue", "queue": waiting})
-        self._poll_jobs(out)
+        if changed is None:
+            self._poll_jobs(out)
+        else:
+            folder = names.jobs_dir(self.service.registry.root)
+            for job_id in sorted(changed):
+                try:
+                    self._consider(job_id, (folder / f"{job_id}.json").stat(), out)
+                except OSError:
+                    continue
         self._started = True
         return out
 
@@ -230,16 +241,19 @@ class LiveFeed:
         for entry in entries:
             if not RECORD_NAME_RE.match(entry.name):
                 continue
-            job_id = entry.name[:-len(".json")]
             try:
-                mtime = settled_mtime_ns(entry.stat())  # None: too recent to skip on
+                self._consider(entry.name[:-len(".json")], entry.stat(), out)
             except OSError:
                 continue
-            tracked = self.jobs.get(job_id)
-            if tracked is not None and tracked.row["status"] in TERMINAL_STATUSES and \
-                    mtime is not None and tracked.mtime == mtime:
-                continue
-            self._poll_job(job_id, mtime, tracked, out)
+
+    def _consider(self, job_id: str, info: os.stat_result, out: list[Row]) -> None:
+        """Poll `job_id` unless it ended and its record (`info`) did not change since."""
+        mtime = settled_mtime_ns(info)  # None: too recent to skip on
+        tracked = self.jobs.get(job_id)
+        if tracked is not None and tracked.row["status"] in TERMINAL_STATUSES and \
+                mtime is not None and tracked.mtime == mtime:
+            return
+        self._poll_job(job_id, mtime, tracked, out)
 
     def _poll_job(self, job_id: str, mtime: int | None, tracked: _Tracked | None, out: list[Row]) -> None:
         registry = self.service.registry
@@ -273,6 +287,11 @@ class LiveFeed:
             k: v for k, v in tracked.row.items() if k != "duration_s"}
         was_open = new_attempt or tracked.row.get("status") not in TERMINAL_STATUSES
         tracked.mtime, tracked.row = mtime, row
+        if self.watch is not None:  # told of its audit lines and output while it is open
+            if row["status"] in TERMINAL_STATUSES:
+                self.watch.unfollow(job_id)
+            else:
+                self.watch.follow(job_id)
         if changed:
             out.append({"type": "job", "job": row})
             if tracked.unqueued != record["attempt_id"] and row["status"] != JobStatus.QUEUED:

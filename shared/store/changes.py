@@ -26,6 +26,8 @@ SAFETY_S = 1.0
 """Told of writes, a follower still looks this often, seconds (what no watch shows: a service gone)."""
 RECORD_FLAGS = flags.MOVED_TO | flags.CLOSE_WRITE
 LOGS_FLAGS = flags.MODIFY | flags.CREATE | flags.MOVED_TO
+COALESCE_MS = 20
+"""After the first event, how long `JobsWatch.changed` lets more gather before reading, ms."""
 
 
 class JobChanges:
@@ -98,4 +100,96 @@ class JobChanges:
         self.close()
 
 
-__all__ = ["SAFETY_S", "JobChanges"]
+class JobsWatch:
+    """Which jobs' records or logs changed, for one reader of many jobs (the dashboard's live
+    feed): an inotify watch on `.mam/jobs/` (a record's rename names its job), on `.mam/logs/`
+    (a new job's folder) and on the logs folder of each job the reader `follow`s.
+
+    `changed` returns the job ids written since the last call, or None when the reader must
+    look at every job: inotify is unavailable, its queue overflowed, or a job's folder could
+    not be watched (the per-user limit).
+
+    Args:
+        root: the registry's root.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self._root, self._logs_root = root, names.logs_dir(root)
+        self._folders: dict[int, str] = {}  # watch descriptor → the job whose logs folder it is
+        self._watched: dict[str, int] = {}
+        self._missed = False  # a change may have gone unseen: the next `changed` says look at all
+        self._inotify: INotify | None = None
+        try:
+            self._inotify = INotify()
+            for folder in (names.jobs_dir(root), self._logs_root):  # a new hub has neither yet
+                folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._records_wd = self._inotify.add_watch(names.jobs_dir(root), RECORD_FLAGS)
+            self._logs_root_wd = self._inotify.add_watch(self._logs_root, flags.CREATE)
+        except OSError as exc:
+            log.debug("the live feed looks at every job (no inotify watch: %s)", exc)
+            self.close()
+
+    def follow(self, job_id: str) -> None:
+        """Watch `job_id`'s logs folder too (its audit log and output); idempotent."""
+        if self._inotify is None or job_id in self._watched:
+            return
+        try:
+            wd = self._inotify.add_watch(names.job_logs_dir(self._root, job_id), LOGS_FLAGS)
+        except FileNotFoundError:
+            return  # made later: its CREATE names it
+        except OSError as exc:
+            log.debug("job %s: its logs are not watched (%s)", job_id, exc)
+            self._missed = True
+            return
+        self._folders[wd] = job_id
+        self._watched[job_id] = wd
+
+    def unfollow(self, job_id: str) -> None:
+        """Stop watching `job_id`'s logs folder (an ended job); its record stays watched."""
+        wd = self._watched.pop(job_id, None)
+        if wd is not None and self._inotify is not None:
+            self._folders.pop(wd, None)
+            try:
+                self._inotify.rm_watch(wd)
+            except OSError:
+                pass  # the folder is gone: the kernel dropped the watch
+
+    def changed(self, timeout_s: float) -> set[str] | None:
+        """The jobs written since the last call, waiting up to `timeout_s` seconds for the
+        first; None: look at every job (see the class docstring)."""
+        if self._inotify is None:
+            time.sleep(timeout_s)
+            return None
+        out: set[str] = set()
+        for event in self._inotify.read(timeout=max(0, int(timeout_s * 1000)), read_delay=COALESCE_MS):
+            if event.mask & flags.Q_OVERFLOW:
+                self._missed = True
+            elif event.wd == self._records_wd:
+                job_id = event.name.removesuffix(".json")
+                if event.name.endswith(".json") and names.JOB_ID_RE.fullmatch(job_id):  # not a temp file
+                    out.add(job_id)
+            elif event.wd == self._logs_root_wd:
+                if names.JOB_ID_RE.fullmatch(event.name):
+                    out.add(event.name)  # a new job's folder: the reader follows it
+            elif (job_id := self._folders.get(event.wd)) is not None:
+                out.add(job_id)
+        if self._missed:
+            self._missed = False
+            return None
+        return out
+
+    def close(self) -> None:
+        """Drop the watches (idempotent)."""
+        if self._inotify is not None:
+            self._inotify.close()
+            self._inotify = None
+
+    def __enter__(self) -> JobsWatch:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+
+__all__ = ["SAFETY_S", "JobChanges", "JobsWatch"]

@@ -543,3 +543,13 @@ def test_s14_groups_show_in_metrics_the_queue_the_job_rows_and_show(service, api
     assert jobs[out]["group"] == "rel"
     shown = render.show_text(service.registry.get(waiting), [])
     assert "group:      rel (at most 1 at once)" in shown, shown
+
+
+def test_s15_the_live_feed_reads_only_the_jobs_it_is_told_of(service):
+    feed = LiveFeed(service)
+    feed.poll()
+    told, untold = (service.registry.register(session=None, queue=QueueTerms(target_labels=("x",)))["job_id"]
+                    for _ in range(2))
+    assert [m["job"]["job_id"] for m in feed.poll({told}) if m["type"] == "job"] == [told]
+    assert [m["job"]["job_id"] for m in feed.poll() if m["type"] == "job"] == [untold]  # the full look
+

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from mam.shared.protocol import names
 from mam.shared.store import changes as changes_module
-from mam.shared.store.changes import JobChanges
+from mam.shared.store.changes import JobChanges, JobsWatch
 from mam.shared.store.fsio import atomic_write
 from mam.shared.store.registry import Registry
 
@@ -57,3 +58,42 @@ def test_without_inotify_or_before_its_logs_exist_it_polls(tmp_path: Path, monke
     with JobChanges(tmp_path, job_id, poll_s=0.05) as changes:
         assert not changes.told
         changes.wait(LONG_S)  # a poll interval, not the whole timeout
+
+
+# ------------------------------------------------------------------ many jobs: the dashboard's feed
+
+def test_the_jobs_watch_names_written_records_new_folders_and_followed_logs(tmp_path: Path) -> None:
+    reg = Registry(tmp_path)
+    first = reg.register(session="gpu-box")["job_id"]
+    with JobsWatch(tmp_path) as watch:
+        assert watch.changed(0) == set()
+        second = reg.register(session="gpu-box")["job_id"]  # its record and its new logs folder
+        assert watch.changed(LONG_S) == {second}
+        reg.append_audit(first, {"event": "note", "timestamp": "x"})  # not followed: unseen
+        assert watch.changed(0) == set()
+        watch.follow(first)
+        reg.append_audit(first, {"event": "note", "timestamp": "y"})
+        assert watch.changed(LONG_S) == {first}
+        watch.unfollow(first)
+        reg.append_audit(first, {"event": "note", "timestamp": "z"})
+        assert watch.changed(0) == set()
+        (names.jobs_dir(tmp_path) / ".0badf00d.json.1.tmp").write_text("{}")  # a writer's temp file
+        assert watch.changed(0) == set()
+
+
+def test_the_jobs_watch_says_look_at_all_when_it_cannot_tell(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = Registry(tmp_path)
+    job_id = reg.register(session="gpu-box")["job_id"]
+    with JobsWatch(tmp_path) as watch:
+        monkeypatch.setattr(watch._inotify, "add_watch", lambda *_: (_ for _ in ()).throw(OSError(28, "limit")))
+        watch.follow(job_id)  # the per-user watch limit: missed, so the next answer is "all"
+        assert watch.changed(0) is None and watch.changed(0) == set()
+
+    def refused() -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(changes_module, "INotify", refused)
+    with JobsWatch(tmp_path) as watch:
+        assert watch.changed(0.01) is None
+
