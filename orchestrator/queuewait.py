@@ -294,53 +294,41 @@ def pause_attempt(registry: Registry, job_id: str, until: float, client: Transpo
     Raises:
         RegistryError.
     """
-    old = cancel_ended(registry, job_id, client, keys, "paused on a usage limit")
-    stamp = wire.format_ts(datetime.fromtimestamp(until, UTC))
-    with registry.transaction(job_id) as txn:
-        record = txn.record
-        if record["status"] != Status.ERROR or record["attempt_id"] != old["attempt_id"]:
-            return None
-        new = next_attempt(record, Status.QUEUED)
-        new["attempt_history"][-1].update(status="paused", close_reason="usage_limit")
-        new["pauses"] = int(record.get("pauses", 0)) + 1
-        new["paused_until"] = stamp
-        new["target"] = {"session": record["session"]}
-        new.pop("avoid_session", None)
-        new.pop("prefer_session", None)
-        txn.log({"event": "paused", "timestamp": new["updated_at"], "attempt_id": record["attempt_id"],
-                 "session": record["session"], "until": stamp, "next_attempt": new["attempt_id"]})
-        txn.update(new, source=HUB_QUEUE, reason=f"paused on a usage limit until {stamp}")
-    return new
+    return _limited_attempt(registry, job_id, until, client, keys, move=False)
 
 
 def move_attempt(registry: Registry, job_id: str, until: float, client: Transport | None,
                  keys: DispatchKeys | None) -> JobRecord | None:
-    """§14 Moves: cancel the ended attempt (§6), then attempt + 1 `queued` at once with fresh
-    tokens for its label target, never to the limited runner before `until` (`limited`); it
-    continues the agent's session (§18 "Transcripts": the hub carries the transcript). The
-    ended attempt is `moved (usage_limit)` in the history and a `moved` audit line says from
-    where. Counts in `pauses`; not a retry.
+    """§14 Moves: as `pause_attempt`, but attempt + 1 is `queued` at once for its label target,
+    never to the limited runner before `until` (`limited`); it continues the agent's session
+    (§18 "Transcripts": the hub carries the transcript). The ended attempt is `moved
+    (usage_limit)` in the history and a `moved` audit line says from where."""
+    return _limited_attempt(registry, job_id, until, client, keys, move=True)
 
-    Returns:
-        the new attempt's record, or None when the record changed meanwhile (nothing done).
-    Raises:
-        RegistryError.
-    """
-    old = cancel_ended(registry, job_id, client, keys, "moved on a usage limit")
+
+def _limited_attempt(registry: Registry, job_id: str, until: float, client: Transport | None,
+                     keys: DispatchKeys | None, *, move: bool) -> JobRecord | None:
+    word = "moved" if move else "paused"
+    old = cancel_ended(registry, job_id, client, keys, f"{word} on a usage limit")
     stamp = wire.format_ts(datetime.fromtimestamp(until, UTC))
     with registry.transaction(job_id) as txn:
         record = txn.record
         if record["status"] != Status.ERROR or record["attempt_id"] != old["attempt_id"]:
             return None
         new = next_attempt(record, Status.QUEUED)
-        new["attempt_history"][-1].update(status="moved", close_reason="usage_limit")
+        new["attempt_history"][-1].update(status=word, close_reason="usage_limit")
         new["pauses"] = int(record.get("pauses", 0)) + 1
-        new["limited"] = {"session": record["session"], "until": stamp}
+        if move:
+            new["limited"] = {"session": record["session"], "until": stamp}
+        else:
+            new["paused_until"] = stamp
+            new["target"] = {"session": record["session"]}
         new.pop("avoid_session", None)
         new.pop("prefer_session", None)
-        txn.log({"event": "moved", "timestamp": new["updated_at"], "attempt_id": record["attempt_id"],
+        txn.log({"event": word, "timestamp": new["updated_at"], "attempt_id": record["attempt_id"],
                  "session": record["session"], "until": stamp, "next_attempt": new["attempt_id"]})
-        txn.update(new, source=HUB_QUEUE, reason=f"moved on a usage limit of {record['session']} until {stamp}")
+        where = f"of {record['session']} " if move else ""
+        txn.update(new, source=HUB_QUEUE, reason=f"{word} on a usage limit {where}until {stamp}")
     return new
 
 

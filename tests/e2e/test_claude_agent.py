@@ -333,13 +333,17 @@ def test_s18_a_retry_continues_the_session_in_the_worktree_attempt_1_left(claude
     assert f"1  gpu-box  error  agent session {session_id}" in cf.show_text(job_id)
 
 
+NOTES_THEN_MORE: list[Step] = [WRITE_NOTES, Text("Wrote NOTES.md."),
+                               ToolUse("Write", {"file_path": "MORE.md", "content": "more\n"}),
+                               Text("Added MORE.md as you asked.")]
+"""Attempt 1 writes NOTES.md; the attempt a follow-up starts writes MORE.md."""
+
+
 def test_s18_say_continues_a_completed_job_and_its_change_grows(claude_fleet: AgentFleet) -> None:
     """`mam-orch say`: a person's follow-up to a completed job resumes the agent's session in
     the worktree the job left; the model sees the first conversation, the result both files."""
     cf = claude_fleet
-    runner = cf.start([WRITE_NOTES, Text("Wrote NOTES.md."), ToolUse("Write", {"file_path": "MORE.md",
-                                                                                "content": "more\n"}),
-                       Text("Added MORE.md as you asked.")])
+    runner = cf.start(NOTES_THEN_MORE)
     code, job_id = cf.run("--ref", "main", "--allow-tools", "Write")
     assert code == 0, runner.log()[-3000:]
     said = cf.fleet.orch("say", job_id, "Now add MORE.md too.", "--json", timeout_s=2 * PATIENCE_S)
@@ -361,9 +365,7 @@ def test_s18_a_runner_without_the_session_continues_it_from_the_transcript_the_h
     runner then loses it (its agent home wiped, as on another host), and `say`'s attempt 2
     gets it in the dispatch: the CLI resumes, and the model sees the first conversation."""
     cf = claude_fleet
-    runner = cf.start([WRITE_NOTES, Text("Wrote NOTES.md."), ToolUse("Write", {"file_path": "MORE.md",
-                                                                                "content": "more\n"}),
-                       Text("Added MORE.md as you asked.")])
+    runner = cf.start(NOTES_THEN_MORE)
     code, job_id = cf.run("--ref", "main", "--allow-tools", "Write")
     assert code == 0, runner.log()[-3000:]
     assert json.loads(cf.fleet.orch("result", job_id, "--json").stdout)["has_transcript"]

@@ -40,11 +40,13 @@ def reg(tmp_path) -> Registry:
     return Registry(tmp_path)
 
 
-def fleet_of(*sessions: str, max_jobs: int = 1, labels: tuple[str, ...] = ("x",)) -> Fleet:
+def fleet_of(*sessions: str, max_jobs: int = 1, labels: tuple[str, ...] = ("x",),
+             repos: tuple[str, ...] = ()) -> Fleet:
     fleet = Fleet()
     for session in sessions:
         fleet.update(RunnerView(session=session, runner_id="a" * 32, status="online", labels=frozenset(labels),
-                                max_jobs=max_jobs, running=frozenset(), verified=True, seen_at=time.monotonic()))
+                                max_jobs=max_jobs, running=frozenset(), verified=True, seen_at=time.monotonic(),
+                                repos=frozenset(repos)))
     return fleet
 
 

@@ -193,12 +193,8 @@ def test_s14_on_limit_fail_no_reset_said_and_too_many_pauses(tmp_path: Path) -> 
 # ------------------------------------------------------------------ --on-limit move
 
 def repo_fleet(*sessions: str) -> Fleet:
-    fleet = Fleet()
-    for session in sessions:
-        fleet.update(RunnerView(session=session, runner_id="a" * 32, status="online", labels=frozenset({"x"}),
-                                max_jobs=1, running=frozenset(), verified=True, seen_at=time.monotonic(),
-                                repos=frozenset({"demo"})))
-    return fleet
+    """Runners of label x serving repo demo, one free slot each."""
+    return fleet_of(*sessions, repos=("demo",))
 
 
 def test_s14_a_moved_attempt_goes_to_another_runner_at_once_and_back_only_after_the_reset(tmp_path: Path) -> None:
