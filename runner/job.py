@@ -533,12 +533,13 @@ class Supervisor:
 
 def session_note(started_data: Mapping[str, Any]) -> str:
     """`started`'s detail for an attempt that was to continue a session (§18): `continues session
-    S of attempt N` (`, in a new worktree` when attempt N's is not on this runner), or `new
-    session: <why not>`; "" otherwise."""
+    S of attempt N` (`, from the hub's transcript` when the hub carried it, `, in a new worktree`
+    when attempt N's is not on this runner), or `new session: <why not>`; "" otherwise."""
     continues = started_data.get("continues")
     if isinstance(continues, Mapping):
+        how = ", from the hub's transcript" if continues.get("transcript") == "carried" else ""
         where = ", in a new worktree" if started_data.get("new_worktree") else ""
-        return f"continues session {continues.get('session_id')} of attempt {continues.get('attempt')}{where}"
+        return f"continues session {continues.get('session_id')} of attempt {continues.get('attempt')}{how}{where}"
     fresh = started_data.get("fresh")
     return wire.safe_line(f"new session: {fresh}", wire.MAX_DETAIL_CHARS) if fresh else ""
 

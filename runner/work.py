@@ -187,6 +187,8 @@ class AttemptWork:
                          resume.session_id, resume.attempt, f" in a new worktree ({new_worktree})" if new_worktree
                          else "")
                 data["continues"] = {"session_id": resume.session_id, "attempt": resume.attempt}
+                if self.adapter.transcript_carried:
+                    data["continues"]["transcript"] = "carried"
                 if new_worktree is not None:
                     data["new_worktree"] = new_worktree
             else:

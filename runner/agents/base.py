@@ -207,6 +207,7 @@ class Adapter:
     def __init__(self, policy: AgentPolicy | None = None) -> None:
         self.policy = policy or AgentPolicy()
         self._report = AgentReport(kind=self.kind)
+        self.transcript_carried = False  # `continue_session` used the transcript the hub carried (§18)
 
     def argv(self, exec_argv: list[str]) -> list[str]:
         """The command line to start: `exec_argv` plus this agent's stream and policy flags."""

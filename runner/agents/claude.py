@@ -137,6 +137,7 @@ class ClaudeAdapter(StreamAdapter):
             except (OSError, MamError) as exc:
                 return f"the carried transcript of session {session_id} could not be written: {exc}"
             log.info("claude session %s: the transcript the hub carried is in %s", session_id, target.parent)
+            self.transcript_carried = True
         self.resumed = session_id
         return None
 

@@ -278,7 +278,7 @@ def test_s14_on_limit_move_continues_the_session_on_another_runner_at_once(claud
     assert record["attempt_history"][-1]["status"] == "moved"
     events = cf.fleet.events_on_wire(job_id)
     (started,) = [e for e in events if e["event"] == "started" and e["data"]["attempt_id"] == 2]
-    assert started["detail"].endswith(" of attempt 1, in a new worktree"), started
+    assert started["detail"].endswith(" of attempt 1, from the hub's transcript, in a new worktree"), started
     assert "the transcript the hub carried is in" in other.log()
     resumed = [c for c in cf.model.calls() if c["tools"]][-1]  # type: ignore[union-attr]
     assert resumed["messages"] > 2 and any("NOTES.md" in text for text in resumed["tool_results"]), resumed
@@ -374,7 +374,8 @@ def test_s18_a_runner_without_the_session_continues_it_from_the_transcript_the_h
     assert said.returncode == 0, said.stderr + runner.log()[-3000:]
     events = cf.fleet.events_on_wire(job_id)
     (started,) = [e for e in events if e["event"] == "started" and e["data"]["attempt_id"] == 2]
-    assert started["data"]["continues"]["attempt"] == 1, started
+    assert started["data"]["continues"]["transcript"] == "carried", started
+    assert started["detail"].endswith(" of attempt 1, from the hub's transcript"), started
     assert [e["detail"] for e in events if e["event"] == "completed"][-1] == "Added MORE.md as you asked."
     resumed = [c for c in cf.model.calls() if c["tools"]][2]  # type: ignore[union-attr]
     assert resumed["messages"] > 3 and any("NOTES.md" in text for text in resumed["tool_results"]), resumed

@@ -365,7 +365,8 @@ def carried_attempt(tmp_path: Path, packed: bytes, *, token: str = "t" * 32, sea
 def test_s18_a_runner_without_the_session_continues_it_from_the_carried_transcript(tmp_path: Path) -> None:
     work = carried_attempt(tmp_path, zlib.compress(b'{"type":"user","n":1}\n'))
     started = work.prepare()
-    assert started["continues"] == {"session_id": SESSION, "attempt": 1} and work.argv()[-2:] == ["--resume", SESSION]
+    assert started["continues"] == {"session_id": SESSION, "attempt": 1, "transcript": "carried"}
+    assert work.argv()[-2:] == ["--resume", SESSION]
     placed = tmp_path / "home" / ".claude" / "projects" / project_folder(work.cwd()) / f"{SESSION}.jsonl"
     assert placed.read_bytes() == b'{"type":"user","n":1}\n' and placed.stat().st_mode & 0o777 == 0o600
 
