@@ -387,19 +387,24 @@ def logs_cmd(
 def result_cmd(
     job_id: str = typer.Argument(..., metavar="JOB_ID", help="The job id (8 hex characters)."),
     patch: bool = typer.Option(False, "--patch", help="Print the change as a patch (git diff --binary)."),
+    transcript: bool = typer.Option(False, "--transcript",
+                                    help="Print the agent's session transcript (JSON lines, secrets masked)."),
     attempt: int = typer.Option(None, "--attempt", metavar="N",
                                 help="Which attempt (default: the latest one that sent a result)."),
     workspace: str = cli.workspace_option(),
     as_json: bool = typer.Option(False, "--json", help="The result as one JSON object even on a TTY."),
 ) -> int:
     """Show what a repository job changed: base and head commits, the commits, the
-    diffstat and the agent's summary, or with --patch the diff (PROTOCOL §18).
+    diffstat and the agent's summary, or with --patch the diff, with --transcript the
+    agent's conversation (PROTOCOL §18).
 
     The runner sends the result sealed and signed when the agent ends; the hub keeps
-    it in .mam/results/<job>/<attempt>/. Exit codes: 0 shown; 1 no result (yet).
+    it in .mam/results/<job>/<attempt>/. Exit codes: 0 shown; 1 no result (yet), or
+    no patch or transcript in it; 64 --patch with --transcript.
     """
     cli.setup_logging()
-    return result_cli(job_id, workspace=workspace, patch=patch, attempt=attempt, as_json=as_json)
+    return result_cli(job_id, workspace=workspace, patch=patch, transcript=transcript, attempt=attempt,
+                      as_json=as_json)
 
 
 @app.command("apply")

@@ -432,25 +432,34 @@ def await_result(registry: Registry, job_id: str, timeout_s: float = RESULT_SETT
     return True
 
 
-def result_cli(job_id: str, *, workspace: Workspace, patch: bool, attempt: int | None, as_json: bool) -> int:
-    """`mam-orch result <id> [--patch] [--attempt N] [--json]` (§18).
+def result_cli(job_id: str, *, workspace: Workspace, patch: bool, attempt: int | None, as_json: bool,
+               transcript: bool = False) -> int:
+    """`mam-orch result <id> [--patch | --transcript] [--attempt N] [--json]` (§18).
 
     Returns:
-        0 shown; 1 no result (yet, or ever) for the job.
+        0 shown; 1 no result (yet, or ever) for the job, or no patch or transcript in it.
     Raises:
-        UsageError (64), JobNotFound.
+        UsageError (64): --patch with --transcript, a bad id or attempt. JobNotFound.
     """
+    if patch and transcript:
+        raise UsageError("give --patch or --transcript, not both")
     hub = open_hub(workspace)
     result = read_result(hub.registry, job_id, attempt)
     if result is None:
         print(f"job {job_id}: no result (a repository job sends one when its agent ends)", file=sys.stderr)
         return 1
-    if patch:
-        if result.patch_path is None:
-            why = (result.summary or {}).get("note") or "the result is still arriving"
-            print(f"job {job_id}: no patch ({why})", file=sys.stderr)
+    if patch or transcript:
+        path = result.patch_path if patch else result.transcript_path
+        if path is None:
+            if result.summary is None:
+                why = "the result is still arriving"
+            elif patch:
+                why = result.summary.get("note") or "no change"
+            else:
+                why = "its agent kept none, or it was left out: see the result's notes"
+            print(f"job {job_id}: no {'patch' if patch else 'transcript'} ({why})", file=sys.stderr)
             return 1
-        with open(result.patch_path, "rb") as handle:
+        with open(path, "rb") as handle:
             shutil.copyfileobj(handle, sys.stdout.buffer)
         return 0
     if as_json or not sys.stdout.isatty():

@@ -90,6 +90,7 @@ def test_s18_the_card_command_edits_two_files_and_the_change_comes_back_with_its
     kept = names.hub_result_dir(cf.fleet.hub_ws, job_id, 1) / "transcript" / f"{agent['session_id']}.jsonl"
     said = [json.loads(line) for line in kept.read_text().splitlines()]  # the CLI's own session, at the hub
     assert any("Wrote NOTES.md and src/extra.py" in json.dumps(entry) for entry in said)
+    assert cf.fleet.orch("result", job_id, "--transcript").stdout == kept.read_text()
     exposition = cf.metrics()
     assert f'mam_agent_cost_usd_total{{labels="-",session="gpu-box"}} {agent["cost_usd"]}' in exposition
     assert f'mam_agent_tokens_total{{kind="output",labels="-",session="gpu-box"}} {agent["tokens"]["output"]}' \

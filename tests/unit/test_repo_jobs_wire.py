@@ -305,3 +305,26 @@ def test_s18_a_transcript_arrives_with_the_result_and_hostile_names_for_it_do_no
     assert result.to_dict()["has_transcript"] is True
     shown = format_result(result)
     assert "no repository" not in shown and f"transcript: session {session}, 16 bytes" in shown
+
+
+def test_s18_result_prints_the_transcript_or_says_why_not(hub: tuple[Registry, str], tmp_path: Path,
+                                                          capfdbinary: pytest.CaptureFixture[bytes]) -> None:
+    from mam.orchestrator.results import result_cli
+
+    registry, job_id = hub
+    token = registry.get(job_id)["auth_token"]
+    session = "8d99b0b5-6eb4-42d6-86de-f6ab1a4fe0ee"
+    for raw in chunks_of(archive_bytes(tmp_path, {f"transcript/{session}.jsonl": b'{"type":"user"}\n'}), token,
+                         job_id):
+        ResultInbox(registry).handle(raw)
+    assert result_cli(job_id, workspace=str(registry.root), patch=False, transcript=True, attempt=None,
+                      as_json=False) == 0
+    assert capfdbinary.readouterr().out == b'{"type":"user"}\n'
+    with pytest.raises(UsageError, match="give --patch or --transcript, not both"):
+        result_cli(job_id, workspace=str(registry.root), patch=True, transcript=True, attempt=None, as_json=False)
+    other = registry.register(session="gpu-box")["job_id"]
+    for raw in chunks_of(archive_bytes(tmp_path), registry.get(other)["auth_token"], other):
+        ResultInbox(registry).handle(raw)
+    assert result_cli(other, workspace=str(registry.root), patch=False, transcript=True, attempt=None,
+                      as_json=False) == 1
+    assert b"no transcript (its agent kept none" in capfdbinary.readouterr().err
