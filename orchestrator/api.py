@@ -137,6 +137,13 @@ class Job:
         path = None if found is None else found.patch_path
         return None if path is None else path.read_bytes()
 
+    def transcript(self, attempt: int | None = None) -> bytes | None:
+        """The agent's session transcript the result brought (§18 "Transcripts"): JSON lines,
+        secrets masked; None when there is none (no result yet, or its agent kept none)."""
+        found = read_result(self.hub.registry, self.id, attempt)
+        path = None if found is None else found.transcript_path
+        return None if path is None else path.read_bytes()
+
     def asks(self, *, waiting: bool = False) -> list[PermissionRequest]:
         """The agent's permission requests (§19), oldest first; `waiting`: only those a person
         must still answer."""

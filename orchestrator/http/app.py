@@ -239,6 +239,19 @@ class Api:
         return FileResponse(result.patch_path, media_type="text/x-diff",
                             filename=f"mam-{job_id}-{result.attempt_id}.patch")
 
+    async def job_transcript(self, request: Request) -> Response:
+        """`GET /api/jobs/{id}/result/transcript[?attempt=N]`: the agent's session transcript
+        the result brought, masked, to download (JSON lines, §18 "Transcripts")."""
+        job_id = names.validate_job_id(request.path_params["job_id"])
+        attempt = _query_int(request, "attempt", None)
+        result = await run_in_threadpool(job_result, self.service, job_id, attempt)
+        path = result.transcript_path
+        if path is None:
+            raise JobNotFound(f"job {job_id} attempt {result.attempt_id} has no transcript: its agent kept none, "
+                              "or it was left out (see the result's artifact_notes)")
+        return FileResponse(path, media_type="application/x-ndjson",
+                            filename=f"mam-{job_id}-{result.attempt_id}-{path.stem}.jsonl")
+
     async def job_artifact(self, request: Request) -> Response:
         """`GET /api/jobs/{id}/artifacts/{name}[?attempt=N]`: one artifact the agent left, to
         download (§18)."""
@@ -416,6 +429,7 @@ def create_app(service: HubService, token: str | None = None) -> Starlette:
         Route("/api/jobs/{job_id}/log", g(api.job_log)),
         Route("/api/jobs/{job_id}/result", g(api.job_result)),
         Route("/api/jobs/{job_id}/result/patch", g(api.job_patch, query_token=True)),
+        Route("/api/jobs/{job_id}/result/transcript", g(api.job_transcript, query_token=True)),
         Route("/api/jobs/{job_id}/artifacts/{name}", g(api.job_artifact, query_token=True)),
         Route("/api/jobs/{job_id}/cancel", g(api.cancel), methods=["POST"]),
         Route("/api/jobs/{job_id}/retry", g(api.retry), methods=["POST"]),

@@ -20,11 +20,16 @@ SUMMARY = {"repo": "demo", "ref": "main", "base_sha": "a" * 40, "head_sha": "b" 
 
 
 def deliver_result(registry: Registry, job_id: str, scratch: Path, *, patch: bytes | None = PATCH,
-                   attempt_id: int = 1, artifacts: dict[str, bytes] | None = None) -> None:
+                   attempt_id: int = 1, artifacts: dict[str, bytes] | None = None,
+                   transcript: tuple[str, bytes] | None = None) -> None:
     """Land a result for `job_id` at the hub of `registry`: SUMMARY with `patch` as its
-    change.patch, or with no patch and the note `no_changes`; `artifacts` by name."""
+    change.patch, or with no patch and the note `no_changes`; `artifacts` by name;
+    `transcript` as (session id, its JSON lines)."""
     scratch.mkdir(parents=True, exist_ok=True)
     files = {}
+    if transcript is not None:
+        (scratch / "transcript.jsonl").write_bytes(transcript[1])
+        files[f"transcript/{transcript[0]}.jsonl"] = scratch / "transcript.jsonl"
     for name, data in (artifacts or {}).items():
         (scratch / f"artifact-{name}").write_bytes(data)
         files[f"artifacts/{name}"] = scratch / f"artifact-{name}"

@@ -127,3 +127,21 @@ def test_s18_the_human_result_view_says_what_was_left_out_escaped_and_capped(tmp
     assert shown[0] == "  left out: artifact 'core' left out: not a regular file"
     assert "\x1b" not in text and len(shown) == MAX_NOTES_SHOWN + 1
     assert shown[-1] == f"  left out: {len(notes) - MAX_NOTES_SHOWN} more (see result.json)"
+
+
+def test_s18_http_and_python_api_give_the_transcript(service: HubService, tmp_path: Path) -> None:
+    api = TestClient(hubhttp.create_app(service, TOKEN), raise_server_exceptions=False)
+    session, lines = "8d99b0b5-6eb4-42d6-86de-f6ab1a4fe0ee", b'{"type":"user"}\n{"type":"assistant"}\n'
+    job_id = service.registry.register(session="gpu-box")["job_id"]
+    deliver_result(service.registry, job_id, tmp_path / "runner", transcript=(session, lines))
+    got = api.get(f"/api/jobs/{job_id}/result/transcript?token={TOKEN}")
+    assert got.status_code == 200 and got.content == lines
+    assert f"mam-{job_id}-1-{session}.jsonl" in got.headers["content-disposition"]
+    assert api.get(f"/api/jobs/{job_id}/result/transcript").status_code == 401
+    bare = service.registry.register(session="gpu-box")["job_id"]
+    deliver(service, bare, tmp_path / "bare")
+    missing = api.get(f"/api/jobs/{bare}/result/transcript?token={TOKEN}")
+    assert missing.status_code == 404 and "has no transcript" in missing.json()["error"]
+    with Hub(service.registry.root, embedded=False) as hub:
+        assert hub.job(job_id).transcript() == lines and hub.job(bare).transcript() is None
+
