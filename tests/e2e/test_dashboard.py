@@ -120,13 +120,16 @@ def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_br
 
             # §18: a result lands after the end; the job page asks for it and offers the patch
             sync_api.expect(page.locator("#change-section")).to_be_hidden()
-            deliver_result(Registry(hub), job_id, tmp_path / "result", artifacts={"report.txt": b"all green\n"})
+            deliver_result(Registry(hub), job_id, tmp_path / "result", artifacts={"report.txt": b"all green\n"},
+                           transcript=("s-1", b'{"type":"user"}\n'))
             page.evaluate("location.hash = ''")
             page.evaluate(f"location.hash = '#job/{job_id}'")
             sync_api.expect(page.locator("#change-facts")).to_contain_text("1 files +1 −0")
             sync_api.expect(page.locator("#change tbody")).to_contain_text("NOTES.md")
             href = page.locator("#patch-link").get_attribute("href")
             assert page.evaluate(f"fetch({href!r}).then((r) => r.text())") == PATCH.decode()
+            href = page.locator("#transcript-link").get_attribute("href")  # the agent's conversation (§18)
+            assert page.evaluate(f"fetch({href!r}).then((r) => r.text())") == '{"type":"user"}\n'
             artifact = page.locator("#artifacts a", has_text="report.txt")  # the agent's file, downloadable
             href = artifact.get_attribute("href")
             assert page.evaluate(f"fetch({href!r}).then((r) => r.text())") == "all green\n"

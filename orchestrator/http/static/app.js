@@ -236,7 +236,7 @@ function agentFacts(agent) {
     (agent.session_id ? " · session " + agent.session_id : "");
 }
 
-// A repository job's change (§18): its commits, diffstat and a link to the patch.
+// A repository job's change (§18): its commits, diffstat and links to the patch and the transcript.
 function renderChange(id, result) {
   const section = document.getElementById("change-section");
   section.hidden = !result;
@@ -248,10 +248,12 @@ function renderChange(id, result) {
       (result.note ? " · " + result.note : "") + " · attempt " + result.attempt_id
     : "attempt " + result.attempt_id + ": the result is still arriving";
   document.getElementById("change-facts").textContent = facts;
-  const link = document.getElementById("patch-link");
-  link.hidden = !result.has_patch;
-  link.href = "/api/jobs/" + id + "/result/patch?attempt=" + result.attempt_id +
-    (token ? "&token=" + encodeURIComponent(token) : "");
+  for (const [which, shown] of [["patch", result.has_patch], ["transcript", result.has_transcript]]) {
+    const link = document.getElementById(which + "-link");  // the change, and the agent's conversation
+    link.hidden = !shown;
+    link.href = "/api/jobs/" + id + "/result/" + which + "?attempt=" + result.attempt_id +
+      (token ? "&token=" + encodeURIComponent(token) : "");
+  }
   fill("change", (result.files || []).map((f) => row([f.path, f.added === null ? "binary" : f.added,
     f.deleted === null ? "" : f.deleted])), "no file changed", 3);
   // the files the agent left in $MAM_ARTIFACTS_DIR, each a download link
