@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import sys
 
-from mam.orchestrator.control import cancel_owed, cancel_queued, clear_dispatch, publish_cancel
+from mam.orchestrator.control import cancel_owed, cancel_queued, tell_runner
 from mam.orchestrator.hints import command
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.shared.cli import human_view
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import TERMINAL_STATUSES
-from mam.shared.protocol.errors import BrokerError, TransitionRefused
+from mam.shared.protocol.errors import TransitionRefused
 from mam.shared.store.records import JobRecord
 
 
@@ -67,12 +67,8 @@ def cancel(job_id: str, *, workspace: Workspace = None, reason: str = "operator"
                 except TransitionRefused:
                     record = registry.get(job_id)  # it ended while we connected
             if changed or cancel_owed(record):
-                try:
-                    clear_dispatch(client, job_id)
-                    publish_cancel(client, record, keys, reason, hub.root)
-                except BrokerError as exc:
-                    raise BrokerError(f"job {job_id} is {record['status']} on the hub, but its runner was not "
-                                      f"told: {exc}; run `{command(f'cancel {job_id}', workspace)}` again") from None
+                tell_runner(client, record, keys, reason, hub.root,
+                            f"run `{command(f'cancel {job_id}', workspace)}` again")
                 what = "cancelled" if changed else f"already {record['status']}; sent the cancel to its runner again"
                 print(f"job {job_id} (attempt {record['attempt_id']}): {what}", file=sys.stderr)
                 _print_result(record, changed, as_json)

@@ -146,10 +146,21 @@ def cancel_open(registry: Registry, client: Transport | None, keys: DispatchKeys
         except TransitionRefused:
             record = registry.get(job_id)  # it ended meanwhile
         if changed and cancel_owed(record) and client is not None:
-            try:
-                clear_dispatch(client, job_id)
-                publish_cancel(client, record, keys, reason, registry.root)
-            except BrokerError as exc:
-                raise BrokerError(f"job {job_id} is {record['status']} on the hub, but its runner was not "
-                                  f"told: {exc}; run `mam-orch cancel {job_id}`") from None
+            tell_runner(client, record, keys, reason, registry.root, f"run `mam-orch cancel {job_id}`")
     return record, changed
+
+
+def tell_runner(client: Transport, record: JobRecord, keys: DispatchKeys, reason: str, root: Path,
+                hint: str) -> None:
+    """Clear the job's retained dispatch and publish its signed cancel (§6) after the hub closed it.
+
+    Raises:
+        BrokerError: one line saying the hub closed the job but its runner was not told, then
+            `hint` (what tells it).
+    """
+    try:
+        clear_dispatch(client, record["job_id"])
+        publish_cancel(client, record, keys, reason, root)
+    except BrokerError as exc:
+        raise BrokerError(f"job {record['job_id']} is {record['status']} on the hub, but its runner was not "
+                          f"told: {exc}; {hint}") from None
