@@ -6,7 +6,9 @@ verified and opened (`wirelog`), written to `.mam/logs/<id>/agent.<attempt>.log`
 in chunk order (`JobLog`: out-of-order chunks wait, MAX_BUFFERED_CHUNKS at most;
 duplicates are ignored; a missing chunk becomes a `log_gap` audit line); other
 attempts' chunks are refused quietly (debug), malformed or forged ones with a
-warning; nothing raises on bad input. `watch`/`dispatch` and the hub service use
+warning; nothing raises on bad input. Transcript chunks (§15 "Transcript chunks")
+go the same way to `logs/<id>/transcript.<attempt>.jsonl`, never into the output,
+and `streamed_transcript` reads that copy back for a resumed attempt (§18). `watch`/`dispatch` and the hub service use
 it. `OutputView` prints output lines under the event lines of a terminal view;
 `logs_cli` prints the copy (and follows it until the job ends).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import sys
 import time
@@ -48,25 +51,41 @@ SETTLE_S = 2.0
 """After the terminal event, how long a watch waits for the output chunks it announced, seconds
 (brokers do not order messages across topics)."""
 
+def transcript_state_path(root: Path, job_id: str, attempt_id: int) -> Path:
+    """The state of the hub's transcript copy (§15): `transcript.<attempt>.jsonl.json`."""
+    path = names.hub_transcript_path(root, job_id, attempt_id)
+    return path.with_name(path.name + ".json")
+
+
 @dataclass
 class JobLog:
-    """One attempt's copy on the hub (§15): the next chunk expected and what waits for it."""
+    """One attempt's copy on the hub (§15): the next chunk expected and what waits for it.
+    With `session_id`, the copy of that agent session's transcript; `gap` once a chunk of it
+    was skipped (the copy then resumes nothing)."""
 
     registry: Registry
     job_id: str
     attempt_id: int
     auth_token: str
+    session_id: str | None = None
     next: int = 0
     dropped: int = 0
+    gap: bool = False
     _waiting: dict[int, tuple[bytes, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.path = names.hub_log_path(self.registry.root, self.job_id, self.attempt_id)
-        self._state = names.hub_log_state_path(self.registry.root, self.job_id, self.attempt_id)
+        root = self.registry.root
+        if self.session_id is None:
+            self.path = names.hub_log_path(root, self.job_id, self.attempt_id)
+            self._state = names.hub_log_state_path(root, self.job_id, self.attempt_id)
+        else:
+            self.path = names.hub_transcript_path(root, self.job_id, self.attempt_id)
+            self._state = transcript_state_path(root, self.job_id, self.attempt_id)
         self._key = crypto.log_key(self.auth_token)
         try:
             saved = read_json_object(self._state, STATE_MAX_BYTES)
-            self.next, self.dropped = int(saved["next"]), int(saved["dropped"])
+            self.next, self.dropped, self.gap = int(saved["next"]), int(saved["dropped"]), bool(saved.get("gap"))
+            self.session_id = saved.get("session_id", self.session_id)
         except (OSError, MamError, KeyError, TypeError, ValueError):
             pass  # a first chunk, or a copy started by an older hub
 
@@ -77,6 +96,8 @@ class JobLog:
             SignatureError: a forged or tampered chunk; UsageError: a chunk number far ahead.
         """
         number = chunk.chunk
+        if chunk.session_id != self.session_id:
+            raise UsageError(f"it is of session {chunk.session_id}, the copy of session {self.session_id}")
         if number < self.next or number in self._waiting:
             return []  # a duplicate (QoS 1 redelivery, a runner's re-send)
         if number > self.next + MAX_AHEAD_CHUNKS:
@@ -96,11 +117,14 @@ class JobLog:
 
     def _skip_gap(self) -> None:
         first = min(self._waiting)
-        self.registry.append_audit(self.job_id, {"event": "log_gap", "timestamp": utc_now(),
-                                                 "attempt_id": self.attempt_id, "expected": self.next,
-                                                 "got": first, "source": "hub"})
-        log.warning("job %s: output chunks %d..%d missing (log_gap)", self.job_id, self.next, first - 1)
-        self.next = first
+        line = {"event": "log_gap", "timestamp": utc_now(), "attempt_id": self.attempt_id, "expected": self.next,
+                "got": first, "source": "hub"}
+        if self.session_id is not None:
+            line["stream"] = "transcript"
+        self.registry.append_audit(self.job_id, line)
+        log.warning("job %s: %s chunks %d..%d missing (log_gap)", self.job_id,
+                    "output" if self.session_id is None else "transcript", self.next, first - 1)
+        self.next, self.gap = first, True
 
     def _drain(self) -> list[bytes]:
         out = []
@@ -114,8 +138,10 @@ class JobLog:
             with open(self.path, "ab") as handle:
                 handle.write(b"".join(out))
             self.path.chmod(0o600)
-            atomic_write(self._state, json.dumps({"next": self.next, "dropped": self.dropped}).encode(),
-                         what=f"job {self.job_id} log state")
+            state: dict[str, object] = {"next": self.next, "dropped": self.dropped}
+            if self.session_id is not None:
+                state.update({"session_id": self.session_id, "gap": self.gap})
+            atomic_write(self._state, json.dumps(state).encode(), what=f"job {self.job_id} log state")
         return out
 
 
@@ -131,6 +157,7 @@ class LogRouter:
         self.registry = registry
         self.job_id = job_id
         self._logs: dict[str, JobLog] = {}
+        self._transcripts: dict[str, JobLog] = {}
 
     def handle(self, raw: bytes) -> list[bytes]:
         """One message of a log topic: the new output of its job, in order. Never raises on bad input.
@@ -148,19 +175,20 @@ class LogRouter:
         if self.job_id is not None and chunk.job_id != self.job_id:
             log.debug("refused log chunk: unexpected_job %s", chunk.job_id)
             return []
-        job = self._current(chunk.job_id, chunk.attempt_id)
+        job = self._current(chunk.job_id, chunk.attempt_id, chunk.session_id)
         if job is None:
             return []
         try:
-            return job.accept(chunk)
+            out = job.accept(chunk)
+            return out if chunk.session_id is None else []  # a transcript is not output
         except (SignatureError, UsageError) as exc:
-            log.warning("job %s: refused log chunk %d: %s", chunk.job_id, chunk.chunk, exc)
+            log.warning("job %s: refused %s chunk %d: %s", chunk.job_id, chunk.kind, chunk.chunk, exc)
             return []
         except OSError as exc:
             raise RegistryError(f"job {chunk.job_id}: output copy {job.path} not written: "
                                 f"{exc.strerror or exc}") from None
 
-    def _current(self, job_id: str, attempt_id: int) -> JobLog | None:
+    def _current(self, job_id: str, attempt_id: int, session_id: str | None) -> JobLog | None:
         try:
             record = self.registry.get(job_id)
         except RegistryError:
@@ -169,12 +197,13 @@ class LogRouter:
         if attempt_id != record.get("attempt_id"):
             log.debug("job %s: refused log chunk of attempt %d (stale_attempt)", job_id, attempt_id)
             return None
-        job = self._logs.get(job_id)
+        copies = self._logs if session_id is None else self._transcripts
+        job = copies.get(job_id)
         if job is None or job.attempt_id != attempt_id:
             token = record.get("auth_token")
             if not isinstance(token, str) or not token:
                 return None
-            job = self._logs[job_id] = JobLog(self.registry, job_id, attempt_id, token)
+            job = copies[job_id] = JobLog(self.registry, job_id, attempt_id, token, session_id)
         return job
 
     def received(self, job_id: str) -> int:
@@ -187,7 +216,10 @@ class LogRouter:
         return job.dropped if job is not None else 0
 
     def close(self, job_id: str) -> list[bytes]:
-        """The job ended: write what waits behind a gap; forget the job."""
+        """The job ended: write what waits behind a gap (the output's returned); forget the job."""
+        transcript = self._transcripts.pop(job_id, None)
+        if transcript is not None:
+            transcript.close()
         job = self._logs.pop(job_id, None)
         return job.close() if job is not None else []
 
@@ -221,6 +253,24 @@ class OutputView:
             shown = "".join(ch if ch.isprintable() or ch == "\t" else f"\\x{ord(ch):02x}" for ch in text)
             self.out.write(f"{self.PREFIX}{shown}\n")
         self.out.flush()
+
+
+def streamed_transcript(root: Path, job_id: str, attempt_id: int, session_id: str, max_bytes: int) -> bytes | None:
+    """The hub's copy of session `session_id`'s transcript as attempt `attempt_id` streamed it
+    (§15 "Transcript chunks"), cut after its last whole line; None when there is none of that
+    session, a chunk of it is missing or was dropped, or it is over `max_bytes`."""
+    try:
+        state = read_json_object(transcript_state_path(root, job_id, attempt_id), STATE_MAX_BYTES)
+        if state.get("session_id") != session_id or state.get("gap") or state.get("dropped"):
+            return None
+        path = names.hub_transcript_path(root, job_id, attempt_id)
+        with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NOFOLLOW)) as handle:
+            data = handle.read(max_bytes + 1)
+    except (OSError, MamError):
+        return None
+    if len(data) > max_bytes:
+        return None
+    return data[:data.rfind(b"\n") + 1] or None
 
 
 def await_chunks(router: LogRouter, job_id: str, announced: object, messages: Inbox,
@@ -319,4 +369,5 @@ def logs_cli(job_id: str, *, workspace: Workspace, follow: bool, attempt: int | 
             changes.wait(SAFETY_S)
 
 
-__all__ = ["JobLog", "await_chunks", "LogRouter", "MAX_AHEAD_CHUNKS", "MAX_BUFFERED_CHUNKS", "OutputView", "logs_cli"]
+__all__ = ["JobLog", "await_chunks", "streamed_transcript",
+           "LogRouter", "MAX_AHEAD_CHUNKS", "MAX_BUFFERED_CHUNKS", "OutputView", "logs_cli"]

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mam.orchestrator.hub import Workspace, open_hub
+from mam.orchestrator.logs import streamed_transcript
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.errors import DecodeError, MamError, RegistryError, SignatureError, UsageError
 from mam.shared.protocol.wire import resultchunk
@@ -287,8 +288,10 @@ MAX_CARRIED_TRANSCRIPT_BYTES = 32 << 20
 
 def with_transcript(root: Path, record: Mapping[str, Any]) -> Mapping[str, Any]:
     """`record` with `work.resume.transcript` (§18 "Transcripts"): the transcript of the
-    session it resumes, as the resumed attempt's result brought it, zlib-compressed and
-    sealed to the record's attempt (`crypto.seal_transcript`), for a runner that lacks it.
+    session it resumes, as the resumed attempt's result brought it or, without a result (its
+    runner was lost), as that attempt streamed it (`logs.streamed_transcript`, §15),
+    zlib-compressed and sealed to the record's attempt (`crypto.seal_transcript`), for a
+    runner that lacks it.
     `record` itself when it resumes nothing, the hub has no such transcript, or the sealed
     one is over `wire.MAX_TRANSCRIPT_SEALED_CHARS` (logged: a runner without it starts fresh)."""
     work = record.get("work") or {}
@@ -299,12 +302,15 @@ def with_transcript(root: Path, record: Mapping[str, Any]) -> Mapping[str, Any]:
     if not isinstance(resumed, int):
         return record
     path = names.hub_result_dir(root, record["job_id"], resumed) / names.TRANSCRIPT_DIR / f"{session_id}.jsonl"
+    data: bytes | None
     try:
         with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NOFOLLOW)) as handle:
             data = handle.read(MAX_CARRIED_TRANSCRIPT_BYTES + 1)
+    except FileNotFoundError:
+        data = streamed_transcript(root, record["job_id"], resumed, session_id, MAX_CARRIED_TRANSCRIPT_BYTES)
     except OSError:
         return record
-    if len(data) > MAX_CARRIED_TRANSCRIPT_BYTES:
+    if data is None or len(data) > MAX_CARRIED_TRANSCRIPT_BYTES:
         return record
     sealed = crypto.seal_transcript(record["auth_token"], zlib.compress(data, 6), job_id=record["job_id"],
                                     attempt_id=record["attempt_id"], session_id=session_id)

@@ -78,7 +78,8 @@ class WatchOptions:
         ack_only_before_first: the dispatch's rule (ack alone before the first event);
             a standalone watch allows ack + idle (it did not publish the dispatch).
         lazy_progress: the service's rule (docs/registry.md "Durability"): an accepted event that
-            changes no status and skips no seq is appended without fsync, its seq kept in memory.
+            changes no status, skips no seq and names no agent session (`data.agent`, §18) is
+            appended without fsync, its seq kept in memory.
     """
 
     remote: bool = False
@@ -273,7 +274,7 @@ class Watcher:
             verdict = accept(raw, kind=kind, job_id=self.job_id, record=txn.record, seen=seen)
             if isinstance(verdict, Accepted) and isinstance(verdict.message, wire.Event) \
                     and self.options.lazy_progress and verdict.gap is None \
-                    and verdict.message.event not in EVENT_STATUS:
+                    and verdict.message.event not in EVENT_STATUS and "agent" not in verdict.message.data:
                 self.registry.append_audit(self.job_id, verdict.message.to_dict(), durable=False)
             elif isinstance(verdict, Accepted) and isinstance(verdict.message, wire.Event):
                 txn.store_event(verdict.message.to_dict(), source="remote_mirror", gap=verdict.gap)

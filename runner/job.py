@@ -39,7 +39,7 @@ from mam.runner.work import AttemptWork
 from mam.shared.config import BrokerConfig, write_env_file
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.codes import EVENT_STATUS, TERMINAL_STATUSES, EventName, JobStatus
-from mam.shared.protocol.errors import BrokerError, RegistryError, TransitionRefused
+from mam.shared.protocol.errors import BrokerError, RegistryError, StaleAttemptError, TransitionRefused
 from mam.shared.store.registry import Refusal, Registry
 from mam.shared.transport import Transport
 
@@ -358,6 +358,7 @@ class Supervisor:
         deadline = time.monotonic() + job.timeout_s  # §5 timeout_sec, from the agent's start
         reported_at: float | None = None  # when the agent's own terminal event was seen
         next_check = 0.0
+        session: str | None = None  # the agent session the hub was told of
         while True:
             if job.cancel.wait(0):
                 return StopReason.CANCELLED, None
@@ -372,11 +373,29 @@ class Supervisor:
                     return StopReason.OVER_BUDGET, None
                 elif attempt.takes_input and attempt.turn_over():
                     agent.close_input()  # §18: it answered; with stdin closed it ends
+                if session is None and (session := attempt.session_id()) is not None:
+                    self._session_known(job, attempt, session)
             if reported_at is not None and now - reported_at >= self.options.agent_linger_s:
                 return StopReason.LINGERED, None
             status = agent.wait(timeout_s=WAIT_POLL_S)
             if status is not None:
                 return StopReason.EXITED, status
+
+    def _session_known(self, job: Job, attempt: AttemptWork, session_id: str) -> None:
+        """The agent named its session (§18): its transcript streams to the hub (§15 "Transcript
+        chunks") and a `progress` event says the session (`data.agent`), so that the hub can
+        continue it elsewhere should this runner be lost before the terminal event."""
+        self.logstreams.start_transcript(self.registry, job.job_id, job.attempt_id, session_id,
+                                         attempt.transcript_path)
+        try:
+            published = publish.record(self.registry, publish.PublishRequest(
+                job_id=job.job_id, event=EventName.PROGRESS, attempt_id=job.attempt_id,
+                dispatch_token=job.dispatch_token, data=attempt.agent_data(), detail=f"agent session {session_id}"),
+                source="runner")
+        except (StaleAttemptError, RegistryError) as exc:  # the job ended meanwhile, or the disk refuses
+            log.info("job %s: agent session %s not reported: %s", job.job_id, session_id, exc)
+            return
+        self._send(job.job_id, published)
 
     def _record_terminal(self, job_id: str) -> bool:
         """True when this runner's record of the job is terminal (the agent published its end)."""

@@ -14,6 +14,12 @@ The outbox is capped (OUTBOX_MAX_BYTES per job, beyond: dropped), so no queue
 grows without bound. `finish` (the §15 barrier, before `completed`/`error`)
 reads to the end, sends the rest and waits for the PUBACKs (FINISH_WAIT_S at
 most while connected); the terminal event then carries `data.log_chunks`.
+
+A `LogStream` given a `session_id` streams the agent session's transcript instead
+(§15 "Transcript chunks"): `kind: transcript` chunks of the file its `log_path`
+callable names once the agent saved it, from byte 0, masked, without the rate cap
+but at most MAX_TRANSCRIPT_STREAM_BYTES, through `.mam/outbox-transcript/`, so that
+the hub holds the session even when this runner dies before its result.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from mam.shared import config as shared_config
 from mam.shared.config import BrokerConfig
@@ -70,6 +77,8 @@ MIN_SECRET_CHARS = 6
 """Shorter values are not masked (they would mask ordinary words)."""
 KEY_FILE_MAX_BYTES = 64 * 1024
 PEM_LINE_MIN_CHARS = 16
+MAX_TRANSCRIPT_STREAM_BYTES = 32 << 20
+"""A session transcript streamed at most, bytes (the result's MAX_TRANSCRIPT_BYTES); beyond, dropped."""
 FINISHED_KEPT = 1024
 """Finished jobs whose terminal data is remembered (a terminal event written again after a disk error)."""
 
@@ -227,13 +236,23 @@ class _Pending:
 
 
 class LogStream:
-    """One job's output stream (§15): a reader and a sender thread."""
+    """One job's output stream (§15), or with `session_id` its agent's transcript stream: a
+    reader and a sender thread.
+
+    Args:
+        log_path: the file to follow, or a callable naming it once it exists (None before).
+        offset: where to start in it, bytes; rate_bps: the rate cap (MAX_RATE_BPS: none).
+        max_bytes: output taken at most, bytes (beyond: dropped); None: no limit.
+        session_id: stream the transcript of this agent session (`kind: transcript` chunks).
+    """
 
     def __init__(self, *, root: Path, client: Transport, job_id: str, attempt_id: int, auth_token: str,
-                 log_path: Path, secrets: Iterable[str], rate_bps: int, offset: int = 0) -> None:
+                 log_path: Path | Callable[[], Path | None], secrets: Iterable[str], rate_bps: int, offset: int = 0,
+                 max_bytes: int | None = None, session_id: str | None = None) -> None:
         self.root, self.client, self.job_id, self.attempt_id = root, client, job_id, attempt_id
         self.topic = names.log_topic(job_id, client.config.topic_root)
         self.log_path, self.offset = log_path, offset
+        self.session_id, self._room = session_id, max_bytes
         self._token, self._key = auth_token, crypto.log_key(auth_token)
         self.masker, self.rate, self.chunker = Masker(secrets), RateLimit(rate_bps), Chunker()
         self.chunks = 0  # made so far
@@ -286,11 +305,7 @@ class LogStream:
             while not self._stop.is_set():
                 final = self._finishing.is_set()
                 if handle is None:
-                    try:
-                        handle = open(self.log_path, "rb")  # noqa: SIM115 - held across the loop
-                        handle.seek(self.offset)
-                    except FileNotFoundError:
-                        handle = None
+                    handle = self._open()
                 data = handle.read(READ_BYTES) if handle is not None else b""
                 if data:
                     self._ingest(self.masker.feed(data))
@@ -305,17 +320,34 @@ class LogStream:
             if handle is not None:
                 handle.close()
 
+    def _open(self) -> BinaryIO | None:
+        """The followed file at `offset`, or None while it does not exist (never through a link)."""
+        path = self.log_path() if callable(self.log_path) else self.log_path
+        if path is None:
+            return None
+        try:  # a link where the file should be (ELOOP) stops the stream (logged by `_read`)
+            handle = open(path, "rb", opener=_no_follow)  # noqa: SIM115 - held across the read loop
+        except FileNotFoundError:
+            return None
+        handle.seek(self.offset)
+        return handle
+
     def _ingest(self, masked: bytes) -> None:
         now = time.monotonic()
         allowed = self.rate.take(len(masked)) if self._unsent < OUTBOX_MAX_BYTES else 0
+        if self._room is not None:
+            allowed = min(allowed, self._room)
+            self._room -= allowed
         self.chunker.drop(len(masked) - allowed, now)
         self.chunker.add(masked[:allowed], now)
 
     def _emit(self, chunks: list[tuple[bytes, int]]) -> None:
         for plaintext, dropped in chunks:
             raw = crypto.build_log_chunk(self._token, self._key, job_id=self.job_id, attempt_id=self.attempt_id,
-                                      chunk=self.chunks, dropped=dropped, plaintext=plaintext)
-            path: Path | None = names.log_outbox_entry_path(self.root, self.job_id, self.attempt_id, self.chunks)
+                                         chunk=self.chunks, dropped=dropped, plaintext=plaintext,
+                                         session_id=self.session_id)
+            path: Path | None = names.log_outbox_entry_path(self.root, self.job_id, self.attempt_id, self.chunks,
+                                                            transcript=self.session_id is not None)
             try:
                 assert path is not None
                 path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -375,6 +407,10 @@ class LogStream:
         return True
 
 
+def _no_follow(name: str, flags: int) -> int:
+    return os.open(name, flags | os.O_NOFOLLOW)
+
+
 def _leftover_key(path: Path) -> tuple[str, int, int] | None:
     """(job_id, attempt_id, chunk) of a log outbox file name, or None."""
     parts = path.name.split(".")
@@ -401,6 +437,7 @@ class LogStreams:
             dispatch_secret = ""
         self.secrets = [config.password, dispatch_secret, *key_file_secrets(config.keyfile)]
         self._streams: dict[str, LogStream] = {}
+        self._transcripts: dict[str, LogStream] = {}
         self._finished: dict[str, dict[str, int]] = {}
         self._lock = threading.Lock()
 
@@ -419,6 +456,25 @@ class LogStreams:
             self._streams[job_id] = stream
         stream.start()
 
+    def start_transcript(self, registry: Registry, job_id: str, attempt_id: int, session_id: str,
+                         source: Callable[[], Path | None]) -> None:
+        """Stream the transcript of agent session `session_id` (§15 "Transcript chunks"), the
+        file `source` names once the agent saved it, from its first byte; never raises."""
+        try:
+            token = registry.get(job_id)["auth_token"]
+            stream = LogStream(root=self.root, client=self.client, job_id=job_id, attempt_id=attempt_id,
+                               auth_token=token, log_path=source, secrets=[*self.secrets, token],
+                               rate_bps=MAX_RATE_BPS, max_bytes=MAX_TRANSCRIPT_STREAM_BYTES,
+                               session_id=names.validate_agent_session_id(session_id))
+        except (MamError, OSError, KeyError) as exc:
+            log.warning("job %s: its agent's transcript is not streamed to the hub: %s", job_id, exc)
+            return
+        with self._lock:
+            if job_id in self._transcripts:  # one session per attempt
+                return
+            self._transcripts[job_id] = stream
+        stream.start()
+
     def mask(self, registry: Registry, job_id: str, text: str) -> str:
         """`text` with every secret of the job's stream masked (§15): for what else the hub
         is shown of the agent's words, e.g. a permission request's input (§19)."""
@@ -434,6 +490,9 @@ class LogStreams:
         data (`{}` without a stream); a second call returns the first one's answer at once."""
         with self._lock:
             stream = self._streams.pop(job_id, None)
+            transcript = self._transcripts.pop(job_id, None)
+        if transcript is not None:  # the hub's copy whole before the end, as far as it can be
+            transcript.finish()
         if stream is None:
             return dict(self._finished.get(job_id, {}))
         done = stream.finish()
@@ -449,11 +508,12 @@ class LogStreams:
         threading.Thread(target=self._resend_leftovers, name="log-leftovers", daemon=True).start()
 
     def _resend_leftovers(self) -> None:
-        folder = names.log_outbox_dir(self.root)
-        try:
-            found = sorted((key, p) for p in folder.iterdir() if (key := _leftover_key(p)) is not None)
-        except OSError:
-            return
+        found = []
+        for folder in (names.log_outbox_dir(self.root), names.transcript_outbox_dir(self.root)):
+            try:
+                found += sorted((key, p) for p in folder.iterdir() if (key := _leftover_key(p)) is not None)
+            except OSError:
+                continue
         if not found or not self.client.connected.wait(KEEP_SENDING_S):
             return
         sent = 0
@@ -474,7 +534,8 @@ class LogStreams:
 
     def stop_all(self) -> None:
         with self._lock:
-            streams, self._streams = list(self._streams.values()), {}
+            streams = [*self._streams.values(), *self._transcripts.values()]
+            self._streams, self._transcripts = {}, {}
         for stream in streams:
             stream.stop()
 

@@ -281,6 +281,15 @@ class AttemptWork:
             self.adapter.note_unreadable(count=self.follower.skipped - self._skipped_seen)
             self._skipped_seen = self.follower.skipped
 
+    def session_id(self) -> str | None:
+        """The agent session the stream named so far (`names.AGENT_SESSION_RE`), or None."""
+        session = self.adapter.report().session_id
+        return session if session is not None and names.AGENT_SESSION_RE.fullmatch(session) else None
+
+    def transcript_path(self) -> Path | None:
+        """Where the agent keeps its session's transcript on this host, once it exists (§18)."""
+        return self.adapter.transcript(self.cwd(), self.environ)
+
     def outcome(self, exit_code: int | None, decided: Collection[str] = ()) -> tuple[str, str] | None:
         """After the agent exited: (event, detail) when its own stream says otherwise than its
         exit status (a permission denial no person decided, `decided` (§19); an API error),
@@ -363,7 +372,7 @@ class AttemptWork:
     def _transcript(self, staging: Path, notes: list[str]) -> Path | None:
         """A masked copy in `staging` of the agent's session transcript (§18 "Transcripts"), or
         None: the agent kept none, or it is over MAX_TRANSCRIPT_BYTES or unreadable (noted)."""
-        source = self.adapter.transcript(self.cwd(), self.environ)
+        source = self.transcript_path()
         if source is None:
             return None
         target = staging / source.name

@@ -693,11 +693,19 @@ def log_outbox_dir(root: Path) -> Path:
     return mam_dir(root) / "outbox-log"
 
 
-def log_outbox_entry_path(root: Path, job_id: str, attempt_id: int, chunk: int) -> Path:
-    """`<root>/.mam/outbox-log/<job_id>.<attempt_id>.<chunk>.json`: one sealed chunk (§15, §17)."""
+def log_outbox_entry_path(root: Path, job_id: str, attempt_id: int, chunk: int, *, transcript: bool = False) -> Path:
+    """`<root>/.mam/outbox-log/<job_id>.<attempt_id>.<chunk>.json`: one sealed chunk (§15, §17);
+    with `transcript`, the same name in `transcript_outbox_dir`."""
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
         raise UsageError(f"chunk {chunk!r} is invalid: expected an integer >= 0")
-    return log_outbox_dir(root) / f"{validate_job_id(job_id)}.{validate_attempt(attempt_id)}.{chunk}.json"
+    folder = transcript_outbox_dir(root) if transcript else log_outbox_dir(root)
+    return folder / f"{validate_job_id(job_id)}.{validate_attempt(attempt_id)}.{chunk}.json"
+
+
+def transcript_outbox_dir(root: Path) -> Path:
+    """`<root>/.mam/outbox-transcript`: the runner's sealed transcript chunks not yet
+    acknowledged (§15 "Transcript chunks", §17); entries named as in the log outbox."""
+    return mam_dir(root) / "outbox-transcript"
 
 
 def result_topic(job_id: str, root: str | None = None) -> str:
@@ -734,6 +742,12 @@ def brief_path(root: Path, job_id: str) -> Path:
 def runner_agent_log_path(root: Path, job_id: str) -> Path:
     """`<root>/.mam/logs/<job_id>/agent.log`: the runner's whole output of a job (§11), under the RUNNER's root."""
     return job_logs_dir(root, job_id) / "agent.log"
+
+
+def hub_transcript_path(root: Path, job_id: str, attempt_id: int) -> Path:
+    """`<root>/.mam/logs/<job_id>/transcript.<attempt_id>.jsonl`: the hub's copy of an attempt's
+    agent session transcript as it grew (§15 "Transcript chunks"); its state in `.jsonl.json`."""
+    return job_logs_dir(root, job_id) / f"transcript.{validate_attempt(attempt_id)}.jsonl"
 
 
 def hub_log_state_path(root: Path, job_id: str, attempt_id: int) -> Path:

@@ -288,6 +288,48 @@ def test_s14_on_limit_move_continues_the_session_on_another_runner_at_once(claud
                for line in Registry(cf.fleet.hub_ws).audit(job_id))
 
 
+@pytest.mark.timeout(300)
+def test_s18_after_a_runner_dies_mid_run_attempt_2_resumes_the_session_elsewhere_from_the_streamed_transcript(
+        claude_fleet: AgentFleet) -> None:
+    """§15 "Transcript chunks": while attempt 1 streams a long answer on gpu-box, the hub holds
+    the session (a `progress` event names it; its transcript streams in chunks); gpu-box dies
+    (kill -9 of the runner and its agent). With `--retries 1` attempt 2 runs on gpu-box-2,
+    which has neither the worktree nor the session: it continues the session from the
+    transcript the hub carried, and the model sees attempt 1's turns."""
+    cf = claude_fleet
+    runner = cf.start([WRITE_NOTES, Text("word " * 600, chunks=600, delay_s=0.2),
+                       Text("Finished on the other runner.")], "--labels", "gpu")
+    handle = cf.fleet.dispatch(None, "Make the change.", "--repo", "demo", "--heartbeat", "1",
+                               "--heartbeat-misses", "3", "--ack-timeout", str(int(PATIENCE_S)),
+                               "--allow-tools", "Write", "--retries", "1", labels="gpu")
+    job_id = handle.job_id()
+    copy = names.hub_transcript_path(cf.fleet.hub_ws, job_id, 1)
+    wait_until(lambda: len([c for c in cf.model.calls() if c["tools"]]) >= 2  # type: ignore[union-attr]
+               and copy.exists() and b"NOTES.md" in copy.read_bytes() and "agent" in cf.fleet.hub_record(job_id),
+               2 * PATIENCE_S, "attempt 1 streaming its second turn, its session and transcript at the hub")
+    session_id = cf.fleet.hub_record(job_id)["agent"]["session_id"]
+    other = cf.fleet.start_runner("gpu-box-2", "claude", "--repo", f"demo={cf.daemon.url('demo')}", "--labels", "gpu",
+                                  env=cf.agent_env(cf.tmp / "other-home"), host="gpu-box")
+    doomed = [runner.proc.pid, *(p.pid for p in psutil.Process(runner.proc.pid).children(recursive=True))]
+    for pid in doomed:  # the host is gone: the daemon and every process of its agent
+        try:
+            psutil.Process(pid).kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert handle.wait(2 * PATIENCE_S) == 0, other.log()[-3000:]
+    record = cf.fleet.hub_record(job_id)
+    assert (record["status"], record["attempt_id"], record["session"]) == ("completed", 2, "gpu-box-2"), record
+    assert record["attempt_history"][-1]["close_reason"] == "runner_lost"
+    events = cf.fleet.events_on_wire(job_id)
+    assert any(e["event"] == "progress" and e["detail"] == f"agent session {session_id}" for e in events)
+    (started,) = [e for e in events if e["event"] == "started" and e["data"]["attempt_id"] == 2]
+    assert started["data"]["continues"] == {"session_id": session_id, "attempt": 1, "transcript": "carried"}, started
+    assert started["detail"].endswith(" of attempt 1, from the hub's transcript, in a new worktree"), started
+    resumed = [c for c in cf.model.calls() if c["tools"]][-1]  # type: ignore[union-attr]
+    assert resumed["messages"] > 2 and any("NOTES.md" in text for text in resumed["tool_results"]), resumed
+    assert [e["detail"] for e in events if e["event"] == "completed"] == ["Finished on the other runner."]
+
+
 def test_s14_a_paused_job_frees_its_slot_and_resume_goes_on_before_the_reset(claude_fleet: AgentFleet) -> None:
     cf = claude_fleet
     runner = cf.start([WRITE_NOTES, Failure(429, "rate_limit_error", "usage limit reached; resets at {reset+3600}"),

@@ -17,6 +17,7 @@ import pytest
 from harness.gitserver import git, make_origin
 
 from mam.orchestrator.dispatch import build_dispatch
+from mam.orchestrator.logs import LogRouter
 from mam.orchestrator.queue import Fleet, RunnerView, plan
 from mam.orchestrator.queuewait import mark_published, queued_job, requeue, retry_attempt, say_requeue
 from mam.orchestrator.redispatch import say_cli
@@ -321,6 +322,29 @@ def test_s18_the_hub_carries_the_resumed_transcript_sealed_to_the_new_attempt_on
     resume = wire.decode(wire.encode(signed), "dispatch").work.resume  # type: ignore[union-attr]
     assert resume is not None and resume.transcript is not None and resume.session_id == SESSION
     assert "transcript" not in reg.get(job_id)["work"]["resume"]  # carried in the dispatch, never stored
+
+
+def test_s18_an_attempt_lost_mid_run_is_continued_from_its_progress_and_streamed_transcript(tmp_path: Path) -> None:
+    """A runner lost before its terminal event (§15 "Transcript chunks"): its `progress` event
+    named the session, its chunks brought the transcript; the retry resumes that session and
+    the dispatch carries the streamed copy up to its last whole line."""
+    reg = Registry(tmp_path)
+    record = reg.register(session=None, queue=QueueTerms(target_labels=("x",), retries=1, retry_on=("error",)))
+    job_id = record["job_id"]
+    mark_published(reg, job_id, "r1")
+    agent = {"kind": "claude", "session_id": SESSION, "turns": 0, "tokens": {}, "cost_usd": None}
+    for seq, event, data in ((1, "started", {}), (2, "progress", {"agent": agent}), (3, "error", {"exit_code": 1})):
+        with reg.transaction(job_id) as txn:
+            txn.store_event({"event": event, "seq": seq, "data": data})
+    token = record["auth_token"]
+    LogRouter(reg).handle(crypto.build_log_chunk(token, crypto.log_key(token), job_id=job_id, attempt_id=1, chunk=0,
+                                                 dropped=0, plaintext=b'{"type":"user"}\n{"type":"assis',
+                                                 session_id=SESSION))
+    new = retry_attempt(reg, job_id, "error", None, None)
+    assert new is not None and new["work"]["resume"] == {"session_id": SESSION, "attempt": 1}
+    sealed = with_transcript(reg.root, new)["work"]["resume"]["transcript"]
+    packed = crypto.open_transcript(new["auth_token"], sealed, job_id=job_id, attempt_id=2, session_id=SESSION)
+    assert zlib.decompress(packed) == b'{"type":"user"}\n'
 
 
 def test_s18_a_transcript_too_large_to_carry_is_left_out_and_the_dispatch_still_goes(

@@ -8,16 +8,18 @@ import base64
 import io
 import json
 import os
+from pathlib import Path
 
 import pytest
 from harness.fake_mqtt import FakeBroker
 from harness.waiting import PATIENCE_S, wait_until
 from test_hub_watch import RecordingClient, deliver
 
-from mam.orchestrator.logs import MAX_AHEAD_CHUNKS, MAX_BUFFERED_CHUNKS, LogRouter, OutputView
+from mam.orchestrator.logs import MAX_AHEAD_CHUNKS, MAX_BUFFERED_CHUNKS, LogRouter, OutputView, streamed_transcript
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.runner.logstream import (
     FLUSH_AFTER_S,
+    MAX_RATE_BPS,
     Chunker,
     LogStream,
     LogStreams,
@@ -330,3 +332,113 @@ def test_s17_chunks_a_stopped_runner_left_are_sent_at_start(tmp_path, hub):
     LogStreams(root=root, client=client, config=BrokerConfig(), environ={}).resend_leftovers()
     wait_until(lambda: not left.exists(), PATIENCE_S, "the leftover chunk sent")
     assert LogRouter(reg).handle(broker.published[0].payload) == [b"left behind\n"]
+
+
+# ------------------------------------------------------------------ transcript chunks
+
+SESSION = "8d99b0b5-2c1e-4f0a-9d3b-7f1e2a3b4c5d"
+
+
+def transcript_chunk(rec, number, data=b"", *, session=SESSION, dropped=0):
+    return crypto.build_log_chunk(rec["auth_token"], crypto.log_key(rec["auth_token"]), job_id=rec["job_id"],
+                                  attempt_id=rec["attempt_id"], chunk=number, dropped=dropped, plaintext=data,
+                                  session_id=session)
+
+
+def test_s15_the_transcript_streams_once_saved_and_the_hub_keeps_it_apart_from_the_output(tmp_path, hub):
+    """§15 "Transcript chunks": the stream waits for the file the agent saves, sends it from
+    its first byte, masked; the hub's copy is not output, and a resumed attempt gets whole lines."""
+    reg, rec = hub
+    saved = tmp_path / "session.jsonl"
+    named: list[Path | None] = [None]
+    broker = FakeBroker()
+    client = broker.client(BrokerConfig())
+    client.connect()
+    stream = LogStream(root=tmp_path / "runner", client=client, job_id=rec["job_id"], attempt_id=1,
+                       auth_token=rec["auth_token"], log_path=lambda: named[0], secrets=[rec["auth_token"]],
+                       rate_bps=MAX_RATE_BPS, session_id=SESSION)
+    stream.start()
+    lines = b'{"type":"user","token":"' + rec["auth_token"].encode() + b'"}\n' + b'{"type":"assistant"}\n' * 5000
+    saved.write_bytes(lines + b'{"type":"partial')
+    named[0] = saved
+    stream.finish()
+    sent = broker.on_topic(names.log_topic(rec["job_id"], BrokerConfig().topic_root))
+    assert len(sent) >= 2 and {json.loads(p.payload)["kind"] for p in sent} == {"transcript"}
+    assert not list(names.transcript_outbox_dir(tmp_path / "runner").iterdir())
+    router = LogRouter(reg)
+    assert [router.handle(p.payload) for p in sent] == [[]] * len(sent)  # never shown as output
+    assert not names.hub_log_path(reg.root, rec["job_id"], 1).exists()
+    masked = lines.replace(rec["auth_token"].encode(), b"***")
+    copy = names.hub_transcript_path(reg.root, rec["job_id"], 1)
+    assert copy.read_bytes() == masked + b'{"type":"partial' and oct(copy.stat().st_mode & 0o777) == "0o600"
+    assert streamed_transcript(reg.root, rec["job_id"], 1, SESSION, 1 << 20) == masked
+    assert streamed_transcript(reg.root, rec["job_id"], 1, "another-session", 1 << 20) is None
+    assert streamed_transcript(reg.root, rec["job_id"], 1, SESSION, 1000) is None  # over the cap
+
+
+def test_s15_a_transcript_copy_with_a_gap_or_a_drop_resumes_nothing_and_other_sessions_are_refused(hub, caplog):
+    reg, rec = hub
+    router = LogRouter(reg)
+    router.handle(transcript_chunk(rec, 0, b'{"a":1}\n'))
+    assert streamed_transcript(reg.root, rec["job_id"], 1, SESSION, 1 << 20) == b'{"a":1}\n'
+    router.handle(transcript_chunk(rec, 1, b'{"b":2}\n', session="another-session"))
+    assert "refused transcript chunk 1" in caplog.text
+    router.handle(transcript_chunk(rec, 2, b'{"c":3}\n'))
+    router.close(rec["job_id"])
+    assert [a.get("stream") for a in reg.audit(rec["job_id"]) if a.get("event") == "log_gap"] == ["transcript"]
+    assert streamed_transcript(reg.root, rec["job_id"], 1, SESSION, 1 << 20) is None
+    other = reg.register(session="gpu-box")
+    LogRouter(reg).handle(transcript_chunk(other, 0, b'{"a":1}\n', dropped=5))
+    assert streamed_transcript(reg.root, other["job_id"], 1, SESSION, 1 << 20) is None
+
+
+def test_s15_transcript_chunk_message_rules(hub):
+    reg, rec = hub
+    raw = transcript_chunk(rec, 0, b"{}\n")
+    body = json.loads(raw)
+    assert set(body) == logchunk.TRANSCRIPT_FIELDS and body["kind"] == "transcript"
+    parsed = logchunk.decode_chunk(raw)
+    assert (parsed.session_id, crypto.open_log_chunk(parsed, rec["auth_token"])) == (SESSION, b"{}\n")
+    as_log = {k: v for k, v in body.items() if k != "session_id"} | {"kind": "log"}
+    as_log["sig"] = crypto.log_sig(as_log, rec["auth_token"])  # signed again: the seal still says transcript
+    with pytest.raises(SignatureError):
+        crypto.open_log_chunk(logchunk.decode_chunk(json.dumps(as_log)), rec["auth_token"])
+    for bad, words in ((dict(body, session_id="../x"), "malformed: session_id"),
+                       (dict(body, session_id="s" * 129), "malformed: session_id"),
+                       ({k: v for k, v in body.items() if k != "session_id"}, "malformed"),
+                       (dict(json.loads(chunk(rec, 0, b"x")), session_id=SESSION), "malformed")):
+        with pytest.raises(DecodeError, match=words):
+            logchunk.decode_chunk(json.dumps(bad))
+        assert LogRouter(reg).handle(json.dumps(bad).encode()) == []
+
+
+def test_s15_a_linked_transcript_is_never_followed(tmp_path, hub, caplog):
+    reg, rec = hub
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not the agent's\n")
+    link = tmp_path / "session.jsonl"
+    link.symlink_to(secret)
+    broker = FakeBroker()
+    client = broker.client(BrokerConfig())
+    client.connect()
+    stream = LogStream(root=tmp_path / "runner", client=client, job_id=rec["job_id"], attempt_id=1,
+                       auth_token=rec["auth_token"], log_path=lambda: link, secrets=[], rate_bps=MAX_RATE_BPS,
+                       session_id=SESSION)
+    stream.start()
+    stream.finish()
+    assert broker.published == [] and "output stream stopped" in caplog.text
+
+
+def test_s17_transcript_chunks_a_stopped_runner_left_are_sent_at_start(tmp_path, hub):
+    reg, rec = hub
+    root = tmp_path / "runner"
+    left = names.log_outbox_entry_path(root, rec["job_id"], 1, 0, transcript=True)
+    left.parent.mkdir(parents=True)
+    left.write_bytes(transcript_chunk(rec, 0, b'{"left":1}\n'))
+    broker = FakeBroker()
+    client = broker.client(BrokerConfig())
+    client.connect()
+    LogStreams(root=root, client=client, config=BrokerConfig(), environ={}).resend_leftovers()
+    wait_until(lambda: not left.exists(), PATIENCE_S, "the leftover transcript chunk sent")
+    LogRouter(reg).handle(broker.published[0].payload)
+    assert streamed_transcript(reg.root, rec["job_id"], 1, SESSION, 1 << 20) == b'{"left":1}\n'

@@ -401,24 +401,29 @@ def verify_log_sig(payload: Payload, auth_token: str) -> None:
 
 
 def build_log_chunk(auth_token: str, key: bytes, *, job_id: str, attempt_id: int, chunk: int, dropped: int,
-                    plaintext: bytes, nonce: bytes | None = None) -> bytes:
+                    plaintext: bytes, nonce: bytes | None = None, session_id: str | None = None) -> bytes:
     """The wire bytes of one §15 chunk: `plaintext` sealed with `seal_bytes` under
-    `log_key(auth_token)`, bound to `f"{job_id}:{attempt_id}:{chunk}"`, and signed
-    with `log_sig` (the §3.1 event HMAC over the message without `sig`).
+    `log_key(auth_token)`, bound to `logchunk.associated_data` (`f"{job_id}:{attempt_id}:{chunk}"`,
+    or its `transcript:` form with `session_id`), and signed with `log_sig` (the §3.1 event
+    HMAC over the message without `sig`).
 
     Args:
         auth_token: the job's HMAC key; key: `log_key(auth_token)` (cached by the caller).
         job_id, attempt_id: the attempt; chunk: its number from 0; dropped: bytes not sent before it.
         plaintext: at most MAX_CHUNK_BYTES of (masked) output; nonce: tests only.
+        session_id: makes it a transcript chunk of that agent session (§15 "Transcript chunks").
     Raises:
         ValueError: plaintext over MAX_CHUNK_BYTES; DecodeError: a field out of its range.
     """
     if len(plaintext) > logchunk.MAX_CHUNK_BYTES:
         raise ValueError(f"a log chunk holds at most {logchunk.MAX_CHUNK_BYTES} bytes, got {len(plaintext)}")
-    body: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "kind": logchunk.KIND, "job_id": job_id,
+    associated = logchunk.associated_data(job_id, attempt_id, chunk, session_id)
+    body: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "job_id": job_id,
+                            "kind": logchunk.KIND if session_id is None else logchunk.TRANSCRIPT_KIND,
                             "attempt_id": attempt_id, "chunk": chunk, "dropped": dropped,
-                            "sealed": seal_bytes(key, plaintext, logchunk.associated_data(job_id, attempt_id, chunk),
-                                                 nonce)}
+                            "sealed": seal_bytes(key, plaintext, associated, nonce)}
+    if session_id is not None:
+        body["session_id"] = session_id
     body["sig"] = log_sig(body, auth_token)
     logchunk.check_chunk(body)
     return canonical_json(body)
@@ -566,4 +571,4 @@ def open_log_chunk(chunk: logchunk.LogChunk, auth_token: str, key: bytes | None 
     """
     verify_log_sig(chunk.to_dict(), auth_token)
     return open_bytes(key if key is not None else log_key(auth_token), chunk.sealed,
-                      logchunk.associated_data(chunk.job_id, chunk.attempt_id, chunk.chunk))
+                      logchunk.associated_data(chunk.job_id, chunk.attempt_id, chunk.chunk, chunk.session_id))
