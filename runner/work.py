@@ -372,10 +372,10 @@ class AttemptWork:
     def _transcript(self, staging: Path, notes: list[str]) -> Path | None:
         """A masked copy in `staging` of the agent's session transcript (§18 "Transcripts"), or
         None: the agent kept none, or it is over MAX_TRANSCRIPT_BYTES or unreadable (noted)."""
-        source = self.transcript_path()
-        if source is None:
+        source, session = self.transcript_path(), self.session_id()
+        if source is None or session is None:
             return None
-        target = staging / source.name
+        target = staging / f"{session}.jsonl"  # the hub's name for it, whatever the agent's
         try:
             copied = masked_copy(source, target, self.secrets, MAX_TRANSCRIPT_BYTES)
         except OSError as exc:

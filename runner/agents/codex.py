@@ -16,16 +16,30 @@ Codex reports no cost. A command whose escalation it rejected shows only on its 
 The policy maps onto Codex's sandbox: `permission_mode` acceptEdits → `--sandbox
 workspace-write`, plan → `--sandbox read-only`; `max_turns` (model steps) is enforced
 by the runner from the stream; `allow_tools` and `max_cost_usd` do not apply.
+
+Codex keeps each session as `$CODEX_HOME/sessions/YYYY/MM/DD/rollout-<time>-<id>.jsonl`
+(`CODEX_HOME` defaults to `~/.codex`), the day being the session's creation (the time in
+its UUIDv7 id); it looks a session up in that day's folder only, by a canonical name.
+An attempt that continues a session runs `codex exec resume <id> ... -` (§18), with the
+sandbox as `-c sandbox_mode=...` (`exec resume` has no `--sandbox`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import stat
+import time
+import uuid
 from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from mam.runner.agents.base import AgentPolicy, AgentReport, StreamAdapter, count_of
+from mam.shared.protocol import names
+from mam.shared.protocol.errors import MamError
+from mam.shared.store.fsio import atomic_write
 
 log = logging.getLogger("mam.agent")
 
@@ -34,6 +48,44 @@ STEP_ITEMS = frozenset({"agent_message", "command_execution", "file_change", "mc
 """Items that each answer one model response: counted as turns."""
 REJECTED_MARK = "reject command"
 """What Codex prints on stderr when it rejects a command's escalation (checked with 0.169)."""
+
+
+def codex_home(environ: Mapping[str, str]) -> Path | None:
+    """Where the CLI keeps its state for an agent with `environ`: `$CODEX_HOME`, else
+    `$HOME/.codex`; None without either."""
+    explicit, home = environ.get("CODEX_HOME"), environ.get("HOME")
+    return Path(explicit) if explicit else Path(home) / ".codex" if home else None
+
+
+def find_rollout(home: Path, session_id: str) -> Path | None:
+    """Session `session_id`'s rollout file under `home/sessions` (a regular file in a day's
+    folder, never through a link; the newest when several), or None.
+
+    Raises:
+        UsageError: a session id that is not `names.AGENT_SESSION_RE` (it is part of a file name here).
+    """
+    name = f"rollout-*-{names.validate_agent_session_id(session_id)}.jsonl"
+    found: list[tuple[float, Path]] = []
+    for candidate in (home / "sessions").glob(f"*/*/*/{name}"):
+        try:
+            info = candidate.lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode) and not any(p.is_symlink() for p in list(candidate.parents)[:4]):
+            found.append((info.st_mtime, candidate))
+    return max(found)[1] if found else None
+
+
+def rollout_path(home: Path, session_id: str, now: float | None = None) -> Path:
+    """Where Codex looks for session `session_id` on this host: the folder of the day its
+    UUIDv7 id was made (local time; today for another id) and a canonical name."""
+    try:
+        made = uuid.UUID(session_id)
+        seconds = (made.int >> 80) / 1000 if made.version == 7 else None
+    except ValueError:
+        seconds = None
+    when = datetime.fromtimestamp(seconds if seconds is not None else time.time() if now is None else now)
+    return home / "sessions" / when.strftime("%Y/%m/%d") / f"rollout-{when:%Y-%m-%dT%H-%M-%S}-{session_id}.jsonl"
 
 
 class CodexAdapter(StreamAdapter):
@@ -50,20 +102,54 @@ class CodexAdapter(StreamAdapter):
         super().__init__(policy)
         self._pending_error: str | None = None
         self._ended = False
+        self.resumed: str | None = None  # the session this attempt continues (§18)
 
     def argv(self, exec_argv: list[str]) -> list[str]:
         """`codex exec --json --skip-git-repo-check [--sandbox S] ... -`: `exec` added after
-        the executable when absent, the brief read from stdin (`-`)."""
+        the executable when absent, the brief read from stdin (`-`); `codex exec resume <id>
+        ... [-c sandbox_mode="S"] -` for an attempt that continues a session."""
         argv = list(exec_argv)
         if "exec" not in argv[1:]:
             argv.insert(1, "exec")
+        resuming = self.resumed is not None and "resume" not in argv
+        if resuming:
+            at = argv.index("exec", 1) + 1
+            argv[at:at] = ["resume", str(self.resumed)]
         argv += [flag for flag in ("--json", "--skip-git-repo-check") if flag not in argv]
         sandbox = SANDBOX_OF_MODE.get(self.policy.permission_mode or "")
         if sandbox is not None and "--sandbox" not in argv and "-s" not in argv:
-            argv += ["--sandbox", sandbox]
+            argv += ["-c", f'sandbox_mode="{sandbox}"'] if resuming else ["--sandbox", sandbox]
         if argv[-1] != "-":
             argv.append("-")
         return argv
+
+    def continue_session(self, session_id: str, cwd: Path, environ: Mapping[str, str],
+                         carried: bytes | None = None) -> str | None:
+        """`codex exec resume session_id` once its rollout is in this host's CODEX_HOME (§18):
+        its own, else the one `carried` written (0600) where Codex looks; else why not."""
+        home = codex_home(environ)
+        if home is None:
+            return "neither CODEX_HOME nor HOME is set"
+        if find_rollout(home, session_id) is None:
+            if carried is None:
+                return f"session {session_id} is not in {home / 'sessions'} on this runner"
+            target = rollout_path(home, session_id)
+            try:
+                target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                atomic_write(target, carried, what=f"transcript of session {session_id}", durable=False)
+            except (OSError, MamError) as exc:
+                return f"the carried transcript of session {session_id} could not be written: {exc}"
+            log.info("codex session %s: the transcript the hub carried is in %s", session_id, target.parent)
+            self.transcript_carried = True
+        self.resumed = session_id
+        return None
+
+    def transcript(self, cwd: Path, environ: Mapping[str, str]) -> Path | None:
+        """The rollout file of the session the stream named (§18 "Transcripts")."""
+        session, home = self._report.session_id, codex_home(environ)
+        if session is None or home is None or not names.AGENT_SESSION_RE.fullmatch(session):
+            return None
+        return find_rollout(home, session)
 
     def read_text(self, text: str) -> None:
         """Codex's stderr log (the runner's output file holds both streams): counted, and read

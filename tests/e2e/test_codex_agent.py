@@ -17,6 +17,7 @@ server's Responses API on that host's 127.0.0.1, and a real `git daemon`.
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,3 +113,50 @@ def test_s19_codexs_pretooluse_hook_asks_the_hub_and_codex_obeys_the_answer(code
     assert [f["path"] for f in result["files"]] == ["a.txt"]  # the approved command ran, the denied one did not
     told = [r for call in cf.model.calls() for r in call["tool_results"]]  # type: ignore[union-attr]
     assert any("not b.txt" in text for text in told), told
+
+
+WRITE_NOTES = ToolUse("exec_command", {"cmd": "printf 'notes\\n' > NOTES.md && echo notes-written"})
+
+
+def test_s18_a_codex_retry_resumes_the_thread_in_the_worktree_attempt_1_left(codex_fleet: AgentFleet) -> None:
+    """§18 continued sessions with Codex: attempt 1 writes NOTES.md, then the model fails; the
+    retry runs `codex exec resume <thread>` in a worktree that starts where attempt 1 ended:
+    the model sees attempt 1's command output, and the result holds both attempts' files."""
+    cf = codex_fleet
+    runner = cf.start([WRITE_NOTES, Failure(500, "server_error", "boom"),
+                       ToolUse("exec_command", {"cmd": "printf 'more\\n' > MORE.md"}), Text("Finished the notes.")])
+    code, job_id = cf.run("--ref", "main", "--permission-mode", "acceptEdits", "--retries", "1",
+                          "--retry-on", "error")
+    assert code == 0, runner.log()[-3000:]
+    events = cf.fleet.events_on_wire(job_id)
+    ends = {e["data"]["attempt_id"]: e for e in events if e["event"] in ("completed", "error")}
+    session_id = ends[1]["data"]["agent"]["session_id"]
+    assert ends[2]["event"] == "completed" and ends[2]["data"]["agent"]["session_id"] == session_id
+    (started,) = [e for e in events if e["event"] == "started" and e["data"]["attempt_id"] == 2]
+    assert started["detail"] == f"continues session {session_id} of attempt 1", started
+    resumed = cf.model.calls()[-2]  # type: ignore[union-attr]
+    assert any("notes-written" in text for text in resumed["tool_results"]), resumed
+    result = json.loads(cf.fleet.orch("result", job_id, "--json").stdout)
+    assert sorted(f["path"] for f in result["files"]) == ["MORE.md", "NOTES.md"] and result["has_transcript"]
+
+
+def test_s18_a_runner_without_the_codex_thread_resumes_it_from_the_transcript_the_hub_carried(
+        codex_fleet: AgentFleet) -> None:
+    """§18 "Transcripts" with Codex: attempt 1's rollout comes back with its result; the runner
+    then loses its sessions (as on another host) and `say`'s attempt 2 gets the rollout in the
+    dispatch, written where Codex looks: the thread resumes and the model sees attempt 1."""
+    cf = codex_fleet
+    runner = cf.start([WRITE_NOTES, Text("Wrote NOTES.md."), Text("Still here.")])
+    code, job_id = cf.run("--ref", "main", "--permission-mode", "acceptEdits")
+    assert code == 0, runner.log()[-3000:]
+    sessions = cf.tmp / "agent-home" / ".codex" / "sessions"
+    assert list(sessions.glob("*/*/*/rollout-*.jsonl"))
+    shutil.rmtree(sessions)
+    said = cf.fleet.orch("say", job_id, "Are you still there?", "--json", timeout_s=2 * PATIENCE_S)
+    assert said.returncode == 0, said.stderr + runner.log()[-3000:]
+    events = cf.fleet.events_on_wire(job_id)
+    (started,) = [e for e in events if e["event"] == "started" and e["data"]["attempt_id"] == 2]
+    assert started["data"]["continues"]["transcript"] == "carried", started
+    assert [e["detail"] for e in events if e["event"] == "completed"][-1] == "Still here."
+    assert any("notes-written" in text for text in cf.model.calls()[-1]["tool_results"])  # type: ignore[union-attr]
+    assert "the transcript the hub carried is in" in runner.log()

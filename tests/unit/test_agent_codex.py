@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime
+from pathlib import Path
 
 import pytest
 
 from mam.runner.agents import AgentPolicy, CodexAdapter
+from mam.runner.agents.codex import find_rollout, rollout_path
 from mam.runner.settings import agent_kind
+from mam.shared.protocol.errors import UsageError
 
 THREAD = "01a241b9-afd2-7ae2-a50a-2c296204af7e"
 STARTED = json.dumps({"type": "thread.started", "thread_id": THREAD})
@@ -87,3 +91,50 @@ def test_codex_is_the_default_for_an_executable_named_codex_and_says_what_it_ign
     assert agent_kind(None, ["/opt/codex"]) == "codex"
     adapter = CodexAdapter(AgentPolicy(max_turns=3, max_cost_usd=1.0, allow_tools=("Edit",)))
     assert adapter.ignored() == ["max_cost_usd", "allow_tools"]
+
+
+# ------------------------------------------------------------------ continued sessions (§18)
+
+MADE = "01a246ff-9291-7672-885b-8875c08e6478"  # a UUIDv7 made 2026-12-05 16:18:04 UTC
+
+
+def rollout(home: Path, text: str = '{"type":"session_meta"}\n') -> Path:
+    """Attempt 1's rollout file where Codex saved it."""
+    path = rollout_path(home, MADE)
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    return path
+
+
+def test_a_session_of_this_host_resumes_with_exec_resume_and_the_sandbox_as_config(tmp_path: Path) -> None:
+    env = {"CODEX_HOME": str(tmp_path / "codex")}
+    adapter = CodexAdapter(AgentPolicy(permission_mode="acceptEdits"))
+    why = adapter.continue_session(MADE, Path("/w/t"), env)
+    assert why is not None and "is not in" in why and "resume" not in adapter.argv(["codex"])
+    saved = rollout(tmp_path / "codex")
+    assert saved.parent.relative_to(tmp_path / "codex").parts[:1] == ("sessions",)
+    assert adapter.continue_session(MADE, Path("/w/t"), env) is None and not adapter.transcript_carried
+    assert adapter.argv(["codex", "-m", "o3"]) == ["codex", "exec", "resume", MADE, "-m", "o3", "--json",
+                                                   "--skip-git-repo-check", "-c", 'sandbox_mode="workspace-write"', "-"]
+    adapter.read({"type": "thread.started", "thread_id": MADE})
+    assert adapter.transcript(Path("/w/t"), env) == saved
+    assert CodexAdapter().continue_session(MADE, Path("/w"), {}) == "neither CODEX_HOME nor HOME is set"
+
+
+def test_a_carried_transcript_is_written_where_codex_looks_and_links_are_never_followed(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    adapter = CodexAdapter()
+    assert adapter.continue_session(MADE, Path("/w/t"), {"HOME": str(home)}, b'{"carried":1}\n') is None
+    (placed,) = (home / ".codex" / "sessions").glob(f"*/*/*/rollout-*-{MADE}.jsonl")
+    assert placed.read_bytes() == b'{"carried":1}\n' and oct(placed.stat().st_mode & 0o777) == "0o600"
+    assert adapter.transcript_carried and adapter.argv(["codex"])[1:4] == ["exec", "resume", MADE]
+    other = tmp_path / "other"
+    elsewhere = rollout(other / "real")
+    linked = other / ".codex" / "sessions" / "2026" / "12"
+    linked.parent.mkdir(parents=True)
+    linked.symlink_to(elsewhere.parent.parent)  # a linked month folder
+    assert find_rollout(other / ".codex", MADE) is None
+    with pytest.raises(UsageError):
+        find_rollout(other / ".codex", "../x")
+    made = datetime.fromtimestamp(0)
+    assert rollout_path(home, "not-a-uuid", now=0).name == f"rollout-{made:%Y-%m-%dT%H-%M-%S}-not-a-uuid.jsonl"
