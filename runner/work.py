@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -181,7 +182,8 @@ class AttemptWork:
             # the session continues where its transcript is: here, or carried by the hub (then even
             # in a new worktree, as after a move to another runner)
             why_fresh = new_worktree if new_worktree is not None and resume.transcript is None else \
-                self.adapter.continue_session(resume.session_id, self.cwd(), self.environ, self._carried(resume))
+                self.adapter.continue_session(resume.session_id, self.cwd(), self.environ,
+                                              functools.partial(self._carried, resume))
             if why_fresh is None:
                 log.info("job %s: attempt %d continues session %s of attempt %d%s", self.job_id, self.attempt_id,
                          resume.session_id, resume.attempt, f" in a new worktree ({new_worktree})" if new_worktree

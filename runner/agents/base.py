@@ -6,13 +6,15 @@ import json
 import logging
 import re
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from mam.shared.protocol import wire
+from mam.shared.protocol.errors import MamError
+from mam.shared.store.fsio import atomic_write
 
 MAX_DENIALS_SHOWN = 8
 MAX_UNREADABLE_LOGGED = 3
@@ -217,11 +219,28 @@ class Adapter:
         """Read one line of the agent's output (never raises)."""
 
     def continue_session(self, session_id: str, cwd: Path, environ: Mapping[str, str],
-                         carried: bytes | None = None) -> str | None:
+                         carried: Callable[[], bytes | None] | None = None) -> str | None:
         """Make this attempt continue an earlier attempt's agent session (§18), its agent to run
-        in `cwd` with `environ`; `carried` is the session's transcript the hub sent, for when
-        this host has none. Returns None when it will, else why not (one line)."""
+        in `cwd` with `environ`; `carried` gives the session's transcript the hub sent (opened
+        only when this host has none; None when unusable). Returns None when it will, else why
+        not (one line)."""
         return f"the {self.kind} agent cannot continue a session"
+
+    def place_carried(self, target: Path, session_id: str, carried: Callable[[], bytes | None] | None,
+                      missing: str) -> str | None:
+        """Write the transcript the hub carried at `target`, where the CLI looks for session
+        `session_id` (0600); None once written, else why not (`missing` when none was carried)."""
+        data = carried() if carried is not None else None
+        if data is None:
+            return missing
+        try:
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            atomic_write(target, data, what=f"transcript of session {session_id}", durable=False)
+        except (OSError, MamError) as exc:
+            return f"the carried transcript of session {session_id} could not be written: {exc}"
+        log.info("%s session %s: the transcript the hub carried is in %s", self.kind, session_id, target.parent)
+        self.transcript_carried = True
+        return None
 
     def over_budget(self) -> str | None:
         """The budget the stream shows spent that the CLI does not stop on itself, or None."""

@@ -31,15 +31,13 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from mam.runner.agents.base import AgentPolicy, StreamAdapter, count_of, flag_value, money_of
 from mam.runner.permission_tool import PROMPT_TOOL
 from mam.shared.protocol import names
-from mam.shared.protocol.errors import MamError
-from mam.shared.store.fsio import atomic_write
 
 log = logging.getLogger("mam.agent")
 
@@ -121,23 +119,18 @@ class ClaudeAdapter(StreamAdapter):
         self.resumed: str | None = None  # the session this attempt continues (§18)
 
     def continue_session(self, session_id: str, cwd: Path, environ: Mapping[str, str],
-                         carried: bytes | None = None) -> str | None:
+                         carried: Callable[[], bytes | None] | None = None) -> str | None:
         """`--resume session_id` once its transcript is in `cwd`'s project folder (§18): this
         host's own copy, else the one `carried`; else why not."""
         config = config_dir(environ)
         if config is None:
             return "neither CLAUDE_CONFIG_DIR nor HOME is set"
         if not place_transcript(config, session_id, cwd):
-            if carried is None:
-                return f"session {session_id} is not in {config / 'projects'} on this runner"
             target = config / "projects" / project_folder(cwd) / f"{names.validate_agent_session_id(session_id)}.jsonl"
-            try:
-                target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                atomic_write(target, carried, what=f"transcript of session {session_id}", durable=False)
-            except (OSError, MamError) as exc:
-                return f"the carried transcript of session {session_id} could not be written: {exc}"
-            log.info("claude session %s: the transcript the hub carried is in %s", session_id, target.parent)
-            self.transcript_carried = True
+            why = self.place_carried(target, session_id, carried,
+                                     f"session {session_id} is not in {config / 'projects'} on this runner")
+            if why is not None:
+                return why
         self.resumed = session_id
         return None
 

@@ -31,15 +31,13 @@ import logging
 import stat
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from mam.runner.agents.base import AgentPolicy, AgentReport, StreamAdapter, count_of
 from mam.shared.protocol import names
-from mam.shared.protocol.errors import MamError
-from mam.shared.store.fsio import atomic_write
 
 log = logging.getLogger("mam.agent")
 
@@ -124,23 +122,17 @@ class CodexAdapter(StreamAdapter):
         return argv
 
     def continue_session(self, session_id: str, cwd: Path, environ: Mapping[str, str],
-                         carried: bytes | None = None) -> str | None:
+                         carried: Callable[[], bytes | None] | None = None) -> str | None:
         """`codex exec resume session_id` once its rollout is in this host's CODEX_HOME (§18):
-        its own, else the one `carried` written (0600) where Codex looks; else why not."""
+        its own, else the one `carried` written where Codex looks; else why not."""
         home = codex_home(environ)
         if home is None:
             return "neither CODEX_HOME nor HOME is set"
         if find_rollout(home, session_id) is None:
-            if carried is None:
-                return f"session {session_id} is not in {home / 'sessions'} on this runner"
-            target = rollout_path(home, session_id)
-            try:
-                target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                atomic_write(target, carried, what=f"transcript of session {session_id}", durable=False)
-            except (OSError, MamError) as exc:
-                return f"the carried transcript of session {session_id} could not be written: {exc}"
-            log.info("codex session %s: the transcript the hub carried is in %s", session_id, target.parent)
-            self.transcript_carried = True
+            why = self.place_carried(rollout_path(home, session_id), session_id, carried,
+                                     f"session {session_id} is not in {home / 'sessions'} on this runner")
+            if why is not None:
+                return why
         self.resumed = session_id
         return None
 

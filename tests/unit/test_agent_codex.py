@@ -124,7 +124,7 @@ def test_a_session_of_this_host_resumes_with_exec_resume_and_the_sandbox_as_conf
 def test_a_carried_transcript_is_written_where_codex_looks_and_links_are_never_followed(tmp_path: Path) -> None:
     home = tmp_path / "home"
     adapter = CodexAdapter()
-    assert adapter.continue_session(MADE, Path("/w/t"), {"HOME": str(home)}, b'{"carried":1}\n') is None
+    assert adapter.continue_session(MADE, Path("/w/t"), {"HOME": str(home)}, lambda: b'{"carried":1}\n') is None
     (placed,) = (home / ".codex" / "sessions").glob(f"*/*/*/rollout-*-{MADE}.jsonl")
     assert placed.read_bytes() == b'{"carried":1}\n' and oct(placed.stat().st_mode & 0o777) == "0o600"
     assert adapter.transcript_carried and adapter.argv(["codex"])[1:4] == ["exec", "resume", MADE]

@@ -176,6 +176,9 @@ def test_s18_claude_resumes_only_where_its_transcript_is_and_the_command_agent_n
     transcript(config, Path("/w/old"))
     assert ClaudeAdapter().continue_session(SESSION, Path("/w/u"), {"CLAUDE_CONFIG_DIR": str(config)}) is None
     assert ClaudeAdapter().continue_session(SESSION, Path("/w/u"), {}) == "neither CLAUDE_CONFIG_DIR nor HOME is set"
+    def never() -> bytes:
+        raise AssertionError("the carried transcript is opened only when this host has none")
+    assert ClaudeAdapter().continue_session(SESSION, Path("/w/v"), {"CLAUDE_CONFIG_DIR": str(config)}, never) is None
     assert new_adapter("command").continue_session(SESSION, Path("/w"), {}) == \
         "the command agent cannot continue a session"
 
