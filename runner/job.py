@@ -28,6 +28,7 @@ from typing import Any
 from mam.runner import orphans, publish
 from mam.runner.agent import AgentProcess, AgentStartError, ExitStatus, agent_env
 from mam.runner.cgroups import JobCgroup, RunnerCgroups
+from mam.runner.deadman import DeadmanSwitch
 from mam.runner.fastpath import SOCKET_ENV
 from mam.runner.heartbeat.beats import Beats
 from mam.runner.logstream import LogStreams
@@ -169,6 +170,7 @@ class Supervisor:
         self.stopping = stopping or threading.Event()
         self.socket_path: Path | None = None  # the daemon's local publish socket (§17), set once it listens
         self.cgroups: RunnerCgroups | None = None  # §6: each agent in a cgroup of its own, where the host allows
+        self.deadman = DeadmanSwitch()  # §6: the daemon's death stops its agents
         # the tools a person at the hub denied a job (§19), from that socket: (job_id) -> names
         self.denied_tools: Callable[[str], set[str]] = lambda job_id: set()
         self.beats = Beats(registry, client, drain_s=options.heartbeat_drain_s)  # §12: one thread, every job
@@ -249,6 +251,7 @@ class Supervisor:
         finally:
             if agent.started and agent.poll() is None:  # an unexpected error: never leave the agent behind
                 agent.cancel(grace_s=self.options.cancel_grace_s)
+            self.deadman.disarm(f"{job.job_id}-{job.attempt_id}")
             agent.close()
             env_file.unlink(missing_ok=True)
 
@@ -285,6 +288,8 @@ class Supervisor:
             self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_NOT_STARTED, EXIT_NOT_STARTED))
             return
         log.info("job %s: agent pid %d started", job.job_id, agent.pid)
+        self.deadman.arm(f"{job.job_id}-{job.attempt_id}", agent.identity,
+                         agent.cgroup.path if agent.cgroup is not None else None)
         if attempt.takes_input:
             job.tell = lambda text: agent.send_input(attempt.stdin(text).encode("utf-8", "surrogateescape"))
         try:

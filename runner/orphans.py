@@ -1,6 +1,7 @@
 """Jobs left by a runner that died, found again at restart (PROTOCOL §6, §8, §11).
 
-A runner killed with `kill -9` leaves its agent running. So each job's log
+A runner killed with `kill -9` has its agents stopped by its deadman helper (deadman.py);
+when the helper died too, they run on. So each job's log
 folder holds `agent.pid` (0600, atomic, removed when the job ends): the
 attempt, the runner's pid, create time and id, and the agent's
 `AgentIdentity`. A `pending`/`running` record of role `runner` whose runner
@@ -9,8 +10,7 @@ cancel, then publishes `error`. A record without `agent.pid` is an orphan only
 for this runner's session (§7) or when a cancel names it. Limits: a runner
 killed between starting the agent and recording it leaves an agent nobody
 finds; a descendant that escapes the group AND scrubs `MAM_AGENT_TAG` is not
-found. PR_SET_PDEATHSIG is not used: it needs `preexec_fn` (unsafe with
-threads), fires when the forking *thread* exits, and reaches only the agent.
+found.
 """
 
 from __future__ import annotations

@@ -332,6 +332,7 @@ class Runner:
         if self._supervisor is not None:
             self._supervisor.beats.stop()
             self._supervisor.results.stop()  # unsent results stay in the outbox for the next start
+            self._supervisor.deadman.close()  # every job ended: nothing is armed
             if self._supervisor.cgroups is not None:
                 self._supervisor.cgroups.close()
         if self._socket is not None:

@@ -446,6 +446,43 @@ def test_s6_in_cgroup_mode_cancel_kills_a_child_that_escaped_with_its_environmen
         kill_all([pid])
 
 
+def test_s6_kill9_of_the_runner_stops_its_agents_at_once(nats_broker, tmp_path, hub, wire_obs, runners):
+    """§6 "The daemon's death": after `kill -9` of the runner its deadman helper stops the agent
+    tree with no restart: the agent and a child that left its session, ignores SIGTERM and (in
+    cgroup mode) cleared its environment. The helper says so in the runner's log and exits;
+    a restarted runner then ends the attempt `runner restarted; agent lost`."""
+    pidfile = tmp_path / "escaped"
+    ws = tmp_path / "runner"
+    runner = start_runner(runners, nats_broker, ws)
+    runner.wait_serving()
+    cgroup_mode = "cgroups on: " in runner.wait_log("cgroups ")
+    shell = "env -i /bin/sh" if cgroup_mode else "/bin/sh"  # process-group mode finds it by its tag
+    record, _ = hub.dispatch(f"( {shell} -c 'trap \"\" TERM; exec setsid sleep 1000' </dev/null >/dev/null 2>&1 & "
+                             f"echo $! > {pidfile}.tmp ); mv {pidfile}.tmp {pidfile}; while :; do sleep 1; done")
+    job_id = record["job_id"]
+    escaped = int(wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), what="the escaped child"))
+    agent_file = ws / ".mam" / "logs" / job_id / "agent.pid"
+    agent = wait_until(lambda: agent_file.exists() and json.loads(agent_file.read_text()).get("pid"),
+                       what="agent.pid to name the agent")
+    helper = next(p for p in psutil.Process(runner.proc.pid).children() if "mam.runner.deadman" in p.cmdline())
+    try:
+        killed_at = time.monotonic()
+        runner.proc.kill()
+        runner.wait()
+        wait_until(lambda: all_gone([agent, escaped]), what="the agent tree to be gone")
+        print(f"\nkill -9 of the runner -> its agent tree gone in {time.monotonic() - killed_at:.2f} s "
+              f"({'cgroup' if cgroup_mode else 'process-group'} mode)")
+        wait_until(lambda: not helper.is_running() or helper.status() == psutil.STATUS_ZOMBIE,
+                   what="the helper to exit")
+        assert f"stopping the agents of {job_id}-{record['attempt_id']}" in runner.log()
+        again = start_runner(runners, nats_broker, ws, args=("--replace",))
+        again.wait_serving()
+        terminal = wire_obs.wait_terminal(job_id)
+        assert (terminal["event"], terminal["detail"]) == ("error", "runner restarted; agent lost")
+    finally:
+        kill_all([agent, escaped])
+
+
 def test_s11_exit_code_and_agent_own_terminal_event(nats_broker, tmp_path, hub, wire_obs, runners):
     """§11 step 5: exit 3 → `error` with data.exit_code 3; an agent that publishes its own
     `completed` and exits 0 → exactly one terminal event on the wire."""
@@ -526,9 +563,12 @@ def test_s7_kill9_last_will_offline_and_heartbeat_stops(broker, tmp_path, runner
         wait_until(lambda: len(heartbeat_beats(observer.events(job_id))) >= 2, what="two heartbeat beats")
         for beat in heartbeat_beats(observer.events(job_id)):
             verify_signed(beat, record)
-        # one process beats: the daemon; every process it started belongs to the agent's tree
+        # one process beats: the daemon; every process it started belongs to the agent's tree,
+        # but for its deadman helper (§6), which never beats
         agent_tree = {pids[0], *(c.pid for c in psutil.Process(pids[0]).children(recursive=True))}
-        assert {c.pid for c in psutil.Process(runner.proc.pid).children(recursive=True)} <= agent_tree
+        started = [c for c in psutil.Process(runner.proc.pid).children(recursive=True)
+                   if "mam.runner.deadman" not in c.cmdline()]
+        assert {c.pid for c in started} <= agent_tree
         assert not names.heartbeat_path(ws, job_id, "pid").exists()
         runner.proc.kill()
         runner.wait()
@@ -725,6 +765,9 @@ def test_s6_orphans_of_a_killed_runner_are_stopped_before_their_terminal_event(n
                        what=f"{name} agent.pid to name the agent")
             assert (logs[name] / "agent.pid").stat().st_mode & 0o777 == 0o600
             assert (logs[name] / "broker.env").exists()
+        # the runner and its deadman helper both die (say, the OOM killer's pick): the agents run on
+        helper = next(p for p in psutil.Process(first.proc.pid).children() if "mam.runner.deadman" in p.cmdline())
+        helper.kill()
         first.proc.kill()
         first.wait()
         wait_until(lambda: all(p.ppid() != first.proc.pid for ps in procs.values() for p in ps),

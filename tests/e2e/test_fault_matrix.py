@@ -11,8 +11,8 @@ to compare run to run (also without `pytest -s`).
 
 Kinds: broker SIGKILL + restart 3 s into a 10 s job (×20 nats-server, ×5 mosquitto);
 a runner cut off (iptables DROP in its namespace) shorter than the keepalive and
-longer than K × N; runner kill -9 → orphan stopped at restart → redispatch elsewhere
-completes, attempt-1 stragglers refused; hub kill -9 → `watch` resolves. The full-disk
+longer than K × N; runner kill -9 → its agent stopped at once by its deadman helper (§6)
+→ redispatch elsewhere completes, attempt-1 stragglers refused; hub kill -9 → `watch` resolves. The full-disk
 and replacement-runner faults are tests/e2e/test_runner_faults.py
 (`test_fault9_*`, `test_fault8_*`), not repeated here.
 
@@ -239,11 +239,12 @@ def test_serve_records_the_late_outcome_of_a_runner_cut_off_longer_than_KxN(netn
 # ------------------------------------------------------------------ runner kill -9, redispatch
 
 @pytest.mark.timeout(300)
-def test_runner_kill9_orphan_stopped_at_restart_redispatch_completes(
+def test_runner_kill9_agent_dies_with_it_redispatch_completes(
         netns_fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    """§8, §10, §17: the runner dies with kill -9 mid-job; the hub
-    closes it (deadline_timeout); the restarted runner stops the orphaned agent; `redispatch`
-    to another runner completes; an attempt-1 straggler is refused, not taken as a forgery."""
+    """§6, §8, §10, §17: the runner dies with kill -9 mid-job; its deadman helper stops the
+    agent at once (§6 "The daemon's death"); the hub closes the job (deadline_timeout); the
+    restarted runner reports the attempt; `redispatch` to another runner completes; an
+    attempt-1 straggler is refused, not taken as a forgery."""
     fleet = netns_fleet
     marks_file = tmp_path / "marks"
     env = {"MARKS": str(marks_file)}
@@ -257,13 +258,12 @@ def test_runner_kill9_orphan_stopped_at_restart_redispatch_completes(
         wait_until(lambda: any(m[1] == job_id for m in marks(marks_file)), what="the attempt-1 marker")
         agent_pid = int(next(m[3] for m in marks(marks_file) if m[1] == job_id))
         gpu.kill9()
+        wait_until(lambda: gone(agent_pid), what="the deadman helper to stop the agent with its runner")
         assert run.wait(JOB_PATIENCE_S) == 2, run.log()  # deadline_timeout (§10)
-        assert not gone(agent_pid), "the agent died with its runner: no orphan to stop"
         # a straggler of attempt 1: gpu-box's registry still holds it running
         late = fleet.runner_cli("gpu-box", "publish", "--job", job_id, "--event", "progress", "--detail", "late")
         assert late.returncode == 0, late.stderr
         fleet.start_runner("gpu-box", SHELL_AGENT, "--replace", env=env)
-        wait_until(lambda: gone(agent_pid), what="the restarted runner to stop the orphaned agent")
         again = fleet.redispatch(job_id, "--session", "cpu-box")
         assert again.wait(JOB_PATIENCE_S) == 0, again.log()
         wait_until(lambda: any(e["data"]["attempt_id"] == 1 and e.get("detail") == "late"
