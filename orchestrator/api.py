@@ -242,7 +242,8 @@ class Hub:
                  permission_mode: str | None = None, ask_timeout_s: int | None = None,
                  on_ask_timeout: str | None = None, fresh: bool = False, on_limit: str = "pause",
                  title: str | None = None, group: str | None = None, group_limit: int = 1,
-                 cancel_in_progress: bool = False) -> Job:
+                 cancel_in_progress: bool = False, memory: str | int | None = None, cpus: float | None = None,
+                 pids: int | None = None) -> Job:
         """Queue a job for one runner `session` or any runner carrying all `labels` (§14);
         with `repo` (and `ref`), on a worktree of that repository; `max_turns`,
         `max_cost_usd`, `allow_tools` (e.g. ["Bash(git *)", "Edit"]), `deny_tools` (rules never
@@ -254,7 +255,8 @@ class Hub:
         continues the session (§14 Moves); "fail": it ends `error` (§14 Pauses); `title`: its name in
         lists and the dashboard (default: the brief's first line); `group`: a concurrency group
         of which at most `group_limit` jobs run at once, and with `cancel_in_progress` this job
-        cancels the group's earlier ones (§14 Groups).
+        cancels the group's earlier ones (§14 Groups); `memory` ("8G" or bytes), `cpus` and `pids`
+        limit the job's processes where the runner's host gives the cgroup controllers (§6 "Limits").
 
         Returns:
             the `Job` (queued; the service publishes it when a runner has a free slot).
@@ -271,7 +273,8 @@ class Hub:
                                 ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
         work = work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
                           allow_tools=allow_tools, deny_tools=deny_tools, permission_mode=permission_mode,
-                          ask_timeout_s=ask_timeout_s, on_ask_timeout=on_ask_timeout, cli=False)
+                          ask_timeout_s=ask_timeout_s, on_ask_timeout=on_ask_timeout, memory=memory, cpus=cpus,
+                          pids=pids, cli=False)
         self._hub.keys()
         self.ensure_service()
         record = register_queued(self.registry, brief=brief, contract=contract, terms=terms, work=work, title=title)

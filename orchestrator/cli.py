@@ -333,6 +333,15 @@ def dispatch_cmd(
     on_ask_timeout: str = typer.Option(None, "--on-ask-timeout", metavar="deny|cancel",
                                        help="After --ask-timeout: deny the request and let the agent go on "
                                             "(default), or cancel the job."),
+    memory: str = typer.Option(None, "--memory", metavar="SIZE",
+                               help="The job's memory limit, e.g. 512M or 8G, where the runner's host gives "
+                                    "the memory cgroup controller; over it the job ends error, oom (§6)."),
+    cpus: float = typer.Option(None, "--cpus", metavar="N",
+                               help="The job's CPU quota in CPUs, e.g. 2 or 0.5, where the host gives the "
+                                    "cpu controller."),
+    pids: int = typer.Option(None, "--pids", metavar="N",
+                             help="How many processes the job may have at once, 8..4194304, where the "
+                                  "host gives the pids controller."),
     title: str = typer.Option(None, "--title", metavar="TEXT",
                               help="A name for the job in lists and the dashboard, one line, at most 120 "
                                    "characters (default: the brief's first line, cut to 80)."),
@@ -362,7 +371,7 @@ def dispatch_cmd(
                         work=work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
                                         allow_tools=allow_tools, deny_tools=deny_tools,
                                         permission_mode=permission_mode, ask_timeout_s=ask_timeout,
-                                        on_ask_timeout=on_ask_timeout))
+                                        on_ask_timeout=on_ask_timeout, memory=memory, cpus=cpus, pids=pids))
 
 
 @app.command("logs")

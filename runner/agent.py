@@ -259,14 +259,15 @@ class ExitStatus:
 # ---------------------------------------------------------------- process
 
 
-def _joiner(fd: int) -> Callable[[], None]:
-    """The child's step between fork and exec: join the cgroup whose `cgroup.procs` is `fd`
-    (one write of "0", no lock taken, nothing allocated that another thread could hold)."""
+def _joiner(fds: Sequence[int]) -> Callable[[], None]:
+    """The child's step between fork and exec: join each cgroup whose `cgroup.procs` is in `fds`
+    (one write of "0" each, no lock taken, nothing allocated that another thread could hold)."""
     def join() -> None:
-        try:
-            os.write(fd, b"0")
-        except OSError:
-            pass  # the parent sees it is not a member and says so
+        for fd in fds:
+            try:
+                os.write(fd, b"0")
+            except OSError:
+                pass  # the parent sees it is not a member and says so
     return join
 
 
@@ -309,6 +310,7 @@ class AgentProcess:
         log_path: Path,
         keep_stdin: bool = False,
         cgroup: JobCgroup | None = None,
+        join: Sequence[Path] = (),
     ) -> None:
         """Start the agent (§11 step 4).
 
@@ -323,6 +325,8 @@ class AgentProcess:
             cgroup: the attempt's cgroup (`cgroups`): the agent joins it before it
                 execs, so every process it starts is a member; cancel then kills the
                 group. None: the process group and tag walk only.
+            join: more `cgroup.procs` files it joins the same way (cgroup v1 limit groups, §6);
+                one that cannot be opened is said and left out.
             log_path: stdout and stderr are appended here (created 0600,
                 parent folders 0700).
         Raises:
@@ -351,14 +355,21 @@ class AgentProcess:
             why = "it is a symlink" if exc.errno == errno.ELOOP else os.strerror(exc.errno or 0)
             raise RegistryError(f"agent log {log_path} cannot be opened: {why}") from None
         join_fd = -1
+        fds: list[int] = []
         try:
             os.fchmod(log_fd, 0o600)  # an existing file keeps no wider mode
             if cgroup is not None:
                 try:
                     join_fd = cgroup.join_fd()
+                    fds.append(join_fd)
                 except OSError as exc:
                     log.warning("agent %s: not in its cgroup %s (%s): cancel stops its process group",
                                 argv[0], cgroup.path, exc.strerror)
+            for procs in join:
+                try:
+                    fds.append(os.open(procs, os.O_WRONLY | os.O_CLOEXEC))
+                except OSError as exc:
+                    log.warning("agent %s: not in the limit group %s (%s)", argv[0], procs.parent, exc.strerror)
             try:
                 self._popen = subprocess.Popen(
                     argv,
@@ -370,7 +381,7 @@ class AgentProcess:
                     env=child_env,
                     start_new_session=True,  # own session + process group: cancel hits the group
                     close_fds=True,
-                    preexec_fn=_joiner(join_fd) if join_fd >= 0 else None,
+                    preexec_fn=_joiner(fds) if fds else None,
                 )
             except OSError as exc:
                 reason = os.strerror(exc.errno) if exc.errno else type(exc).__name__
@@ -379,8 +390,8 @@ class AgentProcess:
                 raise AgentStartError(f"agent command {argv[0]!r} cannot be started: {reason}") from None
         finally:
             os.close(log_fd)
-            if join_fd >= 0:
-                os.close(join_fd)
+            for fd in fds:
+                os.close(fd)
         if join_fd >= 0 and cgroup is not None:
             self._cgroup = cgroup
             if self._popen.poll() is None and self._popen.pid not in cgroup.members():

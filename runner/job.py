@@ -31,6 +31,7 @@ from mam.runner.cgroups import JobCgroup, RunnerCgroups
 from mam.runner.deadman import DeadmanSwitch
 from mam.runner.fastpath import SOCKET_ENV
 from mam.runner.heartbeat.beats import Beats
+from mam.runner.limits import JobLimits, RunnerLimits
 from mam.runner.logstream import LogStreams
 from mam.runner.process_tree import AgentIdentity, stop_orphan
 from mam.runner.repos import RepoError, Repos
@@ -171,6 +172,7 @@ class Supervisor:
         self.socket_path: Path | None = None  # the daemon's local publish socket (§17), set once it listens
         self.cgroups: RunnerCgroups | None = None  # §6: each agent in a cgroup of its own, where the host allows
         self.deadman = DeadmanSwitch()  # §6: the daemon's death stops its agents
+        self.limits: RunnerLimits | None = None  # §6 "Limits": where this host can limit a job
         # the tools a person at the hub denied a job (§19), from that socket: (job_id) -> names
         self.denied_tools: Callable[[str], set[str]] = lambda job_id: set()
         self.beats = Beats(registry, client, drain_s=options.heartbeat_drain_s)  # §12: one thread, every job
@@ -223,6 +225,7 @@ class Supervisor:
             log.warning("job %s: retained dispatch not cleared (%s); the registry refuses its replay", job.job_id,
                         exc)
         attempt, started_data, problem = self._prepare(job)  # §18: the worktree, before `started`
+        limits = self._limits_of(job, started_data)
         started = publish.record(self.registry, publish.PublishRequest(
             job_id=job.job_id, event=EventName.STARTED, attempt_id=job.attempt_id,
             dispatch_token=job.dispatch_token, data=started_data, detail=session_note(started_data)),
@@ -237,22 +240,26 @@ class Supervisor:
         # §12 from the daemon: one thread beats for every job (no timer process per job, §17)
         self.beats.add(job.job_id, attempt_id=job.attempt_id, dispatch_token=job.dispatch_token,
                        interval_s=float(job.heartbeat_s), timeout_s=float(job.timeout_s))
-        if attempt is None or problem is not None:
-            log.error("job %s: %s", job.job_id, problem)
-            self.publish_terminal(job, Terminal(EventName.ERROR, str(problem)[:wire.MAX_DETAIL_CHARS], None))
-            return
-        if job.cancel.is_set():  # cancelled before the agent started
-            self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_CANCELLED, None, JobStatus.CANCELLED))
+        if attempt is None or problem is not None or job.cancel.is_set():
+            if limits is not None:
+                limits.remove()
+            if attempt is None or problem is not None:
+                log.error("job %s: %s", job.job_id, problem)
+                self.publish_terminal(job, Terminal(EventName.ERROR, str(problem)[:wire.MAX_DETAIL_CHARS], None))
+            else:  # cancelled before the agent started
+                self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_CANCELLED, None, JobStatus.CANCELLED))
             return
         env_file = self._write_broker_env(job.job_id)
         agent = AgentProcess()
         try:
-            self._run_agent(job, agent, env_file, attempt)
+            self._run_agent(job, agent, env_file, attempt, limits)
         finally:
             if agent.started and agent.poll() is None:  # an unexpected error: never leave the agent behind
                 agent.cancel(grace_s=self.options.cancel_grace_s)
             self.deadman.disarm(f"{job.job_id}-{job.attempt_id}")
             agent.close()
+            if limits is not None:
+                limits.remove()
             env_file.unlink(missing_ok=True)
 
     def _prepare(self, job: Job) -> tuple[AttemptWork | None, dict[str, Any], str | None]:
@@ -275,14 +282,15 @@ class Supervisor:
         except (RepoError, OSError) as exc:
             return attempt, {"agent": attempt.adapter.kind}, str(exc)
 
-    def _run_agent(self, job: Job, agent: AgentProcess, env_file: Path, attempt: AttemptWork) -> None:
+    def _run_agent(self, job: Job, agent: AgentProcess, env_file: Path, attempt: AttemptWork,
+                   limits: JobLimits | None) -> None:
         workdir = attempt.cwd()
         log_path = self.registry.logs_dir(job.job_id) / "agent.log"
         self.logstreams.start(self.registry, job.job_id, job.attempt_id, log_path)  # §15, from its current end
         try:
             agent.start(attempt.argv(), env={**self._agent_env(job, env_file), **attempt.env()}, cwd=workdir,
                         stdin_text=attempt.stdin(job.brief), log_path=log_path, keep_stdin=attempt.takes_input,
-                        cgroup=self._cgroup_of(job))
+                        cgroup=self._cgroup_of(job), join=limits.procs_files() if limits is not None else ())
         except (AgentStartError, RegistryError, OSError) as exc:
             log.error("job %s: agent not started: %s", job.job_id, exc)
             self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_NOT_STARTED, EXIT_NOT_STARTED))
@@ -316,9 +324,13 @@ class Supervisor:
             else:
                 log.info("job %s: agent cancelled (%s)", job.job_id, job.cancel_reason or "cancel")
         terminal = terminal_for(reason, status, job.timeout_s)
+        oom_kills = limits.oom_kills() if limits is not None else 0
         if terminal is not None and reason is StopReason.OVER_BUDGET:
             terminal = Terminal(EventName.ERROR, f"budget_exceeded: {attempt.adapter.over_budget()}",
                                 terminal.exit_code)
+        elif (terminal is not None and reason is StopReason.EXITED and oom_kills
+              and terminal.event != EventName.COMPLETED):
+            terminal = Terminal(EventName.ERROR, oom_detail(job.work, oom_kills), terminal.exit_code)
         elif terminal is not None and reason is StopReason.EXITED:
             # §18: a denial no person decided (§19) or an API error is an `error`
             verdict = attempt.outcome(terminal.exit_code, self.denied_tools(job.job_id))
@@ -327,11 +339,40 @@ class Supervisor:
             elif terminal.event == EventName.COMPLETED and (summary := attempt.summary()):
                 terminal = Terminal(terminal.event, summary, terminal.exit_code)
         data = {**attempt.agent_data(), **self._send_result(job, attempt)}
-        if agent.cgroup is not None and (usage := agent.cgroup.usage()):
-            data["usage"] = usage  # §6: the job's whole process tree, from its cgroup
+        usage = {**(limits.usage() if limits is not None else {}), **(agent.cgroup.usage() if agent.cgroup else {})}
+        if usage:
+            data["usage"] = usage  # §6: the job's whole process tree, from its cgroups
+        if oom_kills:
+            data["oom_kills"] = oom_kills
         if terminal is not None:
             self.publish_terminal(job, Terminal(terminal.event, terminal.detail, terminal.exit_code,
                                                 terminal.status, data))
+
+    def _limits_of(self, job: Job, started_data: dict[str, Any]) -> JobLimits | None:
+        """The attempt's limit groups with the job's limits written (§6 "Limits"), or None where
+        the host has none. What is enforced goes into `started`'s data as `limits`; a limit
+        asked for that this host cannot enforce is said there (`limits_missing`) and logged,
+        and the job runs without it (as docker does)."""
+        if self.limits is None or not (self.limits.v1 or self.limits.v2_controllers):
+            found = None
+        else:
+            group = self._cgroup_of(job) if self.limits.v2_controllers else None  # made now: limits first
+            found = self.limits.job(f"{job.job_id}-{job.attempt_id}", v2=group.path if group else None)
+        work = job.work
+        if work is None or (work.memory_bytes, work.cpus, work.pids) == (None, None, None):
+            return found
+        applied: dict[str, float | int] = {}
+        if found is None:
+            missing = [f"{key} (no cgroup controllers here)" for key in ("memory_bytes", "cpus", "pids")
+                       if getattr(work, key) is not None]
+        else:
+            applied, missing = found.apply(memory_bytes=work.memory_bytes, cpus=work.cpus, pids=work.pids)
+        if applied:
+            started_data["limits"] = applied
+        if missing:
+            started_data["limits_missing"] = missing
+            log.warning("job %s: runs without %s", job.job_id, ", ".join(missing))
+        return found
 
     def _cgroup_of(self, job: Job) -> JobCgroup | None:
         """The attempt's own cgroup (§6), or None in process-group mode or when it cannot be made."""
@@ -553,6 +594,12 @@ class Supervisor:
         except BrokerError as exc:  # on disk already; paho still resends it after a reconnect
             log.warning("job %s seq %d is on disk but not acknowledged by the broker: %s", job_id,
                         published.seq, exc)
+
+
+def oom_detail(work: wire.Work | None, kills: int) -> str:
+    """The terminal detail of an attempt whose processes the OOM killer took (§6 "Limits")."""
+    limit = f" of {work.memory_bytes >> 20} MiB" if work is not None and work.memory_bytes else ""
+    return f"oom: the job reached its memory limit{limit}; {kills} process(es) killed"
 
 
 def session_note(started_data: Mapping[str, Any]) -> str:

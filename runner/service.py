@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from types import FrameType, TracebackType
 from typing import Any
 
-from mam.runner import cgroups, orphans, publish, trust
+from mam.runner import cgroups, limits, orphans, publish, trust
 from mam.runner.admission import (
     TOLD_REFUSALS,
     Refuse,
@@ -236,6 +236,9 @@ class Runner:
                                       on_end=self._ended.put, stopping=self._stop)
         self._supervisor.cgroups, mode = cgroups.detect(self.options.session)  # §6: said once, at start
         log.info("runner %s: %s", self.runner_id, mode)
+        v2 = self._supervisor.cgroups.path if self._supervisor.cgroups is not None else None
+        self._supervisor.limits, said = limits.detect(self.options.session, v2=v2)  # §6 "Limits"
+        log.info("runner %s: %s", self.runner_id, said)
         self._supervisor.logstreams.resend_leftovers()  # §15, §17: output chunks a stopped runner left
         self._supervisor.results.resend_leftovers(registry)  # §18, §17: results a stopped runner left
         self._supervisor.mirrors.remove_leftovers(keep=self.options.keep_worktrees)  # §18: a crash's worktrees
@@ -335,6 +338,8 @@ class Runner:
             self._supervisor.deadman.close()  # every job ended: nothing is armed
             if self._supervisor.cgroups is not None:
                 self._supervisor.cgroups.close()
+            if self._supervisor.limits is not None:
+                self._supervisor.limits.close()
         if self._socket is not None:
             self._socket.stop()
         if self._resender is not None:

@@ -31,8 +31,9 @@ INT_FIELDS = ("priority", "retries", "queue_timeout_sec", "heartbeat_sec", "hear
               "idle_timeout_sec", "timeout_sec", "group_limit")
 WORK_FIELDS = ("repo", "ref", "permission_mode", "on_ask_timeout")
 POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "deny_tools", "ask_timeout_s")
+LIMIT_FIELDS = ("memory", "cpus", "pids")
 DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", "fresh", "on_limit", "title", "group",
-                             "cancel_in_progress", *WORK_FIELDS, *POLICY_FIELDS, *INT_FIELDS})
+                             "cancel_in_progress", *WORK_FIELDS, *POLICY_FIELDS, *LIMIT_FIELDS, *INT_FIELDS})
 
 
 def _int(body: Mapping[str, Any], name: str) -> int | None:
@@ -105,14 +106,17 @@ def dispatch_request(service: HubService, body: object) -> dict[str, Any]:
 
 def _work(body: Mapping[str, Any]) -> wire.Work | None:
     """The §18 fields of a `POST /api/jobs` body: repo, ref, the agent's budgets
-    (`max_turns`, `max_cost_usd`), `allow_tools` (a list of rules), `permission_mode`.
-    Raises UsageError (one line)."""
+    (`max_turns`, `max_cost_usd`), `allow_tools` (a list of rules), `permission_mode`; and
+    the §6 limits `memory` ("8G" or bytes), `cpus`, `pids`. Raises UsageError (one line)."""
     for name in WORK_FIELDS:
         if body.get(name) is not None and not isinstance(body[name], str):
             raise UsageError(f"field {name!r} is invalid: expected a string")
     timeout = body.get("ask_timeout_s")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int)):
         raise UsageError("field 'ask_timeout_s' is invalid: expected whole seconds")
+    memory = body.get("memory")
+    if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (str, int))):
+        raise UsageError("field 'memory' is invalid: expected a size such as \"8G\" or bytes")
     for name in ("allow_tools", "deny_tools"):
         tools = body.get(name)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(x, str) for x in tools)):
@@ -121,7 +125,8 @@ def _work(body: Mapping[str, Any]) -> wire.Work | None:
                       max_cost_usd=body.get("max_cost_usd"), allow_tools=body.get("allow_tools"),
                       deny_tools=body.get("deny_tools"),
                       permission_mode=body.get("permission_mode"), ask_timeout_s=timeout,
-                      on_ask_timeout=body.get("on_ask_timeout"), cli=False)
+                      on_ask_timeout=body.get("on_ask_timeout"), memory=memory, cpus=body.get("cpus"),
+                      pids=body.get("pids"), cli=False)
 
 
 def cancel_request(service: HubService, job_id: str) -> dict[str, Any]:

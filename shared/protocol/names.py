@@ -299,6 +299,47 @@ def validate_max_cost(value: object, what: str = "max_cost_usd") -> float:
     return float(value)  # type: ignore[arg-type]
 
 
+MIN_MEMORY_BYTES = 4 << 20
+MAX_MEMORY_BYTES = 1 << 44
+MAX_CPUS = 1024
+MAX_PIDS = 1 << 22
+MEMORY_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def validate_memory_bytes(value: object, what: str = "memory_bytes") -> int:
+    """`value` if it is an integer of bytes, 4 MiB .. 16 TiB (a job's memory limit, §6). Raises `UsageError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not MIN_MEMORY_BYTES <= value <= MAX_MEMORY_BYTES:
+        raise UsageError(f"{what} {repr(value)[:LABEL_SHOWN_CHARS]} is invalid: expected bytes, 4M..16T")
+    return value
+
+
+def parse_memory(text: str, what: str = "--memory") -> int:
+    """`8G`, `512M`, `64m`, `1048576` as bytes (binary units, as docker's `--memory`). Raises `UsageError`."""
+    raw = text.strip().lower()
+    digits = raw.rstrip("bkmgt")
+    unit = raw[len(digits):]
+    if (not digits.isdigit() or unit not in MEMORY_UNITS or len(raw) > 24
+            or not MIN_MEMORY_BYTES <= int(digits) * MEMORY_UNITS[unit] <= MAX_MEMORY_BYTES):
+        raise UsageError(f"{what} {text[:LABEL_SHOWN_CHARS]!r} is invalid: expected a size 4M..16T such as "
+                         "512M or 8G")
+    return int(digits) * MEMORY_UNITS[unit]
+
+
+def validate_cpus(value: object, what: str = "cpus") -> float:
+    """`value` as a float if it is a number of CPUs, 0.01 .. 1024 (a job's CPU quota, §6). Raises `UsageError`."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.01 <= value <= MAX_CPUS
+    if not ok:
+        raise UsageError(f"{what} {repr(value)[:LABEL_SHOWN_CHARS]} is invalid: expected CPUs, 0.01..{MAX_CPUS}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def validate_pids(value: object, what: str = "pids") -> int:
+    """`value` if it is an integer 8 .. 4194304 (a job's process count limit, §6). Raises `UsageError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 8 <= value <= MAX_PIDS:
+        raise UsageError(f"{what} {repr(value)[:LABEL_SHOWN_CHARS]} is invalid: expected 8..{MAX_PIDS}")
+    return value
+
+
 def validate_permission_mode(value: object, what: str = "permission_mode") -> str:
     """`value` if it is one of PERMISSION_MODES. Raises `UsageError`."""
     if value not in PERMISSION_MODES:

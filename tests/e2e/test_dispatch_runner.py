@@ -3,6 +3,7 @@ over a real broker (PROTOCOL §5, §6, §7, §10, §11)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, retained
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env, write_env_for
 
+from mam.runner import limits
 from mam.shared.protocol import names
 from mam.shared.store.registry import Registry
 
@@ -86,3 +88,41 @@ def test_s6_cancel_reaches_a_real_runner(nats_broker, tmp_path):
         dispatch.kill()
         stop(runner)
     assert Registry(hub).get(job_id)["status"] == "cancelled"
+
+
+def test_s6_a_job_over_its_memory_limit_ends_oom_and_the_runner_serves_on(nats_broker, tmp_path):
+    """§6 "Limits": `dispatch --memory 64M --pids 64` to an agent that fills 200 MB: the job
+    ends `error`, `oom: ...` (exit 1), `started` says which limits are in force and the
+    terminal event what the job used; the runner is unharmed and runs the next job."""
+    found, said = limits.detect("probe", v2=None)
+    found.close()
+    if "memory" not in found.controllers():
+        pytest.skip(said)
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner = start_runner(nats_broker, tmp_path / "runner", "shell-agent")
+    common = ["--session", "gpu-box", "--heartbeat", "1", "--heartbeat-misses", "10", "--ack-timeout", ACK_TIMEOUT,
+              "--json", "--workspace", str(hub)]
+    try:
+        greedy = subprocess.run([*MAM_ORCH, "dispatch", "--brief", "python3 -c \"b = b'x' * (200 << 20)\"",
+                                 "--memory", "64M", "--pids", "64", *common],
+                                env=hub_env(), capture_output=True, text=True, timeout=PATIENCE_S)
+        assert greedy.returncode == 1, greedy.stderr
+        events = [json.loads(line) for line in greedy.stdout.splitlines() if line.startswith("{")]
+        started = next(e for e in events if e.get("event") == "started")
+        assert started["data"]["limits"] == {"memory_bytes": 64 << 20, "pids": 64}, started
+        terminal = events[-1]
+        assert (terminal["event"], terminal["detail"]) == (
+            "error", "oom: the job reached its memory limit of 64 MiB; 1 process(es) killed"), terminal
+        assert terminal["data"]["oom_kills"] == 1
+        assert 0 < terminal["data"]["usage"]["peak_memory_bytes"] <= 64 << 20, terminal["data"]
+        fine = subprocess.run([*MAM_ORCH, "dispatch", "--brief", "echo fine", "--memory", "64M", *common],
+                              env=hub_env(), capture_output=True, text=True, timeout=PATIENCE_S)
+        assert fine.returncode == 0, fine.stderr
+        assert runner.poll() is None
+        runner.terminate()  # a drain: nothing runs, so it stops at once
+        assert runner.wait(PATIENCE_S) == 0
+        log = runner.stderr.read()
+        assert "limits: memory (cgroup v" in log and "Traceback" not in log
+        assert not (found.v1["memory"].parent / f"mam-gpu-box-{runner.pid}").exists()  # its groups went with it
+    finally:
+        stop(runner)

@@ -90,12 +90,13 @@ def test_s16_7_http_runners_show_a_revoked_runner_as_revoked_with_when(service, 
 def test_s14_http_dispatch_queues_through_the_dispatch_path_and_the_queue_says_why(service, api):
     response = dispatch(api, priority=3, retries=1, retry_on=["error"], heartbeat_sec=2, timeout_sec=600,
                         max_turns=4, max_cost_usd=1.5, allow_tools=["Bash(git *)", "Edit"], ask_timeout_s=300,
-                        on_ask_timeout="cancel", fresh=True, on_limit="fail")
+                        on_ask_timeout="cancel", fresh=True, on_limit="fail", memory="512M", cpus=1.5, pids=256)
     assert response.status_code == 201, response.text
     job_id = response.json()["job_id"]
     assert service.registry.get(job_id)["work"] == {"max_turns": 4, "max_cost_usd": 1.5,
                                                     "allow_tools": ["Bash(git *)", "Edit"], "ask_timeout_s": 300,
-                                                    "on_ask_timeout": "cancel"}
+                                                    "on_ask_timeout": "cancel", "memory_bytes": 512 << 20,
+                                                    "cpus": 1.5, "pids": 256}
     record = service.registry.get(job_id)
     assert record["status"] == "queued" and record["target"] == {"labels": ["gpu"]}
     assert (record["priority"], record["retries"], record["retry_on"]) == (3, 1, ["error"])
@@ -141,6 +142,11 @@ def test_s14_http_dispatch_queues_through_the_dispatch_path_and_the_queue_says_w
     (json.dumps({"brief": "x", "labels": ["gpu"], "on_limit": "later"}).encode(), "--on-limit 'later' is invalid"),
     (json.dumps({"brief": "x", "session": "gpu-box", "on_limit": "move"}).encode(), "--on-limit move needs a label"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "group": ["rel"]}).encode(), "'group' is invalid"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "memory": "lots"}).encode(), "memory 'lots' is invalid"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "memory": [1]}).encode(), "'memory' is invalid"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "memory": 10 ** 30}).encode(), "expected bytes, 4M..16T"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "cpus": "2"}).encode(), "cpus '2' is invalid"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "pids": 1}).encode(), "pids 1 is invalid"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "group": "a/b"}).encode(), "--group 'a/b' is invalid"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "group_limit": 2}).encode(), "--group-limit goes with --group"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "group": "r", "group_limit": "2"}).encode(), "'group_limit' is"),

@@ -71,6 +71,13 @@ def test_s18_work_travels_signed_in_the_dispatch_and_a_plain_job_has_none() -> N
     ({"allow_tools": ["Edit"] * 33}, "1-32 tool rules"),
     ({"allow_tools": ["Bash(a,b)"]}, "not a tool rule"),
     ({"permission_mode": "bypassPermissions"}, "permission_mode"),
+    ({"memory_bytes": "8G"}, "memory_bytes"),
+    ({"memory_bytes": 1024}, "memory_bytes"),
+    ({"memory_bytes": 2 ** 80}, "memory_bytes"),
+    ({"cpus": 0}, "cpus"),
+    ({"cpus": True}, "cpus"),
+    ({"pids": 4.5}, "pids"),
+    ({"pids": -1}, "pids"),
 ])
 def test_s18_a_bad_work_object_is_refused_in_one_line(bad: object, words: str) -> None:
     signed = dict(dispatch(None), work=bad)
@@ -100,11 +107,27 @@ def test_s18_the_agent_policy_travels_signed_in_the_work() -> None:
     ({"allow_tools": "Bash(" + "x" * 300 + ")"}, "is not a tool rule"),
     ({"permission_mode": "bypassPermissions"}, "--permission-mode 'bypassPermissions' is invalid: expected one of"),
     ({"max_turns": 0, "cli": False}, "max_turns 0 is invalid"),
+    ({"memory": "8X"}, "--memory '8X' is invalid: expected a size 4M..16T such as 512M or 8G"),
+    ({"memory": "1K"}, "--memory '1K' is invalid"),
+    ({"memory": "9" * 40 + "G"}, "--memory '999"),
+    ({"memory": "-1G"}, "--memory '-1G' is invalid"),
+    ({"cpus": 0.001}, "--cpus 0.001 is invalid: expected CPUs, 0.01..1024"),
+    ({"cpus": float("nan")}, "--cpus nan is invalid"),
+    ({"pids": 7}, "--pids 7 is invalid: expected 8..4194304"),
 ])
 def test_s18_a_bad_agent_policy_is_refused_in_one_line(kwargs: dict[str, object], words: str) -> None:
     with pytest.raises(UsageError) as caught:
         work_terms(**kwargs)  # type: ignore[arg-type]
     assert words in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_s6_limits_travel_signed_in_the_work() -> None:
+    work = work_terms(memory="64m", cpus=2, pids=512)
+    assert work is not None and work.to_dict() == {"memory_bytes": 64 << 20, "cpus": 2.0, "pids": 512}
+    assert wire.decode(wire.encode(dispatch(work)), "dispatch").work == work
+    assert work_terms(memory=8 << 30, cli=False).to_dict() == {"memory_bytes": 8 << 30}  # type: ignore[union-attr]
+    assert [work_terms(memory=m).memory_bytes for m in ("1G", " 2g", "4096k", "4194304")] == [  # type: ignore[union-attr]
+        1 << 30, 2 << 30, 4 << 20, 4 << 20]
 
 
 def test_s18_dispatch_options_build_the_work_or_refuse_in_one_line() -> None:

@@ -23,7 +23,8 @@ from mam.shared.protocol.errors import DecodeError, UsageError
 from mam.shared.protocol.wire.fields import Invalid, check_sealed, run_check, show, type_name
 
 WORK_FIELDS = frozenset({"repo", "ref", "max_turns", "max_cost_usd", "allow_tools", "deny_tools",
-                         "permission_mode", "ask_timeout_s", "on_ask_timeout", "resume"})
+                         "permission_mode", "ask_timeout_s", "on_ask_timeout", "resume",
+                         "memory_bytes", "cpus", "pids"})
 RESUME_FIELDS = frozenset({"session_id", "attempt", "base_sha", "transcript"})
 MAX_TRANSCRIPT_SEALED_CHARS = 384 * 1024
 """A carried transcript's ciphertext at most, base64url characters (§18 "Transcripts"): with the
@@ -106,6 +107,9 @@ class Work:
             `names.DEFAULT_ASK_TIMEOUT_S`).
         on_ask_timeout: `deny` the request (None: the default) or `cancel` the job then (§19).
         resume: the earlier attempt whose agent session this one continues (§18), or None.
+        memory_bytes, cpus, pids: the job's resource limits where the runner's host gives the
+            cgroup controllers (§6 "Limits"): bytes (4 MiB..16 TiB), CPUs (0.01..1024),
+            processes (8..4194304); None: no limit.
     """
 
     repo: str | None = None
@@ -118,6 +122,9 @@ class Work:
     ask_timeout_s: int | None = None
     on_ask_timeout: str | None = None
     resume: Resume | None = None
+    memory_bytes: int | None = None
+    cpus: float | None = None
+    pids: int | None = None
 
     def __post_init__(self) -> None:
         run_check(self._check)
@@ -144,6 +151,12 @@ class Work:
                 names.validate_ask_timeout(self.ask_timeout_s)
             if self.on_ask_timeout is not None:
                 names.validate_ask_timeout_action(self.on_ask_timeout)
+            if self.memory_bytes is not None:
+                names.validate_memory_bytes(self.memory_bytes)
+            if self.cpus is not None:
+                names.validate_cpus(self.cpus)
+            if self.pids is not None:
+                names.validate_pids(self.pids)
             if self.resume is not None:
                 if not isinstance(self.resume, Resume):
                     raise Invalid(f"resume must be an object, got {type_name(self.resume)}")
@@ -189,7 +202,8 @@ class Work:
     def to_dict(self) -> dict[str, Any]:
         """The wire object: set keys only (`allow_tools` as a list)."""
         out: dict[str, Any] = {key: value for key in ("repo", "ref", "max_turns", "max_cost_usd", "permission_mode",
-                                                      "ask_timeout_s", "on_ask_timeout")
+                                                      "ask_timeout_s", "on_ask_timeout", "memory_bytes", "cpus",
+                                                      "pids")
                                if (value := getattr(self, key)) is not None}
         if self.allow_tools:
             out["allow_tools"] = list(self.allow_tools)
@@ -212,8 +226,9 @@ def _work_from(obj: object) -> Work:
             fields[key] = tuple(fields[key])
     if "resume" in fields:
         fields["resume"] = _resume_from(fields["resume"])
-    if isinstance(fields.get("max_cost_usd"), int) and not isinstance(fields["max_cost_usd"], bool):
-        fields["max_cost_usd"] = float(fields["max_cost_usd"])
+    for key in ("max_cost_usd", "cpus"):
+        if isinstance(fields.get(key), int) and not isinstance(fields[key], bool):
+            fields[key] = float(fields[key])
     return Work(**fields)
 
 
