@@ -243,7 +243,7 @@ class Hub:
                  on_ask_timeout: str | None = None, fresh: bool = False, on_limit: str = "pause",
                  title: str | None = None, group: str | None = None, group_limit: int = 1,
                  cancel_in_progress: bool = False, memory: str | int | None = None, cpus: float | None = None,
-                 pids: int | None = None) -> Job:
+                 pids: int | None = None, gpus: int | None = None) -> Job:
         """Queue a job for one runner `session` or any runner carrying all `labels` (§14);
         with `repo` (and `ref`), on a worktree of that repository; `max_turns`,
         `max_cost_usd`, `allow_tools` (e.g. ["Bash(git *)", "Edit"]), `deny_tools` (rules never
@@ -256,7 +256,8 @@ class Hub:
         lists and the dashboard (default: the brief's first line); `group`: a concurrency group
         of which at most `group_limit` jobs run at once, and with `cancel_in_progress` this job
         cancels the group's earlier ones (§14 Groups); `memory` ("8G" or bytes), `cpus` and `pids`
-        limit the job's processes where the runner's host gives the cgroup controllers (§6 "Limits").
+        limit the job's processes where the runner's host gives the cgroup controllers (§6 "Limits");
+        `gpus`: how many of a runner's GPUs it needs (§14 "GPUs").
 
         Returns:
             the `Job` (queued; the service publishes it when a runner has a free slot).
@@ -274,7 +275,7 @@ class Hub:
         work = work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
                           allow_tools=allow_tools, deny_tools=deny_tools, permission_mode=permission_mode,
                           ask_timeout_s=ask_timeout_s, on_ask_timeout=on_ask_timeout, memory=memory, cpus=cpus,
-                          pids=pids, cli=False)
+                          pids=pids, gpus=gpus, cli=False)
         self._hub.keys()
         self.ensure_service()
         record = register_queued(self.registry, brief=brief, contract=contract, terms=terms, work=work, title=title)

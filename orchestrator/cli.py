@@ -342,6 +342,9 @@ def dispatch_cmd(
     pids: int = typer.Option(None, "--pids", metavar="N",
                              help="How many processes the job may have at once, 8..4194304, where the "
                                   "host gives the pids controller."),
+    gpus: int = typer.Option(None, "--gpus", metavar="N",
+                             help="How many GPUs the job needs, 1..64: only a runner started with --gpus "
+                                  "that has N free takes it, and the job sees only those (§14)."),
     title: str = typer.Option(None, "--title", metavar="TEXT",
                               help="A name for the job in lists and the dashboard, one line, at most 120 "
                                    "characters (default: the brief's first line, cut to 80)."),
@@ -371,7 +374,8 @@ def dispatch_cmd(
                         work=work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
                                         allow_tools=allow_tools, deny_tools=deny_tools,
                                         permission_mode=permission_mode, ask_timeout_s=ask_timeout,
-                                        on_ask_timeout=on_ask_timeout, memory=memory, cpus=cpus, pids=pids))
+                                        on_ask_timeout=on_ask_timeout, memory=memory, cpus=cpus, pids=pids,
+                                        gpus=gpus))
 
 
 @app.command("logs")

@@ -352,7 +352,7 @@ def work_terms(*, repo: str | None = None, ref: str | None = None, max_turns: in
                deny_tools: str | Sequence[str] | None = None, permission_mode: str | None = None,
                ask_timeout_s: int | None = None, on_ask_timeout: str | None = None,
                memory: str | int | None = None, cpus: float | None = None, pids: int | None = None,
-               cli: bool = True) -> wire.Work | None:
+               gpus: int | None = None, cli: bool = True) -> wire.Work | None:
     """The job's repository and its agent's policy (§18) from the dispatch options, or None
     for a plain job.
 
@@ -364,7 +364,8 @@ def work_terms(*, repo: str | None = None, ref: str | None = None, max_turns: in
         ask_timeout_s, on_ask_timeout: how long a permission request waits for a person and
         what then, deny or cancel (§19).
         memory, cpus, pids: the job's resource limits (§6 "Limits"): memory as `512M`/`8G` or
-        bytes, CPUs as a number, processes at most.
+        bytes, CPUs as a number, processes at most. gpus: how many of a runner's GPUs the job
+        needs (§14 "GPUs").
         cli: name the options as flags (`--max-turns`) in errors, else as API fields (`max_turns`).
     Raises:
         UsageError: one line naming the bad option.
@@ -397,12 +398,14 @@ def work_terms(*, repo: str | None = None, ref: str | None = None, max_turns: in
         cpus = names.validate_cpus(cpus, flag("cpus"))
     if pids is not None:
         names.validate_pids(pids, flag("pids"))
+    if gpus is not None:
+        names.validate_gpus(gpus, flag("gpus"))
     rules = _tool_rules(allow_tools, flag("allow_tools"))
     denied = _tool_rules(deny_tools, flag("deny_tools"))
     return wire.Work.build(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
                            allow_tools=rules or None, deny_tools=denied or None, permission_mode=permission_mode,
                            ask_timeout_s=ask_timeout_s, on_ask_timeout=on_ask_timeout, memory_bytes=memory_bytes,
-                           cpus=cpus, pids=pids) or None
+                           cpus=cpus, pids=pids, gpus=gpus) or None
 
 
 def _tool_rules(value: str | Sequence[str] | None, what: str) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from mam.shared.protocol.codes import PresenceStatus
@@ -40,6 +40,7 @@ class RunnerView:
         last_refusal: (job_id, "reason: detail") of the last dispatch it refused, from its
             presence (`last_refusal`, §7), or None.
         host, version: what the presence says of the runner's machine and software (for views).
+        gpus, gpus_free: the GPUs it serves and how many no job holds (§14 "GPUs"; 0 without).
     """
 
     session: str
@@ -54,6 +55,8 @@ class RunnerView:
     host: str = ""
     version: str = ""
     repos: frozenset[str] = frozenset()
+    gpus: int = 0
+    gpus_free: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class QueuedJob:
         limited_session, limited_until: a moved job (§14 Moves) is not published to the
             runner it left on a usage limit before that limit's reset (epoch s); it waits for
             another runner without holding up the jobs queued behind it.
+        gpus: how many GPUs it needs (§14 "GPUs"): only a runner with that many free takes it.
     """
 
     job_id: str
@@ -94,6 +98,7 @@ class QueuedJob:
     group: str | None = None
     group_limit: int = 1
     cancel_in_progress: bool = False
+    gpus: int = 0
 
     def paused(self, wall_now: float) -> bool:
         """Whether it is still paused at `wall_now` (epoch s)."""
@@ -133,6 +138,7 @@ class Fleet:
     def __init__(self) -> None:
         self._views: dict[str, RunnerView] = {}
         self._inflight: dict[str, set[str]] = {}
+        self._inflight_gpus: dict[str, int] = {}  # job id -> the GPUs it needs, while in flight
         self._handed: dict[str, int] = {}
         self._hand_count = NEVER_HANDED
         self._labels: set[str] = set()
@@ -149,10 +155,12 @@ class Fleet:
         """Drop `session`'s presence (a revoked runner, §16): it is no candidate until it speaks again."""
         self._views.pop(session, None)
 
-    def inflight(self, session: str, job_id: str) -> None:
+    def inflight(self, session: str, job_id: str, gpus: int = 0) -> None:
         """The hub published a dispatch for `job_id` to `session` (no `started` yet):
-        it takes a slot, and `session` becomes the most recently handed runner."""
+        it takes a slot (and `gpus` GPUs), and `session` becomes the most recently handed runner."""
         self._inflight.setdefault(session, set()).add(job_id)
+        if gpus:
+            self._inflight_gpus[job_id] = gpus
         self.handed(session)
 
     def handed(self, session: str) -> None:
@@ -164,6 +172,7 @@ class Fleet:
     def started(self, session: str, job_id: str) -> None:
         """The hub accepted `started` (or a terminal, or gave up) for `job_id`: no longer in flight."""
         pending = self._inflight.get(session)
+        self._inflight_gpus.pop(job_id, None)
         if pending is not None:
             pending.discard(job_id)
             if not pending:
@@ -205,6 +214,14 @@ class Fleet:
         view = self._views[session]
         return max(0, view.max_jobs - len(view.running) - self.inflight_count(session))
 
+    def free_gpus(self, session: str) -> int:
+        """`gpus_free` of the runner's presence less the GPUs of dispatches in flight to it (§14)."""
+        view = self._views.get(session)
+        if view is None:
+            return 0
+        pending = self._inflight.get(session, set()) - view.running
+        return max(0, view.gpus_free - sum(self._inflight_gpus.get(job_id, 0) for job_id in pending))
+
     def known_labels(self) -> frozenset[str]:
         """The union of every label any presence ever announced."""
         return frozenset(self._labels)
@@ -221,7 +238,7 @@ def matches(view: RunnerView, job: QueuedJob) -> bool:
         return False
     if job.repo is not None and job.repo not in view.repos:
         return False
-    return job.target_labels <= view.labels
+    return job.gpus <= view.gpus and job.target_labels <= view.labels
 
 
 def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: float,
@@ -249,6 +266,7 @@ def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: f
         `[(job_id, session)]` in the order to publish.
     """
     free = {view.session: fleet.free_slots(view.session, now, stale_after_s) for view in fleet.views()}
+    gpus = {view.session: fleet.free_gpus(view.session) for view in fleet.views()}
     handed = {view.session: fleet.handed_rank(view.session) for view in fleet.views()}
     rank = max(handed.values(), default=NEVER_HANDED)
     blocked: set[tuple[str | None, frozenset[str], str | None]] = set()
@@ -261,7 +279,7 @@ def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: f
         if job.group is not None and taken.get(job.group, 0) >= job.group_limit:
             continue
         candidates = [view.session for view in fleet.views() if free[view.session] > 0 and matches(view, job)
-                      and not job.limited_on(view.session, wall)]
+                      and gpus[view.session] >= job.gpus and not job.limited_on(view.session, wall)]
         if not candidates:
             if job.limited_session is None:  # a moved job waits for another runner without holding others up
                 blocked.add(job.target)
@@ -269,6 +287,7 @@ def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: f
         session = min(candidates, key=lambda name: (name == job.avoid_session, name != job.prefer_session,
                                                     -free[name], handed[name], name))
         free[session] -= 1
+        gpus[session] -= job.gpus
         rank += 1
         handed[session] = rank
         picked.append((job.job_id, session))
@@ -292,6 +311,8 @@ def unserved(job: QueuedJob, fleet: Fleet) -> bool:
     """True when no runner the hub has seen could take `job`: it needs labels nobody announced, or
     a repository no runner serves (§14, §18). Such a job waits until its queue timeout."""
     if job.target_labels - fleet.known_labels():
+        return True
+    if job.gpus and not any(view.gpus >= job.gpus for view in fleet.views()):
         return True
     return job.repo is not None and not any(job.repo in view.repos for view in fleet.views())
 
@@ -329,6 +350,10 @@ def why_waiting(job: QueuedJob, fleet: Fleet, queued: Sequence[QueuedJob], now: 
     matching = [view for view in fleet.views() if matches(view, job)]
     if job.repo is not None and not matching:
         return _no_repo(job, fleet)
+    if job.gpus and not matching and [view for view in fleet.views() if matches(view, replace(job, gpus=0))]:
+        most = max((view.gpus for view in fleet.views() if matches(view, replace(job, gpus=0))), default=0)
+        return (f"no runner matching {target} has {_plural(job.gpus, 'GPU')} (at most {most}); "
+                f"job {job.job_id} waits")
     if job.target_session is not None and not matching:
         return f"runner {job.target_session} has not announced itself (no presence seen); job {job.job_id} waits"
     unverified = [view.session for view in matching if not view.verified]
@@ -343,8 +368,12 @@ def why_waiting(job: QueuedJob, fleet: Fleet, queued: Sequence[QueuedJob], now: 
     if not available:
         states = ", ".join(f"{view.session} {_state(view, now, stale_after_s)}" for view in matching)
         return f"queued behind {_plural(ahead, 'job')} for {target}: no matching runner is online ({states})"
+    gpus = ""
+    if job.gpus:
+        free_gpus = max(fleet.free_gpus(view.session) for view in available)
+        gpus = f", {_plural(free_gpus, 'free GPU')}; it needs {job.gpus}"
     return (f"queued behind {_plural(ahead, 'job')} for {target} "
-            f"({_plural(len(available), 'runner')} match, {_plural(free, 'free slot')})")
+            f"({_plural(len(available), 'runner')} match, {_plural(free, 'free slot')}{gpus})")
 
 
 def _no_repo(job: QueuedJob, fleet: Fleet) -> str:

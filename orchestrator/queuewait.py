@@ -78,7 +78,8 @@ def queued_job(record: JobRecord) -> QueuedJob:
                      limited_session=(record.get("limited") or {}).get("session"),
                      limited_until=_epoch(record["limited"]["until"]) if record.get("limited") else None,
                      group=record.get("group"), group_limit=int(record.get("group_limit", 1)),
-                     cancel_in_progress=record.get("cancel_in_progress") is True)
+                     cancel_in_progress=record.get("cancel_in_progress") is True,
+                     gpus=int((record.get("work") or {}).get("gpus") or 0))
 
 
 def mark_published(registry: Registry, job_id: str, session: str) -> JobRecord:

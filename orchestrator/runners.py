@@ -65,7 +65,7 @@ def verify_presence(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str,
 
     Returns:
         {"session", "status", "host", "running", "max_jobs", "labels", "repos", "last_seen", "runner_id",
-        "version"};
+        "version", "gpus", "gpus_free"} (GPUs 0 when it serves none, §14);
         status is "stale" for an online/draining presence not refreshed for PRESENCE_STALE_S.
     Raises:
         DecodeError: not a §7 presence; SignatureError: `sig` missing or wrong;
@@ -85,7 +85,8 @@ def verify_presence(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str,
     return {"session": presence.session, "status": status, "host": presence.host,
             "running": list(presence.running), "max_jobs": presence.max_jobs,
             "labels": list(presence.labels or ()), "repos": list(presence.repos or ()),
-            "last_seen": presence.timestamp, "runner_id": presence.runner_id, "version": presence.version}
+            "last_seen": presence.timestamp, "runner_id": presence.runner_id, "version": presence.version,
+            "gpus": presence.gpus or 0, "gpus_free": presence.gpus_free or 0}
 
 
 def presence_view(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str, received_at: float,
@@ -115,7 +116,7 @@ def presence_view(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str, r
         verified = False
     return RunnerView(session=presence.session, runner_id=presence.runner_id, status=presence.status,
                       labels=frozenset(presence.labels or ()), repos=frozenset(presence.repos or ()),
-                      max_jobs=presence.max_jobs,
+                      max_jobs=presence.max_jobs, gpus=presence.gpus or 0, gpus_free=presence.gpus_free or 0,
                       running=frozenset(presence.running), verified=verified,
                       seen_at=received_at - max(0.0, _presence_age_s(presence.timestamp)),
                       host=presence.host, version=presence.version,
@@ -382,9 +383,11 @@ def runners_cli(*, workspace: Workspace = None, as_json: bool = False, show_all:
     elif not rows:
         print("(no runners)")
     else:
-        print(render.table(["SESSION", "STATUS", "LABELS", "REPOS", "RUNNING", "MAX", "HOST", "LAST SEEN"],
+        print(render.table(["SESSION", "STATUS", "LABELS", "REPOS", "RUNNING", "MAX", "GPUS FREE", "HOST",
+                            "LAST SEEN"],
                            [[r["session"], r["status"], ",".join(r["labels"]) or "-", ",".join(r["repos"]) or "-",
-                             ",".join(r["running"]) or "-", r["max_jobs"] or "-", r["host"] or "-",
+                             ",".join(r["running"]) or "-", r["max_jobs"] or "-",
+                             f"{r['gpus_free']}/{r['gpus']}" if r.get("gpus") else "-", r["host"] or "-",
                              f"revoked {r['revoked_at']}" if r["status"] == REVOKED else r["last_seen"]]
                             for r in rows]),
               end="")
@@ -402,5 +405,5 @@ def revoked_rows(root: Path) -> list[Row]:
         return []
     return [{"session": entry.session, "status": REVOKED, "revoked_at": entry.revoked_at,
              "labels": list(entry.labels), "repos": [], "running": [], "max_jobs": 0, "host": "",
-             "last_seen": None, "runner_id": "", "version": ""}
+             "last_seen": None, "runner_id": "", "version": "", "gpus": 0, "gpus_free": 0}
             for entry in found if entry.revoked_at is not None]

@@ -624,7 +624,7 @@ class HubService:
             self.consider(job_id, now)  # still queued: it goes back to the queue
             return
         self.stats.published += 1
-        self.fleet.inflight(session, job_id)
+        self.fleet.inflight(session, job_id, gpus=int((record.get("work") or {}).get("gpus") or 0))
         self.sessions[job_id] = session
         self.watchers[job_id] = self._watcher(record, time.monotonic(), fresh=True)
         self._info("job %s: published to %s (attempt %s)", job_id, session, record["attempt_id"])

@@ -38,12 +38,13 @@ class RefuseReason(StrEnum):
     CANCELLED = "cancelled"
     SEAL = "seal"
     TAKEN = "taken"  # §17: a state of this attempt is retained, another runner started it
+    GPUS = "gpus"  # §14: the job needs more GPUs than this runner serves
 
 
 # A refusal for these reasons also drops a dispatch kept for a free slot: the dispatch is
 # authentic, and will never become takeable. A forged or broken one leaves the kept one alone.
 _FORGETTING = frozenset({RefuseReason.HUB_RECORD, RefuseReason.EXPIRED, RefuseReason.REPLAYED,
-                         RefuseReason.CANCELLED, RefuseReason.TAKEN})
+                         RefuseReason.CANCELLED, RefuseReason.TAKEN, RefuseReason.GPUS})
 # Refusals of a dispatch whose signature verified go into presence (`last_refusal`, §7): a
 # forged or malformed one does not, so nobody can make a runner republish at will.
 TOLD_REFUSALS = _FORGETTING | {RefuseReason.SEAL}
@@ -117,6 +118,7 @@ class RunnerState:
         tombstones: the verified cancels (§6).
         held: the hub ordered a drain (§7): a dispatch waits, like one for a full runner, until
             the hub's undrain.
+        gpus_total, gpus_free: the GPUs it serves and how many no job holds (§14 "GPUs").
     """
 
     session: str
@@ -129,6 +131,8 @@ class RunnerState:
     accepting: bool
     tombstones: Tombstones
     held: bool = False
+    gpus_total: int = 0
+    gpus_free: int = 0
 
 
 def hub_registry_message(root: Path, job_id: str) -> str:
@@ -181,7 +185,11 @@ def admit_dispatch(topic_job_id: str, payload: bytes, state: RunnerState) -> Ver
         return Refuse(job_id, RefuseReason.SEAL, str(exc))
     if not state.accepting:
         return Ignore(f"dispatch {job_id} left retained: this runner is draining", notice=True)
-    if state.held or len(state.busy) >= state.max_jobs or job_id in state.busy:
+    need = dispatch.work.gpus or 0 if dispatch.work is not None else 0
+    if need > state.gpus_total:
+        return Refuse(job_id, RefuseReason.GPUS, f"gpus: the job needs {need} GPU(s), this runner serves "
+                                                 f"{state.gpus_total} (start it with --gpus)")
+    if state.held or len(state.busy) >= state.max_jobs or job_id in state.busy or need > state.gpus_free:
         return Wait(dispatch)
     return Take(dispatch, auth_token, brief)
 

@@ -176,6 +176,11 @@ def run_cmd(
     on_revoke: str = typer.Option("stop", "--on-revoke", metavar="stop|finish",
                                   help="When the hub revokes this runner (§16.7): stop cancels its running "
                                        "jobs at once, finish lets them end; nothing new is taken, then exit 77."),
+    gpus: str = typer.Option(None, "--gpus", metavar="auto|none|0,1",
+                             help="GPUs this runner serves (§14): auto asks nvidia-smi, or device indices; "
+                                  "a job dispatched with --gpus N gets N of them (CUDA_VISIBLE_DEVICES) and no "
+                                  "other job sees those; it also announces the labels gpu and gpu:<model>. "
+                                  "Default MAM_RUNNER_GPUS, else none."),
 ) -> int:
     """Serve a session: take signed dispatches, run the agent under a heartbeat,
     publish its events; presence and Last Will on one connection (PROTOCOL §5-§7, §11).
@@ -191,7 +196,7 @@ def run_cmd(
     return run_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
                    max_jobs=max_jobs, once=once, replace=replace, labels=labels, repos=repo or None,
                    max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees, agent=agent,
-                   on_revoke=on_revoke)
+                   on_revoke=on_revoke, gpus=gpus)
 
 
 @app.command("gc")

@@ -25,7 +25,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from mam.runner import orphans, publish
+from mam.runner import gpus, orphans, publish
 from mam.runner.agent import AgentProcess, AgentStartError, ExitStatus, agent_env
 from mam.runner.cgroups import JobCgroup, RunnerCgroups
 from mam.runner.deadman import DeadmanSwitch
@@ -134,6 +134,7 @@ class Job:
     identity: AgentIdentity | None = None  # the orphan's agent, None when unknown
     work: wire.Work | None = None  # the dispatch's repository and agent policy (§18)
     tell: Callable[[str], bool] | None = None  # a person's message to the running agent's stdin (§18)
+    gpus: tuple[str, ...] | None = None  # §14: the GPUs it holds on a runner that has any; None: it has none
 
     def request_cancel(self, reason: str) -> bool:
         """Ask the supervisor to stop the agent; False when already asked."""
@@ -466,6 +467,7 @@ class Supervisor:
                         attempt_id=job.attempt_id, dispatch_token=job.dispatch_token,
                         session=self.options.session, heartbeat_s=job.heartbeat_s,
                         publish_cmd=publish.publish_command(self.options.root, job.job_id), brief=job.brief)
+        env.update(gpus.agent_env(job.gpus))  # §14: its own GPUs only
         env["MAM_ENV_FILE"] = str(env_file)
         env["MAM_REAL_ROOT"] = str(self.options.root)
         env.pop(SOCKET_ENV, None)  # never another daemon's socket

@@ -16,6 +16,7 @@ import socket
 import time
 from collections.abc import Sequence
 
+from mam.runner.gpus import GpuSlots
 from mam.runner.trust import HubTrust
 from mam.shared import __version__
 from mam.shared.protocol import names, wire
@@ -66,6 +67,7 @@ class Presence:
         self.replaced = False
         self.status = ""
         self.last_refusal: dict[str, str] | None = None  # §7 last_refusal: the hub can say why
+        self.gpus: GpuSlots | None = None  # §14 "GPUs": announced as gpus and gpus_free
 
     def note_refusal(self, job_id: str, reason: str, detail: str) -> None:
         """Remember the last dispatch refused (§5) so the next presence tells the hub
@@ -74,10 +76,12 @@ class Presence:
 
     def payload(self, status: str, running: Sequence[str]) -> bytes:
         """The signed presence message (§7) with `running` (job ids, sorted)."""
+        gpus = (self.gpus.total, self.gpus.free) if self.gpus is not None and self.gpus.total else None
         presence = wire.Presence.build(self.session, self.runner_id, status,
                                        host=(socket.gethostname() or "unknown")[:HOST_MAX_CHARS],
                                        version=__version__, max_jobs=self.max_jobs, running=list(running),
-                                       labels=self.labels, repos=self.repos)
+                                       labels=self.labels, repos=self.repos,
+                                       gpus=gpus)
         message = presence.to_dict()
         if self.last_refusal is not None:  # an extra field: hubs that do not know it ignore it (§7)
             message["last_refusal"] = self.last_refusal

@@ -17,6 +17,7 @@ import collections
 import contextlib
 import json
 import logging
+import os
 import queue
 import signal
 import threading
@@ -24,7 +25,7 @@ from collections.abc import Callable, Mapping
 from types import FrameType, TracebackType
 from typing import Any
 
-from mam.runner import cgroups, limits, orphans, publish, trust
+from mam.runner import cgroups, gpus, limits, orphans, publish, trust
 from mam.runner.admission import (
     TOLD_REFUSALS,
     Refuse,
@@ -101,6 +102,7 @@ class Runner:
                                  max_jobs=options.max_jobs, topic_root=config.topic_root, labels=options.labels,
                                  repos=[spec.name for spec in options.repos])
         self.tombstones = Tombstones()
+        self.gpus: gpus.GpuSlots | None = None  # §14 "GPUs": set at start when it serves any
         self._registry: Registry | None = None
         self._supervisor: Supervisor | None = None
         self._resender: Resender | None = None  # re-sends the outbox (§17)
@@ -228,6 +230,12 @@ class Runner:
     # ------------------------------------------------------------ startup
 
     def _startup(self, registry: Registry) -> None:
+        inventory, said = gpus.detect(self.options.gpus, self.environ or os.environ)  # §14 "GPUs", said once
+        log.info("runner %s: %s", self.runner_id, said)
+        if inventory.indices:
+            self.gpus = gpus.GpuSlots(inventory.indices)
+            self.presence.gpus = self.gpus
+            self.presence.labels = tuple(sorted({*self.presence.labels, *inventory.labels()}))
         self.client = client = self.transport(self.config, "runner", self.presence.will())
         client.connect()
         self.presence.check_session_free(client, wait_s=self.options.presence_wait_s, replace=self.options.replace)
@@ -423,6 +431,8 @@ class Runner:
             with self._jobs_lock:
                 job = self._jobs.pop(job_id, None)
                 self._said = {said for said in self._said if said[0] != job_id}
+            if self.gpus is not None:
+                self.gpus.release(job_id)
             if job is not None and job.thread is not None:
                 job.thread.join()
             if self._socket is not None:
@@ -467,6 +477,8 @@ class Runner:
         job = Job(job_id=dispatch.job_id, attempt_id=dispatch.attempt_id, dispatch_token=dispatch.dispatch_token,
                   brief=take.brief, heartbeat_s=contract.heartbeat_sec, timeout_s=contract.timeout_sec,
                   work=dispatch.work)
+        if self.gpus is not None:  # §14: admission saw them free, and only this thread takes GPUs
+            job.gpus = self.gpus.allocate(job.job_id, dispatch.work.gpus or 0 if dispatch.work else 0) or ()
         with self._jobs_lock:
             self._jobs[job.job_id] = job
         self._taken += 1
@@ -601,6 +613,7 @@ class Runner:
         return RunnerState(session=self.options.session, trust=self.trust, clock_skew_s=self.options.clock_skew_s,
                            record_of=self._record, root=self.options.root, busy=busy,
                            max_jobs=self.options.max_jobs, accepting=accepting, tombstones=self.tombstones,
+                           gpus_total=self.gpus.total if self.gpus else 0, gpus_free=self.gpus.free if self.gpus else 0,
                            held=self.held)
 
     def _on_dispatch(self, topic_job_id: str, topic: str, payload: bytes) -> None:
@@ -838,7 +851,8 @@ class Runner:
 def run_cli(*, session: str | None, exec_cmd: str, workspace: str | None, workdir: str | None, max_jobs: int,
             once: bool, replace: bool, labels: str | None = None, repos: list[str] | None = None,
             max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
-            keep_worktrees: bool = False, agent: str | None = None, on_revoke: str = "stop") -> int:
+            keep_worktrees: bool = False, agent: str | None = None, on_revoke: str = "stop",
+            gpus: str | None = None) -> int:
     """`mam-runner run`: validate, resolve config and keys, serve; returns the exit code (0 clean exit).
 
     Raises:
@@ -848,7 +862,7 @@ def run_cli(*, session: str | None, exec_cmd: str, workspace: str | None, workdi
     options = options_from_cli(session=session, exec_cmd=exec_cmd, workspace=workspace, workdir=workdir,
                                max_jobs=max_jobs, once=once, replace=replace, labels=labels, repos=repos,
                                max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees, agent=agent,
-                               on_revoke=on_revoke)
+                               on_revoke=on_revoke, gpus=gpus)
     hub_trust = trust.load(options.root)  # before anything talks to the network (§5, §16.1)
     cfg = shared_config.broker_config(workspace=options.root)
     return Runner(options, config=cfg, trust=hub_trust).serve()

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from mam.runner import agents, barrier, enrol, logstream
 from mam.runner.agent import resolve_executable, split_exec
+from mam.runner.gpus import GPUS_ENV
+from mam.runner.gpus import parse_spec as parse_gpus
 from mam.runner.repos import REPOS_ENV, RepoSpec, parse_repos
 from mam.shared import config
 from mam.shared.protocol import names
@@ -104,6 +106,8 @@ class RunnerOptions:
         agent: the agent adapter's kind (`agents.KINDS`: claude, command; §18).
         on_revoke: what a revocation notice does to running jobs (§16.7): `stop` cancels
             them now, `finish` lets them end; either way nothing new is taken, then exit 77.
+        gpus: `--gpus` parsed (§14 "GPUs"): "auto" (ask nvidia-smi at start), or device indices
+            (none: no GPUs).
     """
 
     session: str
@@ -126,6 +130,7 @@ class RunnerOptions:
     keep_worktrees: bool = False
     agent: str = "command"
     on_revoke: str = "stop"
+    gpus: str | tuple[str, ...] = ()
 
 
 def check_max_jobs(value: object, where: str) -> int:
@@ -193,7 +198,7 @@ def options_from_cli(*, session: str | None, exec_cmd: str, workspace: str | Non
                      environ: Mapping[str, str] | None = None, repos: list[str] | None = None,
                      max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
                      keep_worktrees: bool = False, agent: str | None = None,
-                     on_revoke: str = "stop") -> RunnerOptions:
+                     on_revoke: str = "stop", gpus: str | None = None) -> RunnerOptions:
     """Validate `mam-runner run` arguments before any network or registry write.
 
     Args:
@@ -206,6 +211,7 @@ def options_from_cli(*, session: str | None, exec_cmd: str, workspace: str | Non
         keep_worktrees: `--keep-worktrees` (§18).
         agent: `--agent` (None: `agents.default_kind` of the command).
         on_revoke: `--on-revoke` (ON_REVOKE: stop or finish, §16.7).
+        gpus: `--gpus auto|none|0,1` (§14), else MAM_RUNNER_GPUS, else none.
         environ: the process environment (default os.environ).
     Returns:
         RunnerOptions.
@@ -231,6 +237,8 @@ def options_from_cli(*, session: str | None, exec_cmd: str, workspace: str | Non
         raise UsageError(f"--on-revoke {on_revoke!r} is invalid: expected {' or '.join(ON_REVOKE)}")
     if repos:
         parse_repos(repos, None)
+    if gpus is not None:
+        parse_gpus(gpus)
     root = resolve_root(workspace, env)
     enrolled = enrol.identity(root)
     session = enrolled_session(session, enrolled)
@@ -249,7 +257,8 @@ def options_from_cli(*, session: str | None, exec_cmd: str, workspace: str | Non
                          log_rate_bps=logstream.rate_from_env(values),
                          repos=parse_repos(repos or [], values.get(REPOS_ENV)),
                          max_result_bytes=max_result_bytes, keep_worktrees=keep_worktrees, agent=kind,
-                         on_revoke=on_revoke)
+                         on_revoke=on_revoke,
+                         gpus=parse_gpus(gpus) if gpus is not None else parse_gpus(values.get(GPUS_ENV, ""), GPUS_ENV))
 
 
 def enrolled_session(session: str | None, enrolled: EnrolRequest | None) -> str:

@@ -31,7 +31,7 @@ INT_FIELDS = ("priority", "retries", "queue_timeout_sec", "heartbeat_sec", "hear
               "idle_timeout_sec", "timeout_sec", "group_limit")
 WORK_FIELDS = ("repo", "ref", "permission_mode", "on_ask_timeout")
 POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "deny_tools", "ask_timeout_s")
-LIMIT_FIELDS = ("memory", "cpus", "pids")
+LIMIT_FIELDS = ("memory", "cpus", "pids", "gpus")
 DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", "fresh", "on_limit", "title", "group",
                              "cancel_in_progress", *WORK_FIELDS, *POLICY_FIELDS, *LIMIT_FIELDS, *INT_FIELDS})
 
@@ -126,7 +126,7 @@ def _work(body: Mapping[str, Any]) -> wire.Work | None:
                       deny_tools=body.get("deny_tools"),
                       permission_mode=body.get("permission_mode"), ask_timeout_s=timeout,
                       on_ask_timeout=body.get("on_ask_timeout"), memory=memory, cpus=body.get("cpus"),
-                      pids=body.get("pids"), cli=False)
+                      pids=body.get("pids"), gpus=body.get("gpus"), cli=False)
 
 
 def cancel_request(service: HubService, job_id: str) -> dict[str, Any]:

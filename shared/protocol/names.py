@@ -333,6 +333,17 @@ def validate_cpus(value: object, what: str = "cpus") -> float:
     return float(value)  # type: ignore[arg-type]
 
 
+MAX_GPUS = 64
+"""At most this many GPUs per runner and per job (§14 "GPUs")."""
+
+
+def validate_gpus(value: object, what: str = "gpus") -> int:
+    """`value` if it is an integer 1..64 (the GPUs a job needs, §14). Raises `UsageError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_GPUS:
+        raise UsageError(f"{what} {repr(value)[:LABEL_SHOWN_CHARS]} is invalid: expected 1..{MAX_GPUS}")
+    return value
+
+
 def validate_pids(value: object, what: str = "pids") -> int:
     """`value` if it is an integer 8 .. 4194304 (a job's process count limit, §6). Raises `UsageError`."""
     if isinstance(value, bool) or not isinstance(value, int) or not 8 <= value <= MAX_PIDS:

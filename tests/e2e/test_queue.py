@@ -371,3 +371,53 @@ def test_s14_bad_group_terms_are_refused_in_one_line_and_nothing_is_registered(n
         done = orch(hub, "dispatch", "--labels", "x", "--brief", "x", *args)
         assert done.returncode == 64 and said in done.stderr and done.stderr.count("\n") == 1, done.stderr
     assert hub_records(hub) == []
+
+
+@pytest.mark.timeout(240)
+def test_s14_gpu_jobs_get_their_own_gpus_and_a_third_waits_for_a_free_one(nats_broker, runners, tmp_path):
+    """§14 "GPUs": a stub `nvidia-smi` lists 2 GPUs; `--gpus auto` announces them (labels gpu,
+    gpu:<model>); of 3 jobs `--gpus 1` two run at once with different CUDA_VISIBLE_DEVICES, the
+    third waits "0 free GPUs" and runs once one ends; a job without --gpus sees none."""
+    runners.broker = nats_broker
+    hub = hub_workspace(nats_broker, tmp_path)
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "nvidia-smi").write_text("#!/bin/sh\nprintf '0, NVIDIA A100-SXM4-80GB, 81920 MiB\\n"
+                                     "1, NVIDIA A100-SXM4-80GB, 81920 MiB\\n'\n")
+    (stub / "nvidia-smi").chmod(0o755)
+    marks = tmp_path / "qa.marks"
+    runners.start("qa", "--gpus", "auto", "--max-jobs", "4", MARKS=str(marks),
+                  PATH=f"{stub}:{os.environ.get('PATH', '')}")
+    gate = tmp_path / "gate"
+    brief = "\n".join(['echo "start $MAM_JOB_ID $(date +%s%N) [$CUDA_VISIBLE_DEVICES]" >> "$MARKS"',
+                       f'while [ ! -e "{gate}" ]; do sleep 0.1; done',
+                       'echo "end $MAM_JOB_ID $(date +%s%N) [$CUDA_VISIBLE_DEVICES]" >> "$MARKS"'])
+    procs = []
+    for n in range(3):
+        procs.append(dispatch(hub, "--labels", "gpu:nvidia-a100-sxm4-80gb", "--gpus", "1", "--brief", brief))
+        wait_until(lambda: len(hub_records(hub)) == n + 1, PATIENCE_S, f"job {n + 1} registered")
+    wait_until(lambda: marks.exists() and marks.read_text().count("start") == 2, PATIENCE_S, "two GPU jobs running")
+    records = sorted(hub_records(hub), key=lambda r: r["queued_at"])
+    third = records[2]["job_id"]
+
+    def notes() -> list[str]:
+        return [line.get("line", "") for line in Registry(hub).audit(third) if line.get("event") == "hub_note"]
+
+    wait_until(lambda: any("0 free GPUs; it needs 1" in note for note in notes()), PATIENCE_S, "why the third waits")
+    plain = dispatch(hub, "--labels", "gpu", "--brief",
+                     'echo "plain $MAM_JOB_ID 0 [$CUDA_VISIBLE_DEVICES]" >> "$MARKS"')
+    assert finish(plain)[0] == 0  # a slot is free: it runs beside them, with no GPU
+    gate.touch()
+    results = [finish(proc) for proc in procs]
+    assert [code for code, _ in results] == [0, 0, 0], "\n".join(err for code, err in results if code)
+    lines = [line.split() for line in marks.read_text().splitlines()]
+    devices = {job: dev for what, job, _, dev in lines if what == "start"}
+    first_two = [r["job_id"] for r in records[:2]]
+    assert sorted(devices[job] for job in first_two) == ["[0]", "[1]"], lines
+    assert devices[third] in ("[0]", "[1]")
+    assert next(dev for what, _, _, dev in lines if what == "plain") == "[]"
+    ends = {job: int(stamp) for what, job, stamp, _ in lines if what == "end"}
+    starts = {job: int(stamp) for what, job, stamp, _ in lines if what == "start"}
+    assert starts[third] >= min(ends[job] for job in first_two)  # it waited for a GPU
+    log = runnersim.runner_log(tmp_path / "qa")
+    assert "gpus: 0, 1 (nvidia-a100-sxm4-80gb, from nvidia-smi)" in log

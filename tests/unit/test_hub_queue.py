@@ -3,6 +3,8 @@ orchestrator/queue.py. No broker, no clock (every `now` is given)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mam.orchestrator.queue import Fleet, QueuedJob, RunnerView, plan, why_waiting
 
 STALE_S = 100.0
@@ -161,3 +163,29 @@ def test_s14_why_a_grouped_job_waits_names_the_group_and_what_runs() -> None:
     assert why_waiting(many, fleet, [many], NOW, STALE_S, out={"rel": ["j1", "j2", "j3", "j4"]}) == (
         "waiting for group rel (4 running: j1, j2, j3 +1 more)")
     assert why_waiting(many, fleet, [many], NOW, STALE_S, out={"rel": ["j1"]}).startswith("queued behind 0 jobs")
+
+
+def test_s14_a_gpu_job_goes_only_where_its_gpus_are_free_and_says_why_it_waits() -> None:
+    """§14 "GPUs": 2 GPUs, 3 jobs needing 1: two leave (never to the runner without GPUs), the
+    third waits "0 free GPUs"; a dispatch in flight holds its GPUs until the presence shows it."""
+    box = replace(runner("gpu-box", max_jobs=4), gpus=2, gpus_free=2)
+    cpu = runner("cpu-box", max_jobs=4)
+    fleet = fleet_of(box, cpu)
+    jobs = [replace(job(f"j{i}", queued_at=float(i)), gpus=1) for i in range(3)]
+    picked = plan(jobs, fleet, NOW, STALE_S)
+    assert picked == [("j0", "gpu-box"), ("j1", "gpu-box")]
+    for job_id, session in picked:
+        fleet.inflight(session, job_id, gpus=1)
+    assert fleet.free_gpus("gpu-box") == 0 and fleet.free_slots("gpu-box", NOW, STALE_S) == 2
+    assert plan(jobs[2:], fleet, NOW, STALE_S) == []
+    assert why_waiting(jobs[2], fleet, jobs[2:], NOW, STALE_S) == (
+        "queued behind 0 jobs for labels=x (1 runner match, 2 free slots, 0 free GPUs; it needs 1)")
+    fleet.update(replace(box, running=frozenset({"j0", "j1"}), gpus_free=0))  # both started: counted once
+    assert fleet.free_gpus("gpu-box") == 0
+    fleet.update(replace(box, running=frozenset({"j1"}), gpus_free=1))  # j0 ended
+    fleet.started("gpu-box", "j0")
+    assert plan(jobs[2:], fleet, NOW, STALE_S) == [("j2", "gpu-box")]
+    greedy = replace(job("big"), gpus=4)
+    assert plan([greedy], fleet, NOW, STALE_S) == []
+    assert why_waiting(greedy, fleet, [greedy], NOW, STALE_S) == (
+        "no runner matching labels=x has 4 GPUs (at most 2); job big waits")

@@ -182,7 +182,21 @@ def test_s5_checks_run_in_order_signature_before_session_before_expiry():
 def test_every_refuse_reason_is_covered_and_names_its_forgetting():
     forgetting = {r for r in RefuseReason if Refuse(JOB, r, "").forget}
     assert forgetting == {RefuseReason.HUB_RECORD, RefuseReason.EXPIRED, RefuseReason.REPLAYED,
-                          RefuseReason.CANCELLED, RefuseReason.TAKEN}
+                          RefuseReason.CANCELLED, RefuseReason.TAKEN, RefuseReason.GPUS}
+
+
+def test_s14_a_gpu_job_waits_for_free_gpus_and_is_refused_where_there_are_too_few():
+    needs_two = dispatch_payload()
+    obj = json.loads(needs_two)
+    obj.pop("sig")
+    obj["work"] = {"gpus": 2}
+    payload = wire.encode(crypto.sign(obj, KEYS.sign_key))
+    assert isinstance(admission.admit_dispatch(JOB, payload, state(gpus_total=2, gpus_free=2)), Take)
+    assert isinstance(admission.admit_dispatch(JOB, payload, state(gpus_total=4, gpus_free=1, max_jobs=4)), Wait)
+    verdict = refused(admission.admit_dispatch(JOB, payload, state(gpus_total=1, gpus_free=1)), RefuseReason.GPUS)
+    assert verdict.forget
+    assert verdict.text == "gpus: the job needs 2 GPU(s), this runner serves 1 (start it with --gpus)"
+    assert isinstance(admission.admit_dispatch(JOB, dispatch_payload(), state(gpus_total=2, gpus_free=0)), Take)
 
 
 # ------------------------------------------------------------ §17: an attempt runs at most once

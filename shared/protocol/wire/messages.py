@@ -363,6 +363,8 @@ class Presence:
     sig_alg: str | None = None  # §16: "ed25519" on v2
     labels: tuple[str, ...] | None = None  # §14; None (absent on the wire): an older runner, no labels
     repos: tuple[str, ...] | None = None  # §18: the repositories it serves; None (absent): none
+    gpus: int | None = None  # §14 "GPUs": how many it serves; None (absent): none
+    gpus_free: int | None = None  # of those, how many no job holds; only with `gpus`
     # §7: receivers ignore unknown presence fields, but keep them: the signature covers them
     extras: Mapping[str, Any] | None = field(default=None, compare=False)
 
@@ -406,6 +408,11 @@ class Presence:
                 names.validate_repos(self.repos)
             except UsageError as exc:
                 raise Invalid(str(exc)) from None
+        if self.gpus is not None or self.gpus_free is not None:
+            if self.gpus is None or self.gpus_free is None:
+                raise Invalid("gpus and gpus_free go together")
+            check_int(self.gpus, "gpus", 1, names.MAX_GPUS)
+            check_int(self.gpus_free, "gpus_free", 0, self.gpus)
         check_timestamp(self.timestamp, "timestamp")
         if self.sig is not None:
             check_sig(self.sig, self.sig_alg)
@@ -413,20 +420,23 @@ class Presence:
     @classmethod
     def build(cls, session: str, runner_id: str, status: str, *, host: str, version: str, max_jobs: int,
               running: Iterable[str] = (), timestamp: datetime | str | None = None,
-              labels: Iterable[str] = (), repos: Iterable[str] = ()) -> Presence:
+              labels: Iterable[str] = (), repos: Iterable[str] = (),
+              gpus: tuple[int, int] | None = None) -> Presence:
         """An unsigned presence (sign with `crypto.sign`), §7.
 
         Args:
             status: online, draining or offline; running: job ids in progress.
             labels: §14 labels, sent sorted; none: the field is left out (a v1 hub refuses it).
             repos: §18 repository names, sent sorted; none: the field is left out.
+            gpus: (how many GPUs it serves, how many are free), §14; None: both fields left out.
         Raises:
             UsageError: a field breaks §7.
         """
         sorted_labels = tuple(sorted(labels))
         return build(cls, session=session, runner_id=runner_id, status=status, host=host, version=version,
                      max_jobs=max_jobs, running=tuple(running), timestamp=ts_arg(timestamp),
-                     labels=sorted_labels or None, repos=tuple(sorted(repos)) or None)
+                     labels=sorted_labels or None, repos=tuple(sorted(repos)) or None,
+                     gpus=gpus[0] if gpus else None, gpus_free=gpus[1] if gpus else None)
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> Presence:
@@ -445,6 +455,8 @@ class Presence:
             out["labels"] = list(self.labels)
         if self.repos is not None:
             out["repos"] = list(self.repos)
+        if self.gpus is not None:
+            out["gpus"], out["gpus_free"] = self.gpus, self.gpus_free
         if self.extras:
             out.update({key: value for key, value in self.extras.items() if key not in out and key != "sig"})
         if self.sig is not None:
@@ -586,9 +598,10 @@ def _control_from(obj: dict[str, Any]) -> Control:
 def _presence_from(obj: dict[str, Any]) -> Presence:
     # §7: `labels` is optional, and unknown fields are ignored (kept only for the signature);
     # §16: `sig_alg` is a known optional field, never an extra
-    known = PRESENCE_FIELDS | V2_SIGNED_FIELDS | {"labels", "repos"}
+    optional = frozenset({"labels", "repos", "gpus", "gpus_free"})  # §14, §18
+    known = PRESENCE_FIELDS | V2_SIGNED_FIELDS | optional
     extras = {key: obj.pop(key) for key in list(obj) if key not in known}
-    check_fields(obj, PRESENCE_FIELDS | (frozenset({"labels", "repos"}) & obj.keys()), optional=V2_SIGNED_FIELDS)
+    check_fields(obj, PRESENCE_FIELDS | (optional & obj.keys()), optional=V2_SIGNED_FIELDS)
     if obj["sig"] is None:
         raise Invalid("sig must be a string, got null")
     if not isinstance(obj["running"], list):

@@ -24,7 +24,7 @@ from mam.shared.protocol.wire.fields import Invalid, check_sealed, run_check, sh
 
 WORK_FIELDS = frozenset({"repo", "ref", "max_turns", "max_cost_usd", "allow_tools", "deny_tools",
                          "permission_mode", "ask_timeout_s", "on_ask_timeout", "resume",
-                         "memory_bytes", "cpus", "pids"})
+                         "memory_bytes", "cpus", "pids", "gpus"})
 RESUME_FIELDS = frozenset({"session_id", "attempt", "base_sha", "transcript"})
 MAX_TRANSCRIPT_SEALED_CHARS = 384 * 1024
 """A carried transcript's ciphertext at most, base64url characters (§18 "Transcripts"): with the
@@ -110,6 +110,7 @@ class Work:
         memory_bytes, cpus, pids: the job's resource limits where the runner's host gives the
             cgroup controllers (§6 "Limits"): bytes (4 MiB..16 TiB), CPUs (0.01..1024),
             processes (8..4194304); None: no limit.
+        gpus: how many of a runner's GPUs the job needs (1..64, §14 "GPUs"), or None.
     """
 
     repo: str | None = None
@@ -125,6 +126,7 @@ class Work:
     memory_bytes: int | None = None
     cpus: float | None = None
     pids: int | None = None
+    gpus: int | None = None
 
     def __post_init__(self) -> None:
         run_check(self._check)
@@ -157,6 +159,8 @@ class Work:
                 names.validate_cpus(self.cpus)
             if self.pids is not None:
                 names.validate_pids(self.pids)
+            if self.gpus is not None:
+                names.validate_gpus(self.gpus)
             if self.resume is not None:
                 if not isinstance(self.resume, Resume):
                     raise Invalid(f"resume must be an object, got {type_name(self.resume)}")
@@ -203,7 +207,7 @@ class Work:
         """The wire object: set keys only (`allow_tools` as a list)."""
         out: dict[str, Any] = {key: value for key in ("repo", "ref", "max_turns", "max_cost_usd", "permission_mode",
                                                       "ask_timeout_s", "on_ask_timeout", "memory_bytes", "cpus",
-                                                      "pids")
+                                                      "pids", "gpus")
                                if (value := getattr(self, key)) is not None}
         if self.allow_tools:
             out["allow_tools"] = list(self.allow_tools)
