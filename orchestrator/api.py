@@ -27,13 +27,13 @@ from typing import Any
 from mam.orchestrator.asks import Ask, answer_from, asks_of, pending
 from mam.orchestrator.control import close_remote
 from mam.orchestrator.dispatch import check_brief, hub_contract, work_terms
+from mam.orchestrator.enqueue import register_queued
 from mam.orchestrator.follow import FOLLOW_POLL_S, AuditTail, is_event_line, settled
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.results import read_result
 from mam.orchestrator.runners import receive_presence
 from mam.orchestrator.service import EmbeddedService
-from mam.orchestrator.submit import register_queued
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import DEFAULT_RETRY_ON, TERMINAL_STATUSES
 from mam.shared.protocol.errors import TransitionRefused, UsageError

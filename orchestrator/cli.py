@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import UTC, datetime
 from typing import Any
 
 import typer
 
-from mam.orchestrator import asks
+from mam.orchestrator import asks, schedules
 from mam.orchestrator.broker import embedded as broker
 from mam.orchestrator.broker import probe
 from mam.orchestrator.cancel import cancel
 from mam.orchestrator.dispatch import work_terms
+from mam.orchestrator.enqueue import register_queued
 from mam.orchestrator.follow import watch_cli
 from mam.orchestrator.gc import RETENTION_DAYS, gc_cli, reclear, reclear_cli
 from mam.orchestrator.hints import command
 from mam.orchestrator.hub import open_hub
+from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.identity.cli import runner_app
 from mam.orchestrator.init import init_workspace
 from mam.orchestrator.logs import logs_cli
@@ -27,12 +30,13 @@ from mam.orchestrator.runners import OFFLINE_HIDDEN_DAYS, prune_cli, runners_cli
 from mam.orchestrator.service import serve_cli
 from mam.orchestrator.submit import dispatch_cli
 from mam.shared import cli
+from mam.shared.cli import render
 from mam.shared.config import describe
 from mam.shared.protocol import names
-from mam.shared.protocol.errors import BrokerUnavailable, ExitCode, MamError
+from mam.shared.protocol.errors import BrokerUnavailable, ExitCode, MamError, UsageError
 
 # `--help` lists the commands in the order a new operator uses them, one example each
-WORKFLOW = ("init", "config", "broker", "serve", "runner", "runners", "dispatch", "watch", "logs", "result",
+WORKFLOW = ("init", "config", "broker", "serve", "runner", "runners", "dispatch", "schedule", "watch", "logs", "result",
             "apply", "jobs", "show", "asks", "approve", "deny", "cancel", "say", "resume",
             "redispatch", "gc")
 EXAMPLES = {
@@ -43,6 +47,7 @@ EXAMPLES = {
     "runner": "mam-orch runner list",
     "runners": "mam-orch runners --all",
     "dispatch": "mam-orch dispatch --labels gpu --brief 'Fix the flaky test in tests/test_io.py'",
+    "schedule": "mam-orch schedule list",
     "watch": "mam-orch watch 918b0612",
     "logs": "mam-orch logs 918b0612 --follow",
     "result": "mam-orch result 918b0612 --patch",
@@ -611,6 +616,133 @@ def redispatch_cmd(
     cli.setup_logging()
     return redispatch_cli(job_id, session=session, brief=brief, brief_file=brief_file, detach=detach,
                           as_json=as_json, workspace=workspace, fresh=fresh)
+
+
+schedule_app = cli.new_app(
+    "schedule", "Dispatch a job on a cron expression; the hub service fires it.",
+    ("add", "list", "show", "pause", "resume", "run-now", "remove"),
+    {"add": "mam-orch schedule add nightly --cron '0 3 * * *' --tz Europe/Berlin -- --labels gpu --brief 'Update "
+            "the dependencies'", "list": "mam-orch schedule list", "show": "mam-orch schedule show nightly",
+     "pause": "mam-orch schedule pause nightly", "resume": "mam-orch schedule resume nightly",
+     "run-now": "mam-orch schedule run-now nightly", "remove": "mam-orch schedule remove nightly"})
+app.add_typer(schedule_app, name="schedule")
+SCHEDULE_NAME = typer.Argument(..., metavar="NAME", help="The schedule's name (1-64 of a-z 0-9 _ . -).")
+
+
+def _print_schedule(info: dict[str, Any], as_json: bool) -> None:
+    if as_json or not sys.stdout.isatty():
+        print(json.dumps(info, sort_keys=True))
+    else:
+        for line in cli.key_value_lines(info):
+            print(line)
+
+
+@schedule_app.command("add", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def schedule_add_cmd(
+    ctx: typer.Context,
+    name: str = SCHEDULE_NAME,
+    cron: str = typer.Option(..., "--cron", metavar="EXPR",
+                             help="When: 5 fields (minute hour day month weekday, e.g. '0 3 * * *'), or 6 with "
+                                  "seconds last."),
+    tz: str = typer.Option("UTC", "--tz", metavar="ZONE", help="The time zone of the expression, e.g. Europe/Berlin."),
+    overlap: str = typer.Option("skip", "--overlap", metavar="skip|queue|cancel",
+                                help="When a tick comes while the last job still runs: skip the tick (default), "
+                                     "queue another job, or cancel the running one first."),
+    catch_up: int = typer.Option(1, "--catch-up", metavar="N",
+                                 help="Ticks missed while the hub was down that run at its start, 0..100 (the "
+                                      "latest N, each marked catch_up)."),
+    force: bool = typer.Option(False, "--force", help="Replace a schedule of that name."),
+    as_json: bool = typer.Option(False, "--json", help="JSON on stdout even on a TTY."),
+    workspace: str = cli.workspace_option(),
+) -> int:
+    """Add a schedule: after `--` come `mam-orch dispatch` options (the target, the brief, the
+    contract, the agent's policy), checked now as dispatch checks them.
+
+    The hub service (`mam-orch serve`) fires it: each tick is recorded before its job is
+    registered, so a tick never runs twice. Exit 64 on a bad option, nothing saved.
+    """
+    root = open_hub(workspace).root
+    extra = list(ctx.args)
+    if "--workspace" in extra:
+        raise UsageError("give --workspace before --, not among the dispatch options")
+    command = typer.main.get_command(app).commands["dispatch"]  # type: ignore[attr-defined]
+    try:
+        params = command.make_context("dispatch", extra, resilient_parsing=False).params
+    except cli.ClickException as exc:  # typer's own click, or click
+        raise UsageError(f"dispatch options: {' '.join(exc.format_message().split())}") from None
+    schedule = schedules.add(root, name, cron=cron, tz=tz, overlap=overlap, catch_up=catch_up, params=params,
+                             force=force)
+    _print_schedule(schedules.describe(schedule), as_json)
+    if service_pid(root) is None:
+        print(f"no hub service runs for {root}: nothing fires it until `mam-orch serve` runs", file=sys.stderr)
+    return 0
+
+
+@schedule_app.command("list")
+def schedule_list_cmd(
+    as_json: bool = typer.Option(False, "--json", help="JSON lines (default on a pipe)."),
+    workspace: str = cli.workspace_option(),
+) -> int:
+    """List the schedules with their next and last fire times."""
+    store = schedules.Store(open_hub(workspace).root)
+    rows = [schedules.describe(schedule) for schedule in store.all()]
+    if as_json or not sys.stdout.isatty():
+        for row in rows:
+            print(json.dumps(row, sort_keys=True))
+    elif not rows:
+        print("(no schedules)")
+    else:
+        print(render.table(["NAME", "CRON", "TZ", "TARGET", "NEXT", "LAST JOB", "STATE"],
+                           [[r["name"], r["cron"], r["tz"], r["target"], r["next_fire"] or "-", r["last_job"] or "-",
+                             "paused" if r["paused"] else "active"] for r in rows]), end="")
+    return 0
+
+
+@schedule_app.command("show")
+def schedule_show_cmd(name: str = SCHEDULE_NAME,
+                      as_json: bool = typer.Option(False, "--json", help="JSON on stdout even on a TTY."),
+                      workspace: str = cli.workspace_option()) -> int:
+    """One schedule: its terms, next fire time, last tick, last job, last skipped tick."""
+    _print_schedule(schedules.describe(schedules.Store(open_hub(workspace).root).load(name)), as_json)
+    return 0
+
+
+@schedule_app.command("pause")
+def schedule_pause_cmd(name: str = SCHEDULE_NAME, workspace: str = cli.workspace_option()) -> int:
+    """Stop firing it; its ticks pass unrun until resume."""
+    schedules.set_paused(open_hub(workspace).root, name, True)
+    print(f"schedule {name} paused", file=sys.stderr)
+    return 0
+
+
+@schedule_app.command("resume")
+def schedule_resume_cmd(name: str = SCHEDULE_NAME, workspace: str = cli.workspace_option()) -> int:
+    """Fire it again from its next tick (the paused ticks are not caught up)."""
+    schedule = schedules.set_paused(open_hub(workspace).root, name, False)
+    print(f"schedule {name} resumed; next fire {schedules.next_fire(schedule)}", file=sys.stderr)
+    return 0
+
+
+@schedule_app.command("run-now")
+def schedule_run_now_cmd(name: str = SCHEDULE_NAME, workspace: str = cli.workspace_option()) -> int:
+    """Fire one job of it now (its overlap rule applies); prints the job id."""
+    hub = open_hub(workspace)
+    store = schedules.Store(hub.root)
+    fired = schedules.fire(hub.registry, store, store.load(name), datetime.now(UTC), register_queued,
+                           lambda job_id, reason: cancel(job_id, workspace=workspace, reason=reason), forced=True)
+    if not fired:
+        print(f"schedule {name}: not fired: {store.load(name).last_skipped}", file=sys.stderr)
+        return 1
+    print(json.dumps({"schedule": name, "job_id": fired[0]}))
+    return 0
+
+
+@schedule_app.command("remove")
+def schedule_remove_cmd(name: str = SCHEDULE_NAME, workspace: str = cli.workspace_option()) -> int:
+    """Remove it; jobs it fired go on."""
+    schedules.Store(open_hub(workspace).root).remove(name)
+    print(f"schedule {name} removed", file=sys.stderr)
+    return 0
 
 
 runners_app = cli.new_app("runners", "List runners from their signed retained presence; prune long-gone ones.",

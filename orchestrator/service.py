@@ -38,8 +38,10 @@ from types import FrameType
 from typing import Protocol, TextIO
 
 from mam.orchestrator import queue as hubqueue
+from mam.orchestrator import schedules
 from mam.orchestrator.control import cancel_open
 from mam.orchestrator.dispatch import publish_queued
+from mam.orchestrator.enqueue import register_queued
 from mam.orchestrator.hub import DAY_S, Hub, Workspace, open_hub
 from mam.orchestrator.hublock import HubLock, service_pid
 from mam.orchestrator.mirror import BrokerLink, audit_seq
@@ -179,6 +181,8 @@ class HubService:
         self._wake_pending = threading.Event()  # a WAKE is in the inbox (`wake`)
         self.woken = False  # a WAKE was taken from the inbox: scan now
         self.scan_s = env_float("MAM_HUB_SCAN_S", SCAN_S, low=TICK_S, high=MAX_SCAN_S)
+        self.schedules = schedules.Firing(self.registry, register=register_queued,  # §14 Schedules
+                                          cancel=self._cancel_for_schedule)
         self.on_ready = on_ready
         self.on_failed: Callable[[JobRecord], None] | None = None
         self.quiet = quiet
@@ -515,6 +519,16 @@ class HubService:
                 if job_id in self.queued:
                     self.consider(job_id, time.monotonic())  # it left the queue
 
+    def _cancel_for_schedule(self, job_id: str, reason: str) -> None:
+        """§14 Schedules `--overlap cancel`: the schedule's previous job, still open, is cancelled."""
+        try:
+            _, changed = cancel_open(self.registry, self.client, self.keys, job_id, reason)
+        except MamError as exc:
+            log.warning("job %s: not cancelled (%s): %s", job_id, reason, exc)
+            return
+        if changed:
+            self.note(job_id, f"job {job_id}: cancelled: {reason}")
+
     def groups_out(self) -> dict[str, list[str]]:
         """Each concurrency group's jobs published or running now (§14 Groups): the tracked
         jobs of the group. Derived from the records this engine tracks, so a restarted hub
@@ -758,6 +772,8 @@ class HubService:
             if self.woken:  # a job queued elsewhere: look now, not at the next scan
                 self.woken = False
                 self._wake_pending.clear()
+                next_scan = now
+            if self.schedules.look(now):  # a tick fired jobs: take them in now
                 next_scan = now
             if now >= next_scan:
                 next_scan = now + self.scan_s

@@ -18,59 +18,27 @@ import sys
 import time
 from typing import BinaryIO
 
-from mam.orchestrator.dispatch import hub_contract, job_title, print_started, queue_terms, read_brief, save_brief
+from mam.orchestrator.dispatch import hub_contract, job_title, print_started, queue_terms, read_brief
+from mam.orchestrator.enqueue import refuse_revoked, register_queued
 from mam.orchestrator.follow import Follower
 from mam.orchestrator.hints import detach_hint, queued_hint, reattach_hint, unserved_hint
 from mam.orchestrator.hub import Hub, Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
-from mam.orchestrator.identity import roster
 from mam.orchestrator.mirror import OUTAGE_GIVE_UP_S
 from mam.orchestrator.results import await_result
 from mam.orchestrator.runners import collect_presence, read_presence
 from mam.orchestrator.service import EmbeddedService
-from mam.orchestrator.wake import wake_engine
 from mam.orchestrator.watch import Detached
 from mam.shared.cli.render import print_summary
 from mam.shared.config import env_float
 from mam.shared.protocol import wire
 from mam.shared.protocol.codes import JobStatus, PresenceStatus
-from mam.shared.protocol.errors import BrokerError, ExitCode, UsageError
-from mam.shared.store.records import JobRecord, QueueTerms, describe_target
-from mam.shared.store.registry import Registry
+from mam.shared.protocol.errors import BrokerError, ExitCode
+from mam.shared.store.records import QueueTerms, describe_target
 
 log = logging.getLogger("mam.dispatch")
 
 TAKE_OVER_RETRY_S = 1.0  # how often a follower tries to start the engine the broker refused
-
-
-def refuse_revoked(registry: Registry, session: str | None) -> None:
-    """A job for a revoked session could only wait out its queue timeout: refused (§16.7).
-
-    Raises:
-        UsageError: the session's roster entry is revoked (one line: when, and what to do).
-    """
-    entry = roster.get(registry.root, session) if session else None
-    if entry is not None and entry.revoked_at is not None:
-        raise UsageError(f"session {session} was revoked at {entry.revoked_at} (`mam-orch runner revoke`): no "
-                         f"runner of it may take a job; enrol it again, or dispatch to another session")
-
-
-def register_queued(registry: Registry, *, brief: str, contract: wire.Contract, terms: QueueTerms,
-                    work: wire.Work | None = None, title: str | None = None) -> JobRecord:
-    """Register a checked job `queued` with its brief (and its repository and agent policy,
-    §18), for the engine to publish (§14): the one way `dispatch`, `POST /api/jobs` and
-    `mam.Hub` queue a job. Its `title` is `title`, else the brief's first line (`job_title`).
-
-    Raises:
-        UsageError: the target session is revoked (`refuse_revoked`); a bad title.
-    """
-    name = job_title(brief, title)
-    refuse_revoked(registry, terms.target_session)
-    record = registry.register(session=terms.target_session, contract=contract, queue=terms, work=work,
-                               title=name)
-    save_brief(registry, record["job_id"], brief)
-    wake_engine(registry.root)  # the engine publishes it now, not at its next scan (§14)
-    return record
 
 
 def follow_job(hub: Hub, engine: EmbeddedService, job_id: str, *, detach: bool, as_json: bool,

@@ -3,7 +3,7 @@
 
 A dispatch checks what `mam-orch dispatch` checks (brief, target, §14 terms,
 the contract, MAM_DISPATCH_SECRET) and queues the job through
-`submit.register_queued`, the path a dispatch over the service takes; the
+`enqueue.register_queued`, the path a dispatch over the service takes; the
 service publishes it. A cancel is `mam-orch cancel` on the service's own
 broker connection (§6): a queued job is cancelled on the hub only, a
 published one closed `cancelled` and its runner told. A retry is `mam-orch
@@ -17,10 +17,10 @@ from typing import Any
 
 from mam.orchestrator.control import cancel_open, publish_cancel
 from mam.orchestrator.dispatch import check_brief, hub_contract, parse_retry_on, work_terms
+from mam.orchestrator.enqueue import register_queued
 from mam.orchestrator.identity.drain import order_drain
 from mam.orchestrator.queuewait import refuse_redispatch, requeue
 from mam.orchestrator.service import HubService
-from mam.orchestrator.submit import register_queued
 from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import JobStatus
 from mam.shared.protocol.errors import BrokerError, UsageError

@@ -24,7 +24,7 @@ from mam.shared.cli.render import cli_jobs, cli_show
 from mam.shared.protocol.errors import EnvFileError, ExitCode, MamError, exit_code_for
 
 try:  # typer >= 0.2x vendors click; older versions depend on it
-    from typer._click.exceptions import ClickException
+    from typer._click.exceptions import ClickException as ClickException  # re-exported: typer's click
 except ImportError:  # pragma: no cover - typer < 0.2x only (click itself may be installed, for uvicorn)
     from click.exceptions import ClickException  # type: ignore[import-not-found, no-redef, assignment, unused-ignore]
 

@@ -217,6 +217,10 @@ def show_head(record: Mapping[str, Any], root: Path | None) -> list[str]:
     if record.get("group"):  # §14 Groups
         head.insert(3, ("group", f"{record['group']} (at most {record.get('group_limit', 1)} at once"
                                  f"{'; cancels earlier ones' if record.get('cancel_in_progress') else ''})"))
+    fired = record.get("schedule")
+    if isinstance(fired, Mapping):  # §14 Schedules
+        head.insert(3, ("schedule", f"{fired.get('name')} (tick {fired.get('tick')}"
+                                    f"{', a catch-up run' if fired.get('catch_up') else ''})"))
     lines = [f"{k + ':':<12}{_cell(v)}" for k, v in head]
     brief = brief_lines(root, str(record.get("job_id")))
     for n, text in enumerate(brief[:BRIEF_SHOW_LINES]):

@@ -108,6 +108,7 @@ class JobRecord(TypedDict):
     paused_until: NotRequired[str]  # §14 Pauses: a queued job is not published before this (§3 timestamp)
     limited: NotRequired[dict[str, str]]  # §14 Moves: {"session", "until"}: not published there before `until`
     title: NotRequired[str]  # a person's name for the job: `dispatch --title`, else the brief's first line
+    schedule: NotRequired[dict[str, Any]]  # §14 Schedules: {"name", "tick", "catch_up"} of a fired job
 
 
 MAX_RETRIES = 10
@@ -344,7 +345,7 @@ def validate_broker(broker: Mapping[str, Any] | None) -> dict[str, Any] | None:
 def new_record(*, job_id: str, session: str | None, role: str, attempt_id: int, dispatch_token: str,
                auth_token: str, contract: wire.Contract, broker: dict[str, Any] | None,
                origin: str | None, queue: QueueTerms | None = None, work: wire.Work | None = None,
-               title: str | None = None) -> JobRecord:
+               title: str | None = None, schedule: Mapping[str, Any] | None = None) -> JobRecord:
     """A fresh record of `contract` (§8), created and updated now: `pending`, or
     `queued` with `queue`'s terms (§14; `session` "" until a label target is placed);
     `work` (§18) and `title` are stored when set."""
@@ -368,6 +369,8 @@ def new_record(*, job_id: str, session: str | None, role: str, attempt_id: int, 
         record["work"] = work.to_dict()
     if title:
         record["title"] = title
+    if schedule:
+        record["schedule"] = dict(schedule)
     return record
 
 

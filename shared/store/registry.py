@@ -279,7 +279,7 @@ class Registry(RegistryFiles):
     def register(self, *, session: str | None, contract: Contract | None = None,
                  broker: Mapping[str, Any] | None = None, job_id: str | None = None,
                  source: str = "operator", queue: QueueTerms | None = None, work: Work | None = None,
-                 title: str | None = None) -> JobRecord:
+                 title: str | None = None, schedule: Mapping[str, Any] | None = None) -> JobRecord:
         """Register a new hub job: status `pending`, attempt 1, fresh
         `dispatch_token` and `auth_token`, the contract fields (§8, §1).
 
@@ -291,6 +291,7 @@ class Registry(RegistryFiles):
             source: an operator source; queue: §14 terms: the record is `queued` (session None: labels).
             work: the job's repository and agent policy (§18), stored as `work`.
             title: a person's name for the job (`dispatch.job_title`), stored as `title`.
+            schedule: the schedule tick that fired it (§14 Schedules), stored as `schedule`.
         Returns:
             the new record (with secrets).
         Raises:
@@ -315,7 +316,7 @@ class Registry(RegistryFiles):
             record = new_record(job_id=chosen, session=session, role="hub", attempt_id=1,
                                 dispatch_token=names.new_dispatch_token(), auth_token=names.new_auth_token(),
                                 contract=contract, broker=broker_block, origin=None, queue=queue, work=work,
-                                title=title)
+                                title=title, schedule=schedule)
             self._create(record, source, "registered")
         return record
 

@@ -224,7 +224,7 @@ def test_help_has_no_protocol_refs_an_example_each_and_whole_summaries(capsys):
     root = typer.main.get_command(app)
     top = _help(capsys)
     listed = [line.split()[0] for line in top.split("Commands:\n")[1].splitlines() if line[:3].strip()]
-    assert listed[:8] == ["init", "config", "broker", "serve", "runner", "runners", "dispatch", "watch"]
+    assert listed[:9] == ["init", "config", "broker", "serve", "runner", "runners", "dispatch", "schedule", "watch"]
     assert "..." not in top.split("Commands:")[1] and "§" not in top and "PROTOCOL" not in top
     for path, cmd in _leaves(root):
         text = _help(capsys, *path)

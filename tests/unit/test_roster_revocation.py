@@ -145,7 +145,7 @@ def _next(client):
 def test_s16_a_job_for_a_revoked_session_is_refused_at_once_on_every_path(tmp_path, capsys):
     """`dispatch --session <revoked>` is exit 64 with one line and nothing registered; the
     same refusal for `mam.Hub` and the HTTP API, which queue through `register_queued`."""
-    from mam.orchestrator import submit
+    from mam.orchestrator import enqueue, submit
     from mam.shared.config import write_env_file
     from mam.shared.protocol.errors import UsageError
     from mam.shared.store.records import QueueTerms
@@ -161,7 +161,7 @@ def test_s16_a_job_for_a_revoked_session_is_refused_at_once_on_every_path(tmp_pa
                             detach=True, as_json=True, workspace=str(tmp_path))
     terms = QueueTerms(target_session=SESSION, target_labels=(), priority=0, queue_timeout_sec=60)
     with pytest.raises(UsageError, match="was revoked"):
-        submit.register_queued(Registry(tmp_path), brief="x", contract=Contract(), terms=terms)
+        enqueue.register_queued(Registry(tmp_path), brief="x", contract=Contract(), terms=terms)
     assert not names.jobs_dir(tmp_path).exists() or not list(names.jobs_dir(tmp_path).glob("*.json"))
     enrol(tmp_path, "runner-b")  # another, active session is not refused
-    submit.refuse_revoked(Registry(tmp_path), "runner-b")
+    enqueue.refuse_revoked(Registry(tmp_path), "runner-b")
