@@ -34,6 +34,10 @@ def _open(root: Path) -> int:
         raise RegistryError(f"cannot open the hub lock {path} ({errno_name(exc)}: {exc.strerror or exc})") from exc
 
 
+class ServiceRunning(UsageError):
+    """Another process holds the registry's hub lock (exit 64 for `serve`)."""
+
+
 class HubLock:
     """`.mam/hub.lock` of one registry root, held by the one service (§14)."""
 
@@ -46,7 +50,7 @@ class HubLock:
         """Take the lock and write this process's pid into it.
 
         Raises:
-            UsageError: another service holds it (exit 64), naming its pid.
+            ServiceRunning: another service holds it (exit 64), naming its pid.
             RegistryError: the lock file cannot be opened.
         """
         fd = _open(self.root)
@@ -55,7 +59,7 @@ class HubLock:
         except BlockingIOError:
             pid = _read_pid(fd)
             os.close(fd)
-            raise UsageError(f"a hub service already runs for {self.root} (pid {pid if pid else 'unknown'}, "
+            raise ServiceRunning(f"a hub service already runs for {self.root} (pid {pid if pid else 'unknown'}, "
                              f"lock {self.path}); stop it first or use another --workspace") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)

@@ -43,7 +43,7 @@ from mam.orchestrator.control import cancel_open
 from mam.orchestrator.dispatch import publish_queued
 from mam.orchestrator.enqueue import register_queued
 from mam.orchestrator.hub import DAY_S, Hub, Workspace, open_hub
-from mam.orchestrator.hublock import HubLock, service_pid
+from mam.orchestrator.hublock import HubLock, ServiceRunning, service_pid
 from mam.orchestrator.mirror import BrokerLink, audit_seq
 from mam.orchestrator.queuewait import (
     PRESENCE_SETTLE_MAX_S,
@@ -65,7 +65,7 @@ from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.config import env_float
 from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import PUBLISHED_STATUSES, CloseReason, JobStatus, PresenceStatus, RetryOn
-from mam.shared.protocol.errors import MamError, UsageError
+from mam.shared.protocol.errors import MamError
 from mam.shared.store.fsio import settled_mtime_ns
 from mam.shared.store.records import HUB_DECISIONS, RECORD_NAME_RE, JobRecord, describe_target, target_of
 from mam.shared.transport import Received, Transport
@@ -76,6 +76,9 @@ SCAN_S = 0.2
 """The registry folder is scanned this often for new and changed records (s; MAM_HUB_SCAN_S):
 the safety net, since a job queued elsewhere wakes the engine at once (`wake`)."""
 MAX_SCAN_S = 60.0
+LOCK_RACE_TRIES = 5
+"""How often `EmbeddedService.ensure` starts an engine again when another process held the
+lock at that instant and let go of it before it could be seen serving."""
 TICK_S = 0.1  # the §10 clocks of every job are looked at this often
 SERVICE_START_S = 30.0  # how long an embedded service may take to lock, connect and subscribe
 ENGINE_SUBACK_S = 20.0
@@ -819,27 +822,30 @@ class EmbeddedService:
         with self._lock:
             if self.thread is not None and self.thread.is_alive():
                 return True
-            if service_pid(self.hub.registry.root) is not None:
-                return False
-            service = HubService(self.hub, quiet=True)
-            failure: list[BaseException] = []
+            for _ in range(LOCK_RACE_TRIES):
+                if service_pid(self.hub.registry.root) is not None:
+                    return False
+                service = HubService(self.hub, quiet=True)
+                failure: list[BaseException] = []
 
-            def serve() -> None:
-                try:
-                    service.run()
-                except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-                    failure.append(exc)
-                    service.ready.set()
+                def serve(service: HubService = service, failure: list[BaseException] = failure) -> None:
+                    try:
+                        service.run()
+                    except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                        failure.append(exc)
+                        service.ready.set()
 
-            thread = threading.Thread(target=serve, name="mam-hub-service", daemon=True)
-            thread.start()
-            service.ready.wait(SERVICE_START_S)
-            if failure:
-                if isinstance(failure[0], UsageError) and service_pid(self.hub.registry.root) is not None:
-                    return False  # another process started one meanwhile: it serves
-                raise failure[0]
-            self.service, self.thread = service, thread
-            return True
+                thread = threading.Thread(target=serve, name="mam-hub-service", daemon=True)
+                thread.start()
+                service.ready.wait(SERVICE_START_S)
+                if not failure:
+                    self.service, self.thread = service, thread
+                    return True
+                if not isinstance(failure[0], ServiceRunning):
+                    raise failure[0]
+                # another process took the lock first; it serves, unless it let go meanwhile
+                # (its own job ended): then look again and start one here
+            raise failure[0]
 
     def stop(self, *, handover: bool = True) -> None:
         """Stop the service started here, if any (its jobs go on; the next service takes them).
