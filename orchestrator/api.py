@@ -26,11 +26,13 @@ from typing import Any
 
 from mam.orchestrator.asks import Ask, answer_from, asks_of, pending
 from mam.orchestrator.control import close_remote
-from mam.orchestrator.dispatch import check_brief, hub_contract, work_terms
+from mam.orchestrator.dependencies import check_after
+from mam.orchestrator.dispatch import check_brief, hub_contract, parse_after, work_terms
 from mam.orchestrator.enqueue import register_queued
-from mam.orchestrator.follow import FOLLOW_POLL_S, AuditTail, is_event_line, settled
+from mam.orchestrator.follow import FOLLOW_POLL_S, AuditTail, is_event_line
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
+from mam.orchestrator.queuewait import settled
 from mam.orchestrator.results import read_result
 from mam.orchestrator.runners import receive_presence
 from mam.orchestrator.service import EmbeddedService
@@ -243,7 +245,8 @@ class Hub:
                  on_ask_timeout: str | None = None, fresh: bool = False, on_limit: str = "pause",
                  title: str | None = None, group: str | None = None, group_limit: int = 1,
                  cancel_in_progress: bool = False, memory: str | int | None = None, cpus: float | None = None,
-                 pids: int | None = None, gpus: int | None = None) -> Job:
+                 pids: int | None = None, gpus: int | None = None, after: Sequence[str] = (),
+                 after_if: str = "completed") -> Job:
         """Queue a job for one runner `session` or any runner carrying all `labels` (§14);
         with `repo` (and `ref`), on a worktree of that repository; `max_turns`,
         `max_cost_usd`, `allow_tools` (e.g. ["Bash(git *)", "Edit"]), `deny_tools` (rules never
@@ -257,7 +260,9 @@ class Hub:
         of which at most `group_limit` jobs run at once, and with `cancel_in_progress` this job
         cancels the group's earlier ones (§14 Groups); `memory` ("8G" or bytes), `cpus` and `pids`
         limit the job's processes where the runner's host gives the cgroup controllers (§6 "Limits");
-        `gpus`: how many of a runner's GPUs it needs (§14 "GPUs").
+        `gpus`: how many of a runner's GPUs it needs (§14 "GPUs"); `after`: job ids it stays
+        `blocked` for until each ended, "completed" (default) or only "ended" as `after_if` says,
+        else it ends `dependency_failed` (§14 Dependencies).
 
         Returns:
             the `Job` (queued; the service publishes it when a runner has a free slot).
@@ -269,7 +274,10 @@ class Hub:
         terms = QueueTerms(target_session=session, target_labels=tuple(labels or ()), priority=priority,
                            queue_timeout_sec=queue_timeout_s, retries=retries,
                            retry_on=tuple(retry_on), fresh=fresh, on_limit=on_limit, group=group,
-                           group_limit=group_limit, cancel_in_progress=cancel_in_progress).checked()
+                           group_limit=group_limit, cancel_in_progress=cancel_in_progress,
+                           after=parse_after(after) if isinstance(after, str) else tuple(after),
+                           after_if=after_if).checked()
+        check_after(self.registry, terms.after)
         contract = hub_contract(self.registry.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
                                 ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
         work = work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,

@@ -11,7 +11,7 @@ from mam.orchestrator.hints import command
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.shared.cli import human_view
 from mam.shared.protocol import names
-from mam.shared.protocol.codes import TERMINAL_STATUSES
+from mam.shared.protocol.codes import TERMINAL_STATUSES, UNPUBLISHED_STATUSES, JobStatus
 from mam.shared.protocol.errors import TransitionRefused
 from mam.shared.store.records import JobRecord
 
@@ -51,9 +51,11 @@ def cancel(job_id: str, *, workspace: Workspace = None, reason: str = "operator"
     names.validate_job_id(job_id)
     hub = open_hub(workspace)
     registry = hub.registry
+    before = registry.get(job_id)["status"]
     record, changed = cancel_queued(registry, job_id, reason)  # §14: a queued job is cancelled on the hub only
     if changed:
-        print(f"job {job_id} (attempt {record['attempt_id']}): cancelled while queued", file=sys.stderr)
+        print(f"job {job_id} (attempt {record['attempt_id']}): cancelled while "
+              f"{before if before in UNPUBLISHED_STATUSES else JobStatus.QUEUED}", file=sys.stderr)
         _print_result(record, True, as_json)
         return 0
     if record["status"] not in TERMINAL_STATUSES or cancel_owed(record):

@@ -309,6 +309,13 @@ def dispatch_cmd(
     cancel_in_progress: bool = typer.Option(False, "--cancel-in-progress",
                                             help="With --group: cancel the group's jobs queued or running "
                                                  "before this one (each says why)."),
+    after: str = typer.Option(None, "--after", metavar="ID[,ID...]",
+                              help="Run after these jobs: the job stays blocked until each one ended, "
+                                   "then it is queued; if one ended otherwise than --if allows, it ends "
+                                   "error, dependency_failed, naming it (§14)."),
+    after_if: str = typer.Option(None, "--if", metavar="completed|ended",
+                                 help="With --after: each job must have completed (default), or only "
+                                      "ended, whatever its outcome."),
     repo: str = typer.Option(None, "--repo", metavar="NAME",
                              help="Run on a worktree of this repository: only runners started with "
                                   "--repo NAME=URL take the job; its change comes back (§18)."),
@@ -355,7 +362,7 @@ def dispatch_cmd(
                                    "characters (default: the brief's first line, cut to 80)."),
     detach: bool = typer.Option(False, "--detach",
                                 help="Print the job id and return once it is published, or once the hub "
-                                     "says why it stays queued (\"action\": \"queued\")."),
+                                     "says why it stays queued or blocked (\"action\": \"queued\" or \"blocked\")."),
     as_json: bool = typer.Option(False, "--json", help="JSON lines on stdout even on a TTY."),
     no_log: bool = typer.Option(False, "--no-log", help="Do not show the agent's output under the events."),
     workspace: str = cli.workspace_option(),
@@ -376,6 +383,7 @@ def dispatch_cmd(
                         workspace=workspace, labels=labels, priority=priority, queue_timeout_s=queue_timeout,
                         retries=retries, retry_on=retry_on, fresh=fresh, on_limit=on_limit, show_log=not no_log,
                         title=title, group=group, group_limit=group_limit, cancel_in_progress=cancel_in_progress,
+                        after=after, after_if=after_if,
                         work=work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
                                         allow_tools=allow_tools, deny_tools=deny_tools,
                                         permission_mode=permission_mode, ask_timeout_s=ask_timeout,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mam.orchestrator.identity import roster
 from mam.shared.protocol import crypto, names, wire
-from mam.shared.protocol.codes import TERMINAL_STATUSES, CloseReason, JobStatus
+from mam.shared.protocol.codes import TERMINAL_STATUSES, UNPUBLISHED_STATUSES, CloseReason, JobStatus
 from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.protocol.errors import BrokerError, TransitionRefused
 from mam.shared.store.records import JobRecord, moved
@@ -112,14 +112,14 @@ def close_remote(registry: Registry, client: Transport | None, keys: DispatchKey
 
 
 def cancel_queued(registry: Registry, job_id: str, reason: str) -> tuple[JobRecord, bool]:
-    """Cancel the job on the hub if it is still `queued` (§14: nothing was published, so no
-    control either). Returns (its record now, whether this call cancelled it); a job that
-    left the queue meanwhile is returned as it is, to be cancelled as published."""
+    """Cancel the job on the hub if it is still `blocked` or `queued` (§14: nothing was
+    published, so no control either). Returns (its record now, whether this call cancelled
+    it); a job that left the queue meanwhile is returned as it is, to be cancelled as published."""
     record = registry.get(job_id)
-    if record["status"] != JobStatus.QUEUED:
+    if record["status"] not in UNPUBLISHED_STATUSES:
         return record, False
     with registry.transaction(job_id) as txn:
-        if txn.record["status"] != JobStatus.QUEUED:
+        if txn.record["status"] not in UNPUBLISHED_STATUSES:
             return txn.record, False
         record = moved(txn.record, JobStatus.CANCELLED, close_reason=CloseReason.CANCELLED)
         txn.update(record, source="operator", reason=reason)

@@ -323,11 +323,25 @@ def parse_retry_on(text: str | None) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(","))
 
 
+def parse_after(text: str) -> tuple[str, ...]:
+    """`--after ID[,ID...]` as job ids (§14 Dependencies); `QueueTerms.checked` checks them.
+
+    Raises:
+        UsageError: an empty item (one line).
+    """
+    items = tuple(item.strip() for item in str(text)[:4096].split(","))
+    if not all(items):
+        raise UsageError(f"--after {str(text)[:40]!r} is invalid: expected job ids separated by commas")
+    return items
+
+
 def queue_terms(session: str | None, labels: str | None, *, priority: int, queue_timeout_s: int | None,
                 retries: int, retry_on: str | None, fresh: bool = False, on_limit: str = "pause",
                 group: str | None = None, group_limit: int | None = None,
-                cancel_in_progress: bool = False) -> QueueTerms:
-    """The job's §14 terms from the dispatch options (`--session remote:NAME` accepted).
+                cancel_in_progress: bool = False, after: str | None = None,
+                after_if: str | None = None) -> QueueTerms:
+    """The job's §14 terms from the dispatch options (`--session remote:NAME` accepted;
+    `after`: `ID[,ID...]`, §14 Dependencies).
 
     Raises:
         UsageError: both or neither of --session/--labels, or a bad value (one line).
@@ -342,6 +356,10 @@ def queue_terms(session: str | None, labels: str | None, *, priority: int, queue
                        on_limit=on_limit, group=group, cancel_in_progress=cancel_in_progress)
     if group_limit is not None:
         terms = terms._replace(group_limit=group_limit)
+    if after is not None:
+        terms = terms._replace(after=parse_after(after))
+    if after_if is not None:
+        terms = terms._replace(after_if=after_if)
     if queue_timeout_s is not None:
         terms = terms._replace(queue_timeout_sec=queue_timeout_s)
     return terms.checked()

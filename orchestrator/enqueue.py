@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mam.orchestrator.dependencies import check_after
 from mam.orchestrator.dispatch import job_title, save_brief
 from mam.orchestrator.identity import roster
 from mam.orchestrator.wake import wake_engine
@@ -36,10 +37,12 @@ def register_queued(registry: Registry, *, brief: str, contract: wire.Contract, 
     `title`, else the brief's first line (`job_title`).
 
     Raises:
-        UsageError: the target session is revoked (`refuse_revoked`); a bad title.
+        UsageError: the target session is revoked (`refuse_revoked`); a bad title; `--after`
+            names an unknown job or makes a cycle (`check_after`).
     """
     name = job_title(brief, title)
     refuse_revoked(registry, terms.target_session)
+    check_after(registry, terms.after)
     record = registry.register(session=terms.target_session, contract=contract, queue=terms, work=work,
                                title=name, schedule=schedule)
     save_brief(registry, record["job_id"], brief)

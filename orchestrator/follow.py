@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -23,29 +22,21 @@ from mam.orchestrator.hints import detach_hint, reattach_hint
 from mam.orchestrator.hub import DAY_S, Workspace, open_hub
 from mam.orchestrator.hublock import service_pid
 from mam.orchestrator.logs import OutputView
-from mam.orchestrator.queuewait import limit_pause, retry_reason
+from mam.orchestrator.queuewait import settled
 from mam.orchestrator.results import ResultInbox
-from mam.orchestrator.service import NOTE
 from mam.orchestrator.watch import Detached, Watcher, WatchOptions, render_event
 from mam.shared.cli.render import print_summary, printable
 from mam.shared.protocol import names
-from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus
+from mam.shared.protocol.codes import TERMINAL_STATUSES, UNPUBLISHED_STATUSES, JobStatus
 from mam.shared.protocol.errors import ConfigError, ExitCode, UsageError
 from mam.shared.store.changes import SAFETY_S, JobChanges
-from mam.shared.store.records import JobRecord, exit_code_of
+from mam.shared.store.records import NOTE, JobRecord, exit_code_of
 from mam.shared.store.registry import Registry
 
 log = logging.getLogger("mam.watch")
 
 FOLLOW_POLL_S = 0.1  # without inotify: how often the follower reads the audit log and the record
 MAX_OPTION_S = 366 * DAY_S  # a watch option beyond a year is a mistake
-
-
-def settled(record: JobRecord) -> bool:
-    """The job is over for good: terminal, and not an attempt the service is about to retry
-    or pause (§14)."""
-    return record["status"] in TERMINAL_STATUSES and retry_reason(record) is None \
-        and limit_pause(record, time.time()) is None
 
 
 def is_event_line(line: dict[str, Any], job_id: str) -> bool:
@@ -176,7 +167,7 @@ class Follower:
                 while True:
                     record = self.step()
                     if until_published and (self.published or (self.waits is not None
-                                                               and record["status"] == JobStatus.QUEUED)):
+                                                               and record["status"] in UNPUBLISHED_STATUSES)):
                         return 0
                     if settled(record):
                         return exit_code_of(record)

@@ -283,6 +283,14 @@ def limit_pause(record: JobRecord, now: float) -> float | None:
     return _epoch(limit["reset_at"]) if limit.get("reset_at") else now + DEFAULT_LIMIT_PAUSE_S
 
 
+
+def settled(record: JobRecord) -> bool:
+    """The job is over for good: terminal, and not an attempt the service is about to retry
+    or pause (§14)."""
+    return record["status"] in TERMINAL_STATUSES and retry_reason(record) is None \
+        and limit_pause(record, time.time()) is None
+
+
 def pause_attempt(registry: Registry, job_id: str, until: float, client: Transport | None,
                   keys: DispatchKeys | None) -> JobRecord | None:
     """§14 Pauses: cancel the ended attempt (§6), then attempt + 1 `queued` with fresh tokens

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Protocol, TextIO
 
+from mam.orchestrator import dependencies, schedules
 from mam.orchestrator import queue as hubqueue
-from mam.orchestrator import schedules
 from mam.orchestrator.control import cancel_open
 from mam.orchestrator.dispatch import publish_queued
 from mam.orchestrator.enqueue import register_queued
@@ -67,7 +67,7 @@ from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import PUBLISHED_STATUSES, CloseReason, JobStatus, PresenceStatus, RetryOn
 from mam.shared.protocol.errors import MamError
 from mam.shared.store.fsio import settled_mtime_ns
-from mam.shared.store.records import HUB_DECISIONS, RECORD_NAME_RE, JobRecord, describe_target, target_of
+from mam.shared.store.records import HUB_DECISIONS, NOTE, RECORD_NAME_RE, JobRecord, describe_target, target_of
 from mam.shared.transport import Received, Transport
 
 log = logging.getLogger("mam.serve")
@@ -88,7 +88,6 @@ to 5 s; an engine that gave up after the transport's usual 5 s and reconnected (
 id) made the broker start that work again, and never got in while the cluster settled."""
 CONFIRM_WAIT_S = 60.0  # a stopping embedded service waits at most this long for cancel confirmations
 LATE_JUDGE_S = DAY_S  # a job the hub closed itself is judged this long for a late terminal (§14)
-NOTE = "hub_note"  # an audit line of what the engine says about a job; every follower prints it
 HANDOVER_S = 5.0  # a stopping embedded engine waits at most this long for a just-published job's start
 CLOSE_WHY: dict[str, str] = {  # the hub's own closes (§10, §14), said in words in their note
     CloseReason.AGENT_BLOCKED: "no runner took the dispatch within its ack timeout",
@@ -173,6 +172,10 @@ class HubService:
         self.fleet = self.feed.fleet
         self.sessions: dict[str, str] = {}  # job id -> the session its dispatch went to
         self.groups: dict[str, str] = {}  # job id -> its concurrency group (§14 Groups), for tracked jobs
+        self.blocked: dict[str, tuple[str, ...]] = {}  # blocked job -> the jobs it runs after (§14 Dependencies)
+        self.dependents: dict[str, set[str]] = {}  # job id -> the blocked jobs naming it
+        self.unblock_due: set[str] = set()  # blocked jobs to look at again (`release_blocked`)
+        self.blocked_why: dict[str, str] = {}  # blocked job -> what it waits for, as last noted
         self.stats = ServiceStats()
         self.results = ResultInbox(self.registry)  # §18: results land whether or not a watcher runs
         self._mtimes: dict[str, int] = {}
@@ -223,6 +226,11 @@ class HubService:
         if record.get("role") != "hub":
             return
         status = record["status"]
+        self.unblock_due.update(self.dependents.get(job_id, ()))  # §14 Dependencies: it may have ended
+        if status == JobStatus.BLOCKED:
+            self._block(record)
+            return
+        self._unblock_forget(job_id)
         late = self.late.get(job_id)
         if late is not None and (record.get("late_outcome") or record["attempt_id"] != late[0].attempt_id):
             del self.late[job_id]  # its late terminal came, or a new attempt replaced it
@@ -281,6 +289,64 @@ class HubService:
         left_s = closed_at + LATE_JUDGE_S - time.time()
         if left_s > 0:
             self.late[record["job_id"]] = (watcher or self._watcher(record, now), now + left_s)
+
+    def _block(self, record: JobRecord) -> None:
+        """Keep a `blocked` job until `release_blocked` lets it into the queue (§14 Dependencies)."""
+        job_id = record["job_id"]
+        after = tuple(str(item) for item in record.get("after") or ())
+        if self.blocked.get(job_id) != after:
+            self._unblock_forget(job_id)
+            self.blocked[job_id] = after
+            for dep in after:
+                self.dependents.setdefault(dep, set()).add(job_id)
+            self._info("job %s: blocked until %s end", job_id, ", ".join(after))
+        self.unblock_due.add(job_id)
+
+    def _unblock_forget(self, job_id: str) -> None:
+        for dep in self.blocked.pop(job_id, ()):
+            waiting = self.dependents.get(dep)
+            if waiting is not None:
+                waiting.discard(job_id)
+                if not waiting:
+                    del self.dependents[dep]
+        self.blocked_why.pop(job_id, None)
+
+    def release_blocked(self) -> None:
+        """§14 Dependencies: each blocked job one of whose named jobs changed is queued when
+        all ended as its `--if` allows, closed `dependency_failed` when one did not (or is
+        gone), else its note says what it still waits for."""
+        due, self.unblock_due = self.unblock_due, set()
+        for job_id in sorted(due):
+            if job_id not in self.blocked:
+                continue
+            try:
+                record = self.registry.get(job_id)
+                if record["status"] != JobStatus.BLOCKED:
+                    continue  # cancelled meanwhile: the scan takes it
+                decision = dependencies.look(self.registry, record)
+                if decision.failed is None and not decision.release:
+                    self._say_blocked(job_id, dependencies.waiting_line(decision))
+                    continue
+                changed = (dependencies.fail(self.registry, job_id, decision.failed) if decision.failed
+                           else dependencies.release(self.registry, job_id))
+            except MamError as exc:
+                log.warning("job %s: dependencies not looked at: %s", job_id, exc)
+                continue
+            self._unblock_forget(job_id)
+            if changed is None:
+                continue  # cancelled meanwhile: the scan takes it
+            if decision.failed:
+                log.warning("%s", dependencies.failed_line(job_id, decision.failed))  # noted by `fail`
+                self._failed(changed)
+            else:
+                self.note(job_id, f"job {job_id}: every job it runs after ended "
+                                  f"({', '.join(changed.get('after') or ())}); queued for {describe_target(changed)}")
+                self._enqueue(changed)
+
+    def _say_blocked(self, job_id: str, why: str) -> None:
+        if self.blocked_why.get(job_id) != why:
+            self.blocked_why[job_id] = why
+            self.note(job_id, f"job {job_id}: {why}")
 
     def _enqueue(self, record: JobRecord) -> None:
         job_id = record["job_id"]
@@ -781,6 +847,7 @@ class HubService:
             if now >= next_scan:
                 next_scan = now + self.scan_s
                 self.scan(now)
+                self.release_blocked()
                 self.expire_queued()
                 self.plan(now)
             if now >= next_tick:

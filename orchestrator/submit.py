@@ -18,6 +18,7 @@ import sys
 import time
 from typing import BinaryIO
 
+from mam.orchestrator.dependencies import check_after
 from mam.orchestrator.dispatch import hub_contract, job_title, print_started, queue_terms, read_brief
 from mam.orchestrator.enqueue import refuse_revoked, register_queued
 from mam.orchestrator.follow import Follower
@@ -32,7 +33,7 @@ from mam.orchestrator.watch import Detached
 from mam.shared.cli.render import print_summary
 from mam.shared.config import env_float
 from mam.shared.protocol import wire
-from mam.shared.protocol.codes import JobStatus, PresenceStatus
+from mam.shared.protocol.codes import UNPUBLISHED_STATUSES, PresenceStatus
 from mam.shared.protocol.errors import BrokerError, ExitCode
 from mam.shared.store.records import QueueTerms, describe_target
 
@@ -62,7 +63,7 @@ def follow_job(hub: Hub, engine: EmbeddedService, job_id: str, *, detach: bool, 
             print(f"job {job_id}: the hub service stopped; serving it here", file=sys.stderr, flush=True)
             _take_over(engine, time.monotonic() + env_float("MAM_HUB_OUTAGE_GIVE_UP_S", OUTAGE_GIVE_UP_S))
         except (Detached, KeyboardInterrupt):
-            queued = registry.get(job_id)["status"] == JobStatus.QUEUED
+            queued = registry.get(job_id)["status"] in UNPUBLISHED_STATUSES
             print(queued_hint(job_id, workspace) if queued else detach_hint(job_id, workspace), file=sys.stderr)
             return ExitCode.DETACHED
         except BrokerError as exc:
@@ -80,8 +81,8 @@ def follow_job(hub: Hub, engine: EmbeddedService, job_id: str, *, detach: bool, 
         if follower.published:
             print_started(registry.get(job_id), as_json, verb)
             return 0
-        if record["status"] == JobStatus.QUEUED:  # §14: it waits; say so, don't block
-            print_started(record, as_json, "queued")
+        if record["status"] in UNPUBLISHED_STATUSES:  # §14: it waits; say so, don't block
+            print_started(record, as_json, str(record["status"]))
             if service_pid(registry.root) is None:
                 print(unserved_hint(job_id, workspace), file=sys.stderr)
             return 0
@@ -143,7 +144,7 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
                  retry_on: str | None = None, show_log: bool = True, work: wire.Work | None = None,
                  fresh: bool = False, on_limit: str = "pause", title: str | None = None,
                  group: str | None = None, group_limit: int | None = None,
-                 cancel_in_progress: bool = False) -> int:
+                 cancel_in_progress: bool = False, after: str | None = None, after_if: str | None = None) -> int:
     """`mam-orch dispatch` (§5, §9, §10, §14).
 
     Order: validate everything (the target: `--session NAME` (or `remote:NAME`) or
@@ -162,7 +163,7 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
     """
     terms = queue_terms(session, labels, priority=priority, queue_timeout_s=queue_timeout_s, retries=retries,
                         retry_on=retry_on, fresh=fresh, on_limit=on_limit, group=group, group_limit=group_limit,
-                        cancel_in_progress=cancel_in_progress)
+                        cancel_in_progress=cancel_in_progress, after=after, after_if=after_if)
     text = read_brief(brief, brief_file, stdin)
     job_title(text, title)  # a bad --title is refused before anything is written
     hub = open_hub(workspace)
@@ -170,6 +171,7 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
     contract = hub_contract(hub.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
                             ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
     hub.keys()  # MAM_DISPATCH_SECRET must be usable (exit 64 before anything is written)
+    check_after(hub.registry, terms.after)  # unknown ids and cycles: exit 64, nothing written
     if require_online:
         why = _require_online(hub, terms)
         if why is not None:
@@ -179,7 +181,9 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
     try:
         engine.ensure()
         record = register_queued(hub.registry, brief=text, contract=contract, terms=terms, work=work, title=title)
-        print(f"queued job {record['job_id']} for {describe_target(record)}", file=sys.stderr, flush=True)
+        print(f"{record['status']} job {record['job_id']} for {describe_target(record)}"
+              + (f" after {', '.join(terms.after)} (--if {terms.after_if})" if terms.after else ""),
+              file=sys.stderr, flush=True)
         return follow_job(hub, engine, record["job_id"], detach=detach, as_json=as_json, workspace=workspace,
                           show_log=show_log)
     finally:

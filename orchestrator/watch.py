@@ -45,7 +45,14 @@ from mam.orchestrator.results import RESULT_SETTLE_S, ResultInbox, result_arrive
 from mam.shared.cli.render import printable
 from mam.shared.config import BrokerConfig, env_float
 from mam.shared.protocol import names, wire
-from mam.shared.protocol.codes import EVENT_STATUS, TERMINAL_STATUSES, CloseReason, EventName, JobStatus
+from mam.shared.protocol.codes import (
+    EVENT_STATUS,
+    TERMINAL_STATUSES,
+    UNPUBLISHED_STATUSES,
+    CloseReason,
+    EventName,
+    JobStatus,
+)
 from mam.shared.protocol.crypto import DispatchKeys
 from mam.shared.protocol.errors import BrokerError, BrokerUnavailable, ExitCode, TransitionRefused
 from mam.shared.store.records import HUB_DECISIONS, STATUS_EXIT, JobRecord, exit_code_of, redact, utc_now
@@ -460,16 +467,17 @@ class Watcher:
             self.handle(message.topic, message.payload)
 
     def _wait_unqueued(self) -> JobRecord:
-        """§14: a queued job has no clock yet; wait until whoever queued it publishes (or closes) it.
+        """§14: a blocked or queued job has no clock yet; wait until whoever queued it publishes
+        (or closes) it.
 
         Raises:
             Detached: on KeyboardInterrupt.
         """
-        log.info("job %s is queued; waiting for its dispatch", self.job_id)
+        log.info("job %s is not published yet; waiting for its dispatch", self.job_id)
         try:
             while True:
                 record = self.registry.get(self.job_id)
-                if record["status"] != JobStatus.QUEUED:
+                if record["status"] not in UNPUBLISHED_STATUSES:
                     return record
                 time.sleep(REGISTRY_POLL_S)
         except KeyboardInterrupt:
@@ -592,7 +600,7 @@ class Watcher:
             RegistryError: the hub record cannot be read.
         """
         record = self.registry.get(self.job_id)
-        if record["status"] == JobStatus.QUEUED:
+        if record["status"] in UNPUBLISHED_STATUSES:
             record = self._wait_unqueued()
         if record.get("close_reason") == CloseReason.QUEUE_TIMEOUT:
             return ExitCode.TIMEOUT

@@ -24,7 +24,7 @@ from mam.orchestrator.service import HubService
 from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import JobStatus
 from mam.shared.protocol.errors import BrokerError, UsageError
-from mam.shared.store.records import QueueTerms, describe_target
+from mam.shared.store.records import AFTER_IF_CHOICES, QueueTerms, describe_target
 
 CANCEL_REASON = "operator (HTTP API)"
 INT_FIELDS = ("priority", "retries", "queue_timeout_sec", "heartbeat_sec", "heartbeat_misses", "ack_timeout_sec",
@@ -33,7 +33,8 @@ WORK_FIELDS = ("repo", "ref", "permission_mode", "on_ask_timeout")
 POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "deny_tools", "ask_timeout_s")
 LIMIT_FIELDS = ("memory", "cpus", "pids", "gpus")
 DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", "fresh", "on_limit", "title", "group",
-                             "cancel_in_progress", *WORK_FIELDS, *POLICY_FIELDS, *LIMIT_FIELDS, *INT_FIELDS})
+                             "cancel_in_progress", "after", "if", *WORK_FIELDS, *POLICY_FIELDS, *LIMIT_FIELDS,
+                             *INT_FIELDS})
 
 
 def _int(body: Mapping[str, Any], name: str) -> int | None:
@@ -80,13 +81,19 @@ def dispatch_request(service: HubService, body: object) -> dict[str, Any]:
         raise UsageError("field 'group' is invalid: expected a string")
     if not isinstance(cancel_in_progress, bool):
         raise UsageError("field 'cancel_in_progress' is invalid: expected true or false")
+    after, after_if = body.get("after", []), body.get("if", AFTER_IF_CHOICES[0])
+    if not (isinstance(after, list) and all(isinstance(x, str) for x in after)):
+        raise UsageError("field 'after' is invalid: expected a list of job ids")
+    if not isinstance(after_if, str):
+        raise UsageError(f"field 'if' is invalid: expected one of {', '.join(AFTER_IF_CHOICES)}")
     ints = {name: _int(body, name) for name in INT_FIELDS}
     target = names.validate_session(names.strip_remote(session)) if session is not None else None
     terms = QueueTerms(target_session=target,
                        target_labels=names.validate_labels(labels) if labels is not None else (),
                        priority=ints["priority"] or 0, retries=ints["retries"] or 0,
                        retry_on=parse_retry_on(",".join(retry_on) if retry_on is not None else None),
-                       fresh=fresh, on_limit=on_limit, group=group, cancel_in_progress=cancel_in_progress)
+                       fresh=fresh, on_limit=on_limit, group=group, cancel_in_progress=cancel_in_progress,
+                       after=tuple(after), after_if=after_if)
     if ints["queue_timeout_sec"] is not None:
         terms = terms._replace(queue_timeout_sec=ints["queue_timeout_sec"])
     if ints["group_limit"] is not None:

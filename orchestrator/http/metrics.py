@@ -29,7 +29,7 @@ from mam.orchestrator import queue as hubqueue
 from mam.orchestrator.http.views import Row, iso_epoch, runner_rows
 from mam.orchestrator.service import HubService
 from mam.shared.protocol import names
-from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus, PresenceStatus
+from mam.shared.protocol.codes import TERMINAL_STATUSES, UNPUBLISHED_STATUSES, JobStatus, PresenceStatus
 from mam.shared.store.fsio import read_json_object
 from mam.shared.store.records import RECORD_NAME_RE, JobRecord, target_of
 
@@ -71,7 +71,7 @@ class HubCollector(Collector):
         pending = GaugeMetricFamily("mam_permission_pending", "Agents' permission requests waiting for a person "
                                     "(§19), by runner", labels=["session"])
         open_jobs = [record for record in records
-                     if record["status"] not in TERMINAL_STATUSES and record["status"] != JobStatus.QUEUED]
+                     if record["status"] not in TERMINAL_STATUSES and record["status"] not in UNPUBLISHED_STATUSES]
         waiting = [(record.get("session") or "-", ask) for record in open_jobs
                    for ask in asks.pending(self.service.registry, record["job_id"])]
         for session, count in sorted(Counter(session for session, _ in waiting).items()):

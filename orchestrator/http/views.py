@@ -82,14 +82,25 @@ def runner_rows(service: HubService, now: float | None = None) -> list[Row]:
 
 
 def queue_rows(service: HubService, now: float | None = None) -> list[Row]:
-    """The queued jobs in the order they leave the queue, each with why it still waits (§14)."""
+    """The queued jobs in the order they leave the queue, then the blocked ones (§14
+    Dependencies), each with its status and why it still waits (§14)."""
     now = time.monotonic() if now is None else now
     queued = list(service.queued.values())
-    return [{"job_id": job.job_id, "target": hubqueue.describe_target(job), "priority": job.priority,
-             "queued_at": job.queued_at, "group": job.group,
-             "why_waiting": hubqueue.why_waiting(job, service.fleet, queued, now, PRESENCE_STALE_S,
-                                                 out=service.groups_out())}
-            for job in sorted(queued, key=hubqueue.queue_order)]
+    rows: list[Row] = [{"job_id": job.job_id, "status": JobStatus.QUEUED, "target": hubqueue.describe_target(job),
+                        "priority": job.priority, "queued_at": job.queued_at, "group": job.group,
+                        "why_waiting": hubqueue.why_waiting(job, service.fleet, queued, now, PRESENCE_STALE_S,
+                                                            out=service.groups_out())}
+                       for job in sorted(queued, key=hubqueue.queue_order)]
+    for job_id in sorted(service.blocked):
+        try:
+            record = service.registry.get(job_id)
+        except MamError:
+            continue
+        rows.append({"job_id": job_id, "status": JobStatus.BLOCKED, "target": describe_target(record),
+                     "priority": record.get("priority", 0), "queued_at": None, "group": record.get("group"),
+                     "why_waiting": service.blocked_why.get(job_id)
+                     or f"blocked until job {', '.join(service.blocked.get(job_id, ()))} ended"})
+    return rows
 
 
 def job_row(record: JobRecord, last_event: str | None = None, now_wall: float | None = None) -> Row:

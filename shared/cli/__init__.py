@@ -71,7 +71,8 @@ def add_registry_commands(app: typer.Typer) -> None:
     @app.command("jobs")
     def jobs_cmd(
         status: str = typer.Option(None, "--status", metavar="S",
-                                   help="Only jobs in this status: pending, running, completed, error, cancelled."),
+                                   help="Only jobs in this status: blocked, queued, pending, running, completed, "
+                                        "error, cancelled."),
         as_json: bool = typer.Option(False, "--json", help="One JSON object per line (default on a pipe)."),
         workspace: str = workspace_option(),
     ) -> int:

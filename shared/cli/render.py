@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mam.shared.protocol import names, wire
-from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus
+from mam.shared.protocol.codes import TERMINAL_STATUSES, UNPUBLISHED_STATUSES, JobStatus
 from mam.shared.protocol.errors import MamError
 from mam.shared.store.asklog import waiting_in
 from mam.shared.store.records import redact
@@ -135,11 +135,11 @@ def _job_row(record: Mapping[str, Any], root: Path | None) -> list[Any]:
 
 
 def with_why_waiting(registry: Registry, record: dict[str, Any]) -> dict[str, Any]:
-    """A hub record with `why_waiting`: for a queued job the hub engine's latest line on why it
-    waits (§14, a `hub_note` of its audit log), for a running one the permission requests it
-    waits on (§19); other records as they are."""
+    """A hub record with `why_waiting`: for a blocked or queued job the hub engine's latest line
+    on why it waits (§14, a `hub_note` of its audit log), for a running one the permission
+    requests it waits on (§19); other records as they are."""
     waits = record.get("status") in (JobStatus.PENDING, JobStatus.RUNNING)
-    if (record.get("status") != JobStatus.QUEUED and not waits) or record.get("role") not in (None, "hub"):
+    if (record.get("status") not in UNPUBLISHED_STATUSES and not waits) or record.get("role") not in (None, "hub"):
         return record
     try:
         trail = registry.audit(str(record["job_id"]))

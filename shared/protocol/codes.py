@@ -23,8 +23,9 @@ class EventName(StrEnum):
 
 class JobStatus(StrEnum):
     """A job's `status`, in the retained state (§4) and in a registry record (§8);
-    `queued` is a hub record's only (§14), never on the wire."""
+    `blocked` and `queued` are a hub record's only (§14), never on the wire."""
 
+    BLOCKED = "blocked"  # §14 Dependencies: waits for the jobs it runs after
     QUEUED = "queued"
     PENDING = "pending"
     RUNNING = "running"
@@ -41,6 +42,7 @@ class CloseReason(StrEnum):
     CANCELLED = "cancelled"
     QUEUE_TIMEOUT = "queue_timeout"  # §14: queued for queue_timeout_sec, never published
     RUNNER_LOST = "runner_lost"  # §14: the idle rule, while the runner's presence went offline or changed id
+    DEPENDENCY_FAILED = "dependency_failed"  # §14 Dependencies: a job it runs after ended otherwise than --if allows
 
 
 class RetryOn(StrEnum):
@@ -79,7 +81,9 @@ class ControlAction(StrEnum):
 
 TERMINAL_EVENTS = frozenset({EventName.COMPLETED, EventName.ERROR})
 TERMINAL_STATUSES = frozenset({JobStatus.COMPLETED, JobStatus.ERROR, JobStatus.CANCELLED})
-OPEN_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.PENDING, JobStatus.RUNNING})
+OPEN_STATUSES = frozenset({JobStatus.BLOCKED, JobStatus.QUEUED, JobStatus.PENDING, JobStatus.RUNNING})
+# The open statuses of a hub job never published: no runner holds it, a cancel closes it on the hub (§14).
+UNPUBLISHED_STATUSES = frozenset({JobStatus.BLOCKED, JobStatus.QUEUED})
 # The open statuses in which a dispatch was published (a runner may hold the attempt).
 PUBLISHED_STATUSES = frozenset({JobStatus.PENDING, JobStatus.RUNNING})
 # The status an accepted event moves a record to (§8); other events leave it.
@@ -88,13 +92,13 @@ EVENT_STATUS = {EventName.STARTED: JobStatus.RUNNING, EventName.COMPLETED: JobSt
 # The status a hub close gives a record (§10).
 CLOSE_STATUS = {CloseReason.DEADLINE_TIMEOUT: JobStatus.ERROR, CloseReason.AGENT_BLOCKED: JobStatus.ERROR,
                 CloseReason.CANCELLED: JobStatus.CANCELLED, CloseReason.QUEUE_TIMEOUT: JobStatus.ERROR,
-                CloseReason.RUNNER_LOST: JobStatus.ERROR}
+                CloseReason.RUNNER_LOST: JobStatus.ERROR, CloseReason.DEPENDENCY_FAILED: JobStatus.ERROR}
 # The close reasons that end a job `error` (an operator-source close may name them, §8).
 ERROR_CLOSES = frozenset(reason for reason, status in CLOSE_STATUS.items() if status == JobStatus.ERROR)
 DEFAULT_RETRY_ON = (RetryOn.AGENT_BLOCKED, RetryOn.DEADLINE_TIMEOUT, RetryOn.RUNNER_LOST)
 # Allowed values, in wire order, for validation and error messages.
 EVENT_NAMES = tuple(EventName)
-JOB_STATUSES = tuple(status for status in JobStatus if status != JobStatus.QUEUED)  # the wire's (§4)
+JOB_STATUSES = tuple(status for status in JobStatus if status not in UNPUBLISHED_STATUSES)  # the wire's (§4)
 RECORD_STATUSES = tuple(JobStatus)  # a hub record's (§8, §14)
 RETRY_ON_CHOICES = tuple(RetryOn)
 PRESENCE_STATUSES = tuple(PresenceStatus)

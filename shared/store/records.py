@@ -109,8 +109,13 @@ class JobRecord(TypedDict):
     limited: NotRequired[dict[str, str]]  # §14 Moves: {"session", "until"}: not published there before `until`
     title: NotRequired[str]  # a person's name for the job: `dispatch --title`, else the brief's first line
     schedule: NotRequired[dict[str, Any]]  # §14 Schedules: {"name", "tick", "catch_up"} of a fired job
+    after: NotRequired[list[str]]  # §14 Dependencies: the jobs it stays `blocked` for
+    after_if: NotRequired[str]  # §14 Dependencies: `completed` (each must complete) or `ended`
+    unblocked_at: NotRequired[str]  # §14 Dependencies: when the last of them ended and it was queued
 
 
+NOTE = "hub_note"
+"""An audit line of what the hub engine says about a job ({"event", "line"}); every follower prints it."""
 MAX_RETRIES = 10
 MAX_QUEUE_TIMEOUT_SEC = 366 * 86400  # a year: anything longer is a mistake
 DEFAULT_QUEUE_TIMEOUT_SEC = 86400
@@ -122,6 +127,10 @@ GROUP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
 MAX_GROUP_LIMIT = 1000
 ON_LIMIT_CHOICES = ("pause", "fail", "move")
 """`dispatch --on-limit` (§14 Pauses): the first is the default."""
+AFTER_IF_CHOICES = ("completed", "ended")
+"""`dispatch --if` (§14 Dependencies): the first is the default."""
+MAX_AFTER = 32
+"""At most this many jobs in one `--after` (§14 Dependencies)."""
 
 
 class QueueTerms(NamedTuple):
@@ -141,6 +150,9 @@ class QueueTerms(NamedTuple):
             published or running at once, fleet-wide; None: no group.
         cancel_in_progress: with a group: this job cancels the group's jobs queued or out
             before it (GitHub Actions' `cancel-in-progress`).
+        after: the job ids it runs after (§14 Dependencies): it is `blocked` until each ended;
+            empty: it is queued at once.
+        after_if: `completed` (each must complete, else it ends `dependency_failed`) or `ended`.
     """
 
     target_session: str | None = None
@@ -154,6 +166,8 @@ class QueueTerms(NamedTuple):
     group: str | None = None
     group_limit: int = 1
     cancel_in_progress: bool = False
+    after: tuple[str, ...] = ()
+    after_if: str = AFTER_IF_CHOICES[0]
 
     def checked(self) -> QueueTerms:
         """These terms, validated (labels sorted).
@@ -185,11 +199,28 @@ class QueueTerms(NamedTuple):
             raise UsageError("--group-limit goes with --group NAME")
         if self.group is None and self.cancel_in_progress:
             raise UsageError("--cancel-in-progress goes with --group NAME")
+        self._check_after()
         bad = [reason for reason in self.retry_on if reason not in RETRY_ON_CHOICES]
         if bad or not self.retry_on or len(set(self.retry_on)) != len(self.retry_on):
             raise UsageError(f"--retry-on {','.join(map(str, self.retry_on))!r} is invalid: expected "
                              f"a subset of {','.join(RETRY_ON_CHOICES)}, each once")
         return self._replace(target_labels=labels, retry_on=tuple(str(r) for r in self.retry_on))
+
+    def _check_after(self) -> None:
+        """§14 Dependencies: `after` holds 1..MAX_AFTER distinct job ids, `after_if` a choice."""
+        if not isinstance(self.after, tuple) or len(self.after) > MAX_AFTER:
+            raise UsageError(f"--after names {len(self.after) if isinstance(self.after, tuple) else '?'} jobs: "
+                             f"expected at most {MAX_AFTER}")
+        for job_id in self.after:
+            if not isinstance(job_id, str) or not names.JOB_ID_RE.fullmatch(job_id):
+                raise UsageError(f"--after {str(job_id)[:40]!r} is invalid: expected job ids of 8 hex characters")
+        if len(set(self.after)) != len(self.after):
+            raise UsageError("--after names a job twice")
+        if self.after_if not in AFTER_IF_CHOICES:
+            raise UsageError(f"--if {str(self.after_if)[:40]!r} is invalid: expected one of "
+                             f"{', '.join(AFTER_IF_CHOICES)}")
+        if not self.after and self.after_if != AFTER_IF_CHOICES[0]:
+            raise UsageError("--if goes with --after ID")
 
     def fields(self) -> dict[str, Any]:
         """The record fields of these terms."""
@@ -205,6 +236,8 @@ class QueueTerms(NamedTuple):
             fields["group"], fields["group_limit"] = self.group, self.group_limit
         if self.cancel_in_progress:
             fields["cancel_in_progress"] = True
+        if self.after:
+            fields["after"], fields["after_if"] = list(self.after), self.after_if
         return fields
 
 
@@ -347,12 +380,14 @@ def new_record(*, job_id: str, session: str | None, role: str, attempt_id: int, 
                origin: str | None, queue: QueueTerms | None = None, work: wire.Work | None = None,
                title: str | None = None, schedule: Mapping[str, Any] | None = None) -> JobRecord:
     """A fresh record of `contract` (§8), created and updated now: `pending`, or
-    `queued` with `queue`'s terms (§14; `session` "" until a label target is placed);
-    `work` (§18) and `title` are stored when set."""
+    `queued` with `queue`'s terms (§14; `session` "" until a label target is placed), or
+    `blocked` when they name jobs to run after (§14 Dependencies); `work` (§18) and
+    `title` are stored when set."""
     now = utc_now()
     terms = contract.to_dict()  # the five §5 fields, idle resolved
+    status = JobStatus.PENDING if queue is None else JobStatus.BLOCKED if queue.after else JobStatus.QUEUED
     record: JobRecord = {
-        "record_version": RECORD_VERSION, "job_id": job_id, "status": "pending" if queue is None else "queued",
+        "record_version": RECORD_VERSION, "job_id": job_id, "status": status,
         "role": role, "session": session or "",
         "agent_session": names.agent_session_label(session) if session else "", "transport": "remote",
         "attempt_id": attempt_id, "dispatch_token": dispatch_token, "auth_token": auth_token,
@@ -364,7 +399,8 @@ def new_record(*, job_id: str, session: str | None, role: str, attempt_id: int, 
     }
     if queue is not None:
         record.update(queue.fields())  # type: ignore[typeddict-item]  # the NotRequired §14 fields
-        record["queued_at"] = utc_now_us()
+        if status == JobStatus.QUEUED:  # a blocked job's queue time starts when it is `unblocked`
+            record["queued_at"] = utc_now_us()
     if work:
         record["work"] = work.to_dict()
     if title:
@@ -626,6 +662,21 @@ def published(record: JobRecord, session: str, published_at: str) -> JobRecord:
                 "attempt_created_at": published_at})
     new.pop("paused_until", None)  # §14 Pauses: it is published, so no longer paused
     new.pop("limited", None)  # §14 Moves: nor kept off the runner it left
+    return new
+
+
+def unblocked(record: JobRecord) -> JobRecord:
+    """A copy of a `blocked` record moved to `queued` (§14 Dependencies: every job it runs
+    after ended as its `after_if` allows); its queue time (and queue timeout) starts now.
+
+    Raises:
+        Refusal(`not_allowed`): the record is not blocked.
+    """
+    if record["status"] != JobStatus.BLOCKED:
+        raise Refusal(record["job_id"], "not_allowed",
+                      f"refused release: the job is {record['status']}, not blocked")
+    new = moved(record, JobStatus.QUEUED)
+    new["queued_at"] = new["unblocked_at"] = utc_now_us()
     return new
 
 

@@ -150,6 +150,11 @@ def test_s14_http_dispatch_queues_through_the_dispatch_path_and_the_queue_says_w
     (json.dumps({"brief": "x", "labels": ["gpu"], "group": "a/b"}).encode(), "--group 'a/b' is invalid"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "group_limit": 2}).encode(), "--group-limit goes with --group"),
     (json.dumps({"brief": "x", "labels": ["gpu"], "group": "r", "group_limit": "2"}).encode(), "'group_limit' is"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "after": "0badf00d"}).encode(), "'after' is invalid"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "after": ["0badf00d"]}).encode(), "no job 0badf00d"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "after": ["../etc"]}).encode(), "--after '../etc' is invalid"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "if": "ended"}).encode(), "--if goes with --after"),
+    (json.dumps({"brief": "x", "labels": ["gpu"], "after": ["0badf00d"], "if": 1}).encode(), "'if' is invalid"),
 ])
 def test_s14_http_bad_dispatch_bodies_get_400_with_a_reason(service, api, body, why):
     response = api.post("/api/jobs", content=body, headers={"content-type": "application/json"})
@@ -559,3 +564,24 @@ def test_s15_the_live_feed_reads_only_the_jobs_it_is_told_of(service):
     assert [m["job"]["job_id"] for m in feed.poll({told}) if m["type"] == "job"] == [told]
     assert [m["job"]["job_id"] for m in feed.poll() if m["type"] == "job"] == [untold]  # the full look
 
+
+
+def test_s14_http_and_python_dispatch_take_after_and_the_queue_shows_blocked_jobs(service, api):
+    first = dispatch(api).json()["job_id"]
+    blocked = dispatch(api, after=[first], **{"if": "ended"})
+    assert blocked.status_code == 201 and blocked.json()["status"] == "blocked", blocked.text
+    job_id = blocked.json()["job_id"]
+    service.scan(time.monotonic())
+    service.release_blocked()
+    rows = {row["job_id"]: row for row in api.get("/api/queue").json()["queue"]}
+    assert rows[first]["status"] == "queued"
+    assert rows[job_id]["status"] == "blocked"
+    assert rows[job_id]["why_waiting"] == f"blocked until job {first} (queued) ends"
+    assert 'mam_jobs{status="blocked"} 1.0' in api.get("/metrics").text
+    from mam.orchestrator.api import Hub
+
+    with Hub(service.registry.root, embedded=False) as hub:
+        with pytest.raises(UsageError, match="no job 0badf00d in this registry"):
+            hub.dispatch("echo hi", labels=["gpu"], after="0badf00d")
+        with pytest.raises(UsageError, match="--if 'never' is invalid"):
+            hub.dispatch("echo hi", labels=["gpu"], after=[first], after_if="never")

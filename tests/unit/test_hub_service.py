@@ -15,10 +15,10 @@ from harness.fake_mqtt import FakeBroker
 from harness.hubclient import RecordingClient, event, started
 from harness.workspace import TEST_SECRET
 
-from mam.orchestrator.follow import AuditTail, settled
+from mam.orchestrator.follow import AuditTail
 from mam.orchestrator.hub import Hub, open_hub
 from mam.orchestrator.hublock import HubLock, service_pid
-from mam.orchestrator.queuewait import close_queue_timeout, mark_published
+from mam.orchestrator.queuewait import close_queue_timeout, mark_published, settled
 from mam.orchestrator.service import HubService
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.config import write_env_file

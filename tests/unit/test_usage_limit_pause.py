@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from test_hub_queue_registry import fleet_of
 
-from mam.orchestrator.follow import settled
 from mam.orchestrator.queue import Fleet, RunnerView, plan, why_waiting
 from mam.orchestrator.queuewait import (
     DEFAULT_LIMIT_PAUSE_S,
@@ -26,6 +25,7 @@ from mam.orchestrator.queuewait import (
     pause_attempt,
     queued_job,
     resume_paused,
+    settled,
 )
 from mam.runner.agents import ClaudeAdapter
 from mam.runner.agents.base import AgentReport, is_usage_limit, reset_time

@@ -83,8 +83,8 @@ function renderFleet() {
     r.status === "revoked" ? "revoked " + r.revoked_at : age(r.last_seen), drainButton(r)])),
     "no runner has announced itself", 9);
   const titleOf = (id) => (state.jobs.get(id) || {}).title || "";
-  fill("queue", state.queue.map((q) => row([jobLink(q.job_id), titleOf(q.job_id),
-    q.target + (q.group ? " · group " + q.group : ""), q.priority, q.why_waiting])), "nothing waits", 5);
+  fill("queue", state.queue.map((q) => row([jobLink(q.job_id), titleOf(q.job_id), badge(q.status),
+    q.target + (q.group ? " · group " + q.group : ""), q.priority, q.why_waiting])), "nothing waits", 6);
   const jobs = [...state.jobs.values()].sort((a, b) => b.created_at.localeCompare(a.created_at));
   const open = jobs.filter((j) => j.status === "pending" || j.status === "running");
   const matching = jobs.filter((j) => TERMINAL.has(j.status) && matches(j));
@@ -104,7 +104,8 @@ function renderFleet() {
     filtering() ? "no ended job matches" : "no job ended yet", 8);
   const online = state.runners.filter((r) => r.status === "online").length;
   document.getElementById("summary").textContent =
-    online + " runners online · " + state.queue.length + " queued · " + open.length + " running";
+    online + " runners online · " + state.queue.filter((q) => q.status === "queued").length + " queued · " +
+    state.queue.filter((q) => q.status === "blocked").length + " blocked · " + open.length + " running";
 }
 
 // Drain or undrain a runner from the hub (§7): a signed, retained order; its row turns
@@ -190,7 +191,7 @@ function renderJob() {
     (job.exit_code !== null && job.exit_code !== undefined ? " · agent exit " + job.exit_code : "") +
     agentFacts(job.agent);
   const waiting = state.queue.find((q) => q.job_id === job.job_id);
-  if (job.status === "queued" && waiting) document.getElementById("job-facts").textContent += " · " + waiting.why_waiting;
+  if ((job.status === "queued" || job.status === "blocked") && waiting) document.getElementById("job-facts").textContent += " · " + waiting.why_waiting;
   fill("attempts", detail.attempts.map((a) => row([a.attempt_id, a.session, a.status, a.reason, a.log || ""])), "", 5);
   fill("events", eventRows(detail), "no event yet", 4);
   renderChange(job.job_id, detail.result);
