@@ -26,7 +26,7 @@ from typing import Any
 
 from mam.orchestrator.asks import Ask, answer_from, asks_of, pending
 from mam.orchestrator.control import close_remote
-from mam.orchestrator.dependencies import check_after
+from mam.orchestrator.dependencies import check as check_dependencies
 from mam.orchestrator.dispatch import check_brief, hub_contract, parse_after, work_terms
 from mam.orchestrator.enqueue import register_queued
 from mam.orchestrator.follow import FOLLOW_POLL_S, AuditTail, is_event_line
@@ -246,7 +246,7 @@ class Hub:
                  title: str | None = None, group: str | None = None, group_limit: int = 1,
                  cancel_in_progress: bool = False, memory: str | int | None = None, cpus: float | None = None,
                  pids: int | None = None, gpus: int | None = None, after: Sequence[str] = (),
-                 after_if: str = "completed") -> Job:
+                 after_if: str = "completed", from_result: str | None = None) -> Job:
         """Queue a job for one runner `session` or any runner carrying all `labels` (§14);
         with `repo` (and `ref`), on a worktree of that repository; `max_turns`,
         `max_cost_usd`, `allow_tools` (e.g. ["Bash(git *)", "Edit"]), `deny_tools` (rules never
@@ -262,7 +262,8 @@ class Hub:
         limit the job's processes where the runner's host gives the cgroup controllers (§6 "Limits");
         `gpus`: how many of a runner's GPUs it needs (§14 "GPUs"); `after`: job ids it stays
         `blocked` for until each ended, "completed" (default) or only "ended" as `after_if` says,
-        else it ends `dependency_failed` (§14 Dependencies).
+        else it ends `dependency_failed` (§14 Dependencies); `from_result`: a job of the same `repo`
+        whose result the worktree starts from (it runs after it, §18 "Handing a change on").
 
         Returns:
             the `Job` (queued; the service publishes it when a runner has a free slot).
@@ -276,14 +277,14 @@ class Hub:
                            retry_on=tuple(retry_on), fresh=fresh, on_limit=on_limit, group=group,
                            group_limit=group_limit, cancel_in_progress=cancel_in_progress,
                            after=parse_after(after) if isinstance(after, str) else tuple(after),
-                           after_if=after_if).checked()
-        check_after(self.registry, terms.after)
+                           after_if=after_if, from_result=from_result).checked()
         contract = hub_contract(self.registry.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
                                 ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
         work = work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
                           allow_tools=allow_tools, deny_tools=deny_tools, permission_mode=permission_mode,
                           ask_timeout_s=ask_timeout_s, on_ask_timeout=on_ask_timeout, memory=memory, cpus=cpus,
                           pids=pids, gpus=gpus, cli=False)
+        check_dependencies(self.registry, terms, work)
         self._hub.keys()
         self.ensure_service()
         record = register_queued(self.registry, brief=brief, contract=contract, terms=terms, work=work, title=title)

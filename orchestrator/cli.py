@@ -316,6 +316,9 @@ def dispatch_cmd(
     after_if: str = typer.Option(None, "--if", metavar="completed|ended",
                                  help="With --after: each job must have completed (default), or only "
                                       "ended, whatever its outcome."),
+    from_result: str = typer.Option(None, "--from-result", metavar="ID",
+                                    help="With --repo: start the worktree from the change job ID (of the same "
+                                         "repo) brought back, not from --ref; runs after ID (§18)."),
     repo: str = typer.Option(None, "--repo", metavar="NAME",
                              help="Run on a worktree of this repository: only runners started with "
                                   "--repo NAME=URL take the job; its change comes back (§18)."),
@@ -383,7 +386,7 @@ def dispatch_cmd(
                         workspace=workspace, labels=labels, priority=priority, queue_timeout_s=queue_timeout,
                         retries=retries, retry_on=retry_on, fresh=fresh, on_limit=on_limit, show_log=not no_log,
                         title=title, group=group, group_limit=group_limit, cancel_in_progress=cancel_in_progress,
-                        after=after, after_if=after_if,
+                        after=after, after_if=after_if, from_result=from_result,
                         work=work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
                                         allow_tools=allow_tools, deny_tools=deny_tools,
                                         permission_mode=permission_mode, ask_timeout_s=ask_timeout,

@@ -6,7 +6,10 @@ wire). The engine (`service.HubService`) looks at it whenever it or a job it nam
 changes: `decide` is the pure rule, `look` reads the records it needs. When every job it
 names ended as `--if` allows, it is `unblocked` (queued, its queue time starting then);
 when one ended otherwise, or is gone, it is closed `dependency_failed` naming that job.
-`check_after` refuses unknown ids, the job itself and cycles at dispatch (exit 64).
+A job dispatched `--from-result A` (§18 "Handing a change on") also waits for A's result
+to land, and is queued with `work.base` naming it (`result_base`); a result that cannot be
+handed on fails it. `check` refuses unknown ids, the job itself, cycles and a
+`--from-result` job of another repository at dispatch (exit 64).
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from mam.orchestrator.queuewait import settled
+from mam.orchestrator.results import read_result, result_arrived
+from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import CloseReason, JobStatus, QueueSource
 from mam.shared.protocol.errors import MamError, UsageError
-from mam.shared.store.records import AFTER_IF_CHOICES, NOTE, JobNotFound, JobRecord, moved, unblocked
+from mam.shared.store.records import AFTER_IF_CHOICES, NOTE, JobNotFound, JobRecord, QueueTerms, moved, unblocked
 from mam.shared.store.registry import Registry
 
 GONE = "gone"
@@ -34,10 +39,12 @@ class Decision:
     Attributes:
         waiting: (job id, status) of each named job that may still run, in `after` order.
         failed: why it ends `dependency_failed` (one line naming the job), or None.
+        base: with `--from-result`, the `work.base` it is queued with (§18), once released.
     """
 
     waiting: tuple[tuple[str, str], ...] = ()
     failed: str | None = None
+    base: dict[str, Any] | None = None
 
     @property
     def release(self) -> bool:
@@ -132,6 +139,55 @@ def _after_of(registry: Registry) -> Callable[[str], Sequence[str]]:
     return after_of
 
 
+def check(registry: Registry, terms: QueueTerms, work: wire.Work | None) -> None:
+    """Refuse at dispatch what could never be released (§14 Dependencies, §18 "Handing a
+    change on"): `check_after`, and a `--from-result` job that worked on another repository
+    (or none) than this job's `--repo`.
+
+    Raises:
+        UsageError: one line, before anything is written.
+    """
+    check_after(registry, terms.after)
+    if terms.from_result is None:
+        return
+    repo = work.repo if work is not None else None
+    if repo is None:
+        raise UsageError("--from-result goes with --repo NAME: the job starts from that job's change to the repo")
+    theirs = (registry.get(terms.from_result).get("work") or {}).get("repo")
+    if theirs != repo:
+        raise UsageError(f"--from-result {terms.from_result}: that job worked on "
+                         f"{f'repo {theirs}' if theirs else 'no repository'}, this one on repo {repo}")
+
+
+def result_base(registry: Registry, job_id: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The `work.base` a job dispatched `--from-result job_id` starts from (§18): that job's
+    latest result's attempt, base and head (its bundle is sealed into each dispatch).
+
+    Returns:
+        (base, None); (None, None) while the result its terminal announced has not landed;
+        (None, why) when it cannot be handed on: no result, no commits named, no bundle, or a
+        bundle over `wire.MAX_CARRIED_BUNDLE_BYTES`.
+    """
+    if not result_arrived(registry, job_id):
+        return None, None
+    result = read_result(registry, job_id)
+    summary = result.summary if result is not None else None
+    if result is None or summary is None:
+        return None, f"job {job_id} sent no result to start from"
+    base_sha, head_sha = summary.get("base_sha"), summary.get("head_sha")
+    if not all(isinstance(sha, str) and names.SHA_RE.fullmatch(sha) for sha in (base_sha, head_sha)):
+        return None, f"job {job_id}'s result names no commit to start from"
+    if head_sha != base_sha:
+        bundle = result.bundle_path
+        if bundle is None:
+            return None, f"job {job_id}'s result has no bundle to start from ({summary.get('note') or 'none sent'})"
+        size = bundle.stat().st_size
+        if size > wire.MAX_CARRIED_BUNDLE_BYTES:
+            return None, (f"job {job_id}'s change is {size} bytes as a bundle, over the "
+                          f"{wire.MAX_CARRIED_BUNDLE_BYTES} a dispatch carries")
+    return {"job_id": job_id, "attempt": result.attempt_id, "base_sha": base_sha, "head_sha": head_sha}, None
+
+
 def check_after(registry: Registry, after: Sequence[str], job_id: str | None = None) -> None:
     """Refuse what could never be released (§14 Dependencies), before anything is written.
 
@@ -169,15 +225,24 @@ def look(registry: Registry, record: JobRecord) -> Decision:
         cycle = find_cycle(record["job_id"], after, _after_of(registry))
         if cycle is not None:
             return Decision(failed="its jobs wait on each other: " + " -> ".join(cycle))
+    source = record.get("from_result")
+    if decision.release and isinstance(source, str):
+        base, why = result_base(registry, source)
+        if base is None:
+            return Decision(failed=why) if why else Decision(waiting=((source, "ended; its result is not in yet"),))
+        return Decision(base=base)
     return decision
 
 
-def release(registry: Registry, job_id: str) -> JobRecord | None:
-    """`blocked` → `queued` (`records.unblocked`); None when it is not blocked any more."""
+def release(registry: Registry, job_id: str, base: Mapping[str, Any] | None = None) -> JobRecord | None:
+    """`blocked` → `queued` (`records.unblocked`), with `work.base` when given (§18); None
+    when it is not blocked any more."""
     with registry.transaction(job_id) as txn:
         if txn.record["status"] != JobStatus.BLOCKED:
             return None
         new = unblocked(txn.record)
+        if base is not None:
+            new["work"] = {**(new.get("work") or {}), "base": dict(base)}
         txn.update(new, source=QueueSource.HUB_QUEUE, reason="every job it runs after ended")
     return new
 
@@ -206,5 +271,5 @@ def waiting_line(decision: Decision) -> str:
     return f"blocked until {shown} {'ends' if len(decision.waiting) == 1 else 'end'}"
 
 
-__all__ = ["GONE", "Decision", "check_after", "decide", "fail", "failed_line", "find_cycle", "look", "outcome",
-           "release", "waiting_line"]
+__all__ = ["GONE", "Decision", "check", "check_after", "decide", "fail", "failed_line", "find_cycle", "look",
+           "outcome", "release", "result_base", "waiting_line"]

@@ -24,7 +24,7 @@ from mam.orchestrator.control import close_remote
 from mam.orchestrator.hub import Workspace
 from mam.orchestrator.identity import roster
 from mam.orchestrator.queuewait import mark_published
-from mam.orchestrator.results import with_transcript
+from mam.orchestrator.results import with_bundle, with_transcript
 from mam.shared import config
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.codes import DEFAULT_RETRY_ON, CloseReason
@@ -98,7 +98,8 @@ def build_dispatch(record: Mapping[str, Any], brief: str, keys: DispatchKeys, *,
                    issued_at: datetime | None = None, root: Path | None = None) -> dict[str, Any]:
     """The signed dispatch of §5 for the record's current attempt: v2 (§16) when the hub
     registry at `root` has an active roster entry for the session, else v1; its
-    `work.resume` carries the session's transcript when the hub has it and it fits (§18).
+    `work.resume` carries the session's transcript when the hub has it and it fits, and
+    `work.base` the change it starts from (§18).
 
     Args:
         record: the hub record (job_id, session, attempt_id, dispatch_token,
@@ -114,6 +115,8 @@ def build_dispatch(record: Mapping[str, Any], brief: str, keys: DispatchKeys, *,
         UsageError: a bad brief or record field, or a revoked session (§16).
     """
     check_brief(brief)
+    if root is not None:
+        record = with_bundle(root, record)  # §18: the change it starts from travels with it, or it cannot start
     if root is not None and (carried := with_transcript(root, record)) is not record:
         signed = _build_dispatch(carried, brief, keys, origin=origin, issued_at=issued_at, root=root)
         try:
@@ -311,7 +314,7 @@ def publish_queued(registry: Registry, job_id: str, session: str, keys: Dispatch
         the `pending` record.
     Raises:
         Refusal(`not_allowed`): the job is no longer queued (nothing published).
-        BrokerError (the record is then closed `agent_blocked`), RegistryError.
+        BrokerError, UsageError (the record is then closed `agent_blocked`), RegistryError.
     """
     return send_dispatch(registry, mark_published(registry, job_id, session), keys, client)
 
@@ -339,7 +342,7 @@ def queue_terms(session: str | None, labels: str | None, *, priority: int, queue
                 retries: int, retry_on: str | None, fresh: bool = False, on_limit: str = "pause",
                 group: str | None = None, group_limit: int | None = None,
                 cancel_in_progress: bool = False, after: str | None = None,
-                after_if: str | None = None) -> QueueTerms:
+                after_if: str | None = None, from_result: str | None = None) -> QueueTerms:
     """The job's §14 terms from the dispatch options (`--session remote:NAME` accepted;
     `after`: `ID[,ID...]`, §14 Dependencies).
 
@@ -360,6 +363,8 @@ def queue_terms(session: str | None, labels: str | None, *, priority: int, queue
         terms = terms._replace(after=parse_after(after))
     if after_if is not None:
         terms = terms._replace(after_if=after_if)
+    if from_result is not None:
+        terms = terms._replace(from_result=from_result.strip())
     if queue_timeout_s is not None:
         terms = terms._replace(queue_timeout_sec=queue_timeout_s)
     return terms.checked()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mam.orchestrator.dependencies import check_after
+from mam.orchestrator.dependencies import check as check_dependencies
 from mam.orchestrator.dispatch import job_title, save_brief
 from mam.orchestrator.identity import roster
 from mam.orchestrator.wake import wake_engine
@@ -38,11 +38,11 @@ def register_queued(registry: Registry, *, brief: str, contract: wire.Contract, 
 
     Raises:
         UsageError: the target session is revoked (`refuse_revoked`); a bad title; `--after`
-            names an unknown job or makes a cycle (`check_after`).
+            names an unknown job or makes a cycle, `--from-result` another repository (`dependencies.check`).
     """
     name = job_title(brief, title)
     refuse_revoked(registry, terms.target_session)
-    check_after(registry, terms.after)
+    check_dependencies(registry, terms, work)
     record = registry.register(session=terms.target_session, contract=contract, queue=terms, work=work,
                                title=name, schedule=schedule)
     save_brief(registry, record["job_id"], brief)

@@ -321,6 +321,35 @@ def with_transcript(root: Path, record: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**record, "work": {**work, "resume": {**resume, "transcript": sealed}}}
 
 
+def with_bundle(root: Path, record: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`record` with `work.base.bundle` (§18 "Handing a change on"): the `change.bundle` of
+    the result it starts from, sealed to the record's attempt (`crypto.seal_bundle`);
+    `record` itself when it starts from no result, or that result has no commit to carry.
+
+    Raises:
+        UsageError: the bundle is no longer at the hub, or is over `wire.MAX_CARRIED_BUNDLE_BYTES`
+            (one line: this attempt cannot start where it should).
+    """
+    work = record.get("work") or {}
+    base = work.get("base")
+    if not isinstance(base, Mapping) or base.get("head_sha") == base.get("base_sha"):
+        return record
+    source = f"job {base.get('job_id')} attempt {base.get('attempt')}"
+    try:
+        path = names.hub_result_dir(root, str(base["job_id"]), int(base["attempt"])) / BUNDLE_FILE
+        with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NOFOLLOW)) as handle:
+            data = handle.read(wire.MAX_CARRIED_BUNDLE_BYTES + 1)
+    except (OSError, KeyError, TypeError, ValueError, UsageError) as exc:
+        raise UsageError(f"job {record['job_id']}: the change of {source} it starts from is not at the hub: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None
+    if len(data) > wire.MAX_CARRIED_BUNDLE_BYTES:
+        raise UsageError(f"job {record['job_id']}: the change of {source} is over the "
+                         f"{wire.MAX_CARRIED_BUNDLE_BYTES} bytes a dispatch carries")
+    sealed = crypto.seal_bundle(record["auth_token"], data, job_id=record["job_id"], attempt_id=record["attempt_id"],
+                                from_job=str(base["job_id"]), head_sha=str(base["head_sha"]))
+    return {**record, "work": {**work, "base": {**base, "bundle": sealed}}}
+
+
 def attempts_with_results(root: Path, job_id: str) -> Iterator[int]:
     folder = names.mam_dir(root) / "results" / names.validate_job_id(job_id)
     if folder.is_dir():

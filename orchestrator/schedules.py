@@ -346,9 +346,9 @@ def add(root: Path, name: str, *, cron: str, tz: str, overlap: str, catch_up: in
     for key in IGNORED_DISPATCH_OPTIONS:
         if params.get(key):
             raise UsageError(f"--{key.replace('_', '-').replace('as-json', 'json')} has no meaning for a schedule")
-    if params.get("after") or params.get("after_if"):
-        raise UsageError("--after and --if have no meaning for a schedule: every tick's job would wait on the "
-                         "same jobs")
+    if params.get("after") or params.get("after_if") or params.get("from_result"):
+        raise UsageError("--after, --if and --from-result have no meaning for a schedule: every tick's job "
+                         "would wait on the same jobs")
     terms = queue_terms(params.get("session"), params.get("labels"), priority=params.get("priority") or 0,
                         queue_timeout_s=params.get("queue_timeout"), retries=params.get("retries") or 0,
                         retry_on=params.get("retry_on"), fresh=bool(params.get("fresh")),

@@ -328,7 +328,7 @@ class HubService:
                     self._say_blocked(job_id, dependencies.waiting_line(decision))
                     continue
                 changed = (dependencies.fail(self.registry, job_id, decision.failed) if decision.failed
-                           else dependencies.release(self.registry, job_id))
+                           else dependencies.release(self.registry, job_id, decision.base))
             except MamError as exc:
                 log.warning("job %s: dependencies not looked at: %s", job_id, exc)
                 continue
@@ -339,8 +339,11 @@ class HubService:
                 log.warning("%s", dependencies.failed_line(job_id, decision.failed))  # noted by `fail`
                 self._failed(changed)
             else:
+                start = (f", to start from the result of job {decision.base['job_id']} attempt "
+                         f"{decision.base['attempt']}" if decision.base else "")
                 self.note(job_id, f"job {job_id}: every job it runs after ended "
-                                  f"({', '.join(changed.get('after') or ())}); queued for {describe_target(changed)}")
+                                  f"({', '.join(changed.get('after') or ())}); queued for {describe_target(changed)}"
+                                  f"{start}")
                 self._enqueue(changed)
 
     def _say_blocked(self, job_id: str, why: str) -> None:
@@ -446,7 +449,9 @@ class HubService:
         parsed = names.parse_job_topic(topic, root)
         if parsed is not None and parsed[1] == "result":
             try:
-                self.results.handle(raw)
+                landed = self.results.handle(raw)
+                if landed is not None:  # §18: a job started --from-result it may go now
+                    self.unblock_due.update(self.dependents.get(landed, ()))
             except MamError as exc:
                 self.stats.handler_errors += 1
                 log.warning("job %s: result chunk not handled: %s", parsed[0], exc)

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import BinaryIO
 
-from mam.orchestrator.dependencies import check_after
+from mam.orchestrator.dependencies import check as check_dependencies
 from mam.orchestrator.dispatch import hub_contract, job_title, print_started, queue_terms, read_brief
 from mam.orchestrator.enqueue import refuse_revoked, register_queued
 from mam.orchestrator.follow import Follower
@@ -144,7 +144,8 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
                  retry_on: str | None = None, show_log: bool = True, work: wire.Work | None = None,
                  fresh: bool = False, on_limit: str = "pause", title: str | None = None,
                  group: str | None = None, group_limit: int | None = None,
-                 cancel_in_progress: bool = False, after: str | None = None, after_if: str | None = None) -> int:
+                 cancel_in_progress: bool = False, after: str | None = None, after_if: str | None = None,
+                 from_result: str | None = None) -> int:
     """`mam-orch dispatch` (§5, §9, §10, §14).
 
     Order: validate everything (the target: `--session NAME` (or `remote:NAME`) or
@@ -163,7 +164,8 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
     """
     terms = queue_terms(session, labels, priority=priority, queue_timeout_s=queue_timeout_s, retries=retries,
                         retry_on=retry_on, fresh=fresh, on_limit=on_limit, group=group, group_limit=group_limit,
-                        cancel_in_progress=cancel_in_progress, after=after, after_if=after_if)
+                        cancel_in_progress=cancel_in_progress, after=after, after_if=after_if,
+                        from_result=from_result)
     text = read_brief(brief, brief_file, stdin)
     job_title(text, title)  # a bad --title is refused before anything is written
     hub = open_hub(workspace)
@@ -171,7 +173,7 @@ def dispatch_cli(*, session: str | None, brief: str | None, brief_file: str | No
     contract = hub_contract(hub.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
                             ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
     hub.keys()  # MAM_DISPATCH_SECRET must be usable (exit 64 before anything is written)
-    check_after(hub.registry, terms.after)  # unknown ids and cycles: exit 64, nothing written
+    check_dependencies(hub.registry, terms, work)  # unknown ids, cycles: exit 64, nothing written
     if require_online:
         why = _require_online(hub, terms)
         if why is not None:

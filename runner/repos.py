@@ -794,6 +794,43 @@ class Repos:
                 return ref, sha
         raise RepoError(f"repo {name} has no branch, tag or commit {_shown(ref, 64)}")
 
+    def take_change(self, name: str, bundle: bytes | None, head_sha: str, source: str) -> None:
+        """Make `head_sha`, the head of another job's result (§18 "Handing a change on"), a
+        commit of the mirror of a prepared repository: when the mirror lacks it, `bundle` (that
+        result's git bundle, base..head) is verified against the mirror and fetched into
+        `refs/mam/handed/<source>/*`, where no fetch from the remote prunes it.
+
+        Args:
+            source: `<job_id>-<attempt>` of that result (`worktree_key`).
+        Raises:
+            UsageError: a bad sha or source.
+            RepoError: the mirror lacks the commit and no bundle came; git refused the bundle (not
+                one, or its base is not in the mirror); or it does not hold `head_sha`.
+        """
+        names.validate_sha(head_sha, "head sha")
+        if not re.fullmatch(r"[0-9a-f]{8}-[1-9][0-9]{0,5}", source):
+            raise UsageError(f"source {_shown(source, 24)} is invalid: expected <job id>-<attempt>")
+        mirror = self.mirror_path(name)
+        what = f"repo {name}: the change of {source}"
+        with self._locked(name):
+            if self._has_commit(mirror, head_sha):
+                return
+            if bundle is None:
+                raise RepoError(f"{what}: commit {head_sha[:12]} is not in the mirror and no bundle came with it")
+            with tempfile.NamedTemporaryFile(dir=self.repos_dir, prefix=".handed-", suffix=".bundle") as tmp:
+                tmp.write(bundle)
+                tmp.flush()
+                self._git(mirror, ["bundle", "verify", "--quiet", tmp.name], f"{what}: git bundle verify")
+                self._git(mirror, ["fetch", "--no-tags", "--quiet", tmp.name,
+                                   f"+refs/heads/*:refs/mam/handed/{source}/*"], f"{what}: git fetch")
+            if not self._has_commit(mirror, head_sha):
+                raise RepoError(f"{what}: its bundle does not hold commit {head_sha[:12]}")
+
+    def _has_commit(self, mirror: Path, sha: str) -> bool:
+        done = self._git(mirror, ["cat-file", "-e", f"{sha}^{{commit}}"], f"looking up commit {sha[:12]}",
+                         ok=(0, 1, 128))
+        return done.returncode == 0
+
     # -------------------------------------------------------------- worktrees
 
     def _marker(self, key: str) -> Path:

@@ -121,7 +121,7 @@ class AttemptWork:
             claude agent gets the MCP permission tool (`permission_tool`).
         workdir: where the agent of a job without a repository runs.
         environ: the environment the agent inherits (where its CLI keeps its sessions).
-        auth_token: this attempt's token, which opens a transcript the hub carried (§18).
+        auth_token: this attempt's token, which opens a transcript or a bundle the hub carried (§18).
     """
 
     def __init__(self, *, job_id: str, attempt_id: int, work: wire.Work | None, root: Path,
@@ -138,6 +138,7 @@ class AttemptWork:
         self._skipped_seen = 0
         self.secrets = list(secrets)
         self.worktree: repos.Worktree | None = None
+        self.started_from: wire.Base | None = None  # §18: the other job's result the worktree started at
         self.artifacts_dir = root / "artifacts" / f"{job_id}-{attempt_id}"
         self.ask_socket = ask_socket
         self.mcp_config = names.run_dir(root) / f"mcp-{job_id}-{attempt_id}.json"
@@ -152,8 +153,9 @@ class AttemptWork:
         """Fetch, resolve and add this attempt's worktree (a repository job); `started`'s data.
 
         Returns:
-            {"agent": kind}; for a repository job {"repo", "ref", "sha", "branch"}; with
-            `work.resume`, `continues` {"session_id", "attempt"} or `fresh` (why not, one line).
+            {"agent": kind}; for a repository job {"repo", "ref", "sha", "branch"}, and
+            `from_result` {"job_id", "attempt", "head_sha"} when it starts at another job's result;
+            with `work.resume`, `continues` {"session_id", "attempt"} or `fresh` (why not, one line).
         Raises:
             RepoError: the fetch failed, the ref does not exist, or git refused the worktree (one line).
         """
@@ -178,6 +180,9 @@ class AttemptWork:
             wt = self.worktree
             assert wt is not None
             data.update({"repo": wt.repo, "ref": wt.ref, "sha": wt.base_sha, "branch": wt.branch})
+            if self.started_from is not None:
+                base = self.started_from
+                data["from_result"] = {"job_id": base.job_id, "attempt": base.attempt, "head_sha": base.head_sha}
         if resume is not None:
             # the session continues where its transcript is: here, or carried by the hub (then even
             # in a new worktree, as after a move to another runner)
@@ -218,9 +223,30 @@ class AttemptWork:
             return None
         return data
 
+    def _carried_bundle(self, base: wire.Base) -> bytes | None:
+        """The bundle the hub carried in `base` (§18), opened with this attempt's token; None
+        when it carried none (no commit to hand on, or this runner has them).
+
+        Raises:
+            RepoError: it does not open (another attempt's, tampered).
+        """
+        if base.bundle is None:
+            return None
+        try:
+            return crypto.open_bundle(self.auth_token, base.bundle, job_id=self.job_id, attempt_id=self.attempt_id,
+                                      from_job=base.job_id, head_sha=base.head_sha)
+        except SignatureError:
+            raise repos.RepoError(f"job {self.job_id}: the change of job {base.job_id} it starts from does not "
+                                  "open with this attempt's key") from None
+
     def _add_worktree(self, name: str, resume: wire.Resume | None) -> str | None:
         """Fetch and add this attempt's worktree: where `resume`'s attempt ended when this runner
-        still has its branch, else at the dispatch's ref. Returns why it did not continue, or None."""
+        still has its branch, else at the head of the result `work.base` names (§18 "Handing a
+        change on"), else at the dispatch's ref. Returns why it did not continue, or None.
+
+        Raises:
+            RepoError: one line (the fetch, the ref, the carried change, the worktree).
+        """
         self.mirrors.prepare(name)
         ref, sha = self.mirrors.resolve(name, self.work.ref if self.work is not None else None)
         why_fresh: str | None = None
@@ -234,6 +260,16 @@ class AttemptWork:
                          self.worktree.path, resume.attempt, head[:12], resume.base_sha[:12])
                 return None
             why_fresh = f"attempt {resume.attempt}'s worktree is not on this runner"
+        base = self.work.base if self.work is not None else None
+        if base is not None:
+            source = repos.worktree_key(base.job_id, base.attempt)
+            self.mirrors.take_change(name, self._carried_bundle(base), base.head_sha, source)
+            self.worktree = self.mirrors.add_worktree(name, base.head_sha, self.job_id, self.attempt_id, ref,
+                                                      base_sha=base.base_sha)
+            self.started_from = base
+            log.info("job %s: worktree %s starts from the result of job %s attempt %d at %s (base %s)", self.job_id,
+                     self.worktree.path, base.job_id, base.attempt, base.head_sha[:12], base.base_sha[:12])
+            return why_fresh
         self.worktree = self.mirrors.add_worktree(name, sha, self.job_id, self.attempt_id, ref)
         log.info("job %s: worktree %s at %s (%s of repo %s)", self.job_id, self.worktree.path, sha[:12], ref, name)
         return why_fresh

@@ -33,8 +33,8 @@ WORK_FIELDS = ("repo", "ref", "permission_mode", "on_ask_timeout")
 POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "deny_tools", "ask_timeout_s")
 LIMIT_FIELDS = ("memory", "cpus", "pids", "gpus")
 DISPATCH_FIELDS = frozenset({"brief", "labels", "session", "retry_on", "fresh", "on_limit", "title", "group",
-                             "cancel_in_progress", "after", "if", *WORK_FIELDS, *POLICY_FIELDS, *LIMIT_FIELDS,
-                             *INT_FIELDS})
+                             "cancel_in_progress", "after", "if", "from_result", *WORK_FIELDS, *POLICY_FIELDS,
+                             *LIMIT_FIELDS, *INT_FIELDS})
 
 
 def _int(body: Mapping[str, Any], name: str) -> int | None:
@@ -86,6 +86,9 @@ def dispatch_request(service: HubService, body: object) -> dict[str, Any]:
         raise UsageError("field 'after' is invalid: expected a list of job ids")
     if not isinstance(after_if, str):
         raise UsageError(f"field 'if' is invalid: expected one of {', '.join(AFTER_IF_CHOICES)}")
+    from_result = body.get("from_result")
+    if from_result is not None and not isinstance(from_result, str):
+        raise UsageError("field 'from_result' is invalid: expected a job id")
     ints = {name: _int(body, name) for name in INT_FIELDS}
     target = names.validate_session(names.strip_remote(session)) if session is not None else None
     terms = QueueTerms(target_session=target,
@@ -93,7 +96,7 @@ def dispatch_request(service: HubService, body: object) -> dict[str, Any]:
                        priority=ints["priority"] or 0, retries=ints["retries"] or 0,
                        retry_on=parse_retry_on(",".join(retry_on) if retry_on is not None else None),
                        fresh=fresh, on_limit=on_limit, group=group, cancel_in_progress=cancel_in_progress,
-                       after=tuple(after), after_if=after_if)
+                       after=tuple(after), after_if=after_if, from_result=from_result)
     if ints["queue_timeout_sec"] is not None:
         terms = terms._replace(queue_timeout_sec=ints["queue_timeout_sec"])
     if ints["group_limit"] is not None:

@@ -112,6 +112,7 @@ class JobRecord(TypedDict):
     after: NotRequired[list[str]]  # §14 Dependencies: the jobs it stays `blocked` for
     after_if: NotRequired[str]  # §14 Dependencies: `completed` (each must complete) or `ended`
     unblocked_at: NotRequired[str]  # §14 Dependencies: when the last of them ended and it was queued
+    from_result: NotRequired[str]  # §18: the job whose result its worktree starts from (also in `after`)
 
 
 NOTE = "hub_note"
@@ -153,6 +154,8 @@ class QueueTerms(NamedTuple):
         after: the job ids it runs after (§14 Dependencies): it is `blocked` until each ended;
             empty: it is queued at once.
         after_if: `completed` (each must complete, else it ends `dependency_failed`) or `ended`.
+        from_result: the job whose result its worktree starts from (§18 "Handing a change
+            on"); `checked` adds it to `after`.
     """
 
     target_session: str | None = None
@@ -168,6 +171,7 @@ class QueueTerms(NamedTuple):
     cancel_in_progress: bool = False
     after: tuple[str, ...] = ()
     after_if: str = AFTER_IF_CHOICES[0]
+    from_result: str | None = None
 
     def checked(self) -> QueueTerms:
         """These terms, validated (labels sorted).
@@ -199,6 +203,12 @@ class QueueTerms(NamedTuple):
             raise UsageError("--group-limit goes with --group NAME")
         if self.group is None and self.cancel_in_progress:
             raise UsageError("--cancel-in-progress goes with --group NAME")
+        if self.from_result is not None:
+            if not isinstance(self.from_result, str) or not names.JOB_ID_RE.fullmatch(self.from_result):
+                raise UsageError(f"--from-result {str(self.from_result)[:40]!r} is invalid: expected a job id of "
+                                 "8 hex characters")
+            if isinstance(self.after, tuple) and self.from_result not in self.after:
+                return self._replace(after=(*self.after, self.from_result)).checked()
         self._check_after()
         bad = [reason for reason in self.retry_on if reason not in RETRY_ON_CHOICES]
         if bad or not self.retry_on or len(set(self.retry_on)) != len(self.retry_on):
@@ -238,6 +248,8 @@ class QueueTerms(NamedTuple):
             fields["cancel_in_progress"] = True
         if self.after:
             fields["after"], fields["after_if"] = list(self.after), self.after_if
+        if self.from_result is not None:
+            fields["from_result"] = self.from_result
         return fields
 
 

@@ -263,3 +263,64 @@ def test_s18_detach_then_watch_with_no_service_takes_the_result_in(tmp_path: Pat
             assert result["ready"] and sorted(f["path"] for f in result["files"]) == ["NOTES.md", "src/app.py"]
     finally:
         fleet.close()
+
+
+IMPLEMENT = """set -e
+printf 'def parse():\\n    return 1\\n' > src/parser.py
+git add -A
+git commit -qm "implement: parser"
+"""
+REVIEW = """set -e
+test -f src/parser.py
+git log --format=%s | grep -qx "implement: parser"
+printf 'reviewed\\n' > REVIEW.md
+git add -A
+git commit -qm "review: notes"
+"""
+
+
+def test_s18_a_review_job_starts_from_the_implement_jobs_result_on_another_runner(repo_fleet, tmp_path: Path) -> None:
+    """§18 "Handing a change on": B `--from-result A` runs after A, on a runner that never saw
+    A's commits, in a worktree at A's head (the bundle the hub carried); B's result is the
+    pipeline's change since A's base. A failed A fails B `dependency_failed`; a change too
+    large to carry, or a job of no repository, is refused naming it."""
+    fleet, origin, daemon = repo_fleet
+    start_runner(fleet, daemon)
+    fleet.start_runner("cpu-box", "bash -s", "--repo", f"demo={daemon.url('demo')}")
+    implement = fleet.dispatch("gpu-box", IMPLEMENT, "--repo", "demo", *FAST)
+    implement_id = implement.job_id()
+    review = fleet.dispatch("cpu-box", REVIEW, "--repo", "demo", "--from-result", implement_id, *FAST)
+    assert implement.wait() == 0
+    assert review.wait() == 0, review.log()[-3000:]
+    review_id = review.job_id()
+    main = git("rev-parse", "main", cwd=origin).strip()
+    head = result_of(fleet, implement_id)["head_sha"]
+    started = [e for e in json.loads(fleet.orch("show", review_id, "--json").stdout)["audit"]
+               if e.get("event") == "started"]
+    assert started[0]["data"]["from_result"] == {"job_id": implement_id, "attempt": 1, "head_sha": head}
+    result = result_of(fleet, review_id)
+    assert result["base_sha"] == main and sorted(f["path"] for f in result["files"]) == ["REVIEW.md", "src/parser.py"]
+    clone = tmp_path / "clone"
+    git("clone", "-q", str(origin), str(clone))
+    applied = fleet.orch("apply", review_id, "--repo-path", str(clone))
+    assert applied.returncode == 0, applied.stderr
+    assert git("log", "--format=%s", f"mam/{review_id}", cwd=clone).splitlines()[:2] == [
+        "review: notes", "implement: parser"]
+
+    failing = fleet.dispatch("gpu-box", "exit 3\n", "--repo", "demo", *FAST)
+    failing_id = failing.job_id()
+    after_failure = fleet.dispatch("cpu-box", REVIEW, "--repo", "demo", "--from-result", failing_id, *FAST)
+    assert failing.wait() == 1 and after_failure.wait() == 1
+    assert fleet.hub_record(after_failure.job_id())["close_reason"] == "dependency_failed"
+
+    big = fleet.dispatch("gpu-box", "head -c 300000 /dev/urandom > big.bin\n", "--repo", "demo", *FAST)
+    big_id = big.job_id()
+    too_big = fleet.dispatch("cpu-box", REVIEW, "--repo", "demo", "--from-result", big_id, *FAST)
+    assert big.wait() == 0 and too_big.wait() == 1
+    assert f"job {big_id}'s change is" in too_big.log() and "a dispatch carries" in too_big.log(), too_big.log()
+
+    plain = fleet.orch("dispatch", "--session", "cpu-box", "--brief", "true", "--repo", "demo",
+                       "--from-result", "0badf00d")
+    assert plain.returncode == 64 and "no job 0badf00d" in plain.stderr, plain.stderr
+    no_repo = fleet.orch("dispatch", "--session", "cpu-box", "--brief", "true", "--from-result", implement_id)
+    assert no_repo.returncode == 64 and "--from-result goes with --repo" in no_repo.stderr, no_repo.stderr

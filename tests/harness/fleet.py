@@ -176,14 +176,15 @@ class Dispatch(Proc):
     """A background `mam-orch dispatch|redispatch --json`."""
 
     def job_id(self, timeout_s: float = PATIENCE_S) -> str:
-        """The job id, from the first event line or the "dispatched|queued job <id>" log line."""
+        """The job id, from the first event line or the "dispatched|queued|blocked job <id>" log line."""
         def find() -> str | None:
             for line in self.lines:
                 if "job_id" in line:
                     return line["job_id"]
             for line in self.stderr:
                 words = line.split()
-                if len(words) >= 3 and words[0] in ("dispatched", "redispatched", "queued") and words[1] == "job":
+                if len(words) >= 3 and words[0] in ("dispatched", "redispatched", "queued", "blocked") \
+                        and words[1] == "job":
                     return words[2]
             return None
         wait_until(lambda: find() or not self.alive(), timeout_s, f"{self.name} to name its job")

@@ -129,7 +129,7 @@ def test_bad_dispatch_options_are_refused_as_dispatch_refuses_them(tmp_path):
     for params, words in [({"brief": "x"}, "give --session NAME"), ({"labels": "gpu"}, "brief"),
                           ({**PARAMS, "memory": "lots"}, "--memory 'lots' is invalid"),
                           ({**PARAMS, "detach": True}, "--detach has no meaning for a schedule"),
-                          ({**PARAMS, "after": "0badf00d"}, "--after and --if have no meaning for a schedule")]:
+                          ({**PARAMS, "after": "0badf00d"}, "--after, --if and --from-result have no meaning")]:
         with pytest.raises(UsageError, match=words):
             schedules.add(tmp_path, "n", cron="0 3 * * *", tz="UTC", overlap="skip", catch_up=1, params=params)
     add(tmp_path)

@@ -48,6 +48,7 @@ RESULT_INFO = b"mam-fleet/v1/result"
 ASK_INFO = b"mam-fleet/v1/ask"
 ANSWER_INFO = b"mam-fleet/v1/answer"
 TRANSCRIPT_INFO = b"mam-fleet/v1/transcript"
+BUNDLE_INFO = b"mam-fleet/v1/bundle"
 # §5: the brief is UTF-8 text of at most 512 KiB; dispatch refuses larger ones.
 MAX_BRIEF_BYTES = 512 * 1024
 HMAC_FAILED = "HMAC verify failed"
@@ -514,6 +515,39 @@ def open_transcript(auth_token: str, sealed: Mapping[str, Any], *, job_id: str, 
         raise SignatureError(SEAL_FAILED)
     return open_bytes(_hkdf(auth_token.encode("utf-8"), TRANSCRIPT_INFO), sealed,
                       transcript_associated(job_id, attempt_id, session_id))
+
+
+def bundle_associated(job_id: str, attempt_id: int, from_job: str, head_sha: str) -> bytes:
+    """What a carried bundle is bound to (§18): `bundle:<job>:<attempt>:<from job>:<head sha>`."""
+    return f"bundle:{job_id}:{attempt_id}:{from_job}:{head_sha}".encode("ascii")
+
+
+def seal_bundle(auth_token: str, data: bytes, *, job_id: str, attempt_id: int, from_job: str,
+                head_sha: str) -> dict[str, str]:
+    """Another job's `change.bundle` the hub carries to `attempt_id` (§18 "Handing a change
+    on"): AES-256-GCM under HKDF-SHA256(auth_token, no salt, info `b"mam-fleet/v1/bundle"`),
+    bound to `bundle_associated`.
+
+    Raises:
+        ConfigError: `auth_token` is empty.
+    """
+    if not isinstance(auth_token, str) or not auth_token:
+        raise ConfigError("auth_token is empty: the job record holds no key for its bundle")
+    return seal_bytes(_hkdf(auth_token.encode("utf-8"), BUNDLE_INFO), data,
+                      bundle_associated(job_id, attempt_id, from_job, head_sha))
+
+
+def open_bundle(auth_token: str, sealed: Mapping[str, Any], *, job_id: str, attempt_id: int, from_job: str,
+                head_sha: str) -> bytes:
+    """What `seal_bundle` sealed.
+
+    Raises:
+        SignatureError: "seal does not open" (another attempt's token or job, tampering).
+    """
+    if not isinstance(auth_token, str) or not auth_token:
+        raise SignatureError(SEAL_FAILED)
+    return open_bytes(_hkdf(auth_token.encode("utf-8"), BUNDLE_INFO), sealed,
+                      bundle_associated(job_id, attempt_id, from_job, head_sha))
 
 
 def result_key(auth_token: str) -> bytes:

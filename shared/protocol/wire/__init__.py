@@ -75,7 +75,14 @@ from mam.shared.protocol.wire.messages import (
     Revocation,
     State,
 )
-from mam.shared.protocol.wire.work import MAX_TRANSCRIPT_SEALED_CHARS, Resume, Work
+from mam.shared.protocol.wire.work import (
+    MAX_BUNDLE_SEALED_CHARS,
+    MAX_CARRIED_BUNDLE_BYTES,
+    MAX_TRANSCRIPT_SEALED_CHARS,
+    Base,
+    Resume,
+    Work,
+)
 
 __all__ = [
     "CONTRACT_FIELDS", "CONTROL_FIELDS", "DEFAULT_ACK_TIMEOUT_SEC", "DEFAULT_CLOCK_SKEW_S", "DEFAULT_HEARTBEAT_MISSES",
@@ -83,12 +90,13 @@ __all__ = [
     "DEFAULT_HEARTBEAT_SEC", "DEFAULT_TIMEOUT_SEC", "DISPATCH_FIELDS", "EVENT_FIELDS", "EVENT_NAMES", "EXPECTS",
     "GCM_TAG_BYTES", "JOB_STATUSES", "MAX_CONTRACT_SEC", "MAX_DEPTH", "MAX_DETAIL_CHARS", "MAX_DISPATCH_BYTES",
     "MAX_HEARTBEAT_MISSES", "MAX_MESSAGE_BYTES", "MAX_NAME_CHARS", "MAX_PAYLOAD_BYTES", "MAX_REASON_CHARS",
+    "MAX_BUNDLE_SEALED_CHARS", "MAX_CARRIED_BUNDLE_BYTES",
     "MAX_RUNNING", "MAX_SAFE_INT", "MAX_SAID_BYTES", "MAX_TRANSCRIPT_SEALED_CHARS", "MAX_VERSION_CHARS",
     "PRESENCE_FIELDS", "PRESENCE_STATUSES",
     "REVOCATION_FIELDS", "SCHEMA_VERSION",
     "SEALED_FIELDS", "SEAL_ALG", "SEAL_NONCE_BYTES", "STATE_FIELDS", "TERMINAL_EVENTS", "TERMINAL_STATUSES",
     "WIRE_TYPES", "Contract", "Control", "Dispatch", "Event", "Expect", "Message", "Presence", "Sealed", "State",
-    "Drain", "Resume", "Revocation", "Work",
+    "Base", "Drain", "Resume", "Revocation", "Work",
     "b64url_decode", "b64url_encode", "canonical", "decode", "encode", "format_ts", "from_dict", "parse_ts",
     "safe_line",
 ]

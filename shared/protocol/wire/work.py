@@ -5,11 +5,14 @@ what its agent may do. Optional: a dispatch without it is a plain command job, a
      "allow_tools": ["Bash(git *)", "Edit"], "permission_mode": "acceptEdits",
      "ask_timeout_s": 600, "on_ask_timeout": "cancel",
      "resume": {"session_id": "8d99b0b5-...", "attempt": 1, "base_sha": "<40 hex>",
-                "transcript": {"alg": "A256GCM", "nonce": "...", "ciphertext": "..."}}}
+                "transcript": {"alg": "A256GCM", "nonce": "...", "ciphertext": "..."}},
+     "base": {"job_id": "a1b2c3d4", "attempt": 1, "base_sha": "<40 hex>", "head_sha": "<40 hex>",
+              "bundle": {"alg": "A256GCM", "nonce": "...", "ciphertext": "..."}}}
 
 Every key is optional and absent when unset (never null). The dispatch signature covers
 it (§5); it is not sealed (the brief is the secret, and the repository names are in the
-runners' presence anyway) except a carried transcript, sealed to the attempt on its own.
+runners' presence anyway) except a carried transcript and a carried bundle, each sealed to
+the attempt on its own.
 """
 
 from __future__ import annotations
@@ -24,8 +27,14 @@ from mam.shared.protocol.wire.fields import Invalid, check_sealed, run_check, sh
 
 WORK_FIELDS = frozenset({"repo", "ref", "max_turns", "max_cost_usd", "allow_tools", "deny_tools",
                          "permission_mode", "ask_timeout_s", "on_ask_timeout", "resume",
-                         "memory_bytes", "cpus", "pids", "gpus"})
+                         "memory_bytes", "cpus", "pids", "gpus", "base"})
 RESUME_FIELDS = frozenset({"session_id", "attempt", "base_sha", "transcript"})
+BASE_FIELDS = frozenset({"job_id", "attempt", "base_sha", "head_sha", "bundle"})
+MAX_BUNDLE_SEALED_CHARS = 256 * 1024
+"""A carried bundle's ciphertext at most, base64url characters (§18 "Handing a change on"):
+with the largest brief and a carried transcript the dispatch stays under its 1 MiB cap."""
+MAX_CARRIED_BUNDLE_BYTES = 192 * 1024
+"""The largest `change.bundle` a dispatch carries, bytes (sealed, it stays under MAX_BUNDLE_SEALED_CHARS)."""
 MAX_TRANSCRIPT_SEALED_CHARS = 384 * 1024
 """A carried transcript's ciphertext at most, base64url characters (§18 "Transcripts"): with the
 largest brief the dispatch stays under its 1 MiB cap."""
@@ -73,6 +82,48 @@ class Resume:
         return out
 
 
+@dataclass(frozen=True)
+class Base:
+    """Start from another job's result (§18 "Handing a change on", `dispatch --from-result`).
+
+    Attributes:
+        job_id: the job whose result it starts from; attempt: that job's attempt with the result.
+        base_sha: that result's base (this job's change is counted from it too).
+        head_sha: that result's head: the worktree starts there.
+        bundle: that result's `change.bundle` (git bundle of base..head), sealed to this attempt
+            (`crypto.seal_bundle`); None when head_sha is base_sha (no commit to carry). A
+            record holds the base without it: the hub seals it into each attempt's dispatch.
+    """
+
+    job_id: str
+    attempt: int
+    base_sha: str
+    head_sha: str
+    bundle: Mapping[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        run_check(self._check)
+
+    def _check(self) -> None:
+        try:
+            names.validate_job_id(self.job_id)
+            names.validate_attempt(self.attempt)
+            names.validate_sha(self.base_sha, "base.base_sha")
+            names.validate_sha(self.head_sha, "base.head_sha")
+        except UsageError as exc:
+            raise Invalid(str(exc)) from None
+        if self.bundle is not None:
+            check_sealed(self.bundle, MAX_BUNDLE_SEALED_CHARS, "§18: a carried bundle is sealed", "base.bundle")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire object (`bundle` only when set)."""
+        out: dict[str, Any] = {"job_id": self.job_id, "attempt": self.attempt, "base_sha": self.base_sha,
+                               "head_sha": self.head_sha}
+        if self.bundle is not None:
+            out["bundle"] = dict(self.bundle)
+        return out
+
+
 def _check_object(obj: object, name: str, fields: frozenset[str]) -> Mapping[str, Any]:
     """`obj` when it is an object of `fields` only; `name` (e.g. `work.resume`) in the message."""
     if not isinstance(obj, Mapping):
@@ -88,6 +139,16 @@ def _resume_from(obj: object) -> Resume:
     if "session_id" not in obj or "attempt" not in obj:
         raise Invalid("work.resume needs session_id and attempt")
     return Resume(**dict(obj))
+
+
+def _base_from(obj: object) -> Base:
+    obj = _check_object(obj, "work.base", BASE_FIELDS)
+    missing = sorted(BASE_FIELDS - {"bundle"} - set(obj))
+    if missing:
+        raise Invalid(f"work.base needs {', '.join(missing)}")
+    return Base(**dict(obj))
+
+
 POLICY_FIELDS = ("max_turns", "max_cost_usd", "allow_tools", "deny_tools", "permission_mode")
 
 
@@ -111,6 +172,8 @@ class Work:
             cgroup controllers (§6 "Limits"): bytes (4 MiB..16 TiB), CPUs (0.01..1024),
             processes (8..4194304); None: no limit.
         gpus: how many of a runner's GPUs the job needs (1..64, §14 "GPUs"), or None.
+        base: the other job's result the worktree starts from (§18 "Handing a change on"),
+            or None: it starts at `ref`. Only with `repo`.
     """
 
     repo: str | None = None
@@ -127,6 +190,7 @@ class Work:
     cpus: float | None = None
     pids: int | None = None
     gpus: int | None = None
+    base: Base | None = None
 
     def __post_init__(self) -> None:
         run_check(self._check)
@@ -166,6 +230,11 @@ class Work:
                     raise Invalid(f"resume must be an object, got {type_name(self.resume)}")
                 if self.resume.base_sha is not None and self.repo is None:
                     raise Invalid("resume.base_sha is only allowed with repo")
+            if self.base is not None:
+                if not isinstance(self.base, Base):
+                    raise Invalid(f"base must be an object, got {type_name(self.base)}")
+                if self.repo is None:
+                    raise Invalid("base is only allowed with repo")
         except UsageError as exc:
             raise Invalid(str(exc)) from None
 
@@ -215,6 +284,8 @@ class Work:
             out["deny_tools"] = list(self.deny_tools)
         if self.resume is not None:
             out["resume"] = self.resume.to_dict()
+        if self.base is not None:
+            out["base"] = self.base.to_dict()
         return out
 
 
@@ -230,10 +301,13 @@ def _work_from(obj: object) -> Work:
             fields[key] = tuple(fields[key])
     if "resume" in fields:
         fields["resume"] = _resume_from(fields["resume"])
+    if "base" in fields:
+        fields["base"] = _base_from(fields["base"])
     for key in ("max_cost_usd", "cpus"):
         if isinstance(fields.get(key), int) and not isinstance(fields[key], bool):
             fields[key] = float(fields[key])
     return Work(**fields)
 
 
-__all__ = ["POLICY_FIELDS", "RESUME_FIELDS", "WORK_FIELDS", "Resume", "Work"]
+__all__ = ["BASE_FIELDS", "MAX_BUNDLE_SEALED_CHARS", "MAX_CARRIED_BUNDLE_BYTES", "POLICY_FIELDS", "RESUME_FIELDS",
+           "WORK_FIELDS", "Base", "Resume", "Work"]
