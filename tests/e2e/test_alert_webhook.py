@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import uvicorn
-from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, orch, runner_log, start_runner
+from harness.runnersim import hub_workspace, orch, runner_log, start_runner, start_serve
 from harness.waiting import PATIENCE_S, wait_until
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -63,22 +63,15 @@ def receiver() -> Iterator[tuple[Receiver, str]]:
         sock.close()
 
 
-def start_serve(hub: Path, *args: str) -> subprocess.Popen[bytes]:
-    log_path = hub.parent / "serve.stderr"
-    with open(log_path, "wb") as err:
-        proc = subprocess.Popen([*MAM_ORCH, "serve", "--workspace", str(hub), *args], env=hub_env(),
-                                stdout=subprocess.DEVNULL, stderr=err)
-    wait_until(lambda: proc.poll() is not None or b"alerts: 1 webhook(s)" in log_path.read_bytes(),
-               what="the service serving with its alerter")
-    assert proc.poll() is None, log_path.read_text(errors="replace")
-    return proc
+def start_alerting_serve(hub: Path, *args: str) -> subprocess.Popen[bytes]:
+    return start_serve(hub, *args, ready=b"alerts: 1 webhook(s)")
 
 
 def test_s14_runner_kill9_and_an_unserved_label_each_alert_once_and_resolve_once(broker, tmp_path, receiver):
     got, url = receiver
     hub = hub_workspace(broker, tmp_path)
     runner = start_runner(broker, tmp_path / "runner", "gpu-box", "--labels", "x")
-    serve = start_serve(hub, "--alert-webhook", url)
+    serve = start_alerting_serve(hub, "--alert-webhook", url)
     serve_log = hub.parent / "serve.stderr"
     try:
         sent = orch(hub, "dispatch", "--labels", "x", "--detach", "--json", "--brief", "sleep 120\n", *FAST)

@@ -7,11 +7,10 @@ registered."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
-from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, job_records, orch, start_runner
+from harness.runnersim import hub_workspace, job_records, orch, start_runner, start_serve
 from harness.waiting import PATIENCE_S, wait_until
 
 from mam.shared.protocol import wire
@@ -19,15 +18,6 @@ from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 
-
-def start_serve(hub: Path) -> subprocess.Popen[bytes]:
-    log_path = hub.parent / "serve.stderr"
-    with open(log_path, "ab") as err:
-        proc = subprocess.Popen([*MAM_ORCH, "serve", "--workspace", str(hub)], env=hub_env(),
-                                stdout=subprocess.DEVNULL, stderr=err)
-    wait_until(lambda: proc.poll() is not None or b"hub service pid" in log_path.read_bytes(), what="serve up")
-    assert proc.poll() is None, log_path.read_text()
-    return proc
 
 
 def detach(hub: Path, *args: str) -> dict:

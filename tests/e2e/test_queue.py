@@ -421,3 +421,48 @@ def test_s14_gpu_jobs_get_their_own_gpus_and_a_third_waits_for_a_free_one(nats_b
     assert starts[third] >= min(ends[job] for job in first_two)  # it waited for a GPU
     log = runnersim.runner_log(tmp_path / "qa")
     assert "gpus: 0, 1 (nvidia-a100-sxm4-80gb, from nvidia-smi)" in log
+
+
+@pytest.mark.timeout(300)
+def test_s14_a_hub_killed_while_a_group_runs_never_lets_the_group_over_its_limit(nats_broker, runners, tmp_path):
+    """§14 Groups across a hub crash: three `rel` jobs (limit 1) on a 4-slot runner; `serve`
+    is SIGKILLed while each one runs and started again. The restarted hub derives the group
+    from the records: the next job waits, naming the running one, until it ended; they run
+    one at a time, in submit order, and each once."""
+    runners.broker = nats_broker
+    hub = hub_workspace(nats_broker, tmp_path)
+    marks = tmp_path / "qa.marks"
+    runners.start("qa", "--labels", "x", "--max-jobs", "4", MARKS=str(marks))
+    serve = runnersim.start_serve(hub)
+    registry = Registry(hub)
+    ids = []
+    try:
+        for n in range(3):
+            brief = "\n".join([MARK.format("start"), f'while [ ! -e "{tmp_path}/gate{n}" ]; do sleep 0.1; done',
+                               MARK.format("end")])
+            done = orch(hub, "dispatch", "--labels", "x", "--group", "rel", "--heartbeat", "1", "--detach",
+                        "--json", "--brief", brief)
+            assert done.returncode == 0, done.stderr
+            ids.append(json.loads(done.stdout)["job_id"])
+        for n, job_id in enumerate(ids):
+            wait_until(lambda: registry.get(job_id)["status"] == "running", PATIENCE_S, f"job {n + 1} running")
+            serve.kill()  # SIGKILL: no clean stop, the lock goes with the process
+            serve.wait(PATIENCE_S)
+            seen = len(registry.audit(ids[-1]))
+            serve = runnersim.start_serve(hub)
+            if n + 1 < len(ids):
+                waits = f"waiting for group rel (1 running: {job_id})"
+                wait_until(lambda: any(waits in line.get("line", "") for line in registry.audit(ids[-1])[seen:]),
+                           PATIENCE_S, "the restarted hub to say why the last job waits")
+                assert [registry.get(j)["status"] for j in ids[n + 1:]] == ["queued"] * (len(ids) - n - 1)
+            (tmp_path / f"gate{n}").touch()
+        wait_until(lambda: all(registry.get(j)["status"] == "completed" for j in ids), PATIENCE_S, "all three")
+    finally:
+        serve.kill()
+        serve.wait(PATIENCE_S)
+    lines = [line.split() for line in marks.read_text().splitlines()]
+    starts = {job: int(stamp) for what, job, stamp in lines if what == "start"}
+    ends = {job: int(stamp) for what, job, stamp in lines if what == "end"}
+    assert sorted(starts) == sorted(ids) and len(lines) == 2 * len(ids), lines  # each ran once
+    assert overlap([(starts[job], ends[job]) for job in ids]) == 1, lines
+    assert sorted(ids, key=starts.__getitem__) == ids

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, job_records, orch, start_runner
+from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, job_records, orch, start_runner, start_serve
 from harness.waiting import PATIENCE_S, wait_until
 
 from mam.shared.protocol import wire
@@ -24,15 +24,6 @@ pytestmark = [pytest.mark.broker, pytest.mark.e2e]
 OUTAGE_S = 20.0
 """How long the hub stays down: more than LATE_S (15 s), so the ticks meanwhile are missed ones."""
 
-
-def start_serve(hub: Path) -> subprocess.Popen[bytes]:
-    log_path = hub.parent / "serve.stderr"
-    with open(log_path, "ab") as err:
-        proc = subprocess.Popen([*MAM_ORCH, "serve", "--workspace", str(hub)], env=hub_env(),
-                                stdout=subprocess.DEVNULL, stderr=err)
-    wait_until(lambda: proc.poll() is not None or b"hub service pid" in log_path.read_bytes(), what="serve up")
-    assert proc.poll() is None, log_path.read_text()
-    return proc
 
 
 def add_schedule(hub: Path, name: str, *args: str) -> dict:
@@ -113,6 +104,38 @@ def test_s14_overlap_skip_skips_a_tick_while_the_last_job_runs_and_says_so(nats_
         job_id = json.loads(now.stdout)["job_id"]
         wait_until(lambda: Registry(hub).get(job_id)["status"] == "completed", PATIENCE_S, "the run-now job")
         assert len(fired(hub, "slow")) == 2  # paused: no tick fired meanwhile
+    finally:
+        for proc in (serve, runner):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(PATIENCE_S)
+
+
+@pytest.mark.timeout(300)
+def test_s14_a_hub_killed_right_after_ticks_never_fires_a_tick_twice_nor_loses_its_job(nats_broker, tmp_path):
+    """§14 Schedules across hub crashes: a schedule firing every second; `serve` is SIGKILLed
+    as soon as a tick fired (a job registered, maybe not yet published) and started again,
+    four times. No tick fires twice, and every fired job still runs to completion."""
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner = start_runner(nats_broker, tmp_path / "runner", "gpu-box", "--max-jobs", "4")
+    serve = start_serve(hub)
+    try:
+        add_schedule(hub, "every", "--cron", "* * * * * *", "--overlap", "queue", "--", "--session", "gpu-box",
+                     "--brief", "true", "--heartbeat", "1")
+        for _ in range(4):
+            seen = len(fired(hub, "every"))
+            wait_until(lambda: len(fired(hub, "every")) > seen, PATIENCE_S, "a tick to fire")
+            serve.kill()
+            serve.wait(PATIENCE_S)
+            serve = start_serve(hub)
+        seen = len(fired(hub, "every"))
+        wait_until(lambda: len(fired(hub, "every")) > seen, PATIENCE_S, "a tick after the last restart")
+        removed = orch(hub, "schedule", "remove", "every")
+        assert removed.returncode == 0, removed.stderr
+        ticks = [r["schedule"]["tick"] for r in fired(hub, "every")]
+        assert len(ticks) == len(set(ticks)), ticks
+        wait_until(lambda: all(r["status"] == "completed" for r in fired(hub, "every")), PATIENCE_S,
+                   "every fired job to complete")
     finally:
         for proc in (serve, runner):
             if proc.poll() is None:

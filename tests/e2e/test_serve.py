@@ -25,7 +25,9 @@ from harness.runnersim import (
     orch,
     retained,
     runner_log,
+    serve_log,
     start_runner,
+    start_serve,
 )
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env, write_env_for
@@ -41,21 +43,6 @@ pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(180)]
 FAST = ["--heartbeat", "1", "--heartbeat-misses", "5", "--ack-timeout", str(int(PATIENCE_S))]
 
 
-def start_serve(workspace: Path) -> subprocess.Popen[bytes]:
-    """`mam-orch serve` on `workspace` (stderr in `<workspace>/../serve.stderr`), once it holds the lock
-    and subscribed."""
-    log_path = workspace.parent / "serve.stderr"
-    with open(log_path, "ab") as err:
-        proc = subprocess.Popen([*MAM_ORCH, "serve", "--workspace", str(workspace)], env=hub_env(),
-                                stdout=subprocess.DEVNULL, stderr=err)
-    wait_until(lambda: proc.poll() is not None or b"hub service pid" in log_path.read_bytes(),
-               what="the service serving")
-    assert proc.poll() is None, serve_log(workspace)
-    return proc
-
-
-def serve_log(workspace: Path) -> str:
-    return (workspace.parent / "serve.stderr").read_text(errors="replace")
 
 
 def stop(*procs: subprocess.Popen[bytes]) -> None:

@@ -182,6 +182,24 @@ def orch(workspace: Path, *args: str, env: dict[str, str] | None = None, stdin: 
                           input=stdin, capture_output=True, text=True, timeout=timeout_s)
 
 
+def start_serve(workspace: Path, *args: str, ready: bytes = b"hub service pid") -> subprocess.Popen[bytes]:
+    """`mam-orch serve --workspace WORKSPACE ARGS` (stderr appended to `<workspace>/../serve.stderr`,
+    see `serve_log`), once that log shows `ready` (by default: it holds the lock and subscribed)."""
+    log_path = workspace.parent / "serve.stderr"
+    with open(log_path, "ab") as err:
+        offset = err.tell()
+        proc = subprocess.Popen([*MAM_ORCH, "serve", "--workspace", str(workspace), *args], env=hub_env(),
+                                stdout=subprocess.DEVNULL, stderr=err)
+    wait_until(lambda: proc.poll() is not None or ready in log_path.read_bytes()[offset:], what="the hub service up")
+    assert proc.poll() is None, serve_log(workspace)
+    return proc
+
+
+def serve_log(workspace: Path) -> str:
+    """What every `start_serve` on `workspace` wrote on stderr."""
+    return (workspace.parent / "serve.stderr").read_text(errors="replace")
+
+
 def job_records(workspace: Path) -> list[Path]:
     """The job records of a workspace (empty when nothing was registered)."""
     folder = names.jobs_dir(workspace)
