@@ -304,6 +304,19 @@ def send_dispatch(registry: Registry, record: JobRecord, keys: DispatchKeys, cli
     return record
 
 
+def republish_dispatch(registry: Registry, record: JobRecord, keys: DispatchKeys, client: Transport) -> None:
+    """Publish the dispatch of a `pending` attempt again, record unchanged (§14 "One hub
+    process"): a hub engine killed between `mark_published` and the publish left the attempt
+    pending with no dispatch on the broker. A runner that took it already refuses the copy
+    (`replayed`), so the attempt still runs at most once.
+
+    Raises:
+        BrokerError, UsageError (no usable stored brief), RegistryError.
+    """
+    publish_dispatch(client, build_dispatch(record, load_brief(registry, record["job_id"]), keys,
+                                            root=registry.root))
+
+
 def publish_queued(registry: Registry, job_id: str, session: str, keys: DispatchKeys,
                    client: Transport) -> JobRecord:
     """Publish a `queued` job to the runner the queue chose (§14): `queued` → `pending`

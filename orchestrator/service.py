@@ -40,7 +40,7 @@ from typing import Protocol, TextIO
 from mam.orchestrator import dependencies, schedules
 from mam.orchestrator import queue as hubqueue
 from mam.orchestrator.control import cancel_open
-from mam.orchestrator.dispatch import publish_queued
+from mam.orchestrator.dispatch import publish_queued, republish_dispatch
 from mam.orchestrator.enqueue import register_queued
 from mam.orchestrator.hub import DAY_S, Hub, Workspace, open_hub
 from mam.orchestrator.hublock import HubLock, ServiceRunning, service_pid
@@ -176,6 +176,7 @@ class HubService:
         self.dependents: dict[str, set[str]] = {}  # job id -> the blocked jobs naming it
         self.unblock_due: set[str] = set()  # blocked jobs to look at again (`release_blocked`)
         self.blocked_why: dict[str, str] = {}  # blocked job -> what it waits for, as last noted
+        self.unheard: set[str] = set()  # pending jobs taken over at start with no word yet (`republish_unheard`)
         self.stats = ServiceStats()
         self.results = ResultInbox(self.registry)  # §18: results land whether or not a watcher runs
         self._mtimes: dict[str, int] = {}
@@ -247,6 +248,8 @@ class HubService:
         if status in PUBLISHED_STATUSES:
             self.watchers[job_id] = self._watcher(record, now)
             self.sessions[job_id] = record["session"]
+            if status == JobStatus.PENDING and not self.ready.is_set() and self.watchers[job_id].highest_any == 0:
+                self.unheard.add(job_id)  # its dispatch may never have left (a killed engine, §14)
             self._info("job %s: tracking (%s, attempt %s)", job_id, status, record["attempt_id"])
         elif status == JobStatus.QUEUED:
             self._enqueue(record)
@@ -345,6 +348,32 @@ class HubService:
                                   f"({', '.join(changed.get('after') or ())}); queued for {describe_target(changed)}"
                                   f"{start}")
                 self._enqueue(changed)
+
+    def republish_unheard(self) -> None:
+        """§14 "One hub process": once the retained states are in, publish again the dispatch of
+        each `pending` attempt taken over at start that no runner has spoken for: an engine
+        killed between marking it published and publishing it left it with no dispatch. A
+        runner that took it refuses the copy as `replayed`: the attempt runs at most once."""
+        unheard, self.unheard = self.unheard, set()
+        client = self.client
+        for job_id in sorted(unheard):
+            watcher = self.watchers.get(job_id)
+            if job_id in self.unjudged:  # it spoke: judge that first
+                self.unheard.add(job_id)
+                continue
+            if client is None or watcher is None or watcher.highest_any or watcher.accepted_any:
+                continue
+            try:
+                record = self.registry.get(job_id)
+                if record["status"] != JobStatus.PENDING or record["attempt_id"] != watcher.attempt_id:
+                    continue
+                republish_dispatch(self.registry, record, self.keys, client)
+            except MamError as exc:
+                log.warning("job %s: its dispatch was not published again: %s", job_id, exc)
+                continue
+            self.note(job_id, f"job {job_id}: attempt {record['attempt_id']} was pending with no word from "
+                              f"{record['session']} when this hub engine started: its dispatch is published again "
+                              "(a runner that took it already refuses the copy)")
 
     def _say_blocked(self, job_id: str, why: str) -> None:
         if self.blocked_why.get(job_id) != why:
@@ -849,6 +878,8 @@ class HubService:
                 next_scan = now
             if self.schedules.look(now):  # a tick fired jobs: take them in now
                 next_scan = now
+            if self.unheard and now >= self.settle_max:  # the retained states are in by now
+                self.republish_unheard()
             if now >= next_scan:
                 next_scan = now + self.scan_s
                 self.scan(now)

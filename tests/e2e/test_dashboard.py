@@ -299,7 +299,10 @@ def test_dashboard_drain_and_undrain_a_runner_from_the_page(nats_broker, tmp_pat
             runner_row = page.locator("#runners tbody tr", has_text="gpu-box")
             sync_api.expect(runner_row).to_contain_text("online")
             runner_row.locator("button[data-verb=drain]").click()
-            sync_api.expect(runner_row).to_contain_text("draining")
+            sync_api.expect(runner_row).to_contain_text("draining")  # at once: the order's answer line
+            wait_until(lambda: [r["status"] for r in serve.http.get("/api/runners").json()["runners"]] == ["draining"],
+                       PATIENCE_S, "the runner's draining presence at the hub")  # then a job is not placed on it
+            sync_api.expect(runner_row.locator(".draining")).to_have_count(1)  # its status badge
             job_id = serve.dispatch("true\n", session="gpu-box")
             sync_api.expect(row_of(page, "queue", job_id)).to_contain_text("draining")
             assert serve.status(job_id) == "queued"

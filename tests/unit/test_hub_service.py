@@ -176,3 +176,34 @@ def test_s14_a_record_changed_twice_within_one_timestamp_tick_is_looked_at_again
     os.utime(path, ns=(seen.st_atime_ns, seen.st_mtime_ns))  # the same tick as the first write
     service.scan(time.monotonic())
     assert record["job_id"] not in service.queued
+
+
+def test_s14_a_pending_attempt_no_runner_spoke_for_is_published_again_by_the_next_engine(tmp_path):
+    """An engine killed between marking a job published and publishing its dispatch leaves it
+    `pending` with no dispatch: the next engine, once the retained states are in, publishes
+    that attempt's dispatch again (same attempt, same tokens) and says so; a pending attempt
+    whose runner spoke, or a newer attempt, is left alone."""
+    from mam.orchestrator.dispatch import save_brief
+
+    reg = Registry(tmp_path)
+    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
+    silent, spoke = (reg.register(session=None, queue=QueueTerms(target_session="gpu-box"))["job_id"]
+                     for _ in range(2))
+    for job_id in (silent, spoke):
+        save_brief(reg, job_id, "echo hi")
+        mark_published(reg, job_id, "gpu-box")  # ... and the engine was killed here
+    service = HubService(open_hub(tmp_path))
+    service.client = RecordingClient()  # type: ignore[assignment]
+    service.scan(time.monotonic())
+    assert service.unheard == {silent, spoke}
+    root = service.config.topic_root
+    service.on_message(names.events_topic(spoke, root), started(reg.get(spoke)), time.monotonic())  # it spoke
+    service.republish_unheard()
+    sent = [(topic, retain) for topic, _payload, retain in service.client.published]  # type: ignore[attr-defined]
+    assert sent == [(names.dispatch_topic(silent, root), True)]
+    payload = json.loads(service.client.published[0][1])  # type: ignore[attr-defined]
+    assert (payload["job_id"], payload["attempt_id"]) == (silent, 1)
+    assert reg.get(silent)["status"] == "pending"  # the record is unchanged
+    notes = [line["line"] for line in reg.audit(silent) if line["event"] == "hub_note"]
+    assert any("its dispatch is published again" in note for note in notes), notes
+    assert not service.unheard
