@@ -24,6 +24,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from mam.orchestrator import schedules
 from mam.orchestrator.asks import Ask, answer_from, asks_of, pending
 from mam.orchestrator.control import close_remote
 from mam.orchestrator.dependencies import check as check_dependencies
@@ -332,6 +333,11 @@ class Hub:
         """Every job record of the registry (tokens redacted), oldest first."""
         records, _ = self.registry.list(status)
         return [redact(record) for record in records]
+
+    def schedules(self) -> list[dict[str, Any]]:
+        """Every schedule as `mam-orch schedule list --json` prints it: name, cron, tz, target,
+        next_fire, last_job, last_fired_at, paused, ... (§14 Schedules; never the brief)."""
+        return [schedules.describe(schedule) for schedule in schedules.Store(self.registry.root).all()]
 
     def close(self) -> None:
         """Stop the embedded service, if any (its jobs go on; the next service picks them up)."""

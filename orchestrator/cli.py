@@ -631,11 +631,12 @@ def redispatch_cmd(
 
 schedule_app = cli.new_app(
     "schedule", "Dispatch a job on a cron expression; the hub service fires it.",
-    ("add", "list", "show", "pause", "resume", "run-now", "remove"),
+    ("add", "list", "show", "pause", "resume", "run-now", "token", "remove"),
     {"add": "mam-orch schedule add nightly --cron '0 3 * * *' --tz Europe/Berlin -- --labels gpu --brief 'Update "
             "the dependencies'", "list": "mam-orch schedule list", "show": "mam-orch schedule show nightly",
      "pause": "mam-orch schedule pause nightly", "resume": "mam-orch schedule resume nightly",
-     "run-now": "mam-orch schedule run-now nightly", "remove": "mam-orch schedule remove nightly"})
+     "run-now": "mam-orch schedule run-now nightly", "token": "mam-orch schedule token nightly",
+     "remove": "mam-orch schedule remove nightly"})
 app.add_typer(schedule_app, name="schedule")
 SCHEDULE_NAME = typer.Argument(..., metavar="NAME", help="The schedule's name (1-64 of a-z 0-9 _ . -).")
 
@@ -740,11 +741,32 @@ def schedule_run_now_cmd(name: str = SCHEDULE_NAME, workspace: str = cli.workspa
     hub = open_hub(workspace)
     store = schedules.Store(hub.root)
     fired = schedules.fire(hub.registry, store, store.load(name), datetime.now(UTC), register_queued,
-                           lambda job_id, reason: cancel(job_id, workspace=workspace, reason=reason), forced=True)
+                           lambda job_id, reason: cancel(job_id, workspace=workspace, reason=reason), forced=True,
+                           trigger={"by": "run-now"})
     if not fired:
         print(f"schedule {name}: not fired: {store.load(name).last_skipped}", file=sys.stderr)
         return 1
     print(json.dumps({"schedule": name, "job_id": fired[0]}))
+    return 0
+
+
+@schedule_app.command("token")
+def schedule_token_cmd(name: str = SCHEDULE_NAME,
+                       revoke: bool = typer.Option(False, "--revoke", help="Remove its token: no token fires it."),
+                       workspace: str = cli.workspace_option()) -> int:
+    """Make a trigger token for it (replacing the last one): with it, CI or a Git hook fires one
+    job by `POST /api/schedules/NAME/run` (header `Authorization: Bearer <token>`) without the
+    hub's MAM_API_TOKEN; at most 6 such runs a minute. The token goes to a 0600 file whose path
+    is printed, never to the terminal."""
+    root = open_hub(workspace).root
+    if revoke:
+        had = schedules.revoke_token(root, name)
+        print(f"schedule {name}: {'trigger token revoked' if had else 'had no trigger token'}", file=sys.stderr)
+        return 0
+    path = schedules.issue_token(root, name)
+    print(f"schedule {name}: a new trigger token is in {path} (0600; any earlier one no longer works). Fire it "
+          f"with: curl -X POST -H \"Authorization: Bearer $(cat {path})\" http://HUB/api/schedules/{name}/run",
+          file=sys.stderr)
     return 0
 
 

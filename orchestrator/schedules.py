@@ -12,15 +12,25 @@ running it twice. A tick found more than `LATE_S` late was missed (the hub was d
 missed ticks the engine fires the last `catch_up` ones, each marked `catch_up`. Overlap, when
 the schedule's previous job is still open: `skip` the tick (said in the engine's log and the
 schedule's `last_skipped`), `queue` it anyway, or `cancel` the previous job first. Every job
-fired carries `schedule: {"name", "tick", "catch_up"}` in its record.
+fired carries `schedule: {"name", "tick", "catch_up"}` in its record (and `trigger` when a
+person or a trigger fired it out of its ticks).
+
+Triggers from outside (`POST /api/schedules/<name>/run`): `issue_token` writes a trigger
+token to `<name>.token` (0600) beside the schedule, which keeps only its SHA-256
+(`trigger_sha256`), so CI or a Git hook can fire the schedule's job without the hub's admin
+token; `TriggerLimiter` allows a few such runs a minute per schedule.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
 import re
+import secrets
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -49,6 +59,13 @@ MAX_TICKS = 10_000
 """Ticks looked at per schedule and look at most (a schedule every second, down for a long time)."""
 MAX_FILE_BYTES = 2 << 20
 """Largest schedule file read (the brief is at most 1 MiB)."""
+TOKEN_BYTES = 32
+"""A trigger token's random bytes (43 base64url characters)."""
+MAX_TOKEN_CHARS = 256
+"""A presented trigger token longer than this is refused unread."""
+TRIGGERS_PER_MINUTE = 6
+"""Runs a schedule's trigger may fire in any 60 s (`TriggerLimiter`); more are refused (HTTP 429)."""
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 def schedules_dir(root: Path) -> Path:
@@ -101,6 +118,7 @@ class Schedule:
     last_job: str | None = None
     last_fired_at: str | None = None
     last_skipped: str | None = None
+    trigger_sha256: str | None = None
 
     def checked(self) -> Schedule:
         """Itself if every field keeps the rules. Raises `UsageError`."""
@@ -113,6 +131,8 @@ class Schedule:
                 or not 0 <= self.catch_up <= MAX_CATCH_UP:
             raise UsageError(f"--catch-up {self.catch_up!r} is invalid: expected 0..{MAX_CATCH_UP}")
         wire.parse_ts(self.last_tick)
+        if self.trigger_sha256 is not None and not SHA256_RE.fullmatch(str(self.trigger_sha256)):
+            raise UsageError("trigger_sha256 is invalid: expected 64 hex characters")
         return self
 
     def ticks(self, after: datetime, until: datetime) -> list[datetime]:
@@ -200,6 +220,11 @@ class Store:
             self.path(name).unlink()
         except FileNotFoundError:
             raise JobNotFound(f"no schedule named {name}") from None
+        self.token_path(name).unlink(missing_ok=True)
+
+    def token_path(self, name: str) -> Path:
+        """Where `issue_token` writes the schedule's trigger token (0600)."""
+        return self.folder / f"{check_name(name)}.token"
 
 
 def new_schedule(name: str, *, cron: str, tz: str, overlap: str, catch_up: int, brief: str, title: str | None,
@@ -215,13 +240,16 @@ Register = Callable[..., JobRecord]
 
 
 def fire(registry: Registry, store: Store, schedule: Schedule, now: datetime, register: Register,
-         cancel: Callable[[str, str], object], *, forced: bool = False) -> list[str]:
-    """Fire what of `schedule` is due at `now` (every tick with `forced`: `run-now`, one job
-    for `now`), holding the registry lock; returns the job ids registered.
+         cancel: Callable[[str, str], object], *, forced: bool = False,
+         trigger: dict[str, str] | None = None) -> list[str]:
+    """Fire what of `schedule` is due at `now` (every tick with `forced`: `run-now` or a
+    trigger, one job for `now`), holding the registry lock; returns the job ids registered.
 
     Args:
         register: `register_queued` (brief, contract, terms, work, title, schedule=...).
         cancel: cancels an open job (job id, reason), for `--overlap cancel`.
+        trigger: who fired it out of its ticks (`{"by": "run-now"}`, `{"by": "token", "from":
+            host}`), kept in the job's `schedule` field.
     """
     with registry.lock():
         schedule = store.load(schedule.name)  # again, under the lock: another engine may have fired it
@@ -249,7 +277,7 @@ def fire(registry: Registry, store: Store, schedule: Schedule, now: datetime, re
             cancel(previous["job_id"], f"schedule {schedule.name}: a new tick came (--overlap cancel)")
         fired: list[str] = []
         for tick, catch_up in todo:
-            record = _register(registry, register, schedule, tick, catch_up)
+            record = _register(registry, register, schedule, tick, catch_up, trigger)
             fired.append(record["job_id"])
             log.info("schedule %s: tick %s fired job %s%s", schedule.name, wire.format_ts(tick), record["job_id"],
                      " (catch-up)" if catch_up else "")
@@ -258,15 +286,18 @@ def fire(registry: Registry, store: Store, schedule: Schedule, now: datetime, re
         return fired
 
 
-def _register(registry: Registry, register: Register, schedule: Schedule, tick: datetime, catch_up: bool) -> JobRecord:
+def _register(registry: Registry, register: Register, schedule: Schedule, tick: datetime, catch_up: bool,
+              trigger: dict[str, str] | None) -> JobRecord:
     job = schedule.job
+    fired: dict[str, Any] = {"name": schedule.name, "tick": wire.format_ts(tick), "catch_up": catch_up}
+    if trigger:
+        fired["trigger"] = dict(trigger)
     fields: dict[str, Any] = {key: tuple(value) if isinstance(value, list) else value
                               for key, value in job["terms"].items()}
     terms = QueueTerms(**fields)
     work = wire.Work.from_dict(job["work"]) if job.get("work") else None
     return register(registry, brief=job["brief"], contract=Contract(**job["contract"]), terms=terms, work=work,
-                    title=job.get("title"), schedule={"name": schedule.name, "tick": wire.format_ts(tick),
-                                                      "catch_up": catch_up})
+                    title=job.get("title"), schedule=fired)
 
 
 def _open_job(registry: Registry, job_id: str | None) -> JobRecord | None:
@@ -304,6 +335,63 @@ class Firing:
         return fired
 
 
+def issue_token(root: Path, name: str) -> Path:
+    """`schedule token NAME`: a new trigger token (replacing any earlier one) written to
+    `Store.token_path` (0600); the schedule keeps only its SHA-256. Returns the file's path
+    (the token itself is never printed).
+
+    Raises:
+        JobNotFound: no such schedule. RegistryError: a write failed.
+    """
+    store = Store(root)
+    token = secrets.token_urlsafe(TOKEN_BYTES)
+    path = store.token_path(name)
+    with Registry(root).lock():  # as `fire` does: no tick recorded meanwhile is lost
+        schedule = store.load(name)
+        atomic_write(path, token.encode("ascii") + b"\n", what=f"schedule {name}'s trigger token")
+        store.save(replace(schedule, trigger_sha256=_digest(token)))
+    return path
+
+
+def revoke_token(root: Path, name: str) -> bool:
+    """`schedule token NAME --revoke`: no token fires it any more. Returns whether one was set."""
+    store = Store(root)
+    with Registry(root).lock():
+        schedule = store.load(name)
+        store.save(replace(schedule, trigger_sha256=None))
+        store.token_path(name).unlink(missing_ok=True)
+    return schedule.trigger_sha256 is not None
+
+
+def token_fires(schedule: Schedule, given: str) -> bool:
+    """Whether `given` is the schedule's trigger token (compared in constant time)."""
+    if schedule.trigger_sha256 is None or not isinstance(given, str) or not 0 < len(given) <= MAX_TOKEN_CHARS:
+        return False
+    return hmac.compare_digest(_digest(given), schedule.trigger_sha256)
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8", "replace")).hexdigest()
+
+
+class TriggerLimiter:
+    """At most `per_minute` triggered runs per schedule in any 60 s (monotonic seconds)."""
+
+    def __init__(self, per_minute: int = TRIGGERS_PER_MINUTE) -> None:
+        self.per_minute = per_minute
+        self._runs: dict[str, deque[float]] = {}
+
+    def allow(self, name: str, now: float) -> float | None:
+        """None and the run counted when allowed; else the seconds until one is."""
+        runs = self._runs.setdefault(name, deque())
+        while runs and now - runs[0] >= 60.0:
+            runs.popleft()
+        if len(runs) >= self.per_minute:
+            return max(0.0, 60.0 - (now - runs[0]))
+        runs.append(now)
+        return None
+
+
 def next_fire(schedule: Schedule, now: datetime | None = None) -> str | None:
     """When it fires next (§3 timestamp), None while paused."""
     if schedule.paused:
@@ -322,7 +410,8 @@ def describe(schedule: Schedule, now: datetime | None = None) -> dict[str, Any]:
             "catch_up": schedule.catch_up, "paused": schedule.paused, "target": target,
             "title": job.get("title") or (job.get("brief") or "").splitlines()[0][:80] if job.get("brief") else "",
             "next_fire": next_fire(schedule, now), "last_tick": schedule.last_tick, "last_job": schedule.last_job,
-            "last_fired_at": schedule.last_fired_at, "last_skipped": schedule.last_skipped}
+            "last_fired_at": schedule.last_fired_at, "last_skipped": schedule.last_skipped,
+            "trigger_token": schedule.trigger_sha256 is not None}
 
 
 
@@ -379,12 +468,15 @@ def add(root: Path, name: str, *, cron: str, tz: str, overlap: str, catch_up: in
 def set_paused(root: Path, name: str, paused: bool) -> Schedule:
     """`schedule pause|resume`: a resumed schedule goes on from now (no ticks of the pause are caught up)."""
     store = Store(root)
-    schedule = store.load(name)
-    now = wire.format_ts()
-    schedule = replace(schedule, paused=paused, last_tick=now if not paused and schedule.paused else schedule.last_tick)
-    store.save(schedule)
+    with Registry(root).lock():  # as `fire` does: no tick recorded meanwhile is lost
+        schedule = store.load(name)
+        now = wire.format_ts()
+        schedule = replace(schedule, paused=paused,
+                           last_tick=now if not paused and schedule.paused else schedule.last_tick)
+        store.save(schedule)
     return schedule
 
 
-__all__ = ["LATE_S", "OVERLAPS", "Firing", "Schedule", "Store", "add", "check_cron", "check_name", "check_tz",
-           "describe", "due", "fire", "new_schedule", "next_fire", "schedules_dir", "set_paused"]
+__all__ = ["LATE_S", "OVERLAPS", "Firing", "Schedule", "Store", "TriggerLimiter", "add", "check_cron", "check_name",
+           "check_tz", "describe", "due", "fire", "issue_token", "new_schedule", "next_fire", "revoke_token",
+           "schedules_dir", "set_paused", "token_fires"]

@@ -189,7 +189,7 @@ class HubService:
         self.woken = False  # a WAKE was taken from the inbox: scan now
         self.scan_s = env_float("MAM_HUB_SCAN_S", SCAN_S, low=TICK_S, high=MAX_SCAN_S)
         self.schedules = schedules.Firing(self.registry, register=register_queued,  # §14 Schedules
-                                          cancel=self._cancel_for_schedule)
+                                          cancel=self.cancel_for_schedule)
         self.on_ready = on_ready
         self.on_failed: Callable[[JobRecord], None] | None = None
         self.quiet = quiet
@@ -622,7 +622,7 @@ class HubService:
                 if job_id in self.queued:
                     self.consider(job_id, time.monotonic())  # it left the queue
 
-    def _cancel_for_schedule(self, job_id: str, reason: str) -> None:
+    def cancel_for_schedule(self, job_id: str, reason: str) -> None:
         """§14 Schedules `--overlap cancel`: the schedule's previous job, still open, is cancelled."""
         try:
             _, changed = cancel_open(self.registry, self.client, self.keys, job_id, reason)

@@ -1,5 +1,6 @@
 """The writing side of the HTTP API (`POST /api/jobs`, `POST /api/jobs/{id}/cancel`,
-`POST /api/jobs/{id}/retry`) as plain functions of a running `HubService`, so they are tested without HTTP.
+`POST /api/jobs/{id}/retry`, `POST /api/schedules/{name}/run`) as plain functions of a running
+`HubService`, so they are tested without HTTP.
 
 A dispatch checks what `mam-orch dispatch` checks (brief, target, §14 terms,
 the contract, MAM_DISPATCH_SECRET) and queues the job through
@@ -12,9 +13,12 @@ redispatch --detach`: attempt + 1 queued, the old attempt cancelled again first.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
+from mam.orchestrator import schedules
 from mam.orchestrator.control import cancel_open, publish_cancel
 from mam.orchestrator.dispatch import check_brief, hub_contract, parse_retry_on, work_terms
 from mam.orchestrator.enqueue import register_queued
@@ -25,6 +29,8 @@ from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import JobStatus
 from mam.shared.protocol.errors import BrokerError, UsageError
 from mam.shared.store.records import AFTER_IF_CHOICES, QueueTerms, describe_target
+
+log = logging.getLogger("mam.http")
 
 CANCEL_REASON = "operator (HTTP API)"
 INT_FIELDS = ("priority", "retries", "queue_timeout_sec", "heartbeat_sec", "heartbeat_misses", "ack_timeout_sec",
@@ -199,3 +205,24 @@ def drain_request(service: HubService, session: str, body: object, *, draining: 
         raise BrokerError("the hub service has no broker connection now; try again")
     line = order_drain(service.hub, session, draining=draining, reason=reason, client=service.client)
     return {"session": session, "draining": draining, "line": line}
+
+
+def trigger_request(service: HubService, name: str, *, by: str, client: str) -> dict[str, Any] | None:
+    """`POST /api/schedules/{name}/run`: fire one job of the schedule now, as `schedule run-now`
+    does (its overlap rule applies), on the service's connection; the job's `schedule.trigger`
+    says `{"by", "from"}` and the service's log says so too (§14 Schedules).
+
+    Returns:
+        {"schedule", "job_id"}, or None when its overlap rule skipped the run (`last_skipped`).
+    Raises:
+        UsageError: a bad name. JobNotFound: no such schedule. RegistryError.
+    """
+    store = schedules.Store(service.registry.root)
+    fired = schedules.fire(service.registry, store, store.load(name), datetime.now(UTC), register_queued,
+                           service.cancel_for_schedule, forced=True, trigger={"by": by, "from": client})
+    if not fired:
+        log.warning("schedule %s: a trigger (%s from %s) fired nothing: %s", name, by, client,
+                    store.load(name).last_skipped)
+        return None
+    log.info("schedule %s: job %s fired by a trigger (%s from %s)", name, fired[0], by, client)
+    return {"schedule": name, "job_id": fired[0]}

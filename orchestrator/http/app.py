@@ -23,6 +23,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -42,10 +43,25 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from mam.orchestrator import asks
-from mam.orchestrator.http.api import cancel_request, dispatch_request, drain_request, retry_request
+from mam.orchestrator import asks, schedules
+from mam.orchestrator.http.api import (
+    cancel_request,
+    dispatch_request,
+    drain_request,
+    retry_request,
+    trigger_request,
+)
 from mam.orchestrator.http.metrics import HubMetrics
-from mam.orchestrator.http.views import LiveFeed, job_detail, job_result, job_row, queue_rows, read_log, runner_rows
+from mam.orchestrator.http.views import (
+    LiveFeed,
+    job_detail,
+    job_result,
+    job_row,
+    queue_rows,
+    read_log,
+    runner_rows,
+    schedule_rows,
+)
 from mam.orchestrator.hub import Workspace, open_hub
 from mam.orchestrator.service import Companion, HubService, run_service
 from mam.shared.protocol import names
@@ -145,6 +161,7 @@ class Api:
                              on_unqueued=self.metrics.unqueued)
         self.clients: set[asyncio.Queue[dict[str, Any] | None]] = set()
         self.closing = threading.Event()
+        self.triggers = schedules.TriggerLimiter()
 
     # ------------------------------------------------------------ plumbing
 
@@ -320,6 +337,52 @@ class Api:
         body = await self.body_json(request) if int(request.headers.get("content-length") or 0) else {}
         return JSONResponse(await run_in_threadpool(retry_request, self.service, job_id, body), status_code=201)
 
+    async def schedules(self, request: Request) -> Response:
+        """`GET /api/schedules`: each schedule with its next and last fire times (§14 Schedules)."""
+        return JSONResponse({"schedules": await run_in_threadpool(schedule_rows, self.service)})
+
+    async def schedule_run(self, request: Request) -> Response:
+        """`POST /api/schedules/{name}/run`: fire one job of the schedule now (`trigger_request`),
+        authorized by MAM_API_TOKEN or by the schedule's own trigger token (`schedule token`),
+        at most `schedules.TRIGGERS_PER_MINUTE` a minute (429 with Retry-After beyond); 201
+        with the job id, 409 when its overlap rule skipped the run. Every refusal is logged."""
+        name = str(request.path_params["name"])
+        client = request.client.host if request.client is not None else "-"
+        try:
+            schedules.check_name(name)
+            by = "api" if self.authorized(request) else "token" if await run_in_threadpool(
+                self._token_fires, name, request.headers.get("authorization", "")) else None
+        except MamError as exc:
+            return _error(_status_of(exc), str(exc))
+        if by is None:  # the same answer for an unknown schedule: names are not probed this way
+            log.warning("schedule %s: a trigger from %s was refused: missing or wrong token", name[:64], client)
+            return _error(401, f"missing or wrong bearer token (the schedule's trigger token, or {TOKEN_ENV})")
+        wait_s = self.triggers.allow(name, time.monotonic())
+        if wait_s is not None:
+            log.warning("schedule %s: a trigger from %s was refused: over %d a minute", name, client,
+                        self.triggers.per_minute)
+            return JSONResponse({"error": f"schedule {name} was triggered {self.triggers.per_minute} times in the "
+                                          f"last minute; try again in {math.ceil(wait_s)} s"},
+                                status_code=429, headers={"Retry-After": str(math.ceil(wait_s))})
+        try:
+            done = await run_in_threadpool(trigger_request, self.service, name, by=by, client=client)
+        except MamError as exc:
+            return _error(_status_of(exc), str(exc))
+        except Exception as exc:  # noqa: BLE001 - a daemon never dies on a request; one line in its log
+            log.warning("POST %s failed: %s: %s", request.url.path, type(exc).__name__, exc)
+            return _error(500, f"internal error: {type(exc).__name__}")
+        if done is None:
+            return _error(409, f"schedule {name}: not fired: its last job is still open (--overlap skip)")
+        return JSONResponse(done, status_code=201)
+
+    def _token_fires(self, name: str, header: str) -> bool:
+        given = header.removeprefix(BEARER) if header.startswith(BEARER) else ""
+        try:
+            schedule = schedules.Store(self.service.registry.root).load(name)
+        except MamError:
+            return False
+        return schedules.token_fires(schedule, given)
+
     async def drain(self, request: Request) -> Response:
         """`POST /api/runners/{session}/drain|undrain`: the hub's drain order (`drain_request`)."""
         session, verb = request.path_params["session"], request.path_params["verb"]
@@ -422,6 +485,8 @@ def create_app(service: HubService, token: str | None = None) -> Starlette:
         Route("/", api.page),
         Route("/api/runners", g(api.runners)),
         Route("/api/runners/{session}/{verb:str}", g(api.drain), methods=["POST"]),
+        Route("/api/schedules", g(api.schedules)),
+        Route("/api/schedules/{name}/run", api.schedule_run, methods=["POST"]),
         Route("/api/queue", g(api.queue)),
         Route("/api/jobs", g(api.jobs), methods=["GET"]),
         Route("/api/jobs", g(api.dispatch), methods=["POST"]),

@@ -5,7 +5,8 @@ Counted from the registry at each scrape (so they survive a restart of the
 service and equal what the records say happened): jobs by status, jobs
 finished by outcome and close reason, retries. From the running service:
 queue depth, the oldest queued job's age and the queued jobs no runner
-serves, each concurrency group's jobs out and queued, runners by status, each runner's status, slots and jobs held, the
+serves, each concurrency group's jobs out and queued, each schedule's next and last fire
+time, runners by status, each runner's status, slots and jobs held, the
 oldest permission request's age (deploy/prometheus/alerts.yml), messages
 accepted by kind and refused by §3.2 reason, events accepted by name
 (heartbeats included). From the hub's copies of the agent output (§15): bytes
@@ -24,7 +25,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mam.orchestrator import asks
+from mam.orchestrator import asks, schedules
 from mam.orchestrator import queue as hubqueue
 from mam.orchestrator.http.views import Row, iso_epoch, runner_rows
 from mam.orchestrator.service import HubService
@@ -87,6 +88,7 @@ class HubCollector(Collector):
             held.add_metric([session], count)
         yield held
         yield from self._queue()
+        yield from self._schedules()
         yield from self._runners()
         yield from self._messages()
         received, dropped = agent_log_bytes(self.service.registry.root)
@@ -112,6 +114,20 @@ class HubCollector(Collector):
             groups.add_metric([group, "out"], len(out.get(group, ())))
             groups.add_metric([group, "queued"], waiting.get(group, 0))
         yield groups
+
+    def _schedules(self) -> Iterator[Metric]:
+        """§14 Schedules: each one's next and last fire time, and whether it is paused."""
+        rows = [schedules.describe(schedule) for schedule in schedules.Store(self.service.registry.root).all()]
+        upcoming = GaugeMetricFamily("mam_schedule_next_fire_timestamp_seconds", "When each schedule fires next, "
+                                     "Unix seconds (0: paused)", labels=["schedule"])
+        fired = GaugeMetricFamily("mam_schedule_last_fire_timestamp_seconds", "When each schedule last fired a job, "
+                                  "Unix seconds (0: never)", labels=["schedule"])
+        paused = GaugeMetricFamily("mam_schedule_paused", "1 for a paused schedule", labels=["schedule"])
+        for row in rows:
+            upcoming.add_metric([row["name"]], iso_epoch(row["next_fire"]) or 0.0)
+            fired.add_metric([row["name"]], iso_epoch(row["last_fired_at"]) or 0.0)
+            paused.add_metric([row["name"]], 1.0 if row["paused"] else 0.0)
+        yield from (upcoming, fired, paused)
 
     def _runners(self) -> Iterator[Metric]:
         rows = runner_rows(self.service)

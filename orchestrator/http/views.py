@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mam.orchestrator import queue as hubqueue
+from mam.orchestrator import schedules
 from mam.orchestrator.follow import AuditTail, is_event_line
 from mam.orchestrator.results import Result, read_result
 from mam.orchestrator.runners import PRESENCE_STALE_S, REVOKED, STALE
@@ -101,6 +102,27 @@ def queue_rows(service: HubService, now: float | None = None) -> list[Row]:
                      "why_waiting": service.blocked_why.get(job_id)
                      or f"blocked until job {', '.join(service.blocked.get(job_id, ()))} ended"})
     return rows
+
+
+def schedule_rows(service: HubService) -> list[Row]:
+    """`GET /api/schedules`: every schedule as `schedule list --json` prints it (no brief, §14)."""
+    return [schedules.describe(schedule) for schedule in schedules.Store(service.registry.root).all()]
+
+
+def schedules_version(service: HubService) -> tuple[tuple[str, int], ...]:
+    """The schedule files' names and mtimes: a schedule's rows change only when its file does
+    (a fired or skipped tick is written to it)."""
+    try:
+        entries = list(os.scandir(schedules.schedules_dir(service.registry.root)))
+    except OSError:
+        return ()
+    found = []
+    for entry in entries:
+        try:
+            found.append((entry.name, entry.stat().st_mtime_ns))
+        except OSError:
+            continue
+    return tuple(sorted(found))
 
 
 def job_row(record: JobRecord, last_event: str | None = None, now_wall: float | None = None) -> Row:
@@ -213,6 +235,7 @@ class LiveFeed:
     log_bytes: int = 0  # agent output read by the feed since it started (metrics)
     _runners_key: object = None
     _queue_key: object = None
+    _schedules_key: object = None
     _started: bool = False
 
     def poll(self, changed: set[str] | None = None) -> list[Row]:
@@ -231,6 +254,10 @@ class LiveFeed:
         if key != self._queue_key:
             self._queue_key = key
             out.append({"type": "queue", "queue": waiting})
+        version = schedules_version(self.service)
+        if version != self._schedules_key:
+            self._schedules_key = version
+            out.append({"type": "schedules", "schedules": schedule_rows(self.service)})
         if changed is None:
             self._poll_jobs(out)
         else:

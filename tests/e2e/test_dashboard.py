@@ -25,6 +25,7 @@ from harness.results import PATCH, deliver_result
 from harness.runnersim import ask_step, hub_workspace, runner_log, start_runner
 from harness.waiting import PATIENCE_S, wait_until
 
+from mam.orchestrator import schedules
 from mam.orchestrator.identity import roster
 from mam.orchestrator.queuewait import close_queue_timeout
 from mam.shared.protocol import names
@@ -89,6 +90,11 @@ def test_dashboard_shows_runners_and_a_job_queued_running_completed_live(nats_br
             sync_api.expect(page.locator("#runners tbody tr", has_text="old-box")).to_contain_text(
                 f"revoked {revoked_at}")
             sync_api.expect(page.locator("#runners tbody tr", has_text="gpu-box")).to_contain_text("0 / 1")
+            schedules.add(hub, "nightly", cron="0 3 * * *", tz="Europe/Berlin", overlap="skip", catch_up=1,
+                          params={"labels": "gpu", "brief": "Update the dependencies"})  # §14 Schedules, live
+            nightly = page.locator("#schedules tbody tr", has_text="nightly")
+            sync_api.expect(nightly).to_contain_text("0 3 * * * (Europe/Berlin)")
+            sync_api.expect(nightly).to_contain_text("Update the dependencies")
 
             busy = serve.dispatch(gated(tmp_path, "go-1"), session="gpu-box")
             sync_api.expect(row_of(page, "running", busy)).to_contain_text("running")

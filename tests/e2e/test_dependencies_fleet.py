@@ -7,13 +7,14 @@ registered."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
-from harness.runnersim import hub_workspace, job_records, orch, start_runner, start_serve
+from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, job_records, orch, start_runner, start_serve
 from harness.waiting import PATIENCE_S, wait_until
 
-from mam.shared.protocol import wire
+from mam.shared.protocol import names, wire
 from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e]
@@ -67,15 +68,44 @@ def test_s14_a_job_after_another_waits_blocked_then_runs_or_fails_naming_it(nats
 
 
 @pytest.mark.timeout(120)
-def test_s14_bad_after_and_if_are_one_line_exit_64_and_register_nothing(nats_broker, tmp_path):
+def test_s14_bad_after_if_group_cron_and_tz_are_one_line_exit_64_and_register_nothing(nats_broker, tmp_path):
+    """Bad input for dependencies, groups and schedules, each one line on stderr, exit 64,
+    nothing registered: unknown, malformed and too many `--after` ids, `--if` alone or unknown,
+    a job that (through a hand-edited record) waits on itself and a cycle A -> B -> A, a group
+    name with '/' or a space, a cron expression of 7 fields, an unknown time zone."""
     hub = hub_workspace(nats_broker, tmp_path)
-    for args, said in ((["--after", "0badf00d"], "no job 0badf00d in this registry"),
-                       (["--after", "../../etc"], "--after '../../etc' is invalid"),
-                       (["--after", ",".join(["0badf00d"] * 40)], "expected at most 32"),
-                       (["--if", "ended"], "--if goes with --after ID"),
-                       (["--after", "0badf00d", "--if", "always"], "--if 'always' is invalid")):
-        done = orch(hub, "dispatch", "--session", "gpu-box", "--brief", "x", *args)
+    first = orch(hub, "dispatch", "--session", "nobody", "--brief", "x", "--detach", "--json")
+    second = orch(hub, "dispatch", "--session", "nobody", "--brief", "x", "--detach", "--json")
+    a, b = (json.loads(done.stdout)["job_id"] for done in (first, second))
+    for job_id, after in ((a, [b]), (b, [a])):  # hostile hand edits: A waits on B, B on A
+        path = names.jobs_dir(hub) / f"{job_id}.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "after": after}))
+    itself = orch(hub, "dispatch", "--session", "nobody", "--brief", "x", "--detach", "--json")
+    c = json.loads(itself.stdout)["job_id"]
+    path = names.jobs_dir(hub) / f"{c}.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "after": [c]}))
+    before = sorted(p.name for p in job_records(hub))
+    cases = [
+        (["dispatch", "--session", "gpu-box", "--brief", "x", "--after", "0badf00d"], "no job 0badf00d"),
+        (["dispatch", "--session", "gpu-box", "--brief", "x", "--after", "../../etc"], "--after '../../etc' is"),
+        (["dispatch", "--session", "gpu-box", "--brief", "x", "--after", ",".join(["0badf00d"] * 40)],
+         "expected at most 32"),
+        (["dispatch", "--session", "gpu-box", "--brief", "x", "--if", "ended"], "--if goes with --after ID"),
+        (["dispatch", "--session", "gpu-box", "--brief", "x", "--after", a, "--if", "always"], "--if 'always'"),
+        (["dispatch", "--session", "gpu-box", "--brief", "x", "--after", a], f"cycle: {a} -> {b} -> {a}"),
+        (["dispatch", "--session", "gpu-box", "--brief", "x", "--after", c], f"cycle: {c} -> {c}"),
+        (["dispatch", "--session", "gpu-box", "--brief", "x", "--group", "rel/1"], "--group 'rel/1' is invalid"),
+        (["dispatch", "--session", "gpu-box", "--brief", "x", "--group", "rel 1"], "--group 'rel 1' is invalid"),
+        (["schedule", "add", "n", "--workspace", str(hub), "--cron", "* * * * * * *", "--", "--session", "gpu-box",
+          "--brief", "x"], "--cron '* * * * * * *' is invalid"),
+        (["schedule", "add", "n", "--workspace", str(hub), "--cron", "0 3 * * *", "--tz", "Mars/Olympus", "--",
+          "--session", "gpu-box", "--brief", "x"], "--tz 'Mars/Olympus' is not a known time zone"),
+    ]
+    for args, said in cases:
+        done = (subprocess.run([*MAM_ORCH, *args], env=hub_env(), capture_output=True, text=True, timeout=PATIENCE_S)
+                if args[0] == "schedule" else orch(hub, *args))
         assert done.returncode == 64, (args, done.stderr)
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and said in lines[0], (args, done.stderr)
-    assert job_records(hub) == []
+    assert sorted(p.name for p in job_records(hub)) == before
+    assert not (hub / ".mam" / "schedules").exists() or not list((hub / ".mam" / "schedules").iterdir())

@@ -133,3 +133,43 @@ def test_s14_http_non_loopback_needs_a_token_a_busy_port_exits_64_a_token_is_enf
     finally:
         assert serve.stop() == 0, serve.log()
     assert TOKEN not in serve.log()
+
+
+def test_s14_a_schedules_trigger_token_fires_one_job_from_outside_and_is_audited(nats_broker, tmp_path):
+    """§14 Schedules "Triggers from outside": CI holds a schedule's trigger token, not the hub's
+    MAM_API_TOKEN: its POST fires one job that runs on a real runner, the job's record says
+    the trigger fired it, the service logs who; a wrong token is 401; neither token is ever
+    in the service's log."""
+    hub = hub_workspace(nats_broker, tmp_path)
+    runner = start_runner(nats_broker, tmp_path / "runner", "gpu-box")
+    added = subprocess.run([*MAM_ORCH, "schedule", "add", "deploy", "--cron", "0 3 * * *", "--workspace", str(hub),
+                            "--", "--session", "gpu-box", "--brief", "echo deployed", "--heartbeat", "1"],
+                           env=hub_env(), capture_output=True, text=True, timeout=PATIENCE_S)
+    assert added.returncode == 0, added.stderr
+    made = subprocess.run([*MAM_ORCH, "schedule", "token", "deploy", "--workspace", str(hub)], env=hub_env(),
+                          capture_output=True, text=True, timeout=PATIENCE_S)
+    assert made.returncode == 0, made.stderr
+    path = hub / ".mam" / "schedules" / "deploy.token"
+    token = path.read_text().strip()
+    assert token not in made.stdout + made.stderr and str(path) in made.stderr
+    serve = Serve(hub, ("MAM_API_TOKEN", TOKEN))
+    try:
+        assert serve.http.post("/api/schedules/deploy/run", headers={"Authorization": "Bearer nope"}).status_code \
+            == 401
+        fired = serve.http.post("/api/schedules/deploy/run", headers={"Authorization": f"Bearer {token}"})
+        assert fired.status_code == 201, fired.text
+        job_id = fired.json()["job_id"]
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        wait_until(lambda: serve.http.get(f"/api/jobs/{job_id}", headers=auth).json()["job"]["status"] == "completed",
+                   PATIENCE_S, "the triggered job to complete")
+        record = serve.http.get(f"/api/jobs/{job_id}", headers=auth).json()["record"]
+        assert record["schedule"]["trigger"] == {"by": "token", "from": "127.0.0.1"}
+        listed = serve.http.get("/api/schedules", headers=auth).json()["schedules"]
+        assert listed[0]["last_job"] == job_id and listed[0]["trigger_token"] is True
+        assert f"schedule deploy: job {job_id} fired by a trigger (token from 127.0.0.1)" in serve.log()
+        assert "schedule deploy: a trigger from 127.0.0.1 was refused: missing or wrong token" in serve.log()
+    finally:
+        assert serve.stop() == 0, serve.log()
+        runner.terminate()
+        runner.wait(PATIENCE_S)
+    assert token not in serve.log() and TOKEN not in serve.log()

@@ -344,7 +344,7 @@ def test_s14_http_metrics_parse_and_count_jobs_runners_and_refusals(service, api
 
 def test_s15_live_feed_sends_runner_queue_job_event_and_log_changes(service):
     feed = LiveFeed(service)
-    assert {item["type"] for item in feed.poll()} == {"runners", "queue"}
+    assert {item["type"] for item in feed.poll()} == {"runners", "queue", "schedules"}
     assert feed.poll() == []  # nothing changed
     service.fleet.update(runner("gpu-box"))
     record = service.registry.register(session="gpu-box", contract=Contract(heartbeat_sec=1, heartbeat_misses=2))
@@ -585,3 +585,62 @@ def test_s14_http_and_python_dispatch_take_after_and_the_queue_shows_blocked_job
             hub.dispatch("echo hi", labels=["gpu"], after="0badf00d")
         with pytest.raises(UsageError, match="--if 'never' is invalid"):
             hub.dispatch("echo hi", labels=["gpu"], after=[first], after_if="never")
+
+
+def _schedule(service, name: str = "nightly", overlap: str = "skip"):
+    from mam.orchestrator import schedules
+
+    return schedules.add(service.registry.root, name, cron="0 3 * * *", tz="UTC", overlap=overlap, catch_up=1,
+                         params={"labels": "gpu", "brief": "Update the dependencies"})
+
+
+def test_s14_http_a_schedules_trigger_token_fires_it_without_the_admin_token_and_is_rate_limited(service):
+    from mam.orchestrator import schedules
+
+    _schedule(service, overlap="queue")
+    api = TestClient(hubhttp.create_app(service, TOKEN), raise_server_exceptions=False)
+    url = "/api/schedules/nightly/run"
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Bearer " + "x" * 100_000}):
+        refused = api.post(url, headers=headers)
+        assert refused.status_code == 401 and "trigger token" in refused.json()["error"]
+    path = schedules.issue_token(service.registry.root, "nightly")
+    token = path.read_text().strip()
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert token not in schedules.Store(service.registry.root).path("nightly").read_text()  # only its SHA-256
+    assert api.post("/api/schedules/other/run", headers={"authorization": f"Bearer {token}"}).status_code == 401
+    assert api.post("/api/schedules/..%2Fx/run", headers={"authorization": f"Bearer {token}"}).status_code in (400, 404)
+    fired = api.post(url, headers={"authorization": f"Bearer {token}"})
+    assert fired.status_code == 201, fired.text
+    record = service.registry.get(fired.json()["job_id"])
+    assert record["schedule"]["name"] == "nightly" and record["schedule"]["trigger"] == {"by": "token",
+                                                                                         "from": "testclient"}
+    admin = api.post(url, headers={"authorization": f"Bearer {TOKEN}"})
+    assert admin.status_code == 201 and service.registry.get(admin.json()["job_id"])["schedule"]["trigger"]["by"] \
+        == "api"
+    codes = [api.post(url, headers={"authorization": f"Bearer {token}"}).status_code for _ in range(5)]
+    assert codes == [201] * 4 + [429]  # 6 a minute
+    limited = api.post(url, headers={"authorization": f"Bearer {token}"})
+    assert limited.status_code == 429 and int(limited.headers["retry-after"]) > 0
+    schedules.revoke_token(service.registry.root, "nightly")
+    assert api.post(url, headers={"authorization": f"Bearer {token}"}).status_code == 401
+    assert not path.exists()
+
+
+def test_s14_http_schedules_show_in_the_api_the_feed_and_metrics_and_skip_is_409(service, api):
+    feed = LiveFeed(service)
+    feed.poll()
+    _schedule(service)
+    rows = api.get("/api/schedules").json()["schedules"]
+    assert [(r["name"], r["cron"], r["target"], r["trigger_token"]) for r in rows] == [
+        ("nightly", "0 3 * * *", "labels=gpu", False)]
+    assert "brief" not in rows[0] and rows[0]["title"] == "Update the dependencies"  # its first line, as a job's
+    assert [item["schedules"][0]["name"] for item in feed.poll() if item["type"] == "schedules"] == ["nightly"]
+    text = api.get("/metrics").text
+    assert 'mam_schedule_paused{schedule="nightly"} 0.0' in text
+    assert 'mam_schedule_last_fire_timestamp_seconds{schedule="nightly"} 0.0' in text
+    assert 'mam_schedule_next_fire_timestamp_seconds{schedule="nightly"} 1.' in text  # a Unix time
+    first = api.post("/api/schedules/nightly/run")  # loopback without MAM_API_TOKEN: open, as the rest
+    assert first.status_code == 201, first.text
+    skipped = api.post("/api/schedules/nightly/run")  # its job is still open: --overlap skip
+    assert skipped.status_code == 409 and "not fired" in skipped.json()["error"]
+    assert api.post("/api/schedules/nope/run").status_code == 404

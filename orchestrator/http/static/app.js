@@ -9,7 +9,7 @@ const token = params.get("token") || sessionStorage.getItem("mam_token") || "";
 if (params.get("token")) sessionStorage.setItem("mam_token", token);
 
 const ASKS_POLL_MS = 3000;       // the requests waiting for a person are looked up this often (§19)
-const state = { runners: [], queue: [], jobs: new Map(), job: null, events: [], logAttempt: null, asks: [], page: 0,
+const state = { runners: [], queue: [], schedules: [], jobs: new Map(), job: null, events: [], logAttempt: null, asks: [], page: 0,
   logNext: null, logHeld: [] };
 const TERMINAL = new Set(["completed", "error", "cancelled"]);
 
@@ -85,6 +85,9 @@ function renderFleet() {
   const titleOf = (id) => (state.jobs.get(id) || {}).title || "";
   fill("queue", state.queue.map((q) => row([jobLink(q.job_id), titleOf(q.job_id), badge(q.status),
     q.target + (q.group ? " · group " + q.group : ""), q.priority, q.why_waiting])), "nothing waits", 6);
+  fill("schedules", state.schedules.map((s) => row([s.name, s.cron + " (" + s.tz + ")", s.target, s.title,
+    s.paused ? "paused" : (s.next_fire || "-"), s.last_job ? jobLink(s.last_job) : "-",
+    s.last_skipped ? "skipped " + s.last_skipped : ""])), "no schedule", 7);
   const jobs = [...state.jobs.values()].sort((a, b) => b.created_at.localeCompare(a.created_at));
   const open = jobs.filter((j) => j.status === "pending" || j.status === "running");
   const matching = jobs.filter((j) => TERMINAL.has(j.status) && matches(j));
@@ -367,6 +370,7 @@ function connect() {
   source.onerror = () => { conn.textContent = "reconnecting…"; };
   source.addEventListener("runners", (e) => { state.runners = JSON.parse(e.data).runners; render(); });
   source.addEventListener("queue", (e) => { state.queue = JSON.parse(e.data).queue; render(); });
+  source.addEventListener("schedules", (e) => { state.schedules = JSON.parse(e.data).schedules; render(); });
   source.addEventListener("job", (e) => {
     const job = JSON.parse(e.data).job;
     state.jobs.set(job.job_id, job);
@@ -386,9 +390,10 @@ function connect() {
   });
 }
 
-Promise.all([api("/api/runners"), api("/api/queue"), api("/api/jobs")]).then(([r, q, j]) => {
+Promise.all([api("/api/runners"), api("/api/queue"), api("/api/jobs"), api("/api/schedules")]).then(([r, q, j, s]) => {
   state.runners = r.runners;
   state.queue = q.queue;
+  state.schedules = s.schedules;
   for (const job of j.jobs) state.jobs.set(job.job_id, job);
   route();
   loadAsks();
