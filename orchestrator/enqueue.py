@@ -34,7 +34,8 @@ def register_queued(registry: Registry, *, brief: str, contract: wire.Contract, 
     """Register a checked job `queued` with its brief (and its repository and agent policy,
     §18), for the engine to publish (§14): the one way `dispatch`, `POST /api/jobs` and
     `mam.Hub` queue a job (and a schedule fires one, with its `schedule` tick). Its `title` is
-    `title`, else the brief's first line (`job_title`).
+    `title`, else the brief's first line (`job_title`). The brief is on disk before the record
+    exists, so a process killed in between leaves no record an engine could not publish.
 
     Raises:
         UsageError: the target session is revoked (`refuse_revoked`); a bad title; `--after`
@@ -44,8 +45,8 @@ def register_queued(registry: Registry, *, brief: str, contract: wire.Contract, 
     refuse_revoked(registry, terms.target_session)
     check_dependencies(registry, terms, work)
     record = registry.register(session=terms.target_session, contract=contract, queue=terms, work=work,
-                               title=name, schedule=schedule)
-    save_brief(registry, record["job_id"], brief)
+                               title=name, schedule=schedule,
+                               prepare=lambda job_id: save_brief(registry, job_id, brief))  # brief first: §14
     wake_engine(registry.root)  # the engine publishes it now, not at its next scan (§14)
     return record
 

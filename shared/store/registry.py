@@ -279,7 +279,8 @@ class Registry(RegistryFiles):
     def register(self, *, session: str | None, contract: Contract | None = None,
                  broker: Mapping[str, Any] | None = None, job_id: str | None = None,
                  source: str = "operator", queue: QueueTerms | None = None, work: Work | None = None,
-                 title: str | None = None, schedule: Mapping[str, Any] | None = None) -> JobRecord:
+                 title: str | None = None, schedule: Mapping[str, Any] | None = None,
+                 prepare: Callable[[str], object] | None = None) -> JobRecord:
         """Register a new hub job: status `pending`, attempt 1, fresh
         `dispatch_token` and `auth_token`, the contract fields (§8, §1).
 
@@ -292,6 +293,9 @@ class Registry(RegistryFiles):
             work: the job's repository and agent policy (§18), stored as `work`.
             title: a person's name for the job (`dispatch.job_title`), stored as `title`.
             schedule: the schedule tick that fired it (§14 Schedules), stored as `schedule`.
+            prepare: called with the new job id, under the lock, once its folders exist and
+                before its record does: what the record must never exist without (the hub's
+                copy of the brief: an engine that finds the record publishes it at once).
         Returns:
             the new record (with secrets).
         Raises:
@@ -313,6 +317,9 @@ class Registry(RegistryFiles):
                 if job_id is not None:
                     raise Refusal(job_id, "not_allowed", "a record with this id already exists")
                 chosen = names.new_job_id()
+            if prepare is not None:
+                self._ensure_dirs(chosen)
+                prepare(chosen)
             record = new_record(job_id=chosen, session=session, role="hub", attempt_id=1,
                                 dispatch_token=names.new_dispatch_token(), auth_token=names.new_auth_token(),
                                 contract=contract, broker=broker_block, origin=None, queue=queue, work=work,

@@ -196,3 +196,30 @@ def test_s14_a_hand_edited_cycle_fails_the_blocked_job_rather_than_wait_forever(
 
 def test_s14_decision_release_property():
     assert Decision().release and not Decision(failed="x").release and not Decision(waiting=((A, "queued"),)).release
+
+
+def test_s14_the_brief_is_on_disk_before_the_record_exists_and_a_failed_write_registers_nothing(tmp_path):
+    """A hub process killed between the two writes of `register_queued` must not leave a queued
+    record without its brief (the next engine could only close it): the brief comes first."""
+    from mam.orchestrator.dispatch import brief_path
+    from mam.orchestrator.enqueue import register_queued
+    from mam.shared.protocol.errors import RegistryError
+    from mam.shared.store.registry import Contract
+
+    reg = Registry(tmp_path)
+    seen: list[tuple[bool, bool]] = []
+
+    def prepare(job_id: str) -> None:
+        seen.append((reg.record_path(job_id).exists(), reg.logs_dir(job_id).is_dir()))
+
+    reg.register(session=None, queue=QueueTerms(target_session="gpu-box"), prepare=prepare)
+    assert seen == [(False, True)]  # called before the record, once its folder exists
+
+    def failing(job_id: str) -> None:
+        raise RegistryError("disk full")
+
+    with pytest.raises(RegistryError):
+        reg.register(session=None, queue=QueueTerms(target_session="gpu-box"), prepare=failing)
+    assert len(reg.list()[0]) == 1  # nothing registered
+    record = register_queued(reg, brief="echo hi", contract=Contract(), terms=QueueTerms(target_session="gpu-box"))
+    assert brief_path(reg, record["job_id"]).read_text() == "echo hi"
