@@ -257,7 +257,12 @@ class HubService:
             self.queued.pop(job_id, None)
             self.queue_deadlines.pop(job_id, None)
             self._why.pop(job_id, None)
-            if job_id not in self.late and job_id not in self.confirm_watchers:
+            if job_id in self.confirm_watchers:
+                return
+            if retry_reason(record) is not None or limit_pause(record, time.time()) is not None:
+                self.retry(job_id, now)  # an engine stopped between an attempt's end and its retry (§14)
+                return
+            if job_id not in self.late:
                 self._judge_late(record, now)
 
     def _runner_offline(self, session: str, now: float) -> None:

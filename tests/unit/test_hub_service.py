@@ -207,3 +207,25 @@ def test_s14_a_pending_attempt_no_runner_spoke_for_is_published_again_by_the_nex
     notes = [line["line"] for line in reg.audit(silent) if line["event"] == "hub_note"]
     assert any("its dispatch is published again" in note for note in notes), notes
     assert not service.unheard
+
+
+def test_s14_an_attempt_closed_but_not_yet_retried_is_retried_by_the_next_engine(tmp_path):
+    """An engine killed between closing an attempt (`runner_lost`, a retry left) and queueing
+    its retry: the next engine queues attempt 2 when it finds the record, and says so."""
+    reg = Registry(tmp_path)
+    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
+    terms = QueueTerms(target_labels=("gpu",), retries=1, retry_on=("runner_lost",))
+    job_id = reg.register(session=None, queue=terms)["job_id"]
+    mark_published(reg, job_id, "gpu-box")
+    reg.close(job_id, "runner_lost", source="delegate_wrapper")  # ... and the engine was killed here
+    done = reg.register(session=None, queue=QueueTerms(target_labels=("gpu",)))["job_id"]
+    mark_published(reg, done, "gpu-box")
+    reg.close(done, "runner_lost", source="delegate_wrapper")  # no retry left: it stays ended
+    service = HubService(open_hub(tmp_path))
+    service.client = RecordingClient()  # type: ignore[assignment]
+    service.scan(time.monotonic())
+    retried = reg.get(job_id)
+    assert (retried["status"], retried["attempt_id"], retried["retried"]) == ("queued", 2, 1)
+    assert retried["avoid_session"] == "gpu-box" and job_id in service.queued
+    assert any("retry 1 of 1: attempt 2 queued" in line.get("line", "") for line in reg.audit(job_id))
+    assert (reg.get(done)["status"], reg.get(done)["attempt_id"]) == ("error", 1)
