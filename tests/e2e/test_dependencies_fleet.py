@@ -11,7 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, job_records, orch, start_runner, start_serve
+from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, job_records, kill_all, orch, start_runner, start_serve
 from harness.waiting import PATIENCE_S, wait_until
 
 from mam.shared.protocol import names, wire
@@ -62,9 +62,7 @@ def test_s14_a_job_after_another_waits_blocked_then_runs_or_fails_naming_it(nats
         lenient = detach(hub, "--after", failing, "--if", "ended", "--brief", "echo anyway")["job_id"]
         wait_until(lambda: registry.get(lenient)["status"] == "completed", PATIENCE_S, "the --if ended job")
     finally:
-        for proc in (serve, runner):
-            proc.kill()
-            proc.wait(PATIENCE_S)
+        kill_all(serve, runner)
 
 
 @pytest.mark.timeout(120)

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
-from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, job_records, orch, start_runner, start_serve
+from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, job_records, kill_all, orch, start_runner, start_serve
 from harness.waiting import PATIENCE_S, wait_until
 
 from mam.shared.protocol import wire
@@ -70,10 +70,7 @@ def test_s14_a_schedule_fires_on_its_ticks_and_catches_up_once_after_the_hub_was
         listed = orch(hub, "schedule", "list", "--json")
         assert listed.returncode == 0 and json.loads(listed.stdout)["last_job"] is not None
     finally:
-        for proc in (serve, runner):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(PATIENCE_S)
+        kill_all(serve, runner)
 
 
 @pytest.mark.timeout(240)
@@ -105,10 +102,7 @@ def test_s14_overlap_skip_skips_a_tick_while_the_last_job_runs_and_says_so(nats_
         wait_until(lambda: Registry(hub).get(job_id)["status"] == "completed", PATIENCE_S, "the run-now job")
         assert len(fired(hub, "slow")) == 2  # paused: no tick fired meanwhile
     finally:
-        for proc in (serve, runner):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(PATIENCE_S)
+        kill_all(serve, runner)
 
 
 @pytest.mark.timeout(300)
@@ -137,7 +131,4 @@ def test_s14_a_hub_killed_right_after_ticks_never_fires_a_tick_twice_nor_loses_i
         wait_until(lambda: all(r["status"] == "completed" for r in fired(hub, "every")), PATIENCE_S,
                    "every fired job to complete")
     finally:
-        for proc in (serve, runner):
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(PATIENCE_S)
+        kill_all(serve, runner)

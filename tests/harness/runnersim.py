@@ -195,6 +195,14 @@ def start_serve(workspace: Path, *args: str, ready: bytes = b"hub service pid") 
     return proc
 
 
+def kill_all(*procs: subprocess.Popen[Any]) -> None:
+    """SIGKILL each process still running and reap it (a test's teardown)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(PATIENCE_S)
+
+
 def serve_log(workspace: Path) -> str:
     """What every `start_serve` on `workspace` wrote on stderr."""
     return (workspace.parent / "serve.stderr").read_text(errors="replace")
