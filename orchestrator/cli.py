@@ -291,8 +291,8 @@ def dispatch_cmd(
                                       help="Seconds queued before closing queue_timeout, exit 2 (default 86400)."),
     retries: int = typer.Option(0, "--retries", metavar="N", help="Retry a failed attempt up to N times, 0..10."),
     retry_on: str = typer.Option(None, "--retry-on", metavar="LIST",
-                                 help="Which ends retry: agent_blocked,deadline_timeout,runner_lost,error "
-                                      "(default the first three)."),
+                                 help="Which ends retry: agent_blocked,deadline_timeout,runner_lost,lease_lost,"
+                                      "error (default all but error)."),
     fresh: bool = typer.Option(False, "--fresh", help="A retry starts a new agent session (default: it "
                                                       "continues the last one, §18)."),
     on_limit: str = typer.Option("pause", "--on-limit", metavar="pause|fail|move",

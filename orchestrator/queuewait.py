@@ -249,11 +249,11 @@ def say_requeue(registry: Registry, job_id: str) -> JobRecord:
 
 def retry_reason(record: JobRecord) -> str | None:
     """Why this ended attempt may be retried (§14), or None: `error` ended by the hub
-    (its close reason) or by the runner (`error`), and that reason in `retry_on`,
-    with fewer than `retries` retries made."""
+    (its close reason) or by the runner (`error`, or `lease_lost` when it fenced the attempt,
+    §10 "Leases"), and that reason in `retry_on`, with fewer than `retries` retries made."""
     if record["status"] != Status.ERROR or record.get("retried", 0) >= record.get("retries", 0):
         return None
-    reason = record.get("close_reason") or RetryOn.ERROR
+    reason = record.get("close_reason") or (RetryOn.LEASE_LOST if record.get("lease_lost") else RetryOn.ERROR)
     return reason if reason in record.get("retry_on", list(DEFAULT_RETRY_ON)) else None
 
 

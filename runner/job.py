@@ -25,12 +25,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from mam.runner import gpus, orphans, publish
+from mam.runner import gpus, lease, orphans, publish
 from mam.runner.agent import AgentProcess, AgentStartError, ExitStatus, agent_env
 from mam.runner.cgroups import JobCgroup, RunnerCgroups
 from mam.runner.deadman import DeadmanSwitch
 from mam.runner.fastpath import SOCKET_ENV
 from mam.runner.heartbeat.beats import Beats
+from mam.runner.lease import Leases
 from mam.runner.limits import JobLimits, RunnerLimits
 from mam.runner.logstream import LogStreams
 from mam.runner.process_tree import AgentIdentity, stop_orphan
@@ -69,6 +70,7 @@ class StopReason(StrEnum):
     TIMED_OUT = "timed_out"  # it ran the contract's `timeout_sec` (§5)
     LINGERED = "lingered"  # it published its own terminal event, then ran on past MAM_AGENT_LINGER_S
     OVER_BUDGET = "over_budget"  # its stream shows --max-turns / --max-cost-usd spent (§18)
+    LEASE_LOST = "lease_lost"  # no beat acknowledged for its lease less the margin (§10 "Leases")
 
 
 def final_reason(reason: StopReason, cancelled: bool) -> StopReason:
@@ -127,6 +129,7 @@ class Job:
     brief: str
     heartbeat_s: int
     timeout_s: int
+    lease_s: float | None = None  # §10 "Leases": the contract's idle_timeout_sec; None: not fenced
     cancel: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str = ""
     thread: threading.Thread | None = None
@@ -172,11 +175,14 @@ class Supervisor:
         self.stopping = stopping or threading.Event()
         self.socket_path: Path | None = None  # the daemon's local publish socket (§17), set once it listens
         self.cgroups: RunnerCgroups | None = None  # §6: each agent in a cgroup of its own, where the host allows
-        self.deadman = DeadmanSwitch()  # §6: the daemon's death stops its agents
+        self.deadman = DeadmanSwitch()  # §6: the daemon's death stops its agents, §10: so does a lapsed lease
+        self.leases = Leases(margin_s=options.lease_margin_s, on_renew=self.deadman.renew)
         self.limits: RunnerLimits | None = None  # §6 "Limits": where this host can limit a job
         # the tools a person at the hub denied a job (§19), from that socket: (job_id) -> names
         self.denied_tools: Callable[[str], set[str]] = lambda job_id: set()
-        self.beats = Beats(registry, client, drain_s=options.heartbeat_drain_s)  # §12: one thread, every job
+        self.beats = Beats(registry, client, drain_s=options.heartbeat_drain_s,  # §12: one thread, every job
+                           on_ack=lambda job_id, attempt_id, sent_at: self.leases.renew(f"{job_id}-{attempt_id}",
+                                                                                         sent_at))
         self.logstreams = LogStreams(root=options.root, client=client, config=config,  # §15
                                      rate_bps=options.log_rate_bps, environ=environ)
         self.mirrors = Repos(options.root, options.repos)  # §18
@@ -237,6 +243,9 @@ class Supervisor:
         except BrokerError as exc:
             log.warning("job %s: retained dispatch not cleared (%s); the registry refuses its replay", job.job_id,
                         exc)
+        if job.lease_s is not None:  # §10 "Leases": from before `started` goes out, as the hub counts from it
+            self.leases.hold(f"{job.job_id}-{job.attempt_id}", lease_s=job.lease_s, heartbeat_s=job.heartbeat_s,
+                             since=lease.now())
         self._send(job.job_id, started)
         # §12 from the daemon: one thread beats for every job (no timer process per job, §17)
         self.beats.add(job.job_id, attempt_id=job.attempt_id, dispatch_token=job.dispatch_token,
@@ -258,6 +267,7 @@ class Supervisor:
             if agent.started and agent.poll() is None:  # an unexpected error: never leave the agent behind
                 agent.cancel(grace_s=self.options.cancel_grace_s)
             self.deadman.disarm(f"{job.job_id}-{job.attempt_id}")
+            self.leases.release(f"{job.job_id}-{job.attempt_id}")
             agent.close()
             if limits is not None:
                 limits.remove()
@@ -297,8 +307,9 @@ class Supervisor:
             self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_NOT_STARTED, EXIT_NOT_STARTED))
             return
         log.info("job %s: agent pid %d started", job.job_id, agent.pid)
-        self.deadman.arm(f"{job.job_id}-{job.attempt_id}", agent.identity,
-                         agent.cgroup.path if agent.cgroup is not None else None)
+        key = f"{job.job_id}-{job.attempt_id}"
+        self.deadman.arm(key, agent.identity, agent.cgroup.path if agent.cgroup is not None else None,
+                         self.leases.until(key))
         if attempt.takes_input:
             job.tell = lambda text: agent.send_input(attempt.stdin(text).encode("utf-8", "surrogateescape"))
         try:
@@ -308,8 +319,14 @@ class Supervisor:
                         job.job_id, exc)
         reason, status = self._wait(job, agent, attempt)
         reason = final_reason(reason, job.cancel.is_set())
+        completed = reason is StopReason.EXITED and status is not None and status.terminal()[0] == EventName.COMPLETED
+        if reason is not StopReason.LINGERED and not completed and self.leases.lapsed(key):
+            reason = StopReason.LEASE_LOST  # fenced (§10 "Leases"), whatever the hub's cancel says after
         grace_s = self.options.cancel_grace_s
-        if reason is StopReason.EXITED and status is not None:
+        if reason is StopReason.LEASE_LOST:
+            status = agent.cancel(grace_s=0.0) if status is None else status
+            log.warning("job %s: %s", job.job_id, self.leases.detail(key))
+        elif reason is StopReason.EXITED and status is not None:
             log.info("job %s: agent ended (%s)", job.job_id, status.terminal()[1] or "exit 0")
             self._stop_leftovers(job, agent)  # before the terminal event: nothing of the job outlives it
         else:
@@ -326,7 +343,10 @@ class Supervisor:
                 log.info("job %s: agent cancelled (%s)", job.job_id, job.cancel_reason or "cancel")
         terminal = terminal_for(reason, status, job.timeout_s)
         oom_kills = limits.oom_kills() if limits is not None else 0
-        if terminal is not None and reason is StopReason.OVER_BUDGET:
+        lease_lost = reason is StopReason.LEASE_LOST
+        if terminal is not None and lease_lost:
+            terminal = Terminal(EventName.ERROR, self.leases.detail(key), terminal.exit_code)
+        elif terminal is not None and reason is StopReason.OVER_BUDGET:
             terminal = Terminal(EventName.ERROR, f"budget_exceeded: {attempt.adapter.over_budget()}",
                                 terminal.exit_code)
         elif (terminal is not None and reason is StopReason.EXITED and oom_kills
@@ -345,6 +365,8 @@ class Supervisor:
             data["usage"] = usage  # §6: the job's whole process tree, from its cgroups
         if oom_kills:
             data["oom_kills"] = oom_kills
+        if lease_lost:
+            data["lease_lost"] = True  # §10 "Leases": the hub may retry it (retry_on lease_lost)
         if terminal is not None:
             self.publish_terminal(job, Terminal(terminal.event, terminal.detail, terminal.exit_code,
                                                 terminal.status, data))
@@ -406,7 +428,10 @@ class Supervisor:
         reported_at: float | None = None  # when the agent's own terminal event was seen
         next_check = 0.0
         session: str | None = None  # the agent session the hub was told of
+        key = f"{job.job_id}-{job.attempt_id}"
         while True:
+            if self.leases.lapsed(key):
+                return StopReason.LEASE_LOST, None
             if job.cancel.wait(0):
                 return StopReason.CANCELLED, None
             now = time.monotonic()

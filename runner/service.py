@@ -476,7 +476,7 @@ class Runner:
             return
         job = Job(job_id=dispatch.job_id, attempt_id=dispatch.attempt_id, dispatch_token=dispatch.dispatch_token,
                   brief=take.brief, heartbeat_s=contract.heartbeat_sec, timeout_s=contract.timeout_sec,
-                  work=dispatch.work)
+                  lease_s=float(contract.idle_timeout_s), work=dispatch.work)
         if self.gpus is not None:  # §14: admission saw them free, and only this thread takes GPUs
             job.gpus = self.gpus.allocate(job.job_id, dispatch.work.gpus or 0 if dispatch.work else 0) or ()
         with self._jobs_lock:

@@ -60,6 +60,8 @@ DEFAULT_MAX_RESULT_BYTES = 50 * 1000 * 1000
 MAX_RESULT_BYTES_LIMIT = 1 << 30
 MIN_RESULT_BYTES = 1024
 HEARTBEAT_DRAIN = Seconds("MAM_HEARTBEAT_DRAIN_S", barrier.DEFAULT_DRAIN_S, 0.0, barrier.DRAIN_HIGH_S)
+LEASE_MARGIN = Seconds("MAM_LEASE_MARGIN_S", 0.0, 0.1, 3600.0)
+"""§10 "Leases": unset (the default) is `lease.margin_for`'s share of each lease."""
 
 
 def read_seconds(values: Mapping[str, str], setting: Seconds) -> float:
@@ -98,6 +100,8 @@ class RunnerOptions:
         presence_refresh_s: republish presence at least this often (§7; hub: stale after 3 periods).
         agent_linger_s: how long an agent may run on after publishing its own terminal event.
         heartbeat_drain_s: how long a heartbeat timer may take to exit before a terminal event (§12).
+        lease_margin_s: MAM_LEASE_MARGIN_S, how long before its lease ends an attempt fences itself
+            (§10 "Leases"); None = a quarter of the lease, 0.5-10 s.
         labels: the labels its presence announces, sorted (§14; `--labels`, else MAM_RUNNER_LABELS).
         log_rate_bps: MAM_LOG_RATE_BPS, the agent's output sent to the hub per second at most (§15).
         repos: the repositories it serves (§18; `--repo NAME=URL`, else MAM_RUNNER_REPOS).
@@ -123,6 +127,7 @@ class RunnerOptions:
     presence_refresh_s: float = DEFAULT_PRESENCE_REFRESH_S
     agent_linger_s: float = DEFAULT_AGENT_LINGER_S
     heartbeat_drain_s: float = barrier.DEFAULT_DRAIN_S
+    lease_margin_s: float | None = None
     labels: tuple[str, ...] = ()
     log_rate_bps: int = logstream.DEFAULT_RATE_BPS
     repos: tuple[RepoSpec, ...] = ()
@@ -253,6 +258,7 @@ def options_from_cli(*, session: str | None, exec_cmd: str, workspace: str | Non
                          presence_refresh_s=read_seconds(values, PRESENCE_REFRESH),
                          agent_linger_s=read_seconds(values, AGENT_LINGER),
                          heartbeat_drain_s=read_seconds(values, HEARTBEAT_DRAIN),
+                         lease_margin_s=read_seconds(values, LEASE_MARGIN) if values.get(LEASE_MARGIN.name) else None,
                          labels=read_labels(labels, values, enrolled.labels if enrolled else ()),
                          log_rate_bps=logstream.rate_from_env(values),
                          repos=parse_repos(repos or [], values.get(REPOS_ENV)),

@@ -13,6 +13,9 @@ the timer's drain), then the lock is released. A terminal publish (the
 supervisor, an agent through the socket, a `mam-runner publish` process)
 therefore raises its barrier after the beat in flight, and no beat follows it.
 
+A beat the broker acknowledged renews the attempt's lease (§10 "Leases"): `on_ack` is told
+the job, the attempt and when the beat was sent (CLOCK_BOOTTIME, `lease.now`).
+
 A job's beats stop on: its removal (its supervisor ended), a terminal record
 or barrier, a newer attempt, its `timeout_sec`; all of them with the daemon's
 process, kill -9 included: the thread that beats is gone with it.
@@ -26,7 +29,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mam.runner import barrier, publish
+from mam.runner import barrier, lease, publish
 from mam.shared.protocol.codes import EventName
 from mam.shared.protocol.errors import BrokerError, RegistryError, TransitionRefused
 from mam.shared.store.registry import Registry
@@ -34,6 +37,9 @@ from mam.shared.transport import Transport
 
 log = logging.getLogger("mam.heartbeat")
 
+ACK_WAIT_MIN_S = 0.5
+"""A beat waits for its PUBACKs at least this long, seconds, even with a shorter drain time:
+an acknowledged beat renews the lease (§10 "Leases"), and one never waited for would not."""
 STOP_WAIT_S = 10.0
 """How long `Beats.stop` waits for a beat in flight (its drain and more), seconds."""
 
@@ -64,14 +70,18 @@ class Beats:
         registry: this host's registry; client: the daemon's connection.
         drain_s: how long a beat waits for its PUBACKs while holding the job's
             heartbeat lock (MAM_HEARTBEAT_DRAIN_S, §12), seconds.
+        on_ack: told `(job_id, attempt_id, sent_at)` of each beat acknowledged within
+            `drain_s` (§10 "Leases"); sent_at on CLOCK_BOOTTIME.
         clock: the monotonic clock (tests pass their own).
     """
 
     def __init__(self, registry: Registry, client: Transport, *, drain_s: float,
+                 on_ack: Callable[[str, int, float], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = registry
         self.client = client
         self.drain_s = drain_s
+        self.on_ack = on_ack
         self.clock = clock
         self._jobs: dict[str, _Beating] = {}
         self._cond = threading.Condition()
@@ -186,14 +196,17 @@ class Beats:
             except RegistryError as exc:
                 log.warning("job %s: beat not written (%s); the next one tries again", job.job_id, exc)
                 return None
-            self._send(published)
+            self._send(job, published)
         return None
 
-    def _send(self, published: publish.Published) -> None:
+    def _send(self, job: _Beating, published: publish.Published) -> None:
         """Hand event and state to the connection; wait for their PUBACKs up to `drain_s` while
-        it is up. Unacknowledged, the beat stays in the outbox for the Resender (§17)."""
+        it is up, then renew the lease (`on_ack`). Unacknowledged, the beat stays in the outbox
+        for the Resender (§17) and renews nothing."""
+        sent_at = lease.now()
         try:
-            waiters = [self.client.publish_async(topic, payload, retain=retain, timeout_s=self.drain_s)
+            wait_s = max(self.drain_s, ACK_WAIT_MIN_S)
+            waiters = [self.client.publish_async(topic, payload, retain=retain, timeout_s=wait_s)
                        for topic, payload, retain in published.messages(self.client.config.topic_root)]
             if not self.client.connected.is_set():
                 return  # queued in order on this connection; sent (or re-sent from the outbox) later
@@ -203,6 +216,8 @@ class Beats:
             log.warning("job %s: beat seq %d kept in the outbox: %s", published.event["job_id"], published.seq, exc)
             return
         publish.acknowledge(published)
+        if self.on_ack is not None:
+            self.on_ack(job.job_id, job.attempt_id, sent_at)
 
 
 __all__ = ["Beats"]

@@ -46,11 +46,13 @@ class CloseReason(StrEnum):
 
 
 class RetryOn(StrEnum):
-    """What `retry_on` may name (§14): hub close reasons, or the runner's own `error`."""
+    """What `retry_on` may name (§14): hub close reasons, the runner's own `error`, or its
+    `error` that says it fenced itself (`data.lease_lost`, §10 "Leases")."""
 
     AGENT_BLOCKED = "agent_blocked"
     DEADLINE_TIMEOUT = "deadline_timeout"
     RUNNER_LOST = "runner_lost"
+    LEASE_LOST = "lease_lost"
     ERROR = "error"
 
 
@@ -95,7 +97,7 @@ CLOSE_STATUS = {CloseReason.DEADLINE_TIMEOUT: JobStatus.ERROR, CloseReason.AGENT
                 CloseReason.RUNNER_LOST: JobStatus.ERROR, CloseReason.DEPENDENCY_FAILED: JobStatus.ERROR}
 # The close reasons that end a job `error` (an operator-source close may name them, §8).
 ERROR_CLOSES = frozenset(reason for reason, status in CLOSE_STATUS.items() if status == JobStatus.ERROR)
-DEFAULT_RETRY_ON = (RetryOn.AGENT_BLOCKED, RetryOn.DEADLINE_TIMEOUT, RetryOn.RUNNER_LOST)
+DEFAULT_RETRY_ON = (RetryOn.AGENT_BLOCKED, RetryOn.DEADLINE_TIMEOUT, RetryOn.RUNNER_LOST, RetryOn.LEASE_LOST)
 # Allowed values, in wire order, for validation and error messages.
 EVENT_NAMES = tuple(EventName)
 JOB_STATUSES = tuple(status for status in JobStatus if status not in UNPUBLISHED_STATUSES)  # the wire's (§4)

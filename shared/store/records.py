@@ -105,6 +105,7 @@ class JobRecord(TypedDict):
     cancel_in_progress: NotRequired[bool]  # §14 Groups: it cancels the group's earlier jobs
     usage_limit: NotRequired[dict[str, Any]]  # §14 Pauses: {"attempt_id", "reset_at"} of an attempt that hit one
     pauses: NotRequired[int]  # §14 Pauses: how often the job paused
+    lease_lost: NotRequired[bool]  # §10 Leases: its runner fenced the current attempt (an `error` saying so)
     paused_until: NotRequired[str]  # §14 Pauses: a queued job is not published before this (§3 timestamp)
     limited: NotRequired[dict[str, str]]  # §14 Moves: {"session", "until"}: not published there before `until`
     title: NotRequired[str]  # a person's name for the job: `dispatch --title`, else the brief's first line
@@ -550,6 +551,8 @@ class Transaction:
         code = code if isinstance(code, int) and not isinstance(code, bool) else None
         new = self._advance(str(payload["event"]), int(payload["seq"]), source, None, code)
         new["seen_seq"] = max(self.record.get("seen_seq", 0), new["last_seq"])
+        if payload["event"] == EventName.ERROR and isinstance(data, Mapping) and data.get("lease_lost") is True:
+            new["lease_lost"] = True  # §10 "Leases": the runner fenced the attempt itself; retry_on lease_lost
         sha = data.get("sha") if isinstance(data, Mapping) and payload["event"] == EventName.STARTED else None
         if isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{40}", sha):  # §18: the worktree's base commit
             new["repo_sha"] = sha
@@ -618,6 +621,8 @@ def next_attempt(record: JobRecord, status: str = JobStatus.PENDING) -> JobRecor
     new = moved(record, status)
     ended = {"attempt_id": record["attempt_id"], "session": record["session"], "status": record["status"],
              "close_reason": record.get("close_reason"), "exit_code": record.get("exit_code")}
+    if record.get("lease_lost"):
+        ended["lease_lost"] = True
     agent = record.get("agent")
     if isinstance(agent, Mapping) and agent.get("attempt_id") == record["attempt_id"] and agent.get("session_id"):
         ended["agent_session_id"] = agent["session_id"]
@@ -631,6 +636,7 @@ def next_attempt(record: JobRecord, status: str = JobStatus.PENDING) -> JobRecor
                 "exit_code": None, "cancel_requested_at": None, "attempt_created_at": new["updated_at"],
                 "earlier_auth_tokens": earlier, "seen_seq": 0})
     new.pop("late_outcome", None)
+    new.pop("lease_lost", None)
     work = continued_work(record)
     if work:
         new["work"] = work

@@ -13,8 +13,9 @@ Kinds: broker SIGKILL + restart 3 s into a 10 s job (×20 nats-server, ×5 mosqu
 a runner cut off (iptables DROP in its namespace) shorter than the keepalive and
 longer than K × N; runner kill -9 → its agent stopped at once by its deadman helper (§6)
 → redispatch elsewhere completes, attempt-1 stragglers refused; hub kill -9 → `watch` resolves. The full-disk
-and replacement-runner faults are tests/e2e/test_runner_faults.py
-(`test_fault9_*`, `test_fault8_*`), not repeated here.
+and replacement-runner faults are tests/e2e/test_runner_faults.py (`test_fault9_*`, `test_fault8_*`),
+the lease rows (§10 "Leases": a runner cut off for 3 × L or frozen for 2 × L, retried elsewhere
+with no overlap; a short cut) tests/e2e/test_leases.py; none is repeated here.
 
 Needs root (namespaces, iptables): skips with the reason otherwise.
 """

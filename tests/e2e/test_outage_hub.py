@@ -1,10 +1,13 @@
 """On the hub, with a real `mam-runner run` over both brokers.
 
-Fault 2 (PROTOCOL §14 "Broker outages are nobody's silence"): `mam-orch
-dispatch --heartbeat 3` (K × N = 12 s), the broker SIGKILLed for ~11 s mid-job
-and restarted on the same ports: the hub's idle clock stands still while its
-own connection is down, so the dispatch ends with the runner's `completed`
-(exit 0), not `deadline_timeout`.
+Fault 2 (PROTOCOL §14 "Broker outages are nobody's silence", §10 "Leases"):
+`mam-orch dispatch --heartbeat 3` (K × N = 12 s), the broker SIGKILLed for ~11 s
+mid-job and restarted on the same ports: the hub's idle clock stands still while
+its own connection is down, so the hub closes nothing (no `deadline_timeout`);
+the runner, with no beat acknowledged for the lease less its margin (9 s), has
+stopped its agent and reports `lease_lost` once the broker is back: the
+dispatch ends with that `error` (exit 1). A restart shorter than L − margin
+stops nothing: tests/e2e/test_leases.py.
 
 Fault 3 (§4, §3.2 rule 6): after `dispatch --detach`, `mam-orch watch` moves the
 `pending` hub record to `running` from the retained state, and a gap in the
@@ -51,11 +54,12 @@ DETACHED_JOB_S = 12  # long enough to re-attach twice while it runs
 STRAGGLERS = 15  # late messages of attempt 1, as in the issue
 
 
-def start_runner(broker, workspace: Path) -> subprocess.Popen:
+def start_runner(broker, workspace: Path, *, once: bool = True) -> subprocess.Popen:
     (workspace / ".git").mkdir(parents=True, exist_ok=True)
     write_env_for(broker, workspace)
     proc = subprocess.Popen([*MAM_RUNNER, "run", "--session", "gpu-box", "--exec", str(AGENTS / "sleep-agent"),
-                             "--workspace", str(workspace), "--once"], env=clean_env(MAM_CANCEL_GRACE_S="1"),
+                             "--workspace", str(workspace), *(["--once"] if once else [])],
+                            env=clean_env(MAM_CANCEL_GRACE_S="1"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     topic = names.presence_topic("gpu-box", broker.topic_root)
     wait_until(lambda: proc.poll() is not None or b'"online"' in (retained(broker, topic, 0.3) or b""),
@@ -74,7 +78,7 @@ def stop(proc: subprocess.Popen) -> None:
 def test_fault2_s14_a_short_broker_outage_is_nobodys_silence(broker, tmp_path):
     hub = hub_workspace(broker, tmp_path)
     runner_ws = tmp_path / "runner"
-    runner = start_runner(broker, runner_ws)
+    runner = start_runner(broker, runner_ws, once=False)  # it stays to send the end it kept in its outbox (§17)
     dispatch = WatchProcess([*MAM_ORCH, "dispatch", "--session", "gpu-box", "--brief", str(JOB_S),
                              "--heartbeat", str(HEARTBEAT_S), "--heartbeat-misses", str(MISSES),
                              "--ack-timeout", ACK_TIMEOUT, "--workspace", str(hub)], hub_env())
@@ -87,14 +91,14 @@ def test_fault2_s14_a_short_broker_outage_is_nobodys_silence(broker, tmp_path):
         wait_until(lambda: time.monotonic() >= back_at, what=f"the {OUTAGE_S:g} s outage")
         broker.restart()
         code = dispatch.wait(PATIENCE_S + JOB_S)
-        assert runner.wait(PATIENCE_S) == 0  # --once: it exits after the job
     finally:
         dispatch.kill()
         stop(runner)
-    assert code == 0, dispatch.log()
+    assert code == ExitCode.ERROR, dispatch.log()
     record = Registry(hub).get(job_id)
-    assert record["status"] == "completed" and record.get("close_reason") is None, record
-    assert Registry(runner_ws).get(job_id)["status"] == "completed"
+    assert (record["status"], record.get("close_reason"), record.get("lease_lost")) == ("error", None, True), record
+    assert Registry(runner_ws).get(job_id)["status"] == "error"
+    assert dispatch.events("error")[-1]["detail"].startswith("lease_lost: "), dispatch.events("error")
     assert "deadline_timeout" not in dispatch.log()
 
 

@@ -1,6 +1,7 @@
-"""runner/deadman.py (PROTOCOL §6 "The daemon's death"): the lines of the pipe, refused when
-malformed, oversized or hostile; and a real helper process that stops every armed agent tree
-(an escaped descendant carrying the tag included) when the pipe closes, and nothing disarmed.
+"""runner/deadman.py (PROTOCOL §6 "The daemon's death", §10 "Leases"): the lines of the pipe,
+refused when malformed, oversized or hostile; and a real helper process that stops every armed
+agent tree (an escaped descendant carrying the tag included) when the pipe closes, and nothing
+disarmed; and one whose lease lapses unrenewed while the pipe stays open.
 tests/e2e/test_daemon.py kills a real runner with SIGKILL."""
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from mam.runner import deadman
+from mam.runner import deadman, lease
 from mam.runner.agent import AGENT_TAG_ENV
 from mam.runner.process_tree import AgentIdentity
 
@@ -40,27 +42,43 @@ def test_arm_and_disarm_lines_round_trip():
     armed: dict = {}
     deadman.apply_line(armed, deadman.encode_arm("job-1", identity(), Path("/sys/fs/cgroup/x/job-1")))
     deadman.apply_line(armed, deadman.encode_arm("job-2", identity(4343), None))
-    assert armed == {"job-1": (identity(), Path("/sys/fs/cgroup/x/job-1")), "job-2": (identity(4343), None)}
+    assert armed == {"job-1": (identity(), Path("/sys/fs/cgroup/x/job-1"), None), "job-2": (identity(4343), None, None)}
     deadman.apply_line(armed, json.dumps({"disarm": "job-1"}).encode())
     deadman.apply_line(armed, json.dumps({"disarm": "never-armed"}).encode())
     assert list(armed) == ["job-2"]
+
+
+def test_renew_lines_move_an_armed_lease_and_lapsed_names_the_ended_ones():
+    armed: dict = {}
+    deadman.apply_line(armed, deadman.encode_arm("job-1", identity(), None, 100.0))
+    deadman.apply_line(armed, deadman.encode_arm("job-2", identity(4343), None, 50.0))
+    deadman.apply_line(armed, deadman.encode_arm("job-3", identity(4444), None))
+    deadman.apply_line(armed, json.dumps({"renew": "job-2", "until": 150.0}).encode())
+    deadman.apply_line(armed, json.dumps({"renew": "never-armed", "until": 1.0}).encode())
+    assert [until for _, _, until in armed.values()] == [100.0, 150.0, None] and "never-armed" not in armed
+    assert deadman.next_lapse(armed) == 100.0
+    assert deadman.lapsed(armed, 99.0) == [] and deadman.lapsed(armed, 150.0) == ["job-1", "job-2"]
 
 
 @pytest.mark.parametrize(("line", "why"), [
     (b"{not json\n", "Expecting"),
     (b"\xff\xfe\n", "codec"),
     (b"[1, 2]\n", "not a JSON object"),
-    (b'{"arm": ""}\n', "no arm or disarm key"),
+    (b'{"arm": ""}\n', "no arm, renew or disarm key"),
+    (b'{"renew": "job-2", "until": "soon"}\n', "until is not a finite"),
+    (b'{"renew": "job-2", "until": NaN}\n', "until is not a finite"),
+    (b'{"renew": "job-2", "until": -1}\n', "until is not a finite"),
+    (b'{"renew": "job-2", "until": 1e999}\n', "until is not a finite"),
     (b"x" * (deadman.MAX_LINE_BYTES + 1), "at most 4096"),
     (json.dumps({"arm": "k", "identity": {**identity().to_dict(), "pid": 1, "pgid": 1}, "cgroup": None}).encode(),
      "pid 1 is invalid"),
     (json.dumps({"arm": "k", "identity": identity().to_dict(), "cgroup": "../../etc"}).encode(), "absolute path"),
 ])
 def test_bad_lines_are_refused_and_change_nothing(line, why):
-    armed = {"job-2": (identity(), None)}
+    armed = {"job-2": (identity(), None, 5.0)}
     with pytest.raises(ValueError, match=why):
         deadman.apply_line(armed, line)
-    assert armed == {"job-2": (identity(), None)}
+    assert armed == {"job-2": (identity(), None, 5.0)}
 
 
 def start_agent(tmp_path: Path, name: str) -> tuple[AgentIdentity, list[int], subprocess.Popen[bytes]]:
@@ -131,6 +149,54 @@ def test_a_killed_helper_is_started_again_with_every_armed_agent(tmp_path):
             except ProcessLookupError:
                 pass
         proc.wait(timeout=DEADLINE_S)
+
+
+def kill_all(pids: list[int], proc: subprocess.Popen[bytes]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=DEADLINE_S)
+
+
+def test_an_agent_whose_lease_lapses_is_stopped_while_the_daemon_lives_and_a_renewed_one_runs(tmp_path):
+    """§10 "Leases": the helper fences by itself, as for a frozen daemon that writes nothing."""
+    lapsing_id, lapsing, lapsing_proc = start_agent(tmp_path, "lapsing")
+    renewed_id, renewed, renewed_proc = start_agent(tmp_path, "renewed")
+    switch = deadman.DeadmanSwitch()
+    try:
+        soon = lease.now() + 1.0
+        switch.arm("lapsing-1", lapsing_id, None, soon)
+        switch.arm("renewed-1", renewed_id, None, soon)
+        switch.renew("renewed-1", soon + 3600)
+        switch.renew("never-armed-1", soon)  # nothing to renew: ignored
+        lapsing_proc.wait(timeout=DEADLINE_S)
+        wait_for(lambda: not any(alive(pid) for pid in lapsing), "the lapsed tree to be gone")
+        assert lease.now() >= soon
+        assert all(alive(pid) for pid in renewed) and switch.helper_pid is not None
+        switch.disarm("renewed-1")
+        switch.close()
+        assert all(alive(pid) for pid in renewed)
+    finally:
+        switch.close()
+        kill_all(lapsing, lapsing_proc)
+        kill_all(renewed, renewed_proc)
+
+
+def test_the_helper_skips_an_oversized_line_and_keeps_reading(tmp_path):
+    agent_id, pids, proc = start_agent(tmp_path, "agent")
+    helper = subprocess.Popen([sys.executable, "-m", deadman.MODULE, "test"], stdin=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    try:
+        long_line = b"y" * (deadman.READ_BYTES * 3) + b"\n"  # more than one read: skipped in pieces
+        _, err = helper.communicate(long_line + deadman.encode_arm("agent-1", agent_id, None), timeout=DEADLINE_S)
+        assert helper.returncode == 0
+        proc.wait(timeout=DEADLINE_S)
+        wait_for(lambda: not any(alive(pid) for pid in pids), "the tree armed after the long line to be gone")
+        assert b"ignored: over 4096 bytes" in err and b"stopping the agents of agent-1" in err
+    finally:
+        kill_all(pids, proc)
 
 
 def test_a_switch_never_armed_starts_no_helper():

@@ -61,7 +61,7 @@ def test_s14_register_queued_with_terms_and_a_registered_line(reg) -> None:
     record = labelled(reg, priority=3, retries=2)
     assert (record["status"], record["session"], record["agent_session"]) == ("queued", "", "")
     assert record["target"] == {"labels": ["x"]} and record["priority"] == 3 and record["retries"] == 2
-    assert record["retry_on"] == ["agent_blocked", "deadline_timeout", "runner_lost"]
+    assert record["retry_on"] == ["agent_blocked", "deadline_timeout", "runner_lost", "lease_lost"]
     assert record["queue_timeout_sec"] == 86400 and reg.get(record["job_id"])["status"] == "queued"
     (line,) = reg.audit(record["job_id"])
     assert (line["event"], line["status"]) == ("registered", "queued")
@@ -146,6 +146,29 @@ def test_s14_retry_reasons_follow_retry_on_and_the_count(reg) -> None:
     never = labelled(reg, retries=0)
     _ended(reg, never["job_id"], "agent_blocked")
     assert retry_reason(reg.get(never["job_id"])) is None
+
+
+def _runner_error(reg: Registry, job_id: str, data: dict) -> None:
+    queuewait.mark_published(reg, job_id, "r1")
+    with reg.transaction(job_id) as txn:
+        txn.store_event({"event": "error", "seq": 1, "detail": "lease_lost: ...", "data": data})
+
+
+def test_s10_a_runners_lease_lost_error_is_retried_as_lease_lost_and_its_attempt_says_so(reg) -> None:
+    record = labelled(reg, retries=1)
+    job_id = record["job_id"]
+    _runner_error(reg, job_id, {"exit_code": 137, "lease_lost": True})
+    assert reg.get(job_id)["lease_lost"] is True and retry_reason(reg.get(job_id)) == "lease_lost"
+    new = retry_attempt(reg, job_id, "lease_lost", None, None)
+    assert new is not None and new["attempt_id"] == 2 and "lease_lost" not in new
+    assert new["attempt_history"][-1]["lease_lost"] is True
+    for data in ({"exit_code": 137, "lease_lost": "yes"}, {"exit_code": 1}):  # only `true` says it
+        other = labelled(reg, retries=1)
+        _runner_error(reg, other["job_id"], data)
+        assert "lease_lost" not in reg.get(other["job_id"]) and retry_reason(reg.get(other["job_id"])) is None
+    unwanted = labelled(reg, retries=1, retry_on=("runner_lost",))
+    _runner_error(reg, unwanted["job_id"], {"exit_code": 137, "lease_lost": True})
+    assert retry_reason(reg.get(unwanted["job_id"])) is None
 
 
 def test_s14_retry_attempt_queues_attempt_2_with_fresh_tokens_avoiding_the_runner(reg) -> None:

@@ -14,7 +14,7 @@ import pytest
 from harness.fake_mqtt import FakeBroker, FakeClient
 from harness.waiting import PATIENCE_S, QUIET_S, wait_until
 
-from mam.runner import barrier, outbox, publish
+from mam.runner import barrier, lease, outbox, publish
 from mam.runner.heartbeat.beats import Beats
 from mam.shared.config import BrokerConfig
 from mam.shared.protocol import crypto, names, wire
@@ -209,5 +209,25 @@ def test_s17_a_beat_the_broker_does_not_acknowledge_stays_in_the_outbox_and_beat
         assert beats.jobs == [JOBS[0]]
         broker.down = False
         wait_until(lambda: beats_of(broker, JOBS[0]), PATIENCE_S, "a beat once the broker is back")
+    finally:
+        beats.stop()
+
+
+def test_s10_only_an_acknowledged_beat_renews_the_lease_from_when_it_was_sent(tmp_path, broker, client):
+    registry = mirrored(tmp_path)
+    started(registry)
+    acks: list[tuple[str, int, float]] = []
+    broker.down = True
+    beats = Beats(registry, client, drain_s=DRAIN_S, on_ack=lambda *ack: acks.append(ack))
+    try:
+        beats.add(JOBS[0], attempt_id=1, dispatch_token=TOKEN, interval_s=BEAT_S, timeout_s=LONG_S)
+        wait_until(lambda: len([s for s in outbox.Outbox(tmp_path).scan() if s.seq > 1]) >= BEATS_SEEN,
+                   PATIENCE_S, "beats kept in the outbox while the broker is down")
+        assert acks == []  # nothing the broker did not acknowledge renews anything
+        broker.down = False
+        before = lease.now()
+        wait_until(lambda: acks, PATIENCE_S, "a renewal once the broker acknowledges a beat")
+        job_id, attempt_id, sent_at = acks[0]
+        assert (job_id, attempt_id) == (JOBS[0], 1) and before - DRAIN_S <= sent_at <= lease.now()
     finally:
         beats.stop()

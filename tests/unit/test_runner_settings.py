@@ -44,10 +44,11 @@ def test_every_setting_is_read_from_one_resolution_of_the_environment(tmp_path, 
     monkeypatch.setattr(config, "load_env", counting)
     opts = options(tmp_path, env(tmp_path, MAM_CANCEL_GRACE_S="2.5", MAM_CLOCK_SKEW_S="5",
                                  MAM_PRESENCE_WAIT_S="0.2", MAM_PRESENCE_REFRESH_S="1",
-                                 MAM_AGENT_LINGER_S="7", MAM_HEARTBEAT_DRAIN_S="0.5"))
+                                 MAM_AGENT_LINGER_S="7", MAM_HEARTBEAT_DRAIN_S="0.5", MAM_LEASE_MARGIN_S="3"))
     assert len(calls) == 1
     assert (opts.cancel_grace_s, opts.clock_skew_s, opts.presence_wait_s, opts.presence_refresh_s,
-            opts.agent_linger_s, opts.heartbeat_drain_s) == (2.5, 5.0, 0.2, 1.0, 7.0, 0.5)
+            opts.agent_linger_s, opts.heartbeat_drain_s, opts.lease_margin_s) == (2.5, 5.0, 0.2, 1.0, 7.0, 0.5, 3.0)
+    assert options(tmp_path, env(tmp_path)).lease_margin_s is None  # unset: a share of each lease (§10)
 
 
 def test_settings_come_from_the_env_file_under_the_environment(tmp_path):
@@ -76,6 +77,8 @@ def test_repositories_come_from_the_env_file_unless_flags_name_them(tmp_path):
     ("MAM_CANCEL_GRACE_S", "3601", "MAM_CANCEL_GRACE_S=3601.0 is out of range 0.0..3600.0"),
     ("MAM_PRESENCE_REFRESH_S", "0.5", "MAM_PRESENCE_REFRESH_S=0.5 is out of range 1.0..60.0"),
     ("MAM_PRESENCE_WAIT_S", "61", "MAM_PRESENCE_WAIT_S=61.0 is out of range 0.0..60.0"),
+    ("MAM_LEASE_MARGIN_S", "0", "MAM_LEASE_MARGIN_S=0.0 is out of range 0.1..3600.0"),
+    ("MAM_LEASE_MARGIN_S", "nan", "MAM_LEASE_MARGIN_S=nan is out of range 0.1..3600.0"),
 ])
 def test_a_bad_setting_is_a_config_error_naming_it(tmp_path, name, value, message):
     with pytest.raises(ConfigError) as caught:
