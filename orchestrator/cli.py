@@ -791,8 +791,9 @@ def runners_cmd(
                                                           "ago, and revoked runners (status revoked, with when)."),
     workspace: str = cli.workspace_option(),
 ) -> int:
-    """List runners from their signed retained presence: online, draining or offline,
-    running jobs, last seen (PROTOCOL §7). Unsigned or forged presence is refused on stderr."""
+    """List runners from their signed retained presence: online, draining, offline or lost
+    (its Last Will came, or it stopped renewing its presence), running jobs, last seen
+    (PROTOCOL §7). Unsigned or forged presence is refused on stderr."""
     if ctx.invoked_subcommand is not None:
         return 0
     cli.setup_logging(False if as_json else None)
@@ -811,7 +812,7 @@ def runners_prune_cmd(
     workspace: str = cli.workspace_option(),
 ) -> int:
     """Clear the retained presence of offline runners last seen more than 7 days ago (or of the
-    named ones); an online, draining or stale runner is refused (exit 1)."""
+    named ones); one whose last presence is online or draining (lost or not) is refused (exit 1)."""
     cli.setup_logging(False if as_json else None)
     return prune_cli(list(sessions or []), workspace=workspace, older_than_days=older_than_days, as_json=as_json)
 

@@ -41,6 +41,7 @@ class RunnerView:
             presence (`last_refusal`, §7), or None.
         host, version: what the presence says of the runner's machine and software (for views).
         gpus, gpus_free: the GPUs it serves and how many no job holds (§14 "GPUs"; 0 without).
+        will: the presence is its Last Will (`offline` with `will: true`, §7): the runner was lost.
     """
 
     session: str
@@ -57,6 +58,7 @@ class RunnerView:
     repos: frozenset[str] = frozenset()
     gpus: int = 0
     gpus_free: int = 0
+    will: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,11 @@ class Fleet:
 
     def update(self, view: RunnerView) -> None:
         """Store a runner's latest presence; its labels and repositories join `known_labels`
-        and `known_repos` (verified or not)."""
+        and `known_repos` (verified or not). A runner's Last Will keeps the time of the presence
+        before it from the same runner, when it last spoke (§7 `lost`)."""
+        before = self._views.get(view.session)
+        if view.will and before is not None and before.runner_id == view.runner_id and not before.will:
+            view = replace(view, seen_at=max(before.seen_at, view.seen_at))
         self._views[view.session] = view
         self._labels.update(view.labels)
         self._repos.update(view.repos)
@@ -390,6 +396,6 @@ def _no_repo(job: QueuedJob, fleet: Fleet) -> str:
 def _state(view: RunnerView, now: float, stale_after_s: float) -> str:
     if not view.verified:
         return "unverified"
-    if view.status == PresenceStatus.ONLINE and now - view.seen_at > stale_after_s:
-        return "stale"
+    if view.will or (view.status == PresenceStatus.ONLINE and now - view.seen_at > stale_after_s):
+        return "lost"
     return view.status

@@ -34,7 +34,7 @@ from mam.shared.transport import Transport
 
 PRESENCE_QUIET_S = 0.5
 # A runner republishes its presence every PRESENCE_REFRESH_S (the runner's own constant);
-# an online/draining presence older than three periods plus the clock skew is "stale".
+# an online/draining presence older than three periods plus the clock skew is "lost", as is a Last Will.
 PRESENCE_REFRESH_S = 60.0
 STALE_PERIODS = 3
 CLOCK_SKEW_S = 30.0
@@ -49,7 +49,7 @@ QUEUE_LIMIT_COUNTS = frozenset({MOSQUITTO_DEFAULT_QUEUED, MOSQUITTO_DEFAULT_QUEU
                                 MOSQUITTO_1X_DEFAULT_QUEUED, MOSQUITTO_1X_DEFAULT_QUEUED + MOSQUITTO_DEFAULT_INFLIGHT})
 SEEN_MAX_BYTES = 4096
 READ_PRESENCE_QUIET_S = 1.0  # one session: its retained presence comes at once, or not at all
-STALE = "stale"
+LOST = "lost"  # §7: its Last Will came, or its online/draining presence was not refreshed
 REVOKED = "revoked"  # a roster entry's `revoked_at` is set (§16.7): shown with `--all`
 OFFLINE_HIDDEN_DAYS = 7  # `runners` hides offline sessions last seen longer ago (`--all` shows them)
 
@@ -66,7 +66,9 @@ def verify_presence(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str,
     Returns:
         {"session", "status", "host", "running", "max_jobs", "labels", "repos", "last_seen", "runner_id",
         "version", "gpus", "gpus_free"} (GPUs 0 when it serves none, §14);
-        status is "stale" for an online/draining presence not refreshed for PRESENCE_STALE_S.
+        status is "lost" for a Last Will (`offline` with `will: true`; `lost` is then
+        "last_will") and for an online/draining presence not refreshed for PRESENCE_STALE_S
+        (`lost` "not_refreshed"; `last_seen` is when it went silent).
     Raises:
         DecodeError: not a §7 presence; SignatureError: `sig` missing or wrong;
         ProtocolError: the presence names another session than its topic.
@@ -79,10 +81,12 @@ def verify_presence(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str,
     session = names.parse_presence_topic(topic, topic_root)
     if session != presence.session:
         raise ProtocolError(f"presence for session {presence.session!r} published on {topic}")
-    status = presence.status
-    if status != PresenceStatus.OFFLINE and _presence_age_s(presence.timestamp) > PRESENCE_STALE_S:
-        status = STALE  # not refreshed: a dead host, or an old presence replayed
-    return {"session": presence.session, "status": status, "host": presence.host,
+    status, lost = presence.status, None
+    if status == PresenceStatus.OFFLINE and is_will(presence):
+        status, lost = LOST, "last_will"  # the broker published it for a runner gone without a word
+    elif status != PresenceStatus.OFFLINE and _presence_age_s(presence.timestamp) > PRESENCE_STALE_S:
+        status, lost = LOST, "not_refreshed"  # a dead or cut-off host, or an old presence replayed
+    return {"session": presence.session, "status": status, "lost": lost, "host": presence.host,
             "running": list(presence.running), "max_jobs": presence.max_jobs,
             "labels": list(presence.labels or ()), "repos": list(presence.repos or ()),
             "last_seen": presence.timestamp, "runner_id": presence.runner_id, "version": presence.version,
@@ -119,8 +123,13 @@ def presence_view(topic: str, raw: bytes, keys: DispatchKeys, topic_root: str, r
                       max_jobs=presence.max_jobs, gpus=presence.gpus or 0, gpus_free=presence.gpus_free or 0,
                       running=frozenset(presence.running), verified=verified,
                       seen_at=received_at - max(0.0, _presence_age_s(presence.timestamp)),
-                      host=presence.host, version=presence.version,
+                      host=presence.host, version=presence.version, will=is_will(presence),
                       last_refusal=last_refusal(presence) if verified else None)
+
+
+def is_will(presence: wire.Presence) -> bool:
+    """The presence is a runner's Last Will (§7): `offline` with the extra field `will: true`."""
+    return presence.status == PresenceStatus.OFFLINE and (presence.extras or {}).get("will") is True
 
 
 def last_refusal(presence: wire.Presence) -> tuple[str, str] | None:
@@ -277,9 +286,14 @@ def read_presence(client: Transport, keys: DispatchKeys, session: str, *,
     return rows[0] if rows else None
 
 
+def gone(row: Row) -> bool:
+    """The row's retained presence says its runner is gone: a clean `offline`, or its Last Will."""
+    return row["status"] == PresenceStatus.OFFLINE or row.get("lost") == "last_will"
+
+
 def old_offline(row: Row, older_than_days: float = OFFLINE_HIDDEN_DAYS, now: float | None = None) -> bool:
-    """An offline presence last seen more than `older_than_days` ago (a session long gone)."""
-    if row["status"] != PresenceStatus.OFFLINE:
+    """An offline presence (or a Last Will) last seen more than `older_than_days` ago (a session long gone)."""
+    if not gone(row):
         return False
     try:
         seen = wire.parse_ts(str(row["last_seen"])).timestamp()
@@ -294,7 +308,8 @@ def prune_cli(sessions: list[str], *, workspace: Workspace = None, older_than_da
     more than `older_than_days` ago, or of the named `sessions` (offline ones, any age).
 
     Returns:
-        0, or 1 when a named session is online, draining or stale (refused, not cleared) or has no presence.
+        0, or 1 when a named session is online, draining or lost without its Last Will (refused,
+        not cleared) or has no presence.
     Raises:
         UsageError (64), ConfigError (64), EnvFileError (1), BrokerError (3).
     """
@@ -314,7 +329,7 @@ def prune_cli(sessions: list[str], *, workspace: Workspace = None, older_than_da
             due = []
             for session in sessions:
                 row = by_session.get(session)
-                if row is None or row["status"] != PresenceStatus.OFFLINE:
+                if row is None or not gone(row):
                     what = "has no presence" if row is None else f"is {row['status']}"
                     print(f"ERROR: runner {session} {what}; only an offline presence is cleared", file=sys.stderr)
                     refused += 1
@@ -388,10 +403,20 @@ def runners_cli(*, workspace: Workspace = None, as_json: bool = False, show_all:
                            [[r["session"], r["status"], ",".join(r["labels"]) or "-", ",".join(r["repos"]) or "-",
                              ",".join(r["running"]) or "-", r["max_jobs"] or "-",
                              f"{r['gpus_free']}/{r['gpus']}" if r.get("gpus") else "-", r["host"] or "-",
-                             f"revoked {r['revoked_at']}" if r["status"] == REVOKED else r["last_seen"]]
+                             last_seen_cell(r)]
                             for r in rows]),
               end="")
     return 0
+
+
+def last_seen_cell(row: Row) -> str:
+    """The LAST SEEN cell of a `runners` row: a Last Will's time is when the runner connected,
+    so it went silent some time after it (§7)."""
+    if row["status"] == REVOKED:
+        return f"revoked {row['revoked_at']}"
+    if row.get("lost") == "last_will":
+        return f"after {row['last_seen']} (Last Will)"
+    return str(row["last_seen"])
 
 
 def revoked_rows(root: Path) -> list[Row]:
@@ -405,5 +430,5 @@ def revoked_rows(root: Path) -> list[Row]:
         return []
     return [{"session": entry.session, "status": REVOKED, "revoked_at": entry.revoked_at,
              "labels": list(entry.labels), "repos": [], "running": [], "max_jobs": 0, "host": "",
-             "last_seen": None, "runner_id": "", "version": "", "gpus": 0, "gpus_free": 0}
+             "last_seen": None, "lost": None, "runner_id": "", "version": "", "gpus": 0, "gpus_free": 0}
             for entry in found if entry.revoked_at is not None]

@@ -74,8 +74,9 @@ class Presence:
         (`last_refusal: {job_id, reason, detail}`, signed with the presence, §7)."""
         self.last_refusal = {"job_id": job_id, "reason": reason, "detail": detail[:REFUSAL_DETAIL_CHARS]}
 
-    def payload(self, status: str, running: Sequence[str]) -> bytes:
-        """The signed presence message (§7) with `running` (job ids, sorted)."""
+    def payload(self, status: str, running: Sequence[str], *, will: bool = False) -> bytes:
+        """The signed presence message (§7) with `running` (job ids, sorted); `will`: it is the
+        Last Will (the extra field `will: true`, so the hub tells a lost runner from one stopped)."""
         gpus = (self.gpus.total, self.gpus.free) if self.gpus is not None and self.gpus.total else None
         presence = wire.Presence.build(self.session, self.runner_id, status,
                                        host=(socket.gethostname() or "unknown")[:HOST_MAX_CHARS],
@@ -85,11 +86,13 @@ class Presence:
         message = presence.to_dict()
         if self.last_refusal is not None:  # an extra field: hubs that do not know it ignore it (§7)
             message["last_refusal"] = self.last_refusal
+        if will:
+            message["will"] = True
         return wire.encode(self.trust.sign_presence(message))
 
     def will(self) -> Will:
         """The Last Will: a signed, retained `offline`, pre-signed at connect (§7)."""
-        return (self.topic, self.payload(PresenceStatus.OFFLINE, []), QOS_AT_LEAST_ONCE, True)
+        return (self.topic, self.payload(PresenceStatus.OFFLINE, [], will=True), QOS_AT_LEAST_ONCE, True)
 
     def publish(self, client: Transport, status: str, running: Sequence[str]) -> None:
         """Publish the retained presence `status`; nothing once replaced, nor while disconnected

@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 from mam.orchestrator import asks
 from mam.orchestrator import queue as hubqueue
 from mam.orchestrator.http.views import iso_epoch, queue_rows, runner_rows
-from mam.orchestrator.runners import STALE
+from mam.orchestrator.runners import LOST
 from mam.orchestrator.service import HubService
 from mam.shared.protocol.codes import PresenceStatus
 from mam.shared.protocol.errors import MamError, UsageError
@@ -160,8 +160,9 @@ def conditions(service: HubService, options: AlertOptions, now: float, now_wall:
     for row in runner_rows(service, now):
         session, status = str(row["session"]), str(row["status"])
         jobs = held.get(session)
-        if jobs and status in (PresenceStatus.OFFLINE, STALE):
-            how = "went offline (Last Will)" if status == PresenceStatus.OFFLINE else "stopped renewing its presence"
+        if jobs and status in (PresenceStatus.OFFLINE, LOST):
+            how = ("went offline (Last Will)" if row.get("will") else "went offline" if status == PresenceStatus.OFFLINE
+                   else "stopped renewing its presence")
             found[f"runner_offline {session}"] = Alert(
                 f"runner_offline {session}", "runner_offline",
                 f"runner {session} {how} holding {len(jobs)} job(s): {_ids(jobs)}",

@@ -35,7 +35,7 @@ from mam.shared.store.fsio import read_json_object
 from mam.shared.store.records import RECORD_NAME_RE, JobRecord, target_of
 
 NO_REASON = "none"  # the close_reason label of a job its runner ended (no hub close)
-RUNNER_STATUSES = (PresenceStatus.ONLINE, PresenceStatus.DRAINING, PresenceStatus.OFFLINE, "stale", "unverified",
+RUNNER_STATUSES = (PresenceStatus.ONLINE, PresenceStatus.DRAINING, PresenceStatus.OFFLINE, "lost", "unverified",
                    "revoked")
 DURATION_BUCKETS_S = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
 WAIT_BUCKETS_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0, 6 * 3600.0)
@@ -137,7 +137,7 @@ class HubCollector(Collector):
             runners.add_metric([str(status)], counts.get(status, 0))
         yield runners
         current = GaugeMetricFamily("mam_runner_status", "1 for each runner's current status (online, draining, "
-                                    "offline, stale, unverified, revoked)", labels=["session", "status"])
+                                    "offline, lost, unverified, revoked)", labels=["session", "status"])
         for row in rows:
             current.add_metric([row["session"], str(row["status"])], 1)
         yield current

@@ -22,7 +22,7 @@ from mam.orchestrator import queue as hubqueue
 from mam.orchestrator import schedules
 from mam.orchestrator.follow import AuditTail, is_event_line
 from mam.orchestrator.results import Result, read_result
-from mam.orchestrator.runners import PRESENCE_STALE_S, REVOKED, STALE
+from mam.orchestrator.runners import LOST, PRESENCE_STALE_S, REVOKED
 from mam.orchestrator.service import HubService
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus, PresenceStatus
@@ -50,11 +50,12 @@ def iso_epoch(stamp: object) -> float | None:
 
 
 def runner_status(view: hubqueue.RunnerView, now: float) -> str:
-    """online, draining, offline, stale (not refreshed for PRESENCE_STALE_S) or unverified (§7)."""
+    """online, draining, offline, lost (its Last Will came, or not refreshed for
+    PRESENCE_STALE_S) or unverified (§7)."""
     if not view.verified:
         return UNVERIFIED
-    if view.status != PresenceStatus.OFFLINE and now - view.seen_at > PRESENCE_STALE_S:
-        return STALE
+    if view.will or (view.status != PresenceStatus.OFFLINE and now - view.seen_at > PRESENCE_STALE_S):
+        return LOST
     return view.status
 
 
@@ -74,7 +75,7 @@ def runner_rows(service: HubService, now: float | None = None) -> list[Row]:
                      "max_jobs": view.max_jobs, "running": sorted(view.running), "slots_used": used,
                      "slots_free": fleet.free_slots(view.session, now, PRESENCE_STALE_S),
                      "host": view.host, "version": view.version, "runner_id": view.runner_id,
-                     "last_seen": round(view.seen_at + wall_offset, 1), "revoked_at": None})
+                     "last_seen": round(view.seen_at + wall_offset, 1), "revoked_at": None, "will": view.will})
     for session, revoked_at in revoked.items():
         rows.append({"session": session, "status": REVOKED, "labels": [], "max_jobs": 0, "running": [],
                      "slots_used": 0, "slots_free": 0, "host": "", "version": "", "runner_id": "",

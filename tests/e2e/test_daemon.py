@@ -575,6 +575,7 @@ def test_s7_kill9_last_will_offline_and_heartbeat_stops(broker, tmp_path, runner
         at_death = runner.registry.get(job_id)["last_seq"]
         will = observer.wait_presence("offline", runner_id)
         crypto.verify(will, hub.keys.sign_key)
+        assert will["will"] is True  # the hub shows it `lost`, not stopped (§7)
         period_s = FAST.heartbeat_sec
         quiet_until = time.monotonic() + period_s + QUIET_S  # an absence check: one period and a margin
         while time.monotonic() < quiet_until:

@@ -233,7 +233,7 @@ def test_network_cut_longer_than_the_keepalive(fleet):
                                               "--idle-timeout", str(LONG_IDLE_S))
     fleet.network.disconnect(fleet.container("runner-a"))
     try:
-        wait_until(lambda: fleet.status("runner-a") == "offline", PATIENCE_S, "runner-a's Last Will")
+        wait_until(lambda: fleet.status("runner-a") == "lost", PATIENCE_S, "runner-a's Last Will (lost, §7)")
     finally:
         fleet.reconnect("runner-a")
     assert _exit_code(fleet, exec_id) == 0

@@ -136,7 +136,8 @@ def test_s7_runners_lists_signed_presence_and_refuses_forged(sim, tmp_path):
     hub = hub_workspace(sim.broker, tmp_path)
     sim.presence("online", running=("918b0612",))
     sim.presence("offline", session="old-box")
-    # §7: an online presence not refreshed for three periods (a dead host, or a replay) is stale
+    sim.presence("offline", session="dead-box", will=True)  # §7: its Last Will: lost
+    # §7: an online presence not refreshed for three periods (a dead host, or a replay) is lost
     sim.presence("online", session="replayed-box", timestamp=datetime.now(UTC) - timedelta(hours=1))
     sim.presence("online", session="evil-box", key=b"f" * 32)
     sim.client.publish(names.presence_topic("junk-box", sim.root), b'{"kind": "presence"}', retain=True)
@@ -146,10 +147,11 @@ def test_s7_runners_lists_signed_presence_and_refuses_forged(sim, tmp_path):
     result = orch(hub, "runners", "--json")
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [(r["session"], r["status"], r["running"]) for r in rows] == [
-        ("gpu-box", "online", ["918b0612"]), ("old-box", "offline", []), ("replayed-box", "stale", [])]
+    assert [(r["session"], r["status"], r["lost"], r["running"]) for r in rows] == [
+        ("dead-box", "lost", "last_will", []), ("gpu-box", "online", None, ["918b0612"]),
+        ("old-box", "offline", None, []), ("replayed-box", "lost", "not_refreshed", [])]
     stale = orch(hub, "dispatch", "--session", "replayed-box", "--brief", "x", "--require-online")
-    assert stale.returncode == 5 and "replayed-box is stale" in stale.stderr
+    assert stale.returncode == 5 and "replayed-box is lost" in stale.stderr
     assert "refused presence on python/mqtt/runners/evil-box: presence sig verify failed" in result.stderr
     assert "runners/junk-box" in result.stderr and "runners/moved-box" in result.stderr
 

@@ -149,12 +149,13 @@ class SimRunner:
         return published
 
     def presence(self, status: str = "online", *, key: bytes | None = None, session: str | None = None,
-                 running: tuple[str, ...] = (), timestamp: Any = None) -> bytes:
+                 running: tuple[str, ...] = (), timestamp: Any = None, will: bool = False) -> bytes:
         """Publish a retained presence (§7), signed with the fleet key unless `key` is given;
-        `timestamp` (an aware datetime) backdates it."""
+        `timestamp` (an aware datetime) backdates it; `will`: as a runner's Last Will."""
         body = wire.Presence.build(session or self.session, names.new_runner_id(), status, host="sim-host",
                                    version="0.1.0", max_jobs=1, running=running, timestamp=timestamp)
-        payload = wire.encode(crypto.sign(body.to_dict(), key or self.keys.sign_key))
+        message = {**body.to_dict(), **({"will": True} if will else {})}
+        payload = wire.encode(crypto.sign(message, key or self.keys.sign_key))
         self.client.publish(names.presence_topic(session or self.session, self.root), payload, retain=True)
         return payload
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -63,7 +64,7 @@ def test_s14_a_runner_offline_holding_a_job_fires_once_and_resolves_once(service
     now = time.monotonic()
     alerter.check(now, time.time())
     assert outbox(alerter) == []  # online: nothing to say
-    service.fleet.update(runner("gpu-box", status="offline"))
+    service.fleet.update(replace(runner("gpu-box", status="offline"), will=True))  # its Last Will (§7)
     alerter.check(now, time.time())
     alerter.check(now, time.time())
     (fired,) = outbox(alerter)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from mam.orchestrator.http import views
 from mam.orchestrator.queue import Fleet, QueuedJob, RunnerView, plan, why_waiting
 
 STALE_S = 100.0
@@ -131,7 +132,7 @@ def test_s14_why_waiting_lines() -> None:
     fleet.update(runner("g1", labels=("gpu",), status="offline"))
     fleet.update(runner("g2", labels=("gpu",), seen_at=NOW - 2 * STALE_S))
     line = why_waiting(queued[0], fleet, queued, NOW, STALE_S)
-    assert line == "queued behind 0 jobs for labels=gpu: no matching runner is online (g1 offline, g2 stale)"
+    assert line == "queued behind 0 jobs for labels=gpu: no matching runner is online (g1 offline, g2 lost)"
     for text in (line, why_waiting(queued[1], fleet, queued, NOW, STALE_S)):
         assert "\n" not in text
 
@@ -189,3 +190,16 @@ def test_s14_a_gpu_job_goes_only_where_its_gpus_are_free_and_says_why_it_waits()
     assert plan([greedy], fleet, NOW, STALE_S) == []
     assert why_waiting(greedy, fleet, [greedy], NOW, STALE_S) == (
         "no runner matching labels=x has 4 GPUs (at most 2); job big waits")
+
+
+def test_s7_a_last_will_makes_a_runner_lost_since_it_last_spoke() -> None:
+    fleet = Fleet()
+    fleet.update(runner("g1", seen_at=NOW))
+    fleet.update(replace(runner("g1", status="offline", seen_at=NOW - 500.0), will=True))  # pre-signed at connect
+    (view,) = fleet.views()
+    assert view.will and view.seen_at == NOW  # it went silent after its last presence, not at connect
+    assert views.runner_status(view, NOW + 1) == "lost"
+    fleet.update(runner("g1", status="offline", seen_at=NOW + 5))  # a clean stop: offline
+    assert views.runner_status(fleet.views()[0], NOW + 6) == "offline"
+    fleet.update(replace(runner("g2", status="offline", seen_at=NOW - 500.0), runner_id="b" * 32, will=True))
+    assert [v.seen_at for v in fleet.views() if v.session == "g2"] == [NOW - 500.0]  # no earlier word of it

@@ -52,7 +52,10 @@ def test_s7_presence_is_signed_and_the_last_will_is_a_retained_offline():
         "online", OTHER_RUNNER, 3, ["0000aaaa", "918b0612"])
     topic, payload, qos, retain = presence.will()
     assert topic == TOPIC and qos == 1 and retain is True
-    assert wire.decode(payload, "presence").status == "offline"
+    will = wire.decode(payload, "presence")
+    crypto.verify(will, KEYS.sign_key)
+    assert will.status == "offline" and will.extras == {"will": True}  # the hub tells it lost (§7)
+    assert wire.decode(presence.payload("offline", []), "presence").extras is None  # a clean stop says no will
 
 
 def test_s7_publish_refresh_and_nothing_while_disconnected_or_replaced():
