@@ -24,6 +24,7 @@ from mam.orchestrator.follow import AuditTail, is_event_line
 from mam.orchestrator.results import Result, read_result
 from mam.orchestrator.runners import LOST, PRESENCE_STALE_S, REVOKED
 from mam.orchestrator.service import HubService
+from mam.shared.cli import render
 from mam.shared.protocol import names
 from mam.shared.protocol.codes import TERMINAL_STATUSES, JobStatus, PresenceStatus
 from mam.shared.protocol.errors import MamError, UsageError
@@ -155,9 +156,9 @@ def job_detail(service: HubService, job_id: str) -> Row:
     registry = service.registry
     record = registry.get(job_id)
     audit = registry.audit(job_id)
-    attempts = [{**item, "reason": item.get("close_reason")} for item in record.get("attempt_history", [])]
+    attempts = [{**item, "reason": render.end_reason(item)} for item in record.get("attempt_history", [])]
     attempts.append({"attempt_id": record["attempt_id"], "session": record.get("session") or "",
-                     "status": record["status"], "reason": record.get("close_reason"),
+                     "status": record["status"], "reason": render.end_reason(record),
                      "close_reason": record.get("close_reason"),
                      "log": str(names.hub_log_path(registry.root, job_id, record["attempt_id"]))})
     events = [line.get("event") for line in audit if is_event_line(line, job_id)]

@@ -186,19 +186,25 @@ def _outcome(status: Any, close_reason: Any) -> str:
     return f"{status} ({close_reason})" if close_reason else str(status)
 
 
+def end_reason(attempt: Mapping[str, Any]) -> str | None:
+    """Why an attempt ended, when not by the agent alone: the hub's close reason, or
+    `lease_lost` when its runner fenced it (§10 "Leases")."""
+    return attempt.get("close_reason") or ("lease_lost" if attempt.get("lease_lost") else None)
+
+
 def attempts(record: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every attempt of a job, oldest first (§8 redispatch, §14 retries): attempt_id,
     the runner session ("-" while a label target is queued), its outcome and the agent's
     session id it reported (§18), or None."""
     rows = [{"attempt_id": old.get("attempt_id"), "session": old.get("session") or "-",
-             "outcome": _outcome(old.get("status"), old.get("close_reason")),
+             "outcome": _outcome(old.get("status"), end_reason(old)),
              "agent_session_id": old.get("agent_session_id")}
             for old in record.get("attempt_history", []) if isinstance(old, Mapping)]
     agent = record.get("agent")
     current = agent.get("session_id") if isinstance(agent, Mapping) and \
         agent.get("attempt_id") == record.get("attempt_id") else None
     rows.append({"attempt_id": record.get("attempt_id"), "session": record.get("session") or "-",
-                 "outcome": _outcome(record.get("status"), record.get("close_reason")),
+                 "outcome": _outcome(record.get("status"), end_reason(record)),
                  "agent_session_id": current})
     return rows
 
@@ -206,7 +212,7 @@ def attempts(record: Mapping[str, Any]) -> list[dict[str, Any]]:
 def show_head(record: Mapping[str, Any], root: Path | None) -> list[str]:
     """The top of `show`: what a person asks first (status, runner, attempts, duration, brief, logs)."""
     hub_side, runner_side = log_places(record, root)
-    close = record.get("close_reason")
+    close = end_reason(record)
     head = [("job", record.get("job_id")),
             ("status", _outcome(record.get("status"), close if close != record.get("status") else None)),
             ("runner", record.get("session") or "-"),

@@ -162,6 +162,7 @@ def test_s10_a_runners_lease_lost_error_is_retried_as_lease_lost_and_its_attempt
     new = retry_attempt(reg, job_id, "lease_lost", None, None)
     assert new is not None and new["attempt_id"] == 2 and "lease_lost" not in new
     assert new["attempt_history"][-1]["lease_lost"] is True
+    assert render.attempts(new)[0]["outcome"] == "error (lease_lost)"  # show, the dashboard's job page
     for data in ({"exit_code": 137, "lease_lost": "yes"}, {"exit_code": 1}):  # only `true` says it
         other = labelled(reg, retries=1)
         _runner_error(reg, other["job_id"], data)
