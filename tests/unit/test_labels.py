@@ -14,7 +14,7 @@ from mam.orchestrator.runners import presence_view, verify_presence
 from mam.runner import enrol
 from mam.runner.settings import options_from_cli
 from mam.shared.protocol import crypto, names, wire
-from mam.shared.protocol.errors import ConfigError, DecodeError, UsageError
+from mam.shared.protocol.errors import ConfigError, DecodeError, SignatureError, UsageError
 
 KEYS = crypto.derive_keys("s" * 40)
 ROOT = "python/mqtt"
@@ -100,3 +100,22 @@ def test_s16_run_defaults_to_the_enrolled_session_and_labels(tmp_path) -> None:
     names.runner_identity_path(ws).write_text('{"session": "../../etc", "labels": []}')  # hostile: refused
     with pytest.raises(ConfigError, match="runner.json: "):
         options_from_cli(session=None, **args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("status", "will", "shown"), [
+    ("offline", True, ("lost", "last_will")),
+    ("offline", "true", ("offline", None)),  # only JSON true says it (a hostile or mistaken value: not lost)
+    ("offline", 1, ("offline", None)),
+    ("online", True, ("online", None)),  # a Will is an offline presence
+])
+def test_s7_only_a_signed_offline_with_will_true_is_a_lost_runner(status: str, will: object,
+                                                                  shown: tuple[str, object]) -> None:
+    built = wire.Presence.build("gpu-box", "a" * 32, status, host="h", version="1", max_jobs=2)
+    signed = crypto.sign({**built.to_dict(), "will": will}, KEYS.sign_key)
+    row = verify_presence(TOPIC, json.dumps(signed).encode(), KEYS, ROOT)
+    assert (row["status"], row["lost"]) == shown
+    assert presence_view(TOPIC, json.dumps(signed).encode(), KEYS, ROOT, 0.0).will is (shown[1] == "last_will")
+    forged = dict(signed, will=True, status="offline") if status == "offline" else None
+    if forged is not None and will is not True:  # the field is signed: adding it breaks the signature
+        with pytest.raises(SignatureError):
+            verify_presence(TOPIC, json.dumps(forged).encode(), KEYS, ROOT)
