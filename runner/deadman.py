@@ -57,7 +57,7 @@ MAX_LINE_BYTES = 4096
 """Longest line the helper takes (an identity and a cgroup path are far shorter)."""
 READ_BYTES = 65536
 Armed = dict[str, tuple[AgentIdentity, Path | None, float | None]]
-"""The helper's armed agents: key -> (identity, cgroup, lease end on CLOCK_BOOTTIME or None)."""
+"""Armed agents, in the switch and in the helper: key -> (identity, cgroup, lease end on CLOCK_BOOTTIME or None)."""
 CLOSE_WAIT_S = 10.0
 """How long `close` waits for the helper to exit once the pipe is closed, seconds."""
 
@@ -71,7 +71,7 @@ class DeadmanSwitch:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._armed: dict[str, tuple[AgentIdentity, Path | None, float | None]] = {}
+        self._armed: Armed = {}
         self._proc: subprocess.Popen[bytes] | None = None
         self._warned = False
 

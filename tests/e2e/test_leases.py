@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from harness.fleet import AGENTS, Dispatch, Fleet
-from harness.netns import unavailable_reason
 from harness.waiting import PATIENCE_S, wait_until
+from test_fault_matrix import netns_fleet  # noqa: F401 - a fixture
 
 from mam.runner.lease import margin_for
 from mam.shared.protocol.codes import TERMINAL_STATUSES
@@ -53,19 +52,9 @@ backoff after it (its next retry can come over a second after the cut heals), se
 
 
 @pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(f"leases end to end need network namespaces: {reason}")
-    handle = Fleet("netns", tmp_path)
-    if not handle.net.has_iptables:
-        handle.close()
-        pytest.skip("leases end to end need iptables (runner cut-offs)")
-    try:
-        yield handle
-    finally:
-        handle.close()
-    assert not handle.tagged_pids(), "a process of the fleet outlived close()"
+def fleet(netns_fleet: Fleet) -> Fleet:
+    """The fault matrix's fleet in network namespaces, with iptables (it skips without them)."""
+    return netns_fleet
 
 
 def marks(path: Path, attempt: int) -> list[tuple[str, float]]:
@@ -124,6 +113,18 @@ def check_fenced(fleet: Fleet, run: Dispatch, marks_file: Path, first: str, faul
     assert hub["attempt_history"][0]["close_reason"] in ("deadline_timeout", "runner_lost"), hub["attempt_history"]
 
 
+def check_ran_once(fleet: Fleet, run: Dispatch, marks_file: Path, capsys: pytest.CaptureFixture[str],
+                   row: str) -> None:
+    """Nothing was stopped: attempt 1 ran to its end and completed, no attempt 2."""
+    code = run.wait(JOB_PATIENCE_S)
+    right = code == 0 and len(marks(marks_file, 1)) == MARKS_PER_RUN and not marks(marks_file, 2)
+    matrix_line(capsys, row, right=right, overlap_s=0.0)
+    assert code == 0, run.log()[-3000:]
+    hub = fleet.hub_record(run.job_id())
+    assert (hub["attempt_id"], hub["status"]) == (1, "completed"), hub
+    assert len(marks(marks_file, 1)) == MARKS_PER_RUN and not marks(marks_file, 2)
+
+
 @pytest.mark.timeout(300)
 def test_s10_a_runner_cut_off_for_3L_fences_its_agent_before_the_hub_retries_elsewhere(
         fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
@@ -160,13 +161,7 @@ def test_s10_a_cut_shorter_than_the_lease_less_its_margin_stops_nothing(
         time.sleep(SHORT_CUT_S)
     finally:
         fleet.net.unblackhole(fleet.host_of(first))
-    code = run.wait(JOB_PATIENCE_S)
-    right = code == 0 and len(marks(marks_file, 1)) == MARKS_PER_RUN and not marks(marks_file, 2)
-    matrix_line(capsys, "lease-runner-cut[short]", right=right, overlap_s=0.0)
-    assert code == 0, run.log()[-3000:]
-    hub = fleet.hub_record(run.job_id())
-    assert (hub["attempt_id"], hub["status"]) == (1, "completed"), hub
-    assert len(marks(marks_file, 1)) == MARKS_PER_RUN and not marks(marks_file, 2)
+    check_ran_once(fleet, run, marks_file, capsys, "lease-runner-cut[short]")
 
 
 @pytest.mark.timeout(300)
@@ -175,10 +170,4 @@ def test_s10_a_broker_restart_mid_job_stops_nothing_and_retries_nothing(
     run, marks_file, _ = start(fleet, tmp_path)
     fleet.kill_broker()
     fleet.start_broker()
-    code = run.wait(JOB_PATIENCE_S)
-    right = code == 0 and len(marks(marks_file, 1)) == MARKS_PER_RUN and not marks(marks_file, 2)
-    matrix_line(capsys, "lease-broker-restart", right=right, overlap_s=0.0)
-    assert code == 0, run.log()[-3000:]
-    hub = fleet.hub_record(run.job_id())
-    assert (hub["attempt_id"], hub["status"]) == (1, "completed"), hub
-    assert len(marks(marks_file, 1)) == MARKS_PER_RUN and not marks(marks_file, 2)
+    check_ran_once(fleet, run, marks_file, capsys, "lease-broker-restart")

@@ -102,6 +102,15 @@ def alive(pid: int) -> bool:
         return False
 
 
+def kill_all(pids: list[int], proc: subprocess.Popen[bytes]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=DEADLINE_S)
+
+
 def test_when_the_pipe_closes_armed_agent_trees_are_killed_and_disarmed_ones_left(tmp_path):
     doomed_id, doomed, doomed_proc = start_agent(tmp_path, "doomed")
     kept_id, kept, kept_proc = start_agent(tmp_path, "kept")
@@ -119,13 +128,8 @@ def test_when_the_pipe_closes_armed_agent_trees_are_killed_and_disarmed_ones_lef
         wait_for(lambda: not any(alive(pid) for pid in doomed), "the armed tree to be gone")
         assert all(alive(pid) for pid in kept)
     finally:
-        for pid in doomed + kept:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        doomed_proc.wait(timeout=DEADLINE_S)
-        kept_proc.wait(timeout=DEADLINE_S)
+        kill_all(doomed, doomed_proc)
+        kill_all(kept, kept_proc)
 
 
 def test_a_killed_helper_is_started_again_with_every_armed_agent(tmp_path):
@@ -143,21 +147,7 @@ def test_a_killed_helper_is_started_again_with_every_armed_agent(tmp_path):
         proc.wait(timeout=DEADLINE_S)
         wait_for(lambda: not any(alive(pid) for pid in pids), "the tree armed before the restart to be gone")
     finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait(timeout=DEADLINE_S)
-
-
-def kill_all(pids: list[int], proc: subprocess.Popen[bytes]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait(timeout=DEADLINE_S)
+        kill_all(pids, proc)
 
 
 def test_an_agent_whose_lease_lapses_is_stopped_while_the_daemon_lives_and_a_renewed_one_runs(tmp_path):
