@@ -146,11 +146,14 @@ def _count_pending(folder: Path) -> int:
                    if item.name.endswith(names.OUTBOX_SUFFIX) and not item.name.endswith(names.OUTBOX_KEPT_SUFFIX))
 
 
-def put(root: Path, event: Mapping[str, Any], state: Mapping[str, Any]) -> Path | None:
+def put(root: Path, event: Mapping[str, Any], state: Mapping[str, Any], *,
+        deferred: Callable[[Path], bool] | None = None) -> Path | None:
     """Keep a signed event and its state until the broker acknowledges them (§17).
 
     Called under the registry lock, after the event took its seq. Never raises:
     a full outbox or a failed write is logged and the message is still sent once.
+    `deferred(path)` True: the entry is written without fsync, the registry's group flushes
+    it or leaves it to the page cache (`Registry.group`, §12).
 
     Returns:
         the entry's path, or None when it was not kept.
@@ -164,7 +167,7 @@ def put(root: Path, event: Mapping[str, Any], state: Mapping[str, Any]) -> Path 
                         job_id, seq, OUTBOX_MAX_PENDING)
             return None
         atomic_write(path, wire.canonical({"event": dict(event), "state": dict(state)}),
-                     what=f"job {job_id} outbox entry")
+                     what=f"job {job_id} outbox entry", durable=not (deferred and deferred(path)))
     except (OSError, MamError) as exc:
         reason = f"{errno_name(exc)}: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
         log.warning("job %s seq %d not kept for re-sending (%s)", job_id, seq, reason)

@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 from mam.runner import outbox
 from mam.shared.config import BrokerConfig, broker_config
 from mam.shared.protocol import crypto, names, wire
-from mam.shared.protocol.codes import EVENT_NAMES, TERMINAL_EVENTS
+from mam.shared.protocol.codes import EVENT_NAMES, TERMINAL_EVENTS, EventName
 from mam.shared.protocol.errors import UsageError
+from mam.shared.store.files import Flush
 from mam.shared.store.registry import Registry
 
 if TYPE_CHECKING:  # the Protocol only types `send_on`; nothing to load on the publish path
@@ -135,10 +136,14 @@ def make_request(job_id: str, event: str, detail: str = "", data: str | None = N
 
 def record(registry: Registry, request: PublishRequest, *, source: str = "publisher",
            extra_data: Mapping[str, Any] | None = None, exit_code: int | None = None,
-           status: str | None = None, stop_heartbeat: bool = True, drain_s: float | None = None) -> Published:
+           status: str | None = None, stop_heartbeat: bool = True, drain_s: float | None = None,
+           durable: bool = True) -> Published:
     """The disk side of a publish (§3, §4, §8, §12): for a terminal event stop
     the heartbeat first, then take the seq, apply the transition and append
-    the signed event to the audit log, under the registry lock.
+    the signed event to the audit log, under the registry lock. `started` and
+    terminals are flushed under the lock, write by write (a refused flush leaves
+    the record as it was); any other event once the lock is released, before this
+    returns, so no beat waits behind its flush (docs/registry.md "Durability on a runner").
 
     Args:
         registry: this host's `Registry`.
@@ -149,6 +154,8 @@ def record(registry: Registry, request: PublishRequest, *, source: str = "publis
         status: `"cancelled"` with an `error` event (§6).
         stop_heartbeat: run the §12 barrier + drain before a terminal event.
         drain_s: how long the timer may take to exit, seconds (None = MAM_HEARTBEAT_DRAIN_S).
+        durable: False leaves the audit line, the record and the outbox entry to the page
+            cache (a daemon's beat, §12: it never waits on a flush).
     Returns:
         the signed event and state.
     Raises:
@@ -176,7 +183,10 @@ def record(registry: Registry, request: PublishRequest, *, source: str = "publis
         signed["token"] = rec["auth_token"]
         return crypto.sign_event(event.to_dict(), rec["auth_token"])
 
-    with registry.lock():  # one hold: the outbox gets a job's entries in seq order (§17)
+    changes_status = request.event in (EventName.STARTED, *TERMINAL_EVENTS) or status is not None
+    flush: Flush = "after" if durable else "none"
+    # one hold: the outbox gets a job's entries in seq order (§17)
+    with registry.lock() if durable and changes_status else registry.group(flush=flush):
         seq, payload = registry.record_event(request.job_id, attempt_id=attempt_id, dispatch_token=token,
                                              event=request.event, build=build, source=source,
                                              status=status, exit_code=exit_code)
@@ -184,7 +194,7 @@ def record(registry: Registry, request: PublishRequest, *, source: str = "publis
         state = crypto.sign_event(wire.State.build(request.job_id, seq, after["status"], request.event,
                                                    attempt_id=attempt_id, dispatch_token=token).to_dict(),
                                   signed["token"])
-        entry = outbox.put(registry.root, payload, state)
+        entry = outbox.put(registry.root, payload, state, deferred=registry.deferred)
     return Published(seq, payload, state, entry)
 
 

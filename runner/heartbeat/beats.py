@@ -190,7 +190,8 @@ class Beats:
                     published = publish.record(self.registry, publish.PublishRequest(
                         job_id=job.job_id, event=EventName.PROGRESS, detail=barrier.HEARTBEAT_DETAIL,
                         attempt_id=job.attempt_id, dispatch_token=job.dispatch_token),
-                        source="runner", extra_data={"heartbeat": True}, stop_heartbeat=False)
+                        source="runner", extra_data={"heartbeat": True}, stop_heartbeat=False,
+                        durable=False)
             except TransitionRefused as exc:
                 return str(exc)
             except RegistryError as exc:

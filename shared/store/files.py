@@ -11,7 +11,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from mam.shared.protocol import names
 from mam.shared.protocol.errors import RegistryError
@@ -20,6 +20,9 @@ from mam.shared.store.lock import FileLock
 from mam.shared.store.records import dumps
 
 log = logging.getLogger("mam.registry")
+
+Flush = Literal["locked", "after", "none"]
+FLUSHES: tuple[Flush, ...] = ("locked", "after", "none")
 
 REMEMBERED_JOBS = 20_000  # job ids whose paths and folders are remembered; then forgotten all at once
 
@@ -90,27 +93,38 @@ class RegistryFiles:
             yield
 
     @contextlib.contextmanager
-    def group(self) -> Iterator[None]:
-        """Hold the lock; commits inside skip their fsyncs and the group's end fsyncs
-        every file they wrote together (`fsio.sync_paths`): the hub service's pass over
-        its backlog (docs/registry.md "Durability"). Nested or in another thread: a lock.
+    def group(self, *, flush: Flush = "locked") -> Iterator[None]:
+        """Hold the lock; commits inside skip their fsyncs, and the group flushes every
+        file they wrote together (`fsio.sync_paths`) as `flush` says (docs/registry.md
+        "Durability"). Nested (or in another thread): a lock, the outer group flushes.
 
+        Args:
+            flush: "locked": at the group's end, still holding the lock (the hub service's
+                pass over its backlog). "after": once the lock is released, before this
+                returns (a runner's progress: the lock is held for no flush, so a beat never
+                waits behind one, §12). "none": nothing, the writes are left to the page
+                cache (a runner's beat: a SIGKILL loses nothing, a power loss may lose it).
         Raises:
-            RegistryError: as `lock`, or an fsync failed at the end.
+            RegistryError: as `lock`, or an fsync failed (the writes are then visible, not durable).
         """
+        if flush not in FLUSHES:
+            raise ValueError(f"flush must be one of {', '.join(FLUSHES)}, not {flush!r}")
+        files: set[Path] = set()
         with self.lock():
             if self._group is not None:
                 yield
                 return
-            self._group, self._group_thread = set(), threading.get_ident()
+            self._group, self._group_thread = files, threading.get_ident()
             try:
                 yield
             finally:
-                files, self._group = self._group, None
-                if files:
+                self._group = None
+                if files and flush == "locked":
                     sync_paths(files, what=f"registry {self.root}")
+        if files and flush == "after":
+            sync_paths(files, what=f"registry {self.root}")
 
-    def _deferred(self, path: Path) -> bool:
+    def deferred(self, path: Path) -> bool:
         """True (and `path` noted) inside this thread's `group()`: the caller skips its fsync."""
         group = self._group
         if group is None or self._group_thread != threading.get_ident():

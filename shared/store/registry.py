@@ -192,7 +192,7 @@ class Registry(RegistryFiles):
     def _write(self, record: JobRecord, *, status_changed: bool = False) -> None:
         job_id = record["job_id"]
         path = self.record_path(job_id)
-        atomic_write(path, dumps(record), what=f"job {job_id}", durable=not self._deferred(path))
+        atomic_write(path, dumps(record), what=f"job {job_id}", durable=not self.deferred(path))
         if status_changed:
             self._write_side(job_id, "status.json", {
                 "job_id": job_id, "status": record["status"], "attempt_id": record["attempt_id"],
@@ -253,7 +253,7 @@ class Registry(RegistryFiles):
             lines.append(status_line)
         if lines:  # one write, one fsync for the whole transaction (or the group's)
             audit = self.audit_path(job_id)
-            append_lines(audit, lines, what=f"job {job_id}", sync=not self._deferred(audit))
+            append_lines(audit, lines, what=f"job {job_id}", sync=not self.deferred(audit))
         self._write(new, status_changed=changed)
 
     @contextlib.contextmanager
@@ -272,7 +272,7 @@ class Registry(RegistryFiles):
             elif txn.lines:
                 self._ensure_dirs(job_id)
                 audit = self.audit_path(job_id)
-                append_lines(audit, txn.lines, what=f"job {job_id}", sync=not self._deferred(audit))
+                append_lines(audit, txn.lines, what=f"job {job_id}", sync=not self.deferred(audit))
 
     # ------------------------------------------------------------ creating
 

@@ -5,7 +5,10 @@
 - fault 9: the agent fills the runner's disk (a 2 MB tmpfs): the hub still sees the
   terminal, and the record ends terminal once space is freed, without a traceback;
 - fault 8 / §17 "An attempt runs at most once": a dispatch whose attempt already has a
-  retained state is refused `taken`, also by a replacement runner after a broker crash.
+  retained state is refused `taken`, also by a replacement runner after a broker crash;
+- §12 / §10 "Leases": a disk slow to flush (each fsync of the runner's processes takes
+  seconds, another process writing and flushing beside them) fences nothing: beats wait on
+  no flush.
 
 Mounts need root: those tests skip with the reason otherwise.
 """
@@ -53,6 +56,36 @@ TRIALS_TIMEOUT_S = 540
 """Timeout of the ×10 test, seconds (one trial takes a few seconds; CI shares 2 cores)."""
 DROP_DAC = ("setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--")
 """Run a command as root but bound by file mode bits (the chmod variant of fault 4)."""
+LEASE_CONTRACT = Contract(heartbeat_sec=1, heartbeat_misses=6, ack_timeout_sec=120, timeout_sec=300)
+"""A lease of 6 s, fenced after 4.5 s without an acknowledged beat (§10 "Leases")."""
+SLOW_FSYNC_S = 2.0
+"""How long each fsync of the runner's processes takes while the disk is slow, seconds:
+five of them (what a beat used to make) outlast the lease's 4.5 s."""
+SLOW_PROGRESS = 3
+"""`progress` events the agent publishes while the disk is slow (each flushes ~2 fsyncs deep)."""
+SLOW_DISK_SITE = '''
+import os, time
+_flag, _real = os.environ["SLOW_FSYNC_FLAG"], os.fsync
+def _fsync(fd):
+    if os.path.exists(_flag):
+        with open(_flag + ".log", "a") as log:
+            log.write(f"{os.getpid()}\\n")
+        time.sleep(float(os.environ["SLOW_FSYNC_S"]))
+    _real(fd)
+os.fsync = _fsync
+'''
+"""A `sitecustomize` for the runner's processes: while the flag file exists each fsync takes
+SLOW_FSYNC_S (this machine's disk flushes in milliseconds even when another process saturates it)."""
+FLUSHER = '''
+import os, sys
+chunk = os.urandom(1 << 20)
+with open(sys.argv[1], "wb") as out:
+    while os.path.exists(sys.argv[2]):
+        out.write(chunk); out.flush(); os.fsync(out.fileno())
+        if out.tell() >= 32 << 20:
+            out.seek(0)
+'''
+"""Another process saturating the workspace disk's flushes: 1 MiB written and fsynced at a time."""
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs or a read-only bind mount needs root")
 
 
@@ -128,8 +161,8 @@ class Hub:
         self.observer.subscribe([(f"{self.root}/#", 1)])
         self.seen: list[Any] = []
 
-    def dispatch(self, brief: str) -> dict[str, Any]:
-        record = self.registry.register(session=SESSION, contract=CONTRACT)
+    def dispatch(self, brief: str, contract: Contract = CONTRACT) -> dict[str, Any]:
+        record = self.registry.register(session=SESSION, contract=contract)
         publish_dispatch(self.client, build_dispatch(record, brief, self.keys))
         return record
 
@@ -302,6 +335,49 @@ def test_fault9_a_full_disk_still_ends_the_job_on_the_wire_then_on_disk(broker, 
     log = runner.wait_log(f"job {job_id}: terminal event error written to disk")
     assert "Traceback" not in log and "Exception in thread" not in log
     assert runner.proc.poll() is None
+
+
+# ------------------------------------------------------------------ §12: a beat never waits on a disk
+
+def test_s12_a_disk_slow_to_flush_fences_nothing_while_beats_go_on(broker, hub, tmp_path, runners, tag):
+    """The job runs under a 6 s lease. Then every fsync of the runner's processes takes 2 s for
+    longer than the lease while another process writes and fsyncs 1 MiB at a time beside them,
+    and the agent publishes three `progress` events: a beat that flushed (5 fsyncs, under the
+    registry lock) would let the lease lapse and fence the job. Beats are written, not flushed,
+    and no beat waits behind a progress's flush, so the job completes (§12, §10 "Leases")."""
+    ws, site = tmp_path / "runner", tmp_path / "site"
+    ws.mkdir()
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_DISK_SITE)
+    write_env_for(broker, ws)
+    slow, go, end = tmp_path / "slow-disk", tmp_path / "go", tmp_path / "end"
+    runner = RunnerProc(ws, tag, prefix=("env", f"PYTHONPATH={site}", f"SLOW_FSYNC_FLAG={slow}",
+                                         f"SLOW_FSYNC_S={SLOW_FSYNC_S}"))
+    runners.append(runner)
+    runner.wait_log("serving session")
+    ticks = "; ".join(f'eval "$MAM_PUBLISH_CMD --event progress --detail tick-{i}"' for i in range(SLOW_PROGRESS))
+    record = hub.dispatch(f"while [ ! -e {go} ]; do sleep 0.1; done\n{ticks}\n"
+                          f"while [ ! -e {end} ]; do sleep 0.1; done", LEASE_CONTRACT)
+    job_id = record["job_id"]
+    events = names.events_topic(job_id, hub.root)
+    wait_until(lambda: any(e["event"] == "started" for e in hub.on(events)), PATIENCE_S, "started")
+    slow.touch()
+    slow_from = len(hub.poll())
+    flusher = subprocess.Popen([sys.executable, "-c", FLUSHER, str(ws / "flusher.bin"), str(slow)])
+    try:
+        go.touch()
+        wait_until(lambda: len([e for e in hub.on(events) if e["detail"].startswith("tick-")]) == SLOW_PROGRESS
+                   or hub.terminals(job_id), PATIENCE_S + SLOW_PROGRESS * 4 * SLOW_FSYNC_S, "the agent's ticks")
+    finally:
+        slow.unlink(missing_ok=True)
+        flusher.wait(PATIENCE_S)
+    while_slow = [json.loads(m.payload) for m in hub.poll()[slow_from:] if m.topic == events]
+    end.touch()
+    terminal = wait_until(lambda: (hub.terminals(job_id) or [None])[0], PATIENCE_S, "the terminal")
+    assert terminal["event"] == "completed", terminal
+    assert len(Path(f"{slow}.log").read_text().split()) >= 2 * SLOW_PROGRESS  # the disk was slow to flush
+    assert len([e for e in while_slow if e["data"].get("heartbeat") is True]) >= SLOW_PROGRESS
+    assert "lease_lost" not in runner.log(), runner.log()
 
 
 # ------------------------------------------------------------------ fault 8 / §17: at most once

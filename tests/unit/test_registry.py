@@ -7,8 +7,10 @@ import io
 import json
 import os
 import stat
+import threading
 
 import pytest
+from harness.waiting import PATIENCE_S, wait_until
 
 from mam.orchestrator.acceptance import mirror_event
 from mam.orchestrator.cli import app as orch_app
@@ -548,6 +550,59 @@ def test_s8_lock_is_reentrant_so_callers_can_group_calls(reg):
         reg.append_audit(rec["job_id"], {"event": "barrier"})
     assert reg.audit(rec["job_id"])[-1]["event"] == "barrier"
     assert "timestamp" in reg.audit(rec["job_id"])[-1]
+
+
+def _blocked_fsyncs(monkeypatch) -> tuple[list[int], threading.Event]:
+    """Every fsync of this process waits until the returned event is set; the list names them."""
+    waiting: list[int] = []
+    free = threading.Event()
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        waiting.append(fd)
+        free.wait(PATIENCE_S)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return waiting, free
+
+
+def test_s8_a_group_flushed_after_releases_the_lock_before_its_flush(reg, monkeypatch):
+    """`group(flush="after")` holds the lock for the writes only: another holder gets the
+    lock (and reads the write) while the group's flush is still under way; the group
+    returns only once its files are flushed (§8, §12)."""
+    rec = reg.register(session="gpu-box")
+    waiting, free = _blocked_fsyncs(monkeypatch)
+    done = threading.Event()
+
+    def write() -> None:
+        with reg.group(flush="after"), reg.transaction(rec["job_id"]) as txn:
+            txn.log({"event": "note"})
+        done.set()
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        wait_until(lambda: waiting, PATIENCE_S, "the group's flush under way")
+        with reg.lock():  # free, though the flush is not done
+            assert reg.audit(rec["job_id"])[-1]["event"] == "note"
+        assert not done.is_set()
+    finally:
+        free.set()
+    writer.join(PATIENCE_S)
+    assert done.is_set() and len(waiting) == 2  # the audit log, then its folder
+
+
+def test_s8_a_group_flushing_none_leaves_its_writes_to_the_page_cache(reg, monkeypatch):
+    rec = reg.register(session="gpu-box")
+    waiting, free = _blocked_fsyncs(monkeypatch)
+    free.set()
+    with reg.group(flush="none"):
+        assert reg.allocate_seq(rec["job_id"], **ident(rec)) == 1
+    assert waiting == [] and reg.get(rec["job_id"])["last_seq"] == 1
+    with pytest.raises(ValueError, match="flush must be one of locked, after, none"):
+        with reg.group(flush="later"):  # type: ignore[arg-type]
+            pass
 
 
 # ---------------------------------------------------------------- commands

@@ -5,6 +5,7 @@ on a terminal, a newer attempt, `timeout_sec` and removal; a broker failure cost
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -231,3 +232,61 @@ def test_s10_only_an_acknowledged_beat_renews_the_lease_from_when_it_was_sent(tm
         assert (job_id, attempt_id) == (JOBS[0], 1) and before - DRAIN_S <= sent_at <= lease.now()
     finally:
         beats.stop()
+
+
+def test_s12_beats_go_out_and_renew_the_lease_while_the_disk_flushes_nothing(tmp_path, broker, client, monkeypatch):
+    """Every fsync of this process blocks (a disk saturated by another writer, at its worst) while
+    an agent's `progress` waits for its flush: the beats still reach the broker, are acknowledged
+    and renew the lease, and are on disk (audit line, the record's seq). A beat writes without
+    fsync, and the progress flushes after releasing the registry lock, so no beat waits (§12)."""
+    registry = mirrored(tmp_path)
+    started(registry)
+    disk_free = threading.Event()
+    flushes_waiting: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:  # a flush that finishes only when the test lets it
+        flushes_waiting.append(fd)
+        disk_free.wait(PATIENCE_S)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    progress = threading.Thread(target=publish.record, daemon=True, args=(registry, publish.PublishRequest(
+        JOBS[0], "progress", "tests pass", attempt_id=1, dispatch_token=TOKEN)), kwargs={"source": "runner"})
+    progress.start()
+    wait_until(lambda: flushes_waiting, PATIENCE_S, "the progress waiting for its flush")
+    acks: list[tuple[str, int, float]] = []
+    beats = Beats(registry, client, drain_s=DRAIN_S, on_ack=lambda *ack: acks.append(ack))
+    try:
+        beats.add(JOBS[0], attempt_id=1, dispatch_token=TOKEN, interval_s=BEAT_S, timeout_s=LONG_S)
+        wait_until(lambda: len(acks) >= BEATS_SEEN, PATIENCE_S, "acknowledged beats while no flush finishes")
+        assert progress.is_alive()  # still flushing: the beats went around it
+        seqs = [beat.seq for beat in beats_of(broker, JOBS[0])]
+        assert seqs == list(range(3, 3 + len(seqs)))  # 2 is the progress's
+        assert registry.get(JOBS[0])["last_seq"] >= seqs[-1]
+        assert {line["seq"] for line in registry.audit(JOBS[0]) if line.get("event") == "progress"} >= {2, *seqs}
+    finally:
+        disk_free.set()
+        beats.stop()
+    progress.join(PATIENCE_S)
+    assert not progress.is_alive()
+
+
+def test_s12_every_other_publish_is_still_flushed_before_the_wire(tmp_path, monkeypatch):
+    """Only a beat skips the flush: a `progress` an agent publishes, and a terminal, fsync their
+    audit line, record and outbox entry before `publish.record` returns (§8, §17)."""
+    registry = mirrored(tmp_path)
+    started(registry)
+    flushed: list[int] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        flushed.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    for event in ("progress", "completed"):
+        flushed.clear()
+        publish.record(registry, publish.PublishRequest(JOBS[0], event, attempt_id=1, dispatch_token=TOKEN),
+                       source="runner", stop_heartbeat=False)
+        assert len(flushed) >= 3, event  # audit line, record, outbox entry (and their folders)
