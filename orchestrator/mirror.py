@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import threading
+import time
 
 from mam.shared.protocol import wire
 from mam.shared.protocol.codes import EVENT_NAMES, TERMINAL_STATUSES, JobStatus
+from mam.shared.protocol.errors import MamError
 from mam.shared.store.records import JobRecord, Transaction, late_terminal, moved, touched, utc_now
 from mam.shared.store.registry import Registry
 from mam.shared.transport import Transport
@@ -28,15 +32,34 @@ OUTAGE_GIVE_UP_S = 60.0
 AUDIT_TAIL_BYTES = 16 * 1024
 
 
+PROBE_WAIT_S = 10.0
+"""How long the hub waits for one link probe's PUBACK before it may send the next, seconds."""
+
+
 class BrokerLink:
     """The hub's own broker connection as the clocks see it (§14 "Broker outages
     are nobody's silence"): `look(now)` notices a loss and the reconnect after it,
-    even one that happened between two looks (`Transport.disconnect_count`)."""
+    even one that happened between two looks (`Transport.disconnect_count`);
+    `proven(moment, proven_at)` tells whether the link was proven alive after `moment`,
+    so a silent partition (no loss noticed yet) never passes for a runner's silence
+    (§10 "Leases").
 
-    def __init__(self, client: Transport) -> None:
+    Args:
+        client: the hub's connection.
+        probe_topic: where link probes go (`names.hub_probe_topic`); None, or a client that
+            cannot publish, proves nothing and counts the link as always proven.
+    """
+
+    def __init__(self, client: Transport, probe_topic: str | None = None) -> None:
         self.client = client
         self.down_since: float | None = None
         self._losses = getattr(client, "disconnect_count", 0)
+        self._probe_topic = probe_topic if callable(getattr(client, "publish_async", None)) else None
+        self.proven_at = -math.inf if self._probe_topic is not None else math.inf
+        """When (monotonic, seconds) the newest probe the broker acknowledged was sent."""
+        self._wanted = threading.Event()
+        self._closed = False
+        self._prober: threading.Thread | None = None
 
     @property
     def down(self) -> bool:
@@ -56,6 +79,41 @@ class BrokerLink:
         outage = now - self.down_since if self.down_since is not None else 0.0
         self.down_since, self._losses = None, losses
         return outage
+
+    def proven(self, moment: float, proven_at: float) -> bool:
+        """True when `proven_at` (this link's `proven_at`, read before the messages received
+        by then were taken in) is at or after `moment` (monotonic); else a probe is asked
+        for and False. A probe is a zero-length QoS 1 publish; its PUBACK comes after every
+        message the broker delivered to the hub before it took the probe, so a job still
+        silent with that proof was silent, not cut off from the hub (§10)."""
+        if proven_at >= moment:
+            return True
+        if self._probe_topic is not None and not self._closed:
+            if self._prober is None:
+                self._prober = threading.Thread(target=self._probe, args=(self._probe_topic,),
+                                                name="mam-hub-probe", daemon=True)
+                self._prober.start()
+            self._wanted.set()
+        return False
+
+    def close(self) -> None:
+        """Stop probing; a probe in flight is left to its PUBACK wait."""
+        self._closed = True
+        self._wanted.set()
+
+    def _probe(self, topic: str) -> None:
+        while True:
+            self._wanted.wait()
+            if self._closed:
+                return
+            self._wanted.clear()
+            sent_at = time.monotonic()
+            try:
+                self.client.publish_async(topic, b"", timeout_s=PROBE_WAIT_S)()
+            except MamError as exc:
+                log.debug("hub link probe not acknowledged: %s", exc)
+                continue
+            self.proven_at = max(self.proven_at, sent_at)
 
 
 def mirror_state(txn: Transaction, state: wire.State, gap: tuple[int, int] | None) -> bool:

@@ -753,13 +753,19 @@ class HubService:
 
     # ------------------------------------------------------------ clocks
 
-    def tick(self, now: float, down_since: float | None) -> None:
-        """Apply §10 to every tracked job; end the ones that ended."""
+    def tick(self, now: float, down_since: float | None, proven: Callable[[float], bool] | None = None) -> None:
+        """Apply §10 to every tracked job; end the ones that ended.
+
+        Args:
+            down_since: when the connection went down (None: up).
+            proven: moment -> whether the link is proven alive after it (`BrokerLink.proven`;
+                None: always), read before the messages received by then were taken in.
+        """
         for job_id, watcher in list(self.watchers.items()):
             if job_id in self.unjudged:
                 continue  # it spoke: judge that first (`receive`)
             try:
-                code = watcher.tick(now, down_since=down_since, poll=False)
+                code = watcher.tick(now, down_since=down_since, poll=False, proven=proven)
             except MamError as exc:
                 self.stats.handler_errors += 1
                 log.warning("job %s: clocks not applied: %s", job_id, exc)
@@ -854,7 +860,7 @@ class HubService:
                           (names.all_presence_filter(root), 1)], timeout_s=ENGINE_SUBACK_S)
         self._info("hub service pid %d serving %s: %d open jobs, %d queued", os.getpid(), self.registry.root,
                    len(self.watchers), len(self.queued))
-        link = BrokerLink(client)
+        link = BrokerLink(client, names.hub_probe_topic(root))
         subscribed = time.monotonic()
         self.settle_until, self.settle_max = subscribed + PRESENCE_SETTLE_S, subscribed + PRESENCE_SETTLE_MAX_S
         waker = Waker(self.registry.root, self.wake)
@@ -865,6 +871,7 @@ class HubService:
             self.ready.set()
             self._loop(client, link, now)
         finally:
+            link.close()
             waker.stop()
         self._info("hub service stopping: %d jobs go on without it (%d messages handled)",
                    len(self.watchers), self.stats.messages)
@@ -893,8 +900,9 @@ class HubService:
                 self.plan(now)
             if now >= next_tick:
                 next_tick = now + TICK_S
+                proven_at = link.proven_at
                 self.receive(client)  # §14: what was received before the clocks look counts
-                self.tick(now, link.down_since)
+                self.tick(now, link.down_since, lambda moment: link.proven(moment, proven_at))  # §10
             message = self.next_message(client, max(0.0, min(next_scan, next_tick) - time.monotonic()))
             if message is WAKE:
                 self.woken = True

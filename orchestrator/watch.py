@@ -547,13 +547,16 @@ class Watcher:
             deadline = min(deadline, self._terminal_state_at + STATE_GRACE_S)
         return min(deadline, self.next_poll)
 
-    def tick(self, now: float, *, down_since: float | None = None, poll: bool = True) -> int | None:
+    def tick(self, now: float, *, down_since: float | None = None, poll: bool = True,
+             proven: Callable[[float], bool] | None = None) -> int | None:
         """Apply §10 at `now` (monotonic): the exit code of §9 once the job is over
         (its terminal seen or the hub closed it), else None.
 
         Args:
             down_since: when the hub's connection went down (None: up); only the
                 wall clock runs meanwhile (§14).
+            proven: moment -> whether the hub's own link is proven alive after it
+                (`BrokerLink.proven`); a silence is judged only then (§10 "Leases").
             poll: re-read the hub record every `REGISTRY_POLL_S` (a cancel from
                 another shell); the service watches the registry itself.
         """
@@ -584,6 +587,8 @@ class Watcher:
             return None
         if now >= self.wall_deadline:
             return self._close(CloseReason.DEADLINE_TIMEOUT)
+        if proven is not None and not proven(deadline):
+            return None  # silent, or the hub cut off from the broker with its loss not yet noticed
         if not self.accepted_any and self.started_status == JobStatus.PENDING and \
                 self.registry.get(self.job_id)["status"] == JobStatus.PENDING:
             return self._close(CloseReason.AGENT_BLOCKED)
@@ -591,6 +596,16 @@ class Watcher:
         return self._close(CloseReason.RUNNER_LOST if lost else CloseReason.DEADLINE_TIMEOUT)
 
     # ---------------------------------------------------------------- loop
+
+    def _take_received(self, client: Transport) -> None:
+        """Handle every message received so far (a proof of the hub's link read before this
+        covers them, §10), until the job's terminal."""
+        while self.terminal is None:
+            try:
+                message = client.messages.get_nowait()
+            except queue.Empty:
+                return
+            self.handle(message.topic, message.payload)
 
     def run(self) -> int:
         """Watch until the job ends on this watch's own connection; returns the exit code of §9.
@@ -608,6 +623,7 @@ class Watcher:
             if self.options.remote and record.get("close_reason") in HUB_DECISIONS and not record.get("late_outcome"):
                 self._read_late_terminal()
             return self._finish_from_disk("already terminal")
+        link: BrokerLink | None = None
         try:
             if not self._subscribed and not self.subscribe():
                 return self._finish_from_disk("broker unreachable")
@@ -615,14 +631,17 @@ class Watcher:
             if client is None:  # subscribe() connected one
                 return self._finish_from_disk("broker unreachable")
             self.start_clocks(time.monotonic(), record)
-            link = BrokerLink(client)
+            link = BrokerLink(client, names.hub_probe_topic(self.config.topic_root))
             give_up_s = max(self.idle_s, env_float("MAM_HUB_OUTAGE_GIVE_UP_S", OUTAGE_GIVE_UP_S))
             while True:
                 now = time.monotonic()
                 outage = link.look(now)
                 if outage is not None:  # §14: the clocks stood still; a full idle window from now
                     self.broker_back(now, outage)
-                code = self.tick(now, down_since=link.down_since)
+                proven_at = link.proven_at
+                self._take_received(client)  # what came before that proof counts before the clocks look
+                code = self.tick(now, down_since=link.down_since,
+                                 proven=lambda moment: link.proven(moment, proven_at))
                 if code is not None:
                     break
                 wake = self.next_wake(link.down_since)
@@ -649,5 +668,7 @@ class Watcher:
         except KeyboardInterrupt:
             raise Detached(self.job_id) from None
         finally:
+            if link is not None:
+                link.close()
             if self._owns_client and self.client is not None:
                 self.client.close()

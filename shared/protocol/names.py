@@ -546,6 +546,12 @@ def all_presence_filter(root: str | None = None) -> str:
     return f"{topic_root(root)}/runners/+"
 
 
+def hub_probe_topic(root: str | None = None) -> str:
+    """Where the hub proves its own link before it judges a silence: `ROOT/hub/probe`, zero-length,
+    not retained, not subscribed (§2, §10 "Leases")."""
+    return f"{topic_root(root)}/hub/probe"
+
+
 def parse_job_topic(topic: str, root: str | None = None) -> tuple[str, str] | None:
     """Split `ROOT/jobs/<job_id>/<leaf>` (§2) into (job_id, leaf), or None if it is not one."""
     prefix = f"{topic_root(root)}/jobs/"

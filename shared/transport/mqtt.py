@@ -146,6 +146,7 @@ class MqttClient:
         self._filters: dict[str, int] = {}
         self._resubscribing: dict[int, list[tuple[str, int]]] = {}  # mid -> filters re-sent after a reconnect
         self._acked: set[int] = set()
+        self._abandoned: set[int] = set()  # mids whose waiter timed out: their late PUBACK acks nothing
         self._subacked: dict[int, list[int]] = {}
         self._unsubacked: set[int] = set()
         self._connack: str | None = None  # None = waiting, "" = accepted, else the refusal reason
@@ -250,6 +251,9 @@ class MqttClient:
     def _on_publish(self, client: paho.Client, userdata: Any, mid: int, reason: Any = None,
                     properties: Any = None) -> None:
         with self._cond:
+            if mid in self._abandoned:  # paho reuses the mid only after this PUBACK: drop it, not keep it
+                self._abandoned.discard(mid)
+                return
             self._acked.add(mid)
             self._cond.notify_all()
 
@@ -535,10 +539,12 @@ class MqttClient:
             with self._cond:
                 while info.mid not in self._acked:
                     if fail_on_disconnect and self._disconnects != start_disconnects:
+                        self._abandoned.add(info.mid)
                         raise BrokerUnavailable(f"connection to {self.endpoint} "
                                                 f"lost while publishing to {topic}")
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
+                        self._abandoned.add(info.mid)
                         raise PublishTimeout(f"no PUBACK for {topic} from "
                                              f"{self.endpoint} within {timeout_s:g} s")
                     self._cond.wait(remaining)

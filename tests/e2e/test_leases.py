@@ -1,7 +1,7 @@
-"""PROTOCOL §10 "Leases" end to end: two runners in network namespaces, a real broker, real
-`mam-orch dispatch` following a `--retries 1` label job. The agent appends a timestamped marker
-line every 0.2 s to one file shared by both hosts, so an overlap of two attempts is measured,
-not guessed.
+"""PROTOCOL §10 "Leases" end to end, on nats-server and Mosquitto: two runners in network
+namespaces, a real broker, real `mam-orch dispatch` following a `--retries 1` label job. The
+agent appends a timestamped marker line every 0.2 s to one file shared by both hosts, so an
+overlap of two attempts is measured, not guessed.
 
 - The runner of attempt 1 cut off from the broker (iptables DROP) for 3 × L: its deadman helper
   stops the agent at about L − margin, the hub retries after L on the other runner, the two
@@ -9,7 +9,11 @@ not guessed.
   attempt 2 as the job's.
 - The runner of attempt 1 frozen (SIGSTOP) for 2 × L, then SIGCONT: the same, fenced by the helper
   of a daemon that runs no code.
+- The runner of attempt 1 killed (kill -9 of the daemon, not its group): its helper stops the
+  agent at once, the hub retries after its Last Will and L on the other runner; no overlap.
 - A cut shorter than L − margin, and a broker restart, stop nothing: one attempt, completed.
+- The hub cut off from the broker for 3 × L (its connection not yet known lost): it closes
+  nothing, since its own link is not proven alive past the job's deadline; one attempt, completed.
 
 Needs root (namespaces, iptables): skips with the reason otherwise.
 """
@@ -28,7 +32,8 @@ from test_fault_matrix import netns_fleet  # noqa: F401 - a fixture
 from mam.runner.lease import margin_for
 from mam.shared.protocol.codes import TERMINAL_STATUSES
 
-pytestmark = [pytest.mark.broker, pytest.mark.e2e]
+pytestmark = [pytest.mark.broker, pytest.mark.e2e,
+              pytest.mark.parametrize("netns_fleet", ["nats", "mosquitto"], indirect=True)]
 
 SHELL_AGENT = AGENTS / "shell-agent"
 HEARTBEAT_S = 1
@@ -79,10 +84,12 @@ def start(fleet: Fleet, tmp_path: Path) -> tuple[Dispatch, Path, str]:
     return run, marks_file, first_session
 
 
-def matrix_line(capsys: pytest.CaptureFixture[str], row: str, *, right: bool, overlap_s: float) -> None:
+def matrix_line(capsys: pytest.CaptureFixture[str], fleet: Fleet, row: str, *, right: bool,
+                overlap_s: float) -> None:
     """The fault matrix's line for this row (tests/e2e/test_fault_matrix.py), past pytest's capture."""
     with capsys.disabled():
-        print(f"\nMATRIX {row}: runs=1 right={int(right)} wrong={int(not right)} overlap_s={overlap_s:.2f}")
+        print(f"\nMATRIX {row} {fleet.broker_kind}: runs=1 right={int(right)} wrong={int(not right)} "
+              f"overlap_s={overlap_s:.2f}")
 
 
 def check_fenced(fleet: Fleet, run: Dispatch, marks_file: Path, first: str, fault_at: float, healed_at: float,
@@ -92,7 +99,7 @@ def check_fenced(fleet: Fleet, run: Dispatch, marks_file: Path, first: str, faul
     code = run.wait(JOB_PATIENCE_S)
     one, two = marks(marks_file, 1), marks(marks_file, 2)
     overlap_s = max(0.0, max(t for _, t in one) - min(t for _, t in two)) if one and two else 0.0
-    matrix_line(capsys, row, right=code == 0 and len(two) == MARKS_PER_RUN, overlap_s=overlap_s)
+    matrix_line(capsys, fleet, row, right=code == 0 and len(two) == MARKS_PER_RUN, overlap_s=overlap_s)
     assert code == 0, run.log()[-3000:]
     job_id = run.job_id()
     assert len(two) == MARKS_PER_RUN and {s for s, _ in two} == set(SESSIONS) - {first}, two
@@ -118,7 +125,7 @@ def check_ran_once(fleet: Fleet, run: Dispatch, marks_file: Path, capsys: pytest
     """Nothing was stopped: attempt 1 ran to its end and completed, no attempt 2."""
     code = run.wait(JOB_PATIENCE_S)
     right = code == 0 and len(marks(marks_file, 1)) == MARKS_PER_RUN and not marks(marks_file, 2)
-    matrix_line(capsys, row, right=right, overlap_s=0.0)
+    matrix_line(capsys, fleet, row, right=right, overlap_s=0.0)
     assert code == 0, run.log()[-3000:]
     hub = fleet.hub_record(run.job_id())
     assert (hub["attempt_id"], hub["status"]) == (1, "completed"), hub
@@ -153,6 +160,26 @@ def test_s10_a_runner_frozen_for_2L_is_fenced_by_its_helper_before_the_hub_retri
 
 
 @pytest.mark.timeout(300)
+def test_s10_a_runner_killed_mid_job_takes_its_agent_with_it_and_the_job_runs_again_elsewhere(
+        fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    run, marks_file, first = start(fleet, tmp_path)
+    killed_at = time.time()
+    fleet.runners[first].kill9()
+    code = run.wait(JOB_PATIENCE_S)
+    one, two = marks(marks_file, 1), marks(marks_file, 2)
+    overlap_s = max(0.0, max(t for _, t in one) - min(t for _, t in two)) if one and two else 0.0
+    matrix_line(capsys, fleet, "lease-runner-kill9", right=code == 0 and len(two) == MARKS_PER_RUN,
+                overlap_s=overlap_s)
+    assert code == 0, run.log()[-3000:]
+    assert len(two) == MARKS_PER_RUN and {s for s, _ in two} == set(SESSIONS) - {first}, two
+    assert overlap_s == 0.0, f"the attempts overlapped by {overlap_s:.2f} s"
+    assert max(t for _, t in one) - killed_at < LEASE_S - MARGIN_S, "attempt 1's agent outlived its runner"
+    hub = fleet.hub_record(run.job_id())
+    assert (hub["attempt_id"], hub["status"]) == (2, "completed"), hub
+    assert hub["attempt_history"][0]["close_reason"] == "runner_lost", hub["attempt_history"]
+
+
+@pytest.mark.timeout(300)
 def test_s10_a_cut_shorter_than_the_lease_less_its_margin_stops_nothing(
         fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     run, marks_file, first = start(fleet, tmp_path)
@@ -171,3 +198,15 @@ def test_s10_a_broker_restart_mid_job_stops_nothing_and_retries_nothing(
     fleet.kill_broker()
     fleet.start_broker()
     check_ran_once(fleet, run, marks_file, capsys, "lease-broker-restart")
+
+
+@pytest.mark.timeout(300)
+def test_s10_a_hub_cut_off_for_3L_closes_nothing_and_the_job_runs_once(
+        fleet: Fleet, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    run, marks_file, _ = start(fleet, tmp_path)
+    fleet.net.blackhole("orch")  # the hub's host: `dispatch` and its engine run there
+    try:
+        time.sleep(3 * LEASE_S)
+    finally:
+        fleet.net.unblackhole("orch")
+    check_ran_once(fleet, run, marks_file, capsys, "lease-hub-cut[3L]")

@@ -8,11 +8,15 @@ import io
 import json
 import queue
 import threading
+import time
 
 import pytest
+from harness.fake_mqtt import FakeBroker
+from harness.waiting import PATIENCE_S, QUIET_S, wait_until
 from harness.workspace import TEST_SECRET
 
 from mam.orchestrator.control import cancel_owed, close_remote
+from mam.orchestrator.mirror import BrokerLink
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.config import BrokerConfig
 from mam.shared.protocol import crypto, names, wire
@@ -136,3 +140,48 @@ def test_s10_cancel_owed_only_for_the_hubs_own_decisions(reg):
     ended = reg.transition(rec["job_id"], "error", source="runner", attempt_id=1,
                            dispatch_token=rec["dispatch_token"], exit_code=3)
     assert not cancel_owed(ended)  # its runner reported it
+
+
+# ------------------------------------------------------------ §10: the hub proves its own link first
+
+def test_s10_a_silence_is_judged_only_once_the_hubs_own_link_is_proven_past_it(reg):
+    """Past the idle deadline, a hub whose link is not proven alive after that deadline (a silent
+    partition its connection has not noticed) closes nothing; the same silence with the proof
+    closes the job `deadline_timeout`. The proof is asked for the idle deadline itself."""
+    rec = reg.register(session="gpu-box")
+    client = RecordingClient()
+    watcher = watch(reg, rec, client, ack_timeout_s=5, idle_timeout_s=1)
+    watcher.start_clocks(100.0, rec)
+    deliver(client, rec, 1, "started")
+    message = client.messages.get_nowait()
+    watcher.handle(message.topic, message.payload)
+    asked: list[float] = []
+    deadline = watcher.last_alive + watcher.idle_s
+    assert watcher.tick(deadline + 60, poll=False, proven=lambda moment: asked.append(moment) or False) is None
+    assert asked == [deadline] and reg.get(rec["job_id"])["status"] == "running"
+    assert watcher.tick(deadline + 60, poll=False, proven=lambda moment: True) == ExitCode.TIMEOUT
+    assert reg.get(rec["job_id"])["close_reason"] == "deadline_timeout"
+
+
+def test_s10_the_link_is_proven_by_an_acknowledged_probe_sent_after_the_moment():
+    """`BrokerLink.proven` asks for a probe (zero-length, QoS 1, not retained, on `hub/probe`); its
+    PUBACK proves the link from when it was sent. A broker that acknowledges nothing proves nothing."""
+    broker = FakeBroker()
+    client = broker.client(BrokerConfig(topic_root="unit/mam")).connect()
+    link = BrokerLink(client, names.hub_probe_topic("unit/mam"))
+    try:
+        moment = time.monotonic()
+        assert not link.proven(moment, link.proven_at)
+        wait_until(lambda: link.proven_at >= moment, PATIENCE_S, "an acknowledged probe")
+        probes = broker.on_topic("unit/mam/hub/probe")
+        assert probes and all(p.payload == b"" and not p.retain for p in probes)
+        assert link.proven(moment, link.proven_at)
+        broker.down = True
+        later = time.monotonic()
+        assert not link.proven(later, link.proven_at)
+        with pytest.raises(AssertionError):
+            wait_until(lambda: link.proven_at >= later, QUIET_S, "a proof from a broker that acks nothing")
+    finally:
+        link.close()
+    unprobed = BrokerLink(RecordingClient(), "unit/mam/hub/probe")  # a client that cannot publish: always proven
+    assert unprobed.proven(time.monotonic(), unprobed.proven_at)

@@ -122,3 +122,27 @@ def test_s10_no_suback_and_no_reconnect_is_broker_unavailable():
     client, _paho = connected_client(("nats-1",))
     with pytest.raises(mqtt.BrokerUnavailable, match="no SUBACK"):
         client.subscribe([("root/runners/+", 1)], timeout_s=0.2)
+
+
+class Publishing(StandIn):
+    """paho's `publish`, every message given the same mid (as paho does once its mids wrap)."""
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> Any:
+        return type("Info", (), {"rc": mqtt.MQTTErrorCode.MQTT_ERR_SUCCESS, "mid": 7})()
+
+
+def test_s10_a_puback_that_comes_after_its_wait_gave_up_acknowledges_no_later_publish():
+    """A beat (or a hub probe) that timed out, then its late PUBACK: the next publish that gets
+    the same mid must wait for its own PUBACK, not take the old one for it (§10 "Leases")."""
+    client = mqtt.MqttClient(BrokerConfig(hosts=("h1",)), "test")
+    client._client, client._host = Publishing("h1"), "h1"  # type: ignore[assignment]
+    client.connected.set()
+    with pytest.raises(mqtt.PublishTimeout):
+        client.publish_async("t", b"x", timeout_s=0.01)()
+    client._on_publish(None, None, 7)  # the late PUBACK of the abandoned message
+    with pytest.raises(mqtt.PublishTimeout):
+        client.publish_async("t", b"y", timeout_s=0.01)()
+    client._on_publish(None, None, 7)  # ...then this message's own, though its wait gave up too
+    wait = client.publish_async("t", b"z", timeout_s=PATIENCE_S)
+    threading.Timer(0.05, client._on_publish, args=(None, None, 7)).start()
+    wait()  # acknowledged by its own PUBACK
