@@ -153,7 +153,8 @@ def run_cmd(
                                 help="Agents' working directory (default: <workspace>/work/<job_id>/)."),
     max_jobs: int = typer.Option(None, "--max-jobs", metavar="N",
                                  help="Concurrent jobs, 1..64 (§11; default MAM_RUNNER_MAX_JOBS, else 1)."),
-    once: bool = typer.Option(False, "--once", help="Exit after one job."),
+    once: bool = typer.Option(False, "--once", help="Exit after one job (once the broker has its "
+                                                            "events; it waits up to 30 s for one that is down)."),
     labels: str = typer.Option(None, "--labels", metavar="A,B",
                                help="Labels this runner announces, e.g. gpu,cuda12 (§14; default "
                                     "MAM_RUNNER_LABELS, else the enrolled labels): lowercase letters, digits, "

@@ -21,6 +21,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable, Mapping
 from types import FrameType, TracebackType
 from typing import Any
@@ -61,6 +62,10 @@ MESSAGE_WAIT_S = 0.1  # longest wait for a message before the next `on_tick`
 SHUTDOWN_REASON = "runner_shutdown"
 REVOKED_REASON = "runner_revoked"
 TAKEN_CHECK_WAIT_S = 2.0
+FLUSH_S = 30.0
+"""How long a runner ending cleanly (`--once`, drained) waits for the broker to acknowledge the
+events still in its outbox (a terminal sent during an outage) before it exits, seconds (§17)."""
+FLUSH_LOOK_S = 0.5
 """Longest wait for each SUBACK/UNSUBACK of the state read before a take (§17); only a broker that
 does not answer makes a take wait this (the dispatch then stays retained)."""
 
@@ -352,11 +357,34 @@ class Runner:
             self._socket.stop()
         if self._resender is not None:
             self._resender.stop()
+            self._flush_outbox()
         if self.client is not None:
             if self.presence.announced and self.client.connected.is_set():
                 self._publish_presence(PresenceStatus.OFFLINE)
             self.client.close()
         log.info("runner %s stopped", self.runner_id)
+
+    def _flush_outbox(self) -> None:
+        """§17: before a clean exit, send what the broker has not acknowledged (a terminal
+        published during an outage), waiting up to FLUSH_S for the broker; a second signal or
+        `shutdown()` cuts the wait. What stays is said: the next start in this workspace sends it."""
+        box, client = Outbox(self.options.root), self.client
+        deadline = time.monotonic() + FLUSH_S
+        said = False
+        while pending := [slot for slot in box.scan() if not slot.kept]:
+            if self._stop.is_set() or client is None or time.monotonic() >= deadline:
+                log.warning("%d event(s) of job(s) %s not acknowledged by the broker stay in %s; the next "
+                            "`mam-runner run` in this workspace sends them", len(pending),
+                            ", ".join(sorted({slot.job_id for slot in pending})), box.folder)
+                return
+            if not said:
+                said = True
+                log.info("waiting up to %g s for the broker to acknowledge %d unsent event(s) before exiting "
+                         "(signal again to exit at once)", FLUSH_S, len(pending))
+            sent = client.connected.is_set() and not box.resend(client, self._record, with_kept=False,
+                                                               stop=self._stop).failed
+            if not sent:
+                self._stop.wait(FLUSH_LOOK_S)  # paho reconnects on its own thread
 
     # ------------------------------------------------------------ signals
 

@@ -7,6 +7,8 @@ a broker outage of any length loses nothing a runner wrote.
   `<root>/.mam/outbox/`.
 - Without an outage: a `publish` that failed on its own (the daemon stayed
   connected) is sent by the daemon's next sweep.
+- A `--once` runner whose job ended during an outage waits for the broker before it exits,
+  and sends the terminal: nothing is left for a next start.
 - Fault 10: mosquitto SIGKILLed before it saved its retained messages gets the
   retained state of a recently finished job back: the daemon re-publishes the
   acknowledged terminal entries it keeps after every reconnect (same seq).
@@ -37,9 +39,9 @@ OUTAGE_HEARTBEAT = ("--heartbeat", "10", "--heartbeat-misses", "12")
 AUTOSAVE_S = 3600  # mosquitto saves retained messages this seldom: a SIGKILL loses the job's state
 
 
-def start_runner(broker, workspace: Path, **env: str) -> subprocess.Popen:
+def start_runner(broker, workspace: Path, *extra: str, **env: str) -> subprocess.Popen:
     """`mam-runner run` for SESSION with the shell agent (harness.runnersim.start_runner)."""
-    return runnersim.start_runner(broker, workspace, SESSION, **env)
+    return runnersim.start_runner(broker, workspace, SESSION, *extra, **env)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -92,6 +94,36 @@ def test_s17_fault1_an_agents_terminal_event_published_during_an_outage_reaches_
     assert "re-sent" in runner_log(runner_ws)
     left = [n for n in outbox_files(runner_ws) if not n.endswith(names.OUTBOX_KEPT_SUFFIX)]
     assert left == [], left  # everything acknowledged; only the kept terminal entry stays
+
+
+def test_s17_a_once_runner_whose_job_ended_in_an_outage_sends_the_terminal_before_it_exits(broker, tmp_path):
+    """On both brokers: the broker is killed, then the job ends; the `--once` runner, its job
+    done, says it waits for the broker, and once the broker is back sends the terminal, exits 0
+    and leaves nothing pending; the hub ends the job `completed`."""
+    hub = hub_workspace(broker, tmp_path)
+    runner_ws = tmp_path / "runner"
+    gate = tmp_path / "gate"
+    runner = start_runner(broker, runner_ws, "--once", GATE=str(gate))
+    dispatch = WatchProcess([*MAM_ORCH, "dispatch", "--session", SESSION, "--brief",
+                             'while [ ! -e "$GATE" ]; do sleep 0.05; done', *OUTAGE_HEARTBEAT,
+                             "--ack-timeout", ACK_TIMEOUT, "--workspace", str(hub)], hub_env())
+    try:
+        job_id = wait_until(lambda: (dispatch.events("started") or [None])[0], what="started at the hub")["job_id"]
+        broker.kill()
+        gate.touch()
+        wait_until(lambda: "unsent event(s) before exiting" in runner_log(runner_ws) or runner.poll() is not None,
+                   what="the runner to wait for the broker")
+        assert runner.poll() is None, runner_log(runner_ws)
+        assert Registry(runner_ws).get(job_id)["status"] == "completed"
+        broker.restart()
+        assert runner.wait(PATIENCE_S) == 0, runner_log(runner_ws)
+        assert dispatch.wait(PATIENCE_S) == 0, dispatch.log() + runner_log(runner_ws)
+    finally:
+        dispatch.kill()
+        stop(runner)
+    assert Registry(hub).get(job_id)["status"] == "completed"
+    assert [n for n in outbox_files(runner_ws) if not n.endswith(names.OUTBOX_KEPT_SUFFIX)] == []
+    assert "stay in" not in runner_log(runner_ws)
 
 
 def test_s17_a_publish_that_failed_while_the_daemon_stayed_connected_is_sent_by_a_sweep(nats_broker, tmp_path):

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 from harness.fake_mqtt import FakeBroker, FakeMessage
-from harness.waiting import wait_until
+from harness.waiting import PATIENCE_S, wait_until
 
+from mam.runner import publish, service
+from mam.runner.outbox import Outbox
 from mam.runner.presence import Presence, SessionBusy
 from mam.runner.service import Runner
 from mam.runner.settings import RunnerOptions
@@ -21,6 +23,7 @@ from mam.runner.trust import V1Trust
 from mam.shared.config import BrokerConfig
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.errors import BrokerUnavailable, MamError, RegistryError
+from mam.shared.store.registry import Contract, Registry
 
 KEYS = crypto.derive_keys("unit-test-dispatch-secret-0123456789abcdef")
 SESSION = "gpu-box"
@@ -302,3 +305,51 @@ def test_s17_a_state_that_cannot_be_read_leaves_the_dispatch_retained_and_nothin
     assert runner.running == [] and result == []
     assert state_topic not in runner.client.filters  # type: ignore[union-attr]
     assert names.dispatch_topic(job_id, CONFIG.topic_root) in broker.retained
+
+
+# ------------------------------------------------------------ §17: a clean end sends the outbox first
+
+def pending_entry(root: Path) -> str:
+    """A job of this runner's registry whose `started` is in the outbox, not acknowledged."""
+    registry = Registry(root)
+    job_id = "918b0612"
+    registry.mirror(job_id=job_id, session=SESSION, attempt_id=1, dispatch_token="0" * 32,
+                    auth_token="auth-token-for-the-unit-tests-0123456789", contract=Contract(), origin="hub",
+                    source="runner")
+    publish.record(registry, publish.PublishRequest(job_id, "started", attempt_id=1, dispatch_token="0" * 32),
+                   source="runner")
+    return job_id
+
+
+def pending(root: Path) -> list[str]:
+    return [slot.job_id for slot in Outbox(root).scan() if not slot.kept]
+
+
+@pytest.mark.parametrize("broker_back", [True, False])
+def test_s17_a_drained_runner_sends_its_outbox_before_it_exits_or_says_what_stays(
+        broker, tmp_path, caplog, monkeypatch, broker_back):
+    """Drained while the broker acknowledges nothing and an event waits in the outbox: the runner
+    says it waits; a broker back within FLUSH_S gets the event and nothing stays; one that is not
+    back leaves it, and the runner says which job's events stay for the next start."""
+    caplog.set_level(logging.INFO, "mam.daemon")
+    monkeypatch.setattr(service, "FLUSH_S", PATIENCE_S if broker_back else 0.3)
+    root = tmp_path / "ws"
+    runner = new_runner(broker, root)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(runner.serve()), daemon=True)
+    thread.start()
+    wait_until(lambda: "online" in statuses(broker, runner.runner_id), 5.0, "presence online")
+    broker.down = True
+    job_id = pending_entry(root)
+    runner.drain()
+    if broker_back:
+        wait_until(lambda: "unsent event(s) before exiting" in caplog.text, PATIENCE_S, "the runner waiting")
+        broker.down = False
+    thread.join(PATIENCE_S)
+    assert result == [0]
+    if broker_back:
+        assert pending(root) == [] and broker.on_topic(names.events_topic(job_id, CONFIG.topic_root))
+        assert "stay in" not in caplog.text
+    else:
+        assert pending(root) == [job_id]
+        assert f"1 event(s) of job(s) {job_id} not acknowledged by the broker stay in" in caplog.text
