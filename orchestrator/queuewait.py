@@ -193,7 +193,8 @@ def requeue(registry: Registry, job_id: str, *, session: str | None = None, reas
             fresh: bool = False) -> JobRecord:
     """An operator's redispatch (§8) through the queue (§14): from `error` or `cancelled`,
     or from an open status after a cancel, never from `completed`: attempt + 1 `queued`
-    with fresh tokens, for `session` when given (the target becomes that runner). It
+    (`blocked` for a job that runs after others, §14 Dependencies: the engine looks at
+    them again) with fresh tokens, for `session` when given (the target becomes that runner). It
     continues the last agent session (§18 `work.resume`) unless `fresh`.
 
     Raises:
@@ -204,7 +205,9 @@ def requeue(registry: Registry, job_id: str, *, session: str | None = None, reas
     with registry.transaction(job_id) as txn:
         record = txn.record
         refuse_redispatch(record)
-        new = next_attempt(record, Status.QUEUED)
+        # §14 Dependencies: a job that runs after others waits for them again (they may be redispatched too)
+        new = next_attempt(record, Status.BLOCKED if record.get("after") else Status.QUEUED)
+        new.pop("unblocked_at", None)
         new.pop("avoid_session", None)
         new.pop("prefer_session", None)
         if fresh and new.get("work", {}).pop("resume", None) is not None and not new["work"]:

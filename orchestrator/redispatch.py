@@ -34,7 +34,8 @@ def redispatch_cli(job_id: str, *, session: str | None = None, brief: str | None
     `--brief`/`--brief-file` gives a new one. Then: connect (unreachable:
     exit 3, record unchanged), publish a signed cancel for the old attempt
     (its runner may have missed the hub's close), attempt + 1 with a new dispatch_token and
-    auth_token, status `queued` (§14; `--session` makes that runner the target), and
+    auth_token, status `queued` (§14; `--session` makes that runner the target; `blocked`
+    for a job that runs after others, until they end again), and
     `submit.follow_job` as a dispatch does (the hub engine publishes it). The new attempt
     continues the agent's last session (§18) unless `fresh`.
 

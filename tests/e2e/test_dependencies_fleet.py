@@ -59,6 +59,11 @@ def test_s14_a_job_after_another_waits_blocked_then_runs_or_fails_naming_it(nats
         assert follow.returncode == 1, follow.stderr  # §9: it ended error
         assert f"dependency_failed (job {failing} ended error (exit 3); --if completed needs it completed)" \
             in follow.stderr, follow.stderr
+        (refused,) = [r["job_id"] for r in registry.list("error")[0] if r.get("after") == [failing]]
+        again = orch(hub, "redispatch", refused)  # waits for its dependency again: still failed
+        assert again.returncode == 1 and f"dependency_failed (job {failing} ended error" in again.stderr, again.stderr
+        assert [e["to"] for e in registry.audit(refused) if e["event"] == "status_changed"][-2:] == [
+            "blocked", "error"]
         lenient = detach(hub, "--after", failing, "--if", "ended", "--brief", "echo anyway")["job_id"]
         wait_until(lambda: registry.get(lenient)["status"] == "completed", PATIENCE_S, "the --if ended job")
     finally:

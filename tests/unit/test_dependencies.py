@@ -17,7 +17,7 @@ from mam.orchestrator.control import cancel_queued
 from mam.orchestrator.dependencies import GONE, Decision, check_after, decide, find_cycle, outcome
 from mam.orchestrator.dispatch import parse_after, queue_terms
 from mam.orchestrator.hub import open_hub
-from mam.orchestrator.queuewait import close_queue_timeout, mark_published
+from mam.orchestrator.queuewait import close_queue_timeout, mark_published, requeue
 from mam.orchestrator.service import HubService
 from mam.shared.config import write_env_file
 from mam.shared.protocol import names
@@ -223,3 +223,33 @@ def test_s14_the_brief_is_on_disk_before_the_record_exists_and_a_failed_write_re
     assert len(reg.list()[0]) == 1  # nothing registered
     record = register_queued(reg, brief="echo hi", contract=Contract(), terms=QueueTerms(target_session="gpu-box"))
     assert brief_path(reg, record["job_id"]).read_text() == "echo hi"
+
+
+def test_s14_a_redispatched_job_that_failed_on_its_dependency_waits_for_it_again(tmp_path):
+    """The dependent failed `dependency_failed`; the operator redispatches its dependency, then
+    it: attempt 2 is `blocked` (not queued at once), waits while the dependency runs again, and
+    is queued once it completed. Redispatched alone, with its dependency still failed, it fails
+    again at once, naming it."""
+    reg = Registry(tmp_path)
+    first = reg.register(session=None, queue=QueueTerms(target_session="gpu-box"))["job_id"]
+    second = reg.register(session=None, queue=QueueTerms(target_session="gpu-box", after=(first,)))["job_id"]
+    service = _service(tmp_path)
+    _look(service)
+    close_queue_timeout(reg, first)
+    _look(service)
+    assert reg.get(second)["close_reason"] == "dependency_failed"
+    again = requeue(reg, second)
+    assert (again["status"], again["attempt_id"]) == ("blocked", 2) and "queued_at" not in again
+    _look(service)
+    assert (reg.get(second)["status"], reg.get(second)["close_reason"]) == ("error", "dependency_failed")
+    requeue(reg, first)
+    assert requeue(reg, second)["status"] == "blocked"
+    _look(service)
+    assert reg.get(second)["status"] == "blocked" and second in service.blocked
+    record = mark_published(reg, first, "gpu-box")
+    for status in ("running", "completed"):
+        reg.transition(first, status, source="publisher", attempt_id=record["attempt_id"],
+                       dispatch_token=record["dispatch_token"], exit_code=0 if status == "completed" else None)
+    _look(service)
+    released = reg.get(second)
+    assert (released["status"], released["attempt_id"]) == ("queued", 3) and second in service.queued
