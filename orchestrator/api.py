@@ -337,7 +337,7 @@ class Hub:
     def schedules(self) -> list[dict[str, Any]]:
         """Every schedule as `mam-orch schedule list --json` prints it: name, cron, tz, target,
         next_fire, last_job, last_fired_at, paused, ... (§14 Schedules; never the brief)."""
-        return [schedules.describe(schedule) for schedule in schedules.Store(self.registry.root).all()]
+        return schedules.describe_all(self.registry.root)
 
     def close(self) -> None:
         """Stop the embedded service, if any (its jobs go on; the next service picks them up)."""

@@ -696,8 +696,7 @@ def schedule_list_cmd(
     workspace: str = cli.workspace_option(),
 ) -> int:
     """List the schedules with their next and last fire times."""
-    store = schedules.Store(open_hub(workspace).root)
-    rows = [schedules.describe(schedule) for schedule in store.all()]
+    rows = schedules.describe_all(open_hub(workspace).root)
     if as_json or not sys.stdout.isatty():
         for row in rows:
             print(json.dumps(row, sort_keys=True))

@@ -414,6 +414,12 @@ def describe(schedule: Schedule, now: datetime | None = None) -> dict[str, Any]:
             "trigger_token": schedule.trigger_sha256 is not None}
 
 
+def describe_all(root: Path) -> list[dict[str, Any]]:
+    """Every schedule of the hub at `root`, `describe`d: what `schedule list`, `GET
+    /api/schedules`, `/metrics` and `mam.Hub.schedules()` show."""
+    return [describe(schedule) for schedule in Store(root).all()]
+
+
 
 
 

@@ -196,6 +196,20 @@ def sweep(parent: Path) -> int:
     return removed
 
 
+def runner_group(parent: Path, session: str) -> Path:
+    """Sweep `parent` (`sweep`), then make, or find, this runner's group in it:
+    `<parent>/mam-<session>-<pid>`. Raises OSError (`denied` tells a permission refusal)."""
+    sweep(parent)
+    path = parent / f"{PREFIX}{session}-{os.getpid()}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def denied(exc: OSError) -> bool:
+    """True when `exc` is the host refusing us the folder (no write access, read-only)."""
+    return exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -222,13 +236,10 @@ def detect(session: str, *, proc: Path = Path("/proc/self")) -> tuple[RunnerCgro
     if mount is None or own is None:
         return None, "cgroups off: no cgroup v2 hierarchy is mounted"
     parent = mount / own.lstrip("/")
-    sweep(parent)
-    path = parent / f"{PREFIX}{session}-{os.getpid()}"
     try:
-        path.mkdir(exist_ok=True)
+        path = runner_group(parent, session)
     except OSError as exc:
-        denied = exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
-        why = "no write access (delegate a subtree: Delegate=yes)" if denied else (exc.strerror or str(exc))
+        why = "no write access (delegate a subtree: Delegate=yes)" if denied(exc) else (exc.strerror or str(exc))
         return None, f"cgroups off: {parent} cannot hold the runner's groups: {why}"
     if not (path / "cgroup.kill").exists():
         RunnerCgroups(path).close()
@@ -236,4 +247,4 @@ def detect(session: str, *, proc: Path = Path("/proc/self")) -> tuple[RunnerCgro
     return RunnerCgroups(path), f"cgroups on: each job's agent runs in a group of its own under {path}"
 
 
-__all__ = ["JobCgroup", "RunnerCgroups", "cgroup2_mount", "detect", "own_cgroup", "sweep"]
+__all__ = ["JobCgroup", "RunnerCgroups", "cgroup2_mount", "denied", "detect", "own_cgroup", "runner_group", "sweep"]

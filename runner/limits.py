@@ -23,14 +23,12 @@ Every attempt gets its groups, limits or not, so its terminal event can report i
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mam.runner.cgroups import PREFIX, sweep
+from mam.runner.cgroups import denied, runner_group
 
 log = logging.getLogger("mam.cgroups")
 
@@ -202,15 +200,10 @@ def detect(session: str, *, v2: Path | None, proc: Path = Path("/proc/self")) ->
         if controller in enabled or controller not in mounts or controller not in own:
             continue
         parent = mounts[controller] / own[controller].lstrip("/")
-        sweep(parent)
-        path = parent / f"{PREFIX}{session}-{os.getpid()}"
         try:
-            path.mkdir(exist_ok=True)
+            v1[controller] = runner_group(parent, session)
         except OSError as exc:
-            denied = exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
-            why.append(f"{controller}: {'no write access to ' + str(parent) if denied else exc.strerror or exc}")
-            continue
-        v1[controller] = path
+            why.append(f"{controller}: {'no write access to ' + str(parent) if denied(exc) else exc.strerror or exc}")
     found = RunnerLimits(v2=v2, v2_controllers=enabled, v1=v1)
     said = [f"{c} (cgroup {'v2' if c in enabled else 'v1'})" for c in found.controllers()]
     off = [c for c in LIMIT_CONTROLLERS if c not in found.controllers()]

@@ -117,7 +117,7 @@ class HubCollector(Collector):
 
     def _schedules(self) -> Iterator[Metric]:
         """§14 Schedules: each one's next and last fire time, and whether it is paused."""
-        rows = [schedules.describe(schedule) for schedule in schedules.Store(self.service.registry.root).all()]
+        rows = schedules.describe_all(self.service.registry.root)
         upcoming = GaugeMetricFamily("mam_schedule_next_fire_timestamp_seconds", "When each schedule fires next, "
                                      "Unix seconds (0: paused)", labels=["schedule"])
         fired = GaugeMetricFamily("mam_schedule_last_fire_timestamp_seconds", "When each schedule last fired a job, "

@@ -108,7 +108,7 @@ def queue_rows(service: HubService, now: float | None = None) -> list[Row]:
 
 def schedule_rows(service: HubService) -> list[Row]:
     """`GET /api/schedules`: every schedule as `schedule list --json` prints it (no brief, §14)."""
-    return [schedules.describe(schedule) for schedule in schedules.Store(service.registry.root).all()]
+    return schedules.describe_all(service.registry.root)
 
 
 def schedules_version(service: HubService) -> tuple[tuple[str, int], ...]:
