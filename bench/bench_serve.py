@@ -1,5 +1,6 @@
 """One `mam-orch serve` tracking N concurrent jobs whose runners beat every 1 s
-(run with `make bench`).
+(run with `make bench`; `MAM_BENCH_SERVE_JOBS=10000 MAM_BENCH_SERVE_BEAT_S=30` for the
+scale of 10,000 open jobs beating at the default contract's period).
 
 The hub side is the real service process. The runners are `SIM_PROCESSES`
 simulator processes (`serve_sim.py`), each publishing, for its share of the
@@ -36,12 +37,13 @@ from mam.shared.store.registry import Registry
 
 JOBS = int(os.environ.get("MAM_BENCH_SERVE_JOBS", "1000"))
 SIM_PROCESSES = 4
-BEAT_S = 1.0
-BEAT_WINDOW_S = 20.0  # seconds every job beats; CPU is averaged over it and the ending spread
+BEAT_S = float(os.environ.get("MAM_BENCH_SERVE_BEAT_S", "1"))  # 30 with 10,000 jobs: the default contract's beat
+BEAT_WINDOW_S = max(20.0, 3 * BEAT_S)  # seconds every job beats; CPU is averaged over it and the ending spread
 END_SPREAD_S = float(os.environ.get("MAM_BENCH_SERVE_SPREAD_S", "10"))  # the jobs end one after another over this long
 HEARTBEAT_MISSES = 4  # the idle window K × N = 4 s: a service lagging that long closes jobs falsely
 ACK_TIMEOUT_S = 600
-FLOOR_RSS_MB, FLOOR_CPU_CORES, FLOOR_FALSE_TIMEOUTS, FLOOR_MIRROR_S = 200.0, 1.0, 0, 1.0
+FLOOR_RSS_MB = 200.0 if JOBS <= 1000 else 300.0  # 300 MB for 10,000 open jobs
+FLOOR_CPU_CORES, FLOOR_FALSE_TIMEOUTS, FLOOR_MIRROR_S = 1.0, 0, 1.0
 BYTES_PER_MB = 1024 * 1024
 SIM_DONE_S = 300.0  # a simulator that has not finished by then failed
 SIM_SCRIPT = Path(__file__).resolve().parent / "serve_sim.py"
