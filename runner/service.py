@@ -62,12 +62,13 @@ MESSAGE_WAIT_S = 0.1  # longest wait for a message before the next `on_tick`
 SHUTDOWN_REASON = "runner_shutdown"
 REVOKED_REASON = "runner_revoked"
 TAKEN_CHECK_WAIT_S = 2.0
+"""Longest wait for each SUBACK/UNSUBACK of the state read before a take (§17); only a broker that
+does not answer makes a take wait this (the dispatch then stays retained)."""
 FLUSH_S = 30.0
 """How long a runner ending cleanly (`--once`, drained) waits for the broker to acknowledge the
 events still in its outbox (a terminal sent during an outage) before it exits, seconds (§17)."""
 FLUSH_LOOK_S = 0.5
-"""Longest wait for each SUBACK/UNSUBACK of the state read before a take (§17); only a broker that
-does not answer makes a take wait this (the dispatch then stays retained)."""
+"""How often that wait looks again (paho reconnects on its own thread), seconds."""
 
 SignalHandler = Callable[[int, FrameType | None], Any] | int | None
 
@@ -381,10 +382,9 @@ class Runner:
                 said = True
                 log.info("waiting up to %g s for the broker to acknowledge %d unsent event(s) before exiting "
                          "(signal again to exit at once)", FLUSH_S, len(pending))
-            sent = client.connected.is_set() and not box.resend(client, self._record, with_kept=False,
-                                                               stop=self._stop).failed
-            if not sent:
-                self._stop.wait(FLUSH_LOOK_S)  # paho reconnects on its own thread
+            if client.connected.is_set():
+                box.resend(client, self._record, with_kept=False, stop=self._stop)
+            self._stop.wait(FLUSH_LOOK_S)  # a pass that left entries (broker down) waits before the next
 
     # ------------------------------------------------------------ signals
 
