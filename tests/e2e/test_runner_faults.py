@@ -339,6 +339,7 @@ def test_fault9_a_full_disk_still_ends_the_job_on_the_wire_then_on_disk(broker, 
 
 # ------------------------------------------------------------------ §12: a beat never waits on a disk
 
+@pytest.mark.parametrize("broker", ["nats"], indirect=True)  # the runner's disk is under test, not the broker
 def test_s12_a_disk_slow_to_flush_fences_nothing_while_beats_go_on(broker, hub, tmp_path, runners, tag):
     """The job runs under a 6 s lease. Then every fsync of the runner's processes takes 2 s for
     longer than the lease while another process writes and fsyncs 1 MiB at a time beside them,
