@@ -21,6 +21,7 @@ Helpers: the `harness` package (tests/harness/): `from harness.waiting import wa
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -62,3 +63,16 @@ def mosquitto_broker(tmp_path_factory):
 def broker(request):
     """Each real broker in turn (ids "nats" and "mosquitto")."""
     return request.getfixturevalue(f"{request.param}_broker")
+
+
+@pytest.fixture
+def counted_fsyncs(monkeypatch):
+    """Every fsync of this process from now on, by file descriptor (the fsync still happens)."""
+    calls: list[int] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    return calls

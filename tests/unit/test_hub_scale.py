@@ -11,7 +11,6 @@ import os
 import time
 from typing import Any
 
-import pytest
 from harness.hubclient import TS, RecordingClient
 from harness.workspace import TEST_SECRET
 
@@ -45,18 +44,6 @@ def signed(record: Any, kind: str, seq: int, event: str, status: str = "running"
 def topic(record: Any, kind: str) -> str:
     job_id, root = record["job_id"], BrokerConfig().topic_root
     return names.events_topic(job_id, root) if kind == "event" else names.state_topic(job_id, root)
-
-
-@pytest.fixture
-def counted_fsyncs(monkeypatch):
-    calls: list[int] = []
-    real = os.fsync
-
-    def fsync(fd: int) -> None:
-        calls.append(fd)
-        real(fd)
-    monkeypatch.setattr(os, "fsync", fsync)
-    return calls
 
 
 def test_s14_service_progress_is_appended_without_fsync_and_status_changes_stay_durable(tmp_path, counted_fsyncs):

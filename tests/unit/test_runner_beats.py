@@ -272,21 +272,13 @@ def test_s12_beats_go_out_and_renew_the_lease_while_the_disk_flushes_nothing(tmp
     assert not progress.is_alive()
 
 
-def test_s12_every_other_publish_is_still_flushed_before_the_wire(tmp_path, monkeypatch):
+def test_s12_every_other_publish_is_still_flushed_before_the_wire(tmp_path, counted_fsyncs):
     """Only a beat skips the flush: a `progress` an agent publishes, and a terminal, fsync their
     audit line, record and outbox entry before `publish.record` returns (§8, §17)."""
     registry = mirrored(tmp_path)
     started(registry)
-    flushed: list[int] = []
-    real_fsync = os.fsync
-
-    def fsync(fd: int) -> None:
-        flushed.append(fd)
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
     for event in ("progress", "completed"):
-        flushed.clear()
+        counted_fsyncs.clear()
         publish.record(registry, publish.PublishRequest(JOBS[0], event, attempt_id=1, dispatch_token=TOKEN),
                        source="runner", stop_heartbeat=False)
-        assert len(flushed) >= 3, event  # audit line, record, outbox entry (and their folders)
+        assert len(counted_fsyncs) >= 3, event  # audit line, record, outbox entry (and their folders)
