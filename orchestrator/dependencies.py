@@ -214,9 +214,8 @@ def look(registry: Registry, record: JobRecord) -> Decision:
     outcomes: dict[str, str | None] = {}
     statuses: dict[str, str] = {}
     for dep in after:
-        try:
-            named = registry.get(dep)
-        except JobNotFound:
+        named = registry.find(dep)
+        if named is None:
             outcomes[dep] = GONE
             continue
         outcomes[dep], statuses[dep] = outcome(named), str(named["status"])

@@ -52,7 +52,7 @@ from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.codes import TERMINAL_STATUSES, ControlAction, PresenceStatus
 from mam.shared.protocol.errors import BrokerError, DecodeError, ExitCode, MamError, SignatureError
 from mam.shared.store.records import JobRecord
-from mam.shared.store.registry import JobNotFound, Refusal, Registry
+from mam.shared.store.registry import Refusal, Registry
 from mam.shared.transport import Received, Transport, TransportFactory, mqtt
 
 log = logging.getLogger("mam.daemon")
@@ -480,10 +480,7 @@ class Runner:
     def _record(self, job_id: str) -> JobRecord | None:
         """This host's record of `job_id`, or None."""
         assert self._registry is not None
-        try:
-            return self._registry.get(job_id)
-        except JobNotFound:
-            return None
+        return self._registry.find(job_id)
 
     def _take(self, take: Take) -> None:
         """§11 step 1 here (the slot is taken synchronously); steps 2-5 on the supervisor thread."""

@@ -103,6 +103,24 @@ class Registry(RegistryFiles):
             RegistryError: the record is unreadable, corrupt or truncated; it
                 was moved aside as `<name>.corrupt-<UTC timestamp>`.
         """
+        record = self.find(job_id)
+        if record is not None:
+            return record
+        path = self.record_path(job_id)
+        aside = sorted(path.parent.glob(f"{path.name}.corrupt-*"))
+        hint = f" (a corrupt record was kept aside as {aside[-1].name})" if aside else ""
+        raise JobNotFound(f"job {job_id}: no record at {path}{hint}; is the workspace right? "
+                          f"(give --workspace DIR)")
+
+    def find(self, job_id: str) -> JobRecord | None:
+        """The record of `job_id`, or None when it has none: `get` for a caller to whom a
+        missing record is an answer (a dispatch never seen), without `get`'s search for a
+        record kept aside, which lists the whole folder.
+
+        Raises:
+            UsageError: `job_id` is not a job id (§1).
+            RegistryError: as `get`.
+        """
         path = self.record_path(job_id)
         first = self._read(path, job_id)
         if not isinstance(first, str):
@@ -114,16 +132,14 @@ class Registry(RegistryFiles):
             aside = self._quarantine(path)
         raise RegistryError(f"job {job_id}: record {path} is corrupt ({again}); kept aside as {aside.name}")
 
-    def _read(self, path: Path, job_id: str) -> JobRecord | str:
+    def _read(self, path: Path, job_id: str) -> JobRecord | str | None:
+        """The record at `path`, None when there is no file, or why it is corrupt (a str)."""
         try:
             raw = read_capped(path, RECORD_MAX_BYTES)
         except OverflowError as exc:
             return str(exc)
         except FileNotFoundError:
-            aside = sorted(path.parent.glob(f"{path.name}.corrupt-*"))
-            hint = f" (a corrupt record was kept aside as {aside[-1].name})" if aside else ""
-            raise JobNotFound(f"job {job_id}: no record at {path}{hint}; is the workspace right? "
-                              f"(give --workspace DIR)") from None
+            return None
         except OSError as exc:
             raise RegistryError(f"job {job_id}: cannot read {path} "
                                 f"({errno_name(exc)}: {exc.strerror or exc})") from exc
@@ -165,12 +181,12 @@ class Registry(RegistryFiles):
             if not RECORD_NAME_RE.match(entry):
                 continue
             try:
-                record = self.get(entry[:-5])
-            except JobNotFound:
-                continue  # removed between listdir and read
+                record = self.find(entry[:-5])
             except RegistryError as exc:
                 errors.append(exc)
                 continue
+            if record is None:
+                continue  # removed between listdir and read
             if status is None or record["status"] == status:
                 records.append(record)
         records.sort(key=lambda r: (str(r.get("created_at", "")), r["job_id"]))
@@ -352,10 +368,7 @@ class Registry(RegistryFiles):
             raise UsageError("auth token is invalid: expected a string of 16 to 256 characters")
         require_source(source, WORKER_SOURCES, "mirror")
         with self.lock():
-            try:
-                old: JobRecord | None = self.get(job_id)
-            except JobNotFound:
-                old = None
+            old = self.find(job_id)
             record = new_record(job_id=job_id, session=session, role="runner", attempt_id=attempt_id,
                                 dispatch_token=dispatch_token, auth_token=auth_token,
                                 contract=contract, broker=None, origin=origin)

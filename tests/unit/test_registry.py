@@ -513,6 +513,33 @@ def test_s8_corrupt_record_raises_registry_error_and_is_kept_aside(reg, content,
         reg.get("918b0612")
 
 
+def test_s8_find_answers_none_for_a_missing_record_without_listing_the_folder(reg, monkeypatch):
+    """A runner asks for every new dispatch's record: the answer "none" must not cost a
+    listing of a folder that holds every job the host ever ran."""
+    held = reg.register(session="gpu-box")
+    assert reg.find(held["job_id"]) == reg.get(held["job_id"])
+
+    def listed(*_args, **_kwargs):
+        raise AssertionError("the jobs folder was listed")
+
+    monkeypatch.setattr(type(reg.record_path(held["job_id"])), "glob", listed)
+    monkeypatch.setattr(os, "scandir", listed)
+    monkeypatch.setattr(os, "listdir", listed)
+    assert reg.find("918b0612") is None
+    with pytest.raises(UsageError):
+        reg.find("../etc")
+
+
+def test_s8_find_still_quarantines_a_corrupt_record(reg):
+    reg.register(session="gpu-box", job_id="918b0612")
+    path = reg.record_path("918b0612")
+    path.write_text("{")
+    with pytest.raises(RegistryError, match="corrupt"):
+        reg.find("918b0612")
+    assert not path.exists() and list(path.parent.glob("918b0612.json.corrupt-*"))
+    assert reg.find("918b0612") is None
+
+
 def test_s8_transition_on_corrupt_record_raises_registry_error(reg):
     reg.register(session="gpu-box", job_id="918b0612")
     reg.record_path("918b0612").write_text("{")
