@@ -145,8 +145,12 @@ class MqttClient:
         self._cond = threading.Condition(self._state_lock)
         self._filters: dict[str, int] = {}
         self._resubscribing: dict[int, list[tuple[str, int]]] = {}  # mid -> filters re-sent after a reconnect
-        self._acked: set[int] = set()
-        self._abandoned: set[int] = set()  # mids whose waiter timed out: their late PUBACK acks nothing
+        # mid -> the number of the last PUBACK of that mid (PUBACKs counted in `_puback_count`): a
+        # publish takes only a PUBACK counted after it was queued, so the PUBACK of an earlier
+        # message that had the same mid (paho reuses them), whether its waiter gave up or was
+        # never called, acknowledges nothing else. At most one entry per mid (65,535).
+        self._acked: dict[int, int] = {}
+        self._puback_count = 0
         self._subacked: dict[int, list[int]] = {}
         self._unsubacked: set[int] = set()
         self._connack: str | None = None  # None = waiting, "" = accepted, else the refusal reason
@@ -251,10 +255,8 @@ class MqttClient:
     def _on_publish(self, client: paho.Client, userdata: Any, mid: int, reason: Any = None,
                     properties: Any = None) -> None:
         with self._cond:
-            if mid in self._abandoned:  # paho reuses the mid only after this PUBACK: drop it, not keep it
-                self._abandoned.discard(mid)
-                return
-            self._acked.add(mid)
+            self._puback_count += 1
+            self._acked[mid] = self._puback_count
             self._cond.notify_all()
 
     def _on_subscribe(self, client: paho.Client, userdata: Any, mid: int, reasons: Any,
@@ -527,6 +529,8 @@ class MqttClient:
                  fail_on_disconnect: bool) -> Callable[[], None]:
         client = self._paho()
         start_disconnects = self._disconnects
+        with self._cond:
+            queued_after = self._puback_count  # this message's PUBACK is counted after it
         info = client.publish(topic, bytes(payload), qos=qos, retain=retain)
         if info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
             raise BrokerError(f"cannot publish to {topic}: {paho.error_string(info.rc)}")
@@ -537,18 +541,16 @@ class MqttClient:
 
         def wait_acked() -> None:
             with self._cond:
-                while info.mid not in self._acked:
+                while self._acked.get(info.mid, 0) <= queued_after:
                     if fail_on_disconnect and self._disconnects != start_disconnects:
-                        self._abandoned.add(info.mid)
                         raise BrokerUnavailable(f"connection to {self.endpoint} "
                                                 f"lost while publishing to {topic}")
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        self._abandoned.add(info.mid)
                         raise PublishTimeout(f"no PUBACK for {topic} from "
                                              f"{self.endpoint} within {timeout_s:g} s")
                     self._cond.wait(remaining)
-                self._acked.discard(info.mid)
+                del self._acked[info.mid]
         return wait_acked
 
 

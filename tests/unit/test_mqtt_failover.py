@@ -146,3 +146,20 @@ def test_s10_a_puback_that_comes_after_its_wait_gave_up_acknowledges_no_later_pu
     wait = client.publish_async("t", b"z", timeout_s=PATIENCE_S)
     threading.Timer(0.05, client._on_publish, args=(None, None, 7)).start()
     wait()  # acknowledged by its own PUBACK
+
+
+def test_s10_a_puback_whose_waiter_was_never_called_acknowledges_no_later_publish():
+    """A caller may drop a publish_async waiter (a beat sent while the link is down, a batch
+    whose first waiter raised): its PUBACK still comes. The next message paho gives the same
+    mid must wait for its own PUBACK, not return on the old one; a PUBACK that comes before
+    its own waiter is called still counts."""
+    client = mqtt.MqttClient(BrokerConfig(hosts=("h1",)), "test")
+    client._client, client._host = Publishing("h1"), "h1"  # type: ignore[assignment]
+    client.connected.set()
+    client.publish_async("t", b"dropped")  # never waited for
+    client._on_publish(None, None, 7)  # ...its PUBACK
+    with pytest.raises(mqtt.PublishTimeout):
+        client.publish_async("t", b"next", timeout_s=0.01)()
+    early = client.publish_async("t", b"early", timeout_s=PATIENCE_S)
+    client._on_publish(None, None, 7)  # its PUBACK, before anyone waits
+    early()
