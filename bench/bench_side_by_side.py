@@ -13,7 +13,8 @@ client each: `mam.Hub.dispatch` with `job.wait()` (a real `mam-orch serve`, nats
   submit -> done (`job.wait()` / `.get()` returns). One clock, CLOCK_MONOTONIC.
 - Throughput: rep by rep, alternating sides, THROUGHPUT_JOBS submitted at once: jobs/s, lost,
   run twice; CPU per job of every process of the side (mam: serve, the runner and its agents,
-  nats-server, this client; Celery: the worker and its children, redis-server, this client).
+  nats-server, this client; Celery: the worker and its children, redis-server, this client),
+  and the same split by process (each with its descendants) for the side's cheapest rep.
 - Worker memory: PSS of the runner's processes against the worker's, idle after the run.
 - Floors measured in the same run: one MQTT QoS 1 hop (publish -> delivery back through
   nats-server), one Redis round trip (PING), one spawn of `bash -s` reading `true`.
@@ -105,6 +106,8 @@ class Side:
     latency: list[tuple[float, float]] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
     cpu_per_job_s: list[float] = field(default_factory=list)
+    cpu_split_s: dict[str, float] = field(default_factory=dict)
+    """CPU per job of each process of `procs` (with its descendants) in the best rep, seconds."""
 
 
 def tree_cpu_s(procs: list[psutil.Process]) -> float:
@@ -122,6 +125,16 @@ def tree_cpu_s(procs: list[psutil.Process]) -> float:
                 continue
             total += times.user + times.system + times.children_user + times.children_system
     return total
+
+
+def proc_name(proc: psutil.Process) -> str:
+    """A short name for a side's process in the CPU split: its command's first words."""
+    try:
+        words = [os.path.basename(word) for word in proc.cmdline()[:4]]
+    except psutil.Error:
+        return str(proc.pid)
+    name = " ".join(word for word in words if not word.startswith("-") and "python" not in word)
+    return " ".join(name.split())[:40]  # a process title may be padded with spaces
 
 
 def _children(proc: psutil.Process) -> list[psutil.Process]:
@@ -353,9 +366,16 @@ def test_side_by_side_with_celery_and_redis(nats, tmp_path, celery, monkeypatch)
                     side.cpu_per_job_s.clear()
                 for _ in range(THROUGHPUT_REPS):
                     for side in sides:
+                        split_before = [tree_cpu_s([proc]) for proc in side.procs]
                         cpu_before, start = tree_cpu_s(side.procs), time.monotonic()
                         right, twice = side.run_many(THROUGHPUT_JOBS)
                         elapsed, cpu = time.monotonic() - start, tree_cpu_s(side.procs) - cpu_before
+                        if not side.cpu_per_job_s or cpu / THROUGHPUT_JOBS < min(side.cpu_per_job_s):
+                            split = {proc_name(proc): (tree_cpu_s([proc]) - before) / THROUGHPUT_JOBS
+                                     for proc, before in zip(side.procs, split_before, strict=True)
+                                     if proc.pid != os.getpid()}
+                            # this client's tree holds the side's other processes: its own share is the rest
+                            side.cpu_split_s = {**split, "client": cpu / THROUGHPUT_JOBS - sum(split.values())}
                         assert (right, twice) == (THROUGHPUT_JOBS, 0), f"{side.name}: {right} right, {twice} twice"
                         side.rates.append(THROUGHPUT_JOBS / elapsed)
                         side.cpu_per_job_s.append(cpu / THROUGHPUT_JOBS)
@@ -412,6 +432,10 @@ def render(mam: Side, celery: Side, floors: tuple[float, float, float], pss: tup
         f"Floors in the same run: one MQTT QoS 1 hop {floors[0] * 1000:.2f} ms, one Redis round trip "
         f"{floors[1] * 1000:.2f} ms, one spawn of `bash -s` {floors[2] * 1000:.2f} ms. "
         f"Load (1 min): {'; '.join(notes)}.",
+        "",
+        *[f"CPU per job by process, {side.name}: "
+          + ", ".join(f"{name} {cpu * 1000:.1f} ms" for name, cpu in side.cpu_split_s.items()) + "."
+          for side in (mam, celery)],
     ])
 
 
