@@ -37,11 +37,28 @@ PREFIX = "mam-"
 
 def cgroup2_mount(mountinfo: str) -> Path | None:
     """The mount point of the cgroup v2 hierarchy in a /proc/self/mountinfo text, or None."""
+    found = _cgroup2_line(mountinfo)
+    return None if found is None else Path(found[0][4].replace("\\040", " "))
+
+
+def favors_dynmods(mountinfo: str) -> bool:
+    """Whether the cgroup v2 hierarchy is mounted with `favordynmods` (Linux 6.0+): moving a
+    process into a group then takes ~0.1 ms instead of waiting for an RCU grace period
+    (8-13 ms measured on an idle 2-core VM), which every agent start pays (its spawn joins
+    the job's groups)."""
+    found = _cgroup2_line(mountinfo)
+    if found is None or len(found[1]) < 3:
+        return False
+    return "favordynmods" in found[1][2].split(",")  # the super options: "cgroup2 <source> rw,..."
+
+
+def _cgroup2_line(mountinfo: str) -> tuple[list[str], list[str]] | None:
+    """The first cgroup2 line of a mountinfo text: (the fields before " - ", those after)."""
     for line in mountinfo.splitlines():
         fields, _, tail = line.partition(" - ")
-        parts, fstype = fields.split(), tail.split()[:1]
-        if fstype == ["cgroup2"] and len(parts) >= 5:
-            return Path(parts[4].replace("\\040", " "))
+        parts, after = fields.split(), tail.split()
+        if after[:1] == ["cgroup2"] and len(parts) >= 5:
+            return parts, after
     return None
 
 
@@ -229,7 +246,8 @@ def detect(session: str, *, proc: Path = Path("/proc/self")) -> tuple[RunnerCgro
         proc: where mountinfo and cgroup are read (tests give a folder of their own).
     """
     try:
-        mount = cgroup2_mount((proc / "mountinfo").read_text())
+        mountinfo = (proc / "mountinfo").read_text()
+        mount = cgroup2_mount(mountinfo)
         own = own_cgroup((proc / "cgroup").read_text())
     except OSError as exc:
         return None, f"cgroups off: {exc.strerror or exc}"
@@ -244,7 +262,13 @@ def detect(session: str, *, proc: Path = Path("/proc/self")) -> tuple[RunnerCgro
     if not (path / "cgroup.kill").exists():
         RunnerCgroups(path).close()
         return None, f"cgroups off: {parent} has no cgroup.kill (a kernel before 5.14)"
-    return RunnerCgroups(path), f"cgroups on: each job's agent runs in a group of its own under {path}"
+    said = f"cgroups on: each job's agent runs in a group of its own under {path}"
+    if not favors_dynmods(mountinfo):
+        said += (f" (each agent start waits for the kernel to move it into its groups, an RCU grace period of "
+                 f"about 10 ms on an idle 2-core VM: mount {mount} with favordynmods, Linux 6.0+, to make that "
+                 f"~0.1 ms)")
+    return RunnerCgroups(path), said
 
 
-__all__ = ["JobCgroup", "RunnerCgroups", "cgroup2_mount", "denied", "detect", "own_cgroup", "runner_group", "sweep"]
+__all__ = ["JobCgroup", "RunnerCgroups", "cgroup2_mount", "denied", "detect", "favors_dynmods", "own_cgroup",
+           "runner_group", "sweep"]

@@ -90,3 +90,33 @@ def test_usage_reads_cpu_seconds_and_peak_memory_where_the_host_gives_them(tmp_p
     (tmp_path / "cpu.stat").write_text("usage_usec -1\n")
     (tmp_path / "memory.peak").write_text("max\n")
     assert group.usage() == {}  # nothing it cannot read as a figure
+
+
+@pytest.mark.parametrize(("options", "hinted"), [
+    ("rw", True), ("rw,nsdelegate", True), ("rw,nsdelegate,favordynmods", False), ("rw,favordynmods", False),
+])
+def test_cgroups_on_says_when_each_agent_start_waits_for_a_grace_period(tmp_path, options, hinted):
+    """Without favordynmods every move into a group waits for an RCU grace period (about
+    10 ms on an idle VM of this kind, on every agent start): the start line says how to
+    avoid it, and still names the runner's groups as its first word after "under"."""
+    mount = tmp_path / "cg"
+    own = mount / f"mam-gpu-box-{os.getpid()}"
+    own.mkdir(parents=True)
+    (own / "cgroup.kill").touch()  # a plain folder standing in for a kernel's group
+    mountinfo = f"41 31 0:38 / {mount} rw,relatime - cgroup2 cgroup2 {options}\n"
+    assert cgroups.favors_dynmods(mountinfo) is not hinted
+    found, said = cgroups.detect("gpu-box", proc=fake_proc(tmp_path, mountinfo))
+    assert found is not None and found.path == own
+    assert said.startswith(f"cgroups on: each job's agent runs in a group of its own under {own}")
+    assert said.split(" under ", 1)[1].split()[0] == str(own)
+    assert ("favordynmods" in said) is hinted and "\n" not in said
+    if hinted:
+        assert f"mount {mount} with favordynmods" in said
+
+
+@pytest.mark.parametrize("mountinfo", [
+    "", "garbage\n", "41 31 0:38 / /cg rw - cgroup2\n", "41 31 0:38 / /cg rw - cgroup2 cgroup2\n",
+    "41 31 0:38 / /cg rw - cgroup cgroup rw,favordynmods\n",  # a v1 hierarchy's options say nothing of v2
+])
+def test_favors_dynmods_is_false_for_lines_it_cannot_read(mountinfo):
+    assert cgroups.favors_dynmods(mountinfo) is False
