@@ -501,7 +501,8 @@ class Supervisor:
         return env
 
     def _write_broker_env(self, job_id: str) -> Path:
-        """The agent's per-job broker settings, 0600, without the dispatch secret (§13)."""
+        """The agent's per-job broker settings, 0600, without the dispatch secret (§13). Not
+        fsynced: the agent reads it at once, and a power loss that could lose it ends the agent."""
         cfg = self.config
         values = {"MQTT_BROKER": ",".join(cfg.hosts), "MQTT_PORT": str(cfg.port),
                   "MQTT_TLS": "true" if cfg.tls else "false", "MQTT_USERNAME": cfg.username,
@@ -511,7 +512,7 @@ class Supervisor:
                   "MAM_TOPIC_ROOT": cfg.topic_root}
         path = self.registry.logs_dir(job_id) / BROKER_ENV_FILE
         return write_env_file(path, values, header=f"broker settings for the agent of job {job_id}",
-                              overwrite=True)
+                              overwrite=True, durable=False)
 
     def _remove_job_files(self, job_id: str) -> None:
         """broker.env holds MQTT_PASSWORD: it must not outlive the job; agent.pid neither."""

@@ -120,7 +120,7 @@ def _quote_env_value(value: str) -> str:
 
 
 def write_env_file(path: str | os.PathLike[str], values: Mapping[str, str], *,
-                   header: str = "", overwrite: bool = False) -> Path:
+                   header: str = "", overwrite: bool = False, durable: bool = True) -> Path:
     """Write a `.mam.env` file atomically with mode 0600 (it holds secrets).
 
     Args:
@@ -128,6 +128,8 @@ def write_env_file(path: str | os.PathLike[str], values: Mapping[str, str], *,
         values: variable names to values, written in the given order.
         header: comment lines put first (without the leading '# ').
         overwrite: replace an existing file; otherwise refuse.
+        durable: fsync the file and its folder before returning; False for a file that
+            is read at once and means nothing after a power loss (an agent's broker.env).
     Returns:
         the path written.
     Raises:
@@ -142,7 +144,7 @@ def write_env_file(path: str | os.PathLike[str], values: Mapping[str, str], *,
             raise ConfigError(f"{name}: a value must not contain a line break")
         lines.append(f"{name}={_quote_env_value(str(value))}")
     data = ("\n".join(lines) + "\n").encode("utf-8")
-    atomic_write(target, data, what=target.name, error=ConfigError)
+    atomic_write(target, data, what=target.name, error=ConfigError, durable=durable)
     return target
 
 

@@ -231,6 +231,16 @@ def test_env_file_writer_is_0600_atomic_and_refuses_overwrite(tmp_path):
     assert not (tmp_path / "x.env").exists()
 
 
+def test_env_file_writer_flushes_only_when_durable(tmp_path, counted_fsyncs):
+    """A runner writes each agent's broker.env just before the spawn: no flush to wait for."""
+    target = tmp_path / "broker.env"
+    config.write_env_file(target, {"MQTT_PASSWORD": "s3cret"}, durable=False)
+    assert counted_fsyncs == []
+    assert (target.stat().st_mode & 0o777) == 0o600 and config.read_env_file(target) == {"MQTT_PASSWORD": "s3cret"}
+    config.write_env_file(target, {"MQTT_PASSWORD": "other"}, overwrite=True)
+    assert len(counted_fsyncs) == 2  # the file, then its folder
+
+
 def test_s8_resolve_root_order(tmp_path, empty_cwd):
     assert resolve_root(tmp_path / "w", {"MAM_REAL_ROOT": "/r"}, empty_cwd) == (tmp_path / "w").resolve()
     assert resolve_root(None, {"MAM_REAL_ROOT": str(tmp_path)}, empty_cwd) == tmp_path.resolve()
