@@ -275,12 +275,14 @@ class AgentProcess:
     """One agent process in its own session and process group (§6, §11).
 
     The constructor has no side effects; `start()` runs the agent once.
-    While the agent runs, a tracker thread samples its process tree every
-    `track_interval_s` so that a descendant that later escapes the tree
-    (double fork, `setsid`, reparenting to init) is still remembered, and
-    killed, by `cancel()`; `cancel()` also finds escaped descendants by the
-    random `MAM_AGENT_TAG` they inherit in their environment (an agent that
-    scrubs its environment *and* escapes before a sample is not found).
+    Outside a cgroup, while the agent runs, a tracker thread samples its
+    process tree every `track_interval_s` so that a descendant that later
+    escapes the tree (double fork, `setsid`, reparenting to init) is still
+    remembered, and killed, by `cancel()`; `cancel()` also finds escaped
+    descendants by the random `MAM_AGENT_TAG` they inherit in their
+    environment (an agent that scrubs its environment *and* escapes before a
+    sample is not found). In its cgroup (§6) every descendant is a member, so
+    there is no tracker and no walk of the host's processes at its end.
     """
 
     def __init__(self, *, track_interval_s: float = TRACK_INTERVAL_S) -> None:
@@ -413,7 +415,8 @@ class AgentProcess:
             if not keep_stdin:
                 self._input.put(None)
         self._spawn_thread(self._write_stdin, name=f"agent-stdin-{self.pid}")
-        self._spawn_thread(self._track, name=f"agent-track-{self.pid}")
+        if self._cgroup is None:  # in a group every descendant stays a member: nothing to sample
+            self._spawn_thread(self._track, name=f"agent-track-{self.pid}")
 
     def _spawn_thread(self, target: Callable[..., object], *args: Any, name: str) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -546,11 +549,12 @@ class AgentProcess:
         like CI runners killing a job's leftover processes): a background child
         (`sleep 62 &`), or the children of a leader killed by a signal.
 
-        The leader is reaped by then, so its group id is no proof of ownership:
-        only processes seen in the tree earlier (pid + create time) and processes
-        carrying the agent's `MAM_AGENT_TAG` (created after it) count, and the
-        group is signalled only while such a process is in it, as for an orphan
-        (`stop_orphan`). Stops them with SIGTERM, then SIGKILL after `grace_s`.
+        In its cgroup, the leftovers are the group's members. Otherwise the leader
+        is reaped by then, so its group id is no proof of ownership: only processes
+        seen in the tree earlier (pid + create time) and processes carrying the
+        agent's `MAM_AGENT_TAG` (created after it) count, and the group is signalled
+        only while such a process is in it, as for an orphan (`stop_orphan`).
+        Stops them with SIGTERM, then SIGKILL after `grace_s`.
 
         Args:
             grace_s: seconds between SIGTERM and SIGKILL (`MAM_CANCEL_GRACE_S`).
@@ -564,14 +568,13 @@ class AgentProcess:
         if self._popen.poll() is None:
             raise MamError("agent still runs: stop it with cancel()")
         self._stop.set()
+        if self._cgroup is not None:  # every process of the tree is a member: no walk of the host's
+            return self._cgroup.stop(grace_s)
         tree = ProcessTree(self.identity, owned=False)
         tree.remember(self._tree.known())
-        found = {proc.pid for proc in tree.collect(deep=True)}
+        found = tree.collect(deep=True)
         if found:
             tree.terminate(grace_s)
-        if self._cgroup is not None:  # what escaped the tree walk is still a member
-            found.update(self._cgroup.members())
-            self._cgroup.stop(grace_s)
         return len(found)
 
     def close(self) -> None:
