@@ -320,8 +320,8 @@ class AgentProcess:
             argv: the command (`split_exec` output), run without a shell.
             env: its full environment (`agent_env` output).
             cwd: its working directory, created (0700) if missing.
-            stdin_text: the brief, written to stdin by a thread and then closed;
-                an agent that never reads stdin is fine.
+            stdin_text: the brief, written to stdin and then closed (what the pipe
+                does not take at once, by a thread); an agent that never reads stdin is fine.
             keep_stdin: leave stdin open after the brief: `send_input` writes more
                 (a person's messages, §18) until `close_input`.
             cgroup: the attempt's cgroup (`cgroups`): the agent joins it before it
@@ -409,12 +409,15 @@ class AgentProcess:
         self._tree = ProcessTree(self.identity, owned=True)
         if self._proc is not None:
             self._tree.remember([self._proc])
-        self._input.put(stdin_text.encode("utf-8", errors="surrogateescape"))
-        with self._input_lock:
-            self._input_open = keep_stdin
-            if not keep_stdin:
-                self._input.put(None)
-        self._spawn_thread(self._write_stdin, name=f"agent-stdin-{self.pid}")
+        brief = stdin_text.encode("utf-8", errors="surrogateescape")
+        written = 0 if keep_stdin else self._write_now(brief)
+        if written < len(brief) or keep_stdin:  # what the pipe did not take now waits on a thread
+            self._input.put(brief[written:])
+            with self._input_lock:
+                self._input_open = keep_stdin
+                if not keep_stdin:
+                    self._input.put(None)
+            self._spawn_thread(self._write_stdin, name=f"agent-stdin-{self.pid}")
         if self._cgroup is None:  # in a group every descendant stays a member: nothing to sample
             self._spawn_thread(self._track, name=f"agent-track-{self.pid}")
 
@@ -422,6 +425,32 @@ class AgentProcess:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         thread.start()
         self._threads.append(thread)
+
+    def _write_now(self, data: bytes) -> int:
+        """Write what of `data` the agent's stdin pipe takes without blocking; close stdin when
+        that is all of it (a brief shorter than the pipe's buffer, the common case: no writer
+        thread then). How many bytes were written; all of them when the agent already closed
+        its stdin or exited (nothing more can be written, as `_write_stdin` decides)."""
+        assert self._popen is not None and self._popen.stdin is not None
+        stdin = self._popen.stdin
+        fd = stdin.fileno()
+        written = 0
+        os.set_blocking(fd, False)
+        try:
+            while written < len(data):
+                written += os.write(fd, data[written:])
+        except BlockingIOError:
+            pass  # the pipe is full: the rest goes on the writer thread
+        except OSError:  # BrokenPipeError: the agent exited or closed its stdin
+            written = len(data)
+        finally:
+            os.set_blocking(fd, True)
+        if written == len(data):
+            try:
+                stdin.close()
+            except OSError:
+                pass  # nothing is buffered: the reader may be gone
+        return written
 
     def _write_stdin(self) -> None:
         """Write the brief, then each `send_input`, and close stdin at `close_input` (or at once

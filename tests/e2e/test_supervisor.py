@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -169,6 +170,25 @@ def test_brief_is_delivered_on_stdin(tmp_path, run_agent, size):
     agent = run_agent([script(tmp_path, "reader", f'cat > "{out}"\n')], stdin_text=brief)
     assert agent.wait(timeout_s=PATIENCE_S) == ExitStatus(0, None)
     assert out.read_text(encoding="utf-8") == brief
+
+
+def test_a_brief_the_pipe_takes_at_once_needs_no_writer_thread(tmp_path, run_agent, monkeypatch):
+    """The common brief fits in the pipe's buffer: it is written and stdin closed before
+    start() returns, with no thread per agent to wait on it; a larger one gets the thread."""
+    started: list[str] = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self.name) or real_start(self))
+    out = tmp_path / "got.txt"
+    reader = script(tmp_path, "reader", f'sleep 0.3; cat > "{out}"\n')  # reads only after start() returned
+    agent = run_agent([reader], stdin_text="short brief")
+    assert f"agent-stdin-{agent.pid}" not in started
+    assert agent.wait(timeout_s=PATIENCE_S) == ExitStatus(0, None)
+    assert out.read_text(encoding="utf-8") == "short brief"
+    big = "y" * (1024 * 1024)
+    agent = run_agent([reader], stdin_text=big)
+    assert f"agent-stdin-{agent.pid}" in started
+    assert agent.wait(timeout_s=PATIENCE_S) == ExitStatus(0, None)
+    assert out.read_text(encoding="utf-8") == big
 
 
 def test_agent_that_never_reads_stdin_does_not_block(tmp_path, run_agent):
