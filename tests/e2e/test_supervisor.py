@@ -358,21 +358,10 @@ def test_in_its_cgroup_cancel_kills_a_child_that_double_forked_and_cleared_its_e
 
 
 def test_in_its_cgroup_a_leftover_that_cleared_its_environment_is_stopped_after_exit_0(
-        tmp_path, run_agent, job_cgroup):
-    pidfile = tmp_path / "pid"
-    agent = run_agent([_escaper_script(tmp_path, pidfile, tail="exit 0")], cgroup=job_cgroup)
-    child = escaped(pidfile)
-    created = child.create_time()
-    assert agent.wait(timeout_s=PATIENCE_S) == ExitStatus(0, None)
-    assert agent.stop_leftovers(grace_s=0.5) == 1
-    assert gone(child.pid, created)
-
-
-def test_in_its_cgroup_an_agent_is_never_looked_for_among_the_hosts_processes(
         tmp_path, run_agent, job_cgroup, monkeypatch):
-    """A group holds every process of the job, so neither a sample while it runs nor the
-    stop of its leftovers walks the host's process table: a runner beside hundreds of
-    other processes would pay for that walk on every agent, twice a second."""
+    """The leftovers are the group's members: neither a sample while the agent runs nor
+    their stop walks the host's process table (a runner beside hundreds of other
+    processes would pay for that walk on every agent, twice a second)."""
     walks: list[int] = []
     real = psutil.process_iter
     monkeypatch.setattr(psutil, "process_iter", lambda *args, **kwargs: walks.append(1) or real(*args, **kwargs))
@@ -384,8 +373,6 @@ def test_in_its_cgroup_an_agent_is_never_looked_for_among_the_hosts_processes(
     assert agent.stop_leftovers(grace_s=0.5) == 1
     assert gone(child.pid, created) and job_cgroup.members() == []
     assert walks == []
-    agent.close()
-    assert not job_cgroup.path.exists()
 
 
 def test_without_a_cgroup_such_a_child_escapes_cancel_as_the_known_limits_say(tmp_path, run_agent):
