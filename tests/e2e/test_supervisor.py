@@ -153,6 +153,28 @@ def test_wait_with_timeout_returns_none_while_running(tmp_path, run_agent):
     assert agent.poll() is None
 
 
+@pytest.mark.parametrize("pidfd", [True, False], ids=["pidfd", "no-pidfd"])
+def test_a_timed_wait_sleeps_in_the_kernel_until_the_exit(tmp_path, run_agent, monkeypatch, pidfd):
+    """With a pidfd, `wait` blocks in poll(2) until the agent exits, not in `Popen.wait`'s
+    loop of growing sleeps; without one (older kernels) that loop still gives the status."""
+    if not pidfd:
+        def no_pidfd(pid, flags=0):
+            raise OSError(38, "Function not implemented")
+        monkeypatch.setattr(os, "pidfd_open", no_pidfd)
+    agent = run_agent([script(tmp_path, "nap", "sleep 0.3\nexit 4\n")])
+    main, real_sleep, sleeps = threading.current_thread(), time.sleep, []
+
+    def counted_sleep(seconds):
+        if threading.current_thread() is main:
+            sleeps.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", counted_sleep)
+    assert agent.wait(timeout_s=PATIENCE_S) == ExitStatus(exit_code=4, signal=None)
+    assert agent.wait(timeout_s=0) == ExitStatus(exit_code=4, signal=None)  # reaped: the status again
+    assert (sleeps == []) is pidfd
+
+
 def test_start_twice_is_refused(run_agent, tmp_path):
     agent = run_agent([AGENTS / "exit-agent", "0"])
     with pytest.raises(Exception, match="already started"):
