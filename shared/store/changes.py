@@ -12,6 +12,9 @@ sleeps the poll interval instead, as before.
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -28,6 +31,41 @@ RECORD_FLAGS = flags.MOVED_TO | flags.CLOSE_WRITE
 LOGS_FLAGS = flags.MODIFY | flags.CREATE | flags.MOVED_TO
 COALESCE_MS = 20
 """After the first event, how long `JobsWatch.changed` lets more gather before reading, ms."""
+
+
+_closing: queue.SimpleQueue[INotify] | None = None
+_closing_lock = threading.Lock()
+
+
+def _close_later(inotify: INotify) -> None:
+    """Close `inotify` on the process's one closer thread (started on first use).
+
+    Closing an inotify instance waits for the kernel's SRCU grace period (about 8 ms on an
+    idle machine), which the follower's caller, `job.wait()` returning, need not pay.
+    Its watches go with it; until then the kernel may queue events nobody reads."""
+    global _closing
+    with _closing_lock:
+        if _closing is None:
+            _closing = queue.SimpleQueue()
+            threading.Thread(target=_closer, args=(_closing,), name="inotify-closer", daemon=True).start()
+        _closing.put(inotify)
+
+
+def _closer(instances: queue.SimpleQueue[INotify]) -> None:
+    while True:
+        inotify = instances.get()
+        try:
+            inotify.close()
+        except OSError as exc:  # a closer thread never dies: the next instance is still closed
+            log.debug("an inotify instance did not close: %s", exc)
+
+
+def _forget_closer() -> None:
+    global _closing
+    _closing = None  # a forked child has no closer thread: its first close starts one
+
+
+os.register_at_fork(after_in_child=_forget_closer)
 
 
 class JobChanges:
@@ -87,10 +125,11 @@ class JobChanges:
             self.close()
 
     def close(self) -> None:
-        """Drop the watches (idempotent)."""
+        """Drop the watches (idempotent); the instance is closed off the caller's thread
+        (`_close_later`)."""
         if self._inotify is not None:
-            self._inotify.close()
-            self._inotify = None
+            inotify, self._inotify = self._inotify, None
+            _close_later(inotify)
 
     def __enter__(self) -> JobChanges:
         return self

@@ -3,10 +3,13 @@ record and logs by inotify, and falls back to polling where it cannot be."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
+from harness.waiting import wait_until
 
 from mam.shared.protocol import names
 from mam.shared.store import changes as changes_module
@@ -41,6 +44,30 @@ def test_another_jobs_record_does_not_wake_it(tmp_path: Path) -> None:
         started = time.monotonic()
         changes.wait(1.0)
         assert time.monotonic() - started >= 1.0  # only its own timeout ended it
+
+
+def test_a_followers_inotify_is_closed_off_the_callers_thread_and_none_leaks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing an inotify instance waits for a kernel grace period: `close()` hands it to the
+    closer thread, which closes every one."""
+    reg = Registry(tmp_path)
+    job_id = reg.register(session="gpu-box")["job_id"]
+    closed_by: list[str] = []
+    real_close = changes_module.INotify.close
+
+    def recorded_close(self: changes_module.INotify) -> None:
+        closed_by.append(threading.current_thread().name)
+        real_close(self)
+
+    monkeypatch.setattr(changes_module.INotify, "close", recorded_close)
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with JobChanges(tmp_path, job_id, poll_s=LONG_S) as changes:
+            assert changes.told
+        changes.close()  # idempotent
+    wait_until(lambda: len(closed_by) == 5, what="the five instances to be closed")
+    assert set(closed_by) == {"inotify-closer"}
+    assert len(os.listdir("/proc/self/fd")) == fds
 
 
 def test_without_inotify_or_before_its_logs_exist_it_polls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
