@@ -41,6 +41,7 @@ from mam.orchestrator.dispatch import build_dispatch, publish_dispatch  # noqa: 
 from mam.runner import job, orphans, outbox, publish, service  # noqa: E402
 from mam.runner.service import Runner  # noqa: E402
 from mam.runner.settings import options_from_cli  # noqa: E402
+from mam.runner.trust import V1Trust  # noqa: E402
 from mam.shared import config  # noqa: E402
 from mam.shared.protocol import crypto  # noqa: E402
 from mam.shared.store import fsio, registry  # noqa: E402
@@ -125,7 +126,7 @@ def main() -> int:
         options = options_from_cli(session="gpu-box", exec_cmd=str(AGENTS / "exit-agent"), workspace=str(runner_ws),
                                    workdir=None, max_jobs=4, once=False, replace=True)
         runner = Runner(options, config=config.broker_config(workspace=runner_ws),
-                        keys=crypto.derive_keys(TEST_SECRET), environ={"PATH": os.environ["PATH"]})
+                        trust=V1Trust(crypto.derive_keys(TEST_SECRET)), environ={"PATH": os.environ["PATH"]})
         serving = threading.Thread(target=runner.serve, name="runner", daemon=True)
         serving.start()
         hub = Registry(hub_ws)
