@@ -253,6 +253,8 @@ def watch_cmd(
 ) -> int:
     """Watch a job until it ends: accepted events on stdout as JSON lines
     (a human view on a TTY), refusals and logs on stderr (PROTOCOL §3.2, §10).
+    A job that ended already: its recorded events as JSON lines (a summary on a
+    TTY), and its exit code.
 
     Exit codes: 0 completed, 1 error (incl. agent_blocked), 2 idle or wall
     timeout, 3 broker unreachable after the disk fallback, 4 cancelled,

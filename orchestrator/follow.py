@@ -190,6 +190,16 @@ def follow_service(registry: Registry, job_id: str, *, out: TextIO | None = None
     return Follower(registry, job_id, out=out, human=human, announce=announce).follow()
 
 
+def print_events(registry: Registry, job_id: str, out: TextIO | None = None) -> None:
+    """Every accepted event of the job's audit log (all attempts), one JSON line each, as a
+    follower prints them (dispatch and watch tokens masked); on stdout by default."""
+    out = out if out is not None else sys.stdout
+    for line in AuditTail(registry.audit_path(job_id)).read():
+        if is_event_line(line, job_id):
+            out.write(render_event(line, False))
+    out.flush()
+
+
 def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s: float | None,
               ack_timeout_s: float | None, timeout_s: float | None, as_json: bool = False) -> int:
     """`mam-orch watch`: returns the exit code of §9 (130 when detached with Ctrl-C).
@@ -205,6 +215,8 @@ def watch_cli(job_id: str, *, workspace: Workspace, remote: bool, idle_timeout_s
             raise UsageError(f"{name} {value:g} is invalid: expected seconds > 0")
     hub = open_hub(workspace)
     record = hub.registry.get(job_id)
+    if record["status"] in TERMINAL_STATUSES and (as_json or not sys.stdout.isatty()):
+        print_events(hub.registry, job_id)  # ended already: what a watch printed while it ran
     own_clocks = idle_timeout_s is not None or ack_timeout_s is not None or timeout_s is not None
     if record["status"] not in TERMINAL_STATUSES and not own_clocks and service_pid(hub.root) is not None:
         try:

@@ -178,6 +178,11 @@ def test_s14_thin_dispatch_and_watch_follow_through_the_service_without_a_connec
         watched = orch(hub, "watch", job_id, env=no_broker)
         assert watched.returncode == 0, watched.stderr
         assert json.loads(watched.stdout.splitlines()[-1])["event"] == "completed"
+        # ended already: the same JSON lines and exit code, read from the hub's audit log
+        assert orch(hub, "watch", job_id, env=no_broker).stdout == watched.stdout
+        failed_id = json.loads(failed.stdout.splitlines()[-1])["job_id"]
+        again = orch(hub, "watch", failed_id, env=no_broker)
+        assert again.returncode == 1 and again.stdout == failed.stdout, again.stderr
     finally:
         stop(serve, runner)
 

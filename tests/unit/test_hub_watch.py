@@ -16,6 +16,7 @@ from harness.waiting import PATIENCE_S, QUIET_S, wait_until
 from harness.workspace import TEST_SECRET
 
 from mam.orchestrator.control import cancel_owed, close_remote
+from mam.orchestrator.follow import print_events
 from mam.orchestrator.mirror import BrokerLink
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.config import BrokerConfig
@@ -114,6 +115,22 @@ def test_s10_a_job_already_terminal_is_answered_from_disk(reg):
     reg.close(rec["job_id"], "cancelled")
     client = RecordingClient()
     assert watch(reg, rec, client).run() == ExitCode.CANCELLED and client.subscribed == []
+
+
+def test_s10_an_ended_jobs_events_are_printed_from_its_audit_log_and_nothing_else(reg):
+    rec = reg.register(session="gpu-box", contract=Contract(heartbeat_sec=5))
+    client = RecordingClient()
+    for seq, name in ((1, "started"), (2, "completed")):
+        deliver(client, rec, seq, name, **({"exit_code": 0} if name == "completed" else {}))
+    watched = watch(reg, rec, client)
+    assert watched.run() == ExitCode.COMPLETED
+    with reg.audit_path(rec["job_id"]).open("ab") as audit:  # what a follower must not print as events
+        audit.write(b"not json\n" + json.dumps({"schema_version": 1, "job_id": "0badf00d", "seq": 9,
+                                                "event": "completed"}).encode() + b"\n[1, 2]\n{\"seq\": ")
+    out = io.StringIO()
+    print_events(reg, rec["job_id"], out)
+    assert out.getvalue() == watched.out.getvalue()  # what the watch printed while it ran
+    assert rec["dispatch_token"] not in out.getvalue() and '"dispatch_token": "<set>"' in out.getvalue()
 
 
 def test_s10_close_remote_goes_terminal_first_even_when_the_broker_fails(reg, caplog):
