@@ -351,7 +351,9 @@ class LogStream:
             try:
                 assert path is not None
                 path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                atomic_write(path, raw, what=f"job {self.job_id} log chunk")
+                # not fsynced (§15): a killed runner loses no chunk; a power loss may lose the
+                # last ones, as it may lose the end of agent.log
+                atomic_write(path, raw, what=f"job {self.job_id} log chunk", durable=False)
             except (OSError, MamError) as exc:
                 log.warning("job %s: log chunk %d kept in memory only (%s)", self.job_id, self.chunks, exc)
                 path = None
@@ -523,6 +525,9 @@ class LogStreams:
                     path.unlink()
                     continue
                 raw = read_capped(path, logchunk.MAX_LOG_MESSAGE_BYTES)
+                if not raw:  # written just before a power loss, never flushed: nothing to send
+                    path.unlink()
+                    continue
                 self.client.publish(names.log_topic(key[0], self.client.config.topic_root), raw, retain=False)
                 path.unlink(missing_ok=True)
                 sent += 1

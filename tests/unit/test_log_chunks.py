@@ -178,13 +178,21 @@ def test_s15_rate_cap_drops_and_says_how_much(tmp_path, hub):
     assert router.dropped(rec["job_id"]) == done["log_dropped"]
 
 
-def test_s15_outage_keeps_chunks_in_the_outbox_until_the_broker_is_back(tmp_path, hub):
+def test_s15_outage_keeps_chunks_in_the_outbox_until_the_broker_is_back(tmp_path, hub, monkeypatch):
     reg, rec = hub
     broker, stream = stream_for(tmp_path, rec, b"during the outage\n")
     broker.down = True
+    real_fsync, flushed = os.fsync, []
+
+    def recorded_fsync(fd: int) -> None:
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
     stream.start()
     folder = names.log_outbox_dir(tmp_path / "runner")
     wait_until(lambda: folder.exists() and any(folder.iterdir()), PATIENCE_S, "a chunk kept in the outbox")
+    assert not [path for path in flushed if "outbox-log" in path]  # written, not fsynced (§15)
     assert broker.published == []
     broker.down = False
     done = stream.finish()
@@ -326,11 +334,14 @@ def test_s17_chunks_a_stopped_runner_left_are_sent_at_start(tmp_path, hub):
     left.parent.mkdir(parents=True)
     left.write_bytes(chunk(rec, 0, b"left behind\n"))
     (left.parent / "junk.txt").write_text("not a chunk")
+    empty = names.log_outbox_entry_path(root, rec["job_id"], 1, 1)
+    empty.write_bytes(b"")  # what a power loss can leave of an unflushed entry
     broker = FakeBroker()
     client = broker.client(BrokerConfig())
     client.connect()
     LogStreams(root=root, client=client, config=BrokerConfig(), environ={}).resend_leftovers()
-    wait_until(lambda: not left.exists(), PATIENCE_S, "the leftover chunk sent")
+    wait_until(lambda: not left.exists() and not empty.exists(), PATIENCE_S, "the leftover chunks handled")
+    assert len(broker.published) == 1
     assert LogRouter(reg).handle(broker.published[0].payload) == [b"left behind\n"]
 
 
