@@ -192,7 +192,7 @@ def follow_service(registry: Registry, job_id: str, *, out: TextIO | None = None
 
 def print_events(registry: Registry, job_id: str, out: TextIO | None = None) -> None:
     """Every accepted event of the job's audit log (all attempts), one JSON line each, as a
-    follower prints them (dispatch and watch tokens masked); on stdout by default."""
+    follower prints them (tokens masked, `render_event`); on stdout by default."""
     out = out if out is not None else sys.stdout
     for line in AuditTail(registry.audit_path(job_id)).read():
         if is_event_line(line, job_id):

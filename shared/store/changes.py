@@ -61,8 +61,9 @@ def _closer(instances: queue.SimpleQueue[INotify]) -> None:
 
 
 def _forget_closer() -> None:
-    global _closing
+    global _closing, _closing_lock
     _closing = None  # a forked child has no closer thread: its first close starts one
+    _closing_lock = threading.Lock()  # another thread may have held it at the fork
 
 
 os.register_at_fork(after_in_child=_forget_closer)

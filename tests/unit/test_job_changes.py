@@ -70,6 +70,24 @@ def test_a_followers_inotify_is_closed_off_the_callers_thread_and_none_leaks(
     assert len(os.listdir("/proc/self/fd")) == fds
 
 
+def test_a_forked_child_closes_its_followers_though_the_closer_lock_was_held_at_the_fork(tmp_path: Path) -> None:
+    reg = Registry(tmp_path)
+    job_id = reg.register(session="gpu-box")["job_id"]
+    with changes_module._closing_lock:  # as another thread of the parent may hold it at the fork
+        pid = os.fork()
+        if pid == 0:  # the child: a follower, then exit 0 unless its close hangs
+            with JobChanges(tmp_path, job_id, poll_s=LONG_S):
+                pass
+            os._exit(0)
+    deadline = time.monotonic() + 10.0
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the child's close hung"
+
+
 def test_without_inotify_or_before_its_logs_exist_it_polls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reg = Registry(tmp_path)
     job_id = reg.register(session="gpu-box")["job_id"]
