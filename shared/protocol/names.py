@@ -77,7 +77,8 @@ def validate_request_id(value: object) -> str:
 def validate_job_id(value: object) -> str:
     """Return `value` if it is a job id (§1), else raise `UsageError`."""
     if not isinstance(value, str) or not JOB_ID_RE.fullmatch(value):
-        raise UsageError(f"job id {value!r} is invalid: expected 8 lowercase hex characters, e.g. 918b0612")
+        raise UsageError(f"job id {repr(value)[:LABEL_SHOWN_CHARS]} is invalid: expected 8 lowercase hex characters, "
+                         "e.g. 918b0612")
     return value
 
 

@@ -39,6 +39,12 @@ def test_s1_job_id_refused(bad):
         names.validate_job_id(bad)
 
 
+def test_s1_an_oversized_job_id_is_refused_in_one_short_line():
+    with pytest.raises(UsageError) as refused:
+        names.validate_job_id("a" * 100_000)
+    assert len(str(refused.value)) < 200 and "\n" not in str(refused.value)
+
+
 def test_s1_fresh_names_have_their_forms():
     assert names.JOB_ID_RE.match(names.new_job_id())
     assert names.TOKEN_RE.match(names.new_dispatch_token())
