@@ -1,19 +1,22 @@
 """The agent's output to the hub (PROTOCOL §15): one `LogStream` per running job.
 
-A reader thread follows the job's `agent.log` (the agent's stdout and stderr,
-from where it stood when the job started), masks secrets (`Masker`: the values
-of MQTT_PASSWORD, MAM_DISPATCH_SECRET, the job's auth_token and any private key
-file the runner holds, in clear, base64 and JSON-escaped; a tail that may start
-a secret is held back until more output or the end), applies the rate cap
+One reader thread per runner (`Pump`) follows every job's `agent.log` (the
+agent's stdout and stderr, from where it stood when the job started), masks
+secrets (`Masker`: the values of MQTT_PASSWORD, MAM_DISPATCH_SECRET, the job's
+auth_token and any private key file the runner holds, in clear, base64 and
+JSON-escaped; a tail that may start a secret is held back until more output or
+the end), applies the rate cap
 (`RateLimit`, MAM_LOG_RATE_BPS, excess counted in `dropped`), cuts chunks
 (`Chunker`: 64 KiB, or 0.5 s after the first unsent byte), seals and signs them
 (`crypto.build_log_chunk`) and writes each to the log outbox
-`.mam/outbox-log/` (§17: kept until PUBACK). A sender thread publishes them in
-order on `ROOT/jobs/<id>/log` (QoS 1, not retained), retrying through outages.
+`.mam/outbox-log/` (§17: kept until PUBACK). A sender thread, started with a
+job's first chunk, publishes them in order on `ROOT/jobs/<id>/log` (QoS 1, not
+retained), retrying through outages; a job that prints nothing starts no thread.
 The outbox is capped (OUTBOX_MAX_BYTES per job, beyond: dropped), so no queue
 grows without bound. `finish` (the §15 barrier, before `completed`/`error`)
-reads to the end, sends the rest and waits for the PUBACKs (FINISH_WAIT_S at
-most while connected); the terminal event then carries `data.log_chunks`.
+reads to the end on the caller's thread, sends the rest and waits for the
+PUBACKs (FINISH_WAIT_S at most while connected); the terminal event then
+carries `data.log_chunks`.
 
 A `LogStream` given a `session_id` streams the agent session's transcript instead
 (§15 "Transcript chunks"): `kind: transcript` chunks of the file its `log_path`
@@ -25,10 +28,12 @@ the hub holds the session even when this runner dies before its result.
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections import deque
@@ -61,6 +66,10 @@ READ_POLL_S = 0.05
 """How often the reader looks for new output, seconds."""
 READ_BYTES = 1 << 20
 """Largest read of agent.log at once, bytes."""
+READS_PER_PASS = 4
+"""Reads of one stream per pass of the pump at most, so one loud job cannot hold up the others."""
+PUMP_IDLE_S = 60.0
+"""A runner's pump thread ends after this long without a stream, seconds (the next one starts it)."""
 OUTBOX_MAX_BYTES = 64 << 20
 """Sealed chunks of one job waiting for their PUBACK at most, bytes; beyond, output is dropped."""
 FINISH_WAIT_S = 10.0
@@ -235,9 +244,48 @@ class _Pending:
     size: int
 
 
+class Pump:
+    """One thread that reads the output of many streams (§15): a pass over every open stream
+    each READ_POLL_S, so a running job costs no reader thread of its own. The thread starts
+    with the first stream and ends `idle_s` seconds after the last one."""
+
+    def __init__(self, name: str = "log-pump", *, idle_s: float = PUMP_IDLE_S) -> None:
+        self.name, self.idle_s = name, idle_s
+        self._streams: list[LogStream] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, stream: LogStream) -> None:
+        with self._lock:
+            self._streams.append(stream)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _run(self) -> None:
+        idle_since: float | None = None
+        while True:
+            with self._lock:
+                self._streams = [stream for stream in self._streams if not stream.read_ended]
+                streams = list(self._streams)
+                if not streams and idle_since is not None and time.monotonic() - idle_since >= self.idle_s:
+                    self._thread = None  # under the lock: `add` starts a new thread
+                    return
+            if streams:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = time.monotonic()
+            for stream in streams:
+                stream.pump()
+            self._wake.wait(READ_POLL_S if streams else self.idle_s)
+            self._wake.clear()
+
+
 class LogStream:
-    """One job's output stream (§15), or with `session_id` its agent's transcript stream: a
-    reader and a sender thread.
+    """One job's output stream (§15), or with `session_id` its agent's transcript stream: read
+    by a `Pump`'s thread, sent by a thread of its own from its first chunk.
 
     Args:
         log_path: the file to follow, or a callable naming it once it exists (None before).
@@ -259,21 +307,32 @@ class LogStream:
         self._queue: deque[_Pending] = deque()
         self._unsent = 0
         self._lock = threading.Lock()
-        self._finishing, self._read_done, self._sent_all = threading.Event(), threading.Event(), threading.Event()
+        self._read_lock = threading.Lock()  # one reader at a time: the pump's pass or `finish`
+        self._handle: BinaryIO | None = None
+        self._sender: threading.Thread | None = None
+        self._read_done, self._sent_all = threading.Event(), threading.Event()
         self._stop, self._wake = threading.Event(), threading.Event()
         self._give_up_at = float("inf")
         self._was_down = False
 
-    def start(self) -> None:
-        for target, kind in ((self._read, "log-read"), (self._send, "log-send")):
-            threading.Thread(target=target, name=f"{kind}-{self.job_id}", daemon=True).start()
+    def start(self, pump: Pump | None = None) -> None:
+        """Follow the file on `pump`'s thread (None: a pump of its own, ended with the stream)."""
+        (pump or Pump(f"log-read-{self.job_id}", idle_s=0.0)).add(self)
+
+    @property
+    def read_ended(self) -> bool:
+        return self._read_done.is_set()
 
     def finish(self, wait_s: float = FINISH_WAIT_S) -> dict[str, int]:
         """The barrier before the terminal event: read to the end, send, wait for the PUBACKs
         (at most `wait_s` while the broker is up). Returns the terminal event's data."""
-        self._finishing.set()
         deadline = time.monotonic() + wait_s
-        self._read_done.wait(wait_s)
+        if self._read_lock.acquire(timeout=wait_s):  # the pump's pass over this stream ends first
+            try:
+                while not self._read_done.is_set() and not self._read_step(final=True):
+                    pass
+            finally:
+                self._read_lock.release()
         while not self._sent_all.is_set() and self.client.connected.is_set() and time.monotonic() < deadline:
             self._sent_all.wait(READ_POLL_S)
         if not self._sent_all.is_set():
@@ -283,52 +342,76 @@ class LogStream:
         return {"log_chunks": self.chunks, "log_dropped": self.chunker.dropped}
 
     def stop(self) -> None:
-        """End both threads now (the runner stops); unsent chunks stay in the outbox."""
-        self._finishing.set()
+        """Stop reading and sending now (the runner stops); unsent chunks stay in the outbox."""
         self._stop.set()
         self._wake.set()
 
     # ------------------------------------------------------------ reader
 
-    def _read(self) -> None:
+    def pump(self) -> None:
+        """One pass of the pump: read what the file gained (READS_PER_PASS reads at most), cut
+        the chunks that are due; never raises. A pass `finish` is running is skipped."""
+        if not self._read_lock.acquire(blocking=False):
+            return
         try:
-            self._read_loop()
+            for _ in range(READS_PER_PASS):
+                if self._read_done.is_set() or self._read_step(final=False):
+                    break
+        finally:
+            self._read_lock.release()
+
+    def _read_step(self, *, final: bool) -> bool:
+        """Read once and cut the chunks that are due (`final`: the file is read to its end
+        now). True when there is nothing more to read for now: no new output, or reading
+        is over (at the end with `final`, on `stop`, on an error, which is logged)."""
+        try:
+            if self._stop.is_set():
+                self._end_reading()
+                return True
+            if self._handle is None:
+                self._handle = self._open()
+            data = self._handle.read(READ_BYTES) if self._handle is not None else b""
+            if data:
+                self._ingest(self.masker.feed(data))
+            elif final:
+                self._ingest(self.masker.feed(b"", final=True))
+                self._emit(self.chunker.ready(time.monotonic(), final=True))
+                self._end_reading()
+                return True
+            self._emit(self.chunker.ready(time.monotonic()))
+            return not data
         except Exception as exc:  # the job never fails because of its output stream
             log.error("job %s: output stream stopped: %s: %s", self.job_id, type(exc).__name__, exc)
-        finally:
-            self._read_done.set()
-            self._wake.set()
+            self._end_reading()
+            return True
 
-    def _read_loop(self) -> None:
-        handle = None
-        try:
-            while not self._stop.is_set():
-                final = self._finishing.is_set()
-                if handle is None:
-                    handle = self._open()
-                data = handle.read(READ_BYTES) if handle is not None else b""
-                if data:
-                    self._ingest(self.masker.feed(data))
-                elif final:
-                    self._ingest(self.masker.feed(b"", final=True))
-                    self._emit(self.chunker.ready(time.monotonic(), final=True))
-                    return
-                self._emit(self.chunker.ready(time.monotonic()))
-                if not data:
-                    self._finishing.wait(READ_POLL_S)
-        finally:
-            if handle is not None:
-                handle.close()
+    def _end_reading(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        self._read_done.set()
+        with self._lock:
+            if not self._queue:
+                self._sent_all.set()
+        self._wake.set()
 
     def _open(self) -> BinaryIO | None:
-        """The followed file at `offset`, or None while it does not exist (never through a link)."""
+        """The followed file at `offset`, or None while it does not exist (never through a link).
+
+        Raises:
+            OSError: a link where the file should be (ELOOP), or not a regular file (a FIFO
+                would block the pump, which reads every job's output).
+        """
         path = self.log_path() if callable(self.log_path) else self.log_path
         if path is None:
             return None
-        try:  # a link where the file should be (ELOOP) stops the stream (logged by `_read`)
-            handle = open(path, "rb", opener=_no_follow)  # noqa: SIM115 - held across the read loop
+        try:
+            handle = open(path, "rb", opener=_no_follow)  # noqa: SIM115 - held across the pump's passes
         except FileNotFoundError:
             return None
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            handle.close()
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
         handle.seek(self.offset)
         return handle
 
@@ -361,6 +444,10 @@ class LogStream:
                 self._queue.append(_Pending(self.chunks, path, raw if path is None else None, len(raw)))
                 self._unsent += len(raw)
                 self._sent_all.clear()
+                if self._sender is None:
+                    self._sender = threading.Thread(target=self._send, name=f"log-send-{self.job_id}",
+                                                    daemon=True)
+                    self._sender.start()
             self.chunks += 1
             self._wake.set()
 
@@ -410,7 +497,8 @@ class LogStream:
 
 
 def _no_follow(name: str, flags: int) -> int:
-    return os.open(name, flags | os.O_NOFOLLOW)
+    """Open without following a link, and without waiting for a writer (a FIFO)."""
+    return os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
 
 
 def _leftover_key(path: Path) -> tuple[str, int, int] | None:
@@ -442,6 +530,7 @@ class LogStreams:
         self._transcripts: dict[str, LogStream] = {}
         self._finished: dict[str, dict[str, int]] = {}
         self._lock = threading.Lock()
+        self._pump = Pump()
 
     def start(self, registry: Registry, job_id: str, attempt_id: int, log_path: Path) -> None:
         """Follow `log_path` from its current end for the job's attempt; never raises."""
@@ -456,7 +545,7 @@ class LogStreams:
             return
         with self._lock:
             self._streams[job_id] = stream
-        stream.start()
+        stream.start(self._pump)
 
     def start_transcript(self, registry: Registry, job_id: str, attempt_id: int, session_id: str,
                          source: Callable[[], Path | None]) -> None:
@@ -475,7 +564,7 @@ class LogStreams:
             if job_id in self._transcripts:  # one session per attempt
                 return
             self._transcripts[job_id] = stream
-        stream.start()
+        stream.start(self._pump)
 
     def mask(self, registry: Registry, job_id: str, text: str) -> str:
         """`text` with every secret of the job's stream masked (§15): for what else the hub
@@ -545,5 +634,5 @@ class LogStreams:
             stream.stop()
 
 
-__all__ = ["Chunker", "DEFAULT_RATE_BPS", "LogStream", "LogStreams", "Masker", "RATE_ENV", "RateLimit",
+__all__ = ["Chunker", "DEFAULT_RATE_BPS", "LogStream", "LogStreams", "Masker", "Pump", "RATE_ENV", "RateLimit",
            "key_file_secrets", "rate_from_env", "secret_forms"]

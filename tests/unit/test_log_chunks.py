@@ -7,7 +7,9 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from mam.runner.logstream import (
     LogStream,
     LogStreams,
     Masker,
+    Pump,
     RateLimit,
     rate_from_env,
     secret_forms,
@@ -198,6 +201,65 @@ def test_s15_outage_keeps_chunks_in_the_outbox_until_the_broker_is_back(tmp_path
     done = stream.finish()
     assert done["log_chunks"] == 1 and not any(folder.iterdir())
     assert LogRouter(reg).handle(broker.published[0].payload) == [b"during the outage\n"]
+
+
+def silent_stream(tmp_path, client, rec, path: Path) -> LogStream:
+    return LogStream(root=tmp_path / "runner", client=client, job_id=rec["job_id"], attempt_id=rec["attempt_id"],
+                     auth_token=rec["auth_token"], log_path=path, secrets=[rec["auth_token"]],
+                     rate_bps=MAX_RATE_BPS)
+
+
+def threads_of(job_id: str) -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.endswith(job_id))
+
+
+def test_s15_one_pump_thread_reads_every_job_and_a_silent_job_starts_no_thread(tmp_path, hub):
+    reg, _ = hub
+    broker = FakeBroker()
+    client = broker.client(BrokerConfig())
+    client.connect()
+    pump = Pump("log-pump-under-test")
+    recs = [reg.register(session="gpu-box") for _ in range(3)]
+    streams = []
+    for n, rec in enumerate(recs):
+        path = tmp_path / f"agent-{n}.log"
+        path.write_bytes(b"")
+        streams.append(silent_stream(tmp_path, client, rec, path))
+        streams[-1].start(pump)
+    with open(tmp_path / "agent-0.log", "ab") as handle:
+        handle.write(b"only the first job prints\n")
+    topic = names.log_topic(recs[0]["job_id"], BrokerConfig().topic_root)
+    wait_until(lambda: broker.on_topic(topic), PATIENCE_S, "the first job's chunk sent while it runs")
+    assert [t.name for t in threading.enumerate()].count("log-pump-under-test") == 1
+    assert threads_of(recs[0]["job_id"]) == [f"log-send-{recs[0]['job_id']}"]  # its sender, from its first chunk
+    assert threads_of(recs[1]["job_id"]) == threads_of(recs[2]["job_id"]) == []
+    assert [stream.finish() for stream in streams] == [{"log_chunks": 1, "log_dropped": 0},
+                                                         {"log_chunks": 0, "log_dropped": 0},
+                                                         {"log_chunks": 0, "log_dropped": 0}]
+    assert LogRouter(reg).handle(broker.on_topic(topic)[0].payload) == [b"only the first job prints\n"]
+
+
+def test_s15_a_fifo_in_place_of_agent_log_ends_its_stream_not_the_pump(tmp_path, hub, caplog):
+    reg, _ = hub
+    broker = FakeBroker()
+    client = broker.client(BrokerConfig())
+    client.connect()
+    pump = Pump("log-pump-fifo")
+    hostile, plain = reg.register(session="gpu-box"), reg.register(session="gpu-box")
+    os.mkfifo(tmp_path / "hostile.log")  # no writer: an open that waits for one never returns
+    (tmp_path / "plain.log").write_bytes(b"")
+    blocked = silent_stream(tmp_path, client, hostile, tmp_path / "hostile.log")
+    other = silent_stream(tmp_path, client, plain, tmp_path / "plain.log")
+    with caplog.at_level(logging.ERROR, logger="mam.logstream"):
+        blocked.start(pump)
+        other.start(pump)
+        wait_until(lambda: blocked.read_ended, PATIENCE_S, "the stream of the FIFO ended")
+    assert f"job {hostile['job_id']}: output stream stopped" in caplog.text and "not a regular file" in caplog.text
+    (tmp_path / "plain.log").write_bytes(b"still read\n")
+    topic = names.log_topic(plain["job_id"], BrokerConfig().topic_root)
+    wait_until(lambda: broker.on_topic(topic), PATIENCE_S, "the other job's output sent by the same pump")
+    assert blocked.finish() == {"log_chunks": 0, "log_dropped": 0}
+    assert other.finish()["log_chunks"] == 1
 
 
 # ------------------------------------------------------------------ the hub's copy
