@@ -280,7 +280,8 @@ class Hub:
                            after=parse_after(after) if isinstance(after, str) else tuple(after),
                            after_if=after_if, from_result=from_result).checked()
         contract = hub_contract(self.registry.root, heartbeat_s=heartbeat_s, heartbeat_misses=heartbeat_misses,
-                                ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s)
+                                ack_timeout_s=ack_timeout_s, idle_timeout_s=idle_timeout_s, timeout_s=timeout_s,
+                                settings=self._hub.settings())
         work = work_terms(repo=repo, ref=ref, max_turns=max_turns, max_cost_usd=max_cost_usd,
                           allow_tools=allow_tools, deny_tools=deny_tools, permission_mode=permission_mode,
                           ask_timeout_s=ask_timeout_s, on_ask_timeout=on_ask_timeout, memory=memory, cpus=cpus,

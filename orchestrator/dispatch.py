@@ -253,9 +253,10 @@ def load_brief(registry: Registry, job_id: str) -> str:
 
 def hub_contract(workspace: Workspace, *, heartbeat_s: int | None = None, heartbeat_misses: int | None = None,
                  ack_timeout_s: int | None = None, idle_timeout_s: int | None = None,
-                 timeout_s: int | None = None) -> wire.Contract:
+                 timeout_s: int | None = None, settings: Mapping[str, str] | None = None) -> wire.Contract:
     """The job's contract (§5): defaults, then MAM_HEARTBEAT_SEC, MAM_HEARTBEAT_MISSES,
-    MAM_ACK_TIMEOUT_S (environment, then .mam.env, §13), then the CLI options.
+    MAM_ACK_TIMEOUT_S (environment, then .mam.env, §13; `settings`: those already read,
+    `Hub.settings`), then the CLI options.
 
     Raises:
         UsageError: an option that is not a positive integer (or absurdly large).
@@ -266,9 +267,10 @@ def hub_contract(workspace: Workspace, *, heartbeat_s: int | None = None, heartb
                         ("--timeout", timeout_s)):
         if value is not None and value < 1:
             raise UsageError(f"{name} {value} is invalid: expected a positive integer")
+    values = config.load_env(workspace=workspace) if settings is None else settings
     contract: wire.Contract = config.contract_from_env(
-        config.load_env(workspace=workspace), heartbeat_sec=heartbeat_s, heartbeat_misses=heartbeat_misses,
-        ack_timeout_sec=ack_timeout_s, idle_timeout_sec=idle_timeout_s, timeout_sec=timeout_s)
+        values, heartbeat_sec=heartbeat_s, heartbeat_misses=heartbeat_misses, ack_timeout_sec=ack_timeout_s,
+        idle_timeout_sec=idle_timeout_s, timeout_sec=timeout_s)
     return contract
 
 

@@ -7,6 +7,7 @@ each command keeps its own order of checks (what fails first, §9).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,7 @@ class Hub:
 
     registry: Registry
     _keys: DispatchKeys | None = field(default=None, repr=False)
+    _settings: dict[str, str] | None = field(default=None, repr=False)
     transport: TransportFactory = field(default=mqtt.new_client, repr=False)
 
     @property
@@ -76,6 +78,17 @@ class Hub:
         if self._keys is None:
             self._keys = signing_keys(self.root)
         return self._keys
+
+    def settings(self) -> Mapping[str, str]:
+        """The §13 settings (the environment over `.mam.env`), read once, as the keys are:
+        one command's or one program's view of them (the contract's defaults, §5).
+
+        Raises:
+            EnvFileError: the env file cannot be read (not kept: the next call reads again).
+        """
+        if self._settings is None:
+            self._settings = config.load_env(workspace=self.root)
+        return self._settings
 
     def broker_config(self, record: JobRecord | None = None) -> BrokerConfig:
         """The broker settings (§13), with a record's per-job overrides when given.
