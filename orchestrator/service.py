@@ -10,8 +10,9 @@ whichever command registered it: each open job is one `watch.Watcher` (fed by
 every new queued record; a job it closed itself stays judged for `LATE_JUDGE_S`
 (late terminals). What it knows about a job (why it waits, a runner's refusal, a
 retry) it writes as a `hub_note` line of the job's audit log, which every follower
-prints. The registry folder is scanned every `SCAN_S` (changed files only), so
-records registered by other commands are picked up at once.
+prints. The records folder is watched (inotify): every `SCAN_S` the records written
+since the last look are read, and the whole folder every `FULL_SCAN_S` (changed files
+only) for what no watch shows; a job queued by another command wakes it at once.
 
 Scale (docs/registry.md "Durability"): messages are handled in passes, each one
 `Registry.group()` (one lock hold, its fsyncs together at its end); progress
@@ -66,6 +67,7 @@ from mam.shared.config import env_float
 from mam.shared.protocol import names, wire
 from mam.shared.protocol.codes import PUBLISHED_STATUSES, CloseReason, JobStatus, PresenceStatus, RetryOn
 from mam.shared.protocol.errors import MamError
+from mam.shared.store.changes import JobsWatch
 from mam.shared.store.fsio import settled_mtime_ns
 from mam.shared.store.records import HUB_DECISIONS, NOTE, RECORD_NAME_RE, JobRecord, describe_target, target_of
 from mam.shared.transport import Received, Transport
@@ -73,8 +75,11 @@ from mam.shared.transport import Received, Transport
 log = logging.getLogger("mam.serve")
 
 SCAN_S = 0.2
-"""The registry folder is scanned this often for new and changed records (s; MAM_HUB_SCAN_S):
-the safety net, since a job queued elsewhere wakes the engine at once (`wake`)."""
+"""The records written since the last look are read this often (s; MAM_HUB_SCAN_S): the
+safety net, since a job queued elsewhere wakes the engine at once (`wake`)."""
+FULL_SCAN_S = 5.0
+"""The whole registry folder is scanned this often, seconds (every scan where no inotify
+watch can be held): what no watch shows, e.g. a lost event after the kernel's queue overflowed."""
 MAX_SCAN_S = 60.0
 LOCK_RACE_TRIES = 5
 """How often `EmbeddedService.ensure` starts an engine again when another process held the
@@ -180,6 +185,8 @@ class HubService:
         self.stats = ServiceStats()
         self.results = ResultInbox(self.registry)  # §18: results land whether or not a watcher runs
         self._mtimes: dict[str, int] = {}
+        self._records: JobsWatch | None = None  # the records folder's watch, while serving
+        self._next_full_scan = 0.0  # monotonic
         self.backlog: deque[Received] = deque()  # received, not judged yet (`receive`)
         self.unjudged: Counter[str] = Counter()  # job id -> its messages in `backlog`
         self.clears: list[str] = []  # jobs whose retained dispatch goes after this batch (§17)
@@ -406,8 +413,16 @@ class HubService:
             log.warning("job %s: note not written: %s", job_id, exc)
 
     def scan(self, now: float) -> None:
-        """Look at every record file whose mtime changed since the last scan, or is too recent
-        to tell (`settled_mtime_ns`)."""
+        """Look at the records the folder's watch names as written since the last scan; every
+        FULL_SCAN_S, or with no watch, at every record file whose mtime changed since the last
+        full scan, or is too recent to tell (`settled_mtime_ns`)."""
+        written = self._records.changed(0.0) if self._records is not None else None
+        if written is not None and now < self._next_full_scan:
+            for job_id in sorted(written):
+                if self.registry.record_path(job_id).exists():  # not one removed since
+                    self.consider(job_id, now)
+            return
+        self._next_full_scan = now + FULL_SCAN_S
         folder = names.jobs_dir(self.registry.root)
         try:
             entries = list(os.scandir(folder))
@@ -852,6 +867,14 @@ class HubService:
             self.lock.release()
 
     def _serve(self, client: Transport) -> int:
+        self._records = JobsWatch(self.registry.root, logs=False)  # before the first scan: no write falls between
+        try:
+            return self._serve_watched(client)
+        finally:
+            self._records.close()
+            self._records = None
+
+    def _serve_watched(self, client: Transport) -> int:
         now = time.monotonic()
         self.scan(now)  # open records first: the retained states then find their watchers
         root = self.config.topic_root

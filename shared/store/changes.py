@@ -151,9 +151,10 @@ class JobsWatch:
 
     Args:
         root: the registry's root.
+        logs: watch the logs folders too (False: records only, the hub engine's scan).
     """
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, logs: bool = True) -> None:
         self._root, self._logs_root = root, names.logs_dir(root)
         self._folders: dict[int, str] = {}  # watch descriptor → the job whose logs folder it is
         self._watched: dict[str, int] = {}
@@ -164,7 +165,7 @@ class JobsWatch:
             for folder in (names.jobs_dir(root), self._logs_root):  # a new hub has neither yet
                 folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._records_wd = self._inotify.add_watch(names.jobs_dir(root), RECORD_FLAGS)
-            self._logs_root_wd = self._inotify.add_watch(self._logs_root, flags.CREATE)
+            self._logs_root_wd = self._inotify.add_watch(self._logs_root, flags.CREATE) if logs else -1
         except OSError as exc:
             log.debug("the live feed looks at every job (no inotify watch: %s)", exc)
             self.close()

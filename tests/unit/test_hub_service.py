@@ -19,11 +19,12 @@ from mam.orchestrator.follow import AuditTail
 from mam.orchestrator.hub import Hub, open_hub
 from mam.orchestrator.hublock import HubLock, service_pid
 from mam.orchestrator.queuewait import close_queue_timeout, mark_published, settled
-from mam.orchestrator.service import HubService
+from mam.orchestrator.service import FULL_SCAN_S, HubService
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.config import write_env_file
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.errors import ExitCode, UsageError
+from mam.shared.store.changes import JobsWatch
 from mam.shared.store.records import QueueTerms
 from mam.shared.store.registry import Contract, Registry
 
@@ -176,6 +177,77 @@ def test_s14_a_record_changed_twice_within_one_timestamp_tick_is_looked_at_again
     os.utime(path, ns=(seen.st_atime_ns, seen.st_mtime_ns))  # the same tick as the first write
     service.scan(time.monotonic())
     assert record["job_id"] not in service.queued
+
+
+def watched_service(root, watch) -> HubService:
+    """A service holding a records watch, as `_serve` does, past its first (full) scan."""
+    write_env_file(root / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
+    service = HubService(open_hub(root))
+    service.client = RecordingClient()  # type: ignore[assignment]
+    service._records = watch
+    service.scan(time.monotonic())
+    return service
+
+
+def test_s14_the_service_reads_the_records_its_watch_names_and_lists_the_folder_seldom(tmp_path, monkeypatch):
+    watch = JobsWatch(tmp_path, logs=False)
+    try:
+        service = watched_service(tmp_path, watch)
+        listed, real_scandir = [], os.scandir
+        monkeypatch.setattr(os, "scandir", lambda path: listed.append(path) or real_scandir(path))
+        reg = Registry(tmp_path)
+        record = reg.register(session=None, queue=QueueTerms(target_session="gpu-box"))
+        service.scan(time.monotonic())
+        assert record["job_id"] in service.queued
+        close_queue_timeout(reg, record["job_id"])  # another process closes it
+        service.scan(time.monotonic())
+        assert record["job_id"] not in service.queued
+        assert names.jobs_dir(tmp_path) not in listed  # told by the watch, not by a listing
+        service.scan(time.monotonic() + FULL_SCAN_S)  # what no watch shows: the folder, now and then
+        assert listed.count(names.jobs_dir(tmp_path)) == 1
+    finally:
+        watch.close()
+
+
+class ScriptedWatch:
+    """A records watch that answers `changed` from a script (a set of job ids, or None)."""
+
+    def __init__(self, *answers):
+        self.answers = list(answers)
+
+    def changed(self, timeout_s):
+        return self.answers.pop(0)
+
+    def close(self):
+        pass
+
+
+def test_s14_a_watch_that_lost_events_makes_the_next_scan_look_at_every_record(tmp_path):
+    service = watched_service(tmp_path, ScriptedWatch(set(), set(), None))
+    record = Registry(tmp_path).register(session=None, queue=QueueTerms(target_session="gpu-box"))
+    service.scan(time.monotonic())  # its event was lost (the kernel's queue overflowed)
+    assert record["job_id"] not in service.queued
+    service.scan(time.monotonic())  # the watch says so: the whole folder is read
+    assert record["job_id"] in service.queued
+
+
+def test_s14_a_record_named_by_the_watch_and_removed_since_is_skipped_quietly(tmp_path, caplog):
+    watch = JobsWatch(tmp_path, logs=False)
+    try:
+        service = watched_service(tmp_path, watch)
+        reg = Registry(tmp_path)
+        gone = reg.register(session=None, queue=QueueTerms(target_session="gpu-box"))
+        reg.record_path(gone["job_id"]).unlink()
+        (names.jobs_dir(tmp_path) / "0badf00d.json").write_bytes(b"\x00not json")  # hostile: a broken record
+        with caplog.at_level("WARNING", logger="mam.serve"):
+            service.scan(time.monotonic())
+        assert gone["job_id"] not in service.queued and gone["job_id"] not in caplog.text
+        assert "job 0badf00d: cannot read its record" in caplog.text  # said in one line; the service goes on
+        kept = reg.register(session=None, queue=QueueTerms(target_session="gpu-box"))
+        service.scan(time.monotonic())
+        assert kept["job_id"] in service.queued
+    finally:
+        watch.close()
 
 
 def test_s14_a_pending_attempt_no_runner_spoke_for_is_published_again_by_the_next_engine(tmp_path):
