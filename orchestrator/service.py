@@ -186,6 +186,7 @@ class HubService:
         self.results = ResultInbox(self.registry)  # §18: results land whether or not a watcher runs
         self._mtimes: dict[str, int] = {}
         self._records: JobsWatch | None = None  # the records folder's watch, while serving
+        self._ticked_down_since: float | None = None  # `tick`'s last down_since
         self._next_full_scan = 0.0  # monotonic
         self.backlog: deque[Received] = deque()  # received, not judged yet (`receive`)
         self.unjudged: Counter[str] = Counter()  # job id -> its messages in `backlog`
@@ -776,9 +777,17 @@ class HubService:
             proven: moment -> whether the link is proven alive after it (`BrokerLink.proven`;
                 None: always), read before the messages received by then were taken in.
         """
+        if down_since != self._ticked_down_since:  # the clocks that run change: every job looks again
+            self._ticked_down_since = down_since
+            for watcher in self.watchers.values():
+                watcher.asleep_until = 0.0
+        revocations = self.feed.revocations
+        revoked = revocations.revoked() if revocations is not None else None  # one roster look (§16)
         for job_id, watcher in list(self.watchers.items()):
             if job_id in self.unjudged:
                 continue  # it spoke: judge that first (`receive`)
+            if now < watcher.asleep_until and revoked is not None and watcher.session not in revoked:
+                continue  # nothing to decide before its next deadline (`Watcher.next_wake`)
             try:
                 code = watcher.tick(now, down_since=down_since, poll=False, proven=proven)
             except MamError as exc:
@@ -786,6 +795,7 @@ class HubService:
                 log.warning("job %s: clocks not applied: %s", job_id, exc)
                 continue
             if code is None:
+                watcher.asleep_until = watcher.next_wake(down_since)
                 continue
             del self.watchers[job_id]
             self.groups.pop(job_id, None)

@@ -126,3 +126,70 @@ def test_s8_a_registry_group_fsyncs_its_files_together_at_its_end(tmp_path, coun
     # at its end: every record and audit log, then their folders (jobs/ and each logs/<id>/)
     assert len(counted_fsyncs) == 2 * len(records) + 1 + len(records)
     assert all(reg.get(record["job_id"])["status"] == "running" for record in records)
+
+
+class Revoked:
+    """A roster in which `session` is revoked (§16), for the service and its watchers."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, str] = {}
+
+    def revoked(self) -> dict[str, str]:
+        return dict(self.sessions)
+
+    def revoked_at(self, session: str, *, fresh: bool = False) -> str | None:
+        return self.sessions.get(session)
+
+
+def sleeping_service(tmp_path, monkeypatch) -> tuple[HubService, Any, list[str], Revoked]:
+    """A service tracking one dispatched job (ack window 600 s, idle window 2 s), whose
+    `Watcher.tick` calls are counted by job id."""
+    reg = Registry(tmp_path)
+    record = reg.register(session="gpu-box", contract=Contract(heartbeat_sec=1, heartbeat_misses=2,
+                                                               ack_timeout_sec=600))
+    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
+    service = HubService(open_hub(tmp_path))
+    service.client = RecordingClient()  # type: ignore[assignment]
+    roster = Revoked()
+    service.feed.revocations = roster  # type: ignore[assignment]
+    ticked: list[str] = []
+    real_tick = Watcher.tick
+    monkeypatch.setattr(Watcher, "tick", lambda self, *a, **k: ticked.append(self.job_id) or real_tick(self, *a, **k))
+    service.scan(time.monotonic())
+    return service, record, ticked, roster
+
+
+def test_s10_a_job_with_nothing_to_decide_is_not_judged_at_every_tick(tmp_path, monkeypatch):
+    service, record, ticked, _ = sleeping_service(tmp_path, monkeypatch)
+    now = time.monotonic()
+    for step in range(100):  # ten seconds of the service's ticks inside the 600 s ack window
+        service.tick(now + step * 0.1, None)
+    assert ticked == [record["job_id"]]  # judged once; then asleep until its ack deadline
+
+
+def test_s10_a_message_wakes_a_sleeping_job_whose_deadline_came_nearer(tmp_path, monkeypatch):
+    service, record, ticked, _ = sleeping_service(tmp_path, monkeypatch)
+    now = time.monotonic()
+    service.tick(now, None)  # asleep until the ack deadline, 600 s away
+    service.on_message(topic(record, "event"), signed(record, "event", 1, "started"), now)
+    service.tick(time.monotonic() + 1.0, None)
+    assert Registry(tmp_path).get(record["job_id"])["status"] == "running"  # inside the 2 s idle window
+    service.tick(time.monotonic() + IDLE_PAST_S, None)  # silence: the idle clock, not the ack one (§10)
+    assert Registry(tmp_path).get(record["job_id"])["close_reason"] == "deadline_timeout"
+
+
+def test_s16_a_revoked_runners_sleeping_job_is_closed_at_the_next_tick(tmp_path, monkeypatch):
+    service, record, ticked, roster = sleeping_service(tmp_path, monkeypatch)
+    now = time.monotonic()
+    service.tick(now, None)
+    roster.sessions["gpu-box"] = TS  # `mam-orch runner revoke gpu-box` from another shell
+    service.tick(now + 0.1, None)
+    assert Registry(tmp_path).get(record["job_id"])["close_reason"] == "runner_lost"
+
+
+def test_s14_a_link_going_down_makes_every_sleeping_job_look_again(tmp_path, monkeypatch):
+    service, record, ticked, _ = sleeping_service(tmp_path, monkeypatch)
+    now = time.monotonic()
+    service.tick(now, None)
+    service.tick(now + 0.1, down_since=now + 0.05)  # only the wall clock runs now (§14)
+    assert ticked == [record["job_id"]] * 2
