@@ -142,10 +142,10 @@ class Revoked:
 
 
 def sleeping_service(tmp_path, monkeypatch) -> tuple[HubService, Any, list[str], Revoked]:
-    """A service tracking one dispatched job (ack window 600 s, idle window 2 s), whose
+    """A service tracking one dispatched job (ack window 600 s, idle window 10 s), whose
     `Watcher.tick` calls are counted by job id."""
     reg = Registry(tmp_path)
-    record = reg.register(session="gpu-box", contract=Contract(heartbeat_sec=1, heartbeat_misses=2,
+    record = reg.register(session="gpu-box", contract=Contract(heartbeat_sec=5, heartbeat_misses=2,
                                                                ack_timeout_sec=600))
     write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
     service = HubService(open_hub(tmp_path))
@@ -173,7 +173,7 @@ def test_s10_a_message_wakes_a_sleeping_job_whose_deadline_came_nearer(tmp_path,
     service.tick(now, None)  # asleep until the ack deadline, 600 s away
     service.on_message(topic(record, "event"), signed(record, "event", 1, "started"), now)
     service.tick(time.monotonic() + 1.0, None)
-    assert Registry(tmp_path).get(record["job_id"])["status"] == "running"  # inside the 2 s idle window
+    assert Registry(tmp_path).get(record["job_id"])["status"] == "running"  # inside the 10 s idle window
     service.tick(time.monotonic() + IDLE_PAST_S, None)  # silence: the idle clock, not the ack one (§10)
     assert Registry(tmp_path).get(record["job_id"])["close_reason"] == "deadline_timeout"
 
