@@ -42,6 +42,7 @@ from typing import Any
 
 import psutil
 
+from mam.runner import spawn
 from mam.runner.cgroups import JobCgroup
 from mam.runner.process_tree import AGENT_TAG_ENV, TAG_BYTES, AgentIdentity, ProcessTree
 from mam.shared.protocol.errors import MamError, RegistryError, UsageError
@@ -261,18 +262,6 @@ class ExitStatus:
 # ---------------------------------------------------------------- process
 
 
-def _joiner(fds: Sequence[int]) -> Callable[[], None]:
-    """The child's step between fork and exec: join each cgroup whose `cgroup.procs` is in `fds`
-    (one write of "0" each, no lock taken, nothing allocated that another thread could hold)."""
-    def join() -> None:
-        for fd in fds:
-            try:
-                os.write(fd, b"0")
-            except OSError:
-                pass  # the parent sees it is not a member and says so
-    return join
-
-
 class AgentProcess:
     """One agent process in its own session and process group (§6, §11).
 
@@ -328,9 +317,11 @@ class AgentProcess:
                 does not take at once, by a thread); an agent that never reads stdin is fine.
             keep_stdin: leave stdin open after the brief: `send_input` writes more
                 (a person's messages, §18) until `close_input`.
-            cgroup: the attempt's cgroup (`cgroups`): the agent joins it before it
-                execs, so every process it starts is a member; cancel then kills the
-                group. None: the process group and tag walk only.
+            cgroup: the attempt's cgroup (`cgroups`): the agent joins it before its
+                program runs (`mam.runner.spawn`: a stub that joins and execs it, so the
+                group may not list it yet when this returns), so every process it starts
+                is a member; cancel then kills the group. None: the process group and
+                tag walk only.
             join: more `cgroup.procs` files it joins the same way (cgroup v1 limit groups, §6);
                 one that cannot be opened is said and left out.
             log_path: stdout and stderr are appended here (created 0600,
@@ -376,18 +367,20 @@ class AgentProcess:
                     fds.append(os.open(procs, os.O_WRONLY | os.O_CLOEXEC))
                 except OSError as exc:
                     log.warning("agent %s: not in the limit group %s (%s)", argv[0], procs.parent, exc.strerror)
+            stub = spawn.stub_argv(executable, argv, child_env, fds)
             try:
                 self._popen = subprocess.Popen(
-                    argv,
-                    executable=executable,
+                    argv if stub is None else stub[0],
+                    executable=executable if stub is None else stub[0][0],
                     stdin=subprocess.PIPE,
                     stdout=log_fd,
                     stderr=log_fd,
                     cwd=cwd,
-                    env=child_env,
+                    env=child_env if stub is None else stub[1],
                     start_new_session=True,  # own session + process group: cancel hits the group
                     close_fds=True,
-                    preexec_fn=_joiner(fds) if fds else None,
+                    pass_fds=fds if stub is not None else (),
+                    preexec_fn=spawn.joiner(fds) if fds and stub is None else None,
                 )
             except OSError as exc:
                 reason = os.strerror(exc.errno) if exc.errno else type(exc).__name__
@@ -401,7 +394,7 @@ class AgentProcess:
         self._watch_exit(self._popen.pid)  # before anything reaps it: the pid is still ours
         if join_fd >= 0 and cgroup is not None:
             self._cgroup = cgroup
-            if self._popen.poll() is None and self._popen.pid not in cgroup.members():
+            if stub is None and self._popen.poll() is None and self._popen.pid not in cgroup.members():
                 log.warning("agent %d: not in its cgroup %s: cancel stops its process group", self._popen.pid,
                             cgroup.path)
         try:

@@ -369,14 +369,23 @@ def test_in_its_cgroup_cancel_kills_a_child_that_double_forked_and_cleared_its_e
         tmp_path, run_agent, job_cgroup):
     pidfile = tmp_path / "pid"
     agent = run_agent([_escaper_script(tmp_path, pidfile)], cgroup=job_cgroup)
+    child = escaped(pidfile)  # the agent's program ran: it joined its group first
     assert agent.cgroup == job_cgroup and agent.pid in job_cgroup.members()
-    child = escaped(pidfile)
     assert child.pid in job_cgroup.members() and os.getsid(child.pid) != agent.pid
     created = child.create_time()
     agent.cancel(grace_s=0.5)
     assert gone(child.pid, created) and job_cgroup.members() == []
     agent.close()
     assert not job_cgroup.path.exists()  # the attempt's group is removed with it
+
+
+def test_in_its_cgroup_the_agents_program_runs_only_once_it_is_a_member(tmp_path, run_agent, job_cgroup):
+    log_path = tmp_path / "first.log"
+    agent = run_agent(["cat", "/proc/self/cgroup"], cgroup=job_cgroup, log_path=log_path)
+    assert agent.wait(timeout_s=PATIENCE_S) == ExitStatus(exit_code=0, signal=None)
+    lines = log_path.read_text().splitlines()
+    own = [line[len("0::"):] for line in lines if line.startswith("0::")]
+    assert own and job_cgroup.path.as_posix().endswith(own[0]), lines
 
 
 def test_in_its_cgroup_a_leftover_that_cleared_its_environment_is_stopped_after_exit_0(
