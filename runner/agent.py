@@ -291,6 +291,7 @@ class AgentProcess:
         self._input_open = False
         self._cgroup: JobCgroup | None = None
         self._exit_fd = -1  # a pidfd of the agent: readable once it exited (`wait`)
+        self._gate = -1  # a held agent's gate (`start(hold=True)`): a line lets it run, closing it ends it
         self._exit_poll: select.poll | None = None
 
     # -- start
@@ -306,7 +307,8 @@ class AgentProcess:
         keep_stdin: bool = False,
         cgroup: JobCgroup | None = None,
         join: Sequence[Path] = (),
-    ) -> None:
+        hold: bool = False,
+    ) -> bool:
         """Start the agent (§11 step 4).
 
         Args:
@@ -326,6 +328,12 @@ class AgentProcess:
                 one that cannot be opened is said and left out.
             log_path: stdout and stderr are appended here (created 0600,
                 parent folders 0700).
+            hold: start its process and let it join its groups, but run its program
+                only at `release()` (the join's wait then overlaps the caller's work).
+                Where it cannot be held (no groups to join, or the stub cannot start
+                it: `mam.runner.spawn`) nothing is started and this returns False.
+        Returns:
+            True: started (held, with `hold`); False: not started (only with `hold`).
         Raises:
             AgentStartError: the program is not found, not executable, or
                 exec fails (one line naming the command).
@@ -341,6 +349,9 @@ class AgentProcess:
         self._tag = os.urandom(TAG_BYTES).hex()
         child_env = dict(env)
         child_env[AGENT_TAG_ENV] = self._tag
+        stubbable = bool(cgroup is not None or join) and spawn.usable(executable, child_env)
+        if hold and not stubbable:
+            return False
         cwd = Path(cwd)
         cwd.mkdir(mode=0o700, parents=True, exist_ok=True)
         log_path = Path(log_path)
@@ -367,7 +378,11 @@ class AgentProcess:
                     fds.append(os.open(procs, os.O_WRONLY | os.O_CLOEXEC))
                 except OSError as exc:
                     log.warning("agent %s: not in the limit group %s (%s)", argv[0], procs.parent, exc.strerror)
-            stub = spawn.stub_argv(executable, argv, child_env, fds)
+            if hold and not fds:
+                return False  # no group could be opened: nothing to wait for
+            gate = os.pipe() if hold else None  # both ends close-on-exec; the stub gets the read end
+            stub = spawn.stub_argv(executable, argv, child_env, fds, gate[0] if gate else None) \
+                if stubbable and fds else None
             try:
                 self._popen = subprocess.Popen(
                     argv if stub is None else stub[0],
@@ -379,7 +394,7 @@ class AgentProcess:
                     env=child_env if stub is None else stub[1],
                     start_new_session=True,  # own session + process group: cancel hits the group
                     close_fds=True,
-                    pass_fds=fds if stub is not None else (),
+                    pass_fds=() if stub is None else (*fds, *gate[:1]) if gate else fds,
                     preexec_fn=spawn.joiner(fds) if fds and stub is None else None,
                 )
             except OSError as exc:
@@ -387,6 +402,13 @@ class AgentProcess:
                 if exc.errno == errno.ENOEXEC:
                     reason = "exec format error (a script needs a #! line)"
                 raise AgentStartError(f"agent command {argv[0]!r} cannot be started: {reason}") from None
+            finally:
+                if gate is not None:
+                    os.close(gate[0])
+                    if self._popen is None:
+                        os.close(gate[1])
+                    else:
+                        self._gate = gate[1]
         finally:
             os.close(log_fd)
             for fd in fds:
@@ -418,6 +440,21 @@ class AgentProcess:
             self._spawn_thread(self._write_stdin, name=f"agent-stdin-{self.pid}")
         if self._cgroup is None:  # in a group every descendant stays a member: nothing to sample
             self._spawn_thread(self._track, name=f"agent-track-{self.pid}")
+        return True
+
+    def release(self) -> None:
+        """Let a held agent (`start(hold=True)`) run its program; nothing for one not held.
+        Idempotent. An agent that already ended (cancelled, or its stub killed) is left to
+        `wait`."""
+        gate, self._gate = self._gate, -1
+        if gate < 0:
+            return
+        try:
+            os.write(gate, b"\n")
+        except OSError:
+            pass  # BrokenPipeError: it ended; wait() reports how
+        finally:
+            os.close(gate)
 
     def _watch_exit(self, pid: int) -> None:
         """Open a pidfd of the agent, so that a timed `wait` sleeps in the kernel until its
@@ -627,6 +664,9 @@ class AgentProcess:
         still in it is killed first)."""
         self._stop.set()
         self.close_input()
+        if self._gate >= 0:  # never released: its stub ends without running the program
+            gate, self._gate = self._gate, -1
+            os.close(gate)
         for thread in self._threads:
             thread.join(timeout=THREAD_JOIN_S)
         if self._exit_fd >= 0:

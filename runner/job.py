@@ -233,6 +233,31 @@ class Supervisor:
                         exc)
         attempt, started_data, problem = self._prepare(job)  # §18: the worktree, before `started`
         limits = self._limits_of(job, started_data)
+        agent = AgentProcess()
+        env_file: Path | None = None
+        try:
+            if attempt is not None and problem is None:
+                env_file = self._write_broker_env(job.job_id)
+                if not job.cancel.is_set():  # held where it can be: it joins its groups while
+                    # `started` goes out; its program runs only after that (§11 step 4)
+                    self._start_agent(job, agent, env_file, attempt, limits, hold=True)
+            self._started(job, attempt, problem, limits, agent, env_file, cleared, started_data)
+        finally:
+            if agent.started and agent.poll() is None:  # an unexpected error: never leave the agent behind
+                agent.cancel(grace_s=self.options.cancel_grace_s)
+            self.deadman.disarm(f"{job.job_id}-{job.attempt_id}")
+            self.leases.release(f"{job.job_id}-{job.attempt_id}")
+            agent.close()
+            if limits is not None:
+                limits.remove()
+            if env_file is not None:
+                env_file.unlink(missing_ok=True)
+
+    def _started(self, job: Job, attempt: AttemptWork | None, problem: str | None, limits: JobLimits | None,
+                 agent: AgentProcess, env_file: Path | None, cleared: Callable[[], None] | None,
+                 started_data: dict[str, Any]) -> None:
+        """§11 steps 3-5 from `started` on: publish it, then run the agent (held: release it)
+        or end the attempt that cannot run."""
         started = publish.record(self.registry, publish.PublishRequest(
             job_id=job.job_id, event=EventName.STARTED, attempt_id=job.attempt_id,
             dispatch_token=job.dispatch_token, data=started_data, detail=session_note(started_data)),
@@ -250,28 +275,16 @@ class Supervisor:
         # §12 from the daemon: one thread beats for every job (no timer process per job, §17)
         self.beats.add(job.job_id, attempt_id=job.attempt_id, dispatch_token=job.dispatch_token,
                        interval_s=float(job.heartbeat_s), timeout_s=float(job.timeout_s))
-        if attempt is None or problem is not None or job.cancel.is_set():
-            if limits is not None:
-                limits.remove()
+        if attempt is None or problem is not None or env_file is None or job.cancel.is_set():
+            if agent.started:  # held, never released: it ends without running the program
+                agent.cancel(grace_s=0.0)
             if attempt is None or problem is not None:
                 log.error("job %s: %s", job.job_id, problem)
                 self.publish_terminal(job, Terminal(EventName.ERROR, str(problem)[:wire.MAX_DETAIL_CHARS], None))
             else:  # cancelled before the agent started
                 self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_CANCELLED, None, JobStatus.CANCELLED))
             return
-        env_file = self._write_broker_env(job.job_id)
-        agent = AgentProcess()
-        try:
-            self._run_agent(job, agent, env_file, attempt, limits)
-        finally:
-            if agent.started and agent.poll() is None:  # an unexpected error: never leave the agent behind
-                agent.cancel(grace_s=self.options.cancel_grace_s)
-            self.deadman.disarm(f"{job.job_id}-{job.attempt_id}")
-            self.leases.release(f"{job.job_id}-{job.attempt_id}")
-            agent.close()
-            if limits is not None:
-                limits.remove()
-            env_file.unlink(missing_ok=True)
+        self._run_agent(job, agent, env_file, attempt, limits)
 
     def _prepare(self, job: Job) -> tuple[AttemptWork | None, dict[str, Any], str | None]:
         """The attempt's work (§18): (it, `started`'s data, why it cannot run or None)."""
@@ -293,15 +306,29 @@ class Supervisor:
         except (RepoError, OSError) as exc:
             return attempt, {"agent": attempt.adapter.kind}, str(exc)
 
+    def _start_agent(self, job: Job, agent: AgentProcess, env_file: Path, attempt: AttemptWork,
+                     limits: JobLimits | None, *, hold: bool = False) -> bool:
+        """`agent.start` with the attempt's command, environment and groups; with `hold`, only
+        where it can be held (False: not started), and an error is left for the start after."""
+        try:
+            return agent.start(attempt.argv(), env={**self._agent_env(job, env_file), **attempt.env()},
+                               cwd=attempt.cwd(), stdin_text=attempt.stdin(job.brief), log_path=attempt.log_path,
+                               keep_stdin=attempt.takes_input, cgroup=self._cgroup_of(job),
+                               join=limits.procs_files() if limits is not None else (), hold=hold)
+        except (AgentStartError, RegistryError, OSError):
+            if hold:
+                return False  # the start after `started` meets it again and ends the job
+            raise
+
     def _run_agent(self, job: Job, agent: AgentProcess, env_file: Path, attempt: AttemptWork,
                    limits: JobLimits | None) -> None:
-        workdir = attempt.cwd()
-        log_path = self.registry.logs_dir(job.job_id) / "agent.log"
-        self.logstreams.start(self.registry, job.job_id, job.attempt_id, log_path)  # §15, from its current end
+        # §15: from the attempt's first byte (a held agent's stub may have written already)
+        self.logstreams.start(self.registry, job.job_id, job.attempt_id, attempt.log_path, offset=attempt.log_offset)
         try:
-            agent.start(attempt.argv(), env={**self._agent_env(job, env_file), **attempt.env()}, cwd=workdir,
-                        stdin_text=attempt.stdin(job.brief), log_path=log_path, keep_stdin=attempt.takes_input,
-                        cgroup=self._cgroup_of(job), join=limits.procs_files() if limits is not None else ())
+            if agent.started:
+                agent.release()
+            else:
+                self._start_agent(job, agent, env_file, attempt, limits)
         except (AgentStartError, RegistryError, OSError) as exc:
             log.error("job %s: agent not started: %s", job.job_id, exc)
             self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_NOT_STARTED, EXIT_NOT_STARTED))

@@ -532,11 +532,14 @@ class LogStreams:
         self._lock = threading.Lock()
         self._pump = Pump()
 
-    def start(self, registry: Registry, job_id: str, attempt_id: int, log_path: Path) -> None:
-        """Follow `log_path` from its current end for the job's attempt; never raises."""
+    def start(self, registry: Registry, job_id: str, attempt_id: int, log_path: Path,
+              offset: int | None = None) -> None:
+        """Follow `log_path` for the job's attempt from byte `offset` (None: its current
+        end); never raises."""
         try:
             token = registry.get(job_id)["auth_token"]
-            offset = os.stat(log_path).st_size if log_path.exists() else 0
+            if offset is None:
+                offset = os.stat(log_path).st_size if log_path.exists() else 0
             stream = LogStream(root=self.root, client=self.client, job_id=job_id, attempt_id=attempt_id,
                                auth_token=token, log_path=log_path, secrets=[*self.secrets, token],
                                rate_bps=self.rate_bps, offset=offset)

@@ -21,6 +21,12 @@ no locale for; the stub puts back what the agent was given, without the warning.
 through as it was, and an absent `SHLVL` reaches the agent as `SHLVL=0` (which
 every shell treats as absent: it starts at 1).
 
+The stub can also hold the agent: after the join it waits for a line on a gate
+pipe, and only then execs. The runner spawns it so before `started` and releases
+it once `started` is out (§11.3), so the join's wait overlaps `started`'s record
+and PUBACKs. A stub whose gate closes unwritten (its runner died) exits with 125
+without running the program.
+
 The stub is not used, and the agent starts the old way (`joiner` as `preexec_fn`,
 exactly as `Popen` would run it), when:
 - there is no bash at /bin/bash or /usr/bin/bash;
@@ -70,13 +76,15 @@ RESTORED_NAMES = ("PWD", "OLDPWD", "IFS")
 QUIET_NAMES = ("LC_ALL",)
 
 # $0: the agent's argv[0]; $1: its program; $2: the inherited cgroup.procs fds;
-# then its arguments. A group it cannot join is said on stderr (the job's log),
-# and the agent runs in the rest, as with `joiner`. No variable of the shell's
-# own is left (the loop's is local to a function): the agent's environment may
-# name any of them.
+# $3: a gate's fd or nothing; then its arguments. A group it cannot join is said on
+# stderr (the job's log), and the agent runs in the rest, as with `joiner`. With a
+# gate, the stub then waits for a line on it and ends (status 125) at its end
+# instead. No variable of the shell's own is left (the function's are local): the
+# agent's environment may name any of them.
 _JOIN = ('j() { local f; for f in $1; do printf 0 2>/dev/null >&"$f" || printf "%s\\n" "mam-runner: the agent '
-         'is not in one of its cgroups (fd $f); cancel stops its process group" >&2; exec {f}>&-; done; }; '
-         'j "$2"; unset -f j; ')
+         'is not in one of its cgroups (fd $f); cancel stops its process group" >&2; exec {f}>&-; done; '
+         'if [ -n "$2" ]; then local g; f=$2; read -r -u "$f" g || exit 125; exec {f}<&-; fi; }; '
+         'j "$2" "$3"; unset -f j; ')
 
 
 def joiner(fds: Sequence[int]) -> Callable[[], None]:
@@ -103,28 +111,35 @@ def find_bash() -> str | None:
 _BASH = find_bash()
 
 
-def stub_argv(executable: str, argv: Sequence[str], env: Mapping[str, str],
-              fds: Sequence[int]) -> tuple[list[str], dict[str, str]] | None:
-    """The bash command line that joins the groups of `fds` and then runs the agent with
-    `env`, and the environment to start it with; None where the agent must start the
-    old way (see the module's docstring).
+def usable(executable: str, env: Mapping[str, str]) -> bool:
+    """True where the stub can start `executable` with exactly `env` (see the module's
+    docstring for where it cannot)."""
+    return _BASH is not None and _plain_program(executable) and _plain_env(env)
+
+
+def stub_argv(executable: str, argv: Sequence[str], env: Mapping[str, str], fds: Sequence[int],
+              gate: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """The bash command line that joins the groups of `fds`, waits for a line on `gate`
+    if given, and then runs the agent with `env`; and the environment to start it with.
+    Only where `usable(executable, env)`.
 
     Args:
         executable: the agent's program, absolute (`resolve_executable`).
         argv: the agent's argv; argv[0] is kept as it is.
         env: the agent's whole environment.
         fds: `cgroup.procs` fds open for writing, passed to the stub (`pass_fds`).
+        gate: the read end of a pipe, passed too: the program runs once a line is
+            written to it, never if its write end closes first.
     """
-    if _BASH is None or not fds or not _plain_program(executable) or not _plain_env(env):
-        return None
     restore = [f"export {name}={shlex.quote(env[name])}" if name in env else f"unset {name}"
                for name in RESTORED_NAMES]
     restore += [f"export {name}={shlex.quote(env[name])} 2>/dev/null" for name in QUIET_NAMES if name in env]
     underscore = f"_={shlex.quote(env['_'])} " if "_" in env else ""
-    script = _JOIN + "; ".join(restore) + f'; {underscore}exec -a "$0" "$1" "${{@:3}}"'
+    script = _JOIN + "; ".join(restore) + f'; {underscore}exec -a "$0" "$1" "${{@:4}}"'
     start_env = {name: value for name, value in env.items() if name not in QUIET_NAMES}
+    assert _BASH is not None, "stub_argv without usable()"
     return [_BASH, "--norc", "--noprofile", "-c", script, argv[0], executable,
-            " ".join(str(fd) for fd in fds), *argv[1:]], start_env
+            " ".join(str(fd) for fd in fds), "" if gate is None else str(gate), *argv[1:]], start_env
 
 
 def _plain_env(env: Mapping[str, str]) -> bool:
@@ -157,4 +172,4 @@ def _plain_program(executable: str) -> bool:
     return os.path.isfile(interpreter) and os.access(interpreter, os.X_OK)
 
 
-__all__ = ["BASH_PATHS", "SPECIAL_NAMES", "find_bash", "joiner", "stub_argv"]
+__all__ = ["BASH_PATHS", "SPECIAL_NAMES", "find_bash", "joiner", "stub_argv", "usable"]

@@ -134,6 +134,7 @@ class AttemptWork:
         self.mirrors = mirrors
         self.exec_argv = list(exec_argv)
         self.adapter = agents.new_adapter(agent, agents.AgentPolicy.of_work(work))
+        self.log_path, self.log_offset = log_path, log_offset
         self.follower = LineFollower(log_path, log_offset)
         self._skipped_seen = 0
         self.secrets = list(secrets)

@@ -446,6 +446,22 @@ def test_s6_in_cgroup_mode_cancel_kills_a_child_that_escaped_with_its_environmen
         kill_all([pid])
 
 
+def test_s11_the_agents_program_runs_only_once_started_is_acknowledged(nats_broker, tmp_path, hub, wire_obs,
+                                                                          runners):
+    """§11.3: `started` is recorded and acknowledged before the agent's program runs, also
+    when (cgroups on) its process was started earlier and held while it joined its groups:
+    the program's first step finds the record `running` and `started`'s outbox entry gone."""
+    ws = tmp_path / "runner"
+    start_runner(runners, nats_broker, ws).wait_serving()
+    seen = tmp_path / "seen"
+    record, _ = hub.dispatch(f'ls "$MAM_REAL_ROOT/.mam/outbox" > {seen}.outbox; '
+                             f'cat "$MAM_REAL_ROOT/.mam/jobs/$JOB_ID.json" > {seen}.record')
+    job_id = record["job_id"]
+    assert wire_obs.wait_terminal(job_id)["event"] == "completed"
+    assert json.loads(Path(f"{seen}.record").read_text())["status"] == "running"
+    assert f"{job_id}.1.1.json" not in Path(f"{seen}.outbox").read_text().split()
+
+
 def test_s6_kill9_of_the_runner_stops_its_agents_at_once(nats_broker, tmp_path, hub, wire_obs, runners):
     """§6 "The daemon's death": after `kill -9` of the runner its deadman helper stops the agent
     tree with no restart: the agent and a child that left its session, ignores SIGTERM and (in

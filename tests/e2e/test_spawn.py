@@ -7,13 +7,19 @@ real groups."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
+from harness.waiting import wait_until
 
 from mam.runner import spawn
-from mam.runner.agent import AgentProcess, AgentStartError, resolve_executable
+from mam.runner.agent import AgentProcess, AgentStartError, ExitStatus, resolve_executable
 from mam.runner.process_tree import AGENT_TAG_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(60),
@@ -56,7 +62,7 @@ def procs(tmp_path) -> Path:
 
 
 def uses_stub(env: dict[str, str], argv0: str = "env") -> bool:
-    return spawn.stub_argv(resolve_executable(argv0, PATH), [argv0], env, [99]) is not None
+    return spawn.usable(resolve_executable(argv0, PATH), env)
 
 
 @pytest.mark.parametrize("extra", [
@@ -135,5 +141,66 @@ def test_a_program_exec_would_refuse_is_still_refused_at_start(tmp_path, procs):
         run(tmp_path, [str(lost)], {"PATH": PATH}, [procs])
 
 
-def test_no_groups_to_join_means_no_stub():
-    assert spawn.stub_argv(resolve_executable("env", PATH), ["env"], {"PATH": PATH}, []) is None
+def held(tmp_path: Path, procs: Path, marker: Path) -> AgentProcess:
+    """An agent held before its program (which would touch `marker`) once it joined `procs`."""
+    agent = AgentProcess()
+    assert agent.start(["sh", "-c", f"touch {marker}"], env={"PATH": PATH}, cwd=tmp_path / "work", stdin_text="",
+                       log_path=tmp_path / "agent.log", join=[procs], hold=True)
+    wait_until(lambda: procs.read_text() == "0", what="the held agent to join its group")
+    return agent
+
+
+def test_a_held_agent_joins_first_and_runs_its_program_only_when_released(tmp_path, procs):
+    marker = tmp_path / "ran"
+    agent = held(tmp_path, procs, marker)
+    try:
+        assert agent.wait(timeout_s=0.3) is None and not marker.exists()
+        agent.release()
+        agent.release()  # idempotent
+        assert agent.wait(timeout_s=30) == ExitStatus(exit_code=0, signal=None) and marker.exists()
+    finally:
+        if agent.poll() is None:
+            agent.cancel(grace_s=0.0)
+        agent.close()
+
+
+def test_a_held_agent_never_released_never_runs_its_program(tmp_path, procs):
+    marker = tmp_path / "ran"
+    agent = held(tmp_path, procs, marker)
+    status = agent.cancel(grace_s=0.0)
+    agent.release()  # after its end: nothing happens
+    agent.close()
+    assert status.exit_code != 0 and not marker.exists()
+
+
+def test_a_held_agent_whose_runner_died_ends_without_running_its_program(tmp_path, procs):
+    marker, pidfile = tmp_path / "ran", tmp_path / "pid"
+    runner = textwrap.dedent(f"""
+        from pathlib import Path
+        import os
+        from mam.runner.agent import AgentProcess
+        agent = AgentProcess()
+        assert agent.start(["sh", "-c", "touch {marker}"], env={{"PATH": "{PATH}"}}, cwd=Path("{tmp_path}/work"),
+                           stdin_text="", log_path=Path("{tmp_path}/agent.log"), join=[Path("{procs}")], hold=True)
+        Path("{pidfile}").write_text(str(agent.pid))
+        os._exit(0)  # as a SIGKILL would: the gate's write end closes with the process
+        """)
+    subprocess.run([sys.executable, "-c", runner], check=True, timeout=60)
+    pid = int(pidfile.read_text())
+    wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+               what="the orphaned stub to end")
+    assert not marker.exists()
+
+
+def test_an_agent_that_cannot_be_held_is_not_started(tmp_path, procs):
+    bare = tmp_path / "no-shebang"
+    bare.write_text("echo hi\n")
+    bare.chmod(0o755)
+    for argv, join in ((["true"], []), ([str(bare)], [procs]), (["/definitely/not/here"], [procs])):
+        agent = AgentProcess()
+        with contextlib.suppress(AgentStartError):
+            assert agent.start(argv, env={"PATH": PATH}, cwd=tmp_path / "work", stdin_text="",
+                               log_path=tmp_path / "agent.log", join=join, hold=True) is False
+        assert not agent.started
+        agent.close()
+    assert procs.read_text() == ""
