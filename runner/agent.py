@@ -381,21 +381,26 @@ class AgentProcess:
             if hold and not fds:
                 return False  # no group could be opened: nothing to wait for
             gate = os.pipe() if hold else None  # both ends close-on-exec; the stub gets the read end
-            stub = spawn.stub_argv(executable, argv, child_env, fds, gate[0] if gate else None) \
-                if stubbable and fds else None
+            stub = stubbable and bool(fds)
+            if stub:  # vfork of a stub that joins (and waits at the gate), then execs the program
+                run_argv, run_env = spawn.stub_argv(executable, argv, child_env, fds, gate[0] if gate else None)
+                run_exe, passed, joiner = run_argv[0], (*fds, *(gate[:1] if gate else ())), None
+            else:  # fork; the child joins between fork and exec
+                run_argv, run_env, run_exe, passed = argv, child_env, executable, ()
+                joiner = spawn.joiner(fds) if fds else None
             try:
                 self._popen = subprocess.Popen(
-                    argv if stub is None else stub[0],
-                    executable=executable if stub is None else stub[0][0],
+                    run_argv,
+                    executable=run_exe,
                     stdin=subprocess.PIPE,
                     stdout=log_fd,
                     stderr=log_fd,
                     cwd=cwd,
-                    env=child_env if stub is None else stub[1],
+                    env=run_env,
                     start_new_session=True,  # own session + process group: cancel hits the group
                     close_fds=True,
-                    pass_fds=() if stub is None else (*fds, *gate[:1]) if gate else fds,
-                    preexec_fn=spawn.joiner(fds) if fds and stub is None else None,
+                    pass_fds=passed,
+                    preexec_fn=joiner,
                 )
             except OSError as exc:
                 reason = os.strerror(exc.errno) if exc.errno else type(exc).__name__
@@ -416,7 +421,7 @@ class AgentProcess:
         self._watch_exit(self._popen.pid)  # before anything reaps it: the pid is still ours
         if join_fd >= 0 and cgroup is not None:
             self._cgroup = cgroup
-            if stub is None and self._popen.poll() is None and self._popen.pid not in cgroup.members():
+            if not stub and self._popen.poll() is None and self._popen.pid not in cgroup.members():
                 log.warning("agent %d: not in its cgroup %s: cancel stops its process group", self._popen.pid,
                             cgroup.path)
         try:

@@ -5,8 +5,8 @@ A process joins a cgroup by writing "0" to the group's `cgroup.procs`. Done betw
 fork and exec (`Popen(preexec_fn=...)`), that costs a real `fork()` of the runner:
 CPython may `vfork()` only when there is no `preexec_fn`, and copying a threaded
 50 MB process, running its after-fork handlers and paying the copy-on-write faults
-took about 6 ms and 6 ms of CPU a job here, with the GIL held in the parent
-(docs/benchmarks.md). The first move into a group also waits for an RCU grace
+cost about 5 ms and 5-6 ms of CPU more a spawn here than a `vfork`, with the GIL
+held in the parent (docs/benchmarks.md). The first move into a group also waits for an RCU grace
 period (5-13 ms on a cgroup2 mount without `favordynmods`), and the parent's
 `Popen` waited for all of it.
 
