@@ -241,7 +241,33 @@ class Supervisor:
                 if not job.cancel.is_set():  # held where it can be: it joins its groups while
                     # `started` goes out; its program runs only after that (§11 step 4)
                     self._start_agent(job, agent, env_file, attempt, limits, hold=True)
-            self._started(job, attempt, problem, limits, agent, env_file, cleared, started_data)
+            started = publish.record(self.registry, publish.PublishRequest(
+                job_id=job.job_id, event=EventName.STARTED, attempt_id=job.attempt_id,
+                dispatch_token=job.dispatch_token, data=started_data, detail=session_note(started_data)),
+                source="runner")
+            try:
+                if cleared is not None:
+                    cleared()
+            except BrokerError as exc:
+                log.warning("job %s: retained dispatch not cleared (%s); the registry refuses its replay", job.job_id,
+                            exc)
+            if job.lease_s is not None:  # §10 "Leases": from before `started` goes out, as the hub counts from it
+                self.leases.hold(f"{job.job_id}-{job.attempt_id}", lease_s=job.lease_s, heartbeat_s=job.heartbeat_s,
+                                 since=lease.now())
+            self._send(job.job_id, started)
+            # §12 from the daemon: one thread beats for every job (no timer process per job, §17)
+            self.beats.add(job.job_id, attempt_id=job.attempt_id, dispatch_token=job.dispatch_token,
+                           interval_s=float(job.heartbeat_s), timeout_s=float(job.timeout_s))
+            if attempt is None or problem is not None or env_file is None or job.cancel.is_set():
+                if agent.started:  # held, never released: it ends without running the program
+                    agent.cancel(grace_s=0.0)
+                if attempt is None or problem is not None:
+                    log.error("job %s: %s", job.job_id, problem)
+                    self.publish_terminal(job, Terminal(EventName.ERROR, str(problem)[:wire.MAX_DETAIL_CHARS], None))
+                else:  # cancelled before the agent started
+                    self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_CANCELLED, None, JobStatus.CANCELLED))
+                return
+            self._run_agent(job, agent, env_file, attempt, limits)
         finally:
             if agent.started and agent.poll() is None:  # an unexpected error: never leave the agent behind
                 agent.cancel(grace_s=self.options.cancel_grace_s)
@@ -252,39 +278,6 @@ class Supervisor:
                 limits.remove()
             if env_file is not None:
                 env_file.unlink(missing_ok=True)
-
-    def _started(self, job: Job, attempt: AttemptWork | None, problem: str | None, limits: JobLimits | None,
-                 agent: AgentProcess, env_file: Path | None, cleared: Callable[[], None] | None,
-                 started_data: dict[str, Any]) -> None:
-        """§11 steps 3-5 from `started` on: publish it, then run the agent (held: release it)
-        or end the attempt that cannot run."""
-        started = publish.record(self.registry, publish.PublishRequest(
-            job_id=job.job_id, event=EventName.STARTED, attempt_id=job.attempt_id,
-            dispatch_token=job.dispatch_token, data=started_data, detail=session_note(started_data)),
-            source="runner")
-        try:
-            if cleared is not None:
-                cleared()
-        except BrokerError as exc:
-            log.warning("job %s: retained dispatch not cleared (%s); the registry refuses its replay", job.job_id,
-                        exc)
-        if job.lease_s is not None:  # §10 "Leases": from before `started` goes out, as the hub counts from it
-            self.leases.hold(f"{job.job_id}-{job.attempt_id}", lease_s=job.lease_s, heartbeat_s=job.heartbeat_s,
-                             since=lease.now())
-        self._send(job.job_id, started)
-        # §12 from the daemon: one thread beats for every job (no timer process per job, §17)
-        self.beats.add(job.job_id, attempt_id=job.attempt_id, dispatch_token=job.dispatch_token,
-                       interval_s=float(job.heartbeat_s), timeout_s=float(job.timeout_s))
-        if attempt is None or problem is not None or env_file is None or job.cancel.is_set():
-            if agent.started:  # held, never released: it ends without running the program
-                agent.cancel(grace_s=0.0)
-            if attempt is None or problem is not None:
-                log.error("job %s: %s", job.job_id, problem)
-                self.publish_terminal(job, Terminal(EventName.ERROR, str(problem)[:wire.MAX_DETAIL_CHARS], None))
-            else:  # cancelled before the agent started
-                self.publish_terminal(job, Terminal(EventName.ERROR, DETAIL_CANCELLED, None, JobStatus.CANCELLED))
-            return
-        self._run_agent(job, agent, env_file, attempt, limits)
 
     def _prepare(self, job: Job) -> tuple[AttemptWork | None, dict[str, Any], str | None]:
         """The attempt's work (§18): (it, `started`'s data, why it cannot run or None)."""
