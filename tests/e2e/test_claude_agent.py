@@ -38,7 +38,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from harness.agentfleet import ASK_HOOK, FAST, AgentFleet, agent_fleet
+from harness.agentfleet import AGENT_START_S, AGENT_TEST_S, ASK_HOOK, FAST, AgentFleet, agent_fleet
 from harness.gitserver import git
 from harness.modelserver import Failure, Step, Text, ToolUse
 from harness.waiting import PATIENCE_S, wait_until
@@ -46,7 +46,7 @@ from harness.waiting import PATIENCE_S, wait_until
 from mam.shared.protocol import names
 from mam.shared.store.registry import Registry
 
-pytestmark = [pytest.mark.broker, pytest.mark.e2e]
+pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(AGENT_TEST_S)]
 
 @pytest.fixture
 def claude_fleet(tmp_path: Path) -> Iterator[AgentFleet]:
@@ -125,17 +125,23 @@ def test_s18_a_tool_no_policy_allows_is_permission_denied_not_completed(claude_f
     assert claude_fleet.fleet.hub_record(job_id)["status"] == "error"
 
 
-def asked_on_hub(handle) -> dict:
-    """The first permission request the dispatch saw (§19)."""
-    return wait_until(lambda: (handle.events("permission_required") or [None])[0], PATIENCE_S,
-                      "a permission request at the hub")
+def asked_on_hub(cf: AgentFleet, handle) -> dict:
+    """The first permission request the dispatch saw (§19); fails at once, saying what the
+    dispatch, the runner and the model saw, when the dispatch ended without one."""
+    try:
+        asked = wait_until(lambda: (handle.events("permission_required") or [None])[0] or not handle.alive(),
+                           AGENT_START_S, "a permission request at the hub")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{cf.story(handle)}") from None
+    assert isinstance(asked, dict), f"the dispatch ended without a permission request\n{cf.story(handle)}"
+    return asked
 
 
 def test_s19_a_person_approves_the_tool_call_claude_asks_for_and_it_runs(claude_fleet: AgentFleet) -> None:
     cf = claude_fleet
     runner = cf.start([ToolUse("Bash", {"command": "echo hi > a.txt", "description": "write"}), Text("Wrote a.txt.")])
     handle = cf.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST)
-    asked = asked_on_hub(handle)
+    asked = asked_on_hub(cf, handle)
     assert (asked["data"]["tool"], asked["data"]["input"]) == ("Bash", "echo hi > a.txt"), asked
     approved = cf.fleet.orch("approve", asked["job_id"])
     assert approved.returncode == 0, approved.stderr
@@ -161,7 +167,7 @@ def test_s19_a_permission_tool_slow_to_start_is_still_the_one_the_cli_asks(claud
     runner = cf.start([ToolUse("Bash", {"command": "echo hi > a.txt", "description": "write"}), Text("Wrote a.txt.")],
                       exec_cmd=exec_cmd, env={"PYTHONPATH": str(slow)})
     handle = cf.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST)
-    asked = asked_on_hub(handle)
+    asked = asked_on_hub(cf, handle)
     assert cf.fleet.orch("approve", asked["job_id"]).returncode == 0
     assert handle.wait() == 0, runner.log()[-3000:]
     assert cf.terminal(asked["job_id"])["detail"] == "Wrote a.txt."
@@ -173,7 +179,7 @@ def test_s19_a_person_denies_with_a_reason_the_agent_hears_it_and_the_job_comple
     runner = cf.start([ToolUse("Bash", {"command": "echo hi > a.txt", "description": "write"}),
                        Text("I may not write files today.")])
     handle = cf.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST)
-    asked = asked_on_hub(handle)
+    asked = asked_on_hub(cf, handle)
     denied = cf.fleet.orch("deny", asked["job_id"], "--reason", "no files today")
     assert denied.returncode == 0, denied.stderr
     assert handle.wait() == 0, runner.log()[-3000:]
@@ -197,7 +203,7 @@ def test_s19_claude_codes_pretooluse_hook_asks_the_hub_and_the_cli_obeys_the_ans
                        ToolUse("Bash", {"command": "echo no > b.txt", "description": "write b"}),
                        Text("Wrote a.txt; b.txt was refused.")], exec_cmd=f"claude --settings {settings}")
     handle = cf.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST, "--permission-mode", "dontAsk")
-    first = asked_on_hub(handle)
+    first = asked_on_hub(cf, handle)
     assert (first["data"]["tool"], first["data"]["input"]) == ("Bash", "echo hi > a.txt"), first
     assert cf.fleet.orch("approve", first["job_id"]).returncode == 0
     second = wait_until(lambda: (handle.events("permission_required") + [None, None])[1], PATIENCE_S,

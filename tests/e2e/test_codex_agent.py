@@ -22,12 +22,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness.agentfleet import ASK_HOOK, AgentFleet, agent_fleet
+from harness.agentfleet import AGENT_START_S, AGENT_TEST_S, ASK_HOOK, AgentFleet, agent_fleet
 from harness.gitserver import git
 from harness.modelserver import Cut, Failure, Step, Text, ToolUse
 from harness.waiting import PATIENCE_S, wait_until
 
-pytestmark = [pytest.mark.broker, pytest.mark.e2e]
+pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(AGENT_TEST_S)]
 
 HIGH_DEMAND = "We’re currently experiencing high demand, which may cause temporary errors."
 
@@ -98,7 +98,7 @@ def test_s19_codexs_pretooluse_hook_asks_the_hub_and_codex_obeys_the_answer(code
     handle = cf.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", "--permission-mode", "acceptEdits")
 
     def request(n: int) -> dict:
-        return wait_until(lambda: (handle.events("permission_required") + [None, None])[n], PATIENCE_S,
+        return wait_until(lambda: (handle.events("permission_required") + [None, None])[n], AGENT_START_S,
                           f"request {n + 1} at the hub")
 
     first = request(0)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.fleet import Fleet, Runner
+from harness.fleet import Dispatch, Fleet, Runner
 from harness.gitserver import GitDaemon, make_origin
 from harness.modelserver import AGENTS_DIR, ModelProcess, Step, agent_bin, claude_env, codex_env
 from harness.netns import unavailable_reason
@@ -23,6 +23,11 @@ from mam.shared.cli import render
 
 HTTP_PORT = 8090  # inside the hub's own namespace
 FAST = ("--heartbeat", "1", "--heartbeat-misses", "20", "--ack-timeout", str(int(PATIENCE_S)))
+AGENT_START_S = 2 * PATIENCE_S
+"""Deadline for what comes only after a whole agent start (the worktree, the CLI, its permission
+tool's server, a model turn): each of them may take long on a busy machine, seconds."""
+AGENT_TEST_S = 300
+"""pytest's timeout for a test that starts a real agent CLI, seconds."""
 ASK_HOOK = shlex.join([sys.executable, "-m", "mam.runner", "ask", "--hook"])
 """`mam-runner ask --hook` as an agent's hook command runs it (§19 "Hooks")."""
 
@@ -62,6 +67,14 @@ class AgentFleet:
         """Dispatch "Make the change." on repo demo and wait; (exit code, job id)."""
         handle = self.fleet.dispatch("gpu-box", "Make the change.", "--repo", "demo", *FAST, *opts)
         return handle.wait(), handle.job_id()
+
+    def story(self, handle: Dispatch) -> str:
+        """What a failed wait needs told: the dispatch's and the runner's output, the model's calls."""
+        runner = self.fleet.runners.get("gpu-box")
+        calls = self.model.calls() if self.model is not None else []
+        return (f"dispatch (alive={handle.alive()}):\n{handle.log()[-2000:]}\nrunner:\n"
+                f"{runner.log()[-3000:] if runner is not None else '-'}\nmodel calls: "
+                f"{[(c.get('path'), c.get('tools'), c.get('messages')) for c in calls]}")
 
     def show_text(self, job_id: str) -> str:
         """`mam-orch show` as a person sees it on a terminal."""
