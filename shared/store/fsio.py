@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -105,6 +106,29 @@ def atomic_write(path: Path, data: bytes, *, what: str, error: type[MamError] = 
 
 
 SYNC_THREADS = 16  # fsyncs issued at once by `sync_paths`: the file system commits them together
+INLINE_SYNCS = 4
+"""At most this many fsyncs in a step of `sync_paths` are issued one after another by the
+caller: handing them to the pool costs more CPU than it saves (docs/benchmarks.md)."""
+
+_sync_pool: ThreadPoolExecutor | None = None
+_sync_pool_lock = threading.Lock()
+
+
+def _forget_sync_pool() -> None:
+    global _sync_pool
+    _sync_pool = None  # a forked child has none of its parent's threads
+
+
+os.register_at_fork(after_in_child=_forget_sync_pool)
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The process's fsync threads, started on first use and kept: not one set per commit."""
+    global _sync_pool
+    with _sync_pool_lock:
+        if _sync_pool is None:
+            _sync_pool = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="mam-fsync")
+        return _sync_pool
 
 
 def _fsync_path(path: Path) -> None:
@@ -118,19 +142,27 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_all(paths: list[Path]) -> None:
+    if len(paths) <= INLINE_SYNCS:
+        for path in paths:
+            _fsync_path(path)
+    else:
+        list(_pool().map(_fsync_path, paths))
+
+
 def sync_paths(files: Iterable[Path], *, what: str) -> None:
     """fsync every file of `files`, many at once (the file system groups them into few
     journal commits), then each of their folders (the renames): the group commit of
-    `Registry.group`.
+    `Registry.group`. A few are synced by the caller itself; more by the process's
+    fsync threads (`SYNC_THREADS`, kept between calls).
 
     Raises:
         RegistryError: an fsync failed.
     """
     files = sorted(set(files))
     try:
-        with ThreadPoolExecutor(min(SYNC_THREADS, max(1, len(files)))) as pool:
-            list(pool.map(_fsync_path, files))
-            list(pool.map(_fsync_path, sorted({path.parent for path in files})))
+        _fsync_all(files)
+        _fsync_all(sorted({path.parent for path in files}))
     except OSError as exc:
         raise RegistryError(f"{what}: cannot fsync ({errno_name(exc)}: {exc.strerror or exc})") from exc
 
