@@ -72,7 +72,10 @@ class AgentFleet:
         """What a failed wait needs told: the dispatch's and the runner's output, the model's calls."""
         runner = self.fleet.runners.get("gpu-box")
         calls = self.model.calls() if self.model is not None else []
-        return (f"dispatch (alive={handle.alive()}):\n{handle.log()[-2000:]}\nrunner:\n"
+        job_id = next((line["job_id"] for line in handle.lines if "job_id" in line), None)
+        wire = [(e["event"], e["seq"]) for e in self.fleet.events_on_wire(job_id)] if job_id else []
+        return (f"dispatch (alive={handle.alive()}), events {[(e['event'], e.get('seq')) for e in handle.events()]}:"
+                f"\n{handle.log()[-2000:]}\nevents on the wire: {wire}\nrunner:\n"
                 f"{runner.log()[-3000:] if runner is not None else '-'}\nmodel calls: "
                 f"{[(c.get('path'), c.get('tools'), c.get('messages')) for c in calls]}")
 
