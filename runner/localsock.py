@@ -405,7 +405,7 @@ class PublishServer:
             if request.event in TERMINAL_EVENTS and self.before_terminal is not None:
                 # §15: the agent's output goes before its own terminal event, as before ours
                 request = replace(request, data={**request.data, **self.before_terminal(request.job_id)})
-            published = publish.record(self.registry, request)
+            published = publish.record(self.registry, request, handed_on=True)
         except (ProtocolError, RegistryError, MamError, OSError) as exc:
             return {"ok": False, "reason": str(exc)}
         except Exception as exc:  # a daemon never dies on a bad request; the client learns it failed
@@ -468,7 +468,7 @@ class PublishServer:
                                          f"asks to use {request.tool}",
                                          json.dumps(data, ensure_ascii=False), request.attempt_id,
                                          request.dispatch_token)
-            published = publish.record(self.registry, event)
+            published = publish.record(self.registry, event, handed_on=True)
         except Exception as exc:  # stale attempt, ended job, bad detail: nothing was asked
             with self._waiting_lock:
                 self._waiting.pop(request_id, None)
@@ -523,7 +523,7 @@ class PublishServer:
             event = publish.make_request(request.job_id, EventName.PROGRESS, safe_line(detail, 1024),
                                          json.dumps(data, ensure_ascii=False), request.attempt_id,
                                          request.dispatch_token)
-            published = publish.record(self.registry, event)
+            published = publish.record(self.registry, event, handed_on=True)
         except Exception as exc:
             reason = str(exc) if isinstance(exc, MamError | ProtocolError) else type(exc).__name__
             return {"ok": False, "reason": f"the permission request was not recorded: {reason}"}
@@ -574,7 +574,7 @@ class PublishServer:
                                              f"no answer to request {rid} within {parked.timeout_s} s: {then}",
                                              json.dumps({"request_id": rid, "behavior": "deny", "by": "timeout"}),
                                              request.attempt_id, request.dispatch_token)
-                self._outgoing.put(publish.record(self.registry, event))
+                self._outgoing.put(publish.record(self.registry, event, handed_on=True))
             except Exception as exc:  # the job ended meanwhile: nothing to tell the hub
                 log.info("job %s: the timeout of request %s not recorded: %s", request.job_id, rid, exc)
             if parked.on_timeout == "cancel":  # still parked: the job's end answers it (`drop_asks`)

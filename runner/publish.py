@@ -24,7 +24,10 @@ import logging
 import os
 import shlex
 import sys
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,6 +47,67 @@ log = logging.getLogger("mam.publish")
 
 RESERVED_DATA_KEYS = frozenset({"hmac_sig", "attempt_id", "dispatch_token", "session", "exit_code", "heartbeat"})
 MAX_DATA_BYTES = 16 * 1024
+TURN_WAIT_S = 30.0
+"""Longest a send waits for the job's lower seqs recorded in this process to go out first,
+seconds: past it, they are taken for never sent (a path that dropped its publish), and the
+send goes on."""
+
+OrderKey = tuple[str, str]
+"""(registry root, job id): whose seqs one `WireOrder` line keeps in order."""
+
+
+class WireOrder:
+    """One job's events reach the wire in seq order when one thread records them and another
+    sends them (§3.2 rule 6: the hub drops an event whose seq is not above the highest it
+    accepted). `record(..., handed_on=True)` notes the seq it takes, under the registry lock,
+    for a send on another thread (the local socket's queue); every send of the job waits for
+    its turn: no lower noted seq unsent, and no other send of the job under way."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._unsent: dict[OrderKey, set[int]] = {}
+        self._sending: set[OrderKey] = set()
+
+    def noted(self, key: OrderKey, seq: int) -> None:
+        """`seq` of the job was recorded; it goes out before any higher one."""
+        with self._cond:
+            self._unsent.setdefault(key, set()).add(seq)
+
+    @contextmanager
+    def turn(self, key: OrderKey | None, seq: int, wait_s: float | None = None) -> Iterator[None]:
+        """Hold the job's turn to put `seq` on the wire, waiting at most `wait_s` (None:
+        `TURN_WAIT_S`) seconds; released (and `seq` no longer unsent) when the block ends,
+        raised or not. `key` None: a publish that keeps no order (no seq of `record`)."""
+        if key is None:
+            yield
+            return
+        deadline = time.monotonic() + (TURN_WAIT_S if wait_s is None else wait_s)
+        with self._cond:
+            while key in self._sending or any(other < seq for other in self._unsent.get(key, ())):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    dropped = sorted(other for other in self._unsent.get(key, ()) if other < seq)
+                    log.warning("job %s: seq %d goes out without waiting any longer for seq %s, recorded "
+                                "but not sent", key[1], seq, ", ".join(map(str, dropped)) or "-")
+                    self._unsent[key] -= set(dropped)
+                    break
+                self._cond.wait(remaining)
+            self._sending.add(key)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._sending.discard(key)
+                unsent = self._unsent.get(key)
+                if unsent is not None:
+                    unsent.discard(seq)
+                    if not unsent:
+                        del self._unsent[key]
+                self._cond.notify_all()
+
+
+WIRE_ORDER = WireOrder()
+"""This process's order of sends (the daemon's threads share it)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +136,7 @@ class Published:
     event: dict[str, Any]
     state: dict[str, Any]
     entry: Path | None = None
+    order: OrderKey | None = None  # its line in `WIRE_ORDER`; None: recorded by no `record`
 
     @property
     def terminal(self) -> bool:
@@ -137,7 +202,7 @@ def make_request(job_id: str, event: str, detail: str = "", data: str | None = N
 def record(registry: Registry, request: PublishRequest, *, source: str = "publisher",
            extra_data: Mapping[str, Any] | None = None, exit_code: int | None = None,
            status: str | None = None, stop_heartbeat: bool = True, drain_s: float | None = None,
-           durable: bool = True) -> Published:
+           durable: bool = True, handed_on: bool = False) -> Published:
     """The disk side of a publish (§3, §4, §8, §12): for a terminal event stop
     the heartbeat first, then take the seq, apply the transition and append
     the signed event to the audit log, under the registry lock. `started` and
@@ -156,6 +221,8 @@ def record(registry: Registry, request: PublishRequest, *, source: str = "publis
         drain_s: how long the timer may take to exit, seconds (None = MAM_HEARTBEAT_DRAIN_S).
         durable: False leaves the audit line, the record and the outbox entry to the page
             cache (a daemon's beat, §12: it never waits on a flush).
+        handed_on: another thread sends it (`send_on`): until then no higher seq of the job
+            goes on the wire (`WIRE_ORDER`). It must be sent, or later sends wait TURN_WAIT_S.
     Returns:
         the signed event and state.
     Raises:
@@ -195,7 +262,10 @@ def record(registry: Registry, request: PublishRequest, *, source: str = "publis
                                                    attempt_id=attempt_id, dispatch_token=token).to_dict(),
                                   signed["token"])
         entry = outbox.put(registry.root, payload, state, deferred=registry.deferred)
-    return Published(seq, payload, state, entry)
+        order = (str(registry.root), request.job_id)
+        if handed_on:
+            WIRE_ORDER.noted(order, seq)  # under the lock that took the seq: a higher one waits for it
+    return Published(seq, payload, state, entry, order)
 
 
 def broker_for(registry: Registry, job_id: str, *, warn: bool = True) -> BrokerConfig:
@@ -224,11 +294,14 @@ def send_on(client: Transport, published: Published) -> None:
     """Publish event then state on an already connected, persistent client (§4),
     then acknowledge the outbox entry (§17).
 
+    Another thread's send of the same job's lower seq goes first (`WIRE_ORDER`).
+
     Raises:
         PublishTimeout, BrokerError.
     """
-    for topic, payload, retain in published.messages(client.config.topic_root):
-        client.publish(topic, payload, retain=retain)
+    with WIRE_ORDER.turn(published.order, published.seq):
+        for topic, payload, retain in published.messages(client.config.topic_root):
+            client.publish(topic, payload, retain=retain)
     acknowledge(published)
 
 

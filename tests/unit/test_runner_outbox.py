@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from harness.fake_mqtt import FakeBroker
-from harness.waiting import wait_until
+from harness.waiting import PATIENCE_S, QUIET_S, wait_until
 
 from mam.runner import outbox, publish
 from mam.runner.outbox import Outbox, Resender
@@ -315,3 +315,75 @@ def test_s17_logging_never_names_a_secret(tmp_path, caplog):
     record(registry, "started")
     Outbox(tmp_path).resend(connected(FakeBroker()), registry.get)
     assert AUTH not in caplog.text
+
+
+# ------------------------------------------------------------ wire order (§3.2 rule 6)
+
+
+def _send_in_thread(client, published: publish.Published) -> tuple[threading.Thread, list[BaseException]]:
+    failed: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            publish.send_on(client, published)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            failed.append(exc)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread, failed
+
+
+@pytest.mark.timeout(60)
+def test_s3_a_job_s_higher_seq_sent_first_from_another_thread_waits_for_the_lower_one(tmp_path):
+    """The hub drops an event whose seq is not above the highest it accepted: a permission
+    request recorded as seq 2 by the socket's thread must not lose the race to a progress
+    event recorded as seq 3 by the supervisor's."""
+    registry = mirrored(tmp_path)
+    started = record(registry, "started")
+    asked = record(registry, "progress", handed_on=True)  # to the socket's sending thread
+    later = record(registry, "progress")
+    broker = FakeBroker()
+    client = connected(broker)
+    publish.send_on(client, started)
+    thread, failed = _send_in_thread(client, later)
+    thread.join(QUIET_S)  # an absence: a busy machine can only make it pass wrongly
+    assert thread.is_alive() and sent(broker) == [("events", 1, False), ("state", 1, True)]
+    publish.send_on(client, asked)
+    thread.join(PATIENCE_S)
+    assert not failed and not thread.is_alive()
+    assert sent(broker)[2:] == [("events", 2, False), ("state", 2, True), ("events", 3, False), ("state", 3, True)]
+    assert entry_names(tmp_path) == []
+
+
+@pytest.mark.timeout(60)
+def test_s3_a_send_that_failed_gives_its_turn_to_the_next_seq(tmp_path, monkeypatch):
+    monkeypatch.setattr(publish, "TURN_WAIT_S", PATIENCE_S)
+    registry = mirrored(tmp_path)
+    started, progress = record(registry, "started", handed_on=True), record(registry, "progress")
+    broker = FakeBroker()
+    client = connected(broker)
+    broker.down = True
+    with pytest.raises(Exception, match="no PUBACK"):
+        publish.send_on(client, started)
+    broker.down = False
+    thread, failed = _send_in_thread(client, progress)
+    thread.join(PATIENCE_S)
+    assert not failed and not thread.is_alive()
+    assert ("events", 2, False) in sent(broker)
+
+
+@pytest.mark.timeout(60)
+def test_s3_a_lower_seq_never_sent_holds_the_next_one_only_so_long_and_is_named(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(publish, "TURN_WAIT_S", 0.2)
+    registry = mirrored(tmp_path)
+    record(registry, "started", handed_on=True)  # handed on, then dropped: never sent
+    progress = record(registry, "progress")
+    broker = FakeBroker()
+    publish.send_on(connected(broker), progress)
+    assert sent(broker) == [("events", 2, False), ("state", 2, True)]
+    assert f"job {JOB}: seq 2 goes out without waiting any longer for seq 1, recorded but not sent" in caplog.text
+    again = record(registry, "progress")
+    caplog.clear()
+    publish.send_on(connected(broker), again)  # seq 1 is forgotten: no second wait
+    assert "without waiting" not in caplog.text
