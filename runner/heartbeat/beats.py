@@ -207,9 +207,8 @@ class Beats:
         sent_at = lease.now()
         try:
             wait_s = max(self.drain_s, ACK_WAIT_MIN_S)
-            with publish.WIRE_ORDER.turn(published.order, published.seq):  # after the job's lower seqs
-                waiters = [self.client.publish_async(topic, payload, retain=retain, timeout_s=wait_s)
-                           for topic, payload, retain in published.messages(self.client.config.topic_root)]
+            waiters = [self.client.publish_async(topic, payload, retain=retain, timeout_s=wait_s)
+                       for topic, payload, retain in published.messages(self.client.config.topic_root)]
             if not self.client.connected.is_set():
                 return  # queued in order on this connection; sent (or re-sent from the outbox) later
             for wait in waiters:
