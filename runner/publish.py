@@ -76,14 +76,14 @@ class WireOrder:
             self._unsent.setdefault(key, set()).add(seq)
 
     @contextmanager
-    def turn(self, key: OrderKey | None, seq: int, wait_s: float | None = None) -> Iterator[None]:
-        """Hold the job's turn to put `seq` on the wire, waiting at most `wait_s` (None:
-        `TURN_WAIT_S`) seconds; released (and `seq` no longer unsent) when the block ends,
-        raised or not. `key` None: a publish that keeps no order (no seq of `record`)."""
+    def turn(self, key: OrderKey | None, seq: int) -> Iterator[None]:
+        """Hold the job's turn to put `seq` on the wire, waiting at most `TURN_WAIT_S`; released
+        (and `seq` no longer unsent) when the block ends, raised or not. `key` None: a publish
+        that keeps no order (no seq of `record`)."""
         if key is None:
             yield
             return
-        deadline = time.monotonic() + (TURN_WAIT_S if wait_s is None else wait_s)
+        deadline = time.monotonic() + TURN_WAIT_S
         with self._cond:
             while key in self._sending or any(other < seq for other in self._unsent.get(key, ())):
                 remaining = deadline - time.monotonic()
