@@ -3,8 +3,8 @@ service embedded in `dispatch`, `redispatch` and `mam.Hub` (`EmbeddedService`).
 
 `HubService` is the only code that places, publishes, judges (§3.2), clocks (§10),
 mirrors and retries. One process per registry (`hublock.HubLock`, `.mam/hub.lock`),
-one broker connection subscribed to `jobs/+/events`, `jobs/+/state`, `jobs/+/log`
-and `runners/+`. It owns every `queued`, `pending` and `running` hub record,
+one broker connection subscribed to `service_filters` (`jobs/+/events`, `jobs/+/state`,
+`jobs/+/log`, `jobs/+/result` and `runners/+`). It owns every `queued`, `pending` and `running` hub record,
 whichever command registered it: each open job is one `watch.Watcher` (fed by
 `handle` and `tick`); queued jobs leave through `queue.plan` on every presence and
 every new queued record; a job it closed itself stays judged for `LATE_JUDGE_S`
@@ -138,6 +138,16 @@ class _Wake:
 
 
 WAKE = _Wake()
+
+
+def service_filters(root: str) -> list[tuple[str, int]]:
+    """The hub service's subscriptions, (topic filter, QoS 1) each: every job's events,
+    state, output and result chunks, and every runner's presence (§14). Five QoS 1
+    subscriptions in one session: deploy/nats/nats.conf sizes nats-server's
+    `max_ack_pending` for them."""
+    return [(names.all_events_filter(root), 1), (names.all_states_filter(root), 1),
+            (names.all_logs_filter(root), 1), (names.all_results_filter(root), 1),
+            (names.all_presence_filter(root), 1)]
 
 
 class HubService:
@@ -888,9 +898,7 @@ class HubService:
         now = time.monotonic()
         self.scan(now)  # open records first: the retained states then find their watchers
         root = self.config.topic_root
-        client.subscribe([(names.all_events_filter(root), 1), (names.all_states_filter(root), 1),
-                          (names.all_logs_filter(root), 1), (names.all_results_filter(root), 1),
-                          (names.all_presence_filter(root), 1)], timeout_s=ENGINE_SUBACK_S)
+        client.subscribe(service_filters(root), timeout_s=ENGINE_SUBACK_S)
         self._info("hub service pid %d serving %s: %d open jobs, %d queued", os.getpid(), self.registry.root,
                    len(self.watchers), len(self.queued))
         link = BrokerLink(client, names.hub_probe_topic(root))

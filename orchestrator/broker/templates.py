@@ -183,6 +183,14 @@ mqtt {
   port: $MAM_MQTT_PORT
   # PUBACK wait before JetStream redelivers a QoS 1 message to a subscriber.
   ack_wait: "30s"
+  # Unacknowledged QoS 1 deliveries a session may hold. nats-server gives each
+  # QoS 1 subscription a window of this size but also caps the whole session at
+  # it, and a delivery over the session's cap is not sent: it comes only after
+  # ack_wait. The hub holds five QoS 1 subscriptions: at the default (1,024) a
+  # hub behind a burst got some events and states 30 s late. A session's
+  # windows may add up to 65,535 ('#' filters count twice): 8,192 leaves room
+  # for seven subscriptions (a runner holds six).
+  max_ack_pending: 8192
 }
 
 # WebSocket listener. It serves BOTH protocols: NATS-over-WebSocket at any
@@ -294,6 +302,14 @@ mqtt {
   port: $MAM_MQTT_PORT
   # PUBACK wait before JetStream redelivers a QoS 1 message to a subscriber.
   ack_wait: "30s"
+  # Unacknowledged QoS 1 deliveries a session may hold. nats-server gives each
+  # QoS 1 subscription a window of this size but also caps the whole session at
+  # it, and a delivery over the session's cap is not sent: it comes only after
+  # ack_wait. The hub holds five QoS 1 subscriptions: at the default (1,024) a
+  # hub behind a burst got some events and states 30 s late. A session's
+  # windows may add up to 65,535 ('#' filters count twice): 8,192 leaves room
+  # for seven subscriptions (a runner holds six).
+  max_ack_pending: 8192
   tls {
     ca_file:   $MAM_CA_FILE
     cert_file: $MAM_CERT_FILE

@@ -8,6 +8,10 @@ mosquitto started from deploy/ (tests/harness/shipped.py).
   incomplete (a broker queue limit, fewer than its previous count).
 - Fault 10: mosquitto saved its store every 60 s, so a crash lost a completed
   job's retained state; the shipped config saves it within about a second.
+- A hub behind a burst: nats-server caps a session's unacknowledged QoS 1
+  deliveries at `max_ack_pending` while giving each subscription a window of
+  that size; at the default (1,024) the hub's five subscriptions overran it and
+  what went over came only as redeliveries after `ack_wait` (30 s late).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +39,10 @@ from harness.shipped import (  # noqa: F401 - fixtures
 )
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env
+from paho.mqtt import client as paho
+from paho.mqtt.enums import CallbackAPIVersion
 
+from mam.orchestrator.service import service_filters
 from mam.shared.config import write_env_file
 from mam.shared.protocol import crypto, names, wire
 
@@ -46,6 +54,10 @@ REMOVED = 10  # runners cleared between two `runners` runs
 OLD_QUEUE_COUNT = 1020  # what the default queue (1000) plus in-flight window (20) let through
 # Mosquitto saves its store every second now; 60 s (the fault) never reaches the disk in this time.
 STORE_SAVED_WITHIN_S = PATIENCE_S / 2
+# Events and as many states published while the hub reads nothing: 3,000 deliveries
+# held unacknowledged, about three times nats-server's default session window.
+BURST = 1500
+KEEPALIVE_S = 60
 
 
 @pytest.fixture(params=["nats", "mosquitto"])
@@ -153,3 +165,65 @@ def test_fault10_mosquitto_crash_keeps_a_completed_jobs_retained_state(pki, tmp_
             assert message.payload == payload and message.retain
     finally:
         stop_broker(base.proc, base.folder)
+
+
+class HeldHub:
+    """A paho session with the hub service's subscriptions whose network thread blocks on
+    its first delivery until `release()`: nothing more is read or acknowledged meanwhile,
+    as when the hub falls behind. Records each payload's first delivery and its DUP flag."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.release_event = threading.Event()
+        self.first: dict[bytes, bool] = {}  # payload -> DUP flag of its first delivery
+        self.redelivered = 0
+        self._lock = threading.Lock()
+        cfg = broker.config()
+        self.client = paho.Client(CallbackAPIVersion.VERSION2, client_id="deploytest-held-hub")
+        self.client.username_pw_set(cfg.username, cfg.password)
+        self.client.on_message = self._on_message
+        subscribed = threading.Event()
+        self.client.on_subscribe = lambda *_: subscribed.set()
+        self.client.connect(cfg.hosts[0], cfg.port, KEEPALIVE_S)
+        self.client.loop_start()
+        self.client.subscribe(service_filters(ROOT))
+        assert subscribed.wait(PATIENCE_S), "no SUBACK"
+
+    def _on_message(self, client, userdata, msg) -> None:
+        self.release_event.wait(PATIENCE_S)
+        with self._lock:
+            if msg.payload in self.first:
+                self.redelivered += 1
+            else:
+                self.first[msg.payload] = bool(msg.dup)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.first)
+
+    def close(self) -> None:
+        self.release_event.set()
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def test_a_hub_behind_a_burst_gets_every_event_and_state_without_waiting_for_a_redelivery(shipped):
+    hub = HeldHub(shipped)
+    try:
+        with shipped.client(role="burst") as runner:
+            acks = []
+            for n in range(BURST):
+                job = f"{n:08x}"
+                acks.append(runner.publish_async(names.events_topic(job, ROOT), f"event {n}".encode()))
+                acks.append(runner.publish_async(names.state_topic(job, ROOT), f"state {n}".encode()))
+            for ack in acks:  # all of them stored by the broker while the hub reads nothing
+                ack()
+        hub.release_event.set()
+        wait_until(lambda: hub.count() == 2 * BURST, what=f"all {2 * BURST} deliveries at the held hub")
+        late = sorted(payload.decode() for payload, dup in hub.first.items() if dup)
+        assert not late, (f"{len(late)} of {2 * BURST} first reached the hub as redeliveries after the "
+                          f"broker's ack_wait (e.g. {late[:3]}): its session window dropped them")
+    finally:
+        hub.close()
+        with shipped.client(role="burst-clear") as clearing:  # the broker is shared: no retained states left
+            for n in range(BURST):
+                clearing.publish(names.state_topic(f"{n:08x}", ROOT), b"", qos=1, retain=True)
