@@ -25,6 +25,8 @@ DUPLICATE = "duplicate"
 AFTER_TERMINAL = "after_terminal"
 # Refusals that come after the attempt identity passed (§3.2 rules 6-7).
 OF_CURRENT_ATTEMPT = frozenset({DUPLICATE, AFTER_TERMINAL})
+MISSING_KEPT = 64
+"""Event seqs an attempt skipped that the hub keeps waiting for, at most (the highest kept, §3.2 rule 6)."""
 
 Kind = Literal["event", "state"]
 Message = wire.Event | wire.State
@@ -33,34 +35,45 @@ Message = wire.Event | wire.State
 @dataclass(frozen=True)
 class Seen:
     """What the hub has accepted of the job's current attempt: the highest
-    event seq (0: none), its terminal status on the hub (None while open), and
+    event seq (0: none), its terminal status on the hub (None while open),
     the highest seq of any accepted event or state (`covered`: a `seq_gap` is
-    only owed past it, so one gap is logged once, §3.2 rule 6)."""
+    only owed past it, so one gap is logged once, §3.2 rule 6), and the event
+    seqs below the highest that no accepted event had (`missing`: one of them
+    arriving late is accepted, not a `duplicate`)."""
 
     highest_seq: int = 0
     terminal: str | None = None
     covered: int = 0
+    missing: frozenset[int] = frozenset()
 
     @classmethod
     def of_record(cls, record: JobRecord) -> Seen:
-        """The view of a hub record: `last_seq`, its status when terminal, `seen_seq`."""
+        """The view of a hub record: `last_seq`, its status when terminal, `seen_seq`, `missing_seqs`."""
         status = record["status"]
+        missing = record.get("missing_seqs", [])
         return cls(record["last_seq"], status if status in TERMINAL_STATUSES else None,
-                   record.get("seen_seq", 0))
+                   record.get("seen_seq", 0),
+                   frozenset(seq for seq in missing if isinstance(seq, int) and not isinstance(seq, bool))
+                   if isinstance(missing, list) else frozenset())
 
     def merged(self, other: Seen) -> Seen:
-        """The stricter of two views (a watcher's memory and the registry's record)."""
+        """The stricter of two views: a watcher's memory and `other`, the registry's record,
+        whose missing seqs are the ones kept (every event that changes them is written)."""
         return Seen(max(self.highest_seq, other.highest_seq), self.terminal or other.terminal,
-                    max(self.covered, other.covered))
+                    max(self.covered, other.covered), other.missing)
 
 
 @dataclass(frozen=True)
 class Accepted:
     """An accepted message; `gap` is (expected, got) when its seq jumped past
-    every seq seen (§3.2 rule 6: accepted, and a `seq_gap` audit line is owed)."""
+    every seq seen (§3.2 rule 6: accepted, and a `seq_gap` audit line is owed);
+    `missing` is the attempt's missing event seqs after it when it changed them
+    (it skipped some, or it is one of them arriving `late`), else None."""
 
     message: Message
     gap: tuple[int, int] | None = None
+    missing: tuple[int, ...] | None = None
+    late: bool = False  # one of the missing seqs, below the highest: accepted now (§3.2 rule 6)
 
 
 @dataclass(frozen=True)
@@ -111,7 +124,7 @@ def judge(kind: Kind, event: str, seq: int, attempt_id: object, dispatch_token: 
         return Refused(STALE_ATTEMPT, what)
     if kind == "state":
         return None
-    if seq <= seen.highest_seq:
+    if seq <= seen.highest_seq and seq not in seen.missing:
         return Refused(DUPLICATE, f"seq {seq} already accepted (highest {seen.highest_seq})")
     if seen.terminal is not None:
         return Refused(AFTER_TERMINAL, f"{event} seq {seq}: the job is already {seen.terminal}")
@@ -123,6 +136,18 @@ def seq_gap(seq: int, seen: Seen) -> tuple[int, int] | None:
     (§3.2 rule 6), else None: a gap already covered by a newer state is not logged again."""
     highest = max(seen.highest_seq, seen.covered)
     return (highest + 1, seq) if seq > highest + 1 else None
+
+
+def missing_after(seq: int, seen: Seen) -> tuple[int, ...] | None:
+    """The attempt's missing event seqs once an event with `seq` is accepted, sorted, the
+    highest MISSING_KEPT; None when it changes nothing (§3.2 rule 6): a late one leaves
+    them, a jump past the highest adds those it skipped."""
+    if seq in seen.missing:
+        return tuple(sorted(seen.missing - {seq}))
+    if seq > seen.highest_seq + 1:
+        skipped = range(max(seen.highest_seq + 1, seq - MISSING_KEPT), seq)
+        return tuple(sorted(seen.missing.union(skipped)))[-MISSING_KEPT:]
+    return None
 
 
 def earlier_attempt(message: Message, record: JobRecord) -> bool:
@@ -172,7 +197,10 @@ def accept(message: bytes | Message, *, kind: Kind, job_id: str, record: JobReco
                     record=record, seen=seen)
     if refused is not None:
         return Refused(refused.reason, refused.detail, message)
-    return Accepted(message, seq_gap(message.seq, seen))
+    if kind == "state":
+        return Accepted(message, seq_gap(message.seq, seen))
+    return Accepted(message, seq_gap(message.seq, seen), missing_after(message.seq, seen),
+                    late=message.seq <= seen.highest_seq)
 
 
 def mirror_event(registry: Registry, job_id: str, payload: Mapping[str, Any], *,
@@ -204,7 +232,7 @@ def mirror_event(registry: Registry, job_id: str, payload: Mapping[str, Any], *,
         if refused is not None:
             raise refusal_error(job_id, refused, source)
         gap = seq_gap(seq, seen)
-        new = txn.store_event(payload, source=source, gap=gap)
+        new = txn.store_event(payload, source=source, gap=gap, missing=missing_after(seq, seen))
     return Acceptance(new, gap)
 
 

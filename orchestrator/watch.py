@@ -160,6 +160,7 @@ class Watcher:
         self.out = out if out is not None else sys.stdout
         self.human = hasattr(self.out, "isatty") and self.out.isatty()
         self.highest_event = self.highest_any = 0
+        self.missing: frozenset[int] = frozenset()  # event seqs skipped, not yet arrived (§3.2 rule 6)
         self.accepted_any = False
         self.terminal: str | None = None
         self.refusals: list[str] = []
@@ -241,7 +242,7 @@ class Watcher:
             verdict = self._accept_and_mirror(raw, kind)
         else:
             verdict = accept(raw, kind=kind, job_id=self.job_id, record=self.registry.get(self.job_id),
-                             seen=Seen(self.highest_event, self.terminal, self.highest_any))
+                             seen=Seen(self.highest_event, self.terminal, self.highest_any, self.missing))
         if isinstance(verdict, Refused):
             if verdict.silent:
                 return False
@@ -256,6 +257,9 @@ class Watcher:
                 self._resolve_from_record()
             return False
         message = verdict.message
+        if verdict.late:  # overtaken on the wire by a higher seq (§3.2 rule 6)
+            log.info("job %s: event seq %d (%s) arrived after higher seqs: accepted late", self.job_id,
+                     message.seq, message.event)
         if message.terminal:
             self.runner_ended = True
         if verdict.gap is not None and not self.options.remote:
@@ -264,7 +268,9 @@ class Watcher:
             return self._handle_state(message)
         if message.event == "started" and self.options.remote:
             self._clear_dispatch()
-        self.highest_event = message.seq
+        self.highest_event = max(self.highest_event, message.seq)  # a late one (§3.2 rule 6) lowers nothing
+        if verdict.missing is not None:
+            self.missing = frozenset(verdict.missing)
         self.highest_any = max(self.highest_any, message.seq)
         self.accepted_any = True
         self._emit(message.to_dict())
@@ -284,11 +290,12 @@ class Watcher:
             seen = Seen(self.highest_event, self.terminal, self.highest_any).merged(Seen.of_record(txn.record))
             verdict = accept(raw, kind=kind, job_id=self.job_id, record=txn.record, seen=seen)
             if isinstance(verdict, Accepted) and isinstance(verdict.message, wire.Event) \
-                    and self.options.lazy_progress and verdict.gap is None \
+                    and self.options.lazy_progress and verdict.gap is None and verdict.missing is None \
                     and verdict.message.event not in EVENT_STATUS and "agent" not in verdict.message.data:
                 self.registry.append_audit(self.job_id, verdict.message.to_dict(), durable=False)
             elif isinstance(verdict, Accepted) and isinstance(verdict.message, wire.Event):
-                txn.store_event(verdict.message.to_dict(), source="remote_mirror", gap=verdict.gap)
+                txn.store_event(verdict.message.to_dict(), source="remote_mirror", gap=verdict.gap,
+                                missing=verdict.missing)
             elif isinstance(verdict, Accepted) and isinstance(verdict.message, wire.State):
                 moved_to_running = mirror_state(txn, verdict.message, verdict.gap)
             elif isinstance(verdict, Refused) and verdict.reason == AFTER_TERMINAL and verdict.message is not None:

@@ -58,12 +58,13 @@ OrderKey = tuple[str, str]
 
 class WireOrder:
     """One job's events reach the wire in seq order when one thread records them and another
-    sends them (§3.2 rule 6: the hub drops an event whose seq is not above the highest it
-    accepted). `record(..., handed_on=True)` notes the seq it takes, under the registry lock,
-    for a send on another thread (the local socket's queue); every `send_on` of the job waits
-    for its turn: no lower noted seq unsent, and no other send of the job under way. The
-    daemon's beats do not wait (one thread beats for every job, and a noted seq may wait on a
-    slow disk's flush): a beat that overtakes a noted seq costs that event at the hub, as before."""
+    sends them (§3.2 rule 6: the hub takes an event below the highest it accepted only as a
+    missing seq arriving late). `record(..., handed_on=True)` notes the seq it takes, under the
+    registry lock, for a send on another thread (the local socket's queue); every `send_on` of
+    the job waits for its turn: no lower noted seq unsent, and no other send of the job under
+    way. The daemon's beats do not wait (one thread beats for every job, and a noted seq may
+    wait on a slow disk's flush): a beat that overtakes a noted seq makes that event late at
+    the hub, which still takes it."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, NamedTuple, NotRequired, TypedDict, cast
 
@@ -83,6 +83,7 @@ class JobRecord(TypedDict):
     attempt_created_at: NotRequired[str]  # set by a redispatch (§10: a new wall-clock budget)
     earlier_auth_tokens: NotRequired[list[str]]  # earlier attempts' tokens, newest last (§3.2 rule 4)
     seen_seq: NotRequired[int]  # highest seq of any event or state accepted of this attempt (gap lines)
+    missing_seqs: NotRequired[list[int]]  # event seqs of this attempt skipped and not yet arrived (§3.2 rule 6)
     late_outcome: NotRequired[str]  # the runner's terminal after the hub closed the job (§14)
     target: NotRequired[dict[str, Any]]  # {"session": NAME} or {"labels": [..]} (§14)
     priority: NotRequired[int]  # §14: higher leaves the queue first
@@ -531,10 +532,11 @@ class Transaction:
         return seq
 
     def store_event(self, payload: Mapping[str, Any], *, source: str = "remote_mirror",
-                    gap: tuple[int, int] | None = None) -> JobRecord:
+                    gap: tuple[int, int] | None = None, missing: Sequence[int] | None = None) -> JobRecord:
         """Store an event the hub accepted (§3.2, judged by `mam.orchestrator.acceptance`):
-        a `seq_gap` line when `gap` is (expected, got), the event itself, and the
-        `started`/terminal transition it implies (§10). No rule is checked here.
+        a `seq_gap` line when `gap` is (expected, got), the event itself, the
+        `started`/terminal transition it implies (§10), and `missing` as the
+        attempt's `missing_seqs` when given (§3.2 rule 6). No rule is checked here.
 
         Returns:
             the record to be committed.
@@ -551,6 +553,8 @@ class Transaction:
         code = code if isinstance(code, int) and not isinstance(code, bool) else None
         new = self._advance(str(payload["event"]), int(payload["seq"]), source, None, code)
         new["seen_seq"] = max(self.record.get("seen_seq", 0), new["last_seq"])
+        if missing is not None:
+            new["missing_seqs"] = list(missing)
         if payload["event"] == EventName.ERROR and isinstance(data, Mapping) and data.get("lease_lost") is True:
             new["lease_lost"] = True  # §10 "Leases": the runner fenced the attempt itself; retry_on lease_lost
         sha = data.get("sha") if isinstance(data, Mapping) and payload["event"] == EventName.STARTED else None
@@ -572,7 +576,7 @@ class Transaction:
             new = moved(record, target, exit_code=exit_code if target in TERMINAL_STATUSES else None)
         else:
             new = touched(record)
-        new["last_seq"] = seq
+        new["last_seq"] = max(record["last_seq"], seq)  # a late event (§3.2 rule 6) lowers nothing
         self.update(new, source=source, reason=f"event {event}")
         return new
 
@@ -637,6 +641,7 @@ def next_attempt(record: JobRecord, status: str = JobStatus.PENDING) -> JobRecor
                 "earlier_auth_tokens": earlier, "seen_seq": 0})
     new.pop("late_outcome", None)
     new.pop("lease_lost", None)
+    new.pop("missing_seqs", None)
     work = continued_work(record)
     if work:
         new["work"] = work

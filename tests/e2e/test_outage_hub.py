@@ -37,6 +37,7 @@ from harness.runnersim import MAM_ORCH, SimRunner, hub_env, hub_workspace, orch,
 from harness.waiting import PATIENCE_S, wait_until
 from harness.workspace import clean_env, write_env_for
 
+from mam.runner.publish import PublishRequest, record, send_on
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.errors import ExitCode
 from mam.shared.store.registry import Registry
@@ -223,6 +224,36 @@ def test_s14_a_terminal_after_the_hubs_close_is_recorded_as_late_outcome(broker,
     assert [json.loads(line)["late_outcome"] for line in jobs.stdout.splitlines()] == ["completed"]
     late = [line for line in pair.hub.audit(pair.job_id) if line["event"] == "late_terminal"]
     assert len(late) == 1 and late[0]["terminal"] == "completed"
+
+
+def test_s3_2_an_event_a_higher_seq_overtook_on_the_wire_still_reaches_the_hub_once(broker, tmp_path):
+    """A runner records an agent's event (seq 2) on one thread and its heartbeat (seq 3) on another;
+    the beat reaches the wire first. The hub takes the late event instead of refusing it as a duplicate."""
+    hub = hub_workspace(broker, tmp_path)
+    sim = SimRunner(broker, tmp_path / "runner")
+    dispatch = WatchProcess([*MAM_ORCH, "dispatch", "--session", "gpu-box", "--brief", "x",
+                             "--ack-timeout", ACK_TIMEOUT, "--workspace", str(hub)], hub_env())
+    try:
+        job_id = sim.take().dispatch.job_id
+        sim.publish(job_id, "started")
+        asked = record(sim.registry, PublishRequest(job_id, "progress", "the agent asks"), source="runner")
+        beat = record(sim.registry, PublishRequest(job_id, "progress", "beat"), source="runner")
+        assert (asked.seq, beat.seq) == (2, 3)
+        send_on(sim.client, beat)
+        wait_until(lambda: [e for e in dispatch.events("progress") if e["seq"] == 3], what="seq 3 at the hub")
+        send_on(sim.client, asked)  # again, as the outbox re-sends after a reconnect
+        send_on(sim.client, asked)
+        wait_until(lambda: [e for e in dispatch.events("progress") if e["seq"] == 2], what="the late seq 2")
+        sim.publish(job_id, "completed", exit_code=0)
+        assert dispatch.wait(PATIENCE_S) == 0, dispatch.log()
+    finally:
+        dispatch.kill()
+        sim.close()
+    assert [e["seq"] for e in dispatch.events()] == [1, 3, 2, 4], dispatch.log()
+    assert "refused message: duplicate" in dispatch.log()  # the second copy of seq 2 only
+    audit = Registry(hub).audit(job_id)
+    assert [line["detail"] for line in audit if line.get("event") == "progress"] == ["beat", "the agent asks"]
+    assert [(line["expected"], line["got"]) for line in audit if line.get("event") == "seq_gap"] == [(2, 3)]
 
 
 def test_fault8_s17_the_hub_clears_the_retained_dispatch_when_it_accepts_started(broker, tmp_path):

@@ -11,11 +11,13 @@ import logging
 import pytest
 
 from mam.orchestrator.acceptance import (
+    MISSING_KEPT,
     Accepted,
     Refused,
     Seen,
     accept,
     mirror_event,
+    missing_after,
 )
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.config import BrokerConfig
@@ -136,6 +138,34 @@ def test_s3_2_rule6_seq_jump_is_accepted_with_a_gap(rec):
     assert isinstance(verdict, Accepted) and verdict.gap == (2, 4) and verdict.message.seq == 4
     verdict = judge(event(rec, 2), rec, Seen(highest_seq=1))
     assert isinstance(verdict, Accepted) and verdict.gap is None
+
+
+def test_s3_2_rule6_a_missing_seq_arriving_late_is_accepted_once(rec):
+    verdict = judge(event(rec, 4), rec, Seen(highest_seq=1))
+    assert isinstance(verdict, Accepted) and verdict.missing == (2, 3) and not verdict.late
+    late = judge(event(rec, 2, "permission_required"), rec, Seen(highest_seq=4, missing=frozenset({2, 3})))
+    assert isinstance(late, Accepted) and late.late and late.missing == (3,) and late.gap is None
+    again = judge(event(rec, 2, "permission_required"), rec, Seen(highest_seq=4, missing=frozenset({3})))
+    assert isinstance(again, Refused) and again.reason == "duplicate"  # arrived once: a replay now
+    never_missing = judge(event(rec, 1), rec, Seen(highest_seq=4, missing=frozenset({2, 3})))
+    assert isinstance(never_missing, Refused) and never_missing.reason == "duplicate"
+    after_end = judge(event(rec, 3), rec, Seen(highest_seq=5, terminal="completed", missing=frozenset({3})))
+    assert isinstance(after_end, Refused) and after_end.reason == "after_terminal"
+    in_order = judge(event(rec, 5), rec, Seen(highest_seq=4, missing=frozenset({3})))
+    assert isinstance(in_order, Accepted) and in_order.missing is None and not in_order.late
+
+
+def test_s3_2_rule6_the_missing_seqs_kept_are_the_highest_few():
+    assert missing_after(2, Seen(highest_seq=1)) is None
+    assert missing_after(10 + 3 * MISSING_KEPT, Seen(highest_seq=1)) == tuple(
+        range(10 + 2 * MISSING_KEPT, 10 + 3 * MISSING_KEPT))
+    assert missing_after(9, Seen(highest_seq=7, missing=frozenset({2}))) == (2, 8)
+
+
+def test_s3_2_rule6_a_record_with_hostile_missing_seqs_is_read_as_none_missing(reg, rec):
+    for junk in ("2", [True, "3", None, 2.5], {"2": 1}):
+        assert Seen.of_record(dict(rec, missing_seqs=junk)).missing == frozenset()
+    assert Seen.of_record(dict(rec, missing_seqs=[True, 4])).missing == frozenset({4})
 
 
 def test_s3_2_rule7_after_terminal_and_duplicate_comes_first(rec):
@@ -260,6 +290,49 @@ def test_s10_remote_watcher_mirrors_accepted_events_and_resolves_after_terminal(
     assert w.refusals == ["after_terminal"] and w.terminal == "error"
     assert w.runner_ended is True  # refused, but the runner did report its end (§6 confirmation)
     assert reg.get(jid)["status"] == "error" and reg.get(jid)["last_seq"] == 3
+
+
+def test_s3_2_remote_watcher_accepts_an_event_overtaken_on_the_wire_and_keeps_it_across_a_restart(reg, rec):
+    """The runner records a permission request (seq 2) on one thread; its heartbeat (seq 3)
+    reaches the wire first. The request still reaches the hub, once, even by a new service."""
+    jid = rec["job_id"]
+    w = watcher(reg, rec, remote=True)
+    assert w.handle(topic(rec, "events"), event(rec, 1, "started")) is True
+    assert w.handle(topic(rec, "events"), event(rec, 3)) is True
+    assert reg.get(jid)["missing_seqs"] == [2] and reg.get(jid)["last_seq"] == 3
+    restarted = watcher(reg, rec, remote=True)  # a service that started since: the record remembers
+    restarted.highest_event = restarted.highest_any = 3
+    assert restarted.handle(topic(rec, "events"), event(rec, 2, "permission_required")) is True
+    assert [json.loads(line)["seq"] for line in restarted.out.getvalue().splitlines()] == [2]
+    assert reg.get(jid)["missing_seqs"] == [] and reg.get(jid)["last_seq"] == 3
+    assert restarted.highest_event == 3
+    assert restarted.handle(topic(rec, "events"), event(rec, 2, "permission_required")) is False
+    assert w.handle(topic(rec, "events"), event(rec, 2, "permission_required")) is False  # from the record
+    assert restarted.refusals == ["duplicate"] and w.refusals == ["duplicate"]
+    audit = [line.get("event") for line in reg.audit(jid)]
+    assert audit.count("permission_required") == 1 and audit.count("seq_gap") == 1
+
+
+def test_s3_2_a_watch_that_mirrors_nothing_accepts_a_late_event_once_from_its_memory(reg, rec):
+    w = watcher(reg, rec, remote=False)
+    assert w.handle(topic(rec, "events"), event(rec, 1, "started")) is True
+    assert w.handle(topic(rec, "events"), event(rec, 3)) is True
+    assert w.handle(topic(rec, "events"), event(rec, 2, "permission_required")) is True
+    assert w.handle(topic(rec, "events"), event(rec, 2, "permission_required")) is False
+    assert [json.loads(line)["seq"] for line in w.out.getvalue().splitlines()] == [1, 3, 2]
+    assert w.refusals == ["duplicate"] and "missing_seqs" not in reg.get(rec["job_id"])
+
+
+def test_s3_2_mirror_event_fills_a_missing_seq_and_a_new_attempt_forgets_them(reg):
+    rec = reg.register(session="gpu-box")
+    jid = rec["job_id"]
+    mirror_event(reg, jid, payload_for(jid, rec, "started")(1))
+    assert mirror_event(reg, jid, payload_for(jid, rec, "progress")(4)).record["missing_seqs"] == [2, 3]
+    filled = mirror_event(reg, jid, payload_for(jid, rec, "progress")(3))
+    assert filled.gap is None and filled.record["missing_seqs"] == [2] and filled.record["last_seq"] == 4
+    with pytest.raises(Refusal) as info:
+        mirror_event(reg, jid, payload_for(jid, rec, "progress")(3))
+    assert info.value.reason == "duplicate"
 
 
 def test_s4_watcher_state_renews_only_when_newer_and_holds_a_terminal_state(reg, rec):
