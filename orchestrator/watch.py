@@ -161,6 +161,7 @@ class Watcher:
         self.human = hasattr(self.out, "isatty") and self.out.isatty()
         self.highest_event = self.highest_any = 0
         self.missing: frozenset[int] = frozenset()  # event seqs skipped, not yet arrived (§3.2 rule 6)
+        self._mirrored_status: str | None = None  # the record's status after the last mirroring transaction
         self.accepted_any = False
         self.terminal: str | None = None
         self.refusals: list[str] = []
@@ -254,7 +255,7 @@ class Watcher:
             self._refuse(verdict.reason, verdict.detail,
                          quiet=verdict.earlier or (confirms and self.terminal == JobStatus.CANCELLED))
             if self.options.remote and verdict.reason == AFTER_TERMINAL:
-                self._resolve_from_record()
+                self._resolve_from_record(self._mirrored_status)
             return False
         message = verdict.message
         if verdict.late:  # overtaken on the wire by a higher seq (§3.2 rule 6)
@@ -278,7 +279,7 @@ class Watcher:
             self.log_chunks = message.data.get("log_chunks")
             self.terminal = JobStatus.COMPLETED if message.event == "completed" else JobStatus.ERROR
             if self.options.remote:
-                self._resolve_from_record()
+                self._resolve_from_record(self._mirrored_status)
         return True
 
     def _accept_and_mirror(self, raw: bytes, kind: Kind) -> Verdict:
@@ -300,6 +301,7 @@ class Watcher:
                 moved_to_running = mirror_state(txn, verdict.message, verdict.gap)
             elif isinstance(verdict, Refused) and verdict.reason == AFTER_TERMINAL and verdict.message is not None:
                 note_late_terminal(txn, verdict.message)
+        self._mirrored_status = (txn.new if txn.new is not None else txn.record)["status"]
         if moved_to_running:
             self._clear_dispatch()
         return verdict
@@ -383,8 +385,10 @@ class Watcher:
         self.asleep_until = 0.0
         self._resolve_from_record()
 
-    def _resolve_from_record(self) -> None:
-        status = self.registry.get(self.job_id)["status"]
+    def _resolve_from_record(self, status: str | None = None) -> None:
+        """Take a terminal status of the hub record; `status`: the record's as the last
+        mirroring transaction left it (not read again), None: read it now."""
+        status = status if status is not None else self.registry.get(self.job_id)["status"]
         if status in TERMINAL_STATUSES:
             self.terminal = status
 

@@ -335,6 +335,18 @@ def test_s3_2_mirror_event_fills_a_missing_seq_and_a_new_attempt_forgets_them(re
     assert info.value.reason == "duplicate"
 
 
+def test_s10_remote_watcher_reads_the_record_once_per_message_it_mirrors(reg, rec, monkeypatch):
+    jid = rec["job_id"]
+    w = watcher(reg, rec, remote=True)
+    assert w.handle(topic(rec, "events"), event(rec, 1, "started")) is True
+    reads = []
+    real_find = Registry.find
+    monkeypatch.setattr(Registry, "find", lambda self, job_id: reads.append(job_id) or real_find(self, job_id))
+    assert w.handle(topic(rec, "events"), event(rec, 2, "completed", exit_code=0)) is True
+    assert w.handle(topic(rec, "state"), state(rec, 2, "completed")) is False  # not newer than its event
+    assert w.terminal == "completed" and reads == [jid, jid]  # the terminal's status from its own transaction
+
+
 def test_s4_watcher_state_renews_only_when_newer_and_holds_a_terminal_state(reg, rec):
     w = watcher(reg, rec, remote=False)
     assert w.handle(topic(rec, "events"), event(rec, 1, "started")) is True
