@@ -32,6 +32,13 @@ Kind = Literal["event", "state"]
 Message = wire.Event | wire.State
 
 
+def _seqs(value: object) -> frozenset[int]:
+    """The integers of a stored list of seqs; anything else in it, or no list, counts nothing."""
+    if not isinstance(value, list):
+        return frozenset()
+    return frozenset(seq for seq in value if isinstance(seq, int) and not isinstance(seq, bool))
+
+
 @dataclass(frozen=True)
 class Seen:
     """What the hub has accepted of the job's current attempt: the highest
@@ -50,11 +57,8 @@ class Seen:
     def of_record(cls, record: JobRecord) -> Seen:
         """The view of a hub record: `last_seq`, its status when terminal, `seen_seq`, `missing_seqs`."""
         status = record["status"]
-        missing = record.get("missing_seqs", [])
         return cls(record["last_seq"], status if status in TERMINAL_STATUSES else None,
-                   record.get("seen_seq", 0),
-                   frozenset(seq for seq in missing if isinstance(seq, int) and not isinstance(seq, bool))
-                   if isinstance(missing, list) else frozenset())
+                   record.get("seen_seq", 0), _seqs(record.get("missing_seqs")))
 
     def merged(self, other: Seen) -> Seen:
         """The stricter of two views: a watcher's memory and `other`, the registry's record,
@@ -197,10 +201,10 @@ def accept(message: bytes | Message, *, kind: Kind, job_id: str, record: JobReco
                     record=record, seen=seen)
     if refused is not None:
         return Refused(refused.reason, refused.detail, message)
+    gap = seq_gap(message.seq, seen)
     if kind == "state":
-        return Accepted(message, seq_gap(message.seq, seen))
-    return Accepted(message, seq_gap(message.seq, seen), missing_after(message.seq, seen),
-                    late=message.seq <= seen.highest_seq)
+        return Accepted(message, gap)
+    return Accepted(message, gap, missing_after(message.seq, seen), late=message.seq <= seen.highest_seq)
 
 
 def mirror_event(registry: Registry, job_id: str, payload: Mapping[str, Any], *,
