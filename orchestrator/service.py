@@ -25,6 +25,7 @@ outages"). SIGTERM and SIGINT stop it cleanly: jobs go on, the lock is released.
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import queue
@@ -197,6 +198,11 @@ class HubService:
         self._mtimes: dict[str, int] = {}
         self._records: JobsWatch | None = None  # the records folder's watch, while serving
         self._ticked_down_since: float | None = None  # `tick`'s last down_since
+        self._revoked_seen: frozenset[str] | None = None  # `tick`'s last look at the revoked sessions
+        # whom `tick` looks at: the jobs woken since (`Watcher.on_wake`), then the sleepers whose
+        # `asleep_until` came (a heap; an entry whose watcher was woken since is stale, dropped)
+        self._due: dict[str, None] = {}
+        self._sleepers: list[tuple[float, str]] = []
         self._next_full_scan = 0.0  # monotonic
         self.backlog: deque[Received] = deque()  # received, not judged yet (`receive`)
         self.unjudged: Counter[str] = Counter()  # job id -> its messages in `backlog`
@@ -223,6 +229,7 @@ class HubService:
         watcher = Watcher(self.registry, record["job_id"], client=self.client, keys=self.keys, out=self.out,
                           options=WatchOptions(remote=True, ack_only_before_first=True, lazy_progress=True),
                           show_log=False)
+        watcher.on_wake = self._due.setdefault
         watcher.start_clocks(now, record)
         if record.get("group"):
             self.groups[record["job_id"]] = str(record["group"])
@@ -787,25 +794,22 @@ class HubService:
             proven: moment -> whether the link is proven alive after it (`BrokerLink.proven`;
                 None: always), read before the messages received by then were taken in.
         """
-        if down_since != self._ticked_down_since:  # the clocks that run change: every job looks again
-            self._ticked_down_since = down_since
-            for watcher in self.watchers.values():
-                watcher.asleep_until = 0.0
-        revocations = self.feed.revocations
-        revoked = revocations.revoked() if revocations is not None else None  # one roster look (§16)
-        for job_id, watcher in list(self.watchers.items()):
+        for job_id in self._due_now(now, down_since):
+            watcher = self.watchers.get(job_id)
+            if watcher is None:
+                continue  # ended, or not this loop's (a cancel's confirmation, a late judge)
             if job_id in self.unjudged:
-                continue  # it spoke: judge that first (`receive`)
-            if now < watcher.asleep_until and revoked is not None and watcher.session not in revoked:
-                continue  # nothing to decide before its next deadline (`Watcher.next_wake`)
+                self._due.setdefault(job_id)  # it spoke: judge that first (`receive`), then look
+                continue
             try:
                 code = watcher.tick(now, down_since=down_since, poll=False, proven=proven)
             except MamError as exc:
                 self.stats.handler_errors += 1
                 log.warning("job %s: clocks not applied: %s", job_id, exc)
                 continue
-            if code is None:
+            if code is None:  # nothing to decide before its next deadline (`Watcher.next_wake`)
                 watcher.asleep_until = watcher.next_wake(down_since)
+                heapq.heappush(self._sleepers, (watcher.asleep_until, job_id))
                 continue
             del self.watchers[job_id]
             self.groups.pop(job_id, None)
@@ -835,6 +839,28 @@ class HubService:
             if watcher.runner_ended or now >= deadline:
                 del self.confirming[job_id], self.confirm_watchers[job_id]
                 watcher.finish_confirm()
+
+    def _due_now(self, now: float, down_since: float | None) -> list[str]:
+        """The tracked jobs `tick` looks at now, taken off the schedule: every one when the
+        clocks that run changed (the link went down or came back, §14), when a session was
+        newly revoked or the roster cannot tell (§16); else those woken since the last tick
+        and the sleepers whose `asleep_until` came. A tick costs what is due, not what is open."""
+        revocations = self.feed.revocations
+        revoked = frozenset(revocations.revoked()) if revocations is not None else None  # one roster look
+        seen = self._revoked_seen
+        if down_since != self._ticked_down_since or revoked is None or (seen is not None and not revoked <= seen):
+            self._due.update(dict.fromkeys(self.watchers))
+            self._sleepers.clear()
+        self._ticked_down_since, self._revoked_seen = down_since, revoked
+        sleepers = self._sleepers
+        while sleepers and sleepers[0][0] <= now:
+            until, job_id = heapq.heappop(sleepers)
+            watcher = self.watchers.get(job_id)
+            if watcher is not None and watcher.asleep_until == until:
+                self._due.setdefault(job_id)
+        due = list(self._due)
+        self._due.clear()  # in place: every watcher's `on_wake` holds this dict's `setdefault`
+        return due
 
     def broker_back(self, now: float, outage: float) -> None:
         """§14: every job gets a full idle window after the service's reconnect."""

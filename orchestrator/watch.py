@@ -173,8 +173,10 @@ class Watcher:
         self.ack_s = self.idle_s = 0.0  # the clocks (§10), set by start_clocks
         self.wall_deadline = self.first_deadline = self.last_alive = self.next_poll = 0.0
         # until when (monotonic) `tick` has nothing to decide: the service's cache of `next_wake`,
-        # reset by every entry that can move a clock or end the job (a message, a refresh)
+        # reset by every entry that can move a clock or end the job (a message, a refresh), which
+        # also tells `on_wake` (the service's schedule of whom its tick looks at)
         self.asleep_until = 0.0
+        self.on_wake: Callable[[str], object] | None = None
         self.started_status = self.session = ""  # session: whose revocation closes the job (§16)
         self.attempt_id = 0
         self.revocations = Revocations(registry.root)  # the service shares one among its watchers
@@ -205,6 +207,12 @@ class Watcher:
 
     # ------------------------------------------------------------ acceptance
 
+    def _wake(self) -> None:
+        """Something may have moved a clock or ended the job: `tick` looks at it next time."""
+        self.asleep_until = 0.0
+        if self.on_wake is not None:
+            self.on_wake(self.job_id)
+
     def handle(self, topic: str, raw: bytes) -> bool:
         """Judge one message by §3.2 (`acceptance.accept`) and act on the verdict;
         an accepted one renews the idle clock (§10).
@@ -214,7 +222,7 @@ class Watcher:
         Raises:
             RegistryError: the hub record cannot be read or written.
         """
-        self.asleep_until = 0.0
+        self._wake()
         renewed = self._judge(topic, raw)
         if renewed:
             self.last_alive = time.monotonic()
@@ -382,7 +390,7 @@ class Watcher:
 
     def refresh(self) -> None:
         """Take the hub record's word when it is terminal (a cancel from another shell)."""
-        self.asleep_until = 0.0
+        self._wake()
         self._resolve_from_record()
 
     def _resolve_from_record(self, status: str | None = None) -> None:
@@ -530,7 +538,7 @@ class Watcher:
         over or publishes its dispatch (§14: ack_timeout starts at that publish)."""
         record = record if record is not None else self.registry.get(self.job_id)
         opts = self.options
-        self.asleep_until = 0.0
+        self._wake()
         self.ack_s = float(opts.ack_timeout_s if opts.ack_timeout_s is not None else record["ack_timeout_sec"])
         self.idle_s = float(opts.idle_timeout_s if opts.idle_timeout_s is not None else record["idle_timeout_sec"])
         wall_s = float(opts.timeout_s if opts.timeout_s is not None else record["timeout_sec"])
@@ -546,7 +554,7 @@ class Watcher:
     def broker_back(self, now: float, outage: float) -> None:
         """§14: the hub's connection is back after `outage` s; the clocks stood
         still, and every job gets a full idle window from now."""
-        self.asleep_until = 0.0
+        self._wake()
         self.first_deadline = max(self.first_deadline + outage, now + self.idle_s)
         self.last_alive = now
         log.info("job %s: broker connection back after %.1f s; the idle clock restarts", self.job_id, outage)

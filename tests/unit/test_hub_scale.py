@@ -193,3 +193,28 @@ def test_s14_a_link_going_down_makes_every_sleeping_job_look_again(tmp_path, mon
     service.tick(now, None)
     service.tick(now + 0.1, down_since=now + 0.05)  # only the wall clock runs now (§14)
     assert ticked == [record["job_id"]] * 2
+
+
+def test_s10_among_many_sleeping_jobs_a_tick_looks_only_at_what_is_due(tmp_path, monkeypatch):
+    """The service's schedule: with many jobs asleep, a tick looks at the one that spoke
+    and, once its deadline comes, at the one it closes; never at the others (§10, §16)."""
+    service, first, ticked, roster = sleeping_service(tmp_path, monkeypatch)
+    reg = Registry(tmp_path)
+    others = [reg.register(session=f"box-{n}", contract=Contract(heartbeat_sec=5, heartbeat_misses=2,
+                                                                 ack_timeout_sec=600)) for n in range(20)]
+    service.scan(time.monotonic())
+    now = time.monotonic()
+    service.tick(now, None)  # each job looked at once, then asleep until its ack deadline
+    assert sorted(ticked) == sorted([first["job_id"], *(other["job_id"] for other in others)])
+    ticked.clear()
+    service.on_message(topic(first, "event"), signed(first, "event", 1, "started"), now)
+    for step in range(1, 30):  # three seconds of ticks
+        service.tick(now + step * 0.1, None)
+    assert ticked == [first["job_id"]]  # the one that spoke, once; then asleep for its idle window
+    service.tick(now + IDLE_PAST_S, None)
+    assert ticked == [first["job_id"]] * 2
+    assert reg.get(first["job_id"])["close_reason"] == "deadline_timeout"
+    roster.sessions["box-3"] = TS  # one runner revoked: its job is looked at, and closed
+    service.tick(now + IDLE_PAST_S + 0.1, None)
+    assert reg.get(others[3]["job_id"])["close_reason"] == "runner_lost"
+    assert [reg.get(other["job_id"])["status"] for n, other in enumerate(others) if n != 3] == ["pending"] * 19
