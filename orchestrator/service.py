@@ -285,7 +285,7 @@ class HubService:
             if job_id in self.confirm_watchers:
                 return
             if retry_reason(record) is not None or limit_pause(record, time.time()) is not None:
-                self.retry(job_id, now)  # an engine stopped between an attempt's end and its retry (§14)
+                self.retry(job_id, now, record)  # an engine stopped between an attempt's end and its retry (§14)
                 return
             if job_id not in self.late:
                 self._judge_late(record, now)
@@ -711,12 +711,13 @@ class HubService:
                               f"target {describe_target(record)}")
             self._failed(record)
 
-    def retry(self, job_id: str, now: float) -> None:
+    def retry(self, job_id: str, now: float, record: JobRecord | None = None) -> None:
         """§14 Retries: an attempt that ended for a reason in `retry_on` with retries left
         is cancelled and queued again as attempt + 1 (the dispatch process's own rule);
-        §14 Pauses: one that stopped on a usage limit is queued again paused until its reset."""
+        §14 Pauses: one that stopped on a usage limit is queued again paused until its reset.
+        `record`: the job's record as the caller just read it (None: read it now)."""
         try:
-            record = self.registry.get(job_id)
+            record = record if record is not None else self.registry.get(job_id)
             until = limit_pause(record, time.time())
             if until is not None:
                 self._pause(record, until, now)
@@ -821,16 +822,17 @@ class HubService:
                 self.confirming[job_id] = watcher.confirm_deadline(now)
                 self.confirm_watchers[job_id] = watcher
             else:
-                try:
-                    record = self.registry.get(job_id)
+                try:  # as the watcher's tick read it, once: not again here and in `retry`
+                    record = watcher.ended_record or self.registry.get(job_id)
                 except MamError as exc:
                     log.warning("job %s: cannot read its record: %s", job_id, exc)
+                    self.retry(job_id, now)
                 else:
                     if record.get("close_reason") in HUB_DECISIONS:
                         why = CLOSE_WHY.get(str(record["close_reason"]), "")
                         self.note(job_id, f"job {job_id} closed: {record['close_reason']} ({why})")
                     self._judge_late(record, now, watcher)
-                self.retry(job_id, now)
+                    self.retry(job_id, now, record)
         for job_id, (_watcher, until) in list(self.late.items()):
             if now >= until:
                 del self.late[job_id]

@@ -167,6 +167,7 @@ class Watcher:
         self.refusals: list[str] = []
         self._terminal_state: wire.State | None = None  # a terminal §4 state waiting for its event
         self.runner_ended = False  # a verified terminal event or state of the current attempt
+        self.ended_record: JobRecord | None = None  # the record as `tick` read it when it returned an exit code
         self._terminal_state_at = 0.0
         self._owns_client = False
         self._subscribed = False
@@ -403,7 +404,7 @@ class Watcher:
     def _terminal_exit(self) -> int:
         """The §9 exit code once `terminal` is known: the record's (`exit_code_of`) when it
         is terminal on disk, else the terminal event's status (a watch that mirrors nothing)."""
-        record = self.registry.get(self.job_id)
+        record = self.ended_record = self.registry.get(self.job_id)
         if record["status"] in TERMINAL_STATUSES:
             return exit_code_of(record)
         return STATUS_EXIT.get(self.terminal or "", ExitCode.ERROR)

@@ -37,6 +37,10 @@ class RegistryFiles:
         self._paths: dict[str, Path] = {}
         self._group: set[Path] | None = None  # files written inside `group()`, fsynced at its end
         self._group_thread = 0
+        # records written inside `group()`, read from here until its end: the group holds the
+        # lock, so no other writer can have replaced them (the service reads a job's record
+        # again for its state right after its event's write)
+        self._group_records: dict[Path, bytes] = {}
 
     # -------------------------------------------------------------- paths
 
@@ -119,6 +123,7 @@ class RegistryFiles:
                 yield
             finally:
                 self._group = None
+                self._group_records.clear()
                 if files and flush == "locked":
                     sync_paths(files, what=f"registry {self.root}")
         if files and flush == "after":
@@ -126,11 +131,23 @@ class RegistryFiles:
 
     def deferred(self, path: Path) -> bool:
         """True (and `path` noted) inside this thread's `group()`: the caller skips its fsync."""
-        group = self._group
-        if group is None or self._group_thread != threading.get_ident():
+        if not self._in_group():
             return False
-        group.add(path)
+        assert self._group is not None
+        self._group.add(path)
         return True
+
+    def _in_group(self) -> bool:
+        return self._group is not None and self._group_thread == threading.get_ident()
+
+    def written_in_group(self, path: Path) -> bytes | None:
+        """The bytes this thread's `group()` wrote to `path`, None outside a group or when it wrote none."""
+        return self._group_records.get(path) if self._in_group() else None
+
+    def note_written(self, path: Path, data: bytes) -> None:
+        """`data` is now at `path` (written inside this thread's `group()`: read back from memory)."""
+        if self._in_group():
+            self._group_records[path] = data
 
     def _write_side(self, job_id: str, name: str, obj: dict[str, Any]) -> None:
         # meta/status are views of the record; the record is the truth, so a failure here only warns

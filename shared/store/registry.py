@@ -135,7 +135,7 @@ class Registry(RegistryFiles):
     def _read(self, path: Path, job_id: str) -> JobRecord | str | None:
         """The record at `path`, None when there is no file, or why it is corrupt (a str)."""
         try:
-            raw = read_capped(path, RECORD_MAX_BYTES)
+            raw = self.written_in_group(path) or read_capped(path, RECORD_MAX_BYTES)
         except OverflowError as exc:
             return str(exc)
         except FileNotFoundError:
@@ -208,7 +208,9 @@ class Registry(RegistryFiles):
     def _write(self, record: JobRecord, *, status_changed: bool = False) -> None:
         job_id = record["job_id"]
         path = self.record_path(job_id)
-        atomic_write(path, dumps(record), what=f"job {job_id}", durable=not self.deferred(path))
+        data = dumps(record)
+        atomic_write(path, data, what=f"job {job_id}", durable=not self.deferred(path))
+        self.note_written(path, data)
         if status_changed:
             self._write_side(job_id, "status.json", {
                 "job_id": job_id, "status": record["status"], "attempt_id": record["attempt_id"],

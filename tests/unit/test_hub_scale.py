@@ -7,6 +7,7 @@ are driven directly."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import time
 from typing import Any
@@ -20,6 +21,7 @@ from mam.orchestrator.service import HubService
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.config import BrokerConfig, write_env_file
 from mam.shared.protocol import crypto, names, wire
+from mam.shared.store import registry as registry_module
 from mam.shared.store.registry import Contract, Registry
 from mam.shared.transport.mqtt import Message
 
@@ -126,6 +128,27 @@ def test_s8_a_registry_group_fsyncs_its_files_together_at_its_end(tmp_path, coun
     # at its end: every record and audit log, then their folders (jobs/ and each logs/<id>/)
     assert len(counted_fsyncs) == 2 * len(records) + 1 + len(records)
     assert all(reg.get(record["job_id"])["status"] == "running" for record in records)
+
+
+def test_s8_a_record_written_in_a_group_is_read_back_from_memory_until_the_group_ends(tmp_path, monkeypatch):
+    """The group holds the lock, so what it wrote is what is on disk: the service's state
+    after its event reads no file. Once the group ends, the disk is read again."""
+    reg = Registry(tmp_path)
+    record = reg.register(session="gpu-box")
+    path = reg.record_path(record["job_id"])
+    reads: list[str] = []
+    real_read = registry_module.read_capped
+    monkeypatch.setattr(registry_module, "read_capped", lambda p, cap: reads.append(str(p)) or real_read(p, cap))
+    with reg.group():
+        reg.transition(record["job_id"], "running", source="remote_mirror", attempt_id=record["attempt_id"],
+                       dispatch_token=record["dispatch_token"])
+        assert reads == [str(path)]  # the transaction's own read, before its write
+        assert reg.get(record["job_id"])["status"] == "running"
+        assert reads == [str(path)]  # the write, read back without the file
+    on_disk = json.loads(path.read_text())
+    path.write_text(json.dumps({**on_disk, "status": "completed"}))  # another writer, once the lock is free
+    assert reg.get(record["job_id"])["status"] == "completed"
+    assert reads == [str(path)] * 2
 
 
 class Revoked:
