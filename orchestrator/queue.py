@@ -302,6 +302,18 @@ def plan(queued: Sequence[QueuedJob], fleet: Fleet, now: float, stale_after_s: f
     return picked
 
 
+def queue_ranks(queued: Iterable[QueuedJob]) -> dict[str, int]:
+    """For each job of `queued`, how many of them of the same target leave before it (§14):
+    the "queued behind N jobs" of `why_waiting`, for a whole queue in one sort, where asking
+    `why_waiting` job by job would compare every pair."""
+    ranks: dict[str, int] = {}
+    before: dict[tuple[str | None, frozenset[str], str | None], int] = {}
+    for job in sorted(queued, key=queue_order):
+        ranks[job.job_id] = before.get(job.target, 0)
+        before[job.target] = ranks[job.job_id] + 1
+    return ranks
+
+
 def _ahead(job: QueuedJob, queued: Iterable[QueuedJob]) -> int:
     """How many other queued jobs of the same target leave before `job`."""
     mine = queue_order(job)
@@ -324,12 +336,14 @@ def unserved(job: QueuedJob, fleet: Fleet) -> bool:
 
 
 def why_waiting(job: QueuedJob, fleet: Fleet, queued: Sequence[QueuedJob], now: float,
-                stale_after_s: float, out: Mapping[str, Sequence[str]] | None = None) -> str:
+                stale_after_s: float, out: Mapping[str, Sequence[str]] | None = None,
+                ranks: Mapping[str, int] | None = None) -> str:
     """One human line saying why `job` is still queued (§14).
 
     Args:
         job: the waiting job; fleet: the runners; queued: every queued job (for
-        the count ahead); now: monotonic s; stale_after_s, out: as for `plan`.
+        the count ahead); now: monotonic s; stale_after_s, out: as for `plan`;
+        ranks: `queue_ranks(queued)`, given by a caller asking for many jobs of one queue.
 
     Returns:
         e.g. "queued behind 3 jobs for labels=gpu (2 runners match, 0 free slots)".
@@ -370,7 +384,7 @@ def why_waiting(job: QueuedJob, fleet: Fleet, queued: Sequence[QueuedJob], now: 
         return f"no runner matches {target} (job {job.job_id} waits)"
     available = [view for view in matching if fleet.available(view.session, now, stale_after_s)]
     free = sum(fleet.free_slots(view.session, now, stale_after_s) for view in available)
-    ahead = _ahead(job, queued)
+    ahead = ranks[job.job_id] if ranks is not None and job.job_id in ranks else _ahead(job, queued)
     if not available:
         states = ", ".join(f"{view.session} {_state(view, now, stale_after_s)}" for view in matching)
         return f"queued behind {_plural(ahead, 'job')} for {target}: no matching runner is online ({states})"

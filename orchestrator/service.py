@@ -636,8 +636,11 @@ class HubService:
             if self.fleet.view(session) is None:
                 self.note(job_id, f"job {job_id}: session {session} has announced no presence: dispatching now (v1)")
             self.publish(job_id, session, now)
+        why: tuple[dict[str, int], dict[str, list[str]]] | None = None  # the queue's ranks and groups, once
         for job in self.queued.values():
-            self._explain(job, waiting, now)
+            if self._why_due(job, now):
+                why = why or (hubqueue.queue_ranks(waiting), self.groups_out())
+                self._explain(job, waiting, now, *why)
 
     def _cancel_in_progress(self) -> None:
         """§14 Groups: a queued job dispatched `--cancel-in-progress` cancels its group's jobs
@@ -675,19 +678,23 @@ class HubService:
         jobs of the group. Derived from the records this engine tracks, so a restarted hub
         counts the same jobs."""
         out: dict[str, list[str]] = {}
-        for job_id in self.watchers:
-            group = self.groups.get(job_id)
-            if group is not None:
+        for job_id, group in self.groups.items():  # only the jobs of a group, not every tracked one
+            if job_id in self.watchers:
                 out.setdefault(group, []).append(job_id)
         return out
 
-    def _explain(self, job: hubqueue.QueuedJob, waiting: list[hubqueue.QueuedJob], now: float) -> None:
-        """Note why `job` waits (§14), once the presence burst is in, whenever the reason
-        changed and at most every `WHY_EVERY_S`."""
+    def _why_due(self, job: hubqueue.QueuedJob, now: float) -> bool:
+        """Whether `job`'s waiting note may be said now: once the presence burst is in, at
+        most every `WHY_EVERY_S`."""
         last = self._why.get(job.job_id)
-        if now < self.settle_until or (last is not None and now < last[1] + WHY_EVERY_S):
-            return
-        why = hubqueue.why_waiting(job, self.fleet, waiting, now, PRESENCE_STALE_S, out=self.groups_out())
+        return now >= self.settle_until and (last is None or now >= last[1] + WHY_EVERY_S)
+
+    def _explain(self, job: hubqueue.QueuedJob, waiting: list[hubqueue.QueuedJob], now: float,
+                 ranks: dict[str, int], out: dict[str, list[str]]) -> None:
+        """Note why `job` waits (§14) when the reason changed; `ranks` and `out`: the
+        queue's (`queue_ranks`, `groups_out`), taken once for every job of the pass."""
+        last = self._why.get(job.job_id)
+        why = hubqueue.why_waiting(job, self.fleet, waiting, now, PRESENCE_STALE_S, out=out, ranks=ranks)
         line = f"job {job.job_id}: {why}"
         if last is not None and last[0] == line:
             return

@@ -89,10 +89,11 @@ def queue_rows(service: HubService, now: float | None = None) -> list[Row]:
     Dependencies), each with its status and why it still waits (§14)."""
     now = time.monotonic() if now is None else now
     queued = list(service.queued.values())
+    ranks, out = hubqueue.queue_ranks(queued), service.groups_out()  # once for the whole queue
     rows: list[Row] = [{"job_id": job.job_id, "status": JobStatus.QUEUED, "target": hubqueue.describe_target(job),
                         "priority": job.priority, "queued_at": job.queued_at, "group": job.group,
                         "why_waiting": hubqueue.why_waiting(job, service.fleet, queued, now, PRESENCE_STALE_S,
-                                                            out=service.groups_out())}
+                                                            out=out, ranks=ranks)}
                        for job in sorted(queued, key=hubqueue.queue_order)]
     for job_id in sorted(service.blocked):
         try:

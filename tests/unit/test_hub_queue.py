@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mam.orchestrator.http import views
-from mam.orchestrator.queue import Fleet, QueuedJob, RunnerView, plan, why_waiting
+from mam.orchestrator.queue import Fleet, QueuedJob, RunnerView, plan, queue_ranks, why_waiting
 
 STALE_S = 100.0
 NOW = 1000.0
@@ -135,6 +135,22 @@ def test_s14_why_waiting_lines() -> None:
     assert line == "queued behind 0 jobs for labels=gpu: no matching runner is online (g1 offline, g2 lost)"
     for text in (line, why_waiting(queued[1], fleet, queued, NOW, STALE_S)):
         assert "\n" not in text
+
+
+def test_s14_a_whole_queue_is_ranked_in_one_sort_with_the_counts_asked_job_by_job() -> None:
+    """`queue_ranks`: how many jobs of the same target leave before each (priority first,
+    then age, then id), the same count `why_waiting` finds for one job alone."""
+    fleet = fleet_of(runner("g1", labels=("gpu",), max_jobs=1, running=("r1",)),
+                     runner("c1", labels=("x",), max_jobs=1, running=("r2",)))
+    queued = [job(f"j{n:02d}", labels=("gpu",) if n % 3 else ("x",), priority=n % 2, queued_at=float(n % 5))
+              for n in range(30)]
+    ranks = queue_ranks(queued)
+    assert sorted(ranks.values()) == sorted([*range(20), *range(10)])  # 20 gpu jobs, 10 x jobs
+    assert ranks["j05"] == 0 and ranks["j25"] == 1 and ranks["j01"] == 2  # gpu, priority 1, by age, then id
+    for waiting in queued:
+        assert why_waiting(waiting, fleet, queued, NOW, STALE_S, ranks=ranks) == why_waiting(
+            waiting, fleet, queued, NOW, STALE_S)
+    assert queue_ranks([]) == {}
 
 
 def grouped(job_id: str, group: str, *, limit: int = 1, queued_at: float = 0.0, labels: tuple[str, ...] = ("x",),
