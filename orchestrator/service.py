@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import os
 import queue
 import signal
@@ -816,8 +817,12 @@ class HubService:
                 log.warning("job %s: clocks not applied: %s", job_id, exc)
                 continue
             if code is None:  # nothing to decide before its next deadline (`Watcher.next_wake`)
-                watcher.asleep_until = watcher.next_wake(down_since)
-                heapq.heappush(self._sleepers, (watcher.asleep_until, job_id))
+                wake = watcher.next_wake(down_since)
+                if math.isnan(wake):  # no deadline to sleep until: looked at every tick, kept off the
+                    self._due.setdefault(job_id)  # heap, where a NaN would hide every deadline behind it
+                    continue
+                watcher.asleep_until = wake
+                heapq.heappush(self._sleepers, (wake, job_id))
                 continue
             del self.watchers[job_id]
             self.groups.pop(job_id, None)

@@ -241,3 +241,26 @@ def test_s10_among_many_sleeping_jobs_a_tick_looks_only_at_what_is_due(tmp_path,
     service.tick(now + IDLE_PAST_S + 0.1, None)
     assert reg.get(others[3]["job_id"])["close_reason"] == "runner_lost"
     assert [reg.get(other["job_id"])["status"] for n, other in enumerate(others) if n != 3] == ["pending"] * 19
+
+
+def test_s10_a_job_whose_next_deadline_is_nan_holds_up_no_other_jobs_deadline(tmp_path, monkeypatch):
+    """The schedule is a heap: a NaN in it (a timeout read from a hostile record, `float("nan")`)
+    compares false with everything and would hide every deadline behind it. Such a job is
+    looked at every tick instead, and another job still closes when its deadline comes."""
+    service, silent, ticked, _ = sleeping_service(tmp_path, monkeypatch)
+    reg = Registry(tmp_path)
+    odd = reg.register(session="other-box", contract=Contract(heartbeat_sec=5, heartbeat_misses=2,
+                                                               ack_timeout_sec=600))
+    service.scan(time.monotonic())
+    real_next_wake = Watcher.next_wake
+    monkeypatch.setattr(Watcher, "next_wake", lambda self, down_since: float("nan") if self.job_id == odd["job_id"]
+                        else real_next_wake(self, down_since))
+    now = time.monotonic()
+    service.on_message(topic(odd, "event"), signed(odd, "event", 1, "started"), now)  # looked at first
+    service.on_message(topic(silent, "event"), signed(silent, "event", 1, "started"), now)
+    service.tick(now + 0.1, None)
+    ticked.clear()
+    service.tick(now + 0.2, None)
+    assert ticked == [odd["job_id"]]  # the one without a deadline, every tick
+    service.tick(now + IDLE_PAST_S, None)
+    assert reg.get(silent["job_id"])["close_reason"] == "deadline_timeout"  # its idle clock ran out
