@@ -188,6 +188,7 @@ class HubService:
         self.feed = PresenceFeed(self.keys, self.config.topic_root, self.registry.root)
         self.fleet = self.feed.fleet
         self.sessions: dict[str, str] = {}  # job id -> the session its dispatch went to
+        self._jobs_on: dict[str, set[str]] = {}  # session -> the tracked jobs whose dispatch went there
         self.groups: dict[str, str] = {}  # job id -> its concurrency group (§14 Groups), for tracked jobs
         self.blocked: dict[str, tuple[str, ...]] = {}  # blocked job -> the jobs it runs after (§14 Dependencies)
         self.dependents: dict[str, set[str]] = {}  # job id -> the blocked jobs naming it
@@ -270,10 +271,11 @@ class HubService:
                 watcher.refresh()  # e.g. `mam-orch cancel` from another shell: the next tick ends it
             elif record["attempt_id"] != watcher.attempt_id:
                 self.watchers[job_id] = self._watcher(record, now)  # a new attempt (redispatch, retry)
+                self._sent_to(job_id, record["session"])
             return
         if status in PUBLISHED_STATUSES:
             self.watchers[job_id] = self._watcher(record, now)
-            self.sessions[job_id] = record["session"]
+            self._sent_to(job_id, record["session"])
             if status == JobStatus.PENDING and not self.ready.is_set() and self.watchers[job_id].highest_any == 0:
                 self.unheard.add(job_id)  # its dispatch may never have left (a killed engine, §14)
             self._info("job %s: tracking (%s, attempt %s)", job_id, status, record["attempt_id"])
@@ -291,11 +293,29 @@ class HubService:
             if job_id not in self.late:
                 self._judge_late(record, now)
 
+    def _sent_to(self, job_id: str, session: str) -> None:
+        """`job_id`'s current attempt was dispatched to `session` (`sessions`, and the jobs by session)."""
+        self._gone(job_id)
+        self.sessions[job_id] = session
+        self._jobs_on.setdefault(session, set()).add(job_id)
+
+    def _gone(self, job_id: str) -> str:
+        """Forget where `job_id` was dispatched; returns that session ("" when unknown)."""
+        session = self.sessions.pop(job_id, "")
+        jobs = self._jobs_on.get(session)
+        if jobs is not None:
+            jobs.discard(job_id)
+            if not jobs:
+                del self._jobs_on[session]
+        return session
+
     def _runner_offline(self, session: str, now: float) -> None:
         """§14: say for each job running on `session` when the idle rule closes it `runner_lost`
-        unless the runner returns, and what comes then (a retry, or the end)."""
-        for job_id, watcher in list(self.watchers.items()):
-            if self.sessions.get(job_id) != session or watcher.runner_lost is None or not watcher.runner_lost():
+        unless the runner returns, and what comes then (a retry, or the end). Only that
+        runner's jobs are looked at: many runners lost at once cost their jobs, not every job."""
+        for job_id in sorted(self._jobs_on.get(session, ())):
+            watcher = self.watchers.get(job_id)
+            if watcher is None or watcher.runner_lost is None or not watcher.runner_lost():
                 continue
             try:
                 record = self.registry.get(job_id)
@@ -789,7 +809,7 @@ class HubService:
             return
         self.stats.published += 1
         self.fleet.inflight(session, job_id, gpus=int((record.get("work") or {}).get("gpus") or 0))
-        self.sessions[job_id] = session
+        self._sent_to(job_id, session)
         self.watchers[job_id] = self._watcher(record, time.monotonic(), fresh=True)
         self._info("job %s: published to %s (attempt %s)", job_id, session, record["attempt_id"])
 
@@ -826,7 +846,7 @@ class HubService:
                 continue
             del self.watchers[job_id]
             self.groups.pop(job_id, None)
-            self.fleet.started(self.sessions.pop(job_id, ""), job_id)
+            self.fleet.started(self._gone(job_id), job_id)
             outcome = str(watcher.terminal or "closed")
             self.stats.closed[outcome] = self.stats.closed.get(outcome, 0) + 1
             self._info("job %s: ended (%s, exit %d)", job_id, outcome, code)

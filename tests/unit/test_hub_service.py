@@ -160,6 +160,49 @@ def test_s14_a_runner_going_offline_is_said_at_once_with_when_its_job_is_lost_an
     assert len([n for n in (line.get("line", "") for line in reg.audit(record["job_id"])) if "went offline" in n]) == 1
 
 
+def test_s14_a_runner_going_offline_is_said_for_its_own_jobs_and_a_moved_attempts_new_runner(tmp_path):
+    """Only the lost runner's jobs are said (the others are not even looked at), and a job
+    another process moved to another runner (a new attempt) is said when THAT runner goes."""
+    reg = Registry(tmp_path)
+    contract = Contract(heartbeat_sec=2, heartbeat_misses=5)
+    mine = [reg.register(session=None, contract=contract, queue=QueueTerms(target_session="gpu-box"))
+            for _ in range(2)]
+    others = [reg.register(session=None, contract=contract, queue=QueueTerms(target_session=f"box-{n}"))
+              for n in range(5)]
+    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
+    service = HubService(open_hub(tmp_path))
+    service.client = RecordingClient()  # type: ignore[assignment]
+    root = service.config.topic_root
+
+    def presence(session: str, status: str, running: list[str]) -> bytes:
+        body = wire.Presence.build(session, "a" * 32, status, host="h", version="1", max_jobs=4,
+                                   running=running if status == "online" else [])
+        return wire.encode(crypto.sign(body.to_dict(), KEYS.sign_key))
+
+    def said(job_id: str) -> list[str]:
+        return [line["line"] for line in reg.audit(job_id) if "went offline" in line.get("line", "")]
+
+    now = time.monotonic()
+    for record, session in [*((record, "gpu-box") for record in mine),
+                            *((record, f"box-{n}") for n, record in enumerate(others))]:
+        service.on_presence(session, presence(session, "online", [record["job_id"]]), now)
+        mark_published(reg, record["job_id"], session)
+    service.scan(now)
+    for record in [*mine, *others]:
+        service.on_message(names.events_topic(record["job_id"], root), started(reg.get(record["job_id"])), now)
+    service.on_presence("gpu-box", presence("gpu-box", "offline", []), now + 1.0)
+    assert [len(said(record["job_id"])) for record in mine] == [1, 1]
+    assert [said(record["job_id"]) for record in others] == [[]] * 5
+    moved = others[0]["job_id"]  # `mam-orch redispatch --session cpu-box` from another shell
+    reg.request_cancel(moved, reason="moved")
+    reg.redispatch(moved, session="cpu-box")  # attempt 2, pending on cpu-box
+    service.on_presence("cpu-box", presence("cpu-box", "online", [moved]), now + 2.0)
+    service.consider(moved, now + 2.0)
+    service.on_message(names.events_topic(moved, root), started(reg.get(moved)), now + 2.0)
+    service.on_presence("cpu-box", presence("cpu-box", "offline", []), now + 3.0)
+    assert len(said(moved)) == 1 and "runner cpu-box went offline" in said(moved)[0]
+
+
 def test_s14_a_record_changed_twice_within_one_timestamp_tick_is_looked_at_again(tmp_path):
     """A file system stamps with a coarse clock: a second write within the same tick keeps
     the record's mtime, and the service's scan must still see it (here: a queued job closed
