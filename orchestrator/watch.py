@@ -167,7 +167,8 @@ class Watcher:
         self.refusals: list[str] = []
         self._terminal_state: wire.State | None = None  # a terminal §4 state waiting for its event
         self.runner_ended = False  # a verified terminal event or state of the current attempt
-        self.ended_record: JobRecord | None = None  # the record as `tick` read it when it returned an exit code
+        # the record as `tick` read or wrote it when it returned an exit code (the service uses it)
+        self.ended_record: JobRecord | None = None
         self._terminal_state_at = 0.0
         self._owns_client = False
         self._subscribed = False
@@ -520,8 +521,8 @@ class Watcher:
 
     def _close(self, close_reason: str) -> int:
         connected = self.client is not None and self.client.connected.is_set()
-        record = close_remote(self.registry, self.client if connected else None, self.keys,
-                              self.job_id, close_reason)
+        record = self.ended_record = close_remote(self.registry, self.client if connected else None, self.keys,
+                                                  self.job_id, close_reason)
         if record.get("close_reason") != close_reason:
             return exit_code_of(record)  # it ended some other way first
         if not self.options.lazy_progress:  # the hub engine notes it for every follower instead
