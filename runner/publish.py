@@ -297,14 +297,19 @@ def send_on(client: Transport, published: Published) -> None:
     """Publish event then state on an already connected, persistent client (§4),
     then acknowledge the outbox entry (§17).
 
-    Another thread's send of the same job's lower seq goes first (`WIRE_ORDER`).
+    Both are queued on the connection before either PUBACK is awaited: one round trip,
+    in wire order, as a daemon's beat sends. Brokers do not order topics, so the hub
+    already takes a state before its event (§4). Another thread's send of the same
+    job's lower seq goes first (`WIRE_ORDER`).
 
     Raises:
-        PublishTimeout, BrokerError.
+        PublishTimeout, BrokerError: the entry stays for the re-send (§17).
     """
     with WIRE_ORDER.turn(published.order, published.seq):
-        for topic, payload, retain in published.messages(client.config.topic_root):
-            client.publish(topic, payload, retain=retain)
+        waiters = [client.publish_async(topic, payload, retain=retain)
+                   for topic, payload, retain in published.messages(client.config.topic_root)]
+        for wait in waiters:
+            wait()
     acknowledge(published)
 
 

@@ -11,10 +11,11 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from harness.fake_mqtt import FakeBroker
+from harness.fake_mqtt import FakeBroker, FakeClient
 from harness.waiting import PATIENCE_S, QUIET_S, wait_until
 
 from mam.runner import outbox, publish
@@ -24,6 +25,7 @@ from mam.runner.settings import RunnerOptions
 from mam.runner.trust import V1Trust
 from mam.shared.config import BrokerConfig
 from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.errors import PublishTimeout
 from mam.shared.store.registry import Contract, Registry
 
 ROOT_TOPIC = "unit/mam"
@@ -96,6 +98,41 @@ def test_s17_a_failed_send_leaves_the_entry(tmp_path):
     with pytest.raises(Exception, match="no PUBACK"):
         publish.send_on(client, started)
     assert entry_names(tmp_path) == [f"{JOB}.1.1.json"]
+
+
+class PipelinedClient(FakeClient):
+    """A fake client that logs ("queued", leaf) per publish handed to it and ("acked", leaf)
+    per PUBACK awaited; the PUBACK of `fail_leaf` times out."""
+
+    def __init__(self, broker: FakeBroker, fail_leaf: str = "") -> None:
+        super().__init__(broker, CONFIG, "pipelined", None)
+        self.log: list[tuple[str, str]] = []
+        self.fail_leaf = fail_leaf
+
+    def publish_async(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
+                      timeout_s: float = 5.0) -> Callable[[], None]:
+        leaf = topic.rsplit("/", 1)[-1]
+        self.log.append(("queued", leaf))
+        self.broker._route(self.client_id, topic, payload, retain)
+
+        def wait_acked() -> None:
+            if leaf == self.fail_leaf:
+                raise PublishTimeout(f"no PUBACK for {topic}")
+            self.log.append(("acked", leaf))
+        return wait_acked
+
+
+def test_s17_a_send_queues_event_and_state_before_awaiting_their_pubacks(tmp_path):
+    registry = mirrored(tmp_path)
+    client = PipelinedClient(FakeBroker()).connect()
+    publish.send_on(client, record(registry, "started"))
+    assert client.log == [("queued", "events"), ("queued", "state"), ("acked", "events"), ("acked", "state")]
+    assert entry_names(tmp_path) == []
+    late = PipelinedClient(FakeBroker(), fail_leaf="events").connect()
+    with pytest.raises(PublishTimeout):
+        publish.send_on(late, record(registry, "progress"))
+    assert late.log == [("queued", "events"), ("queued", "state")]
+    assert entry_names(tmp_path) == [f"{JOB}.1.2.json"]  # kept for the re-send (§17)
 
 
 def test_s17_at_the_cap_progress_is_not_kept_but_started_and_terminal_are(tmp_path, monkeypatch, caplog):
