@@ -58,8 +58,14 @@ class BrokerLink:
         self.proven_at = -math.inf if self._probe_topic is not None else math.inf
         """When (monotonic, seconds) the newest probe the broker acknowledged was sent."""
         self._wanted = threading.Event()
+        self._asked = False  # a probe was asked for and has not ended yet
         self._closed = False
         self._prober: threading.Thread | None = None
+
+    @property
+    def proving(self) -> bool:
+        """True while a probe asked for by `proven` has not ended (acknowledged or not)."""
+        return self._asked
 
     @property
     def down(self) -> bool:
@@ -94,6 +100,7 @@ class BrokerLink:
                                                 name="mam-hub-probe", daemon=True)
                 self._prober.start()
             self._wanted.set()
+            self._asked = True  # after `_wanted`: the prober's end reads it
         return False
 
     def close(self) -> None:
@@ -112,8 +119,9 @@ class BrokerLink:
                 self.client.publish_async(topic, b"", timeout_s=PROBE_WAIT_S)()
             except MamError as exc:
                 log.debug("hub link probe not acknowledged: %s", exc)
-                continue
-            self.proven_at = max(self.proven_at, sent_at)
+            else:
+                self.proven_at = max(self.proven_at, sent_at)
+            self._asked = self._wanted.is_set()  # asked again meanwhile: still proving
 
 
 def mirror_state(txn: Transaction, state: wire.State, gap: tuple[int, int] | None) -> bool:

@@ -69,6 +69,9 @@ STATE_GRACE_S = 1.0
 CANCEL_GRACE_S = 10.0
 CONFIRM_MARGIN_S = 5.0
 MIN_WAIT_S = 0.01
+PROOF_LOOK_S = 0.1
+"""How often a watch past a deadline looks again while its link's proof is on the way (§10),
+seconds: the service's tick; the clocks never close before the proof, so sooner buys nothing."""
 # A re-attached watch of a job the hub closed reads the retained messages this long (§14).
 LATE_READ_S = 2.0
 CLOCK_CHARS = slice(11, 19)  # HH:MM:SS of a §3 timestamp, for the human view
@@ -680,8 +683,11 @@ class Watcher:
                                   self.registry.get(self.job_id)["status"])
                         return ExitCode.BROKER
                     wake = min(wake, link.down_since + give_up_s)
+                wait_s = wake - now
+                if wait_s <= 0 and link.proving:  # a silence waits for the link's proof (§10)
+                    wait_s = PROOF_LOOK_S
                 try:
-                    message = client.messages.get(timeout=max(MIN_WAIT_S, wake - now))
+                    message = client.messages.get(timeout=max(MIN_WAIT_S, wait_s))
                 except queue.Empty:
                     continue
                 self.handle(message.topic, message.payload)

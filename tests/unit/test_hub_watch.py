@@ -18,7 +18,7 @@ from harness.workspace import TEST_SECRET
 from mam.orchestrator.control import cancel_owed, close_remote
 from mam.orchestrator.follow import print_events
 from mam.orchestrator.mirror import BrokerLink
-from mam.orchestrator.watch import Watcher, WatchOptions
+from mam.orchestrator.watch import PROOF_LOOK_S, Watcher, WatchOptions
 from mam.shared.config import BrokerConfig
 from mam.shared.protocol import crypto, names, wire
 from mam.shared.protocol.errors import BrokerError, ExitCode
@@ -178,6 +178,58 @@ def test_s10_a_silence_is_judged_only_once_the_hubs_own_link_is_proven_past_it(r
     assert asked == [deadline] and reg.get(rec["job_id"])["status"] == "running"
     assert watcher.tick(deadline + 60, poll=False, proven=lambda moment: True) == ExitCode.TIMEOUT
     assert reg.get(rec["job_id"])["close_reason"] == "deadline_timeout"
+
+
+class CountingQueue(queue.Queue):  # type: ignore[type-arg]
+    """A queue that counts the waits for a message (`get` with a timeout): the watch's looks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits = 0
+
+    def get(self, block: bool = True, timeout: float | None = None):  # type: ignore[no-untyped-def]
+        if block and timeout is not None:
+            self.waits += 1
+        return super().get(block, timeout)
+
+
+class HeldProbeClient(RecordingClient):
+    """A client whose probes (`publish_async`) are acknowledged only once `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages = CountingQueue()
+        self.release = threading.Event()
+
+    def publish_async(self, topic: str, payload: bytes, *, retain: bool = False, timeout_s: float = 5.0):
+        self.published.append((topic, payload, retain))
+
+        def wait_acked() -> None:
+            if not self.release.wait(PATIENCE_S):
+                raise BrokerError("no PUBACK")
+        return wait_acked
+
+
+def test_s10_a_watch_waiting_for_its_links_proof_looks_again_at_the_services_pace(reg):
+    """Past the idle deadline with the probe's PUBACK on the way, the watch looks again every
+    PROOF_LOOK_S, not in a tight loop; the proof then closes the job `deadline_timeout`."""
+    rec = reg.register(session="gpu-box")
+    client = HeldProbeClient()
+    deliver(client, rec, 1, "started")
+    watcher = watch(reg, rec, client, ack_timeout_s=5, idle_timeout_s=0.2)
+    codes: list[int] = []
+    running = threading.Thread(target=lambda: codes.append(watcher.run()))
+    running.start()
+    try:
+        wait_until(lambda: "probe" in leaves(client), PATIENCE_S, "the link probe")
+        looks = client.messages.waits
+        running.join(QUIET_S)
+        assert running.is_alive() and reg.get(rec["job_id"])["status"] == "running"  # no proof: no close
+        assert client.messages.waits - looks <= QUIET_S / PROOF_LOOK_S + 2
+    finally:
+        client.release.set()
+        running.join(PATIENCE_S)
+    assert codes == [ExitCode.TIMEOUT] and reg.get(rec["job_id"])["close_reason"] == "deadline_timeout"
 
 
 def test_s10_the_link_is_proven_by_an_acknowledged_probe_sent_after_the_moment():
