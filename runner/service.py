@@ -69,6 +69,9 @@ FLUSH_S = 30.0
 events still in its outbox (a terminal sent during an outage) before it exits, seconds (§17)."""
 FLUSH_LOOK_S = 0.5
 """How often that wait looks again (paho reconnects on its own thread), seconds."""
+PRESENCE_COALESCE_S = 0.2
+"""Longest a changed `running` list waits for the inbox to empty before its presence goes out
+anyway, seconds (§7): a burst of takes and ends is said in one presence, not one each."""
 
 SignalHandler = Callable[[int, FrameType | None], Any] | int | None
 
@@ -128,6 +131,7 @@ class Runner:
         self._signals = 0
         self._drain_announced = False
         self._shutdown_done = False
+        self._presence_due_at: float | None = None  # monotonic s: `running` changed, not yet published
         self._serve_thread: threading.Thread | None = None
         self._stop_reason = SHUTDOWN_REASON
         self._revoked_topic = names.revoked_topic(options.session, config.topic_root)
@@ -331,6 +335,10 @@ class Runner:
         elif self.presence.refresh_due(self.options.presence_refresh_s):
             self._publish_presence()  # refresh: a fresh timestamp says we are alive (§7)
         self._reap_ended()
+        if self._presence_due_at is not None and (
+                (not self._deferred and self.client.messages.empty())
+                or time.monotonic() - self._presence_due_at >= PRESENCE_COALESCE_S):
+            self._publish_presence()
         return False
 
     # ------------------------------------------------------------ shutdown
@@ -419,7 +427,14 @@ class Runner:
         if status is None:
             draining = self._draining.is_set() or self._closing_once() or self.held
             status = PresenceStatus.DRAINING if draining else PresenceStatus.ONLINE
+        self._presence_due_at = None
         self.presence.publish(self.client, status, self.running)
+
+    def _running_changed(self) -> None:
+        """A job was taken or ended: its presence goes out once the inbox is empty (a burst
+        of dispatches is taken first, then said once), at most PRESENCE_COALESCE_S later."""
+        if self._presence_due_at is None:
+            self._presence_due_at = time.monotonic()
 
     # ------------------------------------------------------------ jobs
 
@@ -467,7 +482,7 @@ class Runner:
                 self._socket.drop_asks(job_id, "the job ended before an answer came")
             changed = True
         if changed and self.client is not None and not self._shutdown_done:
-            self._publish_presence()
+            self._running_changed()
             self._retry_pending()
 
     def _send(self, published: publish.Published) -> None:
@@ -509,7 +524,7 @@ class Runner:
         self._taken += 1
         log.info("took job %s attempt %d from %s", job.job_id, job.attempt_id, dispatch.origin)
         self._supervisor.start(job)
-        self._publish_presence()
+        self._running_changed()
 
     def _adopt_orphan(self, record: JobRecord, orphan: orphans.Orphan, *,
                       cancel_reason: str | None = None) -> None:

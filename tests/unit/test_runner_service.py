@@ -1,6 +1,6 @@
 """runner/presence.py and runner/service.py over the in-memory fake broker: presence
 (§7), the Last Will, signals (first = drain, second = stop), the lifecycle, and refusals
-that never stop the daemon (§5). No broker process, no agent process."""
+that never stop the daemon (§5). No broker process; the only agents are the burst test's `sleep`."""
 
 from __future__ import annotations
 
@@ -118,8 +118,8 @@ def broker() -> FakeBroker:
     return FakeBroker()
 
 
-def new_runner(broker: FakeBroker, root: Path, **options: object) -> Runner:
-    opts = RunnerOptions(session=SESSION, argv=("true",), root=root, presence_wait_s=0.05, **options)  # type: ignore[arg-type]
+def new_runner(broker: FakeBroker, root: Path, argv: tuple[str, ...] = ("true",), **options: object) -> Runner:
+    opts = RunnerOptions(session=SESSION, argv=argv, root=root, presence_wait_s=0.05, **options)  # type: ignore[arg-type]
     return Runner(opts, config=CONFIG, trust=V1Trust(KEYS), transport=broker.client)
 
 
@@ -259,6 +259,35 @@ def test_s17_a_dispatch_whose_attempt_has_a_retained_state_is_refused_taken(serv
     assert not (runner.options.root / ".mam" / "jobs" / f"{job_id}.json").exists()
     assert broker.on_topic(names.events_topic(job_id, CONFIG.topic_root)) == []  # no `started`
     assert names.state_topic(job_id, CONFIG.topic_root) not in runner.client.filters  # type: ignore[union-attr]
+
+
+def test_s7_a_burst_of_takes_is_said_in_one_presence_once_the_inbox_is_empty(broker, tmp_path):
+    """Four dispatches waiting at start are taken one after another; the presence that says
+    them goes out once, with all four running, not once per take (§7)."""
+    hub = broker.client(CONFIG).connect()
+    job_ids = [f"0000000{i}" for i in range(4)]
+    for job_id in job_ids:
+        dispatch = signed_dispatch(job_id, names.new_auth_token())
+        hub.publish(names.dispatch_topic(job_id, CONFIG.topic_root), wire.encode(dispatch), retain=True)
+    runner = new_runner(broker, tmp_path / "ws", argv=("sleep", "30"), max_jobs=4)
+    thread = threading.Thread(target=runner.serve, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: any(p.running for p in presences(broker, runner.runner_id)), PATIENCE_S,
+                   "a presence with running jobs")
+        assert sorted(runner.running) == job_ids
+        said = [p.running for p in presences(broker, runner.runner_id)]
+        assert said[:2] == [(), tuple(job_ids)], said
+    finally:
+        runner.shutdown(timeout_s=PATIENCE_S)
+        thread.join(PATIENCE_S)
+    assert not thread.is_alive()
+
+
+def presences(broker: FakeBroker, runner_id: str) -> list[wire.Presence]:
+    """The presences `runner_id` published on the session, in order."""
+    found = [wire.decode(p.payload, "presence") for p in broker.on_topic(TOPIC) if p.payload]
+    return [p for p in found if p.runner_id == runner_id]
 
 
 def test_s17_the_state_read_returns_the_retained_state_and_keeps_other_messages_in_order(broker, tmp_path):
