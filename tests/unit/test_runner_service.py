@@ -284,6 +284,22 @@ def test_s7_a_burst_of_takes_is_said_in_one_presence_once_the_inbox_is_empty(bro
     assert not thread.is_alive()
 
 
+def test_s7_a_changed_running_set_is_said_within_the_coalesce_bound_while_messages_keep_coming(
+        broker, tmp_path, monkeypatch):
+    """An inbox that never empties (a flood of junk) delays the presence of a changed running set
+    by at most PRESENCE_COALESCE_S; once that passed, the next look publishes it."""
+    runner = new_runner(broker, tmp_path / "ws")
+    runner.client = client = broker.client(CONFIG).connect()
+    client.messages.put(FakeMessage(names.dispatch_topic("0000aaaa", CONFIG.topic_root), b"junk", False))
+    clock = [1000.0]
+    monkeypatch.setattr(service.time, "monotonic", lambda: clock[0])
+    runner._running_changed()
+    assert runner.on_tick() is False and presences(broker, runner.runner_id) == []  # a message waits
+    clock[0] += service.PRESENCE_COALESCE_S
+    assert runner.on_tick() is False and len(presences(broker, runner.runner_id)) == 1
+    assert runner.on_tick() is False and len(presences(broker, runner.runner_id)) == 1  # said once
+
+
 def presences(broker: FakeBroker, runner_id: str) -> list[wire.Presence]:
     """The presences `runner_id` published on the session, in order."""
     found = [wire.decode(p.payload, "presence") for p in broker.on_topic(TOPIC) if p.payload]
