@@ -540,8 +540,7 @@ class Runner:
         log.warning("job %s attempt %d has no supervisor (%s): %s", job.job_id, job.attempt_id, orphan.found_by,
                     where)
         self._supervisor.start(job)
-        if self.presence.announced:
-            self._publish_presence()
+        self._running_changed()  # before the first announce, that `online` says it
 
     # ------------------------------------------------------------ messages
 
