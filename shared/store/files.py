@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from mam.shared.protocol import names
 from mam.shared.protocol.errors import RegistryError
-from mam.shared.store.fsio import atomic_write, errno_name, sync_paths
+from mam.shared.store.fsio import atomic_write, commit_staged, errno_name, stage_write, sync_paths
 from mam.shared.store.lock import FileLock
 from mam.shared.store.records import dumps
 
@@ -41,6 +41,9 @@ class RegistryFiles:
         # lock, so no other writer can have replaced them (the service reads a job's record
         # again for its state right after its event's write)
         self._group_records: dict[Path, bytes] = {}
+        # files a "locked" group writes whole (records, views): target -> (temp, durable),
+        # put in place once at its end, each once however often the group wrote it
+        self._staged: dict[Path, tuple[str, bool]] | None = None
 
     # -------------------------------------------------------------- paths
 
@@ -114,18 +117,20 @@ class RegistryFiles:
         if flush not in FLUSHES:
             raise ValueError(f"flush must be one of {', '.join(FLUSHES)}, not {flush!r}")
         files: set[Path] = set()
+        staged: dict[Path, tuple[str, bool]] = {}
         with self.lock():
             if self._group is not None:
                 yield
                 return
             self._group, self._group_thread = files, threading.get_ident()
+            self._staged = staged if flush == "locked" else None
             try:
                 yield
             finally:
-                self._group = None
+                self._group = self._staged = None
                 self._group_records.clear()
-                if files and flush == "locked":
-                    sync_paths(files, what=f"registry {self.root}")
+                if (files or staged) and flush == "locked":
+                    commit_staged(files, staged, what=f"registry {self.root}")
         if files and flush == "after":
             sync_paths(files, what=f"registry {self.root}")
 
@@ -149,9 +154,33 @@ class RegistryFiles:
         if self._in_group():
             self._group_records[path] = data
 
+    def put(self, path: Path, data: bytes, *, what: str, durable: bool = True) -> None:
+        """Write `data` over `path` whole (`fsio.atomic_write`), within this thread's group
+        as it says: a "locked" group stages it and puts it in place at its end, after its
+        bytes are on disk; another group writes it now and fsyncs it at its end.
+
+        Raises:
+            RegistryError: the write failed; `path` is unchanged.
+        """
+        if not self._in_group():
+            atomic_write(path, data, what=what, durable=durable)
+            return
+        if self._staged is None:
+            atomic_write(path, data, what=what, durable=False)
+            if durable:
+                assert self._group is not None
+                self._group.add(path)
+            return
+        tmp = stage_write(path, data, what=what)
+        before = self._staged.get(path)
+        if before is not None:  # written again in this group: only the newest goes in place
+            with contextlib.suppress(OSError):
+                os.unlink(before[0])
+        self._staged[path] = (tmp, durable or (before is not None and before[1]))
+
     def _write_side(self, job_id: str, name: str, obj: dict[str, Any]) -> None:
         # meta/status are views of the record; the record is the truth, so a failure here only warns
         try:
-            atomic_write(self.logs_dir(job_id) / name, dumps(obj), what=f"job {job_id}", durable=False)
+            self.put(self.logs_dir(job_id) / name, dumps(obj), what=f"job {job_id}", durable=False)
         except RegistryError as exc:
             log.warning("%s", exc)

@@ -84,13 +84,7 @@ def atomic_write(path: Path, data: bytes, *, what: str, error: type[MamError] = 
     """
     tmp: str | None = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), 0o600)
-            handle.write(data)
-            handle.flush()
-            if durable:
-                os.fsync(handle.fileno())
+        tmp = _write_temp(path, data, durable=durable)
         os.replace(tmp, path)
         tmp = None
         if durable:
@@ -103,6 +97,40 @@ def atomic_write(path: Path, data: bytes, *, what: str, error: type[MamError] = 
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+
+
+def _write_temp(path: Path, data: bytes, *, durable: bool) -> str:
+    """`data` in a new 0600 temp file beside `path` (fsynced when `durable`); its name.
+    Raises OSError, with no temp file left."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            os.fchmod(handle.fileno(), 0o600)
+            handle.write(data)
+            handle.flush()
+            if durable:
+                os.fsync(handle.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def stage_write(path: Path, data: bytes, *, what: str) -> str:
+    """`data` in a new 0600 temp file beside `path`, not synced and not yet in place: the
+    first half of `atomic_write`, for a group that puts many in place at once
+    (`commit_staged`). Returns the temp file's name.
+
+    Raises:
+        RegistryError: the write failed; no temp file is left.
+    """
+    try:
+        return _write_temp(path, data, durable=False)
+    except OSError as exc:
+        raise RegistryError(
+            f"{what}: cannot write {path} ({errno_name(exc)}: {exc.strerror or exc}); "
+            "the previous file is unchanged") from exc
 
 
 SYNC_THREADS = 16  # fsyncs issued at once by `sync_paths`: the file system commits them together
@@ -165,6 +193,38 @@ def sync_paths(files: Iterable[Path], *, what: str) -> None:
         _fsync_all(sorted({path.parent for path in files}))
     except OSError as exc:
         raise RegistryError(f"{what}: cannot fsync ({errno_name(exc)}: {exc.strerror or exc})") from exc
+
+
+def commit_staged(files: Iterable[Path], staged: Mapping[Path, tuple[str, bool]], *, what: str) -> None:
+    """A group commit that writes each file once: fsync `files` (appended to in place) and
+    the temp files of `staged` (target -> (temp, durable)) that are durable, many at once;
+    then rename every staged temp over its target; then fsync every folder touched. A
+    durable target never takes a temp whose bytes are not on disk yet: a reader sees its
+    new bytes only once they are durable, and its rename starts no writeback of its own
+    (ext4's `auto_da_alloc`). A view (not durable) is renamed without an fsync.
+
+    Raises:
+        RegistryError: an fsync or a rename failed (what could be put in place still is).
+    """
+    failure: OSError | None = None
+    try:
+        _fsync_all(sorted(set(files) | {Path(tmp) for tmp, durable in staged.values() if durable}))
+    except OSError as exc:
+        failure = exc
+    for path, (tmp, _) in staged.items():
+        try:
+            os.replace(tmp, path)
+        except OSError as exc:
+            failure = failure or exc
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    try:
+        _fsync_all(sorted({path.parent for path in files} | {path.parent for path in staged}))
+    except OSError as exc:
+        failure = failure or exc
+    if failure is not None:
+        raise RegistryError(f"{what}: cannot commit ({errno_name(failure)}: {failure.strerror or failure})") \
+            from failure
 
 
 WRITE_PROBE_PREFIX = ".write-probe."

@@ -27,7 +27,6 @@ from mam.shared.store.files import RegistryFiles
 from mam.shared.store.fsio import (
     append_line,
     append_lines,
-    atomic_write,
     errno_name,
     move_aside,
     read_capped,
@@ -209,7 +208,7 @@ class Registry(RegistryFiles):
         job_id = record["job_id"]
         path = self.record_path(job_id)
         data = dumps(record)
-        atomic_write(path, data, what=f"job {job_id}", durable=not self.deferred(path))
+        self.put(path, data, what=f"job {job_id}")
         self.note_written(path, data)
         if status_changed:
             self._write_side(job_id, "status.json", {

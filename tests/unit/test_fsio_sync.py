@@ -1,6 +1,7 @@
 """`fsio.sync_paths`, the registry's group commit (§8, docs/registry.md "Durability"): every
 file and folder fsynced once, a few by the caller, more by fsync threads kept between
-commits, in a forked child too; a failed fsync is one `RegistryError`."""
+commits, in a forked child too; a failed fsync is one `RegistryError`. A staged commit
+(`fsio.commit_staged`) puts files in place only once their new bytes are fsynced."""
 
 from __future__ import annotations
 
@@ -100,3 +101,53 @@ def test_s8_a_failed_fsync_is_one_registry_error_naming_the_registry(tmp_path, m
     monkeypatch.setattr(os, "fsync", fsync)
     with pytest.raises(RegistryError, match=r"^registry x: cannot fsync \(EIO: Input/output error\)$"):
         fsio.sync_paths(files, what="registry x")
+
+
+def _staged(tmp_path: Path, jobs: int) -> dict[Path, tuple[str, bool]]:
+    """A record (durable) and a view (not) staged in each of `jobs` folders over old files."""
+    staged = {}
+    for index in range(jobs):
+        folder = tmp_path / f"job{index}"
+        folder.mkdir()
+        for name, durable in (("record.json", True), ("status.json", False)):
+            (folder / name).write_bytes(b"old\n")
+            staged[folder / name] = (fsio.stage_write(folder / name, b"new\n", what="x"), durable)
+    return staged
+
+
+@pytest.mark.parametrize("jobs", [1, 10], ids=["by-the-caller", "by-threads"])
+def test_s8_a_staged_commit_fsyncs_the_new_bytes_then_puts_them_in_place_then_the_folders(
+        tmp_path, monkeypatch, jobs):
+    staged = _staged(tmp_path, jobs)
+    appended = tmp_path / "job0" / "events.ndjson"
+    appended.write_bytes(b"{}\n")
+    steps: list[tuple[str, str]] = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: steps.append(("replace", str(dst))) or real_replace(src, dst))
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: steps.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+                        or real_fsync(fd))
+    fsio.commit_staged([appended], staged, what="registry x")
+    durable_temps = {tmp for tmp, durable in staged.values() if durable}
+    folders = {str(path.parent) for path in staged}
+    assert [kind for kind, _ in steps] == (["fsync"] * (1 + jobs) + ["replace"] * (2 * jobs)
+                                          + ["fsync"] * len(folders))
+    assert {name for _, name in steps[:1 + jobs]} == {str(appended), *durable_temps}  # views: not fsynced
+    assert {name for _, name in steps[-len(folders):]} == folders
+    assert all(path.read_bytes() == b"new\n" for path in staged)
+    assert sorted(p.name for p in tmp_path.rglob("*.tmp")) == []
+
+
+def test_s8_a_failed_fsync_in_a_staged_commit_still_puts_the_files_in_place_and_says_so(tmp_path, monkeypatch):
+    """The service's memory already holds the pass's writes: the disk keeps up with it
+    (as a write in place did), and the failure is one `RegistryError`."""
+    staged = _staged(tmp_path, 3)
+
+    def fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(RegistryError, match=r"^registry x: cannot commit \(EIO: Input/output error\)$"):
+        fsio.commit_staged([], staged, what="registry x")
+    assert all(path.read_bytes() == b"new\n" for path in staged)
+    assert sorted(p.name for p in tmp_path.rglob("*.tmp")) == []

@@ -6,12 +6,14 @@ are driven directly."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
 import time
 from typing import Any
 
+import pytest
 from harness.hubclient import TS, RecordingClient
 from harness.workspace import TEST_SECRET
 
@@ -21,6 +23,8 @@ from mam.orchestrator.service import HubService
 from mam.orchestrator.watch import Watcher, WatchOptions
 from mam.shared.config import BrokerConfig, write_env_file
 from mam.shared.protocol import crypto, names, wire
+from mam.shared.protocol.errors import RegistryError
+from mam.shared.store import fsio
 from mam.shared.store import registry as registry_module
 from mam.shared.store.registry import Contract, Registry
 from mam.shared.transport.mqtt import Message
@@ -149,6 +153,63 @@ def test_s8_a_record_written_in_a_group_is_read_back_from_memory_until_the_group
     path.write_text(json.dumps({**on_disk, "status": "completed"}))  # another writer, once the lock is free
     assert reg.get(record["job_id"])["status"] == "completed"
     assert reads == [str(path)] * 2
+
+
+
+def _store(reg: Registry, record: dict[str, Any], event: str, seq: int, **data: Any) -> None:
+    with reg.transaction(record["job_id"]) as txn:
+        txn.store_event({"event": event, "seq": seq, "job_id": record["job_id"], "timestamp": TS, "data": data},
+                        source="remote_mirror")
+
+
+def test_s8_a_pass_puts_each_record_in_place_once_after_its_bytes_are_on_disk(tmp_path, monkeypatch):
+    """A service pass writes a job's record twice (its event, then its state): the file is
+    replaced once, with the newest bytes, only after those bytes and the audit lines are
+    fsynced; until the pass ends another reader sees the record before it (§8)."""
+    reg = Registry(tmp_path)
+    record = reg.register(session="gpu-box")
+    path, audit = reg.record_path(record["job_id"]), reg.audit_path(record["job_id"])
+    steps: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: steps.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+                        or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda src, dst: steps.append(("replace", str(dst))) or real_replace(src, dst))
+    with reg.group():
+        _store(reg, record, "started", 1)
+        _store(reg, record, "completed", 2, exit_code=0)
+        assert reg.get(record["job_id"])["status"] == "completed"  # the pass reads its own write
+        assert json.loads(path.read_bytes())["status"] == "pending"  # another reader: not in place yet
+        assert steps == []
+    assert json.loads(path.read_bytes())["status"] == "completed"
+    replaced = [index for index, step in enumerate(steps) if step == ("replace", str(path))]
+    assert len(replaced) == 1
+    synced = [name for what, name in steps[:replaced[0]] if what == "fsync"]
+    assert str(audit) in synced and any(name.startswith(f"{path.parent}/.{path.name}.") for name in synced)
+    assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")] == []
+    assert [p.name for p in audit.parent.iterdir() if p.name.endswith(".tmp")] == []
+    assert json.loads((audit.parent / "status.json").read_bytes())["status"] == "completed"
+
+
+def test_s8_a_write_refused_in_a_pass_fails_its_transaction_and_leaves_the_record(tmp_path, monkeypatch):
+    """A disk that refuses a record's bytes (ENOSPC) fails that transaction at once, as
+    outside a pass; the record stays as it was and the pass's other jobs still commit."""
+    reg = Registry(tmp_path)
+    refused, other = reg.register(session="gpu-box"), reg.register(session="gpu-box")
+    real_mkstemp = fsio.tempfile.mkstemp
+
+    def mkstemp(*, dir: Any, prefix: str, suffix: str) -> tuple[int, str]:
+        if prefix == f".{refused['job_id']}.json.":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_mkstemp(dir=dir, prefix=prefix, suffix=suffix)
+
+    monkeypatch.setattr(fsio.tempfile, "mkstemp", mkstemp)
+    with reg.group():
+        with pytest.raises(RegistryError, match=rf"^job {refused['job_id']}: cannot write .*\(ENOSPC: No space"):
+            _store(reg, refused, "started", 1)
+        _store(reg, other, "started", 1)
+    assert reg.get(refused["job_id"])["status"] == "pending"
+    assert reg.get(other["job_id"])["status"] == "running"
+    assert [p.name for p in reg.record_path(other["job_id"]).parent.iterdir() if p.name.endswith(".tmp")] == []
 
 
 class Revoked:
