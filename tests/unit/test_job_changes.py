@@ -56,8 +56,8 @@ def test_a_followers_inotify_is_closed_off_the_callers_thread_and_none_leaks(
     real_close = changes_module.INotify.close
 
     def recorded_close(self: changes_module.INotify) -> None:
-        closed_by.append(threading.current_thread().name)
         real_close(self)
+        closed_by.append(threading.current_thread().name)  # once its fd is gone: counted below
 
     monkeypatch.setattr(changes_module.INotify, "close", recorded_close)
     fds = len(os.listdir("/proc/self/fd"))
