@@ -955,6 +955,13 @@ class HubService:
             self._records = None
 
     def _serve_watched(self, client: Transport) -> int:
+        try:
+            swept = self.registry.sweep_temps()
+        except MamError as exc:
+            log.warning("left temp files not removed: %s", exc)
+        else:
+            if swept:
+                self._info("removed %d temp files of records that a stopped writer left", swept)
         now = time.monotonic()
         self.scan(now)  # open records first: the retained states then find their watchers
         root = self.config.topic_root

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,8 @@ Flush = Literal["locked", "after", "none"]
 FLUSHES: tuple[Flush, ...] = ("locked", "after", "none")
 
 REMEMBERED_JOBS = 20_000  # job ids whose paths and folders are remembered; then forgotten all at once
+RECORD_TEMP_RE = re.compile(r"^\.[0-9a-f]{8}\.json\.[a-z0-9_]+\.tmp$")
+"""A record's temp file (`fsio.atomic_write`, `fsio.stage_write`: `.<job_id>.json.<random>.tmp`)."""
 
 
 class RegistryFiles:
@@ -133,6 +136,38 @@ class RegistryFiles:
                     commit_staged(files, staged, what=f"registry {self.root}")
         if files and flush == "after":
             sync_paths(files, what=f"registry {self.root}")
+
+    def sweep_temps(self) -> int:
+        """Remove the records' temp files a killed writer left in `jobs/` (`RECORD_TEMP_RE`),
+        under the lock: every writer holds it while its temp file exists (§8). A service
+        killed inside a pass leaves that pass's (docs/registry.md "Durability").
+
+        Returns:
+            how many were removed (0 when there is no `jobs/` folder yet).
+        Raises:
+            RegistryError: as `lock`, or the folder cannot be listed.
+        """
+        folder = names.jobs_dir(self.root)
+        if not folder.is_dir():
+            return 0
+        removed = 0
+        with self.lock():
+            try:
+                entries = os.listdir(folder)
+            except OSError as exc:
+                raise RegistryError(f"cannot list {folder} ({errno_name(exc)}: {exc.strerror or exc})") from exc
+            for name in entries:
+                if not RECORD_TEMP_RE.match(name):
+                    continue
+                try:
+                    os.unlink(folder / name)
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:  # a folder so named, a file we may not remove: said, left
+                    log.warning("cannot remove %s (%s: %s)", folder / name, errno_name(exc), exc.strerror or exc)
+                    continue
+                removed += 1
+        return removed
 
     def deferred(self, path: Path) -> bool:
         """True (and `path` noted) inside this thread's `group()`: the caller skips its fsync."""

@@ -632,6 +632,26 @@ def test_s8_a_group_flushing_none_leaves_its_writes_to_the_page_cache(reg, monke
             pass
 
 
+def test_s8_sweep_removes_only_the_record_temp_files_a_killed_writer_left(tmp_path, caplog):
+    """A service killed inside a pass leaves its staged records' temp files; the next one
+    removes them under the lock, and nothing else (records, the lock, other files)."""
+    assert Registry(tmp_path).sweep_temps() == 0 and not (tmp_path / ".mam").exists()  # no folder: made by no one
+    reg = Registry(tmp_path)
+    rec = reg.register(session="gpu-box")
+    jobs = reg.record_path(rec["job_id"]).parent
+    left = [jobs / f".{rec['job_id']}.json.k3_x9qz1.tmp", jobs / ".0a1b2c3d.json.abcdefgh.tmp"]
+    kept = [jobs / "notes.tmp", jobs / ".0a1b2c3d.json.tmp", jobs / ".unrelated.json.abcdefgh.tmp"]
+    for path in left + kept:
+        path.write_bytes(b'{"half": ')
+    hostile = jobs / ".0e0e0e0e.json.folder1.tmp"
+    hostile.mkdir()  # a folder with a temp file's name: said and left, the sweep goes on
+    assert reg.sweep_temps() == 2
+    assert [path.exists() for path in left] == [False, False]
+    assert all(path.exists() for path in kept) and hostile.is_dir()
+    assert f"cannot remove {hostile} (EISDIR" in caplog.text
+    assert reg.get(rec["job_id"])["status"] == "pending" and (jobs / ".lock").exists()
+
+
 # ---------------------------------------------------------------- commands
 
 class Tty(io.StringIO):
