@@ -10,7 +10,8 @@ over `END_SPREAD_S` (`MAM_BENCH_SERVE_SPREAD_S`, default 10; 0: all in the same 
 while the others beat on. Printed next to the floors:
 RSS (≤ 200 MB), average CPU over the beating window (≤ 1 core), false
 `deadline_timeout`s (0), and terminal mirror latency (≤ 1 s: from the
-simulator's terminal publish to the hub's status.json write).
+simulator's terminal publish to the hub's status.json in place, its ctime: a
+service pass writes the file first and renames it at the pass's end).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def test_serve_tracks_1000_beating_jobs(nats, tmp_path):
         sent: dict[str, float] = {}
         for k in range(SIM_PROCESSES):
             sent.update(json.loads((tmp_path / f"sim{k}.json").read_text()))
-        latencies = [os.stat(registry.logs_dir(job) / "status.json").st_mtime - sent[job] for job in jobs
+        latencies = [os.stat(registry.logs_dir(job) / "status.json").st_ctime - sent[job] for job in jobs
                      if registry.get(job)["status"] == "completed"]
         false_timeouts = sum(registry.get(job).get("close_reason") == "deadline_timeout" for job in jobs)
         cores = ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (wall1 - wall0)

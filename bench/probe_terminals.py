@@ -7,8 +7,9 @@ It starts a real nats-server and a real `serve` over a hub registry of `--jobs`
 jobs, and `SIM_PROCESSES` simulators (`bench/serve_sim.py`) that send each job's
 signed `started`, then, all in the same second, its `completed` (no beats in
 between). It prints how long `serve` took from the first terminal sent to the
-last record written (the record's mtime), terminals a second, the latency p50 /
-p99 and `serve`'s CPU (and its kernel share) while it mirrored them. `--py-spy`
+last record in place (the record's ctime, which its rename sets), terminals a
+second, the latency p50 / p99 and `serve`'s CPU (and its kernel share) while it
+mirrored them. `--py-spy`
 also records `serve` (`py-spy record --threads --idle`, raw format) meanwhile.
 `bench/bench_serve.py` measures the same under beats, at the issue's scale, in
 2-3 minutes; this takes about 20 s and varies with the machine by ±30 %: compare
@@ -91,7 +92,7 @@ def probe(jobs: int, spy_out: str | None) -> None:
             sent: dict[str, float] = {}
             for k in range(SIM_PROCESSES):
                 sent.update(json.loads((base / f"sim{k}.json").read_text()))
-            written = {job: os.stat(registry.record_path(job)).st_mtime for job in ids}
+            written = {job: os.stat(registry.record_path(job)).st_ctime for job in ids}
             latencies = [written[job] - sent[job] for job in ids]
             span_s = max(written.values()) - min(sent.values())
             cores = ((cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)) / (wall1 - wall0)
