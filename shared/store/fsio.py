@@ -90,9 +90,7 @@ def atomic_write(path: Path, data: bytes, *, what: str, error: type[MamError] = 
         if durable:
             _fsync_dir(path.parent)
     except OSError as exc:
-        raise error(
-            f"{what}: cannot write {path} ({errno_name(exc)}: {exc.strerror or exc}); "
-            "the previous file is unchanged") from exc
+        raise _unwritten(error, what, path, exc) from exc
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):
@@ -128,9 +126,13 @@ def stage_write(path: Path, data: bytes, *, what: str) -> str:
     try:
         return _write_temp(path, data, durable=False)
     except OSError as exc:
-        raise RegistryError(
-            f"{what}: cannot write {path} ({errno_name(exc)}: {exc.strerror or exc}); "
-            "the previous file is unchanged") from exc
+        raise _unwritten(RegistryError, what, path, exc) from exc
+
+
+def _unwritten(error: type[MamError], what: str, path: Path, exc: OSError) -> MamError:
+    """The one-line error of a whole-file write that failed, `path` left as it was."""
+    return error(f"{what}: cannot write {path} ({errno_name(exc)}: {exc.strerror or exc}); "
+                 "the previous file is unchanged")
 
 
 SYNC_THREADS = 16  # fsyncs issued at once by `sync_paths`: the file system commits them together
