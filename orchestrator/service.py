@@ -93,9 +93,8 @@ ENGINE_SUBACK_S = 20.0
 electing JetStream leaders after losing a node answers each filter's consumer request in up
 to 5 s; an engine that gave up after the transport's usual 5 s and reconnected (same client
 id) made the broker start that work again, and never got in while the cluster settled."""
-CONFIRM_WAIT_S = 60.0  # a stopping embedded service waits at most this long for cancel confirmations
 LATE_JUDGE_S = DAY_S  # a job the hub closed itself is judged this long for a late terminal (§14)
-HANDOVER_S = 5.0  # a stopping embedded engine waits at most this long for a just-published job's start
+HANDOVER_NOTE_S = 2.0  # a stopping embedded engine says which published job's start it waits for after this long
 CLOSE_WHY: dict[str, str] = {  # the hub's own closes (§10, §14), said in words in their note
     CloseReason.AGENT_BLOCKED: "no runner took the dispatch within its ack timeout",
     CloseReason.DEADLINE_TIMEOUT: "no event within the idle window, or past the wall clock",
@@ -224,6 +223,7 @@ class HubService:
         self._drain_scanned = False
         self._handover_until = 0.0
         self._handover = True
+        self.handing_over: tuple[str, ...] = ()  # while stopping: the published jobs whose start it waits for
 
     # ------------------------------------------------------------ records
 
@@ -909,22 +909,27 @@ class HubService:
 
     def _confirmations_left(self, down_since: float | None) -> bool:
         """On `finish`: the first time, one more scan and tick (a cancel recorded a moment ago
-        by another process reaches `confirming`); then whether any cancel still waits, or,
-        for at most `HANDOVER_S`, a job this engine just published has not started yet (its
-        `started` would reach no engine while the next one starts)."""
+        by another process reaches `confirming`); then whether any cancel still waits, or, with
+        `handover`, a job this engine published has no accepted event yet: its `started` is
+        not retained and would reach no engine while the next one starts. That wait lasts until
+        the job starts or is closed (§10), and at most the longest ack timeout among them
+        (the clocks stand still while the broker is away, §14)."""
         now = time.monotonic()
+        unstarted = tuple(job_id for job_id, w in self.watchers.items()  # its state may come before its event
+                          if not w.highest_event and w.started_status == JobStatus.PENDING) if self._handover else ()
         if not self._drain_scanned:
             self._drain_scanned = True
-            self._handover_until = now + (HANDOVER_S if self._handover else 0.0)
+            self._handover_until = now + max((self.watchers[job_id].ack_s for job_id in unstarted), default=0.0)
             self.scan(now)
             self.tick(now, down_since)
-        unstarted = any(not w.accepted_any and w.started_status == JobStatus.PENDING for w in self.watchers.values())
-        return bool(self.confirming) or (unstarted and now < self._handover_until)
+        self.handing_over = unstarted if now < self._handover_until else ()
+        return bool(self.confirming) or bool(self.handing_over)
 
     def finish(self, *, handover: bool = True) -> None:
         """Ask the loop to end once every cancel waiting for its runner's confirmation (§6)
         is confirmed or past its deadline (an embedded engine whose job was cancelled) and,
-        with `handover`, a job just published has started (`_confirmations_left`)."""
+        with `handover`, every job it published has started (`_confirmations_left`). It
+        publishes nothing new meanwhile: the queue waits for the next engine."""
         self._handover = handover
         self._drain = True
         self._stop = True
@@ -1005,7 +1010,8 @@ class HubService:
                 self.scan(now)
                 self.release_blocked()
                 self.expire_queued()
-                self.plan(now)
+                if not self._stop:  # a stopping engine leaves the queue to the next one
+                    self.plan(now)
             if now >= next_tick:
                 next_tick = now + TICK_S
                 proven_at = link.proven_at
@@ -1071,15 +1077,25 @@ class EmbeddedService:
                 # (its own job ended): then look again and start one here
             raise failure[0]
 
-    def stop(self, *, handover: bool = True) -> None:
+    def stop(self, *, handover: bool = False) -> None:
         """Stop the service started here, if any (its jobs go on; the next service takes them).
-        `handover`: first wait (at most `HANDOVER_S`) for just-published jobs to start."""
+        `handover` (a dispatch whose job ended): first wait for the jobs it published to start
+        (`HubService.finish`), and say which after `HANDOVER_NOTE_S`. Without it (Ctrl-C, an
+        error, `--detach`, `mam.Hub.close`), a job's `started` may come while no engine
+        listens; its retained state still moves it to `running` (§4)."""
         with self._lock:
             service, thread = self.service, self.thread
             self.service = self.thread = None
-        if service is not None and thread is not None:
-            service.finish(handover=handover)
-            thread.join(SERVICE_START_S + CONFIRM_WAIT_S)
+        if service is None or thread is None:
+            return
+        service.finish(handover=handover)
+        thread.join(HANDOVER_NOTE_S)
+        waits = service.handing_over
+        if thread.is_alive() and waits:
+            log.warning("the hub engine stops once job %s, just published, has started (at most its ack "
+                        "timeout; Ctrl-C leaves it to the next engine, which may miss its `started`)",
+                        ", ".join(waits))
+        thread.join()  # the loop bounds its own drain: confirmations (§6), ack timeouts (§10)
 
 
 class Companion(Protocol):

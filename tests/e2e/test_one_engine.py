@@ -10,16 +10,21 @@ that never ran names no runner in what `dispatch` says of its end.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 from harness import runnersim
-from harness.runnersim import MAM_ORCH, hub_env, hub_workspace, orch
+from harness.runnersim import MAM_ORCH, SimRunner, hub_env, hub_workspace, orch
 from harness.waiting import PATIENCE_S, wait_until
 
+from mam.orchestrator.api import Hub as ApiHub
+from mam.orchestrator.hub import open_hub
 from mam.orchestrator.hublock import service_pid
+from mam.orchestrator.service import EmbeddedService
 from mam.shared.store.registry import Registry
 
 pytestmark = [pytest.mark.broker, pytest.mark.e2e, pytest.mark.timeout(6 * PATIENCE_S)]
@@ -98,6 +103,46 @@ def test_two_dispatches_without_serve_share_one_engine_and_each_sees_its_whole_j
         assert run.returncode == 0, err
         events = [json.loads(line)["event"] for line in out.splitlines()]
         assert events[0] == "started" and events[-1] == "completed", (events, err)
+
+
+def test_a_stopping_engine_hands_over_once_the_job_it_published_started(nats_broker, tmp_path, caplog):
+    """`started` is not retained (§3): an embedded engine that stopped while a runner was
+    still taking the job it had just published left that `started` to no engine (the test
+    above failed so under load, when the stop waited at most 5 s). The stopping engine now
+    waits for the start, says which job it waits for, and publishes nothing new meanwhile:
+    a job queued then waits for the next engine."""
+    caplog.set_level(logging.WARNING, logger="mam")
+    taker, other = SimRunner(nats_broker, tmp_path / "taker", "box"), SimRunner(nats_broker, tmp_path / "o", "o")
+    root = hub_workspace(nats_broker, tmp_path)
+    engine = EmbeddedService(open_hub(root))
+    try:
+        assert engine.ensure() is True
+        taker.presence()
+        with ApiHub(root, embedded=False) as api:
+            first = api.dispatch("true", session="box").id
+            taken = taker.take()  # published by this engine; its `started` not sent yet
+            assert taken.dispatch.job_id == first
+            other.presence()
+            service = engine.service
+            assert service is not None
+            wait_until(lambda: service.fleet.view("o") is not None, what="the engine to know the other runner")
+            stopping = threading.Thread(target=engine.stop, kwargs={"handover": True})  # its own job ended
+            stopping.start()
+            wait_until(lambda: f"once job {first}, just published, has started" in caplog.text,
+                       what="the stopping engine to say what it waits for")
+            queued = api.dispatch("true", session="o").id  # wakes the engine, which scans it at once
+            wait_until(lambda: queued in service.queued, what="the stopping engine to see the queued job")
+            assert stopping.is_alive()  # still waiting for the start
+            taker.publish(first, "started")
+            stopping.join(PATIENCE_S)
+            assert not stopping.is_alive()
+            events = [line["event"] for line in api.registry.audit(first) if "seq" in line]
+            assert events == ["started"]
+            assert api.registry.get(queued)["status"] == "queued"  # left to the next engine
+    finally:
+        engine.stop()
+        taker.close()
+        other.close()
 
 
 def test_eight_detached_dispatches_without_serve_to_a_four_slot_runner_all_run(nats_broker, tmp_path):
