@@ -966,7 +966,7 @@ class HubService:
             log.warning("left temp files not removed: %s", exc)
         else:
             if swept:
-                self._info("removed %d temp files of records that a stopped writer left", swept)
+                self._info("removed %d temp files of records and views that a stopped writer left", swept)
         now = time.monotonic()
         self.scan(now)  # open records first: the retained states then find their watchers
         root = self.config.topic_root

@@ -28,6 +28,9 @@ FLUSHES: tuple[Flush, ...] = ("locked", "after", "none")
 REMEMBERED_JOBS = 20_000  # job ids whose paths and folders are remembered; then forgotten all at once
 RECORD_TEMP_RE = re.compile(r"^\.[0-9a-f]{8}\.json\.[a-z0-9_]+\.tmp$")
 """A record's temp file (`fsio.atomic_write`, `fsio.stage_write`: `.<job_id>.json.<random>.tmp`)."""
+VIEW_TEMP_RE = re.compile(r"^\.(?:status|meta)\.json\.[a-z0-9_]+\.tmp$")
+"""A view's temp file beside a job's logs (`.status.json.<random>.tmp`, `.meta.json.<random>.tmp`)."""
+JOB_DIR_RE = re.compile(r"^[0-9a-f]{8}$")  # a job's logs folder is named by its id
 
 
 class RegistryFiles:
@@ -138,33 +141,39 @@ class RegistryFiles:
             sync_paths(files, what=f"registry {self.root}")
 
     def sweep_temps(self) -> int:
-        """Remove the records' temp files a killed writer left in `jobs/` (`RECORD_TEMP_RE`),
-        under the lock: every writer holds it while its temp file exists (§8). A service
-        killed inside a pass leaves that pass's (docs/registry.md "Durability").
+        """Remove the temp files a killed writer left: records' in `jobs/` (`RECORD_TEMP_RE`)
+        and views' in each job's logs folder (`VIEW_TEMP_RE`). They are looked for without
+        the lock and removed under it: every writer of a record or a view holds it while its
+        temp file exists (§8), so one still there then is a stopped writer's. A service
+        killed inside a pass leaves that pass's (docs/registry.md "Durability"). Other files
+        there (the hub's copy of a job's output, its own temp files) are not the lock's.
 
         Returns:
-            how many were removed (0 when there is no `jobs/` folder yet).
+            how many were removed (0 when there is no registry yet).
         Raises:
-            RegistryError: as `lock`, or the folder cannot be listed.
+            RegistryError: as `lock`, or `jobs/` cannot be listed.
         """
-        folder = names.jobs_dir(self.root)
-        if not folder.is_dir():
+        jobs, logs = names.jobs_dir(self.root), names.logs_dir(self.root)
+        if not jobs.is_dir():
+            return 0
+        try:
+            found = [jobs / name for name in os.listdir(jobs) if RECORD_TEMP_RE.match(name)]
+        except OSError as exc:
+            raise RegistryError(f"cannot list {jobs} ({errno_name(exc)}: {exc.strerror or exc})") from exc
+        for job_dir in _listed(logs):
+            if JOB_DIR_RE.match(job_dir):
+                found += [logs / job_dir / name for name in _listed(logs / job_dir) if VIEW_TEMP_RE.match(name)]
+        if not found:
             return 0
         removed = 0
         with self.lock():
-            try:
-                entries = os.listdir(folder)
-            except OSError as exc:
-                raise RegistryError(f"cannot list {folder} ({errno_name(exc)}: {exc.strerror or exc})") from exc
-            for name in entries:
-                if not RECORD_TEMP_RE.match(name):
-                    continue
+            for path in found:
                 try:
-                    os.unlink(folder / name)
+                    os.unlink(path)
                 except FileNotFoundError:
                     continue
                 except OSError as exc:  # a folder so named, a file we may not remove: said, left
-                    log.warning("cannot remove %s (%s: %s)", folder / name, errno_name(exc), exc.strerror or exc)
+                    log.warning("cannot remove %s (%s: %s)", path, errno_name(exc), exc.strerror or exc)
                     continue
                 removed += 1
         return removed
@@ -219,3 +228,12 @@ class RegistryFiles:
             self.put(self.logs_dir(job_id) / name, dumps(obj), what=f"job {job_id}", durable=False)
         except RegistryError as exc:
             log.warning("%s", exc)
+
+
+def _listed(folder: Path) -> list[str]:
+    """`folder`'s entry names, or none when it cannot be listed (absent, not a folder, a job's
+    logs removed meanwhile)."""
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []

@@ -246,10 +246,12 @@ def test_s14_serve_killed_while_10_jobs_run_restarted_all_end_correctly(nats_bro
         wait_until(lambda: all(runner_registry.get(job)["status"] == "completed" for job in jobs[:5]),
                    what="5 jobs completed on the runner")
         assert all(status_of(hub, job) == "running" for job in jobs)  # nobody mirrored them yet
-        leftover = Registry(hub).record_path(jobs[0]).with_name(f".{jobs[0]}.json.k3x9qz1a.tmp")
-        leftover.write_bytes(b'{"status": "compl')  # what a pass killed before its renames leaves
+        leftovers = [Registry(hub).record_path(jobs[0]).with_name(f".{jobs[0]}.json.k3x9qz1a.tmp"),
+                     names.job_logs_dir(hub, jobs[0]) / ".status.json.k3x9qz1a.tmp"]
+        for leftover in leftovers:
+            leftover.write_bytes(b'{"status": "compl')  # what a pass killed before its renames leaves
         serve = start_serve(hub)
-        wait_until(lambda: not leftover.exists(), what="the killed pass's temp file removed")
+        wait_until(lambda: not any(path.exists() for path in leftovers), what="the killed pass's temp files removed")
         for n in range(5, 10):
             (tmp_path / f"go-{n}").touch()
         wait_until(lambda: all(status_of(hub, job) == "completed" for job in jobs), what="all 10 completed")

@@ -633,8 +633,9 @@ def test_s8_a_group_flushing_none_leaves_its_writes_to_the_page_cache(reg, monke
 
 
 def test_s8_sweep_removes_only_the_record_temp_files_a_killed_writer_left(tmp_path, caplog):
-    """A service killed inside a pass leaves its staged records' temp files; the next one
-    removes them under the lock, and nothing else (records, the lock, other files)."""
+    """A service killed inside a pass leaves its staged records' and views' temp files; the
+    next one removes them under the lock, and nothing else (records, views, the lock, other
+    files, other writers' temp files)."""
     assert Registry(tmp_path).sweep_temps() == 0 and not (tmp_path / ".mam").exists()  # no folder: made by no one
     reg = Registry(tmp_path)
     rec = reg.register(session="gpu-box")
@@ -643,13 +644,22 @@ def test_s8_sweep_removes_only_the_record_temp_files_a_killed_writer_left(tmp_pa
     kept = [jobs / "notes.tmp", jobs / ".0a1b2c3d.json.tmp", jobs / ".unrelated.json.abcdefgh.tmp"]
     for path in left + kept:
         path.write_bytes(b'{"half": ')
+    views = names.job_logs_dir(tmp_path, rec["job_id"])
+    left += [views / ".status.json.k3_x9qz1.tmp", views / ".meta.json.abcdefgh.tmp"]
+    kept += [views / ".agent.1.log.abcdefgh.tmp", views / ".status.json.tmp",  # another writer's; no random part
+             tmp_path / ".mam" / "logs" / "notajob" / ".status.json.abcdefgh.tmp"]
+    kept[-1].parent.mkdir()
+    for path in left[2:] + kept[3:]:
+        path.write_bytes(b'{"half": ')
     hostile = jobs / ".0e0e0e0e.json.folder1.tmp"
     hostile.mkdir()  # a folder with a temp file's name: said and left, the sweep goes on
-    assert reg.sweep_temps() == 2
-    assert [path.exists() for path in left] == [False, False]
+    (tmp_path / ".mam" / "logs" / "0f0f0f0f").write_bytes(b"a file where a job's folder would be")
+    assert reg.sweep_temps() == 4
+    assert [path.exists() for path in left] == [False, False, False, False]
     assert all(path.exists() for path in kept) and hostile.is_dir()
     assert f"cannot remove {hostile} (EISDIR" in caplog.text
     assert reg.get(rec["job_id"])["status"] == "pending" and (jobs / ".lock").exists()
+    assert (views / "status.json").exists() and (views / "meta.json").exists()
 
 
 # ---------------------------------------------------------------- commands
