@@ -33,13 +33,16 @@ def _files(tmp_path: Path, jobs: int) -> list[Path]:
     return files
 
 
-def _fsynced(monkeypatch) -> list[str]:
-    """The path of every fsync of this process from now on."""
+def _fsynced(monkeypatch, under: Path) -> list[str]:
+    """The path of every fsync of this process from now on of a file or folder `under`
+    (not another test's thread still writing elsewhere)."""
     synced: list[str] = []
     real = os.fsync
 
     def fsync(fd: int) -> None:
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.startswith(str(under)):
+            synced.append(path)
         real(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
@@ -54,7 +57,7 @@ def _fsync_threads() -> set[int]:
 @pytest.mark.parametrize("jobs", [1, 10], ids=["by-the-caller", "by-threads"])
 def test_s8_a_group_commit_fsyncs_each_file_then_each_folder_once(tmp_path, monkeypatch, jobs):
     files = _files(tmp_path, jobs)
-    synced = _fsynced(monkeypatch)
+    synced = _fsynced(monkeypatch, tmp_path)
     fsio.sync_paths(files + files[:1], what="registry x")
     folders = {str(path.parent) for path in files}
     assert sorted(synced) == sorted([*map(str, files), *folders])
@@ -122,11 +125,15 @@ def test_s8_a_staged_commit_fsyncs_the_new_bytes_then_puts_them_in_place_then_th
     appended = tmp_path / "job0" / "events.ndjson"
     appended.write_bytes(b"{}\n")
     steps: list[tuple[str, str]] = []
+
+    def step(kind: str, path: str) -> None:
+        if path.startswith(str(tmp_path)):  # not another test's thread still writing elsewhere
+            steps.append((kind, path))
+
     real_replace = os.replace
-    monkeypatch.setattr(os, "replace", lambda src, dst: steps.append(("replace", str(dst))) or real_replace(src, dst))
+    monkeypatch.setattr(os, "replace", lambda src, dst: step("replace", str(dst)) or real_replace(src, dst))
     real_fsync = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: steps.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-                        or real_fsync(fd))
+    monkeypatch.setattr(os, "fsync", lambda fd: step("fsync", os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
     fsio.commit_staged([appended], staged, what="registry x")
     durable_temps = {tmp for tmp, durable in staged.values() if durable}
     folders = {str(path.parent) for path in staged}

@@ -170,10 +170,14 @@ def test_s8_a_pass_puts_each_record_in_place_once_after_its_bytes_are_on_disk(tm
     record = reg.register(session="gpu-box")
     path, audit = reg.record_path(record["job_id"]), reg.audit_path(record["job_id"])
     steps: list[tuple[str, str]] = []
+
+    def step(kind: str, name: str) -> None:
+        if name.startswith(str(tmp_path)):  # not another test's thread still writing elsewhere
+            steps.append((kind, name))
+
     real_fsync, real_replace = os.fsync, os.replace
-    monkeypatch.setattr(os, "fsync", lambda fd: steps.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-                        or real_fsync(fd))
-    monkeypatch.setattr(os, "replace", lambda src, dst: steps.append(("replace", str(dst))) or real_replace(src, dst))
+    monkeypatch.setattr(os, "fsync", lambda fd: step("fsync", os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda src, dst: step("replace", str(dst)) or real_replace(src, dst))
     with reg.group():
         _store(reg, record, "started", 1)
         _store(reg, record, "completed", 2, exit_code=0)
