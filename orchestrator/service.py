@@ -910,13 +910,15 @@ class HubService:
     def _confirmations_left(self, down_since: float | None) -> bool:
         """On `finish`: the first time, one more scan and tick (a cancel recorded a moment ago
         by another process reaches `confirming`); then whether any cancel still waits, or, with
-        `handover`, a job this engine published has no accepted event yet: its `started` is
-        not retained and would reach no engine while the next one starts. That wait lasts until
-        the job starts or is closed (§10), and at most the longest ack timeout among them
-        (the clocks stand still while the broker is away, §14)."""
+        `handover`, a job this engine published has no accepted event yet while its runner
+        may be taking it (`_may_be_taking`): its `started` is not retained and would reach
+        no engine while the next one starts. That wait lasts until the job starts or is
+        closed (§10), and at most the longest ack timeout among them (the clocks stand
+        still while the broker is away, §14)."""
         now = time.monotonic()
         unstarted = tuple(job_id for job_id, w in self.watchers.items()  # its state may come before its event
-                          if not w.highest_event and w.started_status == JobStatus.PENDING) if self._handover else ()
+                          if not w.highest_event and w.started_status == JobStatus.PENDING
+                          and self._may_be_taking(job_id, w.session)) if self._handover else ()
         if not self._drain_scanned:
             self._drain_scanned = True
             self._handover_until = now + max((self.watchers[job_id].ack_s for job_id in unstarted), default=0.0)
@@ -924,6 +926,15 @@ class HubService:
             self.tick(now, down_since)
         self.handing_over = unstarted if now < self._handover_until else ()
         return bool(self.confirming) or bool(self.handing_over)
+
+    def _may_be_taking(self, job_id: str, session: str) -> bool:
+        """Whether `session`'s runner may be taking `job_id` now: its last presence is a
+        verified `online` one that did not refuse that job (§7). A job dispatched to a
+        session that announced nothing (v1), or to a runner gone or draining, has no start
+        coming that a stopping engine should wait for."""
+        view = self.fleet.view(session)
+        return (view is not None and view.verified and view.status == PresenceStatus.ONLINE
+                and (view.last_refusal is None or view.last_refusal[0] != job_id))
 
     def finish(self, *, handover: bool = True) -> None:
         """Ask the loop to end once every cancel waiting for its runner's confirmation (§6)

@@ -145,6 +145,28 @@ def test_a_stopping_engine_hands_over_once_the_job_it_published_started(nats_bro
         other.close()
 
 
+def test_a_stopping_engine_waits_for_no_start_from_a_session_that_announced_nothing(nats_broker, tmp_path,
+                                                                                   caplog):
+    """A job published to a session with no presence (v1, §7) has no runner taking it: an
+    engine stopping after its own job ended does not wait out that job's ack timeout."""
+    caplog.set_level(logging.WARNING, logger="mam")
+    root = hub_workspace(nats_broker, tmp_path)
+    engine = EmbeddedService(open_hub(root))
+    try:
+        assert engine.ensure() is True
+        with ApiHub(root, embedded=False) as api:
+            ghost = api.dispatch("true", session="ghost").id
+            wait_until(lambda: api.registry.get(ghost)["status"] == "pending", what="the job published")
+            stopping = threading.Thread(target=engine.stop, kwargs={"handover": True})
+            stopping.start()
+            stopping.join(PATIENCE_S)  # its ack timeout is 180 s
+            assert not stopping.is_alive()
+            assert "just published, has started" not in caplog.text
+            assert api.registry.get(ghost)["status"] == "pending"  # the next engine judges it
+    finally:
+        engine.stop()
+
+
 def test_eight_detached_dispatches_without_serve_to_a_four_slot_runner_all_run(nats_broker, tmp_path):
     """Detached dispatches without `serve` (§14 "One hub process"): a detached job's record used
     to stay `pending` once its dispatch left, counting as in flight for its whole ack timeout,
