@@ -18,6 +18,7 @@ from harness.workspace import TEST_SECRET
 from mam.orchestrator.follow import AuditTail
 from mam.orchestrator.hub import Hub, open_hub
 from mam.orchestrator.hublock import HubLock, service_pid
+from mam.orchestrator.queue import RunnerView
 from mam.orchestrator.queuewait import close_queue_timeout, mark_published, settled
 from mam.orchestrator.service import FULL_SCAN_S, HubService
 from mam.orchestrator.watch import Watcher, WatchOptions
@@ -344,3 +345,35 @@ def test_s14_an_attempt_closed_but_not_yet_retried_is_retried_by_the_next_engine
     assert retried["avoid_session"] == "gpu-box" and job_id in service.queued
     assert any("retry 1 of 1: attempt 2 queued" in line.get("line", "") for line in reg.audit(job_id))
     assert (reg.get(done)["status"], reg.get(done)["attempt_id"]) == ("error", 1)
+
+
+@pytest.mark.parametrize(("status", "verified", "refused", "waits"), [
+    ("online", True, None, True),
+    ("online", False, None, False),  # a forged presence holds no stop
+    ("draining", True, None, False),
+    ("offline", True, None, False),
+    ("online", True, "JOB", False),  # its runner refused it
+    ("online", True, "0badf00d", True),  # another job's refusal
+    (None, None, None, False),  # the session announced nothing (v1)
+], ids=["online", "forged", "draining", "offline", "refused-it", "refused-another", "no-presence"])
+def test_s14_a_stopping_engine_waits_only_for_a_start_its_runner_may_send(tmp_path, status, verified, refused, waits):
+    """§14: an embedded engine whose own job ended hands over once each job it published
+    has spoken, while that job's runner may be taking it; the wait is said by job id."""
+    reg = Registry(tmp_path)
+    record = reg.register(session="gpu-box", contract=Contract(heartbeat_sec=1, heartbeat_misses=2))
+    job_id = record["job_id"]
+    write_env_file(tmp_path / ".mam.env", {"MAM_DISPATCH_SECRET": TEST_SECRET}, overwrite=True)
+    service = HubService(open_hub(tmp_path))
+    service.client = RecordingClient()  # type: ignore[assignment]
+    if status is not None:
+        service.fleet.update(RunnerView(session="gpu-box", runner_id="a" * 32, status=status, labels=frozenset(),
+                                        max_jobs=1, running=frozenset(), verified=verified, seen_at=0.0,
+                                        last_refusal=None if refused is None else
+                                        (job_id if refused == "JOB" else refused, "taken: x")))
+    service.scan(time.monotonic())
+    service.finish(handover=True)
+    assert service._confirmations_left(None) is waits
+    assert service.handing_over == ((job_id,) if waits else ())
+    if waits:
+        service.on_message(names.events_topic(job_id, service.config.topic_root), started(record), time.monotonic())
+        assert service._confirmations_left(None) is False  # it spoke: hand over
