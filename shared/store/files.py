@@ -30,7 +30,6 @@ RECORD_TEMP_RE = re.compile(r"^\.[0-9a-f]{8}\.json\.[a-z0-9_]+\.tmp$")
 """A record's temp file (`fsio.atomic_write`, `fsio.stage_write`: `.<job_id>.json.<random>.tmp`)."""
 VIEW_TEMP_RE = re.compile(r"^\.(?:status|meta)\.json\.[a-z0-9_]+\.tmp$")
 """A view's temp file beside a job's logs (`.status.json.<random>.tmp`, `.meta.json.<random>.tmp`)."""
-JOB_DIR_RE = re.compile(r"^[0-9a-f]{8}$")  # a job's logs folder is named by its id
 
 
 class RegistryFiles:
@@ -161,7 +160,7 @@ class RegistryFiles:
         except OSError as exc:
             raise RegistryError(f"cannot list {jobs} ({errno_name(exc)}: {exc.strerror or exc})") from exc
         for job_dir in _listed(logs):
-            if JOB_DIR_RE.match(job_dir):
+            if names.JOB_ID_RE.match(job_dir):  # a job's logs folder is named by its id
                 found += [logs / job_dir / name for name in _listed(logs / job_dir) if VIEW_TEMP_RE.match(name)]
         if not found:
             return 0
